@@ -1,0 +1,110 @@
+// Which scores exist and what they are: the score pipeline of DESIGN.md §2, shared by every kernel
+// family so that the semantics cannot drift between them.
+//
+//   s = scale * q.k;  softcap c > 0: s = c * tanh(s / c);  s -= slope * |i + Sk - Sq - j|;  s += bias;
+//   then s = -inf where a mask hides (i, j): window (causal is window_right = 0), tails, mask, block_mask.
+//
+// Rows i and keys j are positions inside one sequence (varlen: relative to cu_seqlens[b]).
+#pragma once
+#include "common.cuh"
+#include "params.cuh"
+
+namespace cuflash {
+
+// One (sequence, query head) problem as a CTA sees it.
+struct SeqInfo {
+    int b, h, h_kv;
+    int seqlen_q, seqlen_k;
+    int q_row0, k_row0;   // first row of this sequence in q / k (varlen), else 0
+    int diag;             // Sk - Sq: query i lines up with key i + diag (bottom-right alignment)
+};
+
+__device__ __forceinline__ SeqInfo make_seq_info(const FwdParams& p, int b, int h) {
+    SeqInfo s;
+    s.b = b;
+    s.h = h;
+    s.h_kv = h / (p.heads_q / p.heads_k);
+    if (p.cu_seqlens_q != nullptr) {
+        s.q_row0 = p.cu_seqlens_q[b];
+        s.k_row0 = p.cu_seqlens_k[b];
+        s.seqlen_q = p.cu_seqlens_q[b + 1] - s.q_row0;
+        s.seqlen_k = p.cu_seqlens_k[b + 1] - s.k_row0;
+    } else {
+        s.q_row0 = s.k_row0 = 0;
+        s.seqlen_q = p.seqlen_q;
+        s.seqlen_k = p.seqlen_k;
+    }
+    s.diag = s.seqlen_k - s.seqlen_q;
+    return s;
+}
+
+// Keys [first, last) that the window and the sequence end leave visible to query rows [m_lo, m_hi).
+__device__ __forceinline__ void visible_keys(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
+                                             int* first, int* last) {
+    int lo = 0, hi = s.seqlen_k;
+    if (p.window_left >= 0) lo = max(lo, m_lo + s.diag - p.window_left);
+    if (p.window_right >= 0) hi = min(hi, m_hi - 1 + s.diag + p.window_right + 1);
+    *first = lo;
+    *last = max(hi, lo);
+}
+
+__device__ __forceinline__ bool in_window(const FwdParams& p, const SeqInfo& s, int i, int j) {
+    const int center = i + s.diag;
+    return j < s.seqlen_k && (p.window_left < 0 || j >= center - p.window_left) &&
+           (p.window_right < 0 || j <= center + p.window_right);
+}
+
+// True when no element of the tile [m_lo, m_hi) x [n_lo, n_hi) is hidden by the window or the key
+// tail, so the kernel can skip per-element masking there (most tiles of a long causal problem).
+__device__ __forceinline__ bool tile_inside_window(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
+                                                   int n_lo, int n_hi) {
+    if (n_hi > s.seqlen_k) return false;
+    if (p.window_right >= 0 && n_hi - 1 > m_lo + s.diag + p.window_right) return false;
+    if (p.window_left >= 0 && n_lo < m_hi - 1 + s.diag - p.window_left) return false;
+    return true;
+}
+
+// Whether the caller asked for any modifier that needs the per-element pipeline below.
+__device__ __forceinline__ bool has_score_mods(const FwdParams& p) {
+    return p.softcap > 0.f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
+           p.block_mask != nullptr;
+}
+
+// The full pipeline for one element in natural units; qk is the raw dot product q_i . k_j.
+__device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInfo& s, float qk, int i, int j) {
+    if (!in_window(p, s, i, j)) return -CUFLASH_INF;
+    float x = qk * p.scale;
+    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+    if (p.alibi_slopes != nullptr)
+        x -= p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * fabsf(float(i + s.diag - j));
+    if (p.bias != nullptr)
+        x += load_as_float(p.bias, s.b * p.bias_batch_stride + s.h * p.bias_head_stride +
+                                       i * p.bias_row_stride + j * p.bias_col_stride, p.bias_dtype);
+    if (p.mask != nullptr && !p.mask[s.b * p.mask_batch_stride + s.h * p.mask_head_stride +
+                                     i * p.mask_row_stride + j * p.mask_col_stride])
+        return -CUFLASH_INF;
+    if (p.block_mask != nullptr &&
+        !p.block_mask[s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
+                      (i / p.block_q) * p.block_mask_row_stride + (j / p.block_k) * p.block_mask_col_stride])
+        return -CUFLASH_INF;
+    return x;
+}
+
+// Whether any user block that overlaps the tile [m_lo, m_hi) x [n_lo, n_hi) is True. Every thread of
+// the CTA must call it (it ends in a barrier); tiles it rejects are neither loaded nor computed.
+__device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, const SeqInfo& s, int m_lo,
+                                                        int m_hi, int n_lo, int n_hi) {
+    if (p.block_mask == nullptr) return true;
+    const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
+    const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
+    const int cols = bk1 - bk0 + 1, count = (bq1 - bq0 + 1) * cols;
+    bool any = false;
+    for (int t = threadIdx.x; t < count; t += blockDim.x) {
+        const int bi = bq0 + t / cols, bj = bk0 + t % cols;
+        any |= p.block_mask[s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
+                            bi * p.block_mask_row_stride + bj * p.block_mask_col_stride] != 0;
+    }
+    return __syncthreads_or(any) != 0;
+}
+
+}  // namespace cuflash

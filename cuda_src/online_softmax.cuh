@@ -1,0 +1,77 @@
+// Online softmax over a thread's slice of an mma accumulator tile, in base 2.
+//
+// A warp's S tile is kMTiles x kNTiles fragments of 16x8; each thread holds rows (lane/4) and
+// (lane/4 + 8) of every 16-row m-tile, so it owns 2 * kMTiles rows. The 4 threads of a quad share a
+// row: row maxima are reduced across the quad at once, row sums only at the end (FlashAttention-2).
+#pragma once
+#include "common.cuh"
+
+namespace cuflash {
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kMTiles>
+struct OnlineSoftmax {
+    static constexpr int kRows = 2 * kMTiles;
+    float m[kRows];   // running row maximum of s (log2 units)
+    float l[kRows];   // running row sum of 2^(s - m), this thread's columns only
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) { m[r] = -CUFLASH_INF; l[r] = 0.f; }
+    }
+
+    // s holds scores in log2 units (-inf where masked); on return it holds p = 2^(s - m_new) and
+    // correction[r] = 2^(m_old - m_new), by which the caller rescales its output accumulator.
+    template <int kNTiles>
+    __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&correction)[kRows]) {
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = 2 * mi + half;
+                float m_new = m[r];
+#pragma unroll
+                for (int ni = 0; ni < kNTiles; ++ni)
+                    m_new = fmaxf(m_new, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+                m_new = quad_max(m_new);
+                // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead makes
+                // its p exactly 0 rather than NaN from (-inf) - (-inf).
+                const float m_safe = m_new == -CUFLASH_INF ? 0.f : m_new;
+                correction[r] = fast_exp2(m[r] - m_safe);
+                m[r] = m_new;
+                float sum = 0.f;
+#pragma unroll
+                for (int ni = 0; ni < kNTiles; ++ni) {
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        s[mi][ni][e] = fast_exp2(s[mi][ni][e] - m_safe);
+                        sum += s[mi][ni][e];
+                    }
+                }
+                l[r] = l[r] * correction[r] + sum;
+            }
+        }
+    }
+
+    // After the last tile: the full row sums, 1/l for normalising (0 for rows with no visible key,
+    // so they come out as 0) and lse = ln(sum exp(s_natural)) (-inf for those rows).
+    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows]) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const float row_sum = quad_sum(l[r]);
+            inv_l[r] = row_sum == 0.f ? 0.f : 1.f / row_sum;
+            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] + log2f(row_sum)) * kLn2;
+        }
+    }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,54 @@
+// The one parameter struct of the forward kernels, passed by value.
+//
+// cuflash/_launch.py mirrors this layout field for field as a NumPy structured dtype (align=True);
+// the size it computes arrives as CUFLASH_PARAMS_SIZE and is checked below, so the two cannot drift
+// silently. Order: 8-byte fields first, then 4-byte fields, so that C and NumPy pad alike.
+#pragma once
+
+namespace cuflash {
+
+struct FwdParams {
+    // Tensors. Strides are in elements. Varlen: *_batch_stride is 0 and rows start at cu_seqlens[b].
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;                        // (B, Hq, Sq) or, varlen, (Hq, total_q)
+    const int* cu_seqlens_q;           // nullptr unless varlen
+    const int* cu_seqlens_k;
+    const float* alibi_slopes;         // nullptr: no ALiBi
+    const unsigned char* mask;         // bool; nullptr: none
+    const void* bias;                  // float32/float16/bfloat16; nullptr: none
+    const unsigned char* block_mask;   // bool; nullptr: none
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long lse_batch_stride, lse_head_stride;        // lse rows are contiguous
+    long long alibi_batch_stride;                       // 0 for slopes of shape (Hq,)
+    long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+    long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
+    long long block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride, block_mask_col_stride;
+    unsigned long long dropout_seed;
+
+    int batch;                         // number of sequences
+    int seqlen_q, seqlen_k;            // varlen: the maxima (they size the grid)
+    int heads_q, heads_k;
+    int head_dim;                      // run-time head dim (<= kHeadDim; the rest is zero-filled)
+    int window_left, window_right;     // -1: unbounded; causal has already become window_right = 0
+    int block_q, block_k;              // block_mask block size
+    int bias_dtype;                    // see load_as_float
+    unsigned int dropout_offset;
+    unsigned int dropout_threshold;    // drop iff philox word < threshold; 0: no dropout
+    float scale;                       // softmax scale (natural units)
+    float scale_log2;                  // scale * log2(e), for the path without score modifiers
+    float softcap;                     // 0: none
+    float dropout_rescale;             // 1 / (1 - p)
+    int pad_;
+};
+
+#ifdef CUFLASH_PARAMS_SIZE
+static_assert(sizeof(FwdParams) == CUFLASH_PARAMS_SIZE, "FwdParams differs from cuflash/_launch.py");
+#endif
+
+}  // namespace cuflash

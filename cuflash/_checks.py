@@ -1,0 +1,251 @@
+"""All argument validation, done before any launch.
+
+Every error is a TypeError (type or dtype) or ValueError (shape or value) that names the argument,
+says what was expected and what came. Nothing here writes to a user's buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+SUPPORTED_DTYPES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}
+if BFLOAT16 is not None:
+    SUPPORTED_DTYPES[BFLOAT16] = "bfloat16"
+BIAS_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+if BFLOAT16 is not None:
+    BIAS_DTYPE_CODES[BFLOAT16] = 2
+
+
+def dtype_name(dtype) -> str:
+    return SUPPORTED_DTYPES[np.dtype(dtype)]
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def require_gpu() -> None:
+    """RuntimeError when CuPy sees no CUDA device."""
+    try:
+        count = _cupy().cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDA driver missing or too old
+        raise RuntimeError(f"cuflash needs a CUDA GPU, and none is usable here ({exc})") from None
+    if count == 0:
+        raise RuntimeError("cuflash needs a CUDA GPU, and none was found")
+
+
+def as_cuda_array(x, name: str):
+    """A CuPy view of a CuPy array or any CUDA array that speaks DLPack (zero copy).
+
+    cupy.from_dlpack passes CuPy's current stream to ``__dlpack__``, so the producer orders its
+    pending work before ours.
+    """
+    try:
+        cupy = _cupy()
+    except ImportError:
+        raise RuntimeError("cuflash needs CuPy (pip install 'cuflash[cuda13]' or '[cuda12]')") from None
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type = x.__dlpack_device__()[0]
+        if int(device_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            raise TypeError(f"{name} must be a CUDA array; it lives on DLPack device type {int(device_type)}")
+        require_gpu()
+        return cupy.from_dlpack(x)
+    raise TypeError(f"{name} must be a CUDA array (CuPy or anything with __dlpack__), got {type(x).__name__}")
+
+
+def check_float_dtype(x, name: str) -> str:
+    if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    return SUPPORTED_DTYPES[np.dtype(x.dtype)]
+
+
+def check_same_dtype(ref, ref_name: str, x, name: str) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {x.dtype}")
+
+
+def check_rank(x, rank: int, name: str, layout: str) -> None:
+    if x.ndim != rank:
+        raise ValueError(f"{name} must be {rank}-d {layout}, got shape {tuple(x.shape)}")
+
+
+def check_heads(hq: int, hk: int, v_heads: int) -> None:
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"the heads of q ({hq}) must be a multiple of the heads of k ({hk}) (GQA/MQA)")
+    if v_heads != hk:
+        raise ValueError(f"v must have the heads of k ({hk}), got {v_heads}")
+
+
+def check_head_dim(d: int, d_k: int, d_v: int, max_head_dim: int) -> None:
+    if d_k != d:
+        raise ValueError(f"k must have the head dim of q ({d}), got {d_k}")
+    if d_v != d:
+        raise ValueError(f"v must have the head dim of q ({d}); a different value head dim is not supported, got {d_v}")
+    if not 1 <= d <= max_head_dim:
+        raise ValueError(f"the head dim (last axis of q) must be in [1, {max_head_dim}], got {d}")
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    return scale
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    return softcap
+
+
+def check_window(window, causal) -> tuple[int, int]:
+    """(left, right) with causal folded in as right = 0; -1 means unbounded."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is None:
+        left, right = -1, -1
+    else:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"window must be a pair (left, right), got {window!r}")
+        for value in window:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"window must hold ints, got {window!r}")
+        left, right = int(window[0]), int(window[1])
+        if left < -1 or right < -1:
+            raise ValueError(f"window values must be >= -1 (-1 = unbounded), got {window!r}")
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.floating, np.integer)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p
+
+
+def check_generator(generator):
+    from .random import Generator, default_generator
+
+    if generator is None:
+        return default_generator()
+    if not isinstance(generator, Generator):
+        raise TypeError(f"generator must be a cuflash.Generator, got {type(generator).__name__}")
+    return generator
+
+
+def element_strides(x) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def broadcast_operand(x, name: str, target: tuple[int, ...], kind: str):
+    """A zero-copy broadcast view of a mask/bias/block_mask to ``target`` (4-d), or an error."""
+    x = as_cuda_array(x, name)
+    if kind == "bool" and x.dtype != np.bool_:
+        raise TypeError(f"{name} must be a bool array (True = may attend), got {x.dtype}")
+    if kind == "float" and np.dtype(x.dtype) not in BIAS_DTYPE_CODES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 axes, got shape {tuple(x.shape)}")
+    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    for have, want in zip(shape, target):
+        if have not in (1, want):
+            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {target}")
+    return _cupy().broadcast_to(x.reshape(shape), target)
+
+
+def check_alibi(alibi_slopes, batch: int, heads_q: int):
+    x = as_cuda_array(alibi_slopes, "alibi_slopes")
+    if x.dtype != np.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {x.dtype}")
+    if tuple(x.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(x.shape)}")
+    return _cupy().ascontiguousarray(x)
+
+
+def check_block_size(block_size) -> tuple[int, int]:
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise ValueError(f"block_size must be a pair (bq, bk), got {block_size!r}")
+    for value in block_size:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"block_size must hold two positive ints, got {block_size!r}")
+    return int(block_size[0]), int(block_size[1])
+
+
+def check_out(out, name: str, shape: tuple[int, ...], dtype, *, contiguous_last: bool = True):
+    """A caller's output buffer: a CuPy array of exactly this shape and dtype."""
+    cupy = _cupy()
+    if not isinstance(out, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array, got {type(out).__name__}")
+    if out.dtype != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {out.dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if contiguous_last and not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return out
+
+
+@dataclass
+class Options:
+    """Validated, kernel-ready options shared by the forward entry points."""
+
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+    dropout_p: float
+    generator: object
+
+
+def check_options(*, head_dim, causal, scale, window, softcap, dropout_p, generator) -> Options:
+    return Options(
+        scale=check_scale(scale, head_dim),
+        window=check_window(window, causal),
+        softcap=check_softcap(softcap),
+        dropout_p=check_dropout(dropout_p),
+        generator=check_generator(generator) if dropout_p else None,
+    )
+
+
+def check_cu_seqlens(cu, name: str, total: int, batch: int | None):
+    """cu_seqlens: int32 (B+1,) on the GPU, 0 first, non-decreasing, ending at ``total``.
+
+    Reads the (small) array back to the host: a synchronisation, the price of checking it.
+    """
+    cu = as_cuda_array(cu, name)
+    if cu.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name} must be 1-d of length batch + 1 >= 2, got shape {tuple(cu.shape)}")
+    if batch is not None and cu.shape[0] != batch + 1:
+        raise ValueError(f"{name} must have length {batch + 1} like cu_seqlens_q, got {cu.shape[0]}")
+    host = cu.get()
+    if host[0] != 0 or np.any(np.diff(host) < 0):
+        raise ValueError(f"{name} must start at 0 and never decrease, got {host.tolist()}")
+    if host[-1] != total:
+        raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
+    return cu, host
