@@ -33,19 +33,22 @@ struct FwdSm80Config {
 };
 
 // Copies a tile of kRows rows x kHeadDim columns into swizzled shared memory; rows past `rows`
-// and columns past `head_dim` are zero-filled, not read.
+// and columns past `head_dim` are zero-filled, not read. Each thread keeps one 16-byte column and
+// walks down the rows, so its global address advances by a constant stride per step.
 template <int kRows, int kHeadDim, int kNThreads>
 __device__ __forceinline__ void load_tile(elem_t* tile_smem, const elem_t* gmem, long long row_stride, int row0,
                                           int rows, int head_dim) {
     constexpr int kChunksPerRow = kHeadDim / 8;
-    static_assert(kRows * kChunksPerRow % kNThreads == 0, "every thread copies the same number of chunks");
+    constexpr int kRowStep = kNThreads / kChunksPerRow;
+    static_assert(kNThreads % kChunksPerRow == 0 && kRows % kRowStep == 0, "every thread copies whole rows");
+    const int r = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 8;
+    const bool col_valid = c < head_dim;
+    const elem_t* src = gmem + (row0 + r) * row_stride + c;
 #pragma unroll
-    for (int it = 0; it < kRows * kChunksPerRow / kNThreads; ++it) {
-        const int chunk = threadIdx.x + it * kNThreads;
-        const int r = chunk / kChunksPerRow, c = (chunk % kChunksPerRow) * 8;
-        const bool valid = row0 + r < rows && c < head_dim;
-        const elem_t* src = valid ? gmem + (row0 + r) * row_stride + c : gmem;
-        cp_async_16(tile_smem + swizzled<kHeadDim>(r, c), src, valid);
+    for (int it = 0; it < kRows / kRowStep; ++it) {
+        const bool valid = col_valid && row0 + r + it * kRowStep < rows;
+        cp_async_16(tile_smem + swizzled<kHeadDim>(r + it * kRowStep, c), valid ? src : gmem, valid);
+        src += kRowStep * row_stride;
     }
 }
 
@@ -53,10 +56,11 @@ __device__ __forceinline__ void load_tile(elem_t* tile_smem, const elem_t* gmem,
 template <class C>
 __device__ __forceinline__ int previous_visible_tile(const FwdParams& p, const SeqInfo& s, int n, int n_first,
                                                      int m_lo, int m_hi) {
-    if constexpr (!C::kScoreMods) return n;
-    while (n >= n_first &&
-           !block_mask_tile_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k)))
-        --n;
+    if constexpr (C::kScoreMods) {
+        while (n >= n_first && !block_mask_tile_visible(p, s, m_lo, m_hi, n * C::kBlockN,
+                                                        min((n + 1) * C::kBlockN, s.seqlen_k)))
+            --n;
+    }
     return n;
 }
 
@@ -158,28 +162,38 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
             }
         }
 
-        // Scores in log2 units, -inf where hidden.
+        // Scores, -inf where hidden: raw q.k (the softmax folds in scale * log2 e) unless score
+        // modifiers are on, which need natural units and give log2 units (softmax scale 1).
         const int n_lo = n * C::kBlockN;
-        const bool need_mask = !tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + C::kBlockN);
+        if (C::kScoreMods) {
 #pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi)
+            for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
-            for (int ni = 0; ni < C::kNTiles; ++ni)
+                for (int ni = 0; ni < C::kNTiles; ++ni)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = m_lo + warp_row0 + mi * 16 + g + (e / 2) * 8;
-                    const int j = n_lo + ni * 8 + 2 * t + (e % 2);
-                    float& x = acc_s[mi][ni][e];
-                    if (C::kScoreMods) {
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = m_lo + warp_row0 + mi * 16 + g + (e / 2) * 8;
+                        const int j = n_lo + ni * 8 + 2 * t + (e % 2);
                         // Rows past the end are never written; keep them off the mask/bias arrays.
-                        x = i < s.seqlen_q ? modified_score(p, s, x, i, j) * kLog2e : -CUFLASH_INF;
-                    } else {
-                        x = (need_mask && !in_window(p, s, i, j)) ? -CUFLASH_INF : x * p.scale_log2;
+                        acc_s[mi][ni][e] =
+                            i < s.seqlen_q ? modified_score(p, s, acc_s[mi][ni][e], i, j) * kLog2e : -CUFLASH_INF;
                     }
-                }
+        } else if (!tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + C::kBlockN)) {
+            // Only tiles on a window edge or the key tail pay for per-element masking.
+#pragma unroll
+            for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < C::kNTiles; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = m_lo + warp_row0 + mi * 16 + g + (e / 2) * 8;
+                        const int j = n_lo + ni * 8 + 2 * t + (e % 2);
+                        if (!in_window(p, s, i, j)) acc_s[mi][ni][e] = -CUFLASH_INF;
+                    }
+        }
 
         float correction[2 * C::kMTiles];
-        softmax.update(acc_s, correction);
+        softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
@@ -233,7 +247,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
 
     // out = O / l (times 1/(1-p) under dropout); lse per row.
     float inv_l[2 * C::kMTiles], lse[2 * C::kMTiles];
-    softmax.finish(inv_l, lse);
+    softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
     elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
                      s.q_row0 * p.o_row_stride;
 #pragma unroll

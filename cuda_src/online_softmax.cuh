@@ -21,7 +21,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 template <int kMTiles>
 struct OnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;
-    float m[kRows];   // running row maximum of s (log2 units)
+    float m[kRows];   // running row maximum of s (before scaling)
     float l[kRows];   // running row sum of 2^(s - m), this thread's columns only
 
     __device__ __forceinline__ void init() {
@@ -29,10 +29,13 @@ struct OnlineSoftmax {
         for (int r = 0; r < kRows; ++r) { m[r] = -CUFLASH_INF; l[r] = 0.f; }
     }
 
-    // s holds scores in log2 units (-inf where masked); on return it holds p = 2^(s - m_new) and
-    // correction[r] = 2^(m_old - m_new), by which the caller rescales its output accumulator.
+    // s holds scores that become log2 units when multiplied by scale_log2 > 0 (-inf where masked).
+    // Maxima are taken before scaling, so p = 2^(s * scale_log2 - m * scale_log2) is one FFMA and
+    // one exp2 per element. On return s holds p and correction[r] = 2^(m_old - m_new) (scaled), by
+    // which the caller rescales its output accumulator.
     template <int kNTiles>
-    __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&correction)[kRows]) {
+    __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&correction)[kRows],
+                                           float scale_log2) {
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -45,15 +48,15 @@ struct OnlineSoftmax {
                 m_new = quad_max(m_new);
                 // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead makes
                 // its p exactly 0 rather than NaN from (-inf) - (-inf).
-                const float m_safe = m_new == -CUFLASH_INF ? 0.f : m_new;
-                correction[r] = fast_exp2(m[r] - m_safe);
+                const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
+                correction[r] = fast_exp2(m[r] * scale_log2 - m_scaled);
                 m[r] = m_new;
                 float sum = 0.f;
 #pragma unroll
                 for (int ni = 0; ni < kNTiles; ++ni) {
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                        s[mi][ni][e] = fast_exp2(s[mi][ni][e] - m_safe);
+                        s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], scale_log2, -m_scaled));
                         sum += s[mi][ni][e];
                     }
                 }
@@ -64,12 +67,12 @@ struct OnlineSoftmax {
 
     // After the last tile: the full row sums, 1/l for normalising (0 for rows with no visible key,
     // so they come out as 0) and lse = ln(sum exp(s_natural)) (-inf for those rows).
-    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows]) {
+    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const float row_sum = quad_sum(l[r]);
             inv_l[r] = row_sum == 0.f ? 0.f : 1.f / row_sum;
-            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] + log2f(row_sum)) * kLn2;
+            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] * scale_log2 + log2f(row_sum)) * kLn2;
         }
     }
 };

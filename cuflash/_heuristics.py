@@ -32,10 +32,17 @@ class Tiles:
     min_blocks: int = 1
 
 
-# Chosen from register reports (no spills under 255 registers) and measured on an H100: see
-# benchmarks/NOTES.md. 8 warps with one 16-row tile each keep O for D <= 256 in registers;
-# 4 warps with two tiles each (FlashAttention-2's shape) spilled with every feature on.
+# Chosen from register reports (no spills under 255 registers) and timings on an H200; see
+# benchmarks/NOTES.md. Without score modifiers or dropout, 4 warps with two 16-row tiles each
+# (FlashAttention-2's shape) read each K/V fragment once for 32 rows; with them, the extra live
+# state no longer fits and 8 warps of one 16-row tile each take over.
 SM80_TILES = {
+    64: Tiles(128, 64, 4),
+    128: Tiles(128, 32, 4),
+    192: Tiles(128, 32, 8),
+    256: Tiles(128, 32, 8),
+}
+SM80_TILES_FEATURED = {
     64: Tiles(128, 64, 8),
     128: Tiles(128, 64, 8),
     192: Tiles(128, 32, 8),
@@ -89,7 +96,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         if dtype_name not in ("float16", "bfloat16"):
             raise ValueError(f"fwd_sm80 runs float16/bfloat16, not {dtype_name}")
         kdim = _round_up(head_dim, SM80_HEAD_DIMS)
-        tiles = SM80_TILES[kdim]
+        tiles = (SM80_TILES_FEATURED if score_mods or dropout else SM80_TILES)[kdim]
         smem = sm80_smem_bytes(tiles, kdim)
     elif family == "fwd_simt":
         if dtype_name != "float32":

@@ -37,8 +37,9 @@ PARAMS_DTYPE = np.dtype(
 
 
 def pack_params(**fields) -> np.void:
-    """A FwdParams value; fields not given are zero (null pointers, no options)."""
+    """A FwdParams value; fields not given are zero (null pointers, no options, no dropout)."""
     params = np.zeros((), dtype=PARAMS_DTYPE)
+    params["dropout_rescale"] = 1.0
     for name, value in fields.items():
         params[name] = value
     return params[()]

@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _checks, _heuristics, _launch
 from ._compile import get_kernel
+from .random import dropout_threshold
 
 _forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
 FAMILIES = ("fwd_sm80", "fwd_simt")
@@ -87,9 +88,8 @@ def _dropout_fields(dropout_p: float, generator):
         return {}, None
     state = generator.next_state()
     seed, offset = int(state[0]), int(state[1])
-    threshold = min(round(dropout_p * 2.0**32), 2**32 - 1)
-    fields = dict(dropout_seed=seed, dropout_offset=offset & 0xFFFFFFFF, dropout_threshold=threshold,
-                  dropout_rescale=1.0 / (1.0 - dropout_p))
+    fields = dict(dropout_seed=seed, dropout_offset=offset & 0xFFFFFFFF,
+                  dropout_threshold=dropout_threshold(dropout_p), dropout_rescale=1.0 / (1.0 - dropout_p))
     return fields, np.array([seed, offset], dtype=np.uint64)
 
 
@@ -119,7 +119,6 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
         heads_q=heads_q, heads_k=k.shape[-2], head_dim=head_dim, batch=batch,
         window_left=left, window_right=right,
         scale=opts.scale, scale_log2=opts.scale * math.log2(math.e), softcap=opts.softcap,
-        dropout_rescale=dropout_fields.get("dropout_rescale", 1.0),
     )
     kernel = get_kernel(plan.variant)
     grid = (math.ceil(grid_rows / plan.block_m), heads_q, batch)
