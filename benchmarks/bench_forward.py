@@ -1,0 +1,418 @@
+"""Forward attention benchmark: cuflash against its peers, side by side in one run.
+
+Shapes follow the FlashAttention papers: a fixed budget of ``--tokens`` tokens
+(batch * seqlen = 16384) and a fixed hidden size ``--hidden`` (heads * head_dim =
+2048), so ``batch = tokens // seqlen`` and ``heads = hidden // head_dim``, with
+``Sq = Sk``. Every implementation runs on the same data, on the same CUDA stream
+(torch's current stream when torch is importable), timed with CUDA events.
+
+Columns (TFLOP/s, FLOPs = 4 * B * H * Sq * Sk * D, half of that when causal):
+
+- ``cuflash``: ``cuflash.attention`` with the kernel chosen by its heuristics;
+- ``flash`` / ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` restricted
+  to the FLASH_ATTENTION / CUDNN_ATTENTION backend (``torch.nn.attention.sdpa_kernel``),
+  given BHSD views (transposes) of the very same memory;
+- ``naive``: what a CuPy user writes today, matmul / softmax / matmul in float32
+  (only up to ``--naive-max-seqlen`` to bound its O(S^2) memory);
+- ratios ``cuflash/flash`` and ``cuflash/cudnn``, and cuflash's fraction of the measured
+  bf16 GEMM rate (torch.matmul of 8192^3; CuPy fp16 when torch is absent).
+
+Timing: warm-up calls (which also compile), then ``--repeats`` timed runs of N calls
+each (N sized so a run takes about ``--target-ms``), rotating over 3 input sets so
+that L2 cache (50 MiB on an H100) cannot hold the inputs between calls; the median
+run is reported. ``maxdiff`` is max|cuflash - flash| (or cudnn / naive when flash is
+not available) on the first input set, a guard against a fast but wrong kernel.
+
+Output: progress lines, then a Markdown table on stdout (last), a CSV (``--csv``),
+the table alone (``--md``) and a plot (``--png``, when matplotlib is importable).
+
+Examples
+--------
+    python benchmarks/bench_forward.py --quick
+    python benchmarks/bench_forward.py --dtypes bf16,fp16 --head-dims 64,128,256 --csv out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+QUICK_SEQLENS = (2048, 8192)
+N_INPUT_SETS = 3
+
+COLUMNS = [
+    "dtype", "head_dim", "causal", "batch", "heads", "seqlen",
+    "cuflash", "flash", "cudnn", "naive",
+    "cuflash/flash", "cuflash/cudnn", "cuflash/gemm", "maxdiff",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="cuflash forward benchmark against torch SDPA (flash, cuDNN) and naive CuPy.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help=f"fewer shapes: seqlens {QUICK_SEQLENS}, fewer repeats")
+    p.add_argument("--dtypes", default="bf16",
+                   help="comma-separated list from bf16, fp16 (default: bf16)")
+    p.add_argument("--head-dims", default="64,128",
+                   help="comma-separated head dims, e.g. 64,128,256 (default: 64,128)")
+    p.add_argument("--seqlens", default=None,
+                   help=f"comma-separated Sq = Sk values (default {FULL_SEQLENS})")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                   help="causal, non-causal or both (default: both)")
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (default: 16384)")
+    p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim (default: 2048)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (median); default 7, 3 with --quick")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default: 2)")
+    p.add_argument("--target-ms", type=float, default=30.0, help="approximate duration of one timed run in ms (default: 30)")
+    p.add_argument("--naive-max-seqlen", type=int, default=8192,
+                   help="largest seqlen for the naive float32 CuPy baseline (default: 8192)")
+    p.add_argument("--no-torch", action="store_true", help="do not use torch even if importable")
+    p.add_argument("--no-naive", action="store_true", help="skip the naive CuPy baseline")
+    p.add_argument("--csv", default=None, help="write the results as CSV to this path")
+    p.add_argument("--md", default=None, help="write the Markdown table to this path")
+    p.add_argument("--png", default=None, help="write a plot to this path (needs matplotlib)")
+    args = p.parse_args(argv)
+    try:
+        args.dtypes = [DTYPE_NAMES[d.strip()] for d in args.dtypes.split(",") if d.strip()]
+    except KeyError as e:
+        p.error(f"--dtypes: unknown dtype {e.args[0]!r} (expected bf16 or fp16)")
+    args.head_dims = [int(d) for d in args.head_dims.split(",") if d.strip()]
+    if args.seqlens is not None:
+        args.seqlens = [int(s) for s in args.seqlens.split(",") if s.strip()]
+    else:
+        args.seqlens = list(QUICK_SEQLENS if args.quick else FULL_SEQLENS)
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 7
+    args.causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    return args
+
+
+def log(msg):
+    """Progress lines go to stdout before the table, so a log of the run reads in order."""
+    print(msg, flush=True)
+
+
+def attention_flops(batch, heads, sq, sk, head_dim, causal):
+    """FLOPs of one forward: two GEMMs of 2*Sq*Sk*D each per head; causal does half."""
+    flops = 4.0 * batch * heads * sq * sk * head_dim
+    return flops / 2 if causal else flops
+
+
+class Timer:
+    """Times callables with CUDA events on CuPy's current stream.
+
+    Every call ``fn(i)`` gets the index of the input set to use, so successive calls
+    rotate over ``N_INPUT_SETS`` sets and the inputs are not served from L2.
+    """
+
+    def __init__(self, cupy, repeats, warmup, target_ms):
+        self.cp = cupy
+        self.repeats = repeats
+        self.warmup = warmup
+        self.target_ms = target_ms
+
+    def _run(self, fn, n, start_index=0):
+        cp = self.cp
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for i in range(n):
+            fn((start_index + i) % N_INPUT_SETS)
+        end.record()
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / n  # ms per call
+
+    def median_ms(self, fn):
+        for i in range(self.warmup):
+            fn(i % N_INPUT_SETS)
+        self.cp.cuda.get_current_stream().synchronize()
+        single = self._run(fn, 1)
+        n = int(min(200, max(N_INPUT_SETS, math.ceil(self.target_ms / max(single, 1e-3)))))
+        times = [self._run(fn, n, r) for r in range(self.repeats)]
+        return statistics.median(times)
+
+
+def gemm_rate(cupy, torch, timer):
+    """Measured dense 16-bit GEMM rate (TFLOP/s) of an 8192^3 matmul: the compute ceiling."""
+    n = 8192
+    if torch is not None:
+        a = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(N_INPUT_SETS)]
+        b = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(N_INPUT_SETS)]
+        c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+        ms = timer.median_ms(lambda i: torch.matmul(a[i], b[i], out=c))
+        label = "torch.matmul bf16"
+    else:
+        # cupy.matmul has no bfloat16 (DESIGN.md §7); fp16 runs on the same tensor cores.
+        a = [cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)
+             for _ in range(N_INPUT_SETS)]
+        b = [cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)
+             for _ in range(N_INPUT_SETS)]
+        c = cupy.empty((n, n), dtype=cupy.float16)
+        ms = timer.median_ms(lambda i: cupy.matmul(a[i], b[i], out=c))
+        label = "cupy.matmul fp16"
+    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12, label
+
+
+def copy_bandwidth(cupy, timer):
+    """Measured device-to-device copy bandwidth (GB/s, read + write): the memory ceiling."""
+    nbytes = 1 << 30
+    src = [cupy.empty(nbytes // 4, dtype=cupy.float32) for _ in range(2)]
+    dst = cupy.empty(nbytes // 4, dtype=cupy.float32)
+    for s in src:
+        s.fill(1.0)
+    ms = timer.median_ms(lambda i: cupy.copyto(dst, src[i % 2]))
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
+def naive_attention(cupy, q, k, v, causal):
+    """What a CuPy user writes: float32 matmul, softmax, matmul on (B, H, S, D) views."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qt = q.astype(cupy.float32).transpose(0, 2, 1, 3)
+    kt = k.astype(cupy.float32).transpose(0, 2, 3, 1)
+    vt = v.astype(cupy.float32).transpose(0, 2, 1, 3)
+    s = cupy.matmul(qt, kt)
+    s *= scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        # Bottom-right aligned like cuflash; Sq == Sk here, so also torch's top-left.
+        s += cupy.triu(cupy.full((sq, sk), -cupy.inf, dtype=cupy.float32), k=sk - sq + 1)
+    s -= s.max(axis=-1, keepdims=True)
+    cupy.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = cupy.matmul(s, vt)
+    return o.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def fmt(x, digits=1):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def markdown_table(rows, header_note):
+    cols = COLUMNS
+    out = [header_note, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r[c]
+            if c in ("cuflash/flash", "cuflash/cudnn", "cuflash/gemm"):
+                cells.append(fmt(v, 2))
+            elif c == "maxdiff":
+                cells.append("-" if v is None or math.isnan(v) else f"{v:.2e}")
+            elif isinstance(v, float):
+                cells.append(fmt(v, 1))
+            else:
+                cells.append(str(v))
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def write_png(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not importable: no plot written")
+        return
+    groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+    for ax, (dt, d, c) in zip(axes[0], groups):
+        sel = [r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == (dt, d, c)]
+        xs = [r["seqlen"] for r in sel]
+        for impl in ("cuflash", "flash", "cudnn", "naive"):
+            ys = [r[impl] for r in sel]
+            if all(y is None or math.isnan(y) for y in ys):
+                continue
+            ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("seqlen (Sq = Sk)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{dt} D={d} {'causal' if c else 'non-causal'}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot written to {path}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    try:
+        import cuflash
+    except ImportError:  # run from a checkout without `pip install -e .`
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import cuflash
+
+    # CuPy has no bfloat16 of its own: ml_dtypes' is the one it understands (DESIGN.md §7).
+    DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+    try:
+        n_dev = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        n_dev = 0
+    if n_dev == 0:
+        print("no CUDA GPU found: nothing to benchmark", file=sys.stderr)
+        return 1
+
+    torch = F = sdpa_kernel = SDPBackend = None
+    if not args.no_torch:
+        try:
+            import torch
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError as e:
+            log(f"torch not usable ({e}): cuflash and naive only")
+            torch = None
+    if torch is not None and not torch.cuda.is_available():
+        log("torch has no CUDA: cuflash and naive only")
+        torch = None
+
+    # One stream for everyone: torch's current stream, so the events time all of them alike.
+    stream = (cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+              if torch is not None else cupy.cuda.get_current_stream())
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    rows = []
+    with stream:
+        timer = Timer(cupy, args.repeats, args.warmup, args.target_ms)
+        gemm, gemm_label = gemm_rate(cupy, torch, timer)
+        bandwidth = copy_bandwidth(cupy, timer)
+        cupy.get_default_memory_pool().free_all_blocks()
+        versions = f"cupy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
+        header = (f"**{device_name}** ({versions}); ceilings: {gemm_label} 8192^3 = {gemm:.0f} TFLOP/s, "
+                  f"device copy = {bandwidth:.0f} GB/s. Forward TFLOP/s, tokens = {args.tokens}, "
+                  f"hidden = {args.hidden}, median of {args.repeats} runs.")
+        log(header)
+
+        for dtype_name in args.dtypes:
+            cp_dtype = cupy.dtype(DTYPES[dtype_name])
+            for d in args.head_dims:
+                heads = args.hidden // d
+                for s in args.seqlens:
+                    batch = max(1, args.tokens // s)
+                    inputs = make_inputs(cupy, cp_dtype, batch, s, heads, d)
+                    out = cupy.empty_like(inputs[0][0])
+                    torch_inputs = None
+                    if torch is not None:
+                        # Zero-copy views of the same memory, BHSD as SDPA wants them.
+                        torch_inputs = [tuple(torch.from_dlpack(x).transpose(1, 2) for x in qkv)
+                                        for qkv in inputs]
+                    for causal in args.causals:
+                        row = bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend,
+                                          timer, inputs, torch_inputs, out, dtype_name, batch,
+                                          s, heads, d, causal, gemm)
+                        rows.append(row)
+                        log(" ".join(f"{c}={row[c]}" if not isinstance(row[c], float)
+                                     else f"{c}={row[c]:.3g}" for c in COLUMNS))
+                    del inputs, torch_inputs, out
+                    cupy.get_default_memory_pool().free_all_blocks()
+                    if torch is not None:
+                        torch.cuda.empty_cache()
+
+    table = markdown_table(rows, header)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            for r in rows:
+                w.writerow({c: ("" if r[c] is None else r[c]) for c in COLUMNS})
+        log(f"CSV written to {args.csv}")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+    if args.png:
+        write_png(rows, args.png)
+    print()
+    print(table, flush=True)
+    return 0
+
+
+def make_inputs(cupy, dtype, batch, s, heads, d):
+    """``N_INPUT_SETS`` independent (q, k, v) sets of shape (B, S, H, D), N(0, 1) values."""
+    sets = []
+    for _ in range(N_INPUT_SETS):
+        sets.append(tuple(cupy.random.standard_normal((batch, s, heads, d), dtype=cupy.float32)
+                          .astype(dtype) for _ in range(3)))
+    return sets
+
+
+def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs,
+                torch_inputs, out, dtype_name, batch, s, heads, d, causal, gemm):
+    flops = attention_flops(batch, heads, s, s, d, causal)
+
+    def tflops(ms):
+        return flops / (ms * 1e-3) / 1e12
+
+    row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s,
+               cuflash=float("nan"), flash=float("nan"), cudnn=float("nan"), naive=float("nan"),
+               maxdiff=float("nan"))
+
+    def run_cuflash(i):
+        q, k, v = inputs[i]
+        cuflash.attention(q, k, v, causal=causal, out=out)
+
+    try:
+        row["cuflash"] = tflops(timer.median_ms(run_cuflash))
+    except Exception as e:  # report and go on: one broken shape should not hide the others
+        log(f"cuflash failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+
+    reference_out = None
+    if torch is not None:
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def run_sdpa(i, backend=backend):
+                q, k, v = torch_inputs[i]
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            try:
+                row[name] = tflops(timer.median_ms(run_sdpa))
+                if reference_out is None:
+                    # (B, H, S, D) -> (B, S, H, D), back in CuPy without a copy.
+                    reference_out = cupy.from_dlpack(run_sdpa(0).transpose(1, 2))
+            except Exception as e:
+                log(f"torch {name} failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+
+    if not args.no_naive and s <= args.naive_max_seqlen:
+        try:
+            # The naive version is slow; few runs of one call each bound its time.
+            naive_timer = Timer(cupy, max(1, min(3, args.repeats)), 1, 0.0)
+            row["naive"] = tflops(naive_timer.median_ms(
+                lambda i: naive_attention(cupy, *inputs[i], causal)))
+            if reference_out is None:
+                reference_out = naive_attention(cupy, *inputs[0], causal)
+        except cupy.cuda.memory.OutOfMemoryError:
+            log(f"naive ran out of memory at D={d} S={s}")
+        cupy.get_default_memory_pool().free_all_blocks()
+
+    if reference_out is not None and not math.isnan(row["cuflash"]):
+        run_cuflash(0)
+        diff = cupy.abs(out.astype(cupy.float32) - reference_out.astype(cupy.float32)).max()
+        row["maxdiff"] = float(diff)
+
+    row["cuflash/flash"] = row["cuflash"] / row["flash"]
+    row["cuflash/cudnn"] = row["cuflash"] / row["cudnn"]
+    row["cuflash/gemm"] = row["cuflash"] / gemm
+    return row
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"\n(bench_forward took {time.time() - t0:.0f} s)", file=sys.stderr)
+    sys.exit(rc)
