@@ -270,13 +270,17 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
             const int i = m_lo + warp_row0 + mi * 16 + g + half * 8;
             if (i >= s.seqlen_q) continue;
             const float factor = C::kDropout ? inv_l[r] * p.dropout_rescale : inv_l[r];
+            // A row that saw no key is exactly 0, even if its masked tiles held NaN values
+            // (0 * NaN in P V would otherwise reach it).
+            const bool no_keys = inv_l[r] == 0.f;
             elem_t* row = o_gmem + i * p.o_row_stride;
 #pragma unroll
             for (int di = 0; di < C::kDTiles; ++di) {
                 const int col = di * 8 + 2 * t;
                 if (col < p.head_dim)
                     *reinterpret_cast<unsigned*>(row + col) =
-                        pack2<elem_t>(acc_o[mi][di][2 * half] * factor, acc_o[mi][di][2 * half + 1] * factor);
+                        no_keys ? 0u
+                                : pack2<elem_t>(acc_o[mi][di][2 * half] * factor, acc_o[mi][di][2 * half + 1] * factor);
             }
             if (t == 0) p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[r];
         }
