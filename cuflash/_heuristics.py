@@ -7,6 +7,7 @@ disagree silently. Nothing here touches a GPU, so it is tested on the CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,9 @@ SM80_TILES_FEATURED = {
     192: Tiles(128, 32, 8),
     256: Tiles(128, 32, 8),
 }
-SIMT_TILES = Tiles(64, 32, 4)
+# fp32 SIMT: 4 warps up to D=128; 8 warps above keep registers well under 255 (same smem).
+SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 128: Tiles(64, 32, 4),
+              160: Tiles(64, 32, 8), 192: Tiles(64, 32, 8), 224: Tiles(64, 32, 8), 256: Tiles(64, 32, 8)}
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         if dtype_name != "float32":
             raise ValueError(f"fwd_simt runs float32, not {dtype_name}")
         kdim = _round_up(head_dim, SIMT_HEAD_DIMS)
-        tiles = SIMT_TILES
+        tiles = SIMT_TILES[kdim]
         smem = simt_smem_bytes(tiles, kdim)
     else:
         raise ValueError(f"unknown kernel family {family!r}")
@@ -154,4 +157,454 @@ def precompile_variants(dtypes=None, head_dims=None, families=None) -> list[Vari
                 plan = forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout)
                 if plan.variant not in out:
                     out.append(plan.variant)
+    return out
+
+
+# ============================================================================= Decode
+#
+# Split-KV decode (cuda_src/decode.cu) and the merge of partial states (cuda_src/merge.cu): tile
+# shapes, the split count, and the variants worth compiling ahead of time. Pure functions of shapes
+# and device properties (shared memory per block / per SM, SM count), tested on the CPU.
+
+#: Compiled head dims of decode. fp16/bf16 (mma.sync): multiples of 64 (the shared-memory swizzle
+#: spans 8 chunks of 16 bytes). float32 (FFMA): multiples of 128 (each lane owns float4 columns of O).
+#: Padding columns are zero-filled in shared memory, never read from memory.
+DECODE_MMA_HEAD_DIMS = (64, 128, 192, 256)
+DECODE_SIMT_HEAD_DIMS = (128, 256)
+#: Packed query rows (Sq_new * Hq/Hk) per CTA: one 16-row mma tile, or 8 rows of FFMA.
+DECODE_BLOCK_M = {"mma": 16, "simt": 8}
+DECODE_MAX_SPLITS = 128
+#: Opt-in shared memory per block of an H100/H200, the default budget of the ahead-of-time variants.
+DEFAULT_SMEM_PER_BLOCK = 227 * 1024
+DEFAULT_SMEM_PER_SM = 228 * 1024
+#: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
+#: driver reserves per block.
+_DECODE_SMEM_RESERVE = 1024 + 128
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One decode CTA: warps, keys each warp takes per pipeline stage, pipeline depth."""
+
+    warps: int
+    keys_per_warp: int
+    stages: int
+
+
+# Per (path, compiled head dim), best first; decode_plan takes the first that fits the device's
+# shared memory. Decode is bandwidth bound: what matters is bytes in flight per SM, (stages - 1)
+# stages of 32-64 KiB per CTA with 1-3 CTAs per SM, and four warps to issue the copies and math.
+_DECODE_TILE_CHOICES = {
+    ("mma", 64): (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
+    ("mma", 128): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
+    ("mma", 192): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
+    ("mma", 256): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
+    ("simt", 128): (DecodeTiles(4, 8, 3), DecodeTiles(4, 8, 2), DecodeTiles(2, 8, 2)),
+    ("simt", 256): (DecodeTiles(4, 4, 3), DecodeTiles(4, 4, 2), DecodeTiles(2, 4, 2)),
+}
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the decode launcher needs besides the parameters."""
+
+    variant: Variant
+    block_m: int       # packed query rows per CTA
+    block_n: int       # keys per pipeline stage
+    threads: int
+    smem_bytes: int    # dynamic shared memory
+    head_dim: int      # compiled head dim (>= the run-time one)
+    ctas_per_sm: int   # resident CTAs per SM that shared memory allows (for the split heuristic)
+
+
+def _decode_path(dtype_name: str) -> str:
+    if dtype_name in ("float16", "bfloat16"):
+        return "mma"
+    if dtype_name == "float32":
+        return "simt"
+    raise ValueError(f"decode runs float16, bfloat16 or float32, not {dtype_name}")
+
+
+def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles) -> int:
+    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages, and (float32) P per warp.
+
+    Mirrors ``DecodeConfig::kSmemBytes`` in cuda_src/decode.cu, which static_asserts the value.
+    """
+    path = _decode_path(dtype_name)
+    itemsize = 2 if path == "mma" else 4
+    block_m = DECODE_BLOCK_M[path]
+    block_n = tiles.warps * tiles.keys_per_warp
+    p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
+    return (block_m * head_dim + 2 * tiles.stages * block_n * head_dim) * itemsize + 4 * p_floats
+
+
+def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool,
+                smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
+                smem_per_sm: int = DEFAULT_SMEM_PER_SM) -> DecodePlan:
+    """The decode variant and launch shape for a problem.
+
+    Parameters
+    ----------
+    dtype_name : {"float16", "bfloat16", "float32"}
+    head_dim : int
+        Run-time head dim (a multiple of the 16-byte chunk, at most 256).
+    paged : bool
+        Paged cache (block_table) or contiguous.
+    score_mods : bool
+        Whether softcap, ALiBi or a mask may be present (the per-element score pipeline).
+    smem_per_block, smem_per_sm : int
+        The device's opt-in shared memory per block and shared memory per SM (bytes).
+
+    Raises
+    ------
+    ValueError
+        For an unsupported dtype or head dim, or when no tile shape fits ``smem_per_block``.
+    """
+    path = _decode_path(dtype_name)
+    kdim = _round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
+    for tiles in _DECODE_TILE_CHOICES[(path, kdim)]:
+        smem = decode_smem_bytes(dtype_name, kdim, tiles)
+        if smem + _DECODE_SMEM_RESERVE <= smem_per_block:
+            break
+    else:
+        raise ValueError(f"no decode tile shape for {dtype_name} head dim {kdim} fits in "
+                         f"{smem_per_block} bytes of shared memory per block")
+    from ._launch import PARAMS_DTYPE
+    from .decode import DECODE_PARAMS_DTYPE  # sizes are static_asserted in the CUDA headers
+
+    defines = {
+        "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+        "CUFLASH_HEAD_DIM": kdim,
+        "CUFLASH_WARPS": tiles.warps,
+        "CUFLASH_KEYS_PER_WARP": tiles.keys_per_warp,
+        "CUFLASH_STAGES": tiles.stages,
+        "CUFLASH_PAGED": int(bool(paged)),
+        "CUFLASH_SCORE_MODS": int(bool(score_mods)),
+        "CUFLASH_SMEM_BYTES": smem,
+        "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
+        "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS_DTYPE.itemsize,
+    }
+    ctas_per_sm = max(1, min(4, smem_per_sm // (smem + _DECODE_SMEM_RESERVE)))
+    return DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
+                      tiles.warps * tiles.keys_per_warp, 32 * tiles.warps, smem, kdim, ctas_per_sm)
+
+
+def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, row_blocks: int = 1,
+                      block_n: int = 64, ctas_per_sm: int = 2, max_splits: int = DECODE_MAX_SPLITS,
+                      min_tiles_per_split: int = 4) -> int:
+    """How many key ranges (splits) each (sequence, kv head, row block) is cut into.
+
+    Decode reads every K/V byte once and does little arithmetic per byte: it is bandwidth bound
+    and needs every SM streaming until the end. Without splits, batch * heads_k CTAs (8 for one
+    sequence of a GQA model) leave most SMs idle; and a last wave that is only partly full runs at
+    a fraction of the bandwidth (a lone CTA per SM cannot keep enough bytes in flight). So the count
+    is chosen by wave efficiency, ``waves / ceil(waves)`` with ``waves = CTAs / (ctas_per_sm *
+    num_sms)``: the smallest split count within 95% of the best efficiency reachable, each split
+    keeping at least ``min_tiles_per_split`` tiles of ``block_n`` keys (the pipeline's fill and the
+    merge stay small against the streaming). Four or more waves without splitting need none.
+
+    Parameters
+    ----------
+    batch, heads_k : int
+        Sequences and kv heads.
+    seqlen_k : int
+        Keys a CTA's rows may see (the longest sequence; the window's span if narrower).
+    num_sms : int
+        Streaming multiprocessors of the device.
+    row_blocks : int
+        CTAs along the packed query rows (Sq_new * Hq / Hk rows, block_m per CTA).
+    block_n : int
+        Keys per pipeline stage.
+    ctas_per_sm : int
+        Resident decode CTAs per SM.
+    max_splits : int
+        Upper bound (partial results cost num_splits * B * Sq * Hq * D float32).
+    min_tiles_per_split : int
+
+    Returns
+    -------
+    int
+        In ``[1, max_splits]``; 1 when there is nothing to gain (the unsplit path writes the output
+        directly, with no merge).
+    """
+    ctas = batch * heads_k * row_blocks
+    tiles = -(-seqlen_k // block_n) if seqlen_k > 0 else 0
+    if ctas <= 0 or tiles <= 0 or num_sms <= 0:
+        return 1
+    slots = max(1, ctas_per_sm) * num_sms
+    if ctas >= 4 * slots:
+        return 1
+    limit = max(1, min(tiles // max(1, min_tiles_per_split), max_splits))
+    eff = [0.0] + [decode_wave_efficiency(ctas * s, slots) for s in range(1, limit + 1)]
+    best = max(eff)
+    return next(s for s in range(1, limit + 1) if eff[s] >= 0.95 * best)
+
+
+def decode_wave_efficiency(ctas: int, slots: int) -> float:
+    """Fraction of the CTA slots busy over the waves a launch of ``ctas`` CTAs takes."""
+    waves = ctas / slots
+    return waves / math.ceil(waves) if ctas > 0 else 0.0
+
+
+MERGE_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+MERGE_THREADS_MAX = 256
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    variant: Variant
+    threads: int
+
+
+def merge_plan(in_dtype_name: str, out_dtype_name: str, head_dim: int = 128) -> MergePlan:
+    """The merge variant (partials in ``in_dtype_name``, result in ``out_dtype_name``) and the
+    threads per row (one per column up to 256, at least one warp)."""
+    for name in (in_dtype_name, out_dtype_name):
+        if name not in MERGE_DTYPE_CODES:
+            raise ValueError(f"merge runs float16, bfloat16, float32 or float64, not {name}")
+    from .merge import MERGE_PARAMS_DTYPE  # its size is static_asserted in merge.cu
+
+    defines = {
+        "CUFLASH_IN_DTYPE": MERGE_DTYPE_CODES[in_dtype_name],
+        "CUFLASH_OUT_DTYPE": MERGE_DTYPE_CODES[out_dtype_name],
+        "CUFLASH_MERGE_PARAMS_SIZE": MERGE_PARAMS_DTYPE.itemsize,
+    }
+    threads = min(MERGE_THREADS_MAX, max(32, -(-head_dim // 32) * 32))
+    return MergePlan(Variant("merge", tuple(sorted(defines.items()))), threads)
+
+
+def decode_precompile_variants(dtypes=None, head_dims=None,
+                               smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> list[Variant]:
+    """Decode and merge variants worth compiling ahead of time.
+
+    Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for the shared memory
+    of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
+    plus the merges decode and ``merge_states`` use: float32 partials into each dtype, and each
+    dtype into itself.
+
+    Parameters
+    ----------
+    dtypes : sequence of str, optional
+        Default: float16, bfloat16, float32.
+    head_dims : sequence of int, optional
+        Default: 64, 128, 256.
+    smem_per_block : int
+        Shared memory budget the stage counts are chosen for.
+    """
+    dtypes = tuple(dtypes or ("float16", "bfloat16", "float32"))
+    head_dims = tuple(head_dims or (64, 128, 256))
+    out = []
+    for dtype_name in dtypes:
+        dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
+        for d in head_dims:
+            for paged in (False, True):
+                for mods in (False, True):
+                    out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
+                                           smem_per_block=smem_per_block).variant)
+        out.append(merge_plan("float32", dtype_name).variant)
+        out.append(merge_plan(dtype_name, dtype_name).variant)
+    return list(dict.fromkeys(out))
+
+
+# ----------------------------------------------------------------------------- Backward
+# Kernels of cuda_src/bwd_{preprocess,sm80,simt,convert}.cu. The dK/dV pass ("pass 0") keeps
+# block_r keys per CTA and streams the queries; the dQ pass ("pass 1", deterministic mode only)
+# keeps block_r queries and streams the keys. See cuflash/backward.py for the launch sequence.
+
+BWD_FAMILIES = ("bwd_sm80", "bwd_simt")
+
+#: Rows of the lse2 / dsum buffers per (sequence, head) are padded to a multiple of this, which is
+#: a multiple of every backward block size, so the passes read whole tiles without bounds checks.
+BWD_ROW_PAD = 128
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    """One backward CTA's shape.
+
+    block_r: rows the CTA keeps (keys in the dK/dV pass, queries in the dQ pass), 16 per warp row;
+    block_c: rows streamed per step; sub_c: columns of S/dP held in registers at once (sm80);
+    warps; dsplit: warps that share 16 kept rows and split the head-dim columns of the
+    accumulators (large head dims); min_blocks: CTAs per SM the register budget aims at.
+    """
+
+    block_r: int
+    block_c: int
+    sub_c: int
+    warps: int
+    dsplit: int = 1
+    min_blocks: int = 1
+
+
+# From ptxas reports (no spills under 255 registers for sm_80 and sm_90a): the dK/dV pass holds two
+# accumulators of 16 rows x head_dim per warp, so D = 128 runs S/dP in slices of 32 columns (16
+# with score modifiers or dropout, whose per-element work needs registers too), and D >= 192 splits
+# the head dim over the warps of a row group. pass 0 needs block_c in {64, 128} (dS^T swizzle).
+BWD_SM80_DKDV_TILES = {
+    64: BwdTiles(128, 64, 64, 8),
+    128: BwdTiles(128, 64, 32, 8),
+    192: BwdTiles(64, 64, 32, 8, dsplit=2),
+    256: BwdTiles(32, 64, 32, 8, dsplit=4),
+}
+BWD_SM80_DKDV_TILES_FEATURED = {
+    64: BwdTiles(128, 64, 32, 8),
+    128: BwdTiles(128, 64, 16, 8),
+    192: BwdTiles(64, 64, 16, 8, dsplit=2),
+    256: BwdTiles(32, 64, 32, 8, dsplit=4),
+}
+BWD_SM80_DQ_TILES = {
+    64: BwdTiles(128, 64, 64, 8),
+    128: BwdTiles(128, 64, 64, 8),
+    192: BwdTiles(128, 32, 32, 8),
+    256: BwdTiles(128, 32, 32, 8),
+}
+BWD_SM80_DQ_TILES_FEATURED = {
+    64: BwdTiles(128, 64, 64, 8),
+    128: BwdTiles(128, 64, 64, 8),
+    192: BwdTiles(128, 32, 32, 8),
+    256: BwdTiles(64, 32, 32, 4),
+}
+
+
+def _bwd_simt_tiles(head_dim: int) -> BwdTiles:
+    # 4 warps, 32 streamed rows; 32 kept rows, or 16 for head dims whose accumulators need it.
+    return BwdTiles(32 if head_dim <= 160 else 16, 32, 32, 4)
+
+
+def bwd_sm80_smem_bytes(tiles: BwdTiles, head_dim: int, dq_pass: bool) -> int:
+    """Kept tiles (2), two stages of streamed tiles (2 each), and for the dK/dV pass dS^T (16-bit)
+    plus two stages of lse2 and D (float32). Mirrors BwdSm80Config::kSmemBytes."""
+    elems = 2 * tiles.block_r * head_dim + 4 * tiles.block_c * head_dim
+    if dq_pass:
+        return 2 * elems
+    return 2 * (elems + tiles.block_r * tiles.block_c) + 4 * 4 * tiles.block_c
+
+
+def bwd_simt_smem_bytes(tiles: BwdTiles, head_dim: int, dq_pass: bool) -> int:
+    """float32 tiles with rows padded by 4: kept (2), streamed (2), dS (and P^T), lse2/D (pass 0).
+    Mirrors BwdSimtConfig::kSmemBytes."""
+    stride, w_stride = head_dim + 4, tiles.block_c + 1
+    floats = 2 * tiles.block_r * stride + 2 * tiles.block_c * stride
+    floats += (1 if dq_pass else 2) * tiles.block_r * w_stride + (0 if dq_pass else 2 * tiles.block_c)
+    return 4 * floats
+
+
+def _bwd_size_defines() -> dict:
+    from ._launch import BWD_PARAMS_DTYPE, CONVERT_PARAMS_DTYPE, PARAMS_DTYPE
+
+    return {"CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize, "CUFLASH_BWD_PARAMS_SIZE": BWD_PARAMS_DTYPE.itemsize,
+            "CUFLASH_CONVERT_PARAMS_SIZE": CONVERT_PARAMS_DTYPE.itemsize}
+
+
+def default_backward_family(dtype_name: str) -> str:
+    """The backward kernel family used when none is forced."""
+    return "bwd_simt" if dtype_name == "float32" else "bwd_sm80"
+
+
+def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods: bool,
+                  dropout: bool) -> LaunchPlan:
+    """The variant of one backward pass.
+
+    Parameters
+    ----------
+    family : {"bwd_sm80", "bwd_simt"}
+    dtype_name : {"float16", "bfloat16", "float32"}
+    head_dim : int
+        Run-time head dim (a multiple of 8, at most 256).
+    dq_pass : bool
+        False: the dK/dV pass (with atomic dQ when asked at run time); True: the dQ pass.
+    score_mods, dropout : bool
+        As in :func:`forward_plan`.
+
+    Returns
+    -------
+    LaunchPlan
+        ``block_m`` is the number of kept rows per CTA (grid: ceil(rows / block_m)).
+    """
+    if family == "bwd_sm80":
+        if dtype_name not in ("float16", "bfloat16"):
+            raise ValueError(f"bwd_sm80 runs float16/bfloat16, not {dtype_name}")
+        kdim = _round_up(head_dim, SM80_HEAD_DIMS)
+        featured = score_mods or dropout
+        if dq_pass:
+            tiles = (BWD_SM80_DQ_TILES_FEATURED if featured else BWD_SM80_DQ_TILES)[kdim]
+        else:
+            tiles = (BWD_SM80_DKDV_TILES_FEATURED if featured else BWD_SM80_DKDV_TILES)[kdim]
+        smem = bwd_sm80_smem_bytes(tiles, kdim, dq_pass)
+    elif family == "bwd_simt":
+        if dtype_name != "float32":
+            raise ValueError(f"bwd_simt runs float32, not {dtype_name}")
+        kdim = _round_up(head_dim, SIMT_HEAD_DIMS)
+        tiles = _bwd_simt_tiles(kdim)
+        smem = bwd_simt_smem_bytes(tiles, kdim, dq_pass)
+    else:
+        raise ValueError(f"unknown backward kernel family {family!r}")
+    defines = {
+        "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+        "CUFLASH_HEAD_DIM": kdim,
+        "CUFLASH_BLOCK_R": tiles.block_r,
+        "CUFLASH_MIN_BLOCKS": tiles.min_blocks,
+        "CUFLASH_BWD_PASS": int(dq_pass),
+        "CUFLASH_SCORE_MODS": int(score_mods),
+        "CUFLASH_DROPOUT": int(dropout),
+        "CUFLASH_SMEM_BYTES": smem,
+        **_bwd_size_defines(),
+    }
+    if family == "bwd_sm80":
+        defines.update(CUFLASH_BLOCK_C=tiles.block_c, CUFLASH_SUB_C=tiles.sub_c, CUFLASH_WARPS=tiles.warps,
+                       CUFLASH_DSPLIT=tiles.dsplit)
+    variant = Variant(family, tuple(sorted(defines.items())))
+    return LaunchPlan(variant, tiles.block_r, 32 * tiles.warps, smem, kdim)
+
+
+def bwd_preprocess_variant(dtype_name: str) -> Variant:
+    """D = rowsum(dO * O) and lse2 (cuda_src/bwd_preprocess.cu); grid (rows_pad / 16, Hq, B) x 128."""
+    return Variant("bwd_preprocess", {"CUFLASH_DTYPE": DTYPE_CODES[dtype_name], **_bwd_size_defines()})
+
+
+def bwd_convert_variant(dtype_name: str) -> Variant:
+    """float32 accumulators to the output dtype (cuda_src/bwd_convert.cu); 256 threads, 8 rows each."""
+    return Variant("bwd_convert", {"CUFLASH_DTYPE": DTYPE_CODES[dtype_name], **_bwd_size_defines()})
+
+
+def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int, num_sms: int) -> int:
+    """Query heads whose dK/dV one CTA of the dK/dV pass sums (a divisor of ``group`` = Hq / Hk).
+
+    The whole group (no partial buffers, no extra pass) unless that leaves fewer CTAs than SMs, as
+    with MQA on short sequences; then the group is split into the fewest chunks that fill the GPU,
+    each writing float32 partial sums that bwd_convert adds in a fixed order.
+    """
+    ctas = max(1, batch * heads_k * key_blocks)
+    for splits in range(1, group + 1):
+        if group % splits == 0 and (ctas * splits >= num_sms or splits == group):
+            return group // splits
+    return 1
+
+
+def precompile_backward_variants(dtypes=None, head_dims=None) -> list[Variant]:
+    """Backward variants worth compiling ahead of time: for each dtype and head dim, both passes,
+    plain and with every feature, plus the preprocess and convert kernels.
+
+    Parameters
+    ----------
+    dtypes : sequence of str, optional
+        Default: float16, bfloat16, float32.
+    head_dims : sequence of int, optional
+        Default: 64, 128, 256.
+    """
+    dtypes = tuple(dtypes or ("float16", "bfloat16", "float32"))
+    head_dims = tuple(head_dims or (64, 128, 256))
+    out = []
+    for dtype_name in dtypes:
+        dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
+        family = default_backward_family(dtype_name)
+        for variant in (bwd_preprocess_variant(dtype_name), bwd_convert_variant(dtype_name)):
+            if variant not in out:
+                out.append(variant)
+        for d in head_dims:
+            for dq_pass in (False, True):
+                for mods, dropout in ((False, False), (True, True)):
+                    plan = backward_plan(family, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout)
+                    if plan.variant not in out:
+                        out.append(plan.variant)
     return out
