@@ -26,6 +26,11 @@ __device__ __forceinline__ float fast_exp2(float x) {
 struct half_t { unsigned short bits; };
 struct bfloat16_t { unsigned short bits; };
 
+// Shared-space address (what ldmatrix, cp.async, TMA and wgmma descriptors take).
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // Element type chosen by -DCUFLASH_DTYPE (0: fp16, 1: bf16, 2: fp32), fixed per compiled module.
 #ifndef CUFLASH_DTYPE
 #define CUFLASH_DTYPE 1

@@ -16,6 +16,7 @@
 #include "online_softmax.cuh"
 #include "mma_sm80.cuh"
 #include "philox.cuh"
+#include "fragments.cuh"
 
 namespace cuflash {
 
@@ -174,74 +175,21 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
             }
         }
 
-        // Scores, -inf where hidden: raw q.k (the softmax folds in scale * log2 e) unless score
-        // modifiers are on, which need natural units and give log2 units (softmax scale 1).
+        // Scores, -inf where hidden (raw q.k unless score modifiers are on: see fragments.cuh).
         const int n_lo = n * C::kBlockN;
-        if (C::kScoreMods) {
-#pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < C::kNTiles; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = m_lo + warp_row0 + mi * 16 + g + (e / 2) * 8;
-                        const int j = n_lo + ni * 8 + 2 * t + (e % 2);
-                        // Rows past the end are never written; keep them off the mask/bias arrays.
-                        acc_s[mi][ni][e] =
-                            i < s.seqlen_q ? modified_score(p, s, acc_s[mi][ni][e], i, j) * kLog2e : -CUFLASH_INF;
-                    }
-        } else if (!tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + C::kBlockN)) {
-            // Only tiles on a window edge or the key tail pay for per-element masking.
-#pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < C::kNTiles; ++ni)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = m_lo + warp_row0 + mi * 16 + g + (e / 2) * 8;
-                        const int j = n_lo + ni * 8 + 2 * t + (e % 2);
-                        if (!in_window(p, s, i, j)) acc_s[mi][ni][e] = -CUFLASH_INF;
-                    }
-        }
+        mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n_lo, m_lo + warp_row0, g, t);
 
         float correction[2 * C::kMTiles];
         softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
-#pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-            for (int di = 0; di < C::kDTiles; ++di)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_o[mi][di][e] *= correction[2 * mi + e / 2];
-
-        if (C::kDropout) {
-            // The row sums above saw every p; only O loses the dropped ones (lse is pre-dropout).
-#pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int ni = 0; ni < C::kNTiles; ++ni) {
-                        const int i = m_lo + warp_row0 + mi * 16 + g + half * 8;
-                        const int j = n_lo + ni * 8 + 2 * t;   // even: the pair sits in one Philox block
-                        const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j / 4,
-                                                      p.heads_q);
-                        const unsigned w0 = (j & 2) ? w.z : w.x, w1 = (j & 2) ? w.w : w.y;
-                        if (w0 < p.dropout_threshold) acc_s[mi][ni][2 * half] = 0.f;
-                        if (w1 < p.dropout_threshold) acc_s[mi][ni][2 * half + 1] = 0.f;
-                    }
-        }
+        rescale_rows(acc_o, correction);
+        if (C::kDropout) drop_probabilities(acc_s, p, s, m_lo + warp_row0, n_lo, g, t);
 
         // O += P V, with P taken straight from the S accumulators (their layout is the A layout).
 #pragma unroll
         for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
             unsigned p_frag[C::kMTiles][4];
 #pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi) {
-                p_frag[mi][0] = pack2<elem_t>(acc_s[mi][2 * kk][0], acc_s[mi][2 * kk][1]);
-                p_frag[mi][1] = pack2<elem_t>(acc_s[mi][2 * kk][2], acc_s[mi][2 * kk][3]);
-                p_frag[mi][2] = pack2<elem_t>(acc_s[mi][2 * kk + 1][0], acc_s[mi][2 * kk + 1][1]);
-                p_frag[mi][3] = pack2<elem_t>(acc_s[mi][2 * kk + 1][2], acc_s[mi][2 * kk + 1][3]);
-            }
+            for (int mi = 0; mi < C::kMTiles; ++mi) pack_p<elem_t>(p_frag[mi], acc_s[mi], kk);
 #pragma unroll
             for (int dj = 0; dj < C::kDTiles / 2; ++dj) {
                 unsigned v_frag[4];
@@ -260,30 +208,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
     // out = O / l (times 1/(1-p) under dropout); lse per row.
     float inv_l[2 * C::kMTiles], lse[2 * C::kMTiles];
     softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
-    elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
-                     s.q_row0 * p.o_row_stride;
-#pragma unroll
-    for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = 2 * mi + half;
-            const int i = m_lo + warp_row0 + mi * 16 + g + half * 8;
-            if (i >= s.seqlen_q) continue;
-            const float factor = C::kDropout ? inv_l[r] * p.dropout_rescale : inv_l[r];
-            // A row that saw no key is exactly 0, even if its masked tiles held NaN values
-            // (0 * NaN in P V would otherwise reach it).
-            const bool no_keys = inv_l[r] == 0.f;
-            elem_t* row = o_gmem + i * p.o_row_stride;
-#pragma unroll
-            for (int di = 0; di < C::kDTiles; ++di) {
-                const int col = di * 8 + 2 * t;
-                if (col < p.head_dim)
-                    *reinterpret_cast<unsigned*>(row + col) =
-                        no_keys ? 0u
-                                : pack2<elem_t>(acc_o[mi][di][2 * half] * factor, acc_o[mi][di][2 * half + 1] * factor);
-            }
-            if (t == 0) p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[r];
-        }
+    store_output<C::kDropout>(acc_o, inv_l, lse, p, s, m_lo + warp_row0, g, t);
 }
 
 }  // namespace cuflash

@@ -5,10 +5,6 @@
 
 namespace cuflash {
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // 16-byte global -> shared copy; with valid == false it writes zeros and reads nothing, which is how
 // tails past a sequence's end and head-dim padding stay out of every result.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {

@@ -54,6 +54,11 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
               160: Tiles(64, 32, 8), 192: Tiles(64, 32, 8), 224: Tiles(64, 32, 8), 256: Tiles(64, 32, 8)}
 
 
+# Hopper (sm_90a): 2 consumer warpgroups x 64 rows, S tiles of 128 keys, 2 K/V stages.
+SM90_HEAD_DIMS = (64, 128)
+SM90_BLOCK_M, SM90_BLOCK_N, SM90_STAGES, SM90_THREADS = 128, 128, 2, 384
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """What the launcher needs besides the parameters: the variant, grid rows and resources."""
@@ -82,6 +87,11 @@ def simt_smem_bytes(tiles: Tiles, head_dim: int) -> int:
     return (tiles.block_m * head_dim + 2 * tiles.block_n * head_dim + tiles.block_m * tiles.block_n) * 4
 
 
+def sm90_smem_bytes(head_dim: int) -> int:
+    """1 KB of slack to align the swizzled tiles, Q, and kStages of K and V (16-bit elements)."""
+    return 1024 + SM90_BLOCK_M * head_dim * 2 + 2 * SM90_STAGES * SM90_BLOCK_N * head_dim * 2
+
+
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: bool, dropout: bool) -> LaunchPlan:
     """The forward variant for a problem.
 
@@ -101,6 +111,23 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         kdim = _round_up(head_dim, SM80_HEAD_DIMS)
         tiles = (SM80_TILES_FEATURED if score_mods or dropout else SM80_TILES)[kdim]
         smem = sm80_smem_bytes(tiles, kdim)
+    elif family == "fwd_sm90":
+        if dtype_name not in ("float16", "bfloat16"):
+            raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
+        kdim = _round_up(head_dim, SM90_HEAD_DIMS)
+        from ._launch import PARAMS_DTYPE
+
+        defines = {
+            "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+            "CUFLASH_HEAD_DIM": kdim,
+            "CUFLASH_BLOCK_N": SM90_BLOCK_N,
+            "CUFLASH_SCORE_MODS": int(score_mods),
+            "CUFLASH_DROPOUT": int(dropout),
+            "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
+            "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
+        }
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), SM90_BLOCK_M, SM90_THREADS,
+                          sm90_smem_bytes(kdim), kdim)
     elif family == "fwd_simt":
         if dtype_name != "float32":
             raise ValueError(f"fwd_simt runs float32, not {dtype_name}")
@@ -440,6 +467,8 @@ class BwdTiles:
 # accumulators of 16 rows x head_dim per warp, so D = 128 runs S/dP in slices of 32 columns (16
 # with score modifiers or dropout, whose per-element work needs registers too), and D >= 192 splits
 # the head dim over the warps of a row group. pass 0 needs block_c in {64, 128} (dS^T swizzle).
+# Shared memory: every tile fits the 163 KiB of an A100 except the D = 256 dK/dV pass (165 KiB,
+# H100/H200); backward() says so instead of failing at launch on smaller GPUs.
 BWD_SM80_DKDV_TILES = {
     64: BwdTiles(128, 64, 64, 8),
     128: BwdTiles(128, 64, 32, 8),
@@ -456,7 +485,7 @@ BWD_SM80_DQ_TILES = {
     64: BwdTiles(128, 64, 64, 8),
     128: BwdTiles(128, 64, 64, 8),
     192: BwdTiles(128, 32, 32, 8),
-    256: BwdTiles(128, 32, 32, 8),
+    256: BwdTiles(64, 32, 32, 4),
 }
 BWD_SM80_DQ_TILES_FEATURED = {
     64: BwdTiles(128, 64, 64, 8),

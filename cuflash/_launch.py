@@ -45,8 +45,69 @@ def pack_params(**fields) -> np.void:
     return params[()]
 
 
-def launch(kernel, grid: tuple[int, int, int], threads: int, smem_bytes: int, params: np.void) -> None:
-    """Launch on CuPy's current stream, raising the dynamic shared-memory limit when needed."""
+def launch(kernel, grid: tuple[int, int, int], threads: int, smem_bytes: int, args) -> None:
+    """Launch on CuPy's current stream, raising the dynamic shared-memory limit when needed.
+
+    ``args`` is the parameter struct, or a tuple of the kernel's parameters in order (tensor maps
+    first for the Hopper kernels).
+    """
+    if not isinstance(args, tuple):
+        args = (args,)
     if smem_bytes > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem_bytes:
         kernel.max_dynamic_shared_size_bytes = smem_bytes
-    kernel(grid, (threads, 1, 1), (params,), shared_mem=smem_bytes)
+    kernel(grid, (threads, 1, 1), args, shared_mem=smem_bytes)
+
+
+# ----------------------------------------------------------------------------- Backward
+# BWD_PARAMS_DTYPE mirrors cuda_src/bwd_params.cuh's BwdParams (the forward's FwdParams first, then
+# the backward's own fields) and CONVERT_PARAMS_DTYPE its ConvertParams; their sizes go into every
+# backward module as CUFLASH_BWD_PARAMS_SIZE / CUFLASH_CONVERT_PARAMS_SIZE and are checked there.
+
+_BWD_POINTERS = ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias")
+_BWD_STRIDES = (
+    "do_batch_stride", "do_row_stride", "do_head_stride",
+    "dqa_batch_stride", "dqa_row_stride", "dqa_head_stride",
+    "dq_batch_stride", "dq_row_stride", "dq_head_stride",
+    "dk_batch_stride", "dk_row_stride", "dk_head_stride",
+    "dv_batch_stride", "dv_row_stride", "dv_head_stride",
+    "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride",
+)
+_BWD_INTS = ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "pad_")
+
+BWD_PARAMS_DTYPE = np.dtype(
+    [("fwd", PARAMS_DTYPE)]
+    + [(name, np.uint64) for name in _BWD_POINTERS]
+    + [(name, np.int64) for name in _BWD_STRIDES]
+    + [(name, np.int32) for name in _BWD_INTS],
+    align=True,
+)
+
+CONVERT_PARAMS_DTYPE = np.dtype(
+    [("src", np.uint64), ("dst", np.uint64), ("partial_stride", np.int64),
+     ("src_row_stride", np.int64), ("src_head_stride", np.int64),
+     ("dst_row_stride", np.int64), ("dst_head_stride", np.int64),
+     ("rows", np.int32), ("heads", np.int32), ("head_dim", np.int32), ("num_partials", np.int32),
+     ("scale", np.float32), ("pad_", np.int32)],
+    align=True,
+)
+
+
+def pack_bwd_params(fwd: dict, **fields) -> np.void:
+    """A BwdParams value: ``fwd`` holds FwdParams fields (as for :func:`pack_params`), the keywords
+    the backward's own; fields not given are zero (null pointers)."""
+    params = np.zeros((), dtype=BWD_PARAMS_DTYPE)
+    params["fwd"] = pack_params(**fwd)
+    params["heads_per_cta"] = 1
+    for name, value in fields.items():
+        params[name] = value
+    return params[()]
+
+
+def pack_convert_params(**fields) -> np.void:
+    """A ConvertParams value (see cuda_src/bwd_params.cuh)."""
+    params = np.zeros((), dtype=CONVERT_PARAMS_DTYPE)
+    params["num_partials"] = 1
+    params["scale"] = 1.0
+    for name, value in fields.items():
+        params[name] = value
+    return params[()]

@@ -8,12 +8,12 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch
+from . import _checks, _heuristics, _launch, _tma
 from ._compile import get_kernel
 from .random import dropout_threshold
 
 _forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
-FAMILIES = ("fwd_sm80", "fwd_simt")
+FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 
 
 @contextlib.contextmanager
@@ -22,8 +22,9 @@ def force_kernel(family: str):
 
     Parameters
     ----------
-    family : {"fwd_sm80", "fwd_simt"}
-        A family that cannot run a call's dtype raises ValueError at that call, never falls back.
+    family : {"fwd_sm90", "fwd_sm80", "fwd_simt"}
+        A family that cannot run a call (its dtype, or for fwd_sm90 varlen, block_mask, a head dim
+        over 128 or strides TMA cannot describe) raises ValueError at that call, never falls back.
     """
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -93,19 +94,54 @@ def _dropout_fields(dropout_p: float, generator):
     return fields, np.array([seed, offset], dtype=np.uint64)
 
 
-def _family_for(dtype_name: str) -> str:
-    family = _forced_family.get() or _heuristics.default_family(dtype_name)
-    if family == "fwd_sm80" and dtype_name == "float32":
-        raise ValueError("the forced kernel family fwd_sm80 runs float16/bfloat16, not float32")
+def _family_for(dtype_name: str) -> str | None:
+    """The forced family after checking it can run this dtype (None: choose per call)."""
+    family = _forced_family.get()
+    if family in ("fwd_sm80", "fwd_sm90") and dtype_name == "float32":
+        raise ValueError(f"the forced kernel family {family} runs float16/bfloat16, not float32")
     if family == "fwd_simt" and dtype_name != "float32":
         raise ValueError(f"the forced kernel family fwd_simt runs float32, not {dtype_name}")
     return family
 
 
+def _sm90_obstacle(q, k, v, *, varlen: bool, score_fields: dict) -> str | None:
+    """Why fwd_sm90 cannot run this call, or None. Its TMA loads need positive strides that are
+    multiples of 16 bytes; varlen and block_mask are not implemented there yet."""
+    if q.shape[-1] > _heuristics.SM90_HEAD_DIMS[-1]:
+        return f"head dim {q.shape[-1]} > {_heuristics.SM90_HEAD_DIMS[-1]}"
+    if varlen:
+        return "varlen is not implemented in fwd_sm90"
+    if "block_mask" in score_fields:
+        return "block_mask is not implemented in fwd_sm90"
+    if not all(_tma.tma_compatible(x) for x in (q, k, v)):
+        return "the strides of q, k or v are negative or not multiples of 16 bytes"
+    return None
+
+
+def _choose_family(dtype_name: str, q, k, v, *, varlen: bool, score_fields: dict) -> str:
+    forced = _family_for(dtype_name)
+    if dtype_name == "float32":
+        return "fwd_simt"
+    obstacle = _sm90_obstacle(q, k, v, varlen=varlen, score_fields=score_fields)
+    if forced == "fwd_sm90":
+        if obstacle is not None:
+            raise ValueError(f"the forced kernel family fwd_sm90 cannot run this call: {obstacle}")
+        return forced
+    if forced == "fwd_sm80":
+        return forced
+    return "fwd_sm90" if obstacle is None and _is_hopper() else "fwd_sm80"
+
+
+def _is_hopper() -> bool:
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
+
+
 def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layout, opts, score_fields,
                  dropout_fields, grid_rows, batch, heads_q):
-    """Build the plan, pack the parameters and launch one forward kernel."""
-    family = _family_for(dtype_name)
+    """Choose the kernel, build the plan, pack the parameters and launch one forward kernel."""
+    family = _choose_family(dtype_name, q, k, v, varlen="cu_seqlens_q" in seq_fields, score_fields=score_fields)
     plan = _heuristics.forward_plan(
         family, dtype_name, head_dim,
         score_mods=any(key in score_fields for key in ("alibi_slopes", "mask", "bias", "block_mask"))
@@ -122,7 +158,12 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
     )
     kernel = get_kernel(plan.variant)
     grid = (math.ceil(grid_rows / plan.block_m), heads_q, batch)
-    _launch.launch(kernel, grid, plan.threads, plan.smem_bytes, params)
+    args = (params,)
+    if family == "fwd_sm90":
+        args = (_tma.encode(q, _heuristics.SM90_BLOCK_M, dtype_name),
+                _tma.encode(k, _heuristics.SM90_BLOCK_N, dtype_name),
+                _tma.encode(v, _heuristics.SM90_BLOCK_N, dtype_name), params)
+    _launch.launch(kernel, grid, plan.threads, plan.smem_bytes, args)
 
 
 def _check_qkv(q, k, v, rank: int, layout: str):
@@ -208,8 +249,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
     if lse is not None:
         _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
-    family = _family_for(dtype_name)  # an impossible forced family is an argument error too
-    del family
+    _family_for(dtype_name)  # an impossible forced family is an argument error too
 
     out = cupy.empty((b, sq, hq, d), dtype=q.dtype) if out is None else out
     lse = cupy.empty((b, hq, sq), dtype=np.float32) if lse is None else lse

@@ -1,0 +1,121 @@
+// What the tensor-core forward kernels do to their accumulator fragments between and after the two
+// GEMMs: scores and masks, dropout, rescaling, packing P, and writing O and lse.
+//
+// Layout (mma.sync m16n8 C fragments, and wgmma's accumulators alike): a warp holds kMTiles
+// 16-row m-tiles of kNTiles 8-column n-tiles; element e of tile (mi, ni) of lane (g = lane/4,
+// t = lane%4) sits at row row0 + 16 mi + g + 8 (e / 2), column 8 ni + 2 t + (e % 2), where row0 is
+// the warp's first query row (absolute, inside the sequence).
+#pragma once
+#include "common.cuh"
+#include "params.cuh"
+#include "mask.cuh"
+#include "philox.cuh"
+
+namespace cuflash {
+
+// S tile -> scores, -inf where hidden. Without score modifiers S stays raw q.k (the softmax folds in
+// scale * log2 e) and only tiles on a window edge or the key tail pay for per-element masking; with
+// them, every element goes through modified_score and comes out in log2 units.
+template <bool kScoreMods, int kMTiles, int kNTiles>
+__device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
+                                            const SeqInfo& s, int m_lo, int m_hi, int n_lo, int row0, int g,
+                                            int t) {
+    if constexpr (kScoreMods) {
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row0 + mi * 16 + g + (e / 2) * 8;
+                    const int j = n_lo + ni * 8 + 2 * t + (e % 2);
+                    // Rows past the end are never written; keep them off the mask/bias arrays.
+                    acc_s[mi][ni][e] =
+                        i < s.seqlen_q ? modified_score(p, s, acc_s[mi][ni][e], i, j) * kLog2e : -CUFLASH_INF;
+                }
+    } else if (!tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + kNTiles * 8)) {
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row0 + mi * 16 + g + (e / 2) * 8;
+                    const int j = n_lo + ni * 8 + 2 * t + (e % 2);
+                    if (!in_window(p, s, i, j)) acc_s[mi][ni][e] = -CUFLASH_INF;
+                }
+    }
+}
+
+// O rows times the online-softmax correction of their row.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4],
+                                             const float (&correction)[2 * kMTiles]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int di = 0; di < kDTiles; ++di)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mi][di][e] *= correction[2 * mi + e / 2];
+}
+
+// Zeroes the dropped probabilities (philox.cuh). The row sums already saw every p, so only O loses
+// them: lse is pre-dropout and O is rescaled by 1 / (1 - p) at the end.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
+                                                   const SeqInfo& s, int row0, int n_lo, int g, int t) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni) {
+                const int i = row0 + mi * 16 + g + half * 8;
+                const int j = n_lo + ni * 8 + 2 * t;   // even: the pair sits in one Philox block
+                const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j / 4, p.heads_q);
+                const unsigned w0 = (j & 2) ? w.z : w.x, w1 = (j & 2) ? w.w : w.y;
+                if (w0 < p.dropout_threshold) acc_s[mi][ni][2 * half] = 0.f;
+                if (w1 < p.dropout_threshold) acc_s[mi][ni][2 * half + 1] = 0.f;
+            }
+}
+
+// P for keys 16 kk .. 16 kk + 15 as an m16k16 A fragment: two adjacent n-tiles of S, packed pairwise.
+template <typename T, int kNTiles>
+__device__ __forceinline__ void pack_p(unsigned (&a)[4], const float (&acc_s_mi)[kNTiles][4], int kk) {
+    a[0] = pack2<T>(acc_s_mi[2 * kk][0], acc_s_mi[2 * kk][1]);
+    a[1] = pack2<T>(acc_s_mi[2 * kk][2], acc_s_mi[2 * kk][3]);
+    a[2] = pack2<T>(acc_s_mi[2 * kk + 1][0], acc_s_mi[2 * kk + 1][1]);
+    a[3] = pack2<T>(acc_s_mi[2 * kk + 1][2], acc_s_mi[2 * kk + 1][3]);
+}
+
+// out = O / l (times 1/(1-p) under dropout) and lse, straight from registers. A row that saw no key
+// is exactly 0, even if its masked tiles held NaN values (0 * NaN in P V would otherwise reach it).
+template <bool kDropout, int kMTiles, int kDTiles>
+__device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][kDTiles][4],
+                                             const float (&inv_l)[2 * kMTiles], const float (&lse)[2 * kMTiles],
+                                             const FwdParams& p, const SeqInfo& s, int row0, int g, int t) {
+    elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
+                     s.q_row0 * p.o_row_stride;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = 2 * mi + half;
+            const int i = row0 + mi * 16 + g + half * 8;
+            if (i >= s.seqlen_q) continue;
+            const float factor = kDropout ? inv_l[r] * p.dropout_rescale : inv_l[r];
+            const bool no_keys = inv_l[r] == 0.f;
+            elem_t* row = o_gmem + i * p.o_row_stride;
+#pragma unroll
+            for (int di = 0; di < kDTiles; ++di) {
+                const int col = di * 8 + 2 * t;
+                if (col < p.head_dim)
+                    *reinterpret_cast<unsigned*>(row + col) =
+                        no_keys ? 0u
+                                : pack2<elem_t>(acc_o[mi][di][2 * half] * factor, acc_o[mi][di][2 * half + 1] * factor);
+            }
+            if (t == 0) p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[r];
+        }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,54 @@
+// Tensor-memory-accelerator copies and the mbarriers they complete on (sm_90).
+//
+// A producer thread arms a barrier with the bytes it expects (arrive.expect_tx) and issues bulk
+// tensor copies that count those bytes down; consumers wait on the barrier's phase parity. Empty
+// barriers count consumer arrivals, so the producer knows when a stage may be overwritten.
+#pragma once
+
+namespace cuflash {
+
+// cuTensorMapEncodeTiled's 128-byte descriptor, passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+    unsigned long long words[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// Makes barrier initialisation visible to the async proxy (TMA) before first use.
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Spins until the barrier has completed the phase with this parity.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred ready;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+        "@!ready bra WAIT_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst.
+// Coordinates past the tensor's extent read as zeros: that is how tails stay out of results.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int c0, int c1, int c2, int c3,
+                                            unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+}  // namespace cuflash

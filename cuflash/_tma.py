@@ -1,0 +1,62 @@
+"""TMA tensor maps (CUtensorMap) for the Hopper kernels, encoded through the CUDA driver.
+
+A map describes a (B, S, H, D) array as a 4-d tensor (innermost first: D, S, H, B) with the
+caller's strides, read in boxes of 64 columns (128 bytes, the span of the 128-byte swizzle) x
+``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
+never reach a result. The map travels to the kernel by value (a 128-byte, 64-byte-aligned NumPy
+structured scalar, like the parameter struct).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+_FLOAT16, _BFLOAT16 = 6, 9  # CU_TENSOR_MAP_DATA_TYPE_*
+_SWIZZLE_128B = 3
+TMA_MAP_DTYPE = np.dtype([("words", np.uint64, 16)], align=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def tma_compatible(x) -> bool:
+    """Whether a (…, S, H, D) CuPy array can be described by a tensor map: 16-byte aligned base and
+    non-negative strides that are multiples of 16 bytes (the last axis contiguous)."""
+    if x.strides[-1] != x.itemsize or x.data.ptr % 16:
+        return False
+    return all(s >= 0 and s % 16 == 0 for s in x.strides[:-1])
+
+
+def encode(x, box_rows: int, dtype_name: str) -> np.void:
+    """Tensor map over ``x`` of shape (B, S, H, D): boxes of (64 columns, box_rows rows, 1, 1).
+
+    Raises
+    ------
+    RuntimeError
+        If the driver rejects the map (the caller falls back to a kernel without TMA only when it
+        was not forced).
+    """
+    b, s, h, d = x.shape
+    sb, ss, sh, _ = x.strides
+    words = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 4)(d, s, h, b)
+    strides = (ctypes.c_uint64 * 3)(ss, sh, sb)  # bytes, for dims 1..3
+    box = (ctypes.c_uint32 * 4)(64, box_rows, 1, 1)
+    elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    data_type = _BFLOAT16 if dtype_name == "bfloat16" else _FLOAT16
+    rc = _libcuda()(words, data_type, 4, ctypes.c_void_p(x.data.ptr), dims, strides, box, elem,
+                    0,  # interleave none
+                    _SWIZZLE_128B,
+                    0,  # L2 promotion none
+                    0)  # out-of-bounds fill: zeros
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled rejected shape {x.shape} strides {x.strides} (error {rc})")
+    return np.frombuffer(bytes(words), dtype=TMA_MAP_DTYPE)[0]
