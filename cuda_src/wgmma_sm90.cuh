@@ -32,6 +32,16 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Keeps registers that an in-flight wgmma still reads (the A fragment of P) alive and unmoved
+// until after the wait that retires it.
+template <int N>
+__device__ __forceinline__ void fence_registers(unsigned (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
 // Register budget per thread for warp-specialised roles (needs __launch_bounds__(threads, 1)).
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }

@@ -1,8 +1,9 @@
 """Forward attention on the GPU against the float64 reference, kernel family by kernel family.
 
-Every test forces one kernel family (``with cuflash.force_kernel(...)``): ``fwd_sm80`` for
-float16/bfloat16 and ``fwd_simt`` for float32, so that a heuristic change cannot silently stop
-testing a family. Outputs are compared with :mod:`cuflash.reference` (float64, NumPy) under the
+Every test forces one kernel family (``with cuflash.force_kernel(...)``): ``fwd_sm90`` (on an
+sm_90 GPU) and ``fwd_sm80`` for float16/bfloat16, ``fwd_simt`` for float32, so that a heuristic
+change cannot silently stop testing a family. Calls fwd_sm90 does not implement (it says so with a
+ValueError) are rejected/skipped for that family only. Outputs are compared with :mod:`cuflash.reference` (float64, NumPy) under the
 accuracy rule of :func:`cuflash.testing.assert_attention_close`: for 16-bit dtypes at most twice
 the error of a plain same-dtype attention (:func:`cuflash.testing.baseline_attention`), for
 float32 a relative error of 1e-5. ``lse`` is float32 whatever the inputs, so it is held to the
@@ -47,6 +48,8 @@ pytestmark = [pytest.mark.gpu,
 
 # (family, dtype) pairs: every family forced explicitly with the dtypes it serves.
 KERNELS = [
+    pytest.param("fwd_sm90", "float16", id="sm90-fp16"),
+    pytest.param("fwd_sm90", "bfloat16", id="sm90-bf16"),
     pytest.param("fwd_sm80", "float16", id="sm80-fp16"),
     pytest.param("fwd_sm80", "bfloat16", id="sm80-bf16"),
     pytest.param("fwd_simt", "float32", id="simt-fp32"),
@@ -66,7 +69,7 @@ def _capped(n):
     base = settings.default
     return settings(max_examples=max(1, min(base.max_examples, n)), deadline=None,
                     suppress_health_check=list(base.suppress_health_check)
-                    + [HealthCheck.too_slow, HealthCheck.data_too_large])
+                    + [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -89,8 +92,21 @@ def forced(family):
     if force is None:
         import importlib
         force = importlib.import_module("cuflash.attention").force_kernel
+    if family == "fwd_sm90" and cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("fwd_sm90 needs an sm_90 GPU (H100/H200)")
     with force(family):
-        yield
+        try:
+            yield
+        except ValueError as exc:
+            # What fwd_sm90 does not implement (varlen, block_mask, D > 128, strides TMA cannot
+            # describe) is a ValueError naming the obstacle, never a fallback: such examples are
+            # left to the other families (rejected inside hypothesis, skipped elsewhere).
+            if family != "fwd_sm90" or "cannot run this call" not in str(exc):
+                raise
+            import hypothesis
+            if "varlen" not in str(exc) and hypothesis.currently_in_test_context():
+                hypothesis.reject()
+            pytest.skip(str(exc))
 
 
 def _dtype(name):
