@@ -8,7 +8,8 @@ Shapes follow the FlashAttention papers: a fixed budget of ``--tokens`` tokens
 
 Columns (TFLOP/s, FLOPs = 4 * B * H * Sq * Sk * D, half of that when causal):
 
-- ``cuflash``: ``cuflash.attention`` with the kernel chosen by its heuristics;
+- ``cuflash``: ``cuflash.attention`` with the kernel chosen by its heuristics (``fwd_sm90`` on
+  H100/H200); ``sm80``: the portable ``fwd_sm80`` kernel forced on the same inputs;
 - ``flash`` / ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` restricted
   to the FLASH_ATTENTION / CUDNN_ATTENTION backend (``torch.nn.attention.sdpa_kernel``),
   given BHSD views (transposes) of the very same memory;
@@ -49,7 +50,7 @@ N_INPUT_SETS = 3
 
 COLUMNS = [
     "dtype", "head_dim", "causal", "batch", "heads", "seqlen",
-    "cuflash", "flash", "cudnn", "naive",
+    "cuflash", "sm80", "flash", "cudnn", "naive",
     "cuflash/flash", "cuflash/cudnn", "cuflash/gemm", "maxdiff",
 ]
 
@@ -229,7 +230,7 @@ def write_png(rows, path):
     for ax, (dt, d, c) in zip(axes[0], groups):
         sel = [r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == (dt, d, c)]
         xs = [r["seqlen"] for r in sel]
-        for impl in ("cuflash", "flash", "cudnn", "naive"):
+        for impl in ("cuflash", "sm80", "flash", "cudnn", "naive"):
             ys = [r[impl] for r in sel]
             if all(y is None or math.isnan(y) for y in ys):
                 continue
@@ -360,7 +361,8 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
         return flops / (ms * 1e-3) / 1e12
 
     row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s,
-               cuflash=float("nan"), flash=float("nan"), cudnn=float("nan"), naive=float("nan"),
+               cuflash=float("nan"), sm80=float("nan"), flash=float("nan"), cudnn=float("nan"),
+               naive=float("nan"),
                maxdiff=float("nan"))
 
     def run_cuflash(i):
@@ -371,6 +373,18 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
         row["cuflash"] = tflops(timer.median_ms(run_cuflash))
     except Exception as e:  # report and go on: one broken shape should not hide the others
         log(f"cuflash failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+
+    # The portable tensor-core kernel, forced, beside whatever the heuristics chose.
+    def run_sm80(i):
+        q, k, v = inputs[i]
+        with cuflash.force_kernel("fwd_sm80"):
+            cuflash.attention(q, k, v, causal=causal, out=out)
+
+    if dtype_name in ("float16", "bfloat16"):
+        try:
+            row["sm80"] = tflops(timer.median_ms(run_sm80))
+        except Exception as e:
+            log(f"fwd_sm80 failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
 
     reference_out = None
     if torch is not None:

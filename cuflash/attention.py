@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 
 import numpy as np
@@ -132,6 +133,13 @@ def _choose_family(dtype_name: str, q, k, v, *, varlen: bool, score_fields: dict
     return "fwd_sm90" if obstacle is None and _is_hopper() else "fwd_sm80"
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
 def _is_hopper() -> bool:
     import cupy
 
@@ -160,6 +168,8 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
     grid = (math.ceil(grid_rows / plan.block_m), heads_q, batch)
     args = (params,)
     if family == "fwd_sm90":
+        # Persistent: at most one CTA per SM, each walking the (m-block, head, batch) list.
+        grid = (min(grid[0] * heads_q * batch, _sm_count(q.device.id)), 1, 1)
         args = (_tma.encode(q, _heuristics.SM90_BLOCK_M, dtype_name),
                 _tma.encode(k, _heuristics.SM90_BLOCK_N, dtype_name),
                 _tma.encode(v, _heuristics.SM90_BLOCK_N, dtype_name), params)
