@@ -107,4 +107,27 @@ __device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, cons
     return __syncthreads_or(any) != 0;
 }
 
+// ---- Backward helpers (appended for the backward kernels; the pipeline above is unchanged).
+
+// Query rows [first, last) that the window leaves some key of [n_lo, n_hi) visible to: the
+// mirror of visible_keys, for a CTA that owns keys and walks over queries.
+__device__ __forceinline__ void visible_queries(const FwdParams& p, const SeqInfo& s, int n_lo, int n_hi,
+                                                int* first, int* last) {
+    int lo = 0, hi = s.seqlen_q;
+    // j <= i + diag + right  <=>  i >= j - diag - right;  j >= i + diag - left  <=>  i <= j - diag + left.
+    if (p.window_right >= 0) lo = max(lo, n_lo - s.diag - p.window_right);
+    if (p.window_left >= 0) hi = min(hi, n_hi - 1 - s.diag + p.window_left + 1);
+    *first = lo;
+    *last = max(hi, lo);
+}
+
+// d s / d x of the score pipeline at x = scale * qk, for a visible element: only the softcap bends
+// it (s = c tanh(x / c) gives 1 - tanh^2(x / c)); ALiBi and bias are additive constants. The tanh
+// is the same expression as in modified_score, so the two agree bit for bit.
+__device__ __forceinline__ float softcap_grad(const FwdParams& p, float qk) {
+    if (p.softcap <= 0.f) return 1.f;
+    const float t = tanhf(qk * p.scale / p.softcap);
+    return 1.f - t * t;
+}
+
 }  // namespace cuflash

@@ -5,6 +5,9 @@ and a float64 reference (:mod:`cuflash.reference`) that every kernel is tested a
 """
 
 from .attention import attention, attention_forward, attention_varlen, force_kernel
+from .backward import attention_backward, attention_varlen_backward
+from .decode import decode
+from .merge import merge_states
 from .random import Generator, default_generator, manual_seed
 from ._compile import precompile
 
@@ -14,6 +17,10 @@ __all__ = [
     "attention",
     "attention_forward",
     "attention_varlen",
+    "attention_backward",
+    "attention_varlen_backward",
+    "decode",
+    "merge_states",
     "force_kernel",
     "Generator",
     "default_generator",

@@ -43,11 +43,12 @@ def _precompile(args) -> int:
         except RuntimeError:
             archs = ["sm_80", "sm_90a"]  # no GPU: the two targets cuflash tunes for
     cache_dir = args.cache_dir or _compile.user_cache_dir()
-    variants = list(dict.fromkeys(precompile_variants(dtypes=_csv(args.dtypes),
-                                                      head_dims=_csv(args.head_dims, int))))
+    pairs = [(v, a) for a in archs
+             for v in dict.fromkeys(precompile_variants(dtypes=_csv(args.dtypes),
+                                                        head_dims=_csv(args.head_dims, int), arch=a))]
     src_hash = _compile.source_hash()
     start = time.perf_counter()
-    results = _compile.compile_many([(v, a) for a in archs for v in variants], args.threads)
+    results = _compile.compile_many(pairs, args.threads)
 
     header = ("family", "arch", "regs", "smem", "stack", "spill st/ld", "sec", "defines")
     rows, failed, notes = [], [], []

@@ -159,8 +159,9 @@ def default_family(dtype_name: str) -> str:
     return "fwd_simt" if dtype_name == "float32" else "fwd_sm80"
 
 
-def precompile_variants(dtypes=None, head_dims=None, families=None) -> list[Variant]:
-    """Variants worth compiling ahead of time: each dtype x head dim, plain and with every feature.
+def forward_precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
+    """Forward variants worth compiling ahead of time: each dtype x head dim, plain and with every
+    feature, for the portable families and (for sm_90a, or when ``arch`` is None) fwd_sm90.
 
     Parameters
     ----------
@@ -170,21 +171,50 @@ def precompile_variants(dtypes=None, head_dims=None, families=None) -> list[Vari
         Default: 64, 128, 256 (others compile on first use).
     families : sequence of str, optional
         Restrict to these kernel families.
+    arch : str, optional
+        Target architecture; fwd_sm90 is only built for sm_90a.
     """
     dtypes = tuple(dtypes or ("float16", "bfloat16", "float32"))
     head_dims = tuple(head_dims or (64, 128, 256))
     out = []
     for dtype_name in dtypes:
         dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
-        family = default_family(dtype_name)
-        if families is not None and family not in families:
-            continue
-        for d in head_dims:
-            for mods, dropout in ((False, False), (True, True)):
-                plan = forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout)
-                if plan.variant not in out:
-                    out.append(plan.variant)
+        candidates = [default_family(dtype_name)]
+        if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+            candidates.append("fwd_sm90")
+        for family in candidates:
+            if families is not None and family not in families:
+                continue
+            for d in head_dims:
+                if family == "fwd_sm90" and d > SM90_HEAD_DIMS[-1]:
+                    continue
+                for mods, dropout in ((False, False), (True, True)):
+                    plan = forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout)
+                    if plan.variant not in out:
+                        out.append(plan.variant)
     return out
+
+
+def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
+    """Every kernel family's variants worth compiling ahead of time (``python -m cuflash
+    precompile``, :func:`cuflash.precompile`): forward, decode and merge, backward."""
+    out = forward_precompile_variants(dtypes, head_dims, families, arch)
+    for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims)):
+        out += [v for v in more if v not in out and (families is None or v.family in families)]
+    return out
+
+
+def ci_variants() -> list[tuple[Variant, str]]:
+    """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
+    sm_90a only), forward at every default head dim, decode/merge and backward at D=128."""
+    pairs = []
+    for arch in ("sm_80", "sm_90a"):
+        variants = forward_precompile_variants(arch=arch)
+        for more in (decode_precompile_variants(("bfloat16", "float32"), (128,)),
+                     precompile_backward_variants(("bfloat16", "float32"), (128,))):
+            variants += [v for v in more if v not in variants]
+        pairs += [(v, arch) for v in variants]
+    return pairs
 
 
 # ============================================================================= Decode
@@ -299,6 +329,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
     from ._launch import PARAMS_DTYPE
     from .decode import DECODE_PARAMS_DTYPE  # sizes are static_asserted in the CUDA headers
 
+    # Resident CTAs per SM that shared memory allows (at most 4); the kernel's register budget
+    # (__launch_bounds__ minimum blocks) aims at the same number.
+    ctas_per_sm = max(1, min(4, smem_per_sm // (smem + _DECODE_SMEM_RESERVE)))
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
@@ -308,10 +341,10 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
         "CUFLASH_PAGED": int(bool(paged)),
         "CUFLASH_SCORE_MODS": int(bool(score_mods)),
         "CUFLASH_SMEM_BYTES": smem,
+        "CUFLASH_MIN_BLOCKS": ctas_per_sm,
         "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
         "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS_DTYPE.itemsize,
     }
-    ctas_per_sm = max(1, min(4, smem_per_sm // (smem + _DECODE_SMEM_RESERVE)))
     return DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
                       tiles.warps * tiles.keys_per_warp, 32 * tiles.warps, smem, kdim, ctas_per_sm)
 

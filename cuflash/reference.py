@@ -414,3 +414,181 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         out[rows] = o[0]
         lse[:, rows] = l[0]
     return out, lse
+
+
+# ----------------------------------------------------------------------------- merge, decode
+
+__all__ += ["decode", "merge_states"]
+
+
+def merge_states(outs, lses):
+    """Float64 reference for :func:`cuflash.merge_states`.
+
+    Parameters
+    ----------
+    outs : array (n, B, S, H, D) or a sequence of n arrays (B, S, H, D)
+        Attention outputs over n disjoint key sets, each normalised over its own keys.
+    lses : array (n, B, H, S) or a sequence of n arrays (B, H, S)
+        Their log-sum-exps.
+
+    Returns
+    -------
+    out : numpy.ndarray of float64, shape (B, S, H, D)
+        ``sum_i exp(lse_i - lse) * out_i`` over the parts with ``lse_i != -inf`` (a part that saw
+        no key contributes nothing, whatever its ``out_i`` holds); 0 for a row with no such part.
+    lse : numpy.ndarray of float64, shape (B, H, S)
+        ``log(sum_i exp(lse_i))``; ``-inf`` for a row whose parts are all ``-inf``. NaN propagates.
+    """
+    if isinstance(outs, (list, tuple)):
+        outs = np.stack([_to_float64(x, f"outs[{i}]") for i, x in enumerate(outs)])
+    else:
+        outs = _to_float64(outs, "outs")
+    if isinstance(lses, (list, tuple)):
+        lses = np.stack([_to_float64(x, f"lses[{i}]") for i, x in enumerate(lses)])
+    else:
+        lses = _to_float64(lses, "lses")
+    if outs.ndim != 5 or outs.shape[0] == 0:
+        raise ValueError(f"outs must be (n >= 1, B, S, H, D), got shape {outs.shape}")
+    n, b, s, h, _ = outs.shape
+    if lses.shape != (n, b, h, s):
+        raise ValueError(f"lses must have shape {(n, b, h, s)}, got {lses.shape}")
+    lse_t = np.moveaxis(lses, -1, -2)                                  # (n, B, S, H)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = lse_t.max(axis=0)                                          # NaN if any part is NaN
+        m_safe = np.where(m == -np.inf, 0.0, m)
+        seen = lse_t != -np.inf
+        w = np.where(seen, np.exp(lse_t - m_safe), 0.0)
+        total = w.sum(axis=0)
+        empty = total == 0
+        acc = np.where(seen[..., None], w[..., None] * outs, 0.0).sum(axis=0)
+        out = np.where(empty[..., None], 0.0, acc / np.where(empty, 1.0, total)[..., None])
+        lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, total)))
+    return out, np.moveaxis(lse, -1, -2)
+
+
+def _decode_sequences(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None,
+                      v_new=None, causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None,
+                      mask=None):
+    """Per-sequence attention problems of a decode call, in the inputs' own dtype.
+
+    Returns
+    -------
+    problems : list of dict
+        One per sequence b: ``q`` (1, Sq, Hq, D), ``k``, ``v`` (1, T_b, Hk, D) with
+        ``T_b = cache_seqlens[b] + S_new`` (the cached keys, then the appended ones), and
+        ``options`` for :func:`attention_forward` (causal bottom-right, the per-sequence ALiBi
+        slopes and mask).
+    k_after, v_after : numpy.ndarray
+        Copies of the caches with the new rows written at ``cache_seqlens``, as decode leaves them.
+    """
+    q, k_cache, v_cache = _host(q), _host(k_cache), _host(v_cache)
+    for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {x.shape}")
+    B, Sq, Hq, _ = q.shape
+    paged = block_table is not None
+    if paged:
+        table = _host(block_table).astype(np.int64)
+        page_size = k_cache.shape[1]
+        capacity = table.shape[1] * page_size
+    else:
+        capacity = k_cache.shape[1]
+    lens = (np.full(B, capacity, dtype=np.int64) if cache_seqlens is None
+            else _host(cache_seqlens).astype(np.int64).reshape(B))
+    k_after, v_after = k_cache.copy(), v_cache.copy()
+    s_new = 0
+    if k_new is not None:
+        k_new, v_new = _host(k_new), _host(v_new)
+        s_new = k_new.shape[1]
+
+    def positions(b, pos):
+        """Index of cache rows for positions ``pos`` of sequence b."""
+        if paged:
+            return table[b, pos // page_size], pos % page_size
+        return np.full_like(pos, b), pos
+
+    problems = []
+    mask_full = None
+    if mask is not None:
+        m = _host(mask)
+        if m.dtype != np.bool_:
+            raise TypeError(f"mask must be a bool array, got dtype {m.dtype}")
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        mask_full = np.broadcast_to(m, (B, Hq, Sq, m.shape[-1]))
+    slopes = None if alibi_slopes is None else _host(alibi_slopes)
+    for b in range(B):
+        if s_new:
+            idx = positions(b, lens[b] + np.arange(s_new))
+            k_after[idx] = k_new[b]
+            v_after[idx] = v_new[b]
+        total = int(lens[b]) + s_new
+        idx = positions(b, np.arange(total))
+        options = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+        if slopes is not None:
+            options["alibi_slopes"] = slopes[b] if slopes.ndim == 2 else slopes
+        if mask_full is not None:
+            cols = mask_full.shape[-1]
+            seq_mask = np.ones((1, Hq, Sq, total), dtype=bool)
+            if cols == 1:  # one column for every key
+                seq_mask &= mask_full[b:b + 1]
+            else:          # the columns cover the last `cols` keys
+                n = min(cols, total)
+                if n:
+                    seq_mask[..., total - n:] = mask_full[b:b + 1, ..., cols - n:]
+            options["mask"] = seq_mask
+        problems.append(dict(q=q[b:b + 1], k=k_after[idx][None], v=v_after[idx][None],
+                             options=options))
+    return problems, k_after, v_after
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
+           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None,
+           return_cache=False):
+    """Float64 reference for :func:`cuflash.decode`, built on :func:`attention_forward`.
+
+    For each sequence b it gathers the cached keys ``0 .. cache_seqlens[b] - 1`` (through
+    ``block_table`` for a paged cache), appends ``k_new[b]`` / ``v_new[b]``, and attends with the
+    queries aligned to the end of the keys (bottom-right, causal by default).
+
+    Parameters
+    ----------
+    q : array (B, Sq, Hq, D)
+    k_cache, v_cache : arrays (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D)
+    cache_seqlens : int array (B,), optional
+        Default: full capacity.
+    block_table : int array (B, max_pages), optional
+    k_new, v_new : arrays (B, S_new, Hk, D), optional
+    causal, window, softcap, alibi_slopes, scale
+        As in :func:`attention_forward`, per sequence (a (B, Hq) ``alibi_slopes`` row per sequence).
+    mask : bool array broadcastable to (B, Hq, Sq, M), optional
+        Its M columns cover the last M keys of each sequence (keys before are not masked); M = 1
+        covers every key.
+    return_cache : bool
+        Also return the caches as decode leaves them.
+
+    Returns
+    -------
+    out : numpy.ndarray of float64, shape (B, Sq, Hq, D)
+    lse : numpy.ndarray of float64, shape (B, Hq, Sq)
+        ``-inf`` (and out = 0) for rows that see no key.
+    k_after, v_after : numpy.ndarray, only if ``return_cache``
+        Copies of the caches (their dtype) with the appended rows written.
+    """
+    problems, k_after, v_after = _decode_sequences(
+        q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+        v_new=v_new, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        scale=scale, mask=mask)
+    B, Sq, Hq, D = _host(q).shape
+    out = np.zeros((B, Sq, Hq, v_after.shape[-1]))
+    lse = np.zeros((B, Hq, Sq))
+    for b, prob in enumerate(problems):
+        o, l = attention_forward(prob["q"], prob["k"], prob["v"], **prob["options"])
+        out[b], lse[b] = o[0], l[0]
+    return (out, lse, k_after, v_after) if return_cache else (out, lse)
+
+
+# ----------------------------------------------------------------------------- backward
+
+from ._reference_backward import attention_backward, attention_varlen_backward  # noqa: E402
+
+__all__ += ["attention_backward", "attention_varlen_backward"]

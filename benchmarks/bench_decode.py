@@ -1,0 +1,312 @@
+"""Decode benchmark: cuflash.decode's achieved memory bandwidth against the device's copy bandwidth.
+
+Decode (one new token per sequence against a long KV cache) reads every cached K/V byte once and
+does little arithmetic per byte: its ceiling is memory bandwidth. Shapes (issue #4): bf16,
+Hq = 32, Hk = 8 (GQA 4), D = 128, Sq = 1, (B, L) in (1, 32k), (8, 8k), (32, 4k), (1, 128k), with a
+contiguous cache (B, L, Hk, D) and a paged one (page 16, pages in random order).
+
+Columns:
+
+- ``cuflash us`` / ``GB/s`` / ``%copy``: the decode kernels alone (split-KV partial kernel + merge),
+  launched back to back from a validated call (``_prepare(...).launch()`` of cuflash/decode.py), so the
+  GPU time is measured, not Python's; GB/s = K+V bytes read (2 * B * L * Hk * D * 2) / time, and
+  %copy its fraction of the measured device-to-device copy bandwidth (``cupy.copyto`` of 1 GiB,
+  counting read + write bytes);
+- ``call us``: the whole ``cuflash.decode`` call (argument checks, host-side block table checks,
+  allocation, launches), back to back, with ``cache_seqlens`` / ``block_table`` given as NumPy so
+  that no device-to-host synchronisation happens;
+- ``flash`` / ``cudnn``: torch SDPA with the FLASH_ATTENTION / CUDNN_ATTENTION backend on the
+  contiguous cache (zero-copy BHSD views of the same memory, ``enable_gqa=True``; if the backend
+  refuses GQA, K/V are expanded to Hq heads beforehand and the column is marked ``*``), same q.
+  They read the full cache; their GB/s counts the same K+V bytes;
+- ``splits``: the split count the heuristic chose; ``maxdiff``: max |cuflash - float32 CuPy
+  attention| on the same inputs, a guard against a fast but wrong kernel;
+- ``bar``: the issue's targets, >= 80% of copy bandwidth at (8, 8k) and (1, 128k) contiguous,
+  >= 70% paged (page 16).
+
+Timing: CUDA events around N back-to-back calls (N sized so that a run takes about
+``--target-ms``), after warm-up (which also compiles), median of ``--repeats`` runs. The caches
+(128-512 MiB) are larger than L2, so no input rotation is needed.
+
+Examples
+--------
+    python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py --repeats 11 --md decode.md --csv decode.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+
+SHAPES = ((1, 32768), (8, 8192), (32, 4096), (1, 131072))
+HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+BARS = {("contiguous", 8, 8192): 0.80, ("contiguous", 1, 131072): 0.80,
+        **{("paged16", b, s): 0.70 for b, s in SHAPES}}
+
+COLUMNS = ["layout", "B", "L", "splits", "cuflash us", "GB/s", "%copy", "call us", "flash us", "flash GB/s",
+           "cudnn us", "cudnn GB/s", "maxdiff", "bar"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="cuflash decode bandwidth against copy bandwidth and torch SDPA.")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per point, median reported (default 7)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    p.add_argument("--target-ms", type=float, default=50.0, help="approximate length of one timed run (default 50)")
+    p.add_argument("--shapes", default=None, help="B:L pairs, e.g. 1:32768,8:8192 (default: the issue's four)")
+    p.add_argument("--layouts", default="contiguous,paged16", help="contiguous and/or paged16")
+    p.add_argument("--no-torch", action="store_true", help="skip torch SDPA even if importable")
+    p.add_argument("--csv", default=None, help="also write the rows as CSV")
+    p.add_argument("--md", default=None, help="also write the Markdown table to this file")
+    args = p.parse_args(argv)
+    if args.shapes:
+        args.shapes = [tuple(int(x) for x in pair.split(":")) for pair in args.shapes.split(",") if pair]
+    else:
+        args.shapes = list(SHAPES)
+    args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    return args
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+class Timer:
+    """Milliseconds per call of ``fn()``: CUDA events around N back-to-back calls, median of runs."""
+
+    def __init__(self, cupy, repeats, warmup, target_ms):
+        self.cp, self.repeats, self.warmup, self.target_ms = cupy, repeats, warmup, target_ms
+
+    def _run(self, fn, n):
+        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return self.cp.cuda.get_elapsed_time(start, end) / n
+
+    def median_ms(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        self.cp.cuda.get_current_stream().synchronize()
+        once = self._run(fn, 1)
+        n = int(min(1000, max(3, math.ceil(self.target_ms / max(once, 1e-3)))))
+        return statistics.median(self._run(fn, n) for _ in range(self.repeats))
+
+
+def copy_bandwidth(cupy, timer):
+    """Device-to-device copy bandwidth in GB/s, read + write bytes (the memory ceiling)."""
+    nbytes = 1 << 30
+    src = cupy.ones(nbytes // 4, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    ms = timer.median_ms(lambda: cupy.copyto(dst, src))
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
+def naive_decode(cupy, q, k, v):
+    """float32 attention of q (B, 1, Hq, D) over a contiguous cache (B, L, Hk, D): the correctness guard."""
+    b, _, hq, d = q.shape
+    hk = k.shape[2]
+    qf = q.astype(cupy.float32).reshape(b, hk, hq // hk, d)
+    out = cupy.empty((b, hk, hq // hk, d), dtype=cupy.float32)
+    for i in range(b):   # one sequence at a time bounds the float32 copies
+        kf, vf = k[i].astype(cupy.float32), v[i].astype(cupy.float32)          # (L, Hk, D)
+        s = cupy.einsum("hgd,lhd->hgl", qf[i], kf) / math.sqrt(d)
+        s -= s.max(axis=-1, keepdims=True)
+        p = cupy.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[i] = cupy.einsum("hgl,lhd->hgd", p, vf)
+    return out.reshape(b, 1, hq, d)
+
+
+def fmt(x, digits=1):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def markdown(rows, header):
+    lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = []
+        for c in COLUMNS:
+            v = r.get(c)
+            if c == "maxdiff":
+                cells.append("-" if v is None or math.isnan(v) else f"{v:.1e}")
+            elif c == "%copy":
+                cells.append("-" if v is None or math.isnan(v) else f"{100 * v:.0f}%")
+            else:
+                cells.append(fmt(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash.decode import _prepare
+
+    try:
+        n_dev = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        n_dev = 0
+    if n_dev == 0:
+        print("no CUDA GPU found: nothing to benchmark", file=sys.stderr)
+        return 1
+
+    torch = F = sdpa_kernel = SDPBackend = None
+    if not args.no_torch:
+        try:
+            import torch
+            import torch.nn.functional as F
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            if not torch.cuda.is_available():
+                log("torch has no CUDA: cuflash only")
+                torch = None
+        except ImportError as e:
+            log(f"torch not usable ({e}): cuflash only")
+            torch = None
+
+    stream = (cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None
+              else cupy.cuda.get_current_stream())
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    bf16 = cupy.dtype(ml_dtypes.bfloat16)
+    rows = []
+    with stream:
+        timer = Timer(cupy, args.repeats, args.warmup, args.target_ms)
+        copy_gbs = copy_bandwidth(cupy, timer)
+        cupy.get_default_memory_pool().free_all_blocks()
+        versions = f"cupy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
+        header = (f"**{name}** ({versions}); device copy bandwidth = {copy_gbs:.0f} GB/s (read + write). Decode "
+                  f"bf16, Sq = 1, Hq = {HEADS_Q}, Hk = {HEADS_K}, D = {HEAD_DIM}; median of {args.repeats} runs.")
+        log(header)
+        rng = np.random.default_rng(0)
+        for batch, seqlen in args.shapes:
+            kv_bytes = 2 * batch * seqlen * HEADS_K * HEAD_DIM * bf16.itemsize
+            q = cupy.random.standard_normal((batch, 1, HEADS_Q, HEAD_DIM), dtype=cupy.float32).astype(bf16)
+            k = cupy.random.standard_normal((batch, seqlen, HEADS_K, HEAD_DIM), dtype=cupy.float32).astype(bf16)
+            v = cupy.random.standard_normal((batch, seqlen, HEADS_K, HEAD_DIM), dtype=cupy.float32).astype(bf16)
+            reference = naive_decode(cupy, q, k, v)
+            out = cupy.empty_like(q)
+            torch_times = {}
+            if torch is not None:
+                torch_times = bench_sdpa(torch, F, sdpa_kernel, SDPBackend, timer, q, k, v, kv_bytes)
+            for layout in args.layouts:
+                if layout == "contiguous":
+                    kc, vc, table, lens = k, v, None, None
+                elif layout == "paged16":
+                    pages = batch * seqlen // PAGE_SIZE
+                    order = rng.permutation(pages).astype(np.int32)
+                    table = order.reshape(batch, seqlen // PAGE_SIZE)
+                    # Page p of sequence b holds its keys p*16 .. p*16+15, at a random place in the pool.
+                    kc = cupy.empty((pages, PAGE_SIZE, HEADS_K, HEAD_DIM), dtype=bf16)
+                    vc = cupy.empty_like(kc)
+                    # (scattered as uint16 bits: CuPy's bfloat16 is ml_dtypes', best kept to plain copies)
+                    pages_of = cupy.asarray(table)
+                    kc.view(cupy.uint16)[pages_of] = k.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K,
+                                                                                  HEAD_DIM)
+                    vc.view(cupy.uint16)[pages_of] = v.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K,
+                                                                                  HEAD_DIM)
+                    lens = np.full(batch, seqlen, dtype=np.int32)
+                else:
+                    raise SystemExit(f"unknown layout {layout!r}")
+                row = dict(layout=layout, B=batch, L=seqlen)
+                call = None
+                try:
+                    call = _prepare(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+                    row["splits"] = call.num_splits
+                    ms = timer.median_ms(call.launch)
+                    row["cuflash us"] = ms * 1e3
+                    row["GB/s"] = kv_bytes / (ms * 1e-3) / 1e9
+                    row["%copy"] = row["GB/s"] / copy_gbs
+                    row["call us"] = 1e3 * timer.median_ms(
+                        lambda: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out))
+                    call.launch()
+                    row["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
+                except Exception as e:  # report and go on: one broken point should not hide the others
+                    log(f"cuflash failed at {layout} B={batch} L={seqlen}: {type(e).__name__}: {e}")
+                for impl in ("flash", "cudnn"):
+                    t = torch_times.get(impl)
+                    if t is not None:
+                        row[f"{impl} us"] = t[0] * 1e3
+                        row[f"{impl} GB/s"] = f"{t[1]:.0f}" + ("*" if t[2] else "")
+                bar = BARS.get((layout, batch, seqlen))
+                if bar is not None and "%copy" in row:
+                    row["bar"] = f">={100 * bar:.0f}% " + ("PASS" if row["%copy"] >= bar else "FAIL")
+                rows.append(row)
+                log(" ".join(f"{c}={fmt(row.get(c), 3)}" for c in COLUMNS if c in row))
+                call = kc = vc = None   # drop the paged copies before the next layout
+            q = k = v = out = reference = None
+            cupy.get_default_memory_pool().free_all_blocks()
+            if torch is not None:
+                torch.cuda.empty_cache()
+
+    table_md = markdown(rows, header)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w.writeheader()
+            for r in rows:
+                w.writerow({c: r.get(c, "") for c in COLUMNS})
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table_md + "\n")
+    print()
+    print(table_md, flush=True)
+    return 0
+
+
+def bench_sdpa(torch, F, sdpa_kernel, SDPBackend, timer, q, k, v, kv_bytes):
+    """{backend: (ms, GB/s, expanded)} for SDPA flash and cuDNN on the contiguous cache."""
+    import cupy
+
+    tq = torch.from_dlpack(q).transpose(1, 2)            # (B, Hq, 1, D)
+    tk = torch.from_dlpack(k).transpose(1, 2)            # (B, Hk, L, D), a view of the cache
+    tv = torch.from_dlpack(v).transpose(1, 2)
+    results = {}
+    for impl, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        expanded = False
+
+        def run_gqa():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+
+        fn = run_gqa
+        try:
+            run_gqa()
+        except Exception:
+            group = tq.shape[1] // tk.shape[1]
+            try:
+                ek, ev = tk.repeat_interleave(group, dim=1), tv.repeat_interleave(group, dim=1)
+            except Exception as e:
+                log(f"torch {impl}: cannot expand K/V ({type(e).__name__}: {e})")
+                continue
+
+            def run_expanded(ek=ek, ev=ev):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(tq, ek, ev)
+
+            fn, expanded = run_expanded, True
+        try:
+            ms = timer.median_ms(fn)
+            results[impl] = (ms, kv_bytes / (ms * 1e-3) / 1e9, expanded)
+        except Exception as e:
+            log(f"torch {impl} failed: {type(e).__name__}: {e}")
+        cupy.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())

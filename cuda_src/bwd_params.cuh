@@ -1,0 +1,62 @@
+// The parameter struct of the backward kernels (bwd_preprocess, bwd_sm80, bwd_simt, bwd_convert),
+// passed by value.
+//
+// It starts with the forward's FwdParams, so that the score pipeline of mask.cuh (and SeqInfo)
+// serves the backward unchanged: q, k, v, o (= the forward's out), lse, the score operands, the
+// window, the scale and the dropout state mean there exactly what they meant in the forward.
+//
+// cuflash/_launch.py mirrors this layout as BWD_PARAMS_DTYPE (align=True); the size it computes
+// arrives as CUFLASH_BWD_PARAMS_SIZE and is checked below. Order after `fwd`: 8-byte fields, then
+// 4-byte fields, so that C and NumPy pad alike.
+#pragma once
+#include "params.cuh"
+
+namespace cuflash {
+
+struct BwdParams {
+    FwdParams fwd;
+
+    const void* dout;        // dO, the layout of o (strides below)
+    float* dq_accum;         // float32 dQ / scale, accumulated with atomics; nullptr: deterministic dQ pass
+    void* dq;                // elem_t dQ, written by the dQ pass (deterministic mode)
+    void* dk;                // elem_t dK (dkv_partial = 0) or float32 partial sums (dkv_partial = 1)
+    void* dv;
+    float* lse2;             // (B, Hq, seqlen_q_pad): lse * log2(e); +inf for rows with no key and pad rows
+    float* dsum;             // (B, Hq, seqlen_q_pad): D = rowsum(dO * O); 0 for pad rows
+    float* dbias;            // float32 dL/ds (B, Hq, Sq, Sk) when the caller wants dbias, else nullptr
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dqa_batch_stride, dqa_row_stride, dqa_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long dbias_batch_stride, dbias_head_stride, dbias_row_stride;   // columns are contiguous
+
+    int seqlen_q_pad;        // rows per (b, h) of lse2/dsum: a multiple of every backward block size
+    int heads_per_cta;       // query heads whose dK/dV one CTA sums (divides Hq / Hk)
+    int dkv_partial;         // 1: dk/dv hold float32 partial sums, head index = query head / heads_per_cta
+    int pad_;
+};
+
+// Elementwise float32 -> element type conversion with a scale and a fixed-order sum over partial
+// buffers: dQ from dq_accum, and dK/dV from per-head-chunk partials (GQA split over CTAs).
+//   dst[r, h, d] = scale * sum_{s < num_partials} src[s * partial_stride + r * src_row_stride
+//                                                     + h * src_head_stride + d]
+struct ConvertParams {
+    const float* src;
+    void* dst;
+    long long partial_stride;
+    long long src_row_stride, src_head_stride;
+    long long dst_row_stride, dst_head_stride;
+    int rows, heads, head_dim, num_partials;
+    float scale;
+    int pad_;
+};
+
+#ifdef CUFLASH_BWD_PARAMS_SIZE
+static_assert(sizeof(BwdParams) == CUFLASH_BWD_PARAMS_SIZE, "BwdParams differs from cuflash/_launch.py");
+#endif
+#ifdef CUFLASH_CONVERT_PARAMS_SIZE
+static_assert(sizeof(ConvertParams) == CUFLASH_CONVERT_PARAMS_SIZE, "ConvertParams differs from cuflash/_launch.py");
+#endif
+
+}  // namespace cuflash

@@ -1,0 +1,74 @@
+// Backward preprocessing, one thread octet per query row:
+//   dsum[b, h, i] = D_i = rowsum(dO_i * O_i)   (float32; the dS = P (dP - D) term of every backward pass)
+//   lse2[b, h, i] = lse_i * log2(e)            (the passes exponentiate in base 2)
+// in a layout padded to seqlen_q_pad rows per (sequence, head), so that the passes read whole tiles
+// without bounds checks. A row that sees no key (lse = -inf) and every pad row get lse2 = +inf,
+// which makes their P exactly 0 (2^(s - inf)) instead of NaN; pad rows get D = 0.
+//
+// Grid: (seqlen_q_pad / 16, Hq, B), 128 threads. Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32).
+#include "common.cuh"
+#include "params.cuh"
+#include "bwd_params.cuh"
+#include "mask.cuh"
+#include "bwd_common.cuh"
+
+namespace cuflash {
+
+// Dot product of two 16-byte chunks of elem_t, in float32.
+template <typename T> __device__ __forceinline__ float dot_chunk(uint4 a, uint4 b);
+
+template <> __device__ __forceinline__ float dot_chunk<float>(uint4 a, uint4 b) {
+    float acc = __uint_as_float(a.x) * __uint_as_float(b.x);
+    acc = fmaf(__uint_as_float(a.y), __uint_as_float(b.y), acc);
+    acc = fmaf(__uint_as_float(a.z), __uint_as_float(b.z), acc);
+    return fmaf(__uint_as_float(a.w), __uint_as_float(b.w), acc);
+}
+
+template <typename T>
+__device__ __forceinline__ float dot_pair(unsigned a, unsigned b) {
+    const float a0 = to_float(T{static_cast<unsigned short>(a & 0xffffu)});
+    const float a1 = to_float(T{static_cast<unsigned short>(a >> 16)});
+    const float b0 = to_float(T{static_cast<unsigned short>(b & 0xffffu)});
+    const float b1 = to_float(T{static_cast<unsigned short>(b >> 16)});
+    return fmaf(a1, b1, a0 * b0);
+}
+
+template <> __device__ __forceinline__ float dot_chunk<half_t>(uint4 a, uint4 b) {
+    return dot_pair<half_t>(a.x, b.x) + dot_pair<half_t>(a.y, b.y) + dot_pair<half_t>(a.z, b.z) +
+           dot_pair<half_t>(a.w, b.w);
+}
+template <> __device__ __forceinline__ float dot_chunk<bfloat16_t>(uint4 a, uint4 b) {
+    return dot_pair<bfloat16_t>(a.x, b.x) + dot_pair<bfloat16_t>(a.y, b.y) + dot_pair<bfloat16_t>(a.z, b.z) +
+           dot_pair<bfloat16_t>(a.w, b.w);
+}
+
+__device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
+    const FwdParams& p = bp.fwd;
+    const SeqInfo s = make_seq_info(p, blockIdx.z, blockIdx.y);
+    const int i = blockIdx.x * 16 + threadIdx.x / 8, lane8 = threadIdx.x % 8;
+    constexpr int kPerChunk = 16 / sizeof(elem_t);
+    float acc = 0.f;
+    if (i < s.seqlen_q) {
+        const elem_t* o = static_cast<const elem_t*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
+                          (s.q_row0 + i) * p.o_row_stride;
+        const elem_t* d_o = static_cast<const elem_t*>(bp.dout) + s.b * bp.do_batch_stride + s.h * bp.do_head_stride +
+                            (s.q_row0 + i) * bp.do_row_stride;
+        for (int c = lane8 * kPerChunk; c < p.head_dim; c += 8 * kPerChunk)
+            acc += dot_chunk<elem_t>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d_o + c));
+    }
+#pragma unroll
+    for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (lane8 == 0) {
+        const long long idx = bwd_row_index(bp, s.b, s.h, i);
+        const float lse = i < s.seqlen_q ? p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i]
+                                         : -CUFLASH_INF;
+        bp.dsum[idx] = acc;
+        bp.lse2[idx] = lse == -CUFLASH_INF ? CUFLASH_INF : lse * kLog2e;
+    }
+}
+
+}  // namespace cuflash
+
+extern "C" __global__ void __launch_bounds__(128) cuflash_bwd_preprocess(const cuflash::BwdParams p) {
+    cuflash::bwd_preprocess(p);
+}

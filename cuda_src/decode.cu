@@ -1,0 +1,651 @@
+// Decode attention: a few new query tokens against a long KV cache (contiguous or paged), split-KV.
+//
+// One CTA handles one (sequence b, kv head, row block, split). Its rows are the packed query rows
+// r = i * group + (h % group) of the query heads that share kv head h / group (GQA: each K/V byte is
+// read once per group, not once per query head), kBlockM of them per row block; its keys are the
+// split's share of the keys those rows may see. K/V tiles of kBlockN keys stream through a
+// kStages-deep cp.async pipeline (paged caches translate each key to its page through block_table).
+// Every warp takes its own kKeysPerWarp keys of a tile and keeps its own online softmax (base 2, as
+// online_softmax.cuh), so the warps never wait on each other inside the loop; their states are
+// combined through shared memory at the end. Per warp and tile:
+//     S = Q K^T  ->  score pipeline / masks (mask.cuh)  ->  online softmax  ->  O += P V.
+// The result is the final output and lse (num_splits == 1) or a float32 partial (o, lse) per split,
+// which cuda_src/merge.cu combines.
+//
+// Appended tokens (k_new / v_new) are keys cache_len .. cache_len + seqlen_new - 1 of the sequence.
+// Every CTA reads them from k_new / v_new, and the CTAs of split 0, row block 0 also write them into
+// the cache; since no CTA reads the cache at those positions (cuflash/decode.py checks that no
+// sequence's visible cache slots are append targets), writing and reading in one launch is race free.
+//
+// Two code paths share everything but the tile arithmetic:
+//   fp16/bf16: mma.sync m16n8k16 (mma_sm80.cuh), kBlockM = 16 rows (padded), 16 keys per warp step;
+//   float32:   FFMA, kBlockM = 8 rows, kKeysPerWarp keys per warp step with 32 / kKeysPerWarp lanes
+//              per key for S = Q K^T and float4 columns of O per lane for O += P V.
+//
+// Compile-time configuration (set by cuflash/_heuristics.py): CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
+// CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED,
+// CUFLASH_SCORE_MODS (softcap / ALiBi / mask possible), CUFLASH_MIN_BLOCKS (CTAs per SM the shared
+// memory allows; the register budget aims at it). Lengths, splits, page size are run-time.
+#include "common.cuh"
+#include "params.cuh"
+#include "decode_params.cuh"
+#include "mask.cuh"
+#include "online_softmax.cuh"
+#include "mma_sm80.cuh"
+
+namespace cuflash {
+
+template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, bool kScoreMods_>
+struct DecodeConfig {
+    static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kKeysPerWarp = kKeysPerWarp_;
+    static constexpr int kStages = kStages_;
+    static constexpr bool kPaged = kPaged_, kScoreMods = kScoreMods_;
+    static constexpr bool kSimt = sizeof(elem_t) == 4;
+    static constexpr int kNThreads = 32 * kNWarps;
+    static constexpr int kBlockM = kSimt ? 8 : 16;                 // packed query rows per CTA
+    static constexpr int kBlockN = kNWarps * kKeysPerWarp;         // keys per pipeline stage
+    static constexpr int kChunkElems = 16 / int(sizeof(elem_t));   // elements per 16-byte copy
+    static constexpr int kChunksPerRow = kHeadDim / kChunkElems;
+    static constexpr int kTileElems = kBlockN * kHeadDim;          // one K (or V) tile
+    static constexpr int kLanesPerKey = 32 / kKeysPerWarp;         // float32 path: lanes sharing a key's dot
+    static constexpr bool kQInRegs = !kSimt && kHeadDim <= 128;    // Q fragments fit beside the O accumulators
+    // Copies unrolled per loop step: all of them, except beside the large O accumulators of head dims
+    // above 128, where fully unrolled address arithmetic would crowd the 255-register budget.
+    static constexpr int kLoadIters = kBlockN * kChunksPerRow / kNThreads;
+    static constexpr int kLoadUnroll = kHeadDim > 128 && kLoadIters % 4 == 0 ? 4 : kLoadIters;
+    // End-of-loop combine buffer (reuses the K/V stages): per warp its O rows, then m, l, weights, lse.
+    static constexpr int kCombStride = kHeadDim + 8;               // floats; float2 stores conflict-free
+    static constexpr int kCombFloats = kNWarps * kBlockM * kCombStride + 3 * kNWarps * kBlockM + kBlockM;
+    static constexpr int kPFloats = kSimt ? kNWarps * kBlockM * kKeysPerWarp : 0;   // float32 P per warp
+    static constexpr int kSmemBytes =
+        (kBlockM * kHeadDim + 2 * kStages * kTileElems) * int(sizeof(elem_t)) + 4 * kPFloats;
+
+    static_assert(kStages >= 2, "the pipeline needs at least two stages");
+    static_assert(kSimt || (kKeysPerWarp == 16 && kHeadDim % 64 == 0), "mma path: 16 keys per warp, swizzle");
+    static_assert(!kSimt || (kHeadDim % 128 == 0 && 32 % kKeysPerWarp == 0 && kKeysPerWarp <= 16 &&
+                             (kHeadDim / 4) % kLanesPerKey == 0),
+                  "float32 path: float4 columns per lane, whole lane groups per key");
+    static_assert((kBlockN * kChunksPerRow) % kNThreads == 0, "every thread copies the same number of chunks");
+    static_assert(kCombFloats * 4 <= 2 * kStages * kTileElems * int(sizeof(elem_t)),
+                  "the combine buffer must fit in the K/V stages it reuses");
+};
+
+// Element offset of (row, col) inside a K/V tile; col is the first column of a 16-byte chunk.
+template <class C>
+__device__ __forceinline__ int tile_offset(int row, int col) {
+    if constexpr (C::kSimt) {
+        // float4 chunks XORed with (row * kLanesPerKey) % 8: one LDS.128 phase (8 lanes) reads
+        // kLanesPerKey consecutive chunks of 8 / kLanesPerKey key rows in S = Q K^T, or 8 chunks of one
+        // row in P V; either way 8 distinct bank groups.
+        return row * C::kHeadDim + ((((col >> 2) ^ ((row * C::kLanesPerKey) & 7))) << 2);
+    } else {
+        return swizzled<C::kHeadDim>(row, col);
+    }
+}
+
+// One (sequence, kv head) as the CTA sees it.
+struct DecodeSeq {
+    SeqInfo s;               // b, h_kv, seqlen_q = Sq, seqlen_k = cache_len + seqlen_new, diag
+    int cache_len;           // keys held by the cache before the append
+    elem_t* k_cache;         // at kv head h_kv (and at sequence b for a contiguous cache)
+    elem_t* v_cache;
+    const elem_t* k_new;     // at (b, h_kv); only read for keys >= cache_len
+    const elem_t* v_new;
+    const int* pages;        // block_table row of b (paged only)
+};
+
+// Offsets (elements, from DecodeSeq::k_cache / v_cache) of cache position pos.
+template <class C>
+__device__ __forceinline__ void cache_offsets(const DecodeParams& p, const DecodeSeq& sq, int pos, long long* k_off,
+                                              long long* v_off) {
+    if constexpr (C::kPaged) {
+        const int page_idx = pos / p.page_size;
+        const long long page = __ldg(sq.pages + page_idx);
+        const long long slot = pos - page_idx * p.page_size;
+        *k_off = page * p.k_batch_stride + slot * p.k_row_stride;
+        *v_off = page * p.v_batch_stride + slot * p.v_row_stride;
+    } else {
+        *k_off = pos * p.k_row_stride;
+        *v_off = pos * p.v_row_stride;
+    }
+}
+
+// K and V rows j0 .. j0 + kBlockN - 1 into one stage; rows at or past j_end and columns past head_dim
+// are zero-filled, never read (cache slots past cache_seqlens cannot leak into a result).
+template <class C>
+__device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, const DecodeParams& p,
+                                             const DecodeSeq& sq, int j0, int j_end) {
+    constexpr int kRowStep = C::kNThreads / C::kChunksPerRow;
+    if constexpr (!C::kPaged && C::kNThreads % C::kChunksPerRow == 0) {
+        // Most tiles of a contiguous cache lie wholly inside the cached keys: each thread walks down
+        // its column with one pointer per tensor, a constant stride per step (no per-row checks).
+        if (j0 + C::kBlockN <= min(sq.cache_len, j_end)) {
+            const int r = threadIdx.x / C::kChunksPerRow, c = (threadIdx.x % C::kChunksPerRow) * C::kChunkElems;
+            const bool valid = c < p.head_dim;
+            const elem_t* k_src = valid ? sq.k_cache + (j0 + r) * p.k_row_stride + c : sq.k_cache;
+            const elem_t* v_src = valid ? sq.v_cache + (j0 + r) * p.v_row_stride + c : sq.v_cache;
+            const long long k_step = valid ? kRowStep * p.k_row_stride : 0;
+            const long long v_step = valid ? kRowStep * p.v_row_stride : 0;
+#pragma unroll C::kLoadUnroll
+            for (int it = 0; it < C::kLoadIters; ++it) {
+                const int off = tile_offset<C>(r + it * kRowStep, c);
+                cp_async_16(k_tile + off, k_src, valid);
+                cp_async_16(v_tile + off, v_src, valid);
+                k_src += k_step;
+                v_src += v_step;
+            }
+            return;
+        }
+    }
+#pragma unroll C::kLoadUnroll
+    for (int it = 0; it < C::kLoadIters; ++it) {
+        const int idx = threadIdx.x + it * C::kNThreads;
+        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
+        const int j = j0 + r;
+        const bool valid = j < j_end && c < p.head_dim;
+        const elem_t* k_src = sq.k_cache;
+        const elem_t* v_src = sq.v_cache;
+        if (valid) {
+            if (j < sq.cache_len) {
+                long long k_off, v_off;
+                cache_offsets<C>(p, sq, j, &k_off, &v_off);
+                k_src += k_off + c;
+                v_src += v_off + c;
+            } else {   // an appended token: read from k_new / v_new, not from the slot being written
+                const long long t = j - sq.cache_len;
+                k_src = sq.k_new + t * p.k_new_row_stride + c;
+                v_src = sq.v_new + t * p.v_new_row_stride + c;
+            }
+        }
+        const int off = tile_offset<C>(r, c);
+        cp_async_16(k_tile + off, k_src, valid);
+        cp_async_16(v_tile + off, v_src, valid);
+    }
+}
+
+// The CTA's packed query rows; rows past Sq * group and columns past head_dim are zero-filled.
+template <class C>
+__device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& p, int b, int h_kv, int row0,
+                                            int rows_total) {
+    for (int idx = threadIdx.x; idx < C::kBlockM * C::kChunksPerRow; idx += C::kNThreads) {
+        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
+        const int pr = row0 + r;
+        const bool valid = pr < rows_total && c < p.head_dim;
+        const elem_t* src = static_cast<const elem_t*>(p.q);
+        if (valid) {
+            const int i = pr / p.group, h = h_kv * p.group + pr % p.group;
+            src += b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + c;
+        }
+        int off;
+        if constexpr (C::kSimt) off = r * C::kHeadDim + c;   // read as broadcasts: no swizzle needed
+        else off = swizzled<C::kHeadDim>(r, c);
+        cp_async_16(q_tile + off, src, valid);
+    }
+}
+
+// k_new / v_new rows into the cache at cache_len + t (16-byte vectors; alignment checked by the host).
+template <class C>
+__device__ __forceinline__ void append_new_rows(const DecodeParams& p, const DecodeSeq& sq) {
+    const int chunks = p.head_dim / C::kChunkElems;
+    for (int idx = threadIdx.x; idx < p.seqlen_new * chunks; idx += C::kNThreads) {
+        const int t = idx / chunks, c = (idx % chunks) * C::kChunkElems;
+        long long k_off, v_off;
+        cache_offsets<C>(p, sq, sq.cache_len + t, &k_off, &v_off);
+        *reinterpret_cast<uint4*>(sq.k_cache + k_off + c) =
+            *reinterpret_cast<const uint4*>(sq.k_new + t * p.k_new_row_stride + c);
+        *reinterpret_cast<uint4*>(sq.v_cache + v_off + c) =
+            *reinterpret_cast<const uint4*>(sq.v_new + t * p.v_new_row_stride + c);
+    }
+}
+
+// Score of query i (head h) and key j: log2 units on the score-modifier path (mask.cuh's
+// modified_score, then decode's mask), otherwise the raw q.k that the softmax scales itself.
+// -inf where hidden: padding rows (i < 0), keys of the next split (j >= key_end), the window, the mask.
+// The decode mask's columns line up with the last mask_keys keys of the sequence (the new tokens of
+// a tree mask); keys before them are not masked. mask_keys == 0: a single column for every key.
+template <class C>
+__device__ __forceinline__ float decode_score(const DecodeParams& p, const DecodeSeq& sq, float qk, int i, int h,
+                                              int j, int key_end) {
+    if (i < 0 || j >= key_end) return -CUFLASH_INF;
+    if constexpr (C::kScoreMods) {
+        SeqInfo s = sq.s;
+        s.h = h;
+        float x = modified_score(p.score, s, qk, i, j);
+        if (p.mask != nullptr) {
+            const int col = p.mask_keys == 0 ? 0 : j - (s.seqlen_k - p.mask_keys);
+            if (col >= 0 && !p.mask[s.b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride +
+                                    col * p.mask_col_stride])
+                x = -CUFLASH_INF;
+        }
+        return x * kLog2e;
+    } else {
+        return in_window(p.score, sq.s, i, j) ? qk : -CUFLASH_INF;
+    }
+}
+
+// ------------------------------------------------------------------------------ fp16/bf16: mma.sync
+
+// A warp's running state: O for the CTA's 16 rows (this thread's fragments) and the online softmax.
+template <class C>
+struct MmaWarpState {
+    float acc_o[C::kHeadDim / 8][4];
+    OnlineSoftmax<1> softmax;
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int di = 0; di < C::kHeadDim / 8; ++di)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[di][e] = 0.f;
+        softmax.init();
+    }
+};
+
+// The warp's 16 keys of one stage. key0: their first row in the tile; j_warp: the first key's index.
+// rows_i / rows_h: query index and head of this thread's rows g and g + 8 (-1: padding).
+template <class C>
+__device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
+                                              const unsigned (&q_frag)[C::kQInRegs ? C::kHeadDim / 16 : 1][4],
+                                              unsigned q_tile, unsigned k_tile, unsigned v_tile,
+                                              const SwizzledLanes<C::kHeadDim>& q_lanes,
+                                              const SwizzledLanes<C::kHeadDim>& k_lanes,
+                                              const SwizzledLanes<C::kHeadDim>& v_lanes, int key0, int j_warp,
+                                              bool masked, const DecodeParams& p, const DecodeSeq& sq,
+                                              int key_end, const int (&rows_i)[2], const int (&rows_h)[2]) {
+    const int t = threadIdx.x % 4;
+    // S = Q K^T for 16 rows x 16 keys.
+    float acc_s[1][2][4];
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[0][ni][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+        unsigned qf[4];
+        if constexpr (C::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qf[e] = q_frag[kk][e];
+        } else {
+            ldmatrix_x4(qf, q_lanes.at(q_tile, kk, 0));
+        }
+        unsigned kf[4];
+        ldmatrix_x4(kf, k_lanes.at(k_tile, kk, key0));
+        mma_16816<elem_t>(acc_s[0][0], qf, kf[0], kf[1]);
+        mma_16816<elem_t>(acc_s[0][1], qf, kf[2], kf[3]);
+    }
+
+    // Only tiles on a window edge, the split's end or with score modifiers pay for per-element work.
+    if (C::kScoreMods || masked) {
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = j_warp + ni * 8 + 2 * t + (e % 2);
+                acc_s[0][ni][e] = decode_score<C>(p, sq, acc_s[0][ni][e], rows_i[e / 2], rows_h[e / 2], j, key_end);
+            }
+    }
+
+    float correction[2];
+    st.softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.score.scale_log2);
+#pragma unroll
+    for (int di = 0; di < C::kHeadDim / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st.acc_o[di][e] *= correction[e / 2];
+
+    // O += P V with P straight from the S accumulators (their layout is the A layout).
+    unsigned p_frag[4];
+    p_frag[0] = pack2<elem_t>(acc_s[0][0][0], acc_s[0][0][1]);
+    p_frag[1] = pack2<elem_t>(acc_s[0][0][2], acc_s[0][0][3]);
+    p_frag[2] = pack2<elem_t>(acc_s[0][1][0], acc_s[0][1][1]);
+    p_frag[3] = pack2<elem_t>(acc_s[0][1][2], acc_s[0][1][3]);
+#pragma unroll
+    for (int dj = 0; dj < C::kHeadDim / 16; ++dj) {
+        unsigned vf[4];
+        ldmatrix_x4_trans(vf, v_lanes.at(v_tile, dj, key0));
+        mma_16816<elem_t>(st.acc_o[2 * dj], p_frag, vf[0], vf[1]);
+        mma_16816<elem_t>(st.acc_o[2 * dj + 1], p_frag, vf[2], vf[3]);
+    }
+}
+
+// The warp's O rows, row maxima and full row sums into the combine buffer.
+template <class C>
+__device__ __forceinline__ void mma_warp_store(MmaWarpState<C>& st, float* comb, float* warp_m, float* warp_l) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = g + 8 * half;
+        float* dst = comb + (warp * C::kBlockM + row) * C::kCombStride + 2 * t;
+#pragma unroll
+        for (int di = 0; di < C::kHeadDim / 8; ++di)
+            *reinterpret_cast<float2*>(dst + di * 8) = make_float2(st.acc_o[di][2 * half], st.acc_o[di][2 * half + 1]);
+        const float row_sum = quad_sum(st.softmax.l[half]);
+        if (t == 0) {
+            warp_m[warp * C::kBlockM + row] = st.softmax.m[half];
+            warp_l[warp * C::kBlockM + row] = row_sum;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ float32: FFMA
+
+template <class C>
+struct SimtWarpState {
+    static constexpr int kCols = C::kHeadDim / 128;   // float4 columns of O per lane: 4 * (lane + 32 c)
+    float m[C::kBlockM];                             // running row maximum (raw scores), warp-uniform
+    float l[C::kBlockM];                             // this lane's share of the row sums
+    float4 acc[C::kBlockM][kCols];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < C::kBlockM; ++r) {
+            m[r] = -CUFLASH_INF;
+            l[r] = 0.f;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) acc[r][c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+};
+
+// The warp's kKeysPerWarp keys of one stage. Lane = key * kLanesPerKey + part: the part's float4
+// columns of the key's dot products, summed over the key's lanes; then the online softmax per row,
+// P through shared memory (p_warp: [kBlockM][kKeysPerWarp]) and O += P V on the lane's columns.
+template <class C>
+__device__ __forceinline__ void simt_warp_tile(SimtWarpState<C>& st, const float* q_tile, const float* k_tile,
+                                               const float* v_tile, float* p_warp, int key0, int j_warp,
+                                               bool masked, const DecodeParams& p, const DecodeSeq& sq,
+                                               int key_end, const int* row_query, const int* row_head) {
+    constexpr int kLpk = C::kLanesPerKey, kKeys = C::kKeysPerWarp;
+    const int lane = threadIdx.x % 32;
+    const int kw = lane / kLpk, part = lane % kLpk;
+    const int key_row = key0 + kw;
+
+    float s[C::kBlockM];
+#pragma unroll
+    for (int r = 0; r < C::kBlockM; ++r) s[r] = 0.f;
+#pragma unroll
+    for (int it = 0; it < C::kHeadDim / 4 / kLpk; ++it) {
+        const int col = 4 * (part + kLpk * it);
+        const float4 kv = *reinterpret_cast<const float4*>(k_tile + tile_offset<C>(key_row, col));
+#pragma unroll
+        for (int r = 0; r < C::kBlockM; ++r) {
+            const float4 qv = *reinterpret_cast<const float4*>(q_tile + r * C::kHeadDim + col);
+            s[r] = fmaf(qv.x, kv.x, s[r]);
+            s[r] = fmaf(qv.y, kv.y, s[r]);
+            s[r] = fmaf(qv.z, kv.z, s[r]);
+            s[r] = fmaf(qv.w, kv.w, s[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < C::kBlockM; ++r)
+#pragma unroll
+        for (int off = 1; off < kLpk; off *= 2) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
+
+    const int j = j_warp + kw;
+    if (C::kScoreMods || masked) {
+#pragma unroll
+        for (int r = 0; r < C::kBlockM; ++r) s[r] = decode_score<C>(p, sq, s[r], row_query[r], row_head[r], j, key_end);
+    }
+
+    // Online softmax, as OnlineSoftmax::update but over the warp's keys (one per lane group).
+    const float scale_log2 = C::kScoreMods ? 1.f : p.score.scale_log2;
+#pragma unroll
+    for (int r = 0; r < C::kBlockM; ++r) {
+        float m_new = s[r];
+#pragma unroll
+        for (int off = kLpk; off < 32; off *= 2) m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, off));
+        m_new = fmaxf(m_new, st.m[r]);
+        // A row that has seen only masked keys keeps m = -inf: subtract 0 so that p = 0, not NaN.
+        const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
+        const float correction = fast_exp2(st.m[r] * scale_log2 - m_scaled);
+        st.m[r] = m_new;
+        const float prob = fast_exp2(fmaf(s[r], scale_log2, -m_scaled));
+        st.l[r] = st.l[r] * correction + (part == 0 ? prob : 0.f);
+#pragma unroll
+        for (int c = 0; c < SimtWarpState<C>::kCols; ++c) {
+            st.acc[r][c].x *= correction;
+            st.acc[r][c].y *= correction;
+            st.acc[r][c].z *= correction;
+            st.acc[r][c].w *= correction;
+        }
+        if (part == 0) p_warp[r * kKeys + kw] = prob;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < kKeys; ++k) {
+        float4 v[SimtWarpState<C>::kCols];
+#pragma unroll
+        for (int c = 0; c < SimtWarpState<C>::kCols; ++c)
+            v[c] = *reinterpret_cast<const float4*>(v_tile + tile_offset<C>(key0 + k, 4 * (lane + 32 * c)));
+#pragma unroll
+        for (int r = 0; r < C::kBlockM; ++r) {
+            const float pr = p_warp[r * kKeys + k];
+#pragma unroll
+            for (int c = 0; c < SimtWarpState<C>::kCols; ++c) {
+                st.acc[r][c].x = fmaf(pr, v[c].x, st.acc[r][c].x);
+                st.acc[r][c].y = fmaf(pr, v[c].y, st.acc[r][c].y);
+                st.acc[r][c].z = fmaf(pr, v[c].z, st.acc[r][c].z);
+                st.acc[r][c].w = fmaf(pr, v[c].w, st.acc[r][c].w);
+            }
+        }
+    }
+    __syncwarp();   // p_warp is rewritten by the next tile
+}
+
+template <class C>
+__device__ __forceinline__ void simt_warp_store(SimtWarpState<C>& st, float* comb, float* warp_m, float* warp_l) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int r = 0; r < C::kBlockM; ++r) {
+        float row_sum = st.l[r];
+#pragma unroll
+        for (int off = 1; off < 32; off *= 2) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, off);
+        if (lane == 0) {
+            warp_m[warp * C::kBlockM + r] = st.m[r];
+            warp_l[warp * C::kBlockM + r] = row_sum;
+        }
+        float* dst = comb + (warp * C::kBlockM + r) * C::kCombStride;
+#pragma unroll
+        for (int c = 0; c < SimtWarpState<C>::kCols; ++c)
+            *reinterpret_cast<float4*>(dst + 4 * (lane + 32 * c)) = st.acc[r][c];
+    }
+}
+
+// ------------------------------------------------------------------------------ the kernel
+
+// The type of one of two paths (no <type_traits> under NVRTC); the other is never instantiated.
+template <bool kFirst, class A, class B> struct Select { using type = A; };
+template <class A, class B> struct Select<false, A, B> { using type = B; };
+
+template <class C>
+__device__ __forceinline__ void decode_attention(const DecodeParams& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    __shared__ int row_query[C::kBlockM];   // query index i of each packed row, -1 for padding
+    __shared__ int row_head[C::kBlockM];    // its query head
+    elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
+    elem_t* kv_smem = q_smem + C::kBlockM * C::kHeadDim;   // [kStages][K, V][kBlockN][kHeadDim]
+    float* p_smem = reinterpret_cast<float*>(kv_smem + 2 * C::kStages * C::kTileElems);   // float32 path
+
+    const int row_block = blockIdx.x % p.row_blocks, split = blockIdx.x / p.row_blocks;
+    const int h_kv = blockIdx.y, b = blockIdx.z;
+    const int rows_total = p.seqlen_q * p.group;
+    const int row0 = row_block * C::kBlockM;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    DecodeSeq sq;
+    sq.cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen_cache;
+    sq.s.b = b;
+    sq.s.h = h_kv * p.group;
+    sq.s.h_kv = h_kv;
+    sq.s.seqlen_q = p.seqlen_q;
+    sq.s.seqlen_k = sq.cache_len + p.seqlen_new;
+    sq.s.q_row0 = 0;
+    sq.s.k_row0 = 0;
+    sq.s.diag = sq.s.seqlen_k - p.seqlen_q;   // bottom-right: query i lines up with key i + diag
+    const long long cache_batch = C::kPaged ? 0 : b;
+    sq.k_cache = static_cast<elem_t*>(p.k_cache) + cache_batch * p.k_batch_stride + h_kv * p.k_head_stride;
+    sq.v_cache = static_cast<elem_t*>(p.v_cache) + cache_batch * p.v_batch_stride + h_kv * p.v_head_stride;
+    sq.k_new = sq.v_new = nullptr;
+    if (p.seqlen_new > 0) {
+        sq.k_new = static_cast<const elem_t*>(p.k_new) + b * p.k_new_batch_stride + h_kv * p.k_new_head_stride;
+        sq.v_new = static_cast<const elem_t*>(p.v_new) + b * p.v_new_batch_stride + h_kv * p.v_new_head_stride;
+    }
+    sq.pages = C::kPaged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+
+    if (p.seqlen_new > 0 && split == 0 && row_block == 0) append_new_rows<C>(p, sq);
+
+    const int rows_here = min(C::kBlockM, rows_total - row0);
+    if (rows_here <= 0) return;   // no query rows at all (Sq == 0): this launch only appended
+    if (threadIdx.x < C::kBlockM) {
+        const int pr = row0 + threadIdx.x;
+        row_query[threadIdx.x] = pr < rows_total ? pr / p.group : -1;
+        row_head[threadIdx.x] = pr < rows_total ? h_kv * p.group + pr % p.group : 0;
+    }
+    const int i_lo = row0 / p.group, i_hi = (row0 + rows_here - 1) / p.group + 1;
+
+    // This split's share of the keys the CTA's rows may see, in whole tiles from the first one.
+    int key_first, key_last;
+    visible_keys(p.score, sq.s, i_lo, i_hi, &key_first, &key_last);
+    const int tiles_total = ceil_div(key_last - key_first, C::kBlockN);
+    const int tiles_per_split = ceil_div(tiles_total, p.num_splits);
+    const int key_begin = key_first + split * tiles_per_split * C::kBlockN;
+    const int key_end = min(key_begin + tiles_per_split * C::kBlockN, key_last);
+    const int n_tiles = key_end > key_begin ? ceil_div(key_end - key_begin, C::kBlockN) : 0;
+
+    auto k_stage = [&](int stage) { return kv_smem + stage * 2 * C::kTileElems; };
+    auto v_stage = [&](int stage) { return kv_smem + stage * 2 * C::kTileElems + C::kTileElems; };
+
+    load_q_tile<C>(q_smem, p, b, h_kv, row0, rows_total);
+#pragma unroll
+    for (int stage = 0; stage < C::kStages - 1; ++stage) {
+        if (stage < n_tiles)
+            load_kv_tile<C>(k_stage(stage), v_stage(stage), p, sq, key_begin + stage * C::kBlockN, key_end);
+        cp_async_commit();   // empty groups too: the wait counts below assume one group per stage
+    }
+    __syncthreads();   // row_query / row_head
+
+    typename Select<C::kSimt, SimtWarpState<C>, MmaWarpState<C>>::type state;
+    state.init();
+    int rows_i[2], rows_h[2];   // mma path: this thread's rows g and g + 8
+    if constexpr (!C::kSimt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            rows_i[half] = row_query[lane / 4 + 8 * half];
+            rows_h[half] = row_head[lane / 4 + 8 * half];
+        }
+    }
+    unsigned q_frag[C::kQInRegs ? C::kHeadDim / 16 : 1][4];
+    const SwizzledLanes<C::kHeadDim> q_lanes(lane % 16, lane / 16);
+    const SwizzledLanes<C::kHeadDim> k_lanes(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+    const SwizzledLanes<C::kHeadDim> v_lanes(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const unsigned q_tile = smem_addr(q_smem);
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        cp_async_wait<C::kStages - 2>();
+        __syncthreads();   // tile `tile` (and Q) landed; every warp is done with the stage refilled next
+        const int ahead = tile + C::kStages - 1;
+        if (ahead < n_tiles)
+            load_kv_tile<C>(k_stage(ahead % C::kStages), v_stage(ahead % C::kStages), p, sq,
+                            key_begin + ahead * C::kBlockN, key_end);
+        cp_async_commit();
+
+        const int stage = tile % C::kStages;
+        const int key0 = warp * C::kKeysPerWarp;
+        const int j_warp = key_begin + tile * C::kBlockN + key0;
+        const bool masked = j_warp + C::kKeysPerWarp > key_end ||
+                            !tile_inside_window(p.score, sq.s, i_lo, i_hi, j_warp, j_warp + C::kKeysPerWarp);
+        if constexpr (C::kSimt) {
+            simt_warp_tile<C>(state, q_smem, k_stage(stage), v_stage(stage),
+                              p_smem + warp * C::kBlockM * C::kKeysPerWarp, key0, j_warp, masked, p, sq, key_end,
+                              row_query, row_head);
+        } else {
+            if constexpr (C::kQInRegs) {
+                if (tile == 0) {
+#pragma unroll
+                    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lanes.at(q_tile, kk, 0));
+                }
+            }
+            mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)),
+                             q_lanes, k_lanes, v_lanes, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
+        }
+    }
+
+    // Combine the warps: M = max_w m_w, weight_w = 2^(m_w - M) / sum_w 2^(m_w - M) l_w (base-2 units).
+    cp_async_wait<0>();
+    __syncthreads();   // no copy in flight and every warp done: the stages become the combine buffer
+    float* comb = reinterpret_cast<float*>(kv_smem);
+    float* warp_m = comb + C::kNWarps * C::kBlockM * C::kCombStride;
+    float* warp_l = warp_m + C::kNWarps * C::kBlockM;
+    float* warp_w = warp_l + C::kNWarps * C::kBlockM;
+    float* row_lse = warp_w + C::kNWarps * C::kBlockM;
+    if constexpr (C::kSimt) simt_warp_store<C>(state, comb, warp_m, warp_l);
+    else mma_warp_store<C>(state, comb, warp_m, warp_l);
+    __syncthreads();
+    if (threadIdx.x < C::kBlockM) {
+        const int r = threadIdx.x;
+        const float scale_log2 = C::kScoreMods ? 1.f : p.score.scale_log2;
+        float m = -CUFLASH_INF;
+#pragma unroll
+        for (int w = 0; w < C::kNWarps; ++w) m = fmaxf(m, warp_m[w * C::kBlockM + r]);
+        const float m_scaled = m == -CUFLASH_INF ? 0.f : m * scale_log2;
+        float factor[C::kNWarps];
+        float row_sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < C::kNWarps; ++w) {
+            factor[w] = fast_exp2(warp_m[w * C::kBlockM + r] * scale_log2 - m_scaled);
+            row_sum += factor[w] * warp_l[w * C::kBlockM + r];   // a NaN sum stays NaN: it must propagate
+        }
+        const bool empty = row_sum == 0.f;   // no visible key: out = 0, lse = -inf
+#pragma unroll
+        for (int w = 0; w < C::kNWarps; ++w) warp_w[w * C::kBlockM + r] = empty ? 0.f : factor[w] / row_sum;
+        row_lse[r] = empty ? -CUFLASH_INF : (m_scaled + log2f(row_sum)) * kLn2;
+    }
+    __syncthreads();
+
+    // Write the rows: the output itself (one split) or this split's float32 partial.
+    const long long part_row0 = (static_cast<long long>(split) * p.batch + b) * p.seqlen_q;   // (split, b, i=0)
+    for (int idx = threadIdx.x; idx < C::kBlockM * C::kHeadDim; idx += C::kNThreads) {
+        const int r = idx / C::kHeadDim, c = idx % C::kHeadDim;
+        const int i = row_query[r];
+        if (i < 0 || c >= p.out_dim) continue;
+        const int h = row_head[r];
+        float o = 0.f;
+        if (row_lse[r] != -CUFLASH_INF) {
+#pragma unroll
+            for (int w = 0; w < C::kNWarps; ++w)
+                o += comb[(w * C::kBlockM + r) * C::kCombStride + c] * warp_w[w * C::kBlockM + r];
+        }
+        if (p.num_splits == 1)
+            static_cast<elem_t*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c] =
+                from_float<elem_t>(o);
+        else
+            p.o_part[((part_row0 + i) * p.heads_q + h) * p.out_dim + c] = o;
+    }
+    if (threadIdx.x < C::kBlockM) {
+        const int r = threadIdx.x, i = row_query[r];
+        if (i >= 0) {
+            const int h = row_head[r];
+            if (p.num_splits == 1)
+                p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = row_lse[r];
+            else
+                p.lse_part[((static_cast<long long>(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] =
+                    row_lse[r];
+        }
+    }
+}
+
+}  // namespace cuflash
+
+using Config = cuflash::DecodeConfig<CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES,
+                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS != 0>;
+#ifdef CUFLASH_SMEM_BYTES
+static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
+#endif
+
+// CUFLASH_MIN_BLOCKS: the CTAs per SM that shared memory allows, so that registers never limit it
+// (without a minimum, ptxas for sm_80 capped some float32 variants at 168 registers and spilled).
+#ifndef CUFLASH_MIN_BLOCKS
+#define CUFLASH_MIN_BLOCKS 1
+#endif
+extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS) cuflash_decode(const cuflash::DecodeParams p) {
+    cuflash::decode_attention<Config>(p);
+}

@@ -1,0 +1,14 @@
+"""Adapters from cuflash to deep-learning frameworks, kept out of the core.
+
+cuflash itself imports no framework: it works on CuPy arrays and on anything that speaks DLPack.
+Each submodule here imports its framework and wraps cuflash's forward and backward in that
+framework's autograd:
+
+- :mod:`cuflash.interop.torch`: ``attention`` and ``attention_varlen`` as
+  ``torch.autograd.Function`` s (zero-copy through DLPack, on torch's current stream).
+
+Import the submodule you need (``import cuflash.interop.torch``); importing this package imports
+no framework.
+"""
+
+__all__ = ["torch"]

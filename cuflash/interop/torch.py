@@ -1,0 +1,195 @@
+"""PyTorch autograd over cuflash: ``attention`` and ``attention_varlen`` for torch tensors.
+
+The tensors cross into CuPy and back through DLPack without copies, and every kernel runs on
+torch's current stream of the inputs' device (``cupy.cuda.ExternalStream``), so the calls order
+with the surrounding torch work exactly as a torch operator would. The forward saves q, k, v,
+out, lse and the dropout ``rng_state`` (two integers) for the backward; never the probabilities.
+
+Example
+-------
+>>> import torch, cuflash.interop.torch as ct
+>>> q, k, v = (torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+...            for _ in range(3))
+>>> out = ct.attention(q, k, v, causal=True)          # (2, 1024, 8, 64), layout (B, S, H, D)
+>>> out.float().square().mean().backward()            # q.grad, k.grad, v.grad
+
+Layouts and options are those of :func:`cuflash.attention` (BSHD; torch's BHSD tensors can be
+passed as ``x.transpose(1, 2)`` views). Tensor options (``alibi_slopes``, ``mask``, ``bias``,
+``block_mask``, ``cu_seqlens_*``) may be torch tensors; ``bias`` gets a gradient when it requires
+one. Memory that cuflash allocates comes from CuPy's memory pool (returned to it when torch
+frees the tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import cupy
+
+from ..attention import attention_forward, attention_varlen as _attention_varlen
+from ..backward import attention_backward, attention_varlen_backward
+from ..random import Generator, default_generator
+
+__all__ = ["attention", "attention_varlen"]
+
+_TENSOR_OPTIONS = ("alibi_slopes", "mask", "block_mask")
+
+
+@contextlib.contextmanager
+def _on_torch_stream(device: torch.device):
+    """CuPy's current device and stream become torch's for ``device``."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(index):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+        with stream:
+            yield
+
+
+def _to_cupy(x):
+    """A zero-copy CuPy view of a torch tensor (other values pass through)."""
+    if isinstance(x, torch.Tensor):
+        return cupy.from_dlpack(x.detach())
+    return x
+
+
+def _to_torch(x):
+    return torch.from_dlpack(x)
+
+
+def _check_cuda(*tensors):
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
+
+
+class _Attention(torch.autograd.Function):
+    """out = attention(q, k, v, bias, **options); gradients for q, k, v and bias."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, options):
+        forward_options = {n: val for n, val in options.items() if n != "deterministic"}
+        with _on_torch_stream(q.device):
+            tensor_options = {n: _to_cupy(forward_options.pop(n)) for n in _TENSOR_OPTIONS if n in forward_options}
+            out, lse, rng_state = attention_forward(_to_cupy(q), _to_cupy(k), _to_cupy(v), bias=_to_cupy(bias),
+                                                    **tensor_options, **forward_options)
+            out_t, lse_t = _to_torch(out), _to_torch(lse)
+        ctx.save_for_backward(q, k, v, out_t, lse_t, bias)
+        ctx.rng_state = rng_state
+        backward_options = {n: val for n, val in forward_options.items() if n != "generator"}
+        ctx.options = dict(backward_options, deterministic=options.get("deterministic", False), **tensor_options)
+        return out_t
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, bias = ctx.saved_tensors
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        with _on_torch_stream(q.device):
+            grads = attention_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
+                                       _to_cupy(lse), bias=_to_cupy(bias), rng_state=ctx.rng_state,
+                                       return_dbias=want_dbias, **ctx.options)
+            grads = tuple(_to_torch(g) for g in grads)
+        dbias = grads[3] if want_dbias else None
+        return grads[0], grads[1], grads[2], dbias, None
+
+
+class _AttentionVarlen(torch.autograd.Function):
+    """out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...); gradients for q, k, v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options):
+        options = dict(options)
+        deterministic = options.pop("deterministic", False)
+        generator = options.pop("generator", None) or default_generator()
+        rng_state = None
+        with _on_torch_stream(q.device):
+            if options.get("dropout_p", 0.0) > 0:
+                # attention_varlen does not return its rng_state: draw the call's state here and
+                # hand the forward a private generator that holds exactly that state.
+                rng_state = generator.next_state()
+                call_generator = Generator(0)
+                call_generator.set_state(rng_state)
+            else:
+                call_generator = None
+            if "alibi_slopes" in options:
+                options["alibi_slopes"] = _to_cupy(options["alibi_slopes"])
+            cu_q, cu_k = _to_cupy(cu_seqlens_q), _to_cupy(cu_seqlens_k)
+            out, lse = _attention_varlen(_to_cupy(q), _to_cupy(k), _to_cupy(v), cu_q, cu_k, max_seqlen_q=max_seqlen_q,
+                                         max_seqlen_k=max_seqlen_k, generator=call_generator, return_lse=True,
+                                         **options)
+            out_t, lse_t = _to_torch(out), _to_torch(lse)
+        ctx.save_for_backward(q, k, v, out_t, lse_t, cu_seqlens_q, cu_seqlens_k)
+        ctx.rng_state = rng_state
+        ctx.options = dict(options, deterministic=deterministic, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return out_t
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        with _on_torch_stream(q.device):
+            grads = attention_varlen_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
+                                              _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), rng_state=ctx.rng_state,
+                                              **ctx.options)
+            grads = tuple(_to_torch(g) for g in grads)
+        return grads[0], grads[1], grads[2], None, None, None, None, None
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
+              bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
+              deterministic=False):
+    """Differentiable :func:`cuflash.attention` for torch tensors.
+
+    Parameters
+    ----------
+    q : torch.Tensor (B, Sq, Hq, D), float16, bfloat16 or float32, on a CUDA device
+    k, v : torch.Tensor (B, Sk, Hk, D)
+    causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
+        As in :func:`cuflash.attention_forward`; tensors may be torch or CuPy. ``bias`` receives
+        a gradient when it is a torch tensor that requires one (dL/dbias summed over the axes it
+        was broadcast along; this materialises a float32 (B, Hq, Sq, Sk) buffer in the backward).
+    generator : cuflash.Generator, optional
+        Source of the dropout random numbers (default: cuflash's default generator); the state of
+        this call is saved for the backward, which regenerates the same mask.
+    deterministic : bool
+        Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
+
+    Returns
+    -------
+    torch.Tensor (B, Sq, Hq, D)
+        On the inputs' device, in their dtype; backward gives dq, dk, dv (and dbias).
+    """
+    _check_cuda(("q", q), ("k", k), ("v", v))
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
+                   dropout_p=dropout_p, generator=generator, deterministic=deterministic)
+    for name, value in (("alibi_slopes", alibi_slopes), ("mask", mask), ("block_mask", block_mask)):
+        if value is not None:
+            options[name] = value
+    return _Attention.apply(q, k, v, bias, options)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, generator=None,
+                     deterministic=False):
+    """Differentiable :func:`cuflash.attention_varlen` for torch tensors.
+
+    Parameters
+    ----------
+    q : torch.Tensor (total_q, Hq, D); k, v : torch.Tensor (total_k, Hk, D)
+    cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on the same device
+    max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, generator,
+    deterministic
+        As in :func:`cuflash.attention_varlen` and :func:`attention`.
+
+    Returns
+    -------
+    torch.Tensor (total_q, Hq, D)
+    """
+    _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
+                   generator=generator, deterministic=deterministic)
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = alibi_slopes
+    return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)

@@ -1,0 +1,103 @@
+"""The backward's host side without a GPU: launch plans, parameter packing, GQA split heuristic,
+and NVRTC compilation of the kernels that carry the performance bar (zero spills).
+
+Every backward variant is compiled for sm_80 and sm_90a by tests/test_compile.py once
+cuflash._heuristics.precompile_variants() includes precompile_backward_variants().
+"""
+
+import numpy as np
+import pytest
+
+from cuflash import _compile, _heuristics, _launch
+from cuflash._heuristics import (BWD_ROW_PAD, backward_heads_per_cta, backward_plan, precompile_backward_variants)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 136, 192, 256])
+@pytest.mark.parametrize("dq_pass", [False, True])
+@pytest.mark.parametrize("featured", [False, True])
+def test_sm80_plans(dtype, head_dim, dq_pass, featured):
+    plan = backward_plan("bwd_sm80", dtype, head_dim, dq_pass=dq_pass, score_mods=featured, dropout=featured)
+    defines = dict(plan.variant.defines)
+    assert plan.variant.family == "bwd_sm80"
+    assert plan.head_dim >= head_dim and plan.head_dim % 64 == 0
+    assert defines["CUFLASH_BWD_PASS"] == int(dq_pass)
+    assert defines["CUFLASH_SMEM_BYTES"] == plan.smem_bytes <= 227 * 1024
+    assert plan.threads == 32 * defines["CUFLASH_WARPS"]
+    # Each warp row owns 16 kept rows; the padded lse2/D rows cover whole tiles of both passes.
+    assert plan.block_m == 16 * defines["CUFLASH_WARPS"] // defines["CUFLASH_DSPLIT"]
+    assert BWD_ROW_PAD % plan.block_m == 0 and BWD_ROW_PAD % defines["CUFLASH_BLOCK_C"] == 0
+    if not dq_pass:
+        assert defines["CUFLASH_BLOCK_C"] in (64, 128)   # the dS^T swizzle
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 40, 128, 160, 192, 256])
+def test_simt_plans(head_dim):
+    for dq_pass in (False, True):
+        plan = backward_plan("bwd_simt", "float32", head_dim, dq_pass=dq_pass, score_mods=True, dropout=False)
+        assert plan.head_dim % 32 == 0 and plan.head_dim >= head_dim
+        assert plan.threads == 128 and BWD_ROW_PAD % plan.block_m == 0
+        assert dict(plan.variant.defines)["CUFLASH_SMEM_BYTES"] == plan.smem_bytes
+
+
+def test_wrong_family_for_dtype():
+    with pytest.raises(ValueError):
+        backward_plan("bwd_sm80", "float32", 64, dq_pass=False, score_mods=False, dropout=False)
+    with pytest.raises(ValueError):
+        backward_plan("bwd_simt", "bfloat16", 64, dq_pass=False, score_mods=False, dropout=False)
+    with pytest.raises(ValueError):
+        backward_plan("bwd_nope", "bfloat16", 64, dq_pass=False, score_mods=False, dropout=False)
+
+
+@pytest.mark.parametrize("batch, heads_k, group, key_blocks, sms", [
+    (2, 16, 1, 64, 132), (1, 1, 8, 1, 132), (2, 2, 4, 8, 132), (4, 8, 4, 64, 132), (1, 2, 6, 3, 132),
+    (1, 1, 32, 2, 132), (3, 1, 1, 1, 132)])
+def test_heads_per_cta(batch, heads_k, group, key_blocks, sms):
+    hpc = backward_heads_per_cta(batch, heads_k, group, key_blocks, sms)
+    assert 1 <= hpc <= group and group % hpc == 0
+    ctas, splits = batch * heads_k * key_blocks, group // hpc
+    if hpc == group:   # the whole group in one CTA unless that leaves SMs idle
+        assert ctas >= sms or group == 1
+    else:              # the fewest splits that fill the GPU (or one head per CTA)
+        assert ctas < sms and (ctas * splits >= sms or hpc == 1)
+        assert all(ctas * d < sms for d in range(1, splits) if group % d == 0)
+
+
+def test_param_structs_pack():
+    assert _launch.BWD_PARAMS_DTYPE.itemsize == _launch.PARAMS_DTYPE.itemsize + 8 * 8 + 18 * 8 + 4 * 4
+    p = _launch.pack_bwd_params(dict(q=1, scale=0.5, heads_q=8), dout=2, seqlen_q_pad=256, heads_per_cta=4)
+    assert p["fwd"]["q"] == 1 and p["fwd"]["scale"] == np.float32(0.5) and p["fwd"]["heads_q"] == 8
+    assert p["fwd"]["dropout_rescale"] == 1.0 and p["dout"] == 2 and p["heads_per_cta"] == 4
+    c = _launch.pack_convert_params(rows=3, scale=2.0)
+    assert c["rows"] == 3 and c["num_partials"] == 1 and c["scale"] == 2.0
+
+
+def test_precompile_list():
+    variants = precompile_backward_variants()
+    families = {v.family for v in variants}
+    assert families == {"bwd_preprocess", "bwd_convert", "bwd_sm80", "bwd_simt"}
+    assert len(variants) == len(set(variants))
+    for v in variants:
+        defines = dict(v.defines)
+        assert defines["CUFLASH_BWD_PARAMS_SIZE"] == _launch.BWD_PARAMS_DTYPE.itemsize
+
+
+def _nvrtc_available():
+    try:
+        from cuflash import _nvrtc
+        _nvrtc.version()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="libnvrtc not found")
+@pytest.mark.parametrize("family, dtype, head_dim", [("bwd_sm80", "bfloat16", 128), ("bwd_simt", "float32", 64)])
+def test_bar_kernels_compile_without_spills(family, dtype, head_dim):
+    jobs = [(backward_plan(family, dtype, head_dim, dq_pass=dq, score_mods=False, dropout=False).variant, "sm_90a")
+            for dq in (False, True)]
+    jobs += [(_heuristics.bwd_preprocess_variant(dtype), "sm_90a"), (_heuristics.bwd_convert_variant(dtype), "sm_90a")]
+    for variant, arch, result in _compile.compile_many(jobs):
+        assert not isinstance(result, Exception), result
+        assert result.spills == 0, f"{variant.label()}: {result.spill_stores}/{result.spill_loads} bytes spilled"
+        print(f"{variant.family} {arch} regs={result.registers} {variant.label()}")

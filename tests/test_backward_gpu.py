@@ -1,0 +1,658 @@
+"""Backward attention on the GPU against the float64 analytic reference, kernel family by family.
+
+Every test forces one backward family (``with cuflash.backward.force_kernel(...)``): ``bwd_sm80``
+for float16/bfloat16, ``bwd_simt`` for float32.
+
+Inputs of the backward. ``out`` and ``lse`` come from the float64 forward reference (rounded to
+the input dtype / float32), so a forward bug cannot hide or fake a backward one; dropout uses a
+chosen ``rng_state`` that the reference turns into the same keep mask. One test runs the whole
+chain with cuflash's forward kernels.
+
+The accuracy rule (DESIGN.md §5 carried over to gradients). For each of dq, dk, dv (and dbias):
+
+- float16/bfloat16: ``max|g - ref| <= 2 * max|g_base - ref| + atol * max|ref|``, where ``ref`` is
+  the float64 analytic gradient (:mod:`cuflash._reference_backward`) and ``g_base`` the gradient of
+  a plain same-dtype backward, :func:`baseline_backward` below: what a naive implementation (torch's
+  math path, say) computes: S = q k^T and dP = dO V^T accumulated in float32 and stored in the
+  dtype, P and dS stored in the dtype, D = rowsum(dO * O) in float32, and dV = P^T dO,
+  dQ = scale dS K, dK = scale dS^T Q accumulated in float32 and stored in the dtype (bfloat16
+  emulated in float32, DESIGN.md §7). ``atol`` is cuflash.testing.DEFAULT_ATOL of the dtype
+  (about a quarter ulp), times the largest |reference gradient| of dq, dk, dv (gradients are not
+  O(1)).
+- float32: ``||g - ref||_F <= 1e-4 ||ref||_F + 1e-6 * M * sqrt(n)``, M the largest |reference
+  gradient| of dq, dk, dv: negligible, except where a reference gradient is exactly 0 (Sk = 1 gives
+  P = 1 and dS = 0) and float32 rounding noise is all there is.
+
+NaN/Inf positions must match the reference's exactly (cuflash.testing.assert_attention_close).
+Output buffers are poisoned with NaN before each call, so an element never written fails.
+
+Cost: the references run on the host in float64, so problems are small; each hypothesis test caps
+its examples. The file should take well under a minute and a half on an H100/H200 once the
+kernels are compiled (``python -m cuflash precompile`` and cuflash._heuristics.
+precompile_backward_variants()).
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupy
+
+import cuflash
+import cuflash.testing as tt
+from cuflash import backward as bw
+from cuflash import reference
+from cuflash._reference_backward import attention_backward as reference_backward
+from cuflash._reference_backward import attention_varlen_backward as reference_varlen_backward
+
+
+def _gpu_available():
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver / no device
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
+
+KERNELS = [
+    pytest.param("bwd_sm80", "float16", id="sm80-fp16"),
+    pytest.param("bwd_sm80", "bfloat16", id="sm80-bf16"),
+    pytest.param("bwd_simt", "float32", id="simt-fp32"),
+]
+NAN = float("nan")
+FLOAT32_GRAD_RTOL = 1e-4
+
+
+def _capped(n):
+    base = settings.default
+    return settings(max_examples=max(1, min(base.max_examples, n)), deadline=None,
+                    suppress_health_check=list(base.suppress_health_check)
+                    + [HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _dtype(name):
+    return tt._dtype(name)
+
+
+def _shape(B, Sq, Sk, Hq, Hk, D):
+    return dict(B=B, Sq=Sq, Sk=Sk, Hq=Hq, Hk=Hk, D=D)
+
+
+def _seed_of(name):
+    return zlib.crc32(name.encode())
+
+
+# ----------------------------------------------------------------------------- baseline
+
+def baseline_backward(dout, q, k, v, out, *, causal=False, scale=None, window=None, softcap=0.0,
+                      alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
+                      dropout_p=0.0, rng_state=None, batch_ids=None):
+    """Plain same-dtype backward (see the module docstring), on the GPU in float32 with the
+    dtype's rounding emulated. Returns float64 NumPy (dq, dk, dv, ds), ds = dL/ds (B, Hq, Sq, Sk)
+    rounded to the dtype (what a naive kernel would hand to a bias gradient)."""
+    dtype = q.dtype
+    f32 = np.float32
+    B, Sq, Hq, D = q.shape
+    Sk, Hk = k.shape[1], k.shape[2]
+    group = Hq // Hk
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    rnd = lambda x: tt._round_to(x, dtype)  # noqa: E731
+
+    qt = q.astype(f32).transpose(0, 2, 1, 3)
+    kt = cupy.repeat(k.astype(f32), group, axis=2).transpose(0, 2, 1, 3)
+    vt = cupy.repeat(v.astype(f32), group, axis=2).transpose(0, 2, 1, 3)
+    dot = dout.astype(f32).transpose(0, 2, 1, 3)
+    ot = out.astype(f32).transpose(0, 2, 1, 3)
+
+    raw = rnd(cupy.matmul(qt, kt.transpose(0, 1, 3, 2)))
+    s = reference._score_pipeline(cupy, raw, scale=scale, causal=causal, window=window, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
+                                  block_size=block_size)
+    seen = s != -np.inf
+    m = s.max(axis=-1, keepdims=True)
+    empty = m == -np.inf
+    e = cupy.exp(s - cupy.where(empty, f32(0), m))
+    l = e.sum(axis=-1, keepdims=True)
+    p = rnd(cupy.where(empty, f32(0), e / cupy.where(empty, f32(1), l)))
+    keep_scale = f32(1)
+    if dropout_p > 0:
+        seed, offset = int(rng_state[0]), int(rng_state[1])
+        ids = np.arange(B) if batch_ids is None else np.asarray(batch_ids)
+        keep = cuflash.random.dropout_keep(seed, offset, dropout_p, ids.reshape(-1, 1, 1, 1),
+                                           np.arange(Hq).reshape(1, -1, 1, 1), np.arange(Sq).reshape(1, 1, -1, 1),
+                                           np.arange(Sk).reshape(1, 1, 1, -1), Hq)
+        keep_scale = cupy.where(cupy.asarray(keep), f32(1.0 / (1.0 - dropout_p)), f32(0))
+    pdrop = rnd(p * keep_scale)
+    dv = cupy.matmul(pdrop.transpose(0, 1, 3, 2), dot)                       # (B, Hq, Sk, D)
+    dp = rnd(cupy.matmul(dot, vt.transpose(0, 1, 3, 2))) * keep_scale
+    dsum = (dot * ot).sum(axis=-1, keepdims=True)
+    ds = rnd(cupy.where(seen, p * (dp - dsum), f32(0)))
+    dx = ds
+    if softcap > 0:
+        dx = rnd(ds * (1 - cupy.tanh(raw * f32(scale) / f32(softcap)) ** 2))
+    dq = rnd(f32(scale) * cupy.matmul(dx, kt))
+    dk = f32(scale) * cupy.matmul(dx.transpose(0, 1, 3, 2), qt)
+    dk = rnd(dk.reshape(B, Hk, group, Sk, D).sum(axis=2))
+    dv = rnd(dv.reshape(B, Hk, group, Sk, D).sum(axis=2))
+    host = lambda x: cupy.asnumpy(x).astype(np.float64)  # noqa: E731
+    return (host(dq.transpose(0, 2, 1, 3)), host(dk.transpose(0, 2, 1, 3)), host(dv.transpose(0, 2, 1, 3)),
+            host(ds))
+
+
+def baseline_varlen_backward(dout, q, k, v, out, cu_q, cu_k, *, alibi_slopes=None, **options):
+    dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        slopes = alibi_slopes
+        if slopes is not None and slopes.ndim == 2:
+            slopes = slopes[b]
+        g = baseline_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
+                              alibi_slopes=slopes, batch_ids=[b], **options)
+        dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _reduce_like(full, shape):
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(a for a in range(4) if padded[a] == 1 and full.shape[a] != 1)
+    return (full.sum(axis=axes, keepdims=True) if axes else full).reshape(shape)
+
+
+# ----------------------------------------------------------------------------- the rule
+
+def _magnitude(*arrays):
+    """Largest finite |x| over the arrays (0 if none): the scale of the absolute slack."""
+    finite = [np.abs(a[np.isfinite(a)]) for a in (np.asarray(x, dtype=np.float64) for x in arrays)]
+    return max((float(f.max()) for f in finite if f.size), default=0.0)
+
+
+def assert_grad_close(got, ref, base, dtype, name, float32_rtol=FLOAT32_GRAD_RTOL, magnitude=None):
+    """The accuracy rule of the module docstring for one gradient. ``magnitude`` (default max|ref|)
+    scales the absolute slack: pass the largest of dq, dk, dv so that a gradient that is exactly 0
+    in the reference (Sk = 1: P = 1, dS = 0) is held to rounding noise of the others' size."""
+    ref = np.asarray(ref, dtype=np.float64)
+    magnitude = _magnitude(ref) if magnitude is None else magnitude
+    if dtype == "float32":
+        tt.assert_attention_close(got, ref, dtype="float32", rtol=float32_rtol,
+                                  atol=max(1e-6 * magnitude, 1e-12), name=name)
+    else:
+        tt.assert_attention_close(got, ref, base, dtype=dtype,
+                                  atol=max(tt.DEFAULT_ATOL[dtype] * magnitude, 1e-7), name=name)
+
+
+# ----------------------------------------------------------------------------- running a problem
+
+def _device_options(options, dtype, bias_same_dtype=False):
+    opts = tt.as_device_options(options, cupy)
+    if bias_same_dtype and "bias" in opts:
+        opts["bias"] = opts["bias"].astype(_dtype(dtype))
+    return opts
+
+
+def _forward_reference(q, k, v, opts, rng_state):
+    """out (input dtype) and lse (float32) on the GPU, from the float64 forward reference."""
+    ref_opts = dict(opts)
+    if ref_opts.get("dropout_p", 0.0) > 0:
+        ref_opts["rng_state"] = rng_state
+    out, lse = reference.attention_forward(q, k, v, **ref_opts)
+    return cupy.asarray(out.astype(np.float32)).astype(q.dtype), cupy.asarray(lse.astype(np.float32))
+
+
+def _random_like(x, seed):
+    rng = np.random.default_rng(seed)
+    return cupy.asarray(rng.standard_normal(x.shape, dtype=np.float32)).astype(x.dtype)
+
+
+def run_backward(family, dout, q, k, v, out, lse, options, *, rng_state=None, deterministic=False,
+                 return_dbias=False):
+    """attention_backward into NaN-poisoned dq/dk/dv buffers, forced onto ``family``."""
+    dq = cupy.full(q.shape, NAN, dtype=q.dtype)
+    dk = cupy.full(k.shape, NAN, dtype=k.dtype)
+    dv = cupy.full(v.shape, NAN, dtype=v.dtype)
+    with bw.force_kernel(family):
+        res = bw.attention_backward(dout, q, k, v, out, lse, rng_state=rng_state, deterministic=deterministic,
+                                    return_dbias=return_dbias, dq=dq, dk=dk, dv=dv, **options)
+    assert len(res) == (4 if return_dbias else 3)
+    for got, buf in zip(res[:3], (dq, dk, dv)):
+        assert got.shape == buf.shape and got.dtype == buf.dtype
+        if buf.size:
+            assert got.data.ptr == buf.data.ptr, "output buffer was not used"
+    return res
+
+
+def check_gradients(dout, q, k, v, out, options, grads, *, dtype, rng_state=None,
+                    float32_rtol=FLOAT32_GRAD_RTOL):
+    """dq, dk, dv (and dbias when grads has it) against the reference under the rule."""
+    ref_opts = dict(options)
+    if ref_opts.get("dropout_p", 0.0) > 0:
+        ref_opts["rng_state"] = rng_state
+    want_dbias = len(grads) == 4
+    ref = reference_backward(dout, q, k, v, return_dbias=want_dbias, **ref_opts)
+    base = baseline_backward(dout, q, k, v, out, **ref_opts) if dtype != "float32" else (None,) * 4
+    magnitude = _magnitude(*ref[:3])
+    for name, got, r, bl in zip(("dq", "dk", "dv"), grads[:3], ref[:3], base[:3]):
+        assert_grad_close(got, r, bl, dtype, name, float32_rtol, magnitude)
+    if want_dbias:
+        bias = options["bias"]
+        base_db = None
+        if base[3] is not None:
+            # A naive kernel stores dS in the dtype, sums it and stores dbias in the bias dtype.
+            base_db = _reduce_like(base[3], tuple(bias.shape)).astype(bias.dtype).astype(np.float64)
+        assert grads[3].shape == tuple(bias.shape) and grads[3].dtype == bias.dtype
+        assert_grad_close(grads[3], ref[3], base_db, dtype, "dbias", float32_rtol, max(magnitude, _magnitude(ref[3])))
+    return ref
+
+
+def solve(family, dtype, shape, options, seed, *, deterministic=False, return_dbias=False,
+          bias_same_dtype=False):
+    """Fresh data, reference forward, forced backward into poisoned buffers, reference check."""
+    q, k, v = tt.random_qkv(shape, dtype, seed, xp=cupy)
+    dout = _random_like(q, seed + 1)
+    opts = _device_options(options, dtype, bias_same_dtype)
+    rng_state = np.array([seed % 2**64, 3], dtype=np.uint64) if opts.get("dropout_p", 0.0) > 0 else None
+    out, lse = _forward_reference(q, k, v, opts, rng_state)
+    want_dbias = return_dbias and "bias" in opts
+    grads = run_backward(family, dout, q, k, v, out, lse, opts, rng_state=rng_state, deterministic=deterministic,
+                         return_dbias=want_dbias)
+    ref = check_gradients(dout, q, k, v, out, opts, grads, dtype=dtype, rng_state=rng_state)
+    return grads, ref, (dout, q, k, v, out, lse, opts, rng_state)
+
+
+# ----------------------------------------------------------------------------- properties
+
+OPTION_HEAD_DIMS = st.sampled_from([32, 64, 80, 128])
+SHAPE_HEAD_DIMS = st.sampled_from([8, 36, 64, 72, 128, 160, 192, 256])
+
+
+@st.composite
+def option_problems(draw):
+    shape = draw(tt.attention_shapes(max_batch=2, head_dims=OPTION_HEAD_DIMS, max_scores=2**15))
+    return dict(shape=shape, options=draw(tt.attention_options(shape)), seed=draw(st.integers(0, 2**62)),
+                deterministic=draw(st.booleans()), return_dbias=draw(st.booleans()),
+                bias_same_dtype=draw(st.booleans()))
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@_capped(30)
+@given(problem=option_problems())
+def test_option_combinations(family, dtype, problem):
+    solve(family, dtype, problem["shape"], problem["options"], problem["seed"],
+          deterministic=problem["deterministic"], return_dbias=problem["return_dbias"],
+          bias_same_dtype=problem["bias_same_dtype"])
+
+
+@st.composite
+def shape_problems(draw):
+    shape = draw(tt.attention_shapes(max_batch=2, head_dims=SHAPE_HEAD_DIMS, max_scores=2**16))
+    options = {"causal": True} if draw(st.booleans()) else {}
+    return dict(shape=shape, options=options, seed=draw(st.integers(0, 2**62)),
+                deterministic=draw(st.booleans()))
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@_capped(25)
+@given(problem=shape_problems())
+def test_shapes_and_head_dims(family, dtype, problem):
+    solve(family, dtype, problem["shape"], problem["options"], problem["seed"],
+          deterministic=problem["deterministic"])
+
+
+# ----------------------------------------------------------------------------- each option
+
+def _slopes(h):
+    return (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)
+
+
+def _mask(shape, density, seed):
+    return np.random.default_rng(seed).random(shape) < density
+
+
+def _bias(shape, seed, amplitude=2.0):
+    return (amplitude * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
+
+
+B_, SQ_, SK_, HQ_, HK_, D_ = 2, 113, 129, 4, 2, 64
+EACH_OPTION = [
+    ("plain", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {}),
+    ("d128_long", _shape(1, 200, 300, 2, 1, 128), {}),
+    ("causal_sq_lt_sk", _shape(B_, 17, 129, HQ_, HK_, D_), {"causal": True}),
+    ("causal_sq_gt_sk", _shape(B_, 129, 17, HQ_, HK_, D_), {"causal": True}),
+    ("causal_square_d128", _shape(1, 257, 257, 2, 2, 128), {"causal": True}),
+    ("window_both", _shape(B_, 200, 150, HQ_, HK_, D_), {"window": (7, 3)}),
+    ("window_causal", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"window": (20, 8), "causal": True}),
+    ("softcap", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"softcap": 5.0, "scale": 1.0}),
+    ("alibi_bh", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"alibi_slopes": np.random.default_rng(1).uniform(0, 1, (B_, HQ_)).astype(np.float32), "causal": True}),
+    ("mask_full", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"mask": _mask((B_, HQ_, SQ_, SK_), 0.5, 2)}),
+    ("mask_keys_1d", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"mask": _mask((SK_,), 0.7, 4)}),
+    ("bias_full", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"bias": _bias((B_, HQ_, SQ_, SK_), 7)}),
+    ("bias_per_batch_key", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"bias": _bias((B_, 1, 1, SK_), 10)}),
+    ("bias_2d_softcap", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"bias": _bias((SQ_, SK_), 8), "softcap": 3.0}),
+    ("block_mask_odd_blocks", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"block_mask": _mask((1, HQ_, 7, 3), 0.6, 13), "block_size": (17, 45)}),
+    ("dropout_01", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"dropout_p": 0.1}),
+    ("dropout_05_causal_mqa", _shape(B_, SQ_, SK_, HQ_, 1, D_), {"dropout_p": 0.5, "causal": True}),
+    ("everything", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"causal": True, "window": (50, -1), "softcap": 20.0, "alibi_slopes": _slopes(HQ_),
+      "mask": _mask((1, 1, SQ_, SK_), 0.9, 14), "bias": _bias((B_, 1, SQ_, SK_), 15, 0.5),
+      "block_mask": _mask((1, HQ_, 4, 3), 0.8, 16), "block_size": (32, 64), "dropout_p": 0.2}),
+]
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("name, shape, options", EACH_OPTION, ids=[c[0] for c in EACH_OPTION])
+def test_each_option(family, dtype, name, shape, options):
+    # Atomic and deterministic dQ on alternate cases (both run every option family somewhere).
+    deterministic = [c[0] for c in EACH_OPTION].index(name) % 2 == 1
+    solve(family, dtype, shape, options, _seed_of(name), deterministic=deterministic, return_dbias=True)
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("bias_shape", [(2, 3, 40, 50), (1, 3, 40, 50), (40, 50), (50,), (2, 1, 40, 1),
+                                        (1, 3, 1, 1)])
+def test_dbias_for_broadcast_biases(family, dtype, bias_shape):
+    shape = _shape(2, 40, 50, 3, 1, 64)
+    for bias_dtype in ("float32", dtype):
+        options = {"bias": _bias(bias_shape, 30).astype(_dtype(bias_dtype)), "causal": True}
+        grads, _, _ = solve(family, dtype, shape, options, 31, return_dbias=True)
+        assert grads[3].shape == bias_shape and grads[3].dtype == _dtype(bias_dtype)
+
+
+# ----------------------------------------------------------------------------- hard cases
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("sq", [1, 2, 5, 17])
+@pytest.mark.parametrize("sk", [1, 2, 5, 17])
+def test_tiny_sequences(family, dtype, sq, sk):
+    # Tails of one element: zero-padded keys must be masked before exp, or exp(0 - lse) overflows
+    # for very negative lse and inf * 0 turns the gradient into NaN.
+    options = [{}, {"causal": True}, {"alibi_slopes": _slopes(4)}][(sq + sk) % 3]
+    grads, _, _ = solve(family, dtype, _shape(2, sq, sk, 4, 2, 64), options, 40 + sq * 31 + sk,
+                        deterministic=sq % 2 == 1)
+    for g in grads:
+        assert not bool(cupy.isnan(g.astype(cupy.float32)).any())
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_large_magnitude_inputs(family, dtype):
+    # Scores of a few hundred and an lse to match: P = exp(s - lse) must not overflow anywhere,
+    # including the zero-padded tail keys (s = 0, far above a very negative lse).
+    shape = _shape(2, 129, 257, 4, 1, 128)
+    q, k, v = tt.random_qkv(shape, dtype, 80, xp=cupy)
+    for qscale, options in ((30.0, {}), (30.0, {"causal": True}), (30.0, {"softcap": 50.0}), (-30.0, {})):
+        qs = (q.astype(cupy.float32) * qscale).astype(q.dtype)
+        dout = _random_like(q, 81)
+        out, lse = _forward_reference(qs, k, v, options, None)
+        grads = run_backward(family, dout, qs, k, v, out, lse, options)
+        for g in grads:
+            assert bool(cupy.isfinite(g.astype(cupy.float32)).all())
+        # float32: scores of a few hundred carry rounding errors of |s| * 2^-24 into P = exp(s - lse)
+        # (the same for any float32 implementation), so the relative gradient error here is ~1e-4.
+        check_gradients(dout, qs, k, v, out, options, grads, dtype=dtype, float32_rtol=1e-3)
+
+
+FULLY_MASKED = [
+    ("causal_sq_gt_sk", _shape(B_, 150, 40, HQ_, HK_, D_), {"causal": True}),
+    ("window_left_of_keys", _shape(B_, 130, 20, HQ_, HK_, D_), {"window": (5, 0)}),
+    ("mask_rows", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"mask": np.broadcast_to(np.arange(SQ_)[:, None] % 3 != 0, (SQ_, SK_)).copy()}),
+    ("mask_all_false", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"mask": np.zeros((1, 1), bool)}),
+    ("block_mask_rows", _shape(B_, 200, SK_, HQ_, HK_, D_),
+     {"block_mask": np.array([[True, False], [False, False]]).reshape(1, 1, 2, 2)}),
+    ("bias_minus_inf_rows", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"bias": np.where(np.arange(SQ_)[:, None] < 10, -np.inf, 0.0).astype(np.float32)
+      * np.ones((1, SK_), np.float32)}),
+    ("dropout_causal_sq_gt_sk", _shape(B_, 150, 40, HQ_, HK_, D_), {"causal": True, "dropout_p": 0.3}),
+]
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("name, shape, options", FULLY_MASKED, ids=[c[0] for c in FULLY_MASKED])
+def test_fully_masked_rows_get_zero_gradients(family, dtype, name, shape, options):
+    for deterministic in (False, True):
+        grads, ref, (_, _, _, _, _, lse, _, _) = solve(family, dtype, shape, options, _seed_of(name),
+                                                       deterministic=deterministic)
+        empty = np.isneginf(cupy.asnumpy(lse))                     # (B, Hq, Sq)
+        assert empty.any(), "the case should have rows that see no key"
+        dq = cupy.asnumpy(grads[0].astype(cupy.float32))
+        assert (dq[np.moveaxis(empty, 1, 2)] == 0).all(), "rows that see no key must get dq = 0 exactly"
+        for g in grads:
+            assert bool(cupy.isfinite(g.astype(cupy.float32)).all())
+        if name == "mask_all_false":
+            for g in grads:
+                assert not bool(g.astype(cupy.float32).any())
+
+
+# ----------------------------------------------------------------------------- determinism
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+def test_deterministic_is_bitwise_reproducible(family, dtype, heads):
+    shape = _shape(2, 300, 333, heads[0], heads[1], 64)
+    q, k, v = tt.random_qkv(shape, dtype, 90, xp=cupy)
+    dout = _random_like(q, 91)
+    options = {"causal": True, "dropout_p": 0.2, "alibi_slopes": cupy.asarray(_slopes(heads[0]))}
+    rng_state = np.array([5, 9], dtype=np.uint64)
+    out, lse = _forward_reference(q, k, v, options, rng_state)
+    first = run_backward(family, dout, q, k, v, out, lse, options, rng_state=rng_state, deterministic=True)
+    check_gradients(dout, q, k, v, out, options, first, dtype=dtype, rng_state=rng_state)
+    for _ in range(19):
+        again = run_backward(family, dout, q, k, v, out, lse, options, rng_state=rng_state, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), "deterministic=True changed bits"
+    # The atomic path agrees within rounding.
+    atomic = run_backward(family, dout, q, k, v, out, lse, options, rng_state=rng_state)
+    check_gradients(dout, q, k, v, out, options, atomic, dtype=dtype, rng_state=rng_state)
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("num_sms", [1, 10_000], ids=["whole_group_per_cta", "group_split_over_ctas"])
+def test_gqa_group_reduction_paths(family, dtype, num_sms, monkeypatch):
+    # Few SMs: one CTA sums the whole query-head group in registers; many SMs: the group is split
+    # over CTAs whose float32 partials bwd_convert adds. Both must agree with the reference.
+    monkeypatch.setattr(bw, "_num_sms", lambda device_id: num_sms)
+    for heads in ((8, 2), (8, 1), (6, 3)):
+        shape = _shape(2, 150, 200, heads[0], heads[1], 64)
+        for deterministic in (False, True):
+            solve(family, dtype, shape, {"causal": True}, 100 + heads[1], deterministic=deterministic)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def _views(x):
+    """(name, view) pairs with x's values and other layouts."""
+    B, S, H, D = x.shape
+    bhsd = cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    wide = cupy.full((B, S, H, 2 * D), NAN, dtype=x.dtype)
+    wide[..., ::2] = x
+    padded = cupy.full((B, S + 9, H, D + 8), NAN, dtype=x.dtype)
+    padded[:, :S, :, :D] = x
+    return [("bhsd_transposed", bhsd), ("last_axis_strided", wide[..., ::2]),
+            ("padded_rows_and_dim", padded[:, :S, :, :D])]
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_non_contiguous_dout_and_inputs(family, dtype):
+    shape = _shape(2, 77, 143, 4, 2, 64)
+    q, k, v = tt.random_qkv(shape, dtype, 110, xp=cupy)
+    dout = _random_like(q, 111)
+    options = {"causal": True}
+    out, lse = _forward_reference(q, k, v, options, None)
+    expected = run_backward(family, dout, q, k, v, out, lse, options, deterministic=True)
+    check_gradients(dout, q, k, v, out, options, expected, dtype=dtype)
+    for name, view in _views(dout):
+        got = run_backward(family, view, q, k, v, out, lse, options, deterministic=True)
+        for a, b in zip(got, expected):
+            assert bool((a == b).all()), f"dout as {name} changed the gradients"
+    # Every input strided at once, and dout broadcast from a single row (zero strides, as
+    # torch's grad of out.sum() is).
+    views = [_views(x)[0][1] for x in (q, k, v, out)]
+    lse_view = cupy.ascontiguousarray(lse.transpose(0, 2, 1)).transpose(0, 2, 1)
+    got = run_backward(family, _views(dout)[1][1], *views, lse_view, options, deterministic=True)
+    for a, b in zip(got, expected):
+        assert bool((a == b).all())
+    ones = cupy.broadcast_to(cupy.ones((1, 1, 1, 64), dtype=q.dtype), q.shape)
+    grads = run_backward(family, ones, q, k, v, out, lse, options)
+    check_gradients(ones, q, k, v, out, options, grads, dtype=dtype)
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("head_dim", [36, 100, 250])
+def test_head_dims_that_need_padding(family, dtype, head_dim):
+    solve(family, dtype, _shape(2, 65, 97, 4, 2, head_dim), {"causal": True}, head_dim)
+
+
+# ----------------------------------------------------------------------------- chain with the forward
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_end_to_end_with_forward_kernels(family, dtype):
+    shape = _shape(2, 200, 260, 4, 2, 128)
+    q, k, v = tt.random_qkv(shape, dtype, 120, xp=cupy)
+    dout = _random_like(q, 121)
+    for options in ({}, {"causal": True, "dropout_p": 0.3, "softcap": 10.0}):
+        out, lse, rng_state = cuflash.attention_forward(q, k, v, generator=cuflash.Generator(7), **options)
+        grads = run_backward(family, dout, q, k, v, out, lse, options, rng_state=rng_state)
+        check_gradients(dout, q, k, v, out, options, grads, dtype=dtype, rng_state=rng_state)
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_runs_on_the_current_stream(family, dtype):
+    shape = _shape(2, 129, 129, 4, 4, 64)
+    q, k, v = tt.random_qkv(shape, dtype, 130, xp=cupy)
+    dout = _random_like(q, 131)
+    out, lse = _forward_reference(q, k, v, {}, None)
+    expected = run_backward(family, dout, q, k, v, out, lse, {}, deterministic=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        args = [x.copy() for x in (dout, q, k, v, out, lse)]
+        with bw.force_kernel(family):
+            got = bw.attention_backward(*args, deterministic=True)
+    stream.synchronize()
+    for a, b in zip(got, expected):
+        assert bool((a == b).all())
+
+
+# ----------------------------------------------------------------------------- varlen
+
+@st.composite
+def varlen_problems(draw, allow=tt.VARLEN_OPTIONS):
+    cu_q, cu_k = draw(tt.varlen_seqlens(max_batch=4, max_seqlen=200))
+    heads = draw(tt.gqa_heads(max_heads=4))
+    D = draw(OPTION_HEAD_DIMS)
+    shape = _shape(len(cu_q) - 1, max(1, int(np.diff(cu_q).max())), max(1, int(np.diff(cu_k).max())),
+                   heads[0], heads[1], D)
+    return dict(cu_q=cu_q, cu_k=cu_k, shape=shape, options=draw(tt.attention_options(shape, allow=allow)),
+                seed=draw(st.integers(0, 2**62)), deterministic=draw(st.booleans()))
+
+
+def _varlen_solve(family, dtype, cu_q, cu_k, shape, options, seed, deterministic, poison_neighbours=False):
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q, k, v = tt.random_qkv(_shape(1, total_q, total_k, shape["Hq"], shape["Hk"], shape["D"]), dtype, seed,
+                            xp=cupy)
+    q, k, v = q[0], k[0], v[0]
+    dout = _random_like(q, seed + 1)
+    opts = tt.as_device_options(options, cupy)
+    rng_state = np.array([seed % 2**64, 11], dtype=np.uint64) if opts.get("dropout_p", 0.0) > 0 else None
+    ref_opts = dict(opts, **({"rng_state": rng_state} if rng_state is not None else {}))
+    out64, lse64 = reference.attention_varlen(q, k, v, cu_q, cu_k, **ref_opts)
+    out = cupy.asarray(np.nan_to_num(out64).astype(np.float32)).astype(q.dtype)
+    lse = cupy.asarray(np.nan_to_num(lse64, nan=-np.inf, neginf=-np.inf).astype(np.float32))
+    dq = cupy.full(q.shape, NAN, dtype=q.dtype)
+    dk = cupy.full(k.shape, NAN, dtype=k.dtype)
+    dv = cupy.full(v.shape, NAN, dtype=v.dtype)
+    with bw.force_kernel(family):
+        got = bw.attention_varlen_backward(dout, q, k, v, out, lse, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                           rng_state=rng_state, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                                           **opts)
+    ref = reference_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_opts)
+    base = (baseline_varlen_backward(dout, q, k, v, out, cu_q, cu_k, **ref_opts) if dtype != "float32"
+            else (None,) * 3)
+    magnitude = _magnitude(*ref)
+    for name, g, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+        assert g.data.ptr == (dq, dk, dv)[("dq", "dk", "dv").index(name)].data.ptr or g.size == 0
+        assert_grad_close(g, r, bl, dtype, name, magnitude=magnitude)
+    return got
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@_capped(25)
+@given(problem=varlen_problems())
+def test_varlen_against_reference(family, dtype, problem):
+    _varlen_solve(family, dtype, problem["cu_q"], problem["cu_k"], problem["shape"], problem["options"],
+                  problem["seed"], problem["deterministic"])
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_varlen_empty_sequences_and_neighbours(family, dtype):
+    # Sequence 1 has no keys (its dq must be 0), sequence 2 no queries (its dk/dv must be 0).
+    cu_q = np.array([0, 70, 150, 150, 320], dtype=np.int32)
+    cu_k = np.array([0, 129, 129, 200, 263], dtype=np.int32)
+    for deterministic in (False, True):
+        dq, dk, dv = _varlen_solve(family, dtype, cu_q, cu_k, _shape(4, 170, 129, 4, 2, 64), {"causal": True}, 140,
+                                   deterministic)
+        assert not bool(dq[70:150].astype(cupy.float32).any())
+        assert not bool(dk[129:200].astype(cupy.float32).any()) and not bool(dv[129:200].astype(cupy.float32).any())
+
+
+# ----------------------------------------------------------------------------- API surface
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_zero_size_inputs(family, dtype):
+    dt = _dtype(dtype)
+    for B, Sq, Sk in ((0, 5, 7), (2, 0, 7), (2, 5, 0)):
+        q = cupy.ones((B, Sq, 4, 64), dtype=dt)
+        k = cupy.ones((B, Sk, 2, 64), dtype=dt)
+        lse = cupy.zeros((B, 4, Sq), dtype=cupy.float32)
+        with bw.force_kernel(family):
+            dq, dk, dv = bw.attention_backward(q, q, k, k, q, lse, causal=True)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+        for g in (dq, dk, dv):
+            assert not bool(g.astype(cupy.float32).any())
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_argument_errors_come_before_any_launch(family, dtype):
+    shape = _shape(1, 33, 40, 4, 2, 64)
+    q, k, v = tt.random_qkv(shape, dtype, 150, xp=cupy)
+    dout = _random_like(q, 151)
+    out, lse = _forward_reference(q, k, v, {}, None)
+    dq = cupy.full(q.shape, NAN, dtype=q.dtype)
+
+    def call(**kw):
+        args = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+        args.update({n: kw.pop(n) for n in list(kw) if n in args})
+        with bw.force_kernel(family):
+            return bw.attention_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"],
+                                         dq=dq, **kw)
+
+    with pytest.raises(ValueError, match="rng_state"):
+        call(dropout_p=0.3)
+    with pytest.raises(ValueError, match="return_dbias"):
+        call(return_dbias=True)
+    with pytest.raises(ValueError, match="lse"):
+        call(lse=lse[:, :, 1:])
+    with pytest.raises(TypeError, match="lse"):
+        call(lse=lse.astype(cupy.float64))
+    with pytest.raises(TypeError, match="dout"):
+        call(dout=dout.astype(cupy.float32 if dtype != "float32" else cupy.float16))
+    with pytest.raises(ValueError, match="out"):
+        call(out=out[:, 1:])
+    with pytest.raises(TypeError, match="deterministic"):
+        call(deterministic=1)
+    with pytest.raises(ValueError, match="dk"):
+        call(dk=cupy.empty((1, 40, 2, 63), dtype=q.dtype))
+    assert bool(cupy.isnan(dq.astype(cupy.float32)).all()), "dq was written before an argument error"
+    other = "bwd_simt" if family == "bwd_sm80" else "bwd_sm80"
+    with pytest.raises(ValueError, match=other):
+        with bw.force_kernel(other):
+            bw.attention_backward(dout, q, k, v, out, lse)
+    with pytest.raises(ValueError, match="family"):
+        with bw.force_kernel("bwd_nonexistent"):
+            pass

@@ -1,0 +1,158 @@
+"""Decode heuristics on the CPU: tile plans fit the device, the split count behaves.
+
+``decode_num_splits`` must stay in bounds, leave each split enough keys, never split when the
+batch already fills the GPU, and move monotonically with the shapes (more keys never fewer splits,
+more CTAs never more splits). ``decode_plan`` must fit every budget a supported GPU offers and
+agree with what ``decode_precompile_variants`` compiles.
+"""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cuflash import _heuristics as H
+
+DTYPES = ("float16", "bfloat16", "float32")
+# Opt-in shared memory per block: H100/H200, A100, and consumer Ampere/Ada (RTX 30x0/40x0).
+SMEM_BUDGETS = (227 * 1024, 163 * 1024, 99 * 1024)
+
+batches = st.integers(1, 256)
+heads = st.sampled_from([1, 2, 4, 8, 16, 32])
+seqlens = st.one_of(st.integers(0, 300), st.integers(0, 1 << 20), st.sampled_from([1, 4096, 8192, 32768, 131072]))
+sm_counts = st.sampled_from([1, 8, 46, 84, 108, 114, 132, 144])
+ctas_per_sm = st.integers(1, 4)
+row_blocks = st.integers(1, 16)
+block_ns = st.sampled_from([16, 32, 64, 128])
+
+
+@given(batches, heads, seqlens, sm_counts, row_blocks, block_ns, ctas_per_sm)
+def test_num_splits_bounds(batch, heads_k, seqlen, sms, rb, block_n, per_sm):
+    s = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, block_n=block_n, ctas_per_sm=per_sm)
+    assert isinstance(s, int) and 1 <= s <= H.DECODE_MAX_SPLITS
+    tiles = -(-seqlen // block_n)
+    if s > 1:
+        assert tiles // s >= 4, "every split keeps at least 4 tiles of keys"
+    if batch * heads_k * rb >= 4 * per_sm * sms:
+        assert s == 1, "four waves of CTAs need no splitting"
+
+
+@given(batches, heads, seqlens, sm_counts, row_blocks, ctas_per_sm)
+def test_num_splits_wave_efficiency(batch, heads_k, seqlen, sms, rb, per_sm):
+    """The choice is within 95% of the best wave efficiency any allowed split count reaches, and no
+    smaller count is."""
+    s = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=per_sm)
+    ctas, slots = batch * heads_k * rb, per_sm * sms
+    if s == 1 and (ctas >= 4 * slots or seqlen < 8 * 64):
+        return
+    limit = max(1, min(-(-seqlen // 64) // 4, H.DECODE_MAX_SPLITS))
+    effs = {n: H.decode_wave_efficiency(ctas * n, slots) for n in range(1, limit + 1)}
+    best = max(effs.values())
+    assert effs[s] >= 0.95 * best
+    assert all(effs[n] < 0.95 * best for n in range(1, s))
+
+
+@given(batches, heads, seqlens, seqlens, sm_counts, row_blocks)
+def test_num_splits_monotone_in_keys(batch, heads_k, a, b, sms, rb):
+    short, long_ = sorted((a, b))
+    assert (H.decode_num_splits(batch, heads_k, short, sms, row_blocks=rb)
+            <= H.decode_num_splits(batch, heads_k, long_, sms, row_blocks=rb))
+
+
+@given(heads, seqlens, sm_counts)
+def test_num_splits_fills_the_gpu_for_one_sequence(heads_k, seqlen, sms):
+    """A single sequence gets about one wave of CTAs, or as many as its keys allow."""
+    s = H.decode_num_splits(1, heads_k, seqlen, sms, ctas_per_sm=2)
+    tiles = -(-seqlen // 64)
+    slots = 2 * sms
+    reachable = min(tiles // 4, H.DECODE_MAX_SPLITS) * heads_k
+    assert heads_k * s >= 0.9 * min(slots - heads_k + 1, reachable) or heads_k >= slots
+
+
+def test_wave_efficiency():
+    assert H.decode_wave_efficiency(264, 264) == 1.0
+    assert H.decode_wave_efficiency(265, 264) == pytest.approx(265 / 528)
+    assert H.decode_wave_efficiency(132, 264) == 0.5
+    assert H.decode_wave_efficiency(0, 264) == 0.0
+
+
+def test_num_splits_benchmark_shapes():
+    """The issue's benchmark shapes on an H200 (132 SMs, two 100 KiB CTAs per SM at D = 128)."""
+    plan = H.decode_plan("bfloat16", 128, paged=False, score_mods=False)
+    assert plan.ctas_per_sm == 2 and plan.block_n == 64 and plan.block_m == 16
+    # One full wave of 2 CTAs per SM (256 or 264 of 264 slots), or no split when the batch fills it.
+    expect = {(1, 32768): 32, (8, 8192): 4, (32, 4096): 1, (1, 131072): 32}
+    for (batch, seqlen), want in expect.items():
+        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=plan.ctas_per_sm)
+        assert got == want, (batch, seqlen, got)
+    assert H.decode_num_splits(512, 8, 4096, 132) == 1          # the batch alone fills the GPU
+    assert H.decode_num_splits(1, 8, 100, 132) == 1             # too few keys to split
+    assert H.decode_num_splits(0, 8, 4096, 132) == 1
+    assert H.decode_num_splits(1, 8, 0, 132) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("smem", SMEM_BUDGETS)
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 160, 192, 256])
+def test_decode_plan_fits(dtype, smem, head_dim):
+    if dtype == "float32" and head_dim % 4:
+        pytest.skip("float32 rows are 4-element chunks")
+    for paged in (False, True):
+        for mods in (False, True):
+            plan = H.decode_plan(dtype, head_dim, paged=paged, score_mods=mods, smem_per_block=smem)
+            defines = dict(plan.variant.defines)
+            assert plan.variant.family == "decode"
+            assert plan.head_dim >= head_dim and defines["CUFLASH_HEAD_DIM"] == plan.head_dim
+            assert plan.smem_bytes + 1024 <= smem and defines["CUFLASH_SMEM_BYTES"] == plan.smem_bytes
+            assert plan.threads == 32 * defines["CUFLASH_WARPS"]
+            assert plan.block_n == defines["CUFLASH_WARPS"] * defines["CUFLASH_KEYS_PER_WARP"]
+            assert defines["CUFLASH_STAGES"] >= 2
+            assert defines["CUFLASH_PAGED"] == int(paged) and defines["CUFLASH_SCORE_MODS"] == int(mods)
+            assert 1 <= plan.ctas_per_sm <= 4 and defines["CUFLASH_MIN_BLOCKS"] == plan.ctas_per_sm
+            if dtype == "float32":
+                assert plan.block_m == 8 and plan.head_dim % 128 == 0
+            else:
+                assert plan.block_m == 16 and plan.head_dim % 64 == 0 and defines["CUFLASH_KEYS_PER_WARP"] == 16
+            tiles = H.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
+                                  defines["CUFLASH_STAGES"])
+            assert H.decode_smem_bytes(dtype, plan.head_dim, tiles) == plan.smem_bytes
+
+
+def test_decode_plan_prefers_deeper_pipelines_when_memory_allows():
+    big = H.decode_plan("bfloat16", 128, paged=False, score_mods=False, smem_per_block=227 * 1024)
+    small = H.decode_plan("bfloat16", 128, paged=False, score_mods=False, smem_per_block=99 * 1024)
+    assert dict(big.variant.defines)["CUFLASH_STAGES"] > dict(small.variant.defines)["CUFLASH_STAGES"]
+
+
+def test_decode_plan_rejects():
+    with pytest.raises(ValueError, match="decode runs"):
+        H.decode_plan("float64", 128, paged=False, score_mods=False)
+    with pytest.raises(ValueError, match="exceeds"):
+        H.decode_plan("float16", 264, paged=False, score_mods=False)
+    with pytest.raises(ValueError, match="no decode tile shape"):
+        H.decode_plan("float16", 256, paged=False, score_mods=False, smem_per_block=32 * 1024)
+
+
+def test_merge_plan():
+    plan = H.merge_plan("float32", "bfloat16", 128)
+    assert plan.variant.family == "merge" and plan.threads == 128
+    assert dict(plan.variant.defines)["CUFLASH_IN_DTYPE"] == 2
+    assert dict(plan.variant.defines)["CUFLASH_OUT_DTYPE"] == 1
+    assert H.merge_plan("float64", "float64", 5).threads == 32
+    assert H.merge_plan("float16", "float16", 1000).threads == H.MERGE_THREADS_MAX
+    with pytest.raises(ValueError):
+        H.merge_plan("int32", "float32")
+
+
+def test_decode_precompile_variants_cover_the_dispatcher():
+    variants = H.decode_precompile_variants()
+    assert len(variants) == len(set(variants))
+    assert {v.family for v in variants} == {"decode", "merge"}
+    for dtype in DTYPES:
+        for d in (64, 128, 256):
+            for paged in (False, True):
+                for mods in (False, True):
+                    assert H.decode_plan(dtype, d, paged=paged, score_mods=mods).variant in variants
+        assert H.merge_plan("float32", dtype).variant in variants
+        assert H.merge_plan(dtype, dtype).variant in variants
+    only = H.decode_precompile_variants(dtypes=["bfloat16"], head_dims=[128])
+    assert len([v for v in only if v.family == "decode"]) == 4
