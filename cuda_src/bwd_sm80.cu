@@ -91,38 +91,6 @@ struct SwizzledLanesFrom {
     }
 };
 
-// Copies kRows rows x kHeadDim columns into a swizzled tile; rows past `rows` and columns past
-// `head_dim` are zero-filled, not read.
-template <int kRows, int kHeadDim, int kNThreads>
-__device__ __forceinline__ void load_rows(elem_t* tile_smem, const elem_t* gmem, long long row_stride, int row0,
-                                          int rows, int head_dim) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kChunks = kRows * kChunksPerRow;
-    if constexpr (kNThreads % kChunksPerRow == 0 && kRows % (kNThreads / kChunksPerRow) == 0) {
-        // Each thread keeps one 16-byte column and walks down the rows by a constant stride.
-        constexpr int kRowStep = kNThreads / kChunksPerRow;
-        const int r = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 8;
-        const bool col_valid = c < head_dim;
-        const elem_t* src = gmem + (row0 + r) * row_stride + c;
-#pragma unroll
-        for (int it = 0; it < kRows / kRowStep; ++it) {
-            const bool valid = col_valid && row0 + r + it * kRowStep < rows;
-            cp_async_16(tile_smem + swizzled<kHeadDim>(r + it * kRowStep, c), valid ? src : gmem, valid);
-            src += kRowStep * row_stride;
-        }
-    } else {
-#pragma unroll
-        for (int it = 0; it < ceil_div(kChunks, kNThreads); ++it) {
-            const int idx = threadIdx.x + it * kNThreads;
-            if (kChunks % kNThreads != 0 && idx >= kChunks) break;
-            const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-            const bool valid = row0 + r < rows && c < head_dim;
-            cp_async_16(tile_smem + swizzled<kHeadDim>(r, c), valid ? gmem + (row0 + r) * row_stride + c : gmem,
-                        valid);
-        }
-    }
-}
-
 // acc (16 x kSubC per warp) += A B^T over the head dim: A = the warp's 16 rows of a kept tile,
 // B = rows c0 .. c0 + kSubC - 1 of a streamed tile, both row-major in shared memory.
 template <class C>
@@ -252,13 +220,13 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
         elem_t* b1 = b1_smem + stage * C::kBlockC * C::kHeadDim;
         elem_t* b2 = b2_smem + stage * C::kBlockC * C::kHeadDim;
         if constexpr (C::kPassDq) {
-            load_rows<C::kBlockC, C::kHeadDim, C::kNThreads>(b1, k_gmem, p.k_row_stride, c_lo, c_len, p.head_dim);
-            load_rows<C::kBlockC, C::kHeadDim, C::kNThreads>(b2, v_gmem, p.v_row_stride, c_lo, c_len, p.head_dim);
+            load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b1, k_gmem, p.k_row_stride, c_lo, c_len, p.head_dim);
+            load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b2, v_gmem, p.v_row_stride, c_lo, c_len, p.head_dim);
         } else {
             const int h = h0 + hh;
-            load_rows<C::kBlockC, C::kHeadDim, C::kNThreads>(b1, q_gmem + h * p.q_head_stride, p.q_row_stride, c_lo,
+            load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b1, q_gmem + h * p.q_head_stride, p.q_row_stride, c_lo,
                                                               c_len, p.head_dim);
-            load_rows<C::kBlockC, C::kHeadDim, C::kNThreads>(b2, do_gmem + h * bp.do_head_stride, bp.do_row_stride,
+            load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b2, do_gmem + h * bp.do_head_stride, bp.do_row_stride,
                                                               c_lo, c_len, p.head_dim);
             // lse2 and D are padded to a multiple of every block size: whole chunks, no bounds.
             const long long row = bwd_row_index(bp, b, h, c_lo);
@@ -272,13 +240,13 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     };
 
     if constexpr (C::kPassDq) {
-        load_rows<C::kBlockR, C::kHeadDim, C::kNThreads>(a1_smem, q_gmem + h0 * p.q_head_stride, p.q_row_stride, r_lo,
+        load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a1_smem, q_gmem + h0 * p.q_head_stride, p.q_row_stride, r_lo,
                                                           r_len, p.head_dim);
-        load_rows<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, do_gmem + h0 * bp.do_head_stride, bp.do_row_stride,
+        load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, do_gmem + h0 * bp.do_head_stride, bp.do_row_stride,
                                                           r_lo, r_len, p.head_dim);
     } else {
-        load_rows<C::kBlockR, C::kHeadDim, C::kNThreads>(a1_smem, k_gmem, p.k_row_stride, r_lo, r_len, p.head_dim);
-        load_rows<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len, p.head_dim);
+        load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a1_smem, k_gmem, p.k_row_stride, r_lo, r_len, p.head_dim);
+        load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len, p.head_dim);
     }
     int hh = 0, c = c_begin - 1;
     bool have = next_tile<C::kBlockC, C::kScoreMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);

@@ -4,7 +4,8 @@
 // r = i * group + (h % group) of the query heads that share kv head h / group (GQA: each K/V byte is
 // read once per group, not once per query head), kBlockM of them per row block; its keys are the
 // split's share of the keys those rows may see. K/V tiles of kBlockN keys stream through a
-// kStages-deep cp.async pipeline (paged caches translate each key to its page through block_table).
+// kStages-deep cp.async pipeline (paged caches translate each key to its page through block_table,
+// one tile ahead of the copies: see PagedRowFetch).
 // Every warp takes its own kKeysPerWarp keys of a tile and keeps its own online softmax (base 2, as
 // online_softmax.cuh), so the warps never wait on each other inside the loop; their states are
 // combined through shared memory at the end. Per warp and tile:
@@ -66,6 +67,7 @@ struct DecodeConfig {
                              (kHeadDim / 4) % kLanesPerKey == 0),
                   "float32 path: float4 columns per lane, whole lane groups per key");
     static_assert((kBlockN * kChunksPerRow) % kNThreads == 0, "every thread copies the same number of chunks");
+    static_assert(kBlockN <= kNThreads, "paged caches: one thread looks up each key row of a tile");
     static_assert(kCombFloats * 4 <= 2 * kStages * kTileElems * int(sizeof(elem_t)),
                   "the combine buffer must fit in the K/V stages it reuses");
 };
@@ -160,6 +162,83 @@ __device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, con
         const int off = tile_offset<C>(r, c);
         cp_async_16(k_tile + off, k_src, valid);
         cp_async_16(v_tile + off, v_src, valid);
+    }
+}
+
+// ---- Paged caches: page lookups one tile ahead of the copies.
+//
+// A paged K/V row's address depends on a block_table read. Looked up by the copying threads at
+// issue time (division by page_size, __ldg, 64-bit multiply per row, kLoadIters rows per thread),
+// every tile's cp.async waited out one dependent global-load latency before it could issue, and the
+// compute of the current tile waited behind it: the loop ran latency bound, ~25% under the
+// contiguous path. Instead, thread r < kBlockN looks up key row r of the tile AFTER the one being
+// issued (PagedRowFetch::fetch: the __ldg result is consumed one whole loop iteration later, so its
+// latency hides behind that iteration's compute), turns it into the row's K and V addresses at the
+// top of the next iteration (publish), and the copying threads read those from shared memory: one
+// broadcast LDS.64 per tensor and row, then a 32-bit column offset, 16-byte cp.async as before.
+
+// The K and V row addresses of one tile, double buffered: buffer (tile % 2) is written at the top of
+// the iteration that issues `tile` (before its __syncthreads) while buffer (tile - 1) % 2 may still
+// be read by a slower warp issuing tile - 1; the previous reader of (tile % 2), tile - 2, is behind
+// that iteration's barrier. nullptr: a row past key_end (zero-filled).
+template <int kRows>
+struct PagedRows {
+    const elem_t* k[2][kRows];
+    const elem_t* v[2][kRows];
+};
+
+// One key row's page, fetched by thread r = threadIdx.x < kBlockN for row r of a future tile.
+struct PagedRowFetch {
+    int page;   // block_table entry (valid when the row is a cached key)
+    int slot;   // row inside the page; -1: not a cached key (appended token or past key_end)
+
+    template <class C>
+    __device__ __forceinline__ void fetch(const DecodeParams& p, const DecodeSeq& sq, int j0, int key_end) {
+        const int j = j0 + int(threadIdx.x);
+        slot = -1;
+        if (threadIdx.x < C::kBlockN && j < key_end && j < sq.cache_len) {
+            const int page_idx = j / p.page_size;
+            slot = j - page_idx * p.page_size;
+            page = __ldg(sq.pages + page_idx);   // not waited on here: consumed by publish next iteration
+        }
+    }
+
+    // The row's addresses into buffer `buf`; j0 as passed to fetch.
+    template <class C>
+    __device__ __forceinline__ void publish(PagedRows<C::kBlockN>& rows, int buf, const DecodeParams& p,
+                                            const DecodeSeq& sq, int j0, int key_end) const {
+        if (threadIdx.x >= C::kBlockN) return;
+        const int r = threadIdx.x, j = j0 + r;
+        const elem_t* k_row = nullptr;
+        const elem_t* v_row = nullptr;
+        if (slot >= 0) {
+            // 64-bit: a page pool can exceed 2^31 elements. Once per row per tile, not per copy.
+            k_row = sq.k_cache + static_cast<long long>(page) * p.k_batch_stride + slot * p.k_row_stride;
+            v_row = sq.v_cache + static_cast<long long>(page) * p.v_batch_stride + slot * p.v_row_stride;
+        } else if (j < key_end) {   // an appended token: read from k_new / v_new, not from the slot being written
+            const long long t = j - sq.cache_len;
+            k_row = sq.k_new + t * p.k_new_row_stride;
+            v_row = sq.v_new + t * p.v_new_row_stride;
+        }
+        rows.k[buf][r] = k_row;
+        rows.v[buf][r] = v_row;
+    }
+};
+
+// K and V rows of one tile into one stage from published row addresses (after a __syncthreads).
+template <class C>
+__device__ __forceinline__ void load_kv_tile_paged(elem_t* k_tile, elem_t* v_tile, const PagedRows<C::kBlockN>& rows, int buf,
+                                                   const DecodeParams& p, const DecodeSeq& sq) {
+#pragma unroll C::kLoadUnroll
+    for (int it = 0; it < C::kLoadIters; ++it) {
+        const int idx = threadIdx.x + it * C::kNThreads;
+        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
+        const elem_t* k_row = rows.k[buf][r];
+        const elem_t* v_row = rows.v[buf][r];
+        const bool valid = k_row != nullptr && c < p.head_dim;
+        const int off = tile_offset<C>(r, c);
+        cp_async_16(k_tile + off, valid ? k_row + c : sq.k_cache, valid);
+        cp_async_16(v_tile + off, valid ? v_row + c : sq.v_cache, valid);
     }
 }
 
@@ -461,6 +540,8 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     __shared__ int row_query[C::kBlockM];   // query index i of each packed row, -1 for padding
     __shared__ int row_head[C::kBlockM];    // its query head
+    // Paged: K/V row addresses of the tile being issued (a 1-row dummy for contiguous caches).
+    __shared__ PagedRows<C::kPaged ? C::kBlockN : 1> paged_rows;
     elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* kv_smem = q_smem + C::kBlockM * C::kHeadDim;   // [kStages][K, V][kBlockN][kHeadDim]
     float* p_smem = reinterpret_cast<float*>(kv_smem + 2 * C::kStages * C::kTileElems);   // float32 path
@@ -521,6 +602,9 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             load_kv_tile<C>(k_stage(stage), v_stage(stage), p, sq, key_begin + stage * C::kBlockN, key_end);
         cp_async_commit();   // empty groups too: the wait counts below assume one group per stage
     }
+    // Paged: the pages of the first tile the loop issues (kStages - 1), one iteration early.
+    PagedRowFetch next_rows;
+    if constexpr (C::kPaged) next_rows.fetch<C>(p, sq, key_begin + (C::kStages - 1) * C::kBlockN, key_end);
     __syncthreads();   // row_query / row_head
 
     typename Select<C::kSimt, SimtWarpState<C>, MmaWarpState<C>>::type state;
@@ -540,12 +624,27 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     const unsigned q_tile = smem_addr(q_smem);
 
     for (int tile = 0; tile < n_tiles; ++tile) {
+        const int ahead = tile + C::kStages - 1;
+        // Paged: the row addresses of tile `ahead` from the pages fetched last iteration (their load
+        // has had a whole tile of compute to land), published before the barrier below.
+        if constexpr (C::kPaged) {
+            if (ahead < n_tiles)
+                next_rows.publish<C>(paged_rows, ahead % 2, p, sq, key_begin + ahead * C::kBlockN, key_end);
+        }
         cp_async_wait<C::kStages - 2>();
         __syncthreads();   // tile `tile` (and Q) landed; every warp is done with the stage refilled next
-        const int ahead = tile + C::kStages - 1;
-        if (ahead < n_tiles)
-            load_kv_tile<C>(k_stage(ahead % C::kStages), v_stage(ahead % C::kStages), p, sq,
-                            key_begin + ahead * C::kBlockN, key_end);
+        if (ahead < n_tiles) {
+            if constexpr (C::kPaged) {
+                load_kv_tile_paged<C>(k_stage(ahead % C::kStages), v_stage(ahead % C::kStages), paged_rows,
+                                      ahead % 2, p, sq);
+                // The next tile's pages: issued now, consumed by next iteration's publish.
+                if (ahead + 1 < n_tiles)
+                    next_rows.fetch<C>(p, sq, key_begin + (ahead + 1) * C::kBlockN, key_end);
+            } else {
+                load_kv_tile<C>(k_stage(ahead % C::kStages), v_stage(ahead % C::kStages), p, sq,
+                                key_begin + ahead * C::kBlockN, key_end);
+            }
+        }
         cp_async_commit();
 
         const int stage = tile % C::kStages;

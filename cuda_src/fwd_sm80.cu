@@ -33,38 +33,6 @@ struct FwdSm80Config {
     static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "tile shape");
 };
 
-// Copies a tile of kRows rows x kHeadDim columns into swizzled shared memory; rows past `rows`
-// and columns past `head_dim` are zero-filled, not read. When the threads divide into whole rows,
-// each thread keeps one 16-byte column and walks down the rows with a constant stride (fewer
-// address instructions); otherwise (head dim 192 on 256 threads) chunks are dealt out in turn.
-template <int kRows, int kHeadDim, int kNThreads>
-__device__ __forceinline__ void load_tile(elem_t* tile_smem, const elem_t* gmem, long long row_stride, int row0,
-                                          int rows, int head_dim) {
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    static_assert(kRows * kChunksPerRow % kNThreads == 0, "every thread copies the same number of chunks");
-    if constexpr (kNThreads % kChunksPerRow == 0) {
-        constexpr int kRowStep = kNThreads / kChunksPerRow;
-        const int r = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 8;
-        const bool col_valid = c < head_dim;
-        const elem_t* src = gmem + (row0 + r) * row_stride + c;
-#pragma unroll
-        for (int it = 0; it < kRows / kRowStep; ++it) {
-            const bool valid = col_valid && row0 + r + it * kRowStep < rows;
-            cp_async_16(tile_smem + swizzled<kHeadDim>(r + it * kRowStep, c), valid ? src : gmem, valid);
-            src += kRowStep * row_stride;
-        }
-    } else {
-#pragma unroll
-        for (int it = 0; it < kRows * kChunksPerRow / kNThreads; ++it) {
-            const int chunk = threadIdx.x + it * kNThreads;
-            const int r = chunk / kChunksPerRow, c = (chunk % kChunksPerRow) * 8;
-            const bool valid = row0 + r < rows && c < head_dim;
-            cp_async_16(tile_smem + swizzled<kHeadDim>(r, c), valid ? gmem + (row0 + r) * row_stride + c : gmem,
-                        valid);
-        }
-    }
-}
-
 // The last key tile at or before n that block_mask leaves visible (n_first - 1 if none).
 template <class C>
 __device__ __forceinline__ int previous_visible_tile(const FwdParams& p, const SeqInfo& s, int n, int n_first,

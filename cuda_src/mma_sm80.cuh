@@ -79,4 +79,36 @@ struct SwizzledLanes {
     }
 };
 
+// Global -> shared: kRows rows x kHeadDim columns into a swizzled tile with 16-byte cp.async; rows
+// past `rows` and columns past `head_dim` are zero-filled, not read (tails never reach a result).
+template <int kRows, int kHeadDim, int kNThreads>
+__device__ __forceinline__ void load_tile(elem_t* tile_smem, const elem_t* gmem, long long row_stride, int row0,
+                                          int rows, int head_dim) {
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    if constexpr (kNThreads % kChunksPerRow == 0 && kRows % (kNThreads / kChunksPerRow) == 0) {
+        // Each thread keeps one 16-byte column and walks down the rows by a constant stride.
+        constexpr int kRowStep = kNThreads / kChunksPerRow;
+        const int r = threadIdx.x / kChunksPerRow, c = (threadIdx.x % kChunksPerRow) * 8;
+        const bool col_valid = c < head_dim;
+        const elem_t* src = gmem + (row0 + r) * row_stride + c;
+#pragma unroll
+        for (int it = 0; it < kRows / kRowStep; ++it) {
+            const bool valid = col_valid && row0 + r + it * kRowStep < rows;
+            cp_async_16(tile_smem + swizzled<kHeadDim>(r + it * kRowStep, c), valid ? src : gmem, valid);
+            src += kRowStep * row_stride;
+        }
+    } else {
+#pragma unroll
+        for (int it = 0; it < ceil_div(kChunks, kNThreads); ++it) {
+            const int idx = threadIdx.x + it * kNThreads;
+            if (kChunks % kNThreads != 0 && idx >= kChunks) break;
+            const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+            const bool valid = row0 + r < rows && c < head_dim;
+            cp_async_16(tile_smem + swizzled<kHeadDim>(r, c), valid ? gmem + (row0 + r) * row_stride + c : gmem,
+                        valid);
+        }
+    }
+}
+
 }  // namespace cuflash

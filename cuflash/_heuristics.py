@@ -237,6 +237,9 @@ DEFAULT_SMEM_PER_SM = 228 * 1024
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
 _DECODE_SMEM_RESERVE = 1024 + 128
+#: Paged caches add, per key of a tile, the K and V row addresses of two tiles (PagedRows in
+#: cuda_src/decode.cu: 2 buffers x 2 tensors x 8-byte pointers).
+_DECODE_PAGED_ROW_BYTES = 2 * 2 * 8
 
 
 @dataclass(frozen=True)
@@ -321,7 +324,8 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
     kdim = _round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
     for tiles in _DECODE_TILE_CHOICES[(path, kdim)]:
         smem = decode_smem_bytes(dtype_name, kdim, tiles)
-        if smem + _DECODE_SMEM_RESERVE <= smem_per_block:
+        reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
+        if smem + reserve <= smem_per_block:
             break
     else:
         raise ValueError(f"no decode tile shape for {dtype_name} head dim {kdim} fits in "
@@ -331,7 +335,7 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
 
     # Resident CTAs per SM that shared memory allows (at most 4); the kernel's register budget
     # (__launch_bounds__ minimum blocks) aims at the same number.
-    ctas_per_sm = max(1, min(4, smem_per_sm // (smem + _DECODE_SMEM_RESERVE)))
+    ctas_per_sm = max(1, min(4, smem_per_sm // (smem + reserve)))
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
