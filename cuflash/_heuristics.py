@@ -97,7 +97,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
 
     Parameters
     ----------
-    family : {"fwd_sm80", "fwd_simt"}
+    family : {"fwd_sm90", "fwd_sm80", "fwd_simt"}
     dtype_name : {"float16", "bfloat16", "float32"}
     head_dim : int
         Run-time head dim (a multiple of 8, at most 256).
