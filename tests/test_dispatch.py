@@ -1,0 +1,101 @@
+"""Kernel choice and forward plans, checked without a GPU.
+
+Which family runs a call (fwd_sm90 where TMA can describe the tensors, fwd_sm80 otherwise, never a
+silent fallback when forced) and what each plan compiles are pure functions of shapes, strides
+and options, so they are tested here on duck-typed arrays.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cuflash import _heuristics, _launch, _tma
+from cuflash.attention import _choose_family, _sm90_obstacle, force_kernel
+
+
+def fake(shape, strides_elems=None, itemsize=2, ptr=1 << 20):
+    """Just enough of a CuPy array for the dispatcher: shape, byte strides, itemsize, data.ptr."""
+    if strides_elems is None:
+        strides_elems = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return SimpleNamespace(shape=shape, strides=tuple(s * itemsize for s in strides_elems),
+                           itemsize=itemsize, data=SimpleNamespace(ptr=ptr))
+
+
+def qkv(d=128, **kw):
+    return fake((2, 300, 8, d), **kw), fake((2, 400, 2, d), **kw), fake((2, 400, 2, d), **kw)
+
+
+def test_sm90_takes_plain_problems():
+    assert _sm90_obstacle(*qkv(), varlen=False, score_fields={}) is None
+    assert _sm90_obstacle(*qkv(64), varlen=False, score_fields={"mask": 1, "bias": 2}) is None
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(d=256), "head dim 256"),
+    (dict(varlen=True), "varlen"),
+    (dict(block_mask=True), "block_mask"),
+    (dict(strides=(300 * 8 * 128, -8 * 128, 128, 1)), "strides"),   # negative sequence stride
+    (dict(strides=(300 * 8 * 136, 8 * 136, 136 + 4, 1)), "strides"),  # head stride not 16-byte
+    (dict(ptr=(1 << 20) + 8), "strides"),                             # base not 16-byte aligned
+])
+def test_sm90_obstacles_are_named(case, expected):
+    q, k, v = qkv(case.get("d", 128))
+    if "strides" in case:
+        q = fake(q.shape, case["strides"])
+    if "ptr" in case:
+        q = fake(q.shape, ptr=case["ptr"])
+    fields = {"block_mask": 1} if case.get("block_mask") else {}
+    reason = _sm90_obstacle(q, k, v, varlen=case.get("varlen", False), score_fields=fields)
+    assert reason is not None and expected in reason
+
+
+def test_forced_sm90_raises_instead_of_falling_back():
+    with force_kernel("fwd_sm90"):
+        with pytest.raises(ValueError, match="fwd_sm90 cannot run this call: varlen"):
+            _choose_family("bfloat16", *qkv(), varlen=True, score_fields={})
+        with pytest.raises(ValueError, match="runs float16/bfloat16, not float32"):
+            _choose_family("float32", *qkv(), varlen=False, score_fields={})
+
+
+def test_forced_sm80_and_simt_are_kept():
+    with force_kernel("fwd_sm80"):
+        assert _choose_family("float16", *qkv(), varlen=False, score_fields={}) == "fwd_sm80"
+    with force_kernel("fwd_simt"):
+        assert _choose_family("float32", *qkv(), varlen=False, score_fields={}) == "fwd_simt"
+    with pytest.raises(ValueError, match="family must be one of"):
+        with force_kernel("fwd_sm70"):
+            pass
+
+
+def test_tma_compatibility_rule():
+    assert _tma.tma_compatible(fake((1, 5, 2, 64)))
+    assert not _tma.tma_compatible(fake((1, 5, 2, 64), (640, 128, 64, 2)))  # last axis strided
+    assert not _tma.tma_compatible(fake((1, 5, 2, 60)))                    # 120-byte rows
+
+
+@pytest.mark.parametrize("d, kdim", [(8, 64), (64, 64), (72, 128), (128, 128)])
+@pytest.mark.parametrize("mods", [False, True])
+def test_sm90_plan(d, kdim, mods):
+    plan = _heuristics.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=mods)
+    defines = dict(plan.variant.defines)
+    assert plan.head_dim == kdim and defines["CUFLASH_HEAD_DIM"] == kdim
+    assert plan.threads == 384 and plan.block_m == 128
+    # Q + two stages of K and V + 1 KB alignment slack, within a Hopper block's 227 KB.
+    assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == 1024 + 128 * kdim * 2 + 4 * 128 * kdim * 2
+    assert plan.smem_bytes <= 227 * 1024
+    assert defines["CUFLASH_PARAMS_SIZE"] == _launch.PARAMS_DTYPE.itemsize
+    assert (defines["CUFLASH_SCORE_MODS"], defines["CUFLASH_DROPOUT"]) == (int(mods), int(mods))
+    with pytest.raises(ValueError, match="float32"):
+        _heuristics.forward_plan("fwd_sm90", "float32", d, score_mods=False, dropout=False)
+
+
+def test_sm90_only_built_for_sm90a():
+    families_80 = {v.family for v in _heuristics.precompile_variants(arch="sm_80")}
+    families_90 = {v.family for v in _heuristics.precompile_variants(arch="sm_90a")}
+    assert "fwd_sm90" not in families_80 and "fwd_sm90" in families_90
+    pairs = _heuristics.ci_variants()
+    assert all(arch == "sm_90a" for v, arch in pairs if v.family == "fwd_sm90")
+    # Every family that the dispatcher, decode or backward can launch is in the CI compile list.
+    assert {v.family for v, _ in pairs} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "decode", "merge",
+                                            "bwd_sm80", "bwd_simt", "bwd_preprocess", "bwd_convert"}
