@@ -6,6 +6,9 @@ C); its size is compiled into every module as ``CUFLASH_PARAMS_SIZE`` and checke
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import numpy as np
 
 _POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "mask", "bias",
@@ -43,6 +46,27 @@ def pack_params(**fields) -> np.void:
     for name, value in fields.items():
         params[name] = value
     return params[()]
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    """Multiprocessors of a device (persistent grids and split heuristics size themselves by it)."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+
+
+@contextlib.contextmanager
+def forcing(forced, family: str, families: tuple[str, ...]):
+    """Set the context variable ``forced`` to ``family`` for the block (the force_kernel contexts)."""
+    if family not in families:
+        raise ValueError(f"family must be one of {families}, got {family!r}")
+    token = forced.set(family)
+    try:
+        yield
+    finally:
+        forced.reset(token)
 
 
 def launch(kernel, grid: tuple[int, int, int], threads: int, smem_bytes: int, args) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import functools
 import math
 
 import numpy as np
@@ -17,7 +15,6 @@ _forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 
 
-@contextlib.contextmanager
 def force_kernel(family: str):
     """Run every forward call inside the block on one kernel family (tests and benchmarks).
 
@@ -27,13 +24,7 @@ def force_kernel(family: str):
         A family that cannot run a call (its dtype, or for fwd_sm90 varlen, block_mask, a head dim
         over 128 or strides TMA cannot describe) raises ValueError at that call, never falls back.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    token = _forced_family.set(family)
-    try:
-        yield
-    finally:
-        _forced_family.reset(token)
+    return _launch.forcing(_forced_family, family, FAMILIES)
 
 
 def _kernel_ready(x, head_dim_padded: int):
@@ -133,13 +124,6 @@ def _choose_family(dtype_name: str, q, k, v, *, varlen: bool, score_fields: dict
     return "fwd_sm90" if obstacle is None and _is_hopper() else "fwd_sm80"
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
 def _is_hopper() -> bool:
     import cupy
 
@@ -169,7 +153,7 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
     args = (params,)
     if family == "fwd_sm90":
         # Persistent: at most one CTA per SM, each walking the (m-block, head, batch) list.
-        grid = (min(grid[0] * heads_q * batch, _sm_count(q.device.id)), 1, 1)
+        grid = (min(grid[0] * heads_q * batch, _launch.sm_count(q.device.id)), 1, 1)
         args = (_tma.encode(q, _heuristics.SM90_BLOCK_M, dtype_name),
                 _tma.encode(k, _heuristics.SM90_BLOCK_N, dtype_name),
                 _tma.encode(v, _heuristics.SM90_BLOCK_N, dtype_name), params)

@@ -19,7 +19,6 @@ guarantee.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
@@ -37,7 +36,6 @@ FAMILIES = _heuristics.BWD_FAMILIES
 _forced_family = contextvars.ContextVar("cuflash_forced_backward_family", default=None)
 
 
-@contextlib.contextmanager
 def force_kernel(family: str):
     """Run every backward call inside the block on one kernel family (tests and benchmarks).
 
@@ -47,13 +45,7 @@ def force_kernel(family: str):
         bwd_sm80 runs float16/bfloat16, bwd_simt float32; a family that cannot run a call's dtype
         raises ValueError at that call, never falls back.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    token = _forced_family.set(family)
-    try:
-        yield
-    finally:
-        _forced_family.reset(token)
+    return _launch.forcing(_forced_family, family, FAMILIES)
 
 
 def _family_for(dtype_name: str) -> str:
@@ -65,12 +57,7 @@ def _family_for(dtype_name: str) -> str:
     return family
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_id: int) -> int:
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+_num_sms = _launch.sm_count  # a module name, so tests can pretend to other SM counts
 
 
 @functools.lru_cache(maxsize=None)
