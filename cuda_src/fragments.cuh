@@ -60,23 +60,32 @@ __device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4]
 }
 
 // Zeroes the dropped probabilities (philox.cuh). The row sums already saw every p, so only O loses
-// them: lse is pre-dropout and O is rescaled by 1 / (1 - p) at the end.
+// them: lse is pre-dropout and O is rescaled by 1 / (1 - p) at the end. The Philox draws of a row
+// are gathered into a bit mask first, in a loop that is only partly unrolled: fully unrolled, all
+// of a row's draws would be in flight at once and push a large tile's registers into spills.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
                                                    const SeqInfo& s, int row0, int n_lo, int g, int t) {
+    static_assert(kNTiles <= 16, "two bits per n-tile in one 32-bit mask");
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = row0 + mi * 16 + g + half * 8;
+            unsigned dropped = 0;   // bit 2 ni + c: column 8 ni + 2 t + c is dropped
+#pragma unroll 2
             for (int ni = 0; ni < kNTiles; ++ni) {
-                const int i = row0 + mi * 16 + g + half * 8;
                 const int j = n_lo + ni * 8 + 2 * t;   // even: the pair sits in one Philox block
                 const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j / 4, p.heads_q);
                 const unsigned w0 = (j & 2) ? w.z : w.x, w1 = (j & 2) ? w.w : w.y;
-                if (w0 < p.dropout_threshold) acc_s[mi][ni][2 * half] = 0.f;
-                if (w1 < p.dropout_threshold) acc_s[mi][ni][2 * half + 1] = 0.f;
+                dropped |= (unsigned(w0 < p.dropout_threshold) | unsigned(w1 < p.dropout_threshold) << 1) << (2 * ni);
             }
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni) {
+                if (dropped >> (2 * ni) & 1u) acc_s[mi][ni][2 * half] = 0.f;
+                if (dropped >> (2 * ni + 1) & 1u) acc_s[mi][ni][2 * half + 1] = 0.f;
+            }
+        }
 }
 
 // P for keys 16 kk .. 16 kk + 15 as an m16k16 A fragment: two adjacent n-tiles of S, packed pairwise.

@@ -1,18 +1,20 @@
 // Forward attention for Hopper (sm_90a), fp16/bf16: TMA loads on mbarriers, wgmma, warp specialisation.
 //
-// A CTA of three warpgroups computes kBlockM = 128 query rows of one (batch, head):
-//   warpgroup 0, the producer: one thread issues TMA copies of Q once and of K/V tiles into a
-//     kStages-deep ring of 128B-swizzled shared buffers (full barriers count the bytes in, empty
-//     barriers count the consumers out); the warpgroup gives its registers to the consumers.
+// A CTA of three warpgroups computes kBlockM = 128 query rows of one (batch, head) at a time:
+//   warpgroup 0, the producer: one thread issues TMA copies of Q (into one of kQSlots buffers) and
+//     of K/V tiles into a kStages-deep ring of 128B-swizzled shared buffers (full barriers count the
+//     bytes in, empty barriers count the consumers out); the warpgroup gives its registers away.
 //   warpgroups 1 and 2, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
 //     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2) -> O += P V (wgmma with P
 //     from registers, V transposed by its descriptor).
 // Key tiles run from the last to the first, like fwd_sm80, so a causal problem meets its partly
-// masked diagonal tile first; tiles that the window hides entirely are never loaded. Rows and keys
-// past the sequence end come in as zeros (TMA fills out-of-range coordinates with zeros).
+// masked diagonal tile first; tiles that the window or the block mask hide entirely are never
+// loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
+// with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
 //
-// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128, CUFLASH_BLOCK_N 64/128,
-// CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
+// 64/128, CUFLASH_Q_SLOTS 1/2, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES,
+// CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "mask.cuh"
@@ -24,19 +26,25 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, bool kScoreMods_, bool kDropout_>
 struct FwdSm90Config {
-    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_;
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
     static constexpr int kBlockM = 128, kConsumers = 2, kStages = 2;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
+    // Registers per thread after setmaxnreg (128 x producer + 256 x consumer <= 64K): the producer
+    // needs more than the usual 24 only to test block masks (score-modifier variants).
+    static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
     static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+    // P V runs in column chunks of at most 128 (one wgmma n each): D = 256 is two of them.
+    static constexpr int kPvN = kHeadDim < 128 ? kHeadDim : 128, kPvChunks = kHeadDim / kPvN;
     // Tiles are stored as column blocks of 64 elements (128 bytes: one swizzle row) x all rows.
     static constexpr int kColBlocks = kHeadDim / 64;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
-    static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQBytes + 2 * kStages * kKVBytes;
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "wgmma tiles for head dims 64 and 128");
+    static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQSlots * kQBytes + 2 * kStages * kKVBytes;
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
     static_assert(kBlockN == 64 || kBlockN == 128, "wgmma n for S");
+    static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
 };
 
 // Dispatch to the wgmma of the right N (the accumulator is a flat view of [1][N/8][4]).
@@ -47,33 +55,112 @@ __device__ __forceinline__ void gemm_qk(float (&acc)[1][N / 8][4], unsigned long
     if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
     else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
 }
+// O[:, chunk of N columns] += P (16 keys, registers) V (16 keys x N columns); acc points at the chunk.
 template <int N>
-__device__ __forceinline__ void gemm_pv(float (&acc)[1][N / 8][4], const unsigned (&a)[4], unsigned long long b) {
-    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc[0][0][0]);
+__device__ __forceinline__ void gemm_pv(float* acc, const unsigned (&a)[4], unsigned long long b) {
+    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(acc);
     if constexpr (N == 64) wgmma_rs_n64(d, a, b, elem_t{});
     else wgmma_rs_n128(d, a, b, elem_t{});
 }
 
+// Varlen: a key tile that runs past the end of its sequence holds the next sequence's rows (TMA
+// zero-fills only past the end of the whole tensor). Their scores are masked, but P V would still
+// meet them as 0 * V, which is NaN when V is: the consumers zero those rows of the V tile before
+// P V, split between their 256 threads, and meet at a named barrier (both see the same tiles).
+template <class C>
+__device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
+    const int chunks_per_block = (C::kBlockN - first_row) * 8;   // 16-byte chunks, 8 per 128-byte row
+    for (int c = threadIdx.x - 128; c < chunks_per_block * C::kColBlocks; c += 128 * C::kConsumers) {
+        const int blk = c / chunks_per_block, r = first_row + c % chunks_per_block / 8;
+        // The 128B swizzle permutes chunks only inside a row, so a whole row stays where it was.
+        const unsigned addr = v_tile + blk * C::kBlockN * 128 + r * 128 + (c % 8) * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fence_proxy_async();   // the generic-proxy stores must be visible to the wgmma that reads V
+    named_barrier_sync(1, 128 * C::kConsumers);
+}
+
+// Work items are (m-block, head, batch), numbered so that one head's m-blocks are neighbours
+// (longest causal rows first): CTAs that run at the same time then share that head's K/V in L2.
+// Each CTA starts at item blockIdx.x and takes the next from a global counter when it starts an
+// item (dynamic scheduling balances causal and varlen work, whose items differ in length).
+// The counter is handed out exactly `items` times per launch (one failed take per CTA ends it), so
+// whoever takes the last value resets it to 0 for the next launch on this stream.
+__device__ __forceinline__ int take_item(int* counter, int items) {
+    const int ticket = atomicAdd(counter, 1);
+    if (ticket == items - 1) atomicExch(counter, 0);
+    return ticket + gridDim.x;
+}
+
+template <class C>
+struct WorkItem {
+    SeqInfo s;
+    int m_lo, m_hi;       // query rows of the CTA (m_hi clipped to the sequence)
+    int n_first, n_end;   // key tiles [n_first, n_end) that the window leaves visible
+    int batch_coord;      // the batch coordinate of the tensor maps (0 under varlen)
+
+    __device__ __forceinline__ WorkItem(const FwdParams& p, int item, int num_m_blocks) {
+        const int m_block = num_m_blocks - 1 - item % num_m_blocks;
+        const int hb = item / num_m_blocks;
+        s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
+        m_lo = m_block * C::kBlockM;
+        m_hi = min(m_lo + C::kBlockM, s.seqlen_q);
+        int key_first, key_last;
+        visible_keys(p, s, m_lo, m_hi, &key_first, &key_last);
+        n_first = key_first / C::kBlockN;
+        n_end = ceil_div(key_last, C::kBlockN);
+        batch_coord = p.cu_seqlens_q != nullptr ? 0 : s.b;
+    }
+    // Varlen: the grid is sized by the longest sequence, so shorter ones have m-blocks with no rows.
+    __device__ __forceinline__ bool empty() const { return m_lo >= s.seqlen_q; }
+
+    // Which of the 32 key tiles top - 1, top - 2, ..., top - 32 the item visits (bit i: tile
+    // top - 1 - i): inside [n_first, n_end) and not hidden by the block mask. Each lane of the
+    // producer warp tests one tile; all 32 lanes must call it.
+    __device__ __forceinline__ unsigned tiles_below(const FwdParams& p, int top) const {
+        const int n = top - 1 - threadIdx.x % 32;
+        bool visible = n >= n_first;
+        if (C::kScoreMods && visible && p.block_mask != nullptr)   // block_mask comes with the modifiers
+            visible = block_mask_share_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k),
+                                               0, 1);
+        return __ballot_sync(0xffffffffu, visible);
+    }
+    __device__ __forceinline__ int count_tiles(const FwdParams& p) const {
+        if (!C::kScoreMods || p.block_mask == nullptr) return n_end - n_first;
+        int count = 0;
+        for (int top = n_end; top > n_first; top -= 32) count += __popc(tiles_below(p, top));
+        return count;
+    }
+};
+
 template <class C>
 __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                         const FwdParams& p) {
+                                         const FwdParams& p, int* tile_counter) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    __shared__ __align__(8) unsigned long long barriers[2 + 4 * C::kStages];
+    __shared__ __align__(8) unsigned long long barriers[2 * C::kQSlots + 4 * C::kStages];
+    // What the producer tells the consumers, published by the arrive on the slot's/stage's full
+    // barrier: the item whose Q is in a slot (-1: no more work) and how many key tiles it visits,
+    // and the key tile in a stage (the block mask is evaluated once, by the producer).
+    __shared__ int item_of_slot[C::kQSlots], tiles_of_slot[C::kQSlots], tile_of_stage[C::kStages];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
-    const unsigned q_smem = smem;
-    const unsigned k_smem = q_smem + C::kQBytes;                      // [kStages][kColBlocks][kBlockN][64]
+    const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
+    const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
     const unsigned v_smem = k_smem + C::kStages * C::kKVBytes;
-    const unsigned q_full = smem_addr(&barriers[0]), q_empty = smem_addr(&barriers[1 + 4 * C::kStages]);
-    auto k_full = [&](int stage) { return smem_addr(&barriers[1 + stage]); };
-    auto v_full = [&](int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); };
+    auto q_full = [&](int slot) { return smem_addr(&barriers[slot]); };
+    auto q_empty = [&](int slot) { return smem_addr(&barriers[C::kQSlots + slot]); };
+    auto k_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + stage]); };
+    auto v_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + C::kStages + stage]); };
     // K and V of a stage are released separately: K as soon as S retires, V once P V has.
-    auto k_empty = [&](int stage) { return smem_addr(&barriers[1 + 2 * C::kStages + stage]); };
-    auto v_empty = [&](int stage) { return smem_addr(&barriers[1 + 3 * C::kStages + stage]); };
+    auto k_empty = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + 2 * C::kStages + stage]); };
+    auto v_empty = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + 3 * C::kStages + stage]); };
 
     const int warpgroup = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, 128 * C::kConsumers);
+        for (int slot = 0; slot < C::kQSlots; ++slot) {
+            mbar_init(q_full(slot), 1);
+            mbar_init(q_empty(slot), 128 * C::kConsumers);
+        }
         for (int stage = 0; stage < C::kStages; ++stage) {
             mbar_init(k_full(stage), 1);
             mbar_init(v_full(stage), 1);
@@ -84,67 +171,78 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     }
     __syncthreads();
 
-    // Persistent: the grid is at most one CTA per SM and each walks the work list (m-block, head,
-    // batch) with a stride of the grid. The m-blocks of one head are neighbours in the list (longest
-    // causal rows first), so CTAs running at the same time share that head's K/V in L2. The
-    // producer runs ahead into the next item (its Q as soon as the consumers are done with Q, its
-    // K/V as slots free up), so the start and the epilogue of one item overlap other work.
     const int num_m_blocks = ceil_div(p.seqlen_q, C::kBlockM);
     const int items = num_m_blocks * p.heads_q * p.batch;
-    auto work = [&](int item, SeqInfo* s, int* m_lo, int* m_hi, int* n_first, int* n_end) {
-        const int m_block = num_m_blocks - 1 - item % num_m_blocks;
-        const int hb = item / num_m_blocks;
-        *s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
-        *m_lo = m_block * C::kBlockM;
-        *m_hi = min(*m_lo + C::kBlockM, s->seqlen_q);
-        int key_first, key_last;
-        visible_keys(p, *s, *m_lo, *m_hi, &key_first, &key_last);
-        *n_first = key_first / C::kBlockN;
-        *n_end = ceil_div(key_last, C::kBlockN);
-    };
 
     if (warpgroup == 0) {
-        // Producer: one thread walks the same items and tiles as the consumers.
-        setmaxnreg_dec<24>();
-        if (threadIdx.x != 0) return;
-        int stage = 0, phase = 0, q_phase = 0;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
-            SeqInfo s;
-            int m_lo, m_hi, n_first, n_end;
-            work(item, &s, &m_lo, &m_hi, &n_first, &n_end);
-            mbar_wait(q_empty, q_phase ^ 1);   // a fresh barrier passes parity 1 at once
-            mbar_arrive_expect_tx(q_full, C::kQBytes);
-            for (int blk = 0; blk < C::kColBlocks; ++blk)
-                tma_load_4d(q_smem + blk * C::kBlockM * 128, &q_map, blk * 64, m_lo, s.h, s.b, q_full);
-            q_phase ^= 1;
-            for (int n = n_end - 1; n >= n_first; --n) {
-                mbar_wait(k_empty(stage), phase ^ 1);
-                mbar_arrive_expect_tx(k_full(stage), C::kKVBytes);
-                for (int blk = 0; blk < C::kColBlocks; ++blk)
-                    tma_load_4d(k_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
-                                n * C::kBlockN, s.h_kv, s.b, k_full(stage));
-                mbar_wait(v_empty(stage), phase ^ 1);
-                mbar_arrive_expect_tx(v_full(stage), C::kKVBytes);
-                for (int blk = 0; blk < C::kColBlocks; ++blk)
-                    tma_load_4d(v_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &v_map, blk * 64,
-                                n * C::kBlockN, s.h_kv, s.b, v_full(stage));
-                if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+        // Producer: warp 0 walks the items and their tiles (all lanes, for the block-mask vote);
+        // lane 0 waits on the barriers and issues the copies. While the consumers finish one item,
+        // the producer already loads the next one's Q (a free slot) and first K/V tiles.
+        setmaxnreg_dec<C::kProducerRegs>();
+        if (warp != 0) return;
+        int stage = 0, phase = 0, slot = 0, q_phase = 0;
+        for (int item = blockIdx.x;;) {
+            if (item >= items) {
+                if (lane == 0) {
+                    mbar_wait(q_empty(slot), q_phase ^ 1);
+                    item_of_slot[slot] = -1;
+                    mbar_arrive(q_full(slot));   // releases the write above to the consumers
+                }
+                return;
             }
+            const int next = lane == 0 ? take_item(tile_counter, items) : 0;   // used at the end
+            const WorkItem<C> w(p, item, num_m_blocks);
+            if (!w.empty()) {
+                const int num_tiles = w.count_tiles(p);
+                if (lane == 0) {
+                    mbar_wait(q_empty(slot), q_phase ^ 1);   // a fresh barrier passes parity 1 at once
+                    item_of_slot[slot] = item;
+                    tiles_of_slot[slot] = num_tiles;
+                    mbar_arrive_expect_tx(q_full(slot), C::kQBytes);
+                    for (int blk = 0; blk < C::kColBlocks; ++blk)
+                        tma_load_4d(q_smem + slot * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
+                                    w.s.q_row0 + w.m_lo, w.s.h, w.batch_coord, q_full(slot));
+                }
+                if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
+                for (int top = w.n_end; top > w.n_first; top -= 32)
+                for (unsigned todo = w.tiles_below(p, top); todo != 0; todo &= todo - 1) {
+                    const int n = top - __ffs(todo);   // the highest tile not yet loaded
+                    if (lane == 0) {
+                        const int key_row = w.s.k_row0 + n * C::kBlockN;
+                        mbar_wait(k_empty(stage), phase ^ 1);
+                        tile_of_stage[stage] = n;
+                        mbar_arrive_expect_tx(k_full(stage), C::kKVBytes);
+                        for (int blk = 0; blk < C::kColBlocks; ++blk)
+                            tma_load_4d(k_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
+                                        key_row, w.s.h_kv, w.batch_coord, k_full(stage));
+                        mbar_wait(v_empty(stage), phase ^ 1);
+                        mbar_arrive_expect_tx(v_full(stage), C::kKVBytes);
+                        for (int blk = 0; blk < C::kColBlocks; ++blk)
+                            tma_load_4d(v_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &v_map, blk * 64,
+                                        key_row, w.s.h_kv, w.batch_coord, v_full(stage));
+                    }
+                    if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+                }
+            }
+            item = __shfl_sync(0xffffffffu, next, 0);
         }
-        return;
     }
 
-    // Consumers: stage/phase run on across items, in step with the producer's.
-    setmaxnreg_inc<240>();
+    // Consumers: slot, stage and phases run on across items, in step with the producer's.
+    setmaxnreg_inc<C::kConsumerRegs>();
     const int consumer = warpgroup - 1;
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int g = lane / 4, t = lane % 4;
-    int stage = 0, phase = 0, q_phase = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-        SeqInfo s;
-        int m_lo, m_hi, n_first, n_end;
-        work(item, &s, &m_lo, &m_hi, &n_first, &n_end);
+    int stage = 0, phase = 0, slot = 0, q_phase = 0;
+    for (;;) {
+        mbar_wait(q_full(slot), q_phase);
+        const int item = *static_cast<volatile int*>(&item_of_slot[slot]);
+        if (item < 0) return;
+        const int num_tiles = *static_cast<volatile int*>(&tiles_of_slot[slot]);
+        const WorkItem<C> w(p, item, num_m_blocks);
+        const SeqInfo& s = w.s;
+        const int m_lo = w.m_lo, m_hi = w.m_hi;
         const int row0 = m_lo + consumer * 64 + warp * 16;   // this warp's first query row
+        const unsigned q_tile = q_smem + slot * C::kQBytes;
 
         float acc_o[1][C::kDTiles][4];
 #pragma unroll
@@ -153,8 +251,6 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             for (int e = 0; e < 4; ++e) acc_o[0][di][e] = 0.f;
         OnlineSoftmax<1> softmax;
         softmax.init();
-        mbar_wait(q_full, q_phase);
-        q_phase ^= 1;
 
         // Software pipeline across key tiles: while the tensor cores run O += P_prev V_prev, the
         // warpgroup computes the softmax of the next S (issued just before), so exp2 and the GEMMs
@@ -168,17 +264,21 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 // Each 64-column block of the head dim is its own swizzled region, 32 bytes per k-step.
                 const unsigned q_off = (kk / 4) * C::kBlockM * 128 + consumer * 64 * 128 + (kk % 4) * 32;
                 const unsigned k_off = (kk / 4) * C::kBlockN * 128 + (kk % 4) * 32;
-                gemm_qk<C::kBlockN>(acc_s, smem_desc(q_smem + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024),
+                gemm_qk<C::kBlockN>(acc_s, smem_desc(q_tile + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024),
                                     kk > 0);
             }
             wgmma_commit();
         };
         auto issue_pv = [&](int stage) {
-            // 16 keys per step (2048 bytes of V); the head dim spans column blocks (leading offset).
+            // 16 keys per step (2048 bytes of V); a chunk's columns span column blocks (leading offset).
             const unsigned v_tile = v_smem + stage * C::kKVBytes;
 #pragma unroll
             for (int kk = 0; kk < C::kBlockN / 16; ++kk)
-                gemm_pv<C::kHeadDim>(acc_o, p_frag[kk], smem_desc(v_tile + kk * 2048, C::kBlockN * 128, 1024));
+#pragma unroll
+                for (int c = 0; c < C::kPvChunks; ++c)
+                    gemm_pv<C::kPvN>(&acc_o[0][c * C::kPvN / 8][0], p_frag[kk],
+                                     smem_desc(v_tile + c * (C::kPvN / 64) * C::kBlockN * 128 + kk * 2048,
+                                               C::kBlockN * 128, 1024));
             wgmma_commit();
         };
         // S of tile n (retired) -> P in acc_s, returns the row corrections for O.
@@ -190,9 +290,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if (C::kDropout) drop_probabilities(acc_s, p, s, row0, n_lo, g, t);
         };
 
-        int n = n_end - 1;
-        if (n >= n_first) {
+        auto wait_tile = [&](int stage, int phase) {   // the key tile that fills this stage
             mbar_wait(k_full(stage), phase);
+            return *static_cast<volatile int*>(&tile_of_stage[stage]);
+        };
+        if (num_tiles > 0) {
+            int n = wait_tile(stage, phase);
             wgmma_fence();
             issue_s(stage);
             wgmma_wait<0>();
@@ -203,11 +306,18 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
             int prev_stage = stage, prev_phase = phase;
             if (++stage == C::kStages) { stage = 0; phase ^= 1; }
-            for (--n; n >= n_first; --n) {
-                mbar_wait(k_full(stage), phase);
+            // The first tile is the only one that can run past the sequence end (tiles go down).
+            const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
+            bool zero_tail = p.cu_seqlens_k != nullptr && first_row < C::kBlockN;
+            for (int i = 1; i < num_tiles; ++i) {
+                n = wait_tile(stage, phase);
                 wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
                 issue_s(stage);
                 mbar_wait(v_full(prev_stage), prev_phase);
+                if (zero_tail) {
+                    zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+                    zero_tail = false;
+                }
                 issue_pv(prev_stage);
                 wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
                 mbar_arrive(k_empty(stage));
@@ -224,6 +334,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 if (++stage == C::kStages) { stage = 0; phase ^= 1; }
             }
             mbar_wait(v_full(prev_stage), prev_phase);
+            if (zero_tail) zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
             wgmma_fence();
             issue_pv(prev_stage);
             wgmma_wait<0>();
@@ -231,7 +342,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             fence_registers(p_frag);
             mbar_arrive(v_empty(prev_stage));
         }
-        mbar_arrive(q_empty);   // every GEMM of this item has retired: Q may be replaced
+        mbar_arrive(q_empty(slot));   // every GEMM of this item has retired: the slot may be refilled
+        if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
 
         float inv_l[2], lse[2];
         softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
@@ -241,7 +353,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
 }  // namespace cuflash
 
-using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_SCORE_MODS != 0,
+using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_SCORE_MODS != 0,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
@@ -249,8 +361,8 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size diff
 
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
     cuflash_fwd_sm90(const __grid_constant__ cuflash::TmaMap q_map, const __grid_constant__ cuflash::TmaMap k_map,
-                     const __grid_constant__ cuflash::TmaMap v_map, const cuflash::FwdParams p) {
+                     const __grid_constant__ cuflash::TmaMap v_map, const cuflash::FwdParams p, int* tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, p);
+    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, p, tile_counter);
 #endif
 }

@@ -90,21 +90,36 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
     return x;
 }
 
-// Whether any user block that overlaps the tile [m_lo, m_hi) x [n_lo, n_hi) is True. Every thread of
-// the CTA must call it (it ends in a barrier); tiles it rejects are neither loaded nor computed.
-__device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, const SeqInfo& s, int m_lo,
-                                                        int m_hi, int n_lo, int n_hi) {
-    if (p.block_mask == nullptr) return true;
+// Whether any of this thread's share (blocks first, first + step, ...) of the user blocks that
+// overlap the tile [m_lo, m_hi) x [n_lo, n_hi) is True; the callers below combine the shares.
+__device__ __forceinline__ bool block_mask_share_visible(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
+                                                         int n_lo, int n_hi, int first, int step) {
     const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
     const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
     const int cols = bk1 - bk0 + 1, count = (bq1 - bq0 + 1) * cols;
     bool any = false;
-    for (int t = threadIdx.x; t < count; t += blockDim.x) {
+    for (int t = first; t < count; t += step) {
         const int bi = bq0 + t / cols, bj = bk0 + t % cols;
         any |= p.block_mask[s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
                             bi * p.block_mask_row_stride + bj * p.block_mask_col_stride] != 0;
     }
-    return __syncthreads_or(any) != 0;
+    return any;
+}
+
+// Whether any user block that overlaps the tile is True. Every thread of the CTA must call it (it
+// ends in a barrier); tiles it rejects are neither loaded nor computed.
+__device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, const SeqInfo& s, int m_lo,
+                                                        int m_hi, int n_lo, int n_hi) {
+    if (p.block_mask == nullptr) return true;
+    return __syncthreads_or(block_mask_share_visible(p, s, m_lo, m_hi, n_lo, n_hi, threadIdx.x, blockDim.x)) != 0;
+}
+
+// The same test for warps that decide on their own (fwd_sm90's producer and consumer warps never
+// meet at a CTA barrier): every lane of the warp must call it.
+__device__ __forceinline__ bool block_mask_tile_visible_warp(const FwdParams& p, const SeqInfo& s, int m_lo,
+                                                             int m_hi, int n_lo, int n_hi) {
+    if (p.block_mask == nullptr) return true;
+    return __any_sync(0xffffffffu, block_mask_share_visible(p, s, m_lo, m_hi, n_lo, n_hi, threadIdx.x % 32, 32)) != 0;
 }
 
 // ---- Backward helpers (appended for the backward kernels; the pipeline above is unchanged).

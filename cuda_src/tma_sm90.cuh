@@ -40,6 +40,14 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
         : "memory");
 }
 
+// Makes this thread's ordinary shared-memory writes visible to the async proxy (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Barrier `id` (1..15; 0 is __syncthreads) for `threads` threads, whole warps.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst.
 // Coordinates past the tensor's extent read as zeros: that is how tails stay out of results.
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int c0, int c1, int c2, int c3,

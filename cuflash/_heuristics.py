@@ -54,9 +54,13 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
               160: Tiles(64, 32, 8), 192: Tiles(64, 32, 8), 224: Tiles(64, 32, 8), 256: Tiles(64, 32, 8)}
 
 
-# Hopper (sm_90a): 2 consumer warpgroups x 64 rows, S tiles of 128 keys, 2 K/V stages.
-SM90_HEAD_DIMS = (64, 128)
-SM90_BLOCK_M, SM90_BLOCK_N, SM90_STAGES, SM90_THREADS = 128, 128, 2, 384
+# Hopper (sm_90a): 2 consumer warpgroups x 64 rows, 2 K/V stages. Up to D = 128, S tiles of 128
+# keys and Q double buffered (the next item's Q loads while this one computes); D = 256 fits
+# shared memory only with 64-key tiles and one Q buffer (64 + 2 x 2 x 32 KB).
+SM90_HEAD_DIMS = (64, 128, 256)
+SM90_BLOCK_M, SM90_STAGES, SM90_THREADS = 128, 2, 384
+SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
+SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,10 @@ def simt_smem_bytes(tiles: Tiles, head_dim: int) -> int:
 
 
 def sm90_smem_bytes(head_dim: int) -> int:
-    """1 KB of slack to align the swizzled tiles, Q, and kStages of K and V (16-bit elements)."""
-    return 1024 + SM90_BLOCK_M * head_dim * 2 + 2 * SM90_STAGES * SM90_BLOCK_N * head_dim * 2
+    """1 KB of slack to align the swizzled tiles, the Q slots, and kStages of K and V (16-bit
+    elements), for a compiled head dim of SM90_HEAD_DIMS."""
+    q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
+    return 1024 + q_bytes + 2 * SM90_STAGES * SM90_BLOCK_N[head_dim] * head_dim * 2
 
 
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: bool, dropout: bool) -> LaunchPlan:
@@ -120,7 +126,8 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
             "CUFLASH_HEAD_DIM": kdim,
-            "CUFLASH_BLOCK_N": SM90_BLOCK_N,
+            "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
+            "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
@@ -186,8 +193,6 @@ def forward_precompile_variants(dtypes=None, head_dims=None, families=None, arch
             if families is not None and family not in families:
                 continue
             for d in head_dims:
-                if family == "fwd_sm90" and d > SM90_HEAD_DIMS[-1]:
-                    continue
                 for mods, dropout in ((False, False), (True, True)):
                     plan = forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout)
                     if plan.variant not in out:

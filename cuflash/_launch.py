@@ -57,6 +57,22 @@ def sm_count(device_id: int) -> int:
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
+_work_counters: dict = {}
+
+
+def work_counter():
+    """A zeroed int32 on the current device for the current stream: the persistent kernels take
+    their work items from it and reset it to 0 before they end, so launches in one stream can
+    share it (one per stream, so that kernels on different streams never take each other's)."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    counter = _work_counters.get(key)
+    if counter is None:
+        counter = _work_counters[key] = cupy.zeros(1, dtype=np.int32)
+    return counter
+
+
 @contextlib.contextmanager
 def forcing(forced, family: str, families: tuple[str, ...]):
     """Set the context variable ``forced`` to ``family`` for the block (the force_kernel contexts)."""

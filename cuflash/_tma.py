@@ -36,7 +36,8 @@ def tma_compatible(x) -> bool:
 
 
 def encode(x, box_rows: int, dtype_name: str) -> np.void:
-    """Tensor map over ``x`` of shape (B, S, H, D): boxes of (64 columns, box_rows rows, 1, 1).
+    """Tensor map over ``x`` of shape (B, S, H, D), or (S, H, D) as one batch (varlen's packed
+    rows): boxes of (64 columns, box_rows rows, 1, 1).
 
     Raises
     ------
@@ -44,8 +45,13 @@ def encode(x, box_rows: int, dtype_name: str) -> np.void:
         If the driver rejects the map (the caller falls back to a kernel without TMA only when it
         was not forced).
     """
-    b, s, h, d = x.shape
-    sb, ss, sh, _ = x.strides
+    if x.ndim == 3:
+        s, h, d = x.shape
+        ss, sh, _ = x.strides
+        b, sb = 1, -(-x.nbytes // 16) * 16  # any valid stride: the one batch coordinate is 0
+    else:
+        b, s, h, d = x.shape
+        sb, ss, sh, _ = x.strides
     words = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 4)(d, s, h, b)
     strides = (ctypes.c_uint64 * 3)(ss, sh, sb)  # bytes, for dims 1..3

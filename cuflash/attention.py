@@ -21,8 +21,8 @@ def force_kernel(family: str):
     Parameters
     ----------
     family : {"fwd_sm90", "fwd_sm80", "fwd_simt"}
-        A family that cannot run a call (its dtype, or for fwd_sm90 varlen, block_mask, a head dim
-        over 128 or strides TMA cannot describe) raises ValueError at that call, never falls back.
+        A family that cannot run a call (its dtype, or for fwd_sm90 strides that TMA cannot
+        describe) raises ValueError at that call, never falls back.
     """
     return _launch.forcing(_forced_family, family, FAMILIES)
 
@@ -97,14 +97,9 @@ def _family_for(dtype_name: str) -> str | None:
 
 
 def _sm90_obstacle(q, k, v, *, varlen: bool, score_fields: dict) -> str | None:
-    """Why fwd_sm90 cannot run this call, or None. Its TMA loads need positive strides that are
-    multiples of 16 bytes; varlen and block_mask are not implemented there yet."""
-    if q.shape[-1] > _heuristics.SM90_HEAD_DIMS[-1]:
-        return f"head dim {q.shape[-1]} > {_heuristics.SM90_HEAD_DIMS[-1]}"
-    if varlen:
-        return "varlen is not implemented in fwd_sm90"
-    if "block_mask" in score_fields:
-        return "block_mask is not implemented in fwd_sm90"
+    """Why fwd_sm90 cannot run this call, or None: its TMA loads need a 16-byte aligned base and
+    positive strides that are multiples of 16 bytes. (Every option, varlen and head dims up to 256
+    run there.)"""
     if not all(_tma.tma_compatible(x) for x in (q, k, v)):
         return "the strides of q, k or v are negative or not multiples of 16 bytes"
     return None
@@ -152,11 +147,12 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
     grid = (math.ceil(grid_rows / plan.block_m), heads_q, batch)
     args = (params,)
     if family == "fwd_sm90":
-        # Persistent: at most one CTA per SM, each walking the (m-block, head, batch) list.
+        # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from a
+        # counter that the kernel leaves at 0 when it ends.
         grid = (min(grid[0] * heads_q * batch, _launch.sm_count(q.device.id)), 1, 1)
-        args = (_tma.encode(q, _heuristics.SM90_BLOCK_M, dtype_name),
-                _tma.encode(k, _heuristics.SM90_BLOCK_N, dtype_name),
-                _tma.encode(v, _heuristics.SM90_BLOCK_N, dtype_name), params)
+        block_n = _heuristics.SM90_BLOCK_N[plan.head_dim]
+        args = (_tma.encode(q, plan.block_m, dtype_name), _tma.encode(k, block_n, dtype_name),
+                _tma.encode(v, block_n, dtype_name), params, _launch.work_counter())
     _launch.launch(kernel, grid, plan.threads, plan.smem_bytes, args)
 
 

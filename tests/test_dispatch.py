@@ -26,15 +26,15 @@ def qkv(d=128, **kw):
     return fake((2, 300, 8, d), **kw), fake((2, 400, 2, d), **kw), fake((2, 400, 2, d), **kw)
 
 
-def test_sm90_takes_plain_problems():
-    assert _sm90_obstacle(*qkv(), varlen=False, score_fields={}) is None
-    assert _sm90_obstacle(*qkv(64), varlen=False, score_fields={"mask": 1, "bias": 2}) is None
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_takes_every_option(d):
+    assert _sm90_obstacle(*qkv(d), varlen=False, score_fields={}) is None
+    assert _sm90_obstacle(*qkv(d), varlen=False, score_fields={"mask": 1, "bias": 2, "block_mask": 3}) is None
+    packed = fake((700, 8, d)), fake((900, 2, d)), fake((900, 2, d))   # varlen: (total, H, D)
+    assert _sm90_obstacle(*packed, varlen=True, score_fields={}) is None
 
 
 @pytest.mark.parametrize("case, expected", [
-    (dict(d=256), "head dim 256"),
-    (dict(varlen=True), "varlen"),
-    (dict(block_mask=True), "block_mask"),
     (dict(strides=(300 * 8 * 128, -8 * 128, 128, 1)), "strides"),   # negative sequence stride
     (dict(strides=(300 * 8 * 136, 8 * 136, 136 + 4, 1)), "strides"),  # head stride not 16-byte
     (dict(ptr=(1 << 20) + 8), "strides"),                             # base not 16-byte aligned
@@ -45,15 +45,16 @@ def test_sm90_obstacles_are_named(case, expected):
         q = fake(q.shape, case["strides"])
     if "ptr" in case:
         q = fake(q.shape, ptr=case["ptr"])
-    fields = {"block_mask": 1} if case.get("block_mask") else {}
-    reason = _sm90_obstacle(q, k, v, varlen=case.get("varlen", False), score_fields=fields)
+    reason = _sm90_obstacle(q, k, v, varlen=False, score_fields={})
     assert reason is not None and expected in reason
 
 
 def test_forced_sm90_raises_instead_of_falling_back():
     with force_kernel("fwd_sm90"):
-        with pytest.raises(ValueError, match="fwd_sm90 cannot run this call: varlen"):
-            _choose_family("bfloat16", *qkv(), varlen=True, score_fields={})
+        q, k, v = qkv()
+        q = fake(q.shape, (300 * 8 * 128, -8 * 128, 128, 1))
+        with pytest.raises(ValueError, match="fwd_sm90 cannot run this call: the strides"):
+            _choose_family("bfloat16", q, k, v, varlen=False, score_fields={})
         with pytest.raises(ValueError, match="runs float16/bfloat16, not float32"):
             _choose_family("float32", *qkv(), varlen=False, score_fields={})
 
@@ -74,15 +75,18 @@ def test_tma_compatibility_rule():
     assert not _tma.tma_compatible(fake((1, 5, 2, 60)))                    # 120-byte rows
 
 
-@pytest.mark.parametrize("d, kdim", [(8, 64), (64, 64), (72, 128), (128, 128)])
+@pytest.mark.parametrize("d, kdim, block_n, q_slots", [(8, 64, 128, 2), (64, 64, 128, 2), (72, 128, 128, 2),
+                                                       (128, 128, 128, 2), (136, 256, 64, 1), (256, 256, 64, 1)])
 @pytest.mark.parametrize("mods", [False, True])
-def test_sm90_plan(d, kdim, mods):
+def test_sm90_plan(d, kdim, block_n, q_slots, mods):
     plan = _heuristics.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=mods)
     defines = dict(plan.variant.defines)
     assert plan.head_dim == kdim and defines["CUFLASH_HEAD_DIM"] == kdim
     assert plan.threads == 384 and plan.block_m == 128
-    # Q + two stages of K and V + 1 KB alignment slack, within a Hopper block's 227 KB.
-    assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == 1024 + 128 * kdim * 2 + 4 * 128 * kdim * 2
+    assert (defines["CUFLASH_BLOCK_N"], defines["CUFLASH_Q_SLOTS"]) == (block_n, q_slots)
+    # The Q slots + two stages of K and V + 1 KB alignment slack, within a Hopper block's 227 KB.
+    expected = 1024 + q_slots * 128 * kdim * 2 + 4 * block_n * kdim * 2
+    assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == expected
     assert plan.smem_bytes <= 227 * 1024
     assert defines["CUFLASH_PARAMS_SIZE"] == _launch.PARAMS_DTYPE.itemsize
     assert (defines["CUFLASH_SCORE_MODS"], defines["CUFLASH_DROPOUT"]) == (int(mods), int(mods))
