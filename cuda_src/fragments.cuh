@@ -66,24 +66,25 @@ __device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4]
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
                                                    const SeqInfo& s, int row0, int n_lo, int g, int t) {
-    static_assert(kNTiles <= 16, "two bits per n-tile in one 32-bit mask");
+    static_assert(kNTiles <= 32, "two bits per n-tile in one 64-bit mask");
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int i = row0 + mi * 16 + g + half * 8;
-            unsigned dropped = 0;   // bit 2 ni + c: column 8 ni + 2 t + c is dropped
+            unsigned long long dropped = 0;   // bit 2 ni + c: column 8 ni + 2 t + c is dropped
 #pragma unroll 2
             for (int ni = 0; ni < kNTiles; ++ni) {
                 const int j = n_lo + ni * 8 + 2 * t;   // even: the pair sits in one Philox block
                 const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j / 4, p.heads_q);
                 const unsigned w0 = (j & 2) ? w.z : w.x, w1 = (j & 2) ? w.w : w.y;
-                dropped |= (unsigned(w0 < p.dropout_threshold) | unsigned(w1 < p.dropout_threshold) << 1) << (2 * ni);
+                dropped |= (unsigned long long)(unsigned(w0 < p.dropout_threshold) | unsigned(w1 < p.dropout_threshold) << 1)
+                           << (2 * ni);
             }
 #pragma unroll
             for (int ni = 0; ni < kNTiles; ++ni) {
-                if (dropped >> (2 * ni) & 1u) acc_s[mi][ni][2 * half] = 0.f;
-                if (dropped >> (2 * ni + 1) & 1u) acc_s[mi][ni][2 * half + 1] = 0.f;
+                if (dropped >> (2 * ni) & 1ull) acc_s[mi][ni][2 * half] = 0.f;
+                if (dropped >> (2 * ni + 1) & 1ull) acc_s[mi][ni][2 * half + 1] = 0.f;
             }
         }
 }

@@ -13,8 +13,8 @@
 // with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// 64/128, CUFLASH_Q_SLOTS 1/2, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES,
-// CUFLASH_PARAMS_SIZE.
+// (64, 80, 128, 176 or 192 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth),
+// CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "mask.cuh"
@@ -26,11 +26,11 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kScoreMods_, bool kDropout_>
 struct FwdSm90Config {
-    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_;
+    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
-    static constexpr int kBlockM = 128, kConsumers = 2, kStages = 2;
+    static constexpr int kBlockM = 128, kConsumers = 2;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg (128 x producer + 256 x consumer <= 64K): the producer
     // needs more than the usual 24 only to test block masks (score-modifier variants).
@@ -43,7 +43,8 @@ struct FwdSm90Config {
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQSlots * kQBytes + 2 * kStages * kKVBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
-    static_assert(kBlockN == 64 || kBlockN == 128, "wgmma n for S");
+    static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128 || kBlockN == 176 || kBlockN == 192,
+                  "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
 };
 
@@ -53,7 +54,10 @@ __device__ __forceinline__ void gemm_qk(float (&acc)[1][N / 8][4], unsigned long
                                         int scale_d) {
     float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc[0][0][0]);
     if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
-    else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
+    else if constexpr (N == 80) wgmma_ss_n80(d, a, b, scale_d, elem_t{});
+    else if constexpr (N == 128) wgmma_ss_n128(d, a, b, scale_d, elem_t{});
+    else if constexpr (N == 176) wgmma_ss_n176(d, a, b, scale_d, elem_t{});
+    else wgmma_ss_n192(d, a, b, scale_d, elem_t{});
 }
 // O[:, chunk of N columns] += P (16 keys, registers) V (16 keys x N columns); acc points at the chunk.
 template <int N>
@@ -300,6 +304,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             issue_s(stage);
             wgmma_wait<0>();
             mbar_arrive(k_empty(stage));
+            if (num_tiles == 1) mbar_arrive(q_empty(slot));   // the item's last S has retired
             float correction[2];
             softmax_step(n, correction);   // O is still 0: nothing to rescale
 #pragma unroll
@@ -321,6 +326,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 issue_pv(prev_stage);
                 wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
                 mbar_arrive(k_empty(stage));
+                if (i == num_tiles - 1) mbar_arrive(q_empty(slot));
                 softmax_step(n, correction);
                 wgmma_wait<0>();
                 fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
@@ -342,7 +348,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             fence_registers(p_frag);
             mbar_arrive(v_empty(prev_stage));
         }
-        mbar_arrive(q_empty(slot));   // every GEMM of this item has retired: the slot may be refilled
+        if (num_tiles == 0) mbar_arrive(q_empty(slot));   // (otherwise released after the last S)
         if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
 
         float inv_l[2], lse[2];
@@ -353,7 +359,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
 }  // namespace cuflash
 
-using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_SCORE_MODS != 0,
+using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES, CUFLASH_SCORE_MODS != 0,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

@@ -58,9 +58,10 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
 # keys and Q double buffered (the next item's Q loads while this one computes); D = 256 fits
 # shared memory only with 64-key tiles and one Q buffer (64 + 2 x 2 x 32 KB).
 SM90_HEAD_DIMS = (64, 128, 256)
-SM90_BLOCK_M, SM90_STAGES, SM90_THREADS = 128, 2, 384
+SM90_BLOCK_M, SM90_THREADS = 128, 384
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
+SM90_STAGES = {64: 2, 128: 2, 256: 2}
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def sm90_smem_bytes(head_dim: int) -> int:
     """1 KB of slack to align the swizzled tiles, the Q slots, and kStages of K and V (16-bit
     elements), for a compiled head dim of SM90_HEAD_DIMS."""
     q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
-    return 1024 + q_bytes + 2 * SM90_STAGES * SM90_BLOCK_N[head_dim] * head_dim * 2
+    return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2
 
 
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: bool, dropout: bool) -> LaunchPlan:
@@ -128,6 +129,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
+            "CUFLASH_STAGES": SM90_STAGES[kdim],
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
