@@ -35,6 +35,8 @@ arch, cache_dir = sys.argv[1], sys.argv[2] or None
 src = Path(cuflash.__file__).resolve().parent
 families = [("fwd_sm80", ("float16", "bfloat16"), _heuristics.SM80_HEAD_DIMS),
             ("fwd_simt", ("float32",), _heuristics.SIMT_HEAD_DIMS)]
+if arch.startswith("sm_90"):
+    families.append(("fwd_sm90", ("float16", "bfloat16"), _heuristics.SM90_HEAD_DIMS))
 variants = []
 for family, dtypes, dims in families:
     if not any((d / f"{family}.cu").exists() for d in (src / "cuda_src", src.parent / "cuda_src")):

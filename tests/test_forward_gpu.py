@@ -537,6 +537,32 @@ def test_runs_on_the_current_stream(family, dtype):
     cupy.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90_work_counter_per_stream(dtype):
+    # fwd_sm90's CTAs take (m-block, head, batch) items from a counter that each launch leaves at
+    # 0; more items than SMs, calls alternating between two streams, and every result must be
+    # bitwise the same as a lone call on the default stream (the item order changes nothing).
+    from cuflash import _launch
+    shape = _shape(3, 1000, 1100, 8, 2, 128)   # 8 m-blocks x 8 heads x 3 = 192 items
+    q, k, v = _qkv(shape, dtype, 97)
+    expected, lse, state = run_forward("fwd_sm90", q, k, v, {"causal": True})
+    check_close(q, k, v, {"causal": True}, expected, lse, state, dtype=dtype)
+    cupy.cuda.Device().synchronize()   # the streams below do not wait for the default stream
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    outs = []
+    with forced("fwd_sm90"):
+        for i in range(6):
+            with streams[i % 2]:
+                outs.append(cuflash.attention(q, k, v, causal=True))
+    for stream in streams:
+        stream.synchronize()
+        with stream:
+            assert int(_launch.work_counter()[0]) == 0
+    assert int(_launch.work_counter()[0]) == 0
+    for out in outs:
+        cupy.testing.assert_array_equal(out, expected)
+
+
 @pytest.mark.parametrize("family, dtype", KERNELS)
 @pytest.mark.parametrize("empty", ["batch", "queries", "batch_and_queries"])
 def test_zero_size_inputs(family, dtype, empty):
