@@ -42,11 +42,12 @@ struct FwdSm90Config {
     // Tiles are stored as column blocks of 64 elements (128 bytes: one swizzle row) x all rows.
     static constexpr int kColBlocks = kHeadDim / 64;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
-    // Staged output: each consumer puts its 64 x D output tile in shared memory and writes it
-    // with coalesced 16-byte stores (fragments store 4 bytes per thread and row); D = 256 has no
-    // room for it and stores fragments (fragments.cuh).
+    // Staged output: each consumer puts its 64-row output tile in shared memory, up to 128
+    // columns at a time, and writes it with coalesced 16-byte stores (fragments, fragments.cuh,
+    // store 4 bytes per thread and row).
     static constexpr bool kStagedOutput = kStagedOutput_;
-    static constexpr int kOutBytes = kStagedOutput ? kConsumers * 64 * kHeadDim * 2 : 0;
+    static constexpr int kOutCols = kHeadDim < 128 ? kHeadDim : 128;
+    static constexpr int kOutBytes = kStagedOutput ? kConsumers * 64 * kOutCols * 2 : 0;
     static constexpr int kSmemBytes =
         1024 /* alignment slack */ + kQSlots * kQBytes + 2 * kStages * kKVBytes + kOutBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
@@ -90,43 +91,49 @@ __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory: each thread
 // writes its fragments (16-byte chunks XOR-swizzled by row, so the 8 rows of a fragment hit 8
-// different bank groups), then the warpgroup copies whole rows out in 16-byte pieces. Rows past
-// the sequence end and columns past the run-time head dim are not written; lse as store_output.
+// different bank groups), then the warpgroup copies whole rows out in 16-byte pieces; at most 128
+// columns per pass (D = 256 takes two). Rows past the sequence end and columns past the run-time
+// head dim are not written; lse as store_output.
 template <class C>
 __device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::kDTiles][4], const float (&inv_l)[2],
                                                     const float (&lse)[2], const FwdParams& p, const SeqInfo& s,
                                                     int wg_row0, unsigned tile, int consumer) {
-    constexpr int kChunks = C::kHeadDim / 8;   // 16-byte chunks per row
+    constexpr int kCols = C::kOutCols, kChunks = kCols / 8;   // per pass; 16-byte chunks per row
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
-    named_barrier_sync(2 + consumer, 128);   // the previous item's copy-out has read the tile
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = warp * 16 + g + half * 8;   // row inside the tile
-        const float factor = C::kDropout ? inv_l[half] * p.dropout_rescale : inv_l[half];
-        const bool no_keys = inv_l[half] == 0.f;
-#pragma unroll
-        for (int di = 0; di < C::kDTiles; ++di) {
-            const unsigned word = no_keys ? 0u
-                                          : pack2<elem_t>(acc_o[0][di][2 * half] * factor,
-                                                          acc_o[0][di][2 * half + 1] * factor);
-            const unsigned addr = tile + r * C::kHeadDim * 2 + ((di ^ (r % 8)) * 16) + t * 4;
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
-        }
-        const int i = wg_row0 + r;
-        if (t == 0 && i < s.seqlen_q) p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[half];
-    }
-    named_barrier_sync(2 + consumer, 128);
     elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
                      (s.q_row0 + wg_row0) * p.o_row_stride;
-    const int chunks_used = p.head_dim / 8;
-    for (int idx = threadIdx.x % 128; idx < 64 * kChunks; idx += 128) {
-        const int r = idx / kChunks, c = idx % kChunks;
-        if (wg_row0 + r >= s.seqlen_q || c >= chunks_used) continue;
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(tile + r * C::kHeadDim * 2 + ((c ^ (r % 8)) * 16)));
-        *reinterpret_cast<uint4*>(o_gmem + r * p.o_row_stride + c * 8) = v;
+#pragma unroll
+    for (int pass = 0; pass < C::kHeadDim / kCols; ++pass) {
+        named_barrier_sync(2 + consumer, 128);   // the last copy-out has read the tile
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + g + half * 8;   // row inside the tile
+            const float factor = C::kDropout ? inv_l[half] * p.dropout_rescale : inv_l[half];
+            const bool no_keys = inv_l[half] == 0.f;
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c) {   // chunk c of this pass is fragment column tile di
+                const int di = pass * kChunks + c;
+                const unsigned word = no_keys ? 0u
+                                              : pack2<elem_t>(acc_o[0][di][2 * half] * factor,
+                                                              acc_o[0][di][2 * half + 1] * factor);
+                const unsigned addr = tile + r * kCols * 2 + ((c ^ (r % 8)) * 16) + t * 4;
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
+            }
+            const int i = wg_row0 + r;
+            if (pass == 0 && t == 0 && i < s.seqlen_q)
+                p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[half];
+        }
+        named_barrier_sync(2 + consumer, 128);
+        const int chunks_used = min(kChunks, p.head_dim / 8 - pass * kChunks);
+        for (int idx = threadIdx.x % 128; idx < 64 * kChunks; idx += 128) {
+            const int r = idx / kChunks, c = idx % kChunks;
+            if (wg_row0 + r >= s.seqlen_q || c >= chunks_used) continue;
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(tile + r * kCols * 2 + ((c ^ (r % 8)) * 16)));
+            *reinterpret_cast<uint4*>(o_gmem + r * p.o_row_stride + (pass * kChunks + c) * 8) = v;
+        }
     }
 }
 
@@ -196,7 +203,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
     const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
     const unsigned v_smem = k_smem + C::kStages * C::kKVBytes;
-    const unsigned out_smem = v_smem + C::kStages * C::kKVBytes;     // [kConsumers][64][kHeadDim], staged O
+    const unsigned out_smem = v_smem + C::kStages * C::kKVBytes;     // [kConsumers][64][kOutCols], staged O
     auto q_full = [&](int slot) { return smem_addr(&barriers[slot]); };
     auto q_empty = [&](int slot) { return smem_addr(&barriers[C::kQSlots + slot]); };
     auto k_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + stage]); };
@@ -401,7 +408,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         float inv_l[2], lse[2];
         softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
         if constexpr (C::kStagedOutput)
-            store_output_staged<C>(acc_o, inv_l, lse, p, s, m_lo + consumer * 64, out_smem + consumer * 64 * C::kHeadDim * 2,
+            store_output_staged<C>(acc_o, inv_l, lse, p, s, m_lo + consumer * 64, out_smem + consumer * 64 * C::kOutCols * 2,
                                    consumer);
         else
             store_output<C::kDropout>(acc_o, inv_l, lse, p, s, row0, g, t);

@@ -64,7 +64,7 @@ SM90_BLOCK_M, SM90_THREADS = 128, 384
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 SM90_STAGES = {64: 2, 128: 2, 256: 2}
-SM90_STAGED_OUTPUT = {64: True, 128: True, 256: False}  # O through shared memory (no room at 256)
+SM90_STAGED_OUTPUT = {64: True, 128: True, 256: True}  # O through shared memory, <= 128 columns a pass
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def sm90_smem_bytes(head_dim: int) -> int:
     """1 KB of slack to align the swizzled tiles, the Q slots, and kStages of K and V (16-bit
     elements), for a compiled head dim of SM90_HEAD_DIMS."""
     q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
-    out_bytes = SM90_BLOCK_M * head_dim * 2 if SM90_STAGED_OUTPUT[head_dim] else 0
+    out_bytes = SM90_BLOCK_M * min(head_dim, 128) * 2 if SM90_STAGED_OUTPUT[head_dim] else 0
     return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
 
 
