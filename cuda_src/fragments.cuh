@@ -34,16 +34,23 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
                         i < s.seqlen_q ? modified_score(p, s, acc_s[mi][ni][e], i, j) * kLog2e : -CUFLASH_INF;
                 }
     } else if (!tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + kNTiles * 8)) {
+        // Each row sees one interval of keys [first, last) (in_window for a single row), so an
+        // element costs two comparisons against the row's bounds.
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-            for (int ni = 0; ni < kNTiles; ++ni)
+            for (int half = 0; half < 2; ++half) {
+                const int i = row0 + mi * 16 + g + half * 8;
+                int first, last;
+                visible_keys(p, s, i, i + 1, &first, &last);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = row0 + mi * 16 + g + (e / 2) * 8;
-                    const int j = n_lo + ni * 8 + 2 * t + (e % 2);
-                    if (!in_window(p, s, i, j)) acc_s[mi][ni][e] = -CUFLASH_INF;
-                }
+                for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int j = n_lo + ni * 8 + 2 * t + c;
+                        if (j < first || j >= last) acc_s[mi][ni][2 * half + c] = -CUFLASH_INF;
+                    }
+            }
     }
 }
 
