@@ -89,50 +89,64 @@ __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
     named_barrier_sync(1, 128 * C::kConsumers);
 }
 
-// O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory: each thread
-// writes its fragments (16-byte chunks XOR-swizzled by row, so the 8 rows of a fragment hit 8
-// different bank groups), then the warpgroup copies whole rows out in 16-byte pieces; at most 128
-// columns per pass (D = 256 takes two). Rows past the sequence end and columns past the run-time
-// head dim are not written; lse as store_output.
+// O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
+// columns per pass (D = 256 takes two). Each thread writes its fragments into the layout of the
+// tensor maps (column blocks of 64, 128-byte rows, 16-byte chunks XOR-swizzled by row, which
+// also keeps the 8 rows of a fragment in different banks). Then one thread stores the tile with
+// TMA, which clips rows past the sequence and columns past the head dim; under varlen the rows
+// past a sequence belong to the next one, so the warpgroup copies rows out itself instead.
+// lse as store_output.
 template <class C>
 __device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::kDTiles][4], const float (&inv_l)[2],
-                                                    const float (&lse)[2], const FwdParams& p, const SeqInfo& s,
-                                                    int wg_row0, unsigned tile, int consumer) {
-    constexpr int kCols = C::kOutCols, kChunks = kCols / 8;   // per pass; 16-byte chunks per row
+                                                    const float (&lse)[2], const FwdParams& p, const TmaMap& o_map,
+                                                    const SeqInfo& s, int wg_row0, unsigned tile, int consumer) {
+    constexpr int kBlocks = C::kOutCols / 64;   // 64-column blocks per pass
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
-    elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
-                     (s.q_row0 + wg_row0) * p.o_row_stride;
+    const bool leader = threadIdx.x % 128 == 0;
+    const bool varlen = p.cu_seqlens_q != nullptr;
 #pragma unroll
-    for (int pass = 0; pass < C::kHeadDim / kCols; ++pass) {
-        named_barrier_sync(2 + consumer, 128);   // the last copy-out has read the tile
+    for (int pass = 0; pass < C::kHeadDim / C::kOutCols; ++pass) {
+        if (leader) bulk_wait_read();             // the last TMA store has read the tile
+        named_barrier_sync(2 + consumer, 128);   // ... and every thread's copy-out too
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = warp * 16 + g + half * 8;   // row inside the tile
             const float factor = C::kDropout ? inv_l[half] * p.dropout_rescale : inv_l[half];
             const bool no_keys = inv_l[half] == 0.f;
 #pragma unroll
-            for (int c = 0; c < kChunks; ++c) {   // chunk c of this pass is fragment column tile di
-                const int di = pass * kChunks + c;
+            for (int c = 0; c < C::kOutCols / 8; ++c) {   // 16-byte chunk c of this pass: fragment tile di
+                const int di = pass * C::kOutCols / 8 + c;
                 const unsigned word = no_keys ? 0u
                                               : pack2<elem_t>(acc_o[0][di][2 * half] * factor,
                                                               acc_o[0][di][2 * half + 1] * factor);
-                const unsigned addr = tile + r * kCols * 2 + ((c ^ (r % 8)) * 16) + t * 4;
+                const unsigned addr = tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16) + t * 4;
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
             }
             const int i = wg_row0 + r;
             if (pass == 0 && t == 0 && i < s.seqlen_q)
                 p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[half];
         }
+        if (!varlen) fence_proxy_async();   // the TMA engine reads what the threads wrote
         named_barrier_sync(2 + consumer, 128);
-        const int chunks_used = min(kChunks, p.head_dim / 8 - pass * kChunks);
-        for (int idx = threadIdx.x % 128; idx < 64 * kChunks; idx += 128) {
-            const int r = idx / kChunks, c = idx % kChunks;
+        if (!varlen) {
+            if (leader) {
+                for (int blk = 0; blk < kBlocks; ++blk)
+                    tma_store_4d(&o_map, tile + blk * 64 * 128, (pass * kBlocks + blk) * 64, wg_row0, s.h, s.b);
+                bulk_commit();
+            }
+            continue;
+        }
+        // Varlen (no batch stride): threads copy rows, consecutive threads consecutive chunks.
+        elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.h * p.o_head_stride + (s.q_row0 + wg_row0) * p.o_row_stride;
+        const int chunks_used = min(C::kOutCols / 8, p.head_dim / 8 - pass * C::kOutCols / 8);
+        for (int idx = threadIdx.x % 128; idx < 64 * C::kOutCols / 8; idx += 128) {
+            const int r = idx / (C::kOutCols / 8), c = idx % (C::kOutCols / 8);
             if (wg_row0 + r >= s.seqlen_q || c >= chunks_used) continue;
             uint4 v;
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                         : "r"(tile + r * kCols * 2 + ((c ^ (r % 8)) * 16)));
-            *reinterpret_cast<uint4*>(o_gmem + r * p.o_row_stride + (pass * kChunks + c) * 8) = v;
+                         : "r"(tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16)));
+            *reinterpret_cast<uint4*>(o_gmem + r * p.o_row_stride + (pass * C::kOutCols / 8 + c) * 8) = v;
         }
     }
 }
@@ -192,7 +206,7 @@ struct WorkItem {
 
 template <class C>
 __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                         const FwdParams& p, int* tile_counter) {
+                                         const TmaMap& o_map, const FwdParams& p, int* tile_counter) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long barriers[2 * C::kQSlots + 4 * C::kStages];
     // What the producer tells the consumers, published by the arrive on the slot's/stage's full
@@ -294,7 +308,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     for (;;) {
         mbar_wait(q_full(slot), q_phase);
         const int item = *static_cast<volatile int*>(&item_of_slot[slot]);
-        if (item < 0) return;
+        if (item < 0) {
+            if (threadIdx.x % 128 == 0) bulk_wait();   // output stores still read shared memory
+            return;
+        }
         const int num_tiles = *static_cast<volatile int*>(&tiles_of_slot[slot]);
         const WorkItem<C> w(p, item, num_m_blocks);
         const SeqInfo& s = w.s;
@@ -408,8 +425,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         float inv_l[2], lse[2];
         softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
         if constexpr (C::kStagedOutput)
-            store_output_staged<C>(acc_o, inv_l, lse, p, s, m_lo + consumer * 64, out_smem + consumer * 64 * C::kOutCols * 2,
-                                   consumer);
+            store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
+                                   out_smem + consumer * 64 * C::kOutCols * 2, consumer);
         else
             store_output<C::kDropout>(acc_o, inv_l, lse, p, s, row0, g, t);
     }
@@ -426,8 +443,9 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size diff
 
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
     cuflash_fwd_sm90(const __grid_constant__ cuflash::TmaMap q_map, const __grid_constant__ cuflash::TmaMap k_map,
-                     const __grid_constant__ cuflash::TmaMap v_map, const cuflash::FwdParams p, int* tile_counter) {
+                     const __grid_constant__ cuflash::TmaMap v_map, const __grid_constant__ cuflash::TmaMap o_map,
+                     const cuflash::FwdParams p, int* tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, p, tile_counter);
+    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, o_map, p, tile_counter);
 #endif
 }

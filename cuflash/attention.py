@@ -151,8 +151,10 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
         # counter that the kernel leaves at 0 when it ends.
         grid = (min(grid[0] * heads_q * batch, _launch.sm_count(q.device.id)), 1, 1)
         block_n = _heuristics.SM90_BLOCK_N[plan.head_dim]
+        # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
         args = (_tma.encode(q, plan.block_m, dtype_name), _tma.encode(k, block_n, dtype_name),
-                _tma.encode(v, block_n, dtype_name), params, _launch.work_counter())
+                _tma.encode(v, block_n, dtype_name), _tma.encode(o, 64, dtype_name), params,
+                _launch.work_counter())
     _launch.launch(kernel, grid, plan.threads, plan.smem_bytes, args)
 
 
