@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
-FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+FULL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (2048, 8192)
 N_INPUT_SETS = 3
 
