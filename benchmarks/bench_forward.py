@@ -226,8 +226,12 @@ def write_png(rows, path):
         log("matplotlib not importable: no plot written")
         return
     groups = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
-    for ax, (dt, d, c) in zip(axes[0], groups):
+    ncols = min(4, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.5 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, (dt, d, c) in zip(axes.flat, groups):
         sel = [r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == (dt, d, c)]
         xs = [r["seqlen"] for r in sel]
         for impl in ("cuflash", "sm80", "flash", "cudnn", "naive"):
