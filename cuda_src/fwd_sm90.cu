@@ -36,6 +36,11 @@ struct FwdSm90Config {
     // Registers per thread after setmaxnreg (128 x producer + 256 x consumer <= 64K): the producer
     // needs more than the usual 24 only to test block masks (score-modifier variants).
     static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
+    // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
+    // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
+    // Asking for more than that hangs the kernel, so it is checked here.
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
+                  "the register split exceeds what the launch allocates");
     static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
     // P V runs in column chunks of at most 128 (one wgmma n each): D = 256 is two of them.
     static constexpr int kPvN = kHeadDim < 128 ? kHeadDim : 128, kPvChunks = kHeadDim / kPvN;
