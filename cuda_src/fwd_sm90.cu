@@ -11,6 +11,8 @@
 // masked diagonal tile first; tiles that the window or the block mask hide entirely are never
 // loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
 // with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
+// Each consumer's output goes through shared memory and leaves by TMA (store_output_staged). The
+// CTAs are persistent and take their work items from a counter (WorkItem, take_item).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
 // (64, 80 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_STAGED_OUTPUT,
@@ -33,8 +35,8 @@ struct FwdSm90Config {
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
     static constexpr int kBlockM = 128, kConsumers = 2;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
-    // Registers per thread after setmaxnreg (128 x producer + 256 x consumer <= 64K): the producer
-    // needs more than the usual 24 only to test block masks (score-modifier variants).
+    // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
+    // test block masks (score-modifier variants); the consumers get the rest.
     static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
     // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
     // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
