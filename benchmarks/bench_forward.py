@@ -10,9 +10,9 @@ Columns (TFLOP/s, FLOPs = 4 * B * H * Sq * Sk * D, half of that when causal):
 
 - ``cuflash``: ``cuflash.attention`` with the kernel chosen by its heuristics (``fwd_sm90`` on
   H100/H200); ``sm80``: the portable ``fwd_sm80`` kernel forced on the same inputs;
-- ``flash`` / ``cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` restricted
-  to the FLASH_ATTENTION / CUDNN_ATTENTION backend (``torch.nn.attention.sdpa_kernel``),
-  given BHSD views (transposes) of the very same memory;
+- ``flash`` / ``cudnn`` / ``efficient``: ``torch.nn.functional.scaled_dot_product_attention``
+  restricted to the FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION backend
+  (``torch.nn.attention.sdpa_kernel``), given BHSD views (transposes) of the very same memory;
 - ``naive``: what a CuPy user writes today, matmul / softmax / matmul in float32
   (only up to ``--naive-max-seqlen`` to bound its O(S^2) memory);
 - ratios ``cuflash/flash`` and ``cuflash/cudnn``, and cuflash's fraction of the measured
@@ -50,7 +50,7 @@ N_INPUT_SETS = 3
 
 COLUMNS = [
     "dtype", "head_dim", "causal", "batch", "heads", "seqlen",
-    "cuflash", "sm80", "flash", "cudnn", "naive",
+    "cuflash", "sm80", "flash", "cudnn", "efficient", "naive",
     "cuflash/flash", "cuflash/cudnn", "cuflash/gemm", "maxdiff",
 ]
 
@@ -234,7 +234,7 @@ def write_png(rows, path):
     for ax, (dt, d, c) in zip(axes.flat, groups):
         sel = [r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == (dt, d, c)]
         xs = [r["seqlen"] for r in sel]
-        for impl in ("cuflash", "sm80", "flash", "cudnn", "naive"):
+        for impl in ("cuflash", "sm80", "flash", "cudnn", "efficient", "naive"):
             ys = [r[impl] for r in sel]
             if all(y is None or math.isnan(y) for y in ys):
                 continue
@@ -366,7 +366,7 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
 
     row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s,
                cuflash=float("nan"), sm80=float("nan"), flash=float("nan"), cudnn=float("nan"),
-               naive=float("nan"),
+               efficient=float("nan"), naive=float("nan"),
                maxdiff=float("nan"))
 
     def run_cuflash(i):
@@ -393,7 +393,8 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
     reference_out = None
     if torch is not None:
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                              ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
             def run_sdpa(i, backend=backend):
                 q, k, v = torch_inputs[i]
                 with sdpa_kernel(backend):
