@@ -2,7 +2,7 @@
 
 Every test forces one kernel family (``with cuflash.force_kernel(...)``): ``fwd_sm90`` (on an
 sm_90 GPU) and ``fwd_sm80`` for float16/bfloat16, ``fwd_simt`` for float32, so that a heuristic
-change cannot silently stop testing a family. Calls fwd_sm90 does not implement (it says so with a
+change cannot silently stop testing a family. Calls fwd_sm90 cannot run (strides TMA cannot describe; it says so with a
 ValueError) are rejected/skipped for that family only. Outputs are compared with :mod:`cuflash.reference` (float64, NumPy) under the
 accuracy rule of :func:`cuflash.testing.assert_attention_close`: for 16-bit dtypes at most twice
 the error of a plain same-dtype attention (:func:`cuflash.testing.baseline_attention`), for
@@ -98,9 +98,9 @@ def forced(family):
         try:
             yield
         except ValueError as exc:
-            # What fwd_sm90 does not implement (varlen, block_mask, D > 128, strides TMA cannot
-            # describe) is a ValueError naming the obstacle, never a fallback: such examples are
-            # left to the other families (rejected inside hypothesis, skipped elsewhere).
+            # What fwd_sm90 cannot run (strides that TMA cannot describe) is a ValueError naming
+            # the obstacle, never a fallback: such examples are left to the other families
+            # (rejected inside hypothesis, skipped elsewhere).
             if family != "fwd_sm90" or "cannot run this call" not in str(exc):
                 raise
             import hypothesis
