@@ -96,7 +96,7 @@ def _family_for(dtype_name: str) -> str | None:
     return family
 
 
-def _sm90_obstacle(q, k, v, *, varlen: bool, score_fields: dict) -> str | None:
+def _sm90_obstacle(q, k, v) -> str | None:
     """Why fwd_sm90 cannot run this call, or None: its TMA loads need a 16-byte aligned base and
     positive strides that are multiples of 16 bytes. (Every option, varlen and head dims up to 256
     run there.)"""
@@ -105,11 +105,11 @@ def _sm90_obstacle(q, k, v, *, varlen: bool, score_fields: dict) -> str | None:
     return None
 
 
-def _choose_family(dtype_name: str, q, k, v, *, varlen: bool, score_fields: dict) -> str:
+def _choose_family(dtype_name: str, q, k, v) -> str:
     forced = _family_for(dtype_name)
     if dtype_name == "float32":
         return "fwd_simt"
-    obstacle = _sm90_obstacle(q, k, v, varlen=varlen, score_fields=score_fields)
+    obstacle = _sm90_obstacle(q, k, v)
     if forced == "fwd_sm90":
         if obstacle is not None:
             raise ValueError(f"the forced kernel family fwd_sm90 cannot run this call: {obstacle}")
@@ -128,7 +128,7 @@ def _is_hopper() -> bool:
 def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layout, opts, score_fields,
                  dropout_fields, grid_rows, batch, heads_q):
     """Choose the kernel, build the plan, pack the parameters and launch one forward kernel."""
-    family = _choose_family(dtype_name, q, k, v, varlen="cu_seqlens_q" in seq_fields, score_fields=score_fields)
+    family = _choose_family(dtype_name, q, k, v)
     plan = _heuristics.forward_plan(
         family, dtype_name, head_dim,
         score_mods=any(key in score_fields for key in ("alibi_slopes", "mask", "bias", "block_mask"))

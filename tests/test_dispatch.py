@@ -28,10 +28,10 @@ def qkv(d=128, **kw):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_sm90_takes_every_option(d):
-    assert _sm90_obstacle(*qkv(d), varlen=False, score_fields={}) is None
-    assert _sm90_obstacle(*qkv(d), varlen=False, score_fields={"mask": 1, "bias": 2, "block_mask": 3}) is None
+    # Options never reach the choice (it sees only q, k, v): any head dim and varlen's packed rows.
+    assert _sm90_obstacle(*qkv(d)) is None
     packed = fake((700, 8, d)), fake((900, 2, d)), fake((900, 2, d))   # varlen: (total, H, D)
-    assert _sm90_obstacle(*packed, varlen=True, score_fields={}) is None
+    assert _sm90_obstacle(*packed) is None
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -45,7 +45,7 @@ def test_sm90_obstacles_are_named(case, expected):
         q = fake(q.shape, case["strides"])
     if "ptr" in case:
         q = fake(q.shape, ptr=case["ptr"])
-    reason = _sm90_obstacle(q, k, v, varlen=False, score_fields={})
+    reason = _sm90_obstacle(q, k, v)
     assert reason is not None and expected in reason
 
 
@@ -54,16 +54,16 @@ def test_forced_sm90_raises_instead_of_falling_back():
         q, k, v = qkv()
         q = fake(q.shape, (300 * 8 * 128, -8 * 128, 128, 1))
         with pytest.raises(ValueError, match="fwd_sm90 cannot run this call: the strides"):
-            _choose_family("bfloat16", q, k, v, varlen=False, score_fields={})
+            _choose_family("bfloat16", q, k, v)
         with pytest.raises(ValueError, match="runs float16/bfloat16, not float32"):
-            _choose_family("float32", *qkv(), varlen=False, score_fields={})
+            _choose_family("float32", *qkv())
 
 
 def test_forced_sm80_and_simt_are_kept():
     with force_kernel("fwd_sm80"):
-        assert _choose_family("float16", *qkv(), varlen=False, score_fields={}) == "fwd_sm80"
+        assert _choose_family("float16", *qkv()) == "fwd_sm80"
     with force_kernel("fwd_simt"):
-        assert _choose_family("float32", *qkv(), varlen=False, score_fields={}) == "fwd_simt"
+        assert _choose_family("float32", *qkv()) == "fwd_simt"
     with pytest.raises(ValueError, match="family must be one of"):
         with force_kernel("fwd_sm70"):
             pass
