@@ -15,8 +15,7 @@
 // CTAs are persistent and take their work items from a counter (WorkItem, take_item).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// (64, 80 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_STAGED_OUTPUT,
-// CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "mask.cuh"
@@ -28,8 +27,7 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kStagedOutput_, bool kScoreMods_,
-          bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kScoreMods_, bool kDropout_>
 struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
@@ -49,16 +47,14 @@ struct FwdSm90Config {
     // Tiles are stored as column blocks of 64 elements (128 bytes: one swizzle row) x all rows.
     static constexpr int kColBlocks = kHeadDim / 64;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
-    // Staged output: each consumer puts its 64-row output tile in shared memory, up to 128
-    // columns at a time, and writes it with coalesced 16-byte stores (fragments, fragments.cuh,
-    // store 4 bytes per thread and row).
-    static constexpr bool kStagedOutput = kStagedOutput_;
+    // Each consumer stages its 64-row output tile in shared memory, up to 128 columns at a time
+    // (store_output_staged).
     static constexpr int kOutCols = kHeadDim < 128 ? kHeadDim : 128;
-    static constexpr int kOutBytes = kStagedOutput ? kConsumers * 64 * kOutCols * 2 : 0;
+    static constexpr int kOutBytes = kConsumers * 64 * kOutCols * 2;
     static constexpr int kSmemBytes =
         1024 /* alignment slack */ + kQSlots * kQBytes + 2 * kStages * kKVBytes + kOutBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
-    static_assert(kBlockN == 64 || kBlockN == 80 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
+    static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
 };
 
@@ -68,7 +64,6 @@ __device__ __forceinline__ void gemm_qk(float (&acc)[1][N / 8][4], unsigned long
                                         int scale_d) {
     float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc[0][0][0]);
     if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
-    else if constexpr (N == 80) wgmma_ss_n80(d, a, b, scale_d, elem_t{});
     else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
 }
 // O[:, chunk of N columns] += P (16 keys, registers) V (16 keys x N columns); acc points at the chunk.
@@ -431,18 +426,15 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
         float inv_l[2], lse[2];
         softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
-        if constexpr (C::kStagedOutput)
-            store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
-                                   out_smem + consumer * 64 * C::kOutCols * 2, consumer);
-        else
-            store_output<C::kDropout>(acc_o, inv_l, lse, p, s, row0, g, t);
+        store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
+                               out_smem + consumer * 64 * C::kOutCols * 2, consumer);
     }
 }
 
 }  // namespace cuflash
 
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
-                                      CUFLASH_STAGED_OUTPUT != 0, CUFLASH_SCORE_MODS != 0,
+                                      CUFLASH_SCORE_MODS != 0,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

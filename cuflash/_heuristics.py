@@ -57,14 +57,13 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
 # Hopper (sm_90a): 2 consumer warpgroups x 64 rows, 2 K/V stages. Up to D = 128, S tiles of 128
 # keys and Q double buffered (the next item's Q loads while this one computes); D = 256 fits
 # shared memory only with one Q buffer and 64-key tiles (64 + 2 x 2 x 32 KB). Measured and not
-# taken (benchmarks/NOTES.md): 80-key tiles at D = 256 (faster from 8k keys, but they spill),
-# 176/192-key tiles at D = 128/64 and 3 stages (no gain).
+# taken (benchmarks/NOTES.md; their wgmma wrappers are in the history at 0c98a8d): 80-key tiles at
+# D = 256 (faster from 8k keys, but they spill), 176/192-key tiles at D = 128/64, 3 stages.
 SM90_HEAD_DIMS = (64, 128, 256)
 SM90_BLOCK_M, SM90_THREADS = 128, 384
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
-SM90_STAGES = {64: 2, 128: 2, 256: 2}
-SM90_STAGED_OUTPUT = {64: True, 128: True, 256: True}  # O through shared memory, <= 128 columns a pass
+SM90_STAGES = 2
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,8 @@ def sm90_smem_bytes(head_dim: int) -> int:
     """1 KB of slack to align the swizzled tiles, the Q slots, and kStages of K and V (16-bit
     elements), for a compiled head dim of SM90_HEAD_DIMS."""
     q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
-    out_bytes = SM90_BLOCK_M * min(head_dim, 128) * 2 if SM90_STAGED_OUTPUT[head_dim] else 0
-    return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
+    out_bytes = SM90_BLOCK_M * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
+    return 1024 + q_bytes + 2 * SM90_STAGES * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
 
 
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: bool, dropout: bool) -> LaunchPlan:
@@ -133,8 +132,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
-            "CUFLASH_STAGES": SM90_STAGES[kdim],
-            "CUFLASH_STAGED_OUTPUT": int(SM90_STAGED_OUTPUT[kdim]),
+            "CUFLASH_STAGES": SM90_STAGES,
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
