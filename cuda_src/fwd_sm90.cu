@@ -1,10 +1,11 @@
 // Forward attention for Hopper (sm_90a), fp16/bf16: TMA loads on mbarriers, wgmma, warp specialisation.
 //
-// A CTA of three warpgroups computes kBlockM = 128 query rows of one (batch, head) at a time:
+// A CTA of 1 + kConsumers warpgroups computes kBlockM = 64 * kConsumers query rows of one (batch, head)
+// at a time:
 //   warpgroup 0, the producer: one thread issues TMA copies of Q (into one of kQSlots buffers) and
 //     of K/V tiles into a kStages-deep ring of 128B-swizzled shared buffers (full barriers count the
 //     bytes in, empty barriers count the consumers out); the warpgroup gives its registers away.
-//   warpgroups 1 and 2, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
+//   warpgroups 1..kConsumers, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
 //     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2) -> O += P V (wgmma with P
 //     from registers, V transposed by its descriptor).
 // Key tiles run from the last to the first, like fwd_sm80, so a causal problem meets its partly
@@ -15,7 +16,8 @@
 // CTAs are persistent and take their work items from a counter (WorkItem, take_item).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,
+// CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "mask.cuh"
@@ -27,19 +29,23 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, bool kScoreMods_,
+          bool kDropout_>
 struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
+    static constexpr int kConsumers = kConsumers_;
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
-    static constexpr int kBlockM = 128, kConsumers = 2;
+    static constexpr int kBlockM = 64 * kConsumers;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
-    // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
-    // test block masks (score-modifier variants); the consumers get the rest.
-    static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
-    // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
-    // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
-    // Asking for more than that hangs the kernel, so it is checked here.
-    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
+    // Registers per thread after setmaxnreg. setmaxnreg.inc waits until the CTA's pool has the
+    // registers, and the pool holds only what the launch gave (__launch_bounds__(kNThreads, 1):
+    // 65536 / kNThreads per thread, in steps of 8); asking for more hangs the kernel. The producer
+    // needs more than the minimum 24 only to test block masks (score-modifier variants); the
+    // consumers share the rest: 240 each for two of them, 160 for three.
+    static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
+    static constexpr int kProducerRegs = kScoreMods ? 40 : 24;
+    static constexpr int kConsumerRegs = ((kLaunchRegs * (kConsumers + 1) - kProducerRegs) / kConsumers) & ~7;
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * kLaunchRegs,
                   "the register split exceeds what the launch allocates");
     static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
     // P V runs in column chunks of at most 128 (one wgmma n each): D = 256 is two of them.
@@ -56,6 +62,7 @@ struct FwdSm90Config {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
     static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
+    static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups (TMA boxes of <= 256 rows)");
 };
 
 // Dispatch to the wgmma of the right N (the accumulator is a flat view of [1][N/8][4]).
@@ -335,14 +342,20 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         float acc_s[1][C::kNTiles][4];
         unsigned p_frag[C::kBlockN / 16][4];
         auto issue_s = [&](int stage) {
-            const unsigned k_tile = k_smem + stage * C::kKVBytes;
+            // A descriptor's address field is the low bits, so a k-step's descriptor is the tile's
+            // plus its byte offset / 16. The Q address goes through an opaque move so that the
+            // compiler rebuilds the descriptors at each tile instead of holding one per k-step in
+            // registers for the whole item (which spilled with three consumers).
+            unsigned q_addr;
+            asm volatile("mov.b32 %0, %1;\n" : "=r"(q_addr) : "r"(q_tile + consumer * 64 * 128));
+            const unsigned long long q_desc = smem_desc(q_addr, 16, 1024);
+            const unsigned long long k_desc = smem_desc(k_smem + stage * C::kKVBytes, 16, 1024);
 #pragma unroll
             for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
                 // Each 64-column block of the head dim is its own swizzled region, 32 bytes per k-step.
-                const unsigned q_off = (kk / 4) * C::kBlockM * 128 + consumer * 64 * 128 + (kk % 4) * 32;
+                const unsigned q_off = (kk / 4) * C::kBlockM * 128 + (kk % 4) * 32;
                 const unsigned k_off = (kk / 4) * C::kBlockN * 128 + (kk % 4) * 32;
-                gemm_qk<C::kBlockN>(acc_s, smem_desc(q_tile + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024),
-                                    kk > 0);
+                gemm_qk<C::kBlockN>(acc_s, q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
             }
             wgmma_commit();
         };
@@ -434,7 +447,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 }  // namespace cuflash
 
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
-                                      CUFLASH_SCORE_MODS != 0,
+                                      CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS != 0,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

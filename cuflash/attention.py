@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 
 import numpy as np
@@ -122,7 +123,14 @@ def _choose_family(dtype_name: str, q, k, v) -> str:
 def _is_hopper() -> bool:
     import cupy
 
-    return cupy.cuda.Device().compute_capability == "90"
+    return _compute_capability(cupy.cuda.get_device_id()) == "90"
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id: int) -> str:
+    import cupy
+
+    return cupy.cuda.Device(device_id).compute_capability
 
 
 def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layout, opts, score_fields,
@@ -150,7 +158,7 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
         # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from a
         # counter that the kernel leaves at 0 when it ends.
         grid = (min(grid[0] * heads_q * batch, _launch.sm_count(q.device.id)), 1, 1)
-        block_n = _heuristics.SM90_BLOCK_N[plan.head_dim]
+        block_n = dict(plan.variant.defines)["CUFLASH_BLOCK_N"]
         # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
         args = (_tma.encode(q, plan.block_m, dtype_name), _tma.encode(k, block_n, dtype_name),
                 _tma.encode(v, block_n, dtype_name), _tma.encode(o, 64, dtype_name), params,
