@@ -54,10 +54,16 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
     }
 }
 
-// O rows times the online-softmax correction of their row.
+// O rows times the online-softmax correction of their row. A warp whose corrections are all 1 (the
+// row maxima did not move) skips it: a multiply by 1 changes nothing, and at large head dims the
+// rescale costs more instructions than the softmax itself. Called by whole warps.
 template <int kMTiles, int kDTiles>
 __device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4],
                                              const float (&correction)[2 * kMTiles]) {
+    bool moved = false;
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) moved |= correction[r] != 1.f;
+    if (!__any_sync(0xffffffffu, moved)) return;
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll

@@ -66,6 +66,8 @@ SM90_HEAD_DIMS = (64, 128, 256)
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 SM90_CONSUMERS = {64: 2, 128: 2, 256: 2}
+SM90_FMA_EXP_PERIOD = {64: 0, 128: 0, 256: 0}
+SM90_LAZY_RESCALE = 1
 SM90_STAGES = 2
 
 
@@ -139,6 +141,8 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
             "CUFLASH_STAGES": SM90_STAGES,
             "CUFLASH_CONSUMERS": SM90_CONSUMERS[kdim],
+            "CUFLASH_FMA_EXP_PERIOD": SM90_FMA_EXP_PERIOD[kdim],
+            "CUFLASH_LAZY_RESCALE": SM90_LAZY_RESCALE,
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),

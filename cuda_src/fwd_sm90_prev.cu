@@ -1,0 +1,450 @@
+// Forward attention for Hopper (sm_90a), fp16/bf16: TMA loads on mbarriers, wgmma, warp specialisation.
+//
+// A CTA of three warpgroups computes kBlockM = 128 query rows of one (batch, head) at a time:
+//   warpgroup 0, the producer: one thread issues TMA copies of Q (into one of kQSlots buffers) and
+//     of K/V tiles into a kStages-deep ring of 128B-swizzled shared buffers (full barriers count the
+//     bytes in, empty barriers count the consumers out); the warpgroup gives its registers away.
+//   warpgroups 1 and 2, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
+//     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2) -> O += P V (wgmma with P
+//     from registers, V transposed by its descriptor).
+// Key tiles run from the last to the first, like fwd_sm80, so a causal problem meets its partly
+// masked diagonal tile first; tiles that the window or the block mask hide entirely are never
+// loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
+// with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
+// Each consumer's output goes through shared memory and leaves by TMA (store_output_staged). The
+// CTAs are persistent and take their work items from a counter (WorkItem, take_item).
+//
+// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
+// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+#include "common.cuh"
+#include "params.cuh"
+#include "mask.cuh"
+#include "online_softmax.cuh"
+#include "philox.cuh"
+#include "fragments.cuh"
+#include "tma_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace cuflash {
+
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kScoreMods_, bool kDropout_>
+struct FwdSm90Config {
+    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
+    static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
+    static constexpr int kBlockM = 128, kConsumers = 2;
+    static constexpr int kNThreads = 128 * (kConsumers + 1);
+    // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
+    // test block masks (score-modifier variants); the consumers get the rest.
+    static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
+    // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
+    // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
+    // Asking for more than that hangs the kernel, so it is checked here.
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
+                  "the register split exceeds what the launch allocates");
+    static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+    // P V runs in column chunks of at most 128 (one wgmma n each): D = 256 is two of them.
+    static constexpr int kPvN = kHeadDim < 128 ? kHeadDim : 128, kPvChunks = kHeadDim / kPvN;
+    // Tiles are stored as column blocks of 64 elements (128 bytes: one swizzle row) x all rows.
+    static constexpr int kColBlocks = kHeadDim / 64;
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
+    // Each consumer stages its 64-row output tile in shared memory, up to 128 columns at a time
+    // (store_output_staged).
+    static constexpr int kOutCols = kHeadDim < 128 ? kHeadDim : 128;
+    static constexpr int kOutBytes = kConsumers * 64 * kOutCols * 2;
+    static constexpr int kSmemBytes =
+        1024 /* alignment slack */ + kQSlots * kQBytes + 2 * kStages * kKVBytes + kOutBytes;
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
+    static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
+    static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
+};
+
+// Dispatch to the wgmma of the right N (the accumulator is a flat view of [1][N/8][4]).
+template <int N>
+__device__ __forceinline__ void gemm_qk(float (&acc)[1][N / 8][4], unsigned long long a, unsigned long long b,
+                                        int scale_d) {
+    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc[0][0][0]);
+    if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
+    else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
+}
+// O[:, chunk of N columns] += P (16 keys, registers) V (16 keys x N columns); acc points at the chunk.
+template <int N>
+__device__ __forceinline__ void gemm_pv(float* acc, const unsigned (&a)[4], unsigned long long b) {
+    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(acc);
+    if constexpr (N == 64) wgmma_rs_n64(d, a, b, elem_t{});
+    else wgmma_rs_n128(d, a, b, elem_t{});
+}
+
+// Varlen: a key tile that runs past the end of its sequence holds the next sequence's rows (TMA
+// zero-fills only past the end of the whole tensor). Their scores are masked, but P V would still
+// meet them as 0 * V, which is NaN when V is: the consumers zero those rows of the V tile before
+// P V, split between their 256 threads, and meet at a named barrier (both see the same tiles).
+template <class C>
+__device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
+    const int chunks_per_block = (C::kBlockN - first_row) * 8;   // 16-byte chunks, 8 per 128-byte row
+    for (int c = threadIdx.x - 128; c < chunks_per_block * C::kColBlocks; c += 128 * C::kConsumers) {
+        const int blk = c / chunks_per_block, r = first_row + c % chunks_per_block / 8;
+        // The 128B swizzle permutes chunks only inside a row, so a whole row stays where it was.
+        const unsigned addr = v_tile + blk * C::kBlockN * 128 + r * 128 + (c % 8) * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fence_proxy_async();   // the generic-proxy stores must be visible to the wgmma that reads V
+    named_barrier_sync(1, 128 * C::kConsumers);
+}
+
+// O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
+// columns per pass (D = 256 takes two). Each thread writes its fragments into the layout of the
+// tensor maps (column blocks of 64, 128-byte rows, 16-byte chunks XOR-swizzled by row, which
+// also keeps the 8 rows of a fragment in different banks). Then one thread stores the tile with
+// TMA, which clips rows past the sequence and columns past the head dim; under varlen the rows
+// past a sequence belong to the next one, so the warpgroup copies rows out itself instead.
+// lse as store_output.
+template <class C>
+__device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::kDTiles][4], const float (&inv_l)[2],
+                                                    const float (&lse)[2], const FwdParams& p, const TmaMap& o_map,
+                                                    const SeqInfo& s, int wg_row0, unsigned tile, int consumer) {
+    constexpr int kBlocks = C::kOutCols / 64;   // 64-column blocks per pass
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, g = lane / 4, t = lane % 4;
+    const bool leader = threadIdx.x % 128 == 0;
+    const bool varlen = p.cu_seqlens_q != nullptr;
+#pragma unroll
+    for (int pass = 0; pass < C::kHeadDim / C::kOutCols; ++pass) {
+        if (leader) bulk_wait_read();             // the last TMA store has read the tile
+        named_barrier_sync(2 + consumer, 128);   // ... and every thread's copy-out too
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + g + half * 8;   // row inside the tile
+            const float factor = C::kDropout ? inv_l[half] * p.dropout_rescale : inv_l[half];
+            const bool no_keys = inv_l[half] == 0.f;
+#pragma unroll
+            for (int c = 0; c < C::kOutCols / 8; ++c) {   // 16-byte chunk c of this pass: fragment tile di
+                const int di = pass * C::kOutCols / 8 + c;
+                const unsigned word = no_keys ? 0u
+                                              : pack2<elem_t>(acc_o[0][di][2 * half] * factor,
+                                                              acc_o[0][di][2 * half + 1] * factor);
+                const unsigned addr = tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16) + t * 4;
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
+            }
+            const int i = wg_row0 + r;
+            if (pass == 0 && t == 0 && i < s.seqlen_q)
+                p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i] = lse[half];
+        }
+        if (!varlen) fence_proxy_async();   // the TMA engine reads what the threads wrote
+        named_barrier_sync(2 + consumer, 128);
+        if (!varlen) {
+            if (leader) {
+                for (int blk = 0; blk < kBlocks; ++blk)
+                    tma_store_4d(&o_map, tile + blk * 64 * 128, (pass * kBlocks + blk) * 64, wg_row0, s.h, s.b);
+                bulk_commit();
+            }
+            continue;
+        }
+        // Varlen (no batch stride): threads copy rows, consecutive threads consecutive chunks.
+        elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.h * p.o_head_stride + (s.q_row0 + wg_row0) * p.o_row_stride;
+        const int chunks_used = min(C::kOutCols / 8, p.head_dim / 8 - pass * C::kOutCols / 8);
+        for (int idx = threadIdx.x % 128; idx < 64 * C::kOutCols / 8; idx += 128) {
+            const int r = idx / (C::kOutCols / 8), c = idx % (C::kOutCols / 8);
+            if (wg_row0 + r >= s.seqlen_q || c >= chunks_used) continue;
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16)));
+            *reinterpret_cast<uint4*>(o_gmem + r * p.o_row_stride + (pass * C::kOutCols / 8 + c) * 8) = v;
+        }
+    }
+}
+
+// Work items are (m-block, head, batch), numbered so that one head's m-blocks are neighbours
+// (longest causal rows first): CTAs that run at the same time then share that head's K/V in L2.
+// Each CTA starts at item blockIdx.x and takes the next from a global counter when it starts an
+// item (dynamic scheduling balances causal and varlen work, whose items differ in length).
+// The counter is handed out exactly `items` times per launch (one failed take per CTA ends it), so
+// whoever takes the last value resets it to 0 for the next launch on this stream.
+__device__ __forceinline__ int take_item(int* counter, int items) {
+    const int ticket = atomicAdd(counter, 1);
+    if (ticket == items - 1) atomicExch(counter, 0);
+    return ticket + gridDim.x;
+}
+
+template <class C>
+struct WorkItem {
+    SeqInfo s;
+    int m_lo, m_hi;       // query rows of the CTA (m_hi clipped to the sequence)
+    int n_first, n_end;   // key tiles [n_first, n_end) that the window leaves visible
+    int batch_coord;      // the batch coordinate of the tensor maps (0 under varlen)
+
+    __device__ __forceinline__ WorkItem(const FwdParams& p, int item, int num_m_blocks) {
+        const int m_block = num_m_blocks - 1 - item % num_m_blocks;
+        const int hb = item / num_m_blocks;
+        s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
+        m_lo = m_block * C::kBlockM;
+        m_hi = min(m_lo + C::kBlockM, s.seqlen_q);
+        int key_first, key_last;
+        visible_keys(p, s, m_lo, m_hi, &key_first, &key_last);
+        n_first = key_first / C::kBlockN;
+        n_end = ceil_div(key_last, C::kBlockN);
+        batch_coord = p.cu_seqlens_q != nullptr ? 0 : s.b;
+    }
+    // Varlen: the grid is sized by the longest sequence, so shorter ones have m-blocks with no rows.
+    __device__ __forceinline__ bool empty() const { return m_lo >= s.seqlen_q; }
+
+    // Which of the 32 key tiles top - 1, top - 2, ..., top - 32 the item visits (bit i: tile
+    // top - 1 - i): inside [n_first, n_end) and not hidden by the block mask. Each lane of the
+    // producer warp tests one tile; all 32 lanes must call it.
+    __device__ __forceinline__ unsigned tiles_below(const FwdParams& p, int top) const {
+        const int n = top - 1 - threadIdx.x % 32;
+        bool visible = n >= n_first;
+        if (C::kScoreMods && visible && p.block_mask != nullptr)   // block_mask comes with the modifiers
+            visible = block_mask_share_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k),
+                                               0, 1);
+        return __ballot_sync(0xffffffffu, visible);
+    }
+    __device__ __forceinline__ int count_tiles(const FwdParams& p) const {
+        if (!C::kScoreMods || p.block_mask == nullptr) return n_end - n_first;
+        int count = 0;
+        for (int top = n_end; top > n_first; top -= 32) count += __popc(tiles_below(p, top));
+        return count;
+    }
+};
+
+template <class C>
+__device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                         const TmaMap& o_map, const FwdParams& p, int* tile_counter) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long barriers[2 * C::kQSlots + 4 * C::kStages];
+    // What the producer tells the consumers, published by the arrive on the slot's/stage's full
+    // barrier: the item whose Q is in a slot (-1: no more work) and how many key tiles it visits,
+    // and the key tile in a stage (the block mask is evaluated once, by the producer).
+    __shared__ int item_of_slot[C::kQSlots], tiles_of_slot[C::kQSlots], tile_of_stage[C::kStages];
+    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
+    const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
+    const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
+    const unsigned v_smem = k_smem + C::kStages * C::kKVBytes;
+    const unsigned out_smem = v_smem + C::kStages * C::kKVBytes;     // [kConsumers][64][kOutCols], staged O
+    auto q_full = [&](int slot) { return smem_addr(&barriers[slot]); };
+    auto q_empty = [&](int slot) { return smem_addr(&barriers[C::kQSlots + slot]); };
+    auto k_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + stage]); };
+    auto v_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + C::kStages + stage]); };
+    // K and V of a stage are released separately: K as soon as S retires, V once P V has.
+    auto k_empty = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + 2 * C::kStages + stage]); };
+    auto v_empty = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + 3 * C::kStages + stage]); };
+
+    const int warpgroup = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    if (threadIdx.x == 0) {
+        for (int slot = 0; slot < C::kQSlots; ++slot) {
+            mbar_init(q_full(slot), 1);
+            mbar_init(q_empty(slot), 128 * C::kConsumers);
+        }
+        for (int stage = 0; stage < C::kStages; ++stage) {
+            mbar_init(k_full(stage), 1);
+            mbar_init(v_full(stage), 1);
+            mbar_init(k_empty(stage), 128 * C::kConsumers);
+            mbar_init(v_empty(stage), 128 * C::kConsumers);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    const int num_m_blocks = ceil_div(p.seqlen_q, C::kBlockM);
+    const int items = num_m_blocks * p.heads_q * p.batch;
+
+    if (warpgroup == 0) {
+        // Producer: warp 0 walks the items and their tiles (all lanes, for the block-mask vote);
+        // lane 0 waits on the barriers and issues the copies. While the consumers finish one item,
+        // the producer already loads the next one's Q (a free slot) and first K/V tiles.
+        setmaxnreg_dec<C::kProducerRegs>();
+        if (warp != 0) return;
+        int stage = 0, phase = 0, slot = 0, q_phase = 0;
+        for (int item = blockIdx.x;;) {
+            if (item >= items) {
+                if (lane == 0) {
+                    mbar_wait(q_empty(slot), q_phase ^ 1);
+                    item_of_slot[slot] = -1;
+                    mbar_arrive(q_full(slot));   // releases the write above to the consumers
+                }
+                return;
+            }
+            const int next = lane == 0 ? take_item(tile_counter, items) : 0;   // used at the end
+            const WorkItem<C> w(p, item, num_m_blocks);
+            if (!w.empty()) {
+                const int num_tiles = w.count_tiles(p);
+                if (lane == 0) {
+                    mbar_wait(q_empty(slot), q_phase ^ 1);   // a fresh barrier passes parity 1 at once
+                    item_of_slot[slot] = item;
+                    tiles_of_slot[slot] = num_tiles;
+                    mbar_arrive_expect_tx(q_full(slot), C::kQBytes);
+                    for (int blk = 0; blk < C::kColBlocks; ++blk)
+                        tma_load_4d(q_smem + slot * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
+                                    w.s.q_row0 + w.m_lo, w.s.h, w.batch_coord, q_full(slot));
+                }
+                if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
+                for (int top = w.n_end; top > w.n_first; top -= 32)
+                for (unsigned todo = w.tiles_below(p, top); todo != 0; todo &= todo - 1) {
+                    const int n = top - __ffs(todo);   // the highest tile not yet loaded
+                    if (lane == 0) {
+                        const int key_row = w.s.k_row0 + n * C::kBlockN;
+                        mbar_wait(k_empty(stage), phase ^ 1);
+                        tile_of_stage[stage] = n;
+                        mbar_arrive_expect_tx(k_full(stage), C::kKVBytes);
+                        for (int blk = 0; blk < C::kColBlocks; ++blk)
+                            tma_load_4d(k_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
+                                        key_row, w.s.h_kv, w.batch_coord, k_full(stage));
+                        mbar_wait(v_empty(stage), phase ^ 1);
+                        mbar_arrive_expect_tx(v_full(stage), C::kKVBytes);
+                        for (int blk = 0; blk < C::kColBlocks; ++blk)
+                            tma_load_4d(v_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &v_map, blk * 64,
+                                        key_row, w.s.h_kv, w.batch_coord, v_full(stage));
+                    }
+                    if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+                }
+            }
+            item = __shfl_sync(0xffffffffu, next, 0);
+        }
+    }
+
+    // Consumers: slot, stage and phases run on across items, in step with the producer's.
+    setmaxnreg_inc<C::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const int g = lane / 4, t = lane % 4;
+    int stage = 0, phase = 0, slot = 0, q_phase = 0;
+    for (;;) {
+        mbar_wait(q_full(slot), q_phase);
+        const int item = *static_cast<volatile int*>(&item_of_slot[slot]);
+        if (item < 0) {
+            if (threadIdx.x % 128 == 0) bulk_wait();   // output stores still read shared memory
+            return;
+        }
+        const int num_tiles = *static_cast<volatile int*>(&tiles_of_slot[slot]);
+        const WorkItem<C> w(p, item, num_m_blocks);
+        const SeqInfo& s = w.s;
+        const int m_lo = w.m_lo, m_hi = w.m_hi;
+        const int row0 = m_lo + consumer * 64 + warp * 16;   // this warp's first query row
+        const unsigned q_tile = q_smem + slot * C::kQBytes;
+
+        float acc_o[1][C::kDTiles][4];
+#pragma unroll
+        for (int di = 0; di < C::kDTiles; ++di)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][di][e] = 0.f;
+        OnlineSoftmax<1> softmax;
+        softmax.init();
+
+        // Software pipeline across key tiles: while the tensor cores run O += P_prev V_prev, the
+        // warpgroup computes the softmax of the next S (issued just before), so exp2 and the GEMMs
+        // overlap. Only after P_prev V_prev retires are O rescaled and P_prev's registers reused.
+        float acc_s[1][C::kNTiles][4];
+        unsigned p_frag[C::kBlockN / 16][4];
+        auto issue_s = [&](int stage) {
+            const unsigned k_tile = k_smem + stage * C::kKVBytes;
+#pragma unroll
+            for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+                // Each 64-column block of the head dim is its own swizzled region, 32 bytes per k-step.
+                const unsigned q_off = (kk / 4) * C::kBlockM * 128 + consumer * 64 * 128 + (kk % 4) * 32;
+                const unsigned k_off = (kk / 4) * C::kBlockN * 128 + (kk % 4) * 32;
+                gemm_qk<C::kBlockN>(acc_s, smem_desc(q_tile + q_off, 16, 1024), smem_desc(k_tile + k_off, 16, 1024),
+                                    kk > 0);
+            }
+            wgmma_commit();
+        };
+        auto issue_pv = [&](int stage) {
+            // 16 keys per step (2048 bytes of V); a chunk's columns span column blocks (leading offset).
+            const unsigned v_tile = v_smem + stage * C::kKVBytes;
+#pragma unroll
+            for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+#pragma unroll
+                for (int c = 0; c < C::kPvChunks; ++c)
+                    gemm_pv<C::kPvN>(&acc_o[0][c * C::kPvN / 8][0], p_frag[kk],
+                                     smem_desc(v_tile + c * (C::kPvN / 64) * C::kBlockN * 128 + kk * 2048,
+                                               C::kBlockN * 128, 1024));
+            wgmma_commit();
+        };
+        // S of tile n (retired) -> P in acc_s, returns the row corrections for O.
+        auto softmax_step = [&](int n, float (&correction)[2]) {
+            fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
+            const int n_lo = n * C::kBlockN;
+            mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n_lo, row0, g, t);
+            softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
+            if (C::kDropout) drop_probabilities(acc_s, p, s, row0, n_lo, g, t);
+        };
+
+        auto wait_tile = [&](int stage, int phase) {   // the key tile that fills this stage
+            mbar_wait(k_full(stage), phase);
+            return *static_cast<volatile int*>(&tile_of_stage[stage]);
+        };
+        if (num_tiles > 0) {
+            int n = wait_tile(stage, phase);
+            wgmma_fence();
+            issue_s(stage);
+            wgmma_wait<0>();
+            mbar_arrive(k_empty(stage));
+            if (num_tiles == 1) mbar_arrive(q_empty(slot));   // the item's last S has retired
+            float correction[2];
+            softmax_step(n, correction);   // O is still 0: nothing to rescale
+#pragma unroll
+            for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
+            int prev_stage = stage, prev_phase = phase;
+            if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+            // The first tile is the only one that can run past the sequence end (tiles go down).
+            const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
+            bool zero_tail = p.cu_seqlens_k != nullptr && first_row < C::kBlockN;
+            for (int i = 1; i < num_tiles; ++i) {
+                n = wait_tile(stage, phase);
+                wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
+                issue_s(stage);
+                mbar_wait(v_full(prev_stage), prev_phase);
+                if (zero_tail) {
+                    zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+                    zero_tail = false;
+                }
+                issue_pv(prev_stage);
+                wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
+                mbar_arrive(k_empty(stage));
+                if (i == num_tiles - 1) mbar_arrive(q_empty(slot));
+                softmax_step(n, correction);
+                wgmma_wait<0>();
+                fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
+                fence_registers(p_frag);
+                mbar_arrive(v_empty(prev_stage));   // this thread's reads of that V are complete
+                rescale_rows(acc_o, correction);
+#pragma unroll
+                for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
+                prev_stage = stage;
+                prev_phase = phase;
+                if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+            }
+            mbar_wait(v_full(prev_stage), prev_phase);
+            if (zero_tail) zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+            wgmma_fence();
+            issue_pv(prev_stage);
+            wgmma_wait<0>();
+            fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
+            fence_registers(p_frag);
+            mbar_arrive(v_empty(prev_stage));
+        }
+        if (num_tiles == 0) mbar_arrive(q_empty(slot));   // (otherwise released after the last S)
+        if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
+
+        float inv_l[2], lse[2];
+        softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
+        store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
+                               out_smem + consumer * 64 * C::kOutCols * 2, consumer);
+    }
+}
+
+}  // namespace cuflash
+
+using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
+                                      CUFLASH_SCORE_MODS != 0,
+                                      CUFLASH_DROPOUT != 0>;
+#ifdef CUFLASH_SMEM_BYTES
+static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
+#endif
+
+extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
+    cuflash_fwd_sm90_prev(const __grid_constant__ cuflash::TmaMap q_map, const __grid_constant__ cuflash::TmaMap k_map,
+                     const __grid_constant__ cuflash::TmaMap v_map, const __grid_constant__ cuflash::TmaMap o_map,
+                     const cuflash::FwdParams p, int* tile_counter) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, o_map, p, tile_counter);
+#endif
+}
