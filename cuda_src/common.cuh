@@ -19,26 +19,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 2^x for x <= 0 on the FMA pipe instead of the special-function unit, which at head dim 64 is as
-// busy as the tensor cores (one exp2 per score against 256 FLOPs of matmul); the softmax sends a
-// fraction of its exponentials here so that both pipes share the work. x = n + f with n = round(x)
-// (adding 1.5 * 2^23 leaves round(x) in the low mantissa bits), 2^f for |f| <= 1/2 by a degree-4
-// polynomial (relative error < 3e-6, fitted for this file), times 2^n built in the exponent field.
-// x is clamped to -127 first (max.NaN keeps a NaN a NaN), where 2^n is built as +0: -inf (masked
-// scores) gives exactly 0, as ex2 does. Results below 2^-126 flush to 0, as ex2.ftz does.
-__device__ __forceinline__ float exp2_fma(float x) {
-    asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));   // -127
-    const float shifted = x + 12582912.f;              // 1.5 * 2^23: round(x) in the low bits
-    const float f = x - (shifted - 12582912.f);
-    float p = 0.009582853f;
-    p = fmaf(p, f, 0.05590643f);
-    p = fmaf(p, f, 0.24024099f);
-    p = fmaf(p, f, 0.69312418f);
-    p = fmaf(p, f, 1.f);
-    // (round(x) + 127) << 23: the bits of 2^round(x) (a NaN's bits give a finite scale, and p is NaN).
-    return p * __int_as_float((__float_as_int(shifted) << 23) + 0x3F800000);
-}
-
 // +infinity as a bit pattern (NVRTC without headers has no INFINITY macro).
 #define CUFLASH_INF __int_as_float(0x7f800000)
 

@@ -1,11 +1,10 @@
 // Forward attention for Hopper (sm_90a), fp16/bf16: TMA loads on mbarriers, wgmma, warp specialisation.
 //
-// A CTA of 1 + kConsumers warpgroups computes kBlockM = 64 * kConsumers query rows of one (batch, head)
-// at a time:
+// A CTA of three warpgroups computes kBlockM = 128 query rows of one (batch, head) at a time:
 //   warpgroup 0, the producer: one thread issues TMA copies of Q (into one of kQSlots buffers) and
 //     of K/V tiles into a kStages-deep ring of 128B-swizzled shared buffers (full barriers count the
 //     bytes in, empty barriers count the consumers out); the warpgroup gives its registers away.
-//   warpgroups 1..kConsumers, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
+//   warpgroups 1 and 2, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
 //     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2) -> O += P V (wgmma with P
 //     from registers, V transposed by its descriptor).
 // Key tiles run from the last to the first, like fwd_sm80, so a causal problem meets its partly
@@ -16,9 +15,7 @@
 // CTAs are persistent and take their work items from a counter (WorkItem, take_item).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,
-// CUFLASH_FMA_EXP_PERIOD (0, or n: every n-th 8-key column of S exponentiated on the FMA pipe),
-// CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "mask.cuh"
@@ -30,27 +27,19 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kFmaExpPeriod_,
-          bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kScoreMods_, bool kDropout_>
 struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
-    static constexpr int kConsumers = kConsumers_;
-    // Every kFmaExpPeriod-th n-tile of S takes its exponentials on the FMA pipe (0: none); see
-    // exp2_fma in common.cuh.
-    static constexpr int kFmaExpPeriod = kFmaExpPeriod_;
-    static constexpr bool kLazyRescale = CUFLASH_LAZY_RESCALE != 0;   // (an A/B knob for now)
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
-    static constexpr int kBlockM = 64 * kConsumers;
+    static constexpr int kBlockM = 128, kConsumers = 2;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
-    // Registers per thread after setmaxnreg. setmaxnreg.inc waits until the CTA's pool has the
-    // registers, and the pool holds only what the launch gave (__launch_bounds__(kNThreads, 1):
-    // 65536 / kNThreads per thread, in steps of 8); asking for more hangs the kernel. The producer
-    // needs more than the minimum 24 only to test block masks (score-modifier variants); the
-    // consumers share the rest: 240 each for two of them, 160 for three.
-    static constexpr int kLaunchRegs = (65536 / kNThreads) & ~7;
-    static constexpr int kProducerRegs = kScoreMods ? 40 : 24;
-    static constexpr int kConsumerRegs = ((kLaunchRegs * (kConsumers + 1) - kProducerRegs) / kConsumers) & ~7;
-    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * kLaunchRegs,
+    // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
+    // test block masks (score-modifier variants); the consumers get the rest.
+    static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
+    // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
+    // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
+    // Asking for more than that hangs the kernel, so it is checked here.
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
     static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
     // P V runs in column chunks of at most 128 (one wgmma n each): D = 256 is two of them.
@@ -67,7 +56,6 @@ struct FwdSm90Config {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
     static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
-    static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups (TMA boxes of <= 256 rows)");
 };
 
 // Dispatch to the wgmma of the right N (the accumulator is a flat view of [1][N/8][4]).
@@ -338,7 +326,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         for (int di = 0; di < C::kDTiles; ++di)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[0][di][e] = 0.f;
-        OnlineSoftmax<1, C::kLazyRescale> softmax;
+        OnlineSoftmax<1> softmax;
         softmax.init();
 
         // Software pipeline across key tiles: while the tensor cores run O += P_prev V_prev, the
@@ -348,13 +336,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         unsigned p_frag[C::kBlockN / 16][4];
         auto issue_s = [&](int stage) {
             // A descriptor's address field is the low bits, so a k-step's descriptor is the tile's
-            // plus its byte offset / 16. With three consumers (160 registers each) the Q address goes
-            // through an opaque move, so that the compiler rebuilds the descriptors at each tile
-            // instead of holding one per k-step for the whole item, which spilled. With two, holding
-            // them measured faster (D = 64, 8k-16k keys: 0.93-0.97x cuDNN against 0.84-0.91x).
-            unsigned q_addr = q_tile + consumer * 64 * 128;
-            if constexpr (C::kConsumers == 3) asm volatile("mov.b32 %0, %0;\n" : "+r"(q_addr));
-            const unsigned long long q_desc = smem_desc(q_addr, 16, 1024);
+            // plus its byte offset / 16.
+            const unsigned long long q_desc = smem_desc(q_tile + consumer * 64 * 128, 16, 1024);
             const unsigned long long k_desc = smem_desc(k_smem + stage * C::kKVBytes, 16, 1024);
 #pragma unroll
             for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
@@ -382,7 +365,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
             const int n_lo = n * C::kBlockN;
             mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n_lo, row0, g, t);
-            softmax.template update<C::kFmaExpPeriod>(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
+            softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
             if (C::kDropout) drop_probabilities(acc_s, p, s, row0, n_lo, g, t);
         };
 
@@ -453,7 +436,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 }  // namespace cuflash
 
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
-                                      CUFLASH_CONSUMERS, CUFLASH_FMA_EXP_PERIOD, CUFLASH_SCORE_MODS != 0,
+                                      CUFLASH_SCORE_MODS != 0,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

@@ -18,13 +18,13 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// kLazyRescale: the running maximum m is only a reference point, and any value gives the same
+// Lazy rescaling: the running maximum m is only a reference point, and any value gives the same
 // result once O is divided by l; it only has to keep 2^(s - m) from overflowing. So m moves only
-// when a row's maximum grows past it by more than kRescaleSlack (log2 units: p stays <= 2^8,
-// far from overflow in float32, bf16 and fp16), and otherwise its correction is exactly 1 and the
-// caller's rescale of O is skipped (rescale_rows). FlashAttention-4 does the same; at D = 256 the
-// rescale was four FMULs per score.
-template <int kMTiles, bool kLazyRescale = false>
+// when a row's maximum grows past it by more than kRescaleSlack (log2 units: p stays <= 2^8, far
+// from overflow in float32, bf16 and fp16), and otherwise its correction is exactly 1 and the
+// caller's rescale of O is skipped (rescale_rows). FlashAttention-4 does the same; in fwd_sm90 at
+// D = 256 the rescale had cost four FMULs per score.
+template <int kMTiles>
 struct OnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;
     static constexpr float kRescaleSlack = 8.f;
@@ -39,10 +39,8 @@ struct OnlineSoftmax {
     // s holds scores that become log2 units when multiplied by scale_log2 > 0 (-inf where masked).
     // Maxima are taken before scaling, so p = 2^(s * scale_log2 - m * scale_log2) is one FFMA and
     // one exp2 per element. On return s holds p and correction[r] = 2^(m_old - m_new) (scaled), by
-    // which the caller rescales its output accumulator. kFmaExpPeriod > 0 sends every
-    // kFmaExpPeriod-th n-tile's exponentials to the FMA pipe (exp2_fma) instead of the
-    // special-function unit.
-    template <int kFmaExpPeriod = 0, int kNTiles>
+    // which the caller rescales its output accumulator.
+    template <int kNTiles>
     __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&correction)[kRows],
                                            float scale_log2) {
 #pragma unroll
@@ -56,7 +54,7 @@ struct OnlineSoftmax {
                     m_new = fmaxf(m_new, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
                 m_new = quad_max(m_new);
                 // (-inf - -inf is NaN, which fails the test: a row's first visible keys always set m.)
-                if (kLazyRescale && (m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
+                if ((m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
                 // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead makes
                 // its p exactly 0 rather than NaN from (-inf) - (-inf).
                 const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
@@ -67,9 +65,7 @@ struct OnlineSoftmax {
                 for (int ni = 0; ni < kNTiles; ++ni) {
 #pragma unroll
                     for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                        const float x = fmaf(s[mi][ni][e], scale_log2, -m_scaled);
-                        s[mi][ni][e] = kFmaExpPeriod > 0 && ni % kFmaExpPeriod == kFmaExpPeriod - 1 ? exp2_fma(x)
-                                                                                                  : fast_exp2(x);
+                        s[mi][ni][e] = fast_exp2(fmaf(s[mi][ni][e], scale_log2, -m_scaled));
                         sum += s[mi][ni][e];
                     }
                 }

@@ -55,19 +55,16 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
               160: Tiles(64, 32, 8), 192: Tiles(64, 32, 8), 224: Tiles(64, 32, 8), 256: Tiles(64, 32, 8)}
 
 
-# Hopper (sm_90a): consumer warpgroups of 64 rows each, 2 K/V stages. Up to D = 128, S tiles of 128
+# Hopper (sm_90a): 2 consumer warpgroups x 64 rows, 2 K/V stages. Up to D = 128, S tiles of 128
 # keys and Q double buffered (the next item's Q loads while this one computes); D = 256 fits
-# shared memory only with one Q buffer and 64-key tiles (64 + 2 x 2 x 32 KB). D = 64 runs three
-# consumers (192 rows a CTA): its GEMMs are short, so more rows share each K/V tile and each
-# barrier round trip. Measured and not taken (benchmarks/NOTES.md; their wgmma wrappers are in the
-# history at 0c98a8d): 80-key tiles at D = 256 (faster from 8k keys, but they spill), 176/192-key
-# tiles at D = 128/64, 3 stages.
+# shared memory only with one Q buffer and 64-key tiles (64 + 2 x 2 x 32 KB). Measured and not
+# taken (benchmarks/NOTES.md; their wgmma wrappers are in the history at 0c98a8d): 80-key tiles at
+# D = 256 (faster from 8k keys, but they spill), 176/192-key tiles at D = 128/64, 3 stages, three
+# consumers at D = 64.
 SM90_HEAD_DIMS = (64, 128, 256)
+SM90_BLOCK_M, SM90_THREADS = 128, 384
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
-SM90_CONSUMERS = {64: 2, 128: 2, 256: 2}
-SM90_FMA_EXP_PERIOD = {64: 0, 128: 0, 256: 0}
-SM90_LAZY_RESCALE = 1
 SM90_STAGES = 2
 
 
@@ -102,9 +99,8 @@ def simt_smem_bytes(tiles: Tiles, head_dim: int) -> int:
 def sm90_smem_bytes(head_dim: int) -> int:
     """1 KB of slack to align the swizzled tiles, the Q slots, kStages of K and V, and the staged
     output (16-bit elements), for a compiled head dim of SM90_HEAD_DIMS."""
-    block_m = 64 * SM90_CONSUMERS[head_dim]
-    q_bytes = SM90_Q_SLOTS[head_dim] * block_m * head_dim * 2
-    out_bytes = block_m * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
+    q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
+    out_bytes = SM90_BLOCK_M * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
     return 1024 + q_bytes + 2 * SM90_STAGES * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
 
 
@@ -140,16 +136,12 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
             "CUFLASH_STAGES": SM90_STAGES,
-            "CUFLASH_CONSUMERS": SM90_CONSUMERS[kdim],
-            "CUFLASH_FMA_EXP_PERIOD": SM90_FMA_EXP_PERIOD[kdim],
-            "CUFLASH_LAZY_RESCALE": SM90_LAZY_RESCALE,
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
             "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
         }
-        consumers = SM90_CONSUMERS[kdim]
-        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), SM90_BLOCK_M, SM90_THREADS,
                           sm90_smem_bytes(kdim), kdim)
     elif family == "fwd_simt":
         if dtype_name != "float32":

@@ -15,11 +15,12 @@ from cuflash.attention import _choose_family, _sm90_obstacle, force_kernel
 
 
 def fake(shape, strides_elems=None, itemsize=2, ptr=1 << 20):
-    """Just enough of a CuPy array for the dispatcher: shape, byte strides, itemsize, data.ptr."""
+    """Just enough of a CuPy array for the dispatcher: shape, byte strides, itemsize, nbytes,
+    data.ptr."""
     if strides_elems is None:
         strides_elems = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
     return SimpleNamespace(shape=shape, strides=tuple(s * itemsize for s in strides_elems),
-                           itemsize=itemsize, data=SimpleNamespace(ptr=ptr))
+                           itemsize=itemsize, nbytes=int(np.prod(shape)) * itemsize, data=SimpleNamespace(ptr=ptr))
 
 
 def qkv(d=128, **kw):
@@ -104,3 +105,38 @@ def test_sm90_only_built_for_sm90a():
     # Every family that the dispatcher, decode or backward can launch is in the CI compile list.
     assert {v.family for v, _ in pairs} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "decode", "merge",
                                             "bwd_sm80", "bwd_simt", "bwd_preprocess", "bwd_convert"}
+
+
+def test_tensor_maps_are_cached_by_value(monkeypatch):
+    # A map is a pure function of (address, shape, strides, box rows, dtype), so a second launch on
+    # the same tensors reuses it; anything else that differs gets its own.
+    calls = []
+    monkeypatch.setattr(_tma, "_encode", lambda *args: calls.append(args) or object())
+    monkeypatch.setattr(_tma, "_cache", {})
+    a, b = (fake((2, 300, 8, 64)) for _ in range(2))   # equal, distinct objects
+    first = _tma.encode(a, 128, "bfloat16")
+    assert _tma.encode(b, 128, "bfloat16") is first and len(calls) == 1
+    moved = fake((2, 300, 8, 64), ptr=(1 << 20) + 4096)
+    for other in ((moved, 128, "bfloat16"), (a, 64, "bfloat16"), (a, 128, "float16")):
+        assert _tma.encode(*other) is not first
+    assert len(calls) == 4
+    monkeypatch.setattr(_tma, "_CACHE_ENTRIES", 4)   # full: cleared, then refilled
+    _tma.encode(fake((1, 1, 1, 64), ptr=1 << 30), 64, "bfloat16")
+    assert len(_tma._cache) == 1
+
+
+def test_params_pack_like_the_structured_dtype():
+    # pack_params builds the bytes with struct (fast); they must be what NumPy's field-by-field
+    # assignment gives, for every kind of field (pointers, negative strides, ints, floats).
+    fields = dict(q=(1 << 40) + 16, lse=8, q_row_stride=-4096, k_head_stride=1 << 33, seqlen_q=1025,
+                  window_left=-1, dropout_seed=(1 << 64) - 1, dropout_offset=(1 << 32) - 1, scale=0.125,
+                  softcap=30.0)
+    expected = np.zeros((), dtype=_launch.PARAMS_DTYPE)
+    expected["dropout_rescale"] = 1.0
+    for name, value in fields.items():
+        expected[name] = value
+    packed = _launch.pack_params(**fields)
+    assert packed.dtype == _launch.PARAMS_DTYPE
+    assert packed.tobytes() == expected[()].tobytes()
+    with pytest.raises(KeyError, match="no_such_field"):
+        _launch.pack_params(no_such_field=1)

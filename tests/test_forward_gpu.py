@@ -513,6 +513,26 @@ def test_large_magnitude_inputs(family, dtype):
         check_close(q, k, v, options, out, lse, state, dtype=dtype)
 
 
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("growth", [3.0, 40.0])
+def test_row_maximum_grows_at_every_key_tile(family, dtype, growth):
+    # Key tiles run from the last to the first, so scores that rise towards the first keys raise
+    # every row's maximum at every tile, by `growth` log2 units per 64 keys: by a little, the
+    # online softmax keeps its old reference point and its p exceed 1 (lazy rescaling); by a lot,
+    # it moves the reference and rescales O at each tile.
+    B, Sq, Sk, D = 1, 70, 700, 64
+    q, k, v = _qkv(_shape(B, Sq, Sk, 2, 1, D), dtype, 90 + int(growth))
+    score = growth / math.log2(math.e) * (Sk - np.arange(Sk)) / 64   # natural units, key j
+    q = q.astype(cupy.float32)
+    k = k.astype(cupy.float32)
+    q[..., 0] = 1.0
+    k[0, :, 0, 0] = cupy.asarray(score * math.sqrt(D))   # times q[..., 0] = 1 and the scale 1/sqrt(D)
+    q, k = q.astype(v.dtype), k.astype(v.dtype)
+    for options in ({}, {"causal": True}):
+        out, lse, state = run_forward(family, q, k, v, options)
+        check_close(q, k, v, options, out, lse, state, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_automatic_kernel_choice(dtype, head_dim):
