@@ -21,7 +21,8 @@ Columns (TFLOP/s, FLOPs = 4 * B * H * Sq * Sk * D, half of that when causal):
 Timing: warm-up calls (which also compile), then ``--repeats`` timed runs of N calls
 each (N sized so a run takes about ``--target-ms``), rotating over 3 input sets so
 that L2 cache (50 MiB on an H100) cannot hold the inputs between calls; the median
-run is reported. ``maxdiff`` is max|cuflash - flash| (or cudnn / naive when flash is
+run is reported. The contenders of a shape take turns (one run each, repeated), so
+that drift in clocks and power falls on all of them alike. ``maxdiff`` is max|cuflash - flash| (or cudnn / naive when flash is
 not available) on the first input set, a guard against a fast but wrong kernel.
 
 Output: progress lines, then a Markdown table on stdout (last), a CSV (``--csv``),
@@ -139,6 +140,23 @@ class Timer:
         n = int(min(200, max(N_INPUT_SETS, math.ceil(self.target_ms / max(single, 1e-3)))))
         times = [self._run(fn, n, r) for r in range(self.repeats)]
         return statistics.median(times)
+
+    def median_ms_each(self, fns):
+        """``{name: median ms per call}`` for ``{name: fn}``, timed in turns: each repeat runs
+        every contender once, so clock and power drift over the measurement fall on all of them
+        alike (timed one after another, whoever ran first on a cool GPU came out ahead)."""
+        counts = {}
+        for name, fn in fns.items():
+            for i in range(self.warmup):
+                fn(i % N_INPUT_SETS)
+            self.cp.cuda.get_current_stream().synchronize()
+            single = self._run(fn, 1)
+            counts[name] = int(min(200, max(N_INPUT_SETS, math.ceil(self.target_ms / max(single, 1e-3)))))
+        times = {name: [] for name in fns}
+        for r in range(self.repeats):
+            for name, fn in fns.items():
+                times[name].append(self._run(fn, counts[name], r))
+        return {name: statistics.median(t) for name, t in times.items()}
 
 
 def gemm_rate(cupy, torch, timer):
@@ -373,39 +391,39 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
         q, k, v = inputs[i]
         cuflash.attention(q, k, v, causal=causal, out=out)
 
-    try:
-        row["cuflash"] = tflops(timer.median_ms(run_cuflash))
-    except Exception as e:  # report and go on: one broken shape should not hide the others
-        log(f"cuflash failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
-
     # The portable tensor-core kernel, forced, beside whatever the heuristics chose.
     def run_sm80(i):
         q, k, v = inputs[i]
         with cuflash.force_kernel("fwd_sm80"):
             cuflash.attention(q, k, v, causal=causal, out=out)
 
-    if dtype_name in ("float16", "bfloat16"):
-        try:
-            row["sm80"] = tflops(timer.median_ms(run_sm80))
-        except Exception as e:
-            log(f"fwd_sm80 failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+    def sdpa(backend):
+        def run(i):
+            q, k, v = torch_inputs[i]
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
 
-    reference_out = None
+    contenders = {"cuflash": run_cuflash}
+    if dtype_name in ("float16", "bfloat16"):
+        contenders["sm80"] = run_sm80
     if torch is not None:
-        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                              ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            def run_sdpa(i, backend=backend):
-                q, k, v = torch_inputs[i]
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            try:
-                row[name] = tflops(timer.median_ms(run_sdpa))
-                if reference_out is None:
-                    # (B, H, S, D) -> (B, S, H, D), back in CuPy without a copy.
-                    reference_out = cupy.from_dlpack(run_sdpa(0).transpose(1, 2))
-            except Exception as e:
-                log(f"torch {name} failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+        contenders.update(flash=sdpa(SDPBackend.FLASH_ATTENTION), cudnn=sdpa(SDPBackend.CUDNN_ATTENTION),
+                          efficient=sdpa(SDPBackend.EFFICIENT_ATTENTION))
+    # One call each first: a contender that cannot run this shape is reported and left out (one
+    # broken shape should not hide the others); the rest are timed in turns.
+    reference_out = None
+    for name, fn in list(contenders.items()):
+        try:
+            result = fn(0)
+            if name in ("flash", "cudnn", "efficient") and reference_out is None:
+                # (B, H, S, D) -> (B, S, H, D), back in CuPy without a copy.
+                reference_out = cupy.from_dlpack(result.transpose(1, 2))
+        except Exception as e:
+            log(f"{name} failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+            del contenders[name]
+    for name, ms in timer.median_ms_each(contenders).items():
+        row[name] = tflops(ms)
 
     if not args.no_naive and s <= args.naive_max_seqlen:
         try:

@@ -514,13 +514,14 @@ def test_large_magnitude_inputs(family, dtype):
 
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
-@pytest.mark.parametrize("growth", [3.0, 40.0])
+@pytest.mark.parametrize("growth", [3.0, 12.0])
 def test_row_maximum_grows_at_every_key_tile(family, dtype, growth):
     # Key tiles run from the last to the first, so scores that rise towards the first keys raise
-    # every row's maximum at every tile, by `growth` log2 units per 64 keys: by a little, the
-    # online softmax keeps its old reference point and its p exceed 1 (lazy rescaling); by a lot,
-    # it moves the reference and rescales O at each tile.
-    B, Sq, Sk, D = 1, 70, 700, 64
+    # every row's maximum at every tile, by `growth` log2 units per 64 keys: by a little (less than
+    # 8 per tile of 64 or 128 keys), the online softmax keeps its old reference point and its p
+    # exceed 1 (lazy rescaling); by a lot, it moves the reference and rescales O at each tile.
+    # (Scores stay below ~60: beyond that float32's own rounding of s exceeds its 1e-5 rule.)
+    B, Sq, Sk, D = 1, 70, 450, 64
     q, k, v = _qkv(_shape(B, Sq, Sk, 2, 1, D), dtype, 90 + int(growth))
     score = growth / math.log2(math.e) * (Sk - np.arange(Sk)) / 64   # natural units, key j
     q = q.astype(cupy.float32)
