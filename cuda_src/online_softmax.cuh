@@ -53,7 +53,8 @@ struct OnlineSoftmax {
                 for (int ni = 0; ni < kNTiles; ++ni)
                     m_new = fmaxf(m_new, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
                 m_new = quad_max(m_new);
-                // (-inf - -inf is NaN, which fails the test: a row's first visible keys always set m.)
+                // From m = -inf the difference is +inf (or NaN while the row has seen only masked
+                // keys): both fail the test, so a row's first visible keys always set m.
                 if ((m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
                 // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead makes
                 // its p exactly 0 rather than NaN from (-inf) - (-inf).

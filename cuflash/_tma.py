@@ -71,11 +71,11 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
         sb, ss, sh, _ = strides
     words = (ctypes.c_uint64 * 16)()
     dims = (ctypes.c_uint64 * 4)(d, s, h, b)
-    strides = (ctypes.c_uint64 * 3)(ss, sh, sb)  # bytes, for dims 1..3
+    byte_strides = (ctypes.c_uint64 * 3)(ss, sh, sb)  # for dims 1..3
     box = (ctypes.c_uint32 * 4)(64, box_rows, 1, 1)
     elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     data_type = _BFLOAT16 if dtype_name == "bfloat16" else _FLOAT16
-    rc = _libcuda()(words, data_type, 4, ctypes.c_void_p(ptr), dims, strides, box, elem,
+    rc = _libcuda()(words, data_type, 4, ctypes.c_void_p(ptr), dims, byte_strides, box, elem,
                     0,  # interleave none
                     _SWIZZLE_128B,
                     0,  # L2 promotion none
