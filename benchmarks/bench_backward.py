@@ -26,15 +26,14 @@ Examples
 from __future__ import annotations
 
 import argparse
-import csv
 import math
-import statistics
 import sys
 import time
 
+from _harness import N_INPUT_SETS, Timer, log, markdown_table, open_gpu, write_results
+
 FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (2048, 8192)
-N_INPUT_SETS = 3
 COLUMNS = ["dtype", "head_dim", "causal", "batch", "heads", "seqlen", "cuflash", "cuflash_det", "flash", "cudnn",
            "cuflash/flash", "cuflash/cudnn", "maxdiff"]
 
@@ -69,60 +68,14 @@ def parse_args(argv=None):
     return args
 
 
-def log(msg):
-    print(msg, flush=True)
-
-
 def backward_flops(batch, heads, sq, sk, head_dim, causal):
     """2.5x the forward's 4 * B * H * Sq * Sk * D (half of it when causal)."""
     forward = 4.0 * batch * heads * sq * sk * head_dim
     return 2.5 * (forward / 2 if causal else forward)
 
 
-class Timer:
-    """Median ms per call of ``fn(i)`` (i = input set) with CUDA events on CuPy's current stream."""
-
-    def __init__(self, cupy, repeats, warmup, target_ms):
-        self.cp, self.repeats, self.warmup, self.target_ms = cupy, repeats, warmup, target_ms
-
-    def _run(self, fn, n, start=0):
-        begin, end = self.cp.cuda.Event(), self.cp.cuda.Event()
-        begin.record()
-        for i in range(n):
-            fn((start + i) % N_INPUT_SETS)
-        end.record()
-        end.synchronize()
-        return self.cp.cuda.get_elapsed_time(begin, end) / n
-
-    def median_ms(self, fn):
-        for i in range(self.warmup):
-            fn(i % N_INPUT_SETS)
-        self.cp.cuda.get_current_stream().synchronize()
-        single = self._run(fn, 1)
-        n = int(min(100, max(N_INPUT_SETS, math.ceil(self.target_ms / max(single, 1e-3)))))
-        return statistics.median(self._run(fn, n, r) for r in range(self.repeats))
-
-
-def fmt(x, digits=1):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
-
-
-def markdown_table(rows, header):
-    out = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        cells = []
-        for c in COLUMNS:
-            v = r[c]
-            if c in ("cuflash/flash", "cuflash/cudnn"):
-                cells.append(fmt(v, 2))
-            elif c == "maxdiff":
-                cells.append("-" if v is None or math.isnan(v) else f"{v:.2e}")
-            elif isinstance(v, float):
-                cells.append(fmt(v, 1))
-            else:
-                cells.append(str(v))
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+# Cells: ratios to two decimals, maxdiff in scientific notation, other floats to one decimal.
+CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in ("cuflash/flash", "cuflash/cudnn")}, "maxdiff": lambda v: f"{v:.2e}"}
 
 
 def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs, dtype_name, batch, s,
@@ -196,38 +149,17 @@ def main(argv=None):
 
     if not hasattr(cuflash, "attention_backward"):  # until the package exports it
         cuflash.attention_backward = attention_backward
-    try:
-        n_dev = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        n_dev = 0
-    if n_dev == 0:
-        print("no CUDA GPU found: nothing to benchmark", file=sys.stderr)
+    gpu = open_gpu(cupy, not args.no_torch)
+    if gpu is None:
         return 1
-
-    torch = F = sdpa_kernel = SDPBackend = None
-    if not args.no_torch:
-        try:
-            import torch
-            import torch.nn.functional as F
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            if not torch.cuda.is_available():
-                log("torch has no CUDA: cuflash only")
-                torch = None
-        except ImportError as e:
-            log(f"torch not usable ({e}): cuflash only")
-            torch = None
-    stream = (cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None
-              else cupy.cuda.get_current_stream())
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
     dtypes = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-    versions = f"cupy {cupy.__version__}" + (f", torch {torch.__version__}" if torch is not None else "")
-    header = (f"**{device_name}** ({versions}). Backward TFLOP/s (2.5x forward FLOPs), tokens = {args.tokens}, "
+    header = (f"**{gpu.device_name}** ({gpu.versions}). Backward TFLOP/s (2.5x forward FLOPs), tokens = {args.tokens}, "
               f"hidden = {args.hidden}, median of {args.repeats} runs; cuflash_det = deterministic=True.")
     log(header)
     rows = []
-    with stream:
-        timer = Timer(cupy, args.repeats, args.warmup, args.target_ms)
+    with gpu.stream:
+        timer = Timer(cupy, args.repeats, args.warmup, args.target_ms, max_calls=100)
         for dtype_name in args.dtypes:
             for d in args.head_dims:
                 heads = args.hidden // d
@@ -243,17 +175,8 @@ def main(argv=None):
                                      for c in COLUMNS))
                     del inputs
                     cupy.get_default_memory_pool().free_all_blocks()
-    table = markdown_table(rows, header)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({c: r[c] for c in COLUMNS})
-        log(f"CSV written to {args.csv}")
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table + "\n")
+    table = markdown_table(rows, header, COLUMNS, CELL_FORMATS)
+    write_results(rows, table, COLUMNS, args.csv, args.md)
     print()
     print(table, flush=True)
     return 0

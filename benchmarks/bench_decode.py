@@ -37,10 +37,10 @@ Examples
 from __future__ import annotations
 
 import argparse
-import csv
 import math
-import statistics
 import sys
+
+from _harness import Timer, copy_bandwidth, fmt, log, markdown_table, open_gpu, write_results
 
 SHAPES = ((1, 32768), (8, 8192), (32, 4096), (1, 131072))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
@@ -70,43 +70,6 @@ def parse_args(argv=None):
     return args
 
 
-def log(msg):
-    print(msg, flush=True)
-
-
-class Timer:
-    """Milliseconds per call of ``fn()``: CUDA events around N back-to-back calls, median of runs."""
-
-    def __init__(self, cupy, repeats, warmup, target_ms):
-        self.cp, self.repeats, self.warmup, self.target_ms = cupy, repeats, warmup, target_ms
-
-    def _run(self, fn, n):
-        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        end.synchronize()
-        return self.cp.cuda.get_elapsed_time(start, end) / n
-
-    def median_ms(self, fn):
-        for _ in range(self.warmup):
-            fn()
-        self.cp.cuda.get_current_stream().synchronize()
-        once = self._run(fn, 1)
-        n = int(min(1000, max(3, math.ceil(self.target_ms / max(once, 1e-3)))))
-        return statistics.median(self._run(fn, n) for _ in range(self.repeats))
-
-
-def copy_bandwidth(cupy, timer):
-    """Device-to-device copy bandwidth in GB/s, read + write bytes (the memory ceiling)."""
-    nbytes = 1 << 30
-    src = cupy.ones(nbytes // 4, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-    ms = timer.median_ms(lambda: cupy.copyto(dst, src))
-    return 2.0 * nbytes / (ms * 1e-3) / 1e9
-
-
 def naive_decode(cupy, q, k, v):
     """float32 attention of q (B, 1, Hq, D) over a contiguous cache (B, L, Hk, D): the correctness guard."""
     b, _, hq, d = q.shape
@@ -123,28 +86,8 @@ def naive_decode(cupy, q, k, v):
     return out.reshape(b, 1, hq, d)
 
 
-def fmt(x, digits=1):
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
-
-
-def markdown(rows, header):
-    lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        cells = []
-        for c in COLUMNS:
-            v = r.get(c)
-            if c == "maxdiff":
-                cells.append("-" if v is None or math.isnan(v) else f"{v:.1e}")
-            elif c == "%copy":
-                cells.append("-" if v is None or math.isnan(v) else f"{100 * v:.0f}%")
-            else:
-                cells.append(fmt(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+# Cells: maxdiff in scientific notation, %copy as a percentage, other floats to one decimal.
+CELL_FORMATS = {"maxdiff": lambda v: f"{v:.1e}", "%copy": lambda v: f"{100 * v:.0f}%"}
 
 
 def main(argv=None):
@@ -157,39 +100,18 @@ def main(argv=None):
     import cuflash
     from cuflash.decode import _prepare
 
-    try:
-        n_dev = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        n_dev = 0
-    if n_dev == 0:
-        print("no CUDA GPU found: nothing to benchmark", file=sys.stderr)
+    gpu = open_gpu(cupy, not args.no_torch)
+    if gpu is None:
         return 1
-
-    torch = F = sdpa_kernel = SDPBackend = None
-    if not args.no_torch:
-        try:
-            import torch
-            import torch.nn.functional as F
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            if not torch.cuda.is_available():
-                log("torch has no CUDA: cuflash only")
-                torch = None
-        except ImportError as e:
-            log(f"torch not usable ({e}): cuflash only")
-            torch = None
-
-    stream = (cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None
-              else cupy.cuda.get_current_stream())
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
     bf16 = cupy.dtype(ml_dtypes.bfloat16)
     rows = []
-    with stream:
-        timer = Timer(cupy, args.repeats, args.warmup, args.target_ms)
+    with gpu.stream:
+        # Calls take the input-set index; decode's calls reuse one set (its cache is the input).
+        timer = Timer(cupy, args.repeats, args.warmup, args.target_ms, max_calls=1000)
         copy_gbs = copy_bandwidth(cupy, timer)
         cupy.get_default_memory_pool().free_all_blocks()
-        versions = f"cupy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
-        header = (f"**{name}** ({versions}); device copy bandwidth = {copy_gbs:.0f} GB/s (read + write). Decode "
+        header = (f"**{gpu.device_name}** ({gpu.versions}); device copy bandwidth = {copy_gbs:.0f} GB/s (read + write). Decode "
                   f"bf16, Sq = 1, Hq = {HEADS_Q}, Hk = {HEADS_K}, D = {HEAD_DIM}; median of {args.repeats} runs.")
         log(header)
         rng = np.random.default_rng(0)
@@ -227,12 +149,12 @@ def main(argv=None):
                 try:
                     call = _prepare(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
                     row["splits"] = call.num_splits
-                    ms = timer.median_ms(call.launch)
+                    ms = timer.median_ms(lambda i: call.launch())
                     row["cuflash us"] = ms * 1e3
                     row["GB/s"] = kv_bytes / (ms * 1e-3) / 1e9
                     row["%copy"] = row["GB/s"] / copy_gbs
                     row["call us"] = 1e3 * timer.median_ms(
-                        lambda: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out))
+                        lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out))
                     call.launch()
                     row["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
                 except Exception as e:  # report and go on: one broken point should not hide the others
@@ -253,16 +175,8 @@ def main(argv=None):
             if torch is not None:
                 torch.cuda.empty_cache()
 
-    table_md = markdown(rows, header)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({c: r.get(c, "") for c in COLUMNS})
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table_md + "\n")
+    table_md = markdown_table(rows, header, COLUMNS, CELL_FORMATS)
+    write_results(rows, table_md, COLUMNS, args.csv, args.md)
     print()
     print(table_md, flush=True)
     return 0
@@ -300,7 +214,7 @@ def bench_sdpa(torch, F, sdpa_kernel, SDPBackend, timer, q, k, v, kv_bytes):
 
             fn, expanded = run_expanded, True
         try:
-            ms = timer.median_ms(fn)
+            ms = timer.median_ms(lambda i, fn=fn: fn())
             results[impl] = (ms, kv_bytes / (ms * 1e-3) / 1e9, expanded)
         except Exception as e:
             log(f"torch {impl} failed: {type(e).__name__}: {e}")

@@ -37,17 +37,16 @@ Examples
 from __future__ import annotations
 
 import argparse
-import csv
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
+from _harness import N_INPUT_SETS, Timer, copy_bandwidth, gemm_rate, log, markdown_table, open_gpu, write_results
+
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 FULL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (2048, 8192)
-N_INPUT_SETS = 3
 
 COLUMNS = [
     "dtype", "head_dim", "causal", "batch", "heads", "seqlen",
@@ -98,97 +97,10 @@ def parse_args(argv=None):
     return args
 
 
-def log(msg):
-    """Progress lines go to stdout before the table, so a log of the run reads in order."""
-    print(msg, flush=True)
-
-
 def attention_flops(batch, heads, sq, sk, head_dim, causal):
     """FLOPs of one forward: two GEMMs of 2*Sq*Sk*D each per head; causal does half."""
     flops = 4.0 * batch * heads * sq * sk * head_dim
     return flops / 2 if causal else flops
-
-
-class Timer:
-    """Times callables with CUDA events on CuPy's current stream.
-
-    Every call ``fn(i)`` gets the index of the input set to use, so successive calls
-    rotate over ``N_INPUT_SETS`` sets and the inputs are not served from L2.
-    """
-
-    def __init__(self, cupy, repeats, warmup, target_ms):
-        self.cp = cupy
-        self.repeats = repeats
-        self.warmup = warmup
-        self.target_ms = target_ms
-
-    def _run(self, fn, n, start_index=0):
-        cp = self.cp
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for i in range(n):
-            fn((start_index + i) % N_INPUT_SETS)
-        end.record()
-        end.synchronize()
-        return cp.cuda.get_elapsed_time(start, end) / n  # ms per call
-
-    def median_ms(self, fn):
-        for i in range(self.warmup):
-            fn(i % N_INPUT_SETS)
-        self.cp.cuda.get_current_stream().synchronize()
-        single = self._run(fn, 1)
-        n = int(min(200, max(N_INPUT_SETS, math.ceil(self.target_ms / max(single, 1e-3)))))
-        times = [self._run(fn, n, r) for r in range(self.repeats)]
-        return statistics.median(times)
-
-    def median_ms_each(self, fns):
-        """``{name: median ms per call}`` for ``{name: fn}``, timed in turns: each repeat runs
-        every contender once, so clock and power drift over the measurement fall on all of them
-        alike (timed one after another, whoever ran first on a cool GPU came out ahead)."""
-        counts = {}
-        for name, fn in fns.items():
-            for i in range(self.warmup):
-                fn(i % N_INPUT_SETS)
-            self.cp.cuda.get_current_stream().synchronize()
-            single = self._run(fn, 1)
-            counts[name] = int(min(200, max(N_INPUT_SETS, math.ceil(self.target_ms / max(single, 1e-3)))))
-        times = {name: [] for name in fns}
-        for r in range(self.repeats):
-            for name, fn in fns.items():
-                times[name].append(self._run(fn, counts[name], r))
-        return {name: statistics.median(t) for name, t in times.items()}
-
-
-def gemm_rate(cupy, torch, timer):
-    """Measured dense 16-bit GEMM rate (TFLOP/s) of an 8192^3 matmul: the compute ceiling."""
-    n = 8192
-    if torch is not None:
-        a = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(N_INPUT_SETS)]
-        b = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(N_INPUT_SETS)]
-        c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-        ms = timer.median_ms(lambda i: torch.matmul(a[i], b[i], out=c))
-        label = "torch.matmul bf16"
-    else:
-        # cupy.matmul has no bfloat16 (DESIGN.md §7); fp16 runs on the same tensor cores.
-        a = [cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)
-             for _ in range(N_INPUT_SETS)]
-        b = [cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)
-             for _ in range(N_INPUT_SETS)]
-        c = cupy.empty((n, n), dtype=cupy.float16)
-        ms = timer.median_ms(lambda i: cupy.matmul(a[i], b[i], out=c))
-        label = "cupy.matmul fp16"
-    return 2.0 * n ** 3 / (ms * 1e-3) / 1e12, label
-
-
-def copy_bandwidth(cupy, timer):
-    """Measured device-to-device copy bandwidth (GB/s, read + write): the memory ceiling."""
-    nbytes = 1 << 30
-    src = [cupy.empty(nbytes // 4, dtype=cupy.float32) for _ in range(2)]
-    dst = cupy.empty(nbytes // 4, dtype=cupy.float32)
-    for s in src:
-        s.fill(1.0)
-    ms = timer.median_ms(lambda i: cupy.copyto(dst, src[i % 2]))
-    return 2.0 * nbytes / (ms * 1e-3) / 1e9
 
 
 def naive_attention(cupy, q, k, v, causal):
@@ -210,29 +122,9 @@ def naive_attention(cupy, q, k, v, causal):
     return o.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
-def fmt(x, digits=1):
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{x:.{digits}f}"
-
-
-def markdown_table(rows, header_note):
-    cols = COLUMNS
-    out = [header_note, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r[c]
-            if c in ("cuflash/flash", "cuflash/cudnn", "cuflash/gemm"):
-                cells.append(fmt(v, 2))
-            elif c == "maxdiff":
-                cells.append("-" if v is None or math.isnan(v) else f"{v:.2e}")
-            elif isinstance(v, float):
-                cells.append(fmt(v, 1))
-            else:
-                cells.append(str(v))
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+# Cells: ratios to two decimals, maxdiff in scientific notation, other floats to one decimal.
+CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in ("cuflash/flash", "cuflash/cudnn", "cuflash/gemm")},
+                "maxdiff": lambda v: f"{v:.2e}"}
 
 
 def write_png(rows, path):
@@ -284,41 +176,17 @@ def main(argv=None):
     # CuPy has no bfloat16 of its own: ml_dtypes' is the one it understands (DESIGN.md §7).
     DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
-    try:
-        n_dev = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        n_dev = 0
-    if n_dev == 0:
-        print("no CUDA GPU found: nothing to benchmark", file=sys.stderr)
+    gpu = open_gpu(cupy, not args.no_torch)
+    if gpu is None:
         return 1
-
-    torch = F = sdpa_kernel = SDPBackend = None
-    if not args.no_torch:
-        try:
-            import torch
-            import torch.nn.functional as F
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-        except ImportError as e:
-            log(f"torch not usable ({e}): cuflash and naive only")
-            torch = None
-    if torch is not None and not torch.cuda.is_available():
-        log("torch has no CUDA: cuflash and naive only")
-        torch = None
-
-    # One stream for everyone: torch's current stream, so the events time all of them alike.
-    stream = (cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-              if torch is not None else cupy.cuda.get_current_stream())
-
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
     rows = []
-    with stream:
+    with gpu.stream:
         timer = Timer(cupy, args.repeats, args.warmup, args.target_ms)
         gemm, gemm_label = gemm_rate(cupy, torch, timer)
         bandwidth = copy_bandwidth(cupy, timer)
         cupy.get_default_memory_pool().free_all_blocks()
-        versions = f"cupy {cupy.__version__}" + (f", torch {torch.__version__}" if torch else "")
-        header = (f"**{device_name}** ({versions}); ceilings: {gemm_label} 8192^3 = {gemm:.0f} TFLOP/s, "
+        header = (f"**{gpu.device_name}** ({gpu.versions}); ceilings: {gemm_label} 8192^3 = {gemm:.0f} TFLOP/s, "
                   f"device copy = {bandwidth:.0f} GB/s. Forward TFLOP/s, tokens = {args.tokens}, "
                   f"hidden = {args.hidden}, median of {args.repeats} runs.")
         log(header)
@@ -348,17 +216,8 @@ def main(argv=None):
                     if torch is not None:
                         torch.cuda.empty_cache()
 
-    table = markdown_table(rows, header)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({c: ("" if r[c] is None else r[c]) for c in COLUMNS})
-        log(f"CSV written to {args.csv}")
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table + "\n")
+    table = markdown_table(rows, header, COLUMNS, CELL_FORMATS)
+    write_results(rows, table, COLUMNS, args.csv, args.md)
     if args.png:
         write_png(rows, args.png)
     print()
