@@ -12,7 +12,8 @@
 // loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
 // with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
 // Each consumer's output goes through shared memory and leaves by TMA (store_output_staged). The
-// CTAs are persistent and take their work items from a counter (WorkItem, take_item).
+// CTAs are persistent and take their work items from a counter (WorkItem, take_item). Consumer 1
+// runs a fraction of a tile behind consumer 0, so their epilogues do not coincide.
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
 // (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
@@ -307,10 +308,21 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const int consumer = warpgroup - 1;
     const int g = lane / 4, t = lane % 4;
     int stage = 0, phase = 0, slot = 0, q_phase = 0;
+    // Staggered consumers: consumer 1 starts once consumer 0 has its first P (barrier 4), so that
+    // their items' first tiles and epilogues, where the tensor cores idle, do not coincide. The
+    // K/V ring lets the lag persist (a stage is refilled only when both have released it).
+    // Measured: +0.01-0.11 of cuDNN, most at 512-1k keys (benchmarks/NOTES.md).
+    bool partner_waits = consumer == 0;
+    auto release_partner = [&] {
+        if (partner_waits) named_barrier_arrive(4, 128 * C::kConsumers);
+        partner_waits = false;
+    };
+    if (consumer == 1) named_barrier_sync(4, 128 * C::kConsumers);
     for (;;) {
         mbar_wait(q_full(slot), q_phase);
         const int item = *static_cast<volatile int*>(&item_of_slot[slot]);
         if (item < 0) {
+            release_partner();
             if (threadIdx.x % 128 == 0) bulk_wait();   // output stores still read shared memory
             return;
         }
@@ -382,6 +394,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if (num_tiles == 1) mbar_arrive(q_empty(slot));   // the item's last S has retired
             float correction[2];
             softmax_step(n, correction);   // O is still 0: nothing to rescale
+            release_partner();
 #pragma unroll
             for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
             int prev_stage = stage, prev_phase = phase;
@@ -430,6 +443,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
         store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
                                out_smem + consumer * 64 * C::kOutCols * 2, consumer);
+        release_partner();   // (an item without key tiles)
     }
 }
 
