@@ -311,7 +311,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // Staggered consumers: consumer 1 starts once consumer 0 has its first P (barrier 4), so that
     // their items' first tiles and epilogues, where the tensor cores idle, do not coincide. The
     // K/V ring lets the lag persist (a stage is refilled only when both have released it).
-    // Measured: +0.01-0.11 of cuDNN, most at 512-1k keys (benchmarks/NOTES.md).
+    // Measured: +0.01-0.05 of cuDNN at 1k-8k keys in a same-run A/B (benchmarks/NOTES.md).
     bool partner_waits = consumer == 0;
     auto release_partner = [&] {
         if (partner_waits) named_barrier_arrive(4, 128 * C::kConsumers);
