@@ -465,7 +465,8 @@ __device__ __forceinline__ void simt_warp_tile(SimtWarpState<C>& st, const float
         for (int r = 0; r < C::kBlockM; ++r) s[r] = decode_score<C>(p, sq, s[r], row_query[r], row_head[r], j, key_end);
     }
 
-    // Online softmax, as OnlineSoftmax::update but over the warp's keys (one per lane group).
+    // Online softmax over the warp's keys (one per lane group): OnlineSoftmax::update's rule without
+    // its lazy reference point (here m follows every new maximum).
     const float scale_log2 = C::kScoreMods ? 1.f : p.score.scale_log2;
 #pragma unroll
     for (int r = 0; r < C::kBlockM; ++r) {

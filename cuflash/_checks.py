@@ -249,3 +249,26 @@ def check_cu_seqlens(cu, name: str, total: int, batch: int | None):
     if host[-1] != total:
         raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
     return cu, host
+
+
+def check_varlen(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q, max_seqlen_k):
+    """The packed-sequence arguments of the varlen entry points: both cu_seqlens
+    (:func:`check_cu_seqlens`, same batch) and the optional max_seqlen hints, which must be ints
+    at least the longest sequence.
+
+    Returns
+    -------
+    cu_q, cu_k : the cu_seqlens on the GPU
+    batch : int
+    max_q, max_k : int, the longest query and key sequences
+    """
+    cu_q, host_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, None)
+    batch = cu_q.shape[0] - 1
+    cu_k, host_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k, batch)
+    longest = []
+    for given, host, name in ((max_seqlen_q, host_q, "max_seqlen_q"), (max_seqlen_k, host_k, "max_seqlen_k")):
+        lens = np.diff(host)
+        if given is not None and (not isinstance(given, (int, np.integer)) or given < lens.max()):
+            raise ValueError(f"{name} must be an int >= the longest sequence ({int(lens.max())}), got {given!r}")
+        longest.append(int(lens.max()))
+    return cu_q, cu_k, batch, longest[0], longest[1]

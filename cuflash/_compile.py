@@ -15,6 +15,7 @@ time by ``python -m cuflash precompile --cache-dir``), then in the user cache
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import tempfile
@@ -209,9 +210,17 @@ def device_arch(device=None) -> str:
     import cupy
 
     try:
-        cc = cupy.cuda.Device(device).compute_capability  # e.g. "90", "120"
+        device_id = cupy.cuda.Device(device).id
+        return _arch_of(device_id)
     except Exception as err:  # CUDARuntimeError: no driver, no device
         raise RuntimeError(f"cuflash: no CUDA GPU found ({err})") from err
+
+
+@functools.lru_cache(maxsize=None)  # asked at every launch; a device's capability never changes
+def _arch_of(device_id: int) -> str:
+    import cupy
+
+    cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90", "120"
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 

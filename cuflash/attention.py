@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextvars
-import functools
 import math
 
 import numpy as np
 
 from . import _checks, _heuristics, _launch, _tma
-from ._compile import get_kernel
+from ._compile import device_arch, get_kernel
 from .random import dropout_threshold
 
 _forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
@@ -121,16 +120,7 @@ def _choose_family(dtype_name: str, q, k, v) -> str:
 
 
 def _is_hopper() -> bool:
-    import cupy
-
-    return _compute_capability(cupy.cuda.get_device_id()) == "90"
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device_id: int) -> str:
-    import cupy
-
-    return cupy.cuda.Device(device_id).compute_capability
+    return device_arch() == "sm_90a"
 
 
 def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layout, opts, score_fields,
@@ -324,13 +314,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     q, k, v, dtype_name = _check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k = k.shape[0]
-    cu_q, host_q = _checks.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, None)
-    batch = cu_q.shape[0] - 1
-    cu_k, host_k = _checks.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k, batch)
-    lens_q, lens_k = np.diff(host_q), np.diff(host_k)
-    for given, lens, name in ((max_seqlen_q, lens_q, "max_seqlen_q"), (max_seqlen_k, lens_k, "max_seqlen_k")):
-        if given is not None and (not isinstance(given, (int, np.integer)) or given < lens.max()):
-            raise ValueError(f"{name} must be an int >= the longest sequence ({int(lens.max())}), got {given!r}")
+    cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                                                           max_seqlen_q, max_seqlen_k)
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
                                  dropout_p=dropout_p, generator=generator)
     score_fields = _score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
@@ -342,7 +327,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     out = cupy.empty((total_q, hq, d), dtype=q.dtype) if out is None else out
     lse = cupy.empty((hq, total_q), dtype=np.float32)
     dropout_fields, _ = _dropout_fields(opts.dropout_p, opts.generator)
-    max_q, max_k = int(lens_q.max()), int(lens_k.max())
     if out.size == 0 or max_q == 0:
         return (out, lse) if return_lse else out
 

@@ -392,13 +392,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dout = _check_like(dout, "dout", q)
     out = _check_like(out, "out", q)
     lse = _check_lse(lse, (hq, total_q))
-    cu_q, host_q = _checks.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, None)
-    batch = cu_q.shape[0] - 1
-    cu_k, host_k = _checks.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k, batch)
-    lens_q, lens_k = np.diff(host_q), np.diff(host_k)
-    for given, lens, name in ((max_seqlen_q, lens_q, "max_seqlen_q"), (max_seqlen_k, lens_k, "max_seqlen_k")):
-        if given is not None and (not isinstance(given, (int, np.integer)) or given < lens.max()):
-            raise ValueError(f"{name} must be an int >= the longest sequence ({int(lens.max())}), got {given!r}")
+    cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
+                                                           max_seqlen_q, max_seqlen_k)
     scale, window, softcap, dropout_fields, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
         rng_state=rng_state, deterministic=deterministic)
@@ -410,7 +405,6 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dk, dk_t = _out_buffer(dk, "dk", (total_k, hk, d), q.dtype, d_pad)
     dv, dv_t = _out_buffer(dv, "dv", (total_k, hk, d), q.dtype, d_pad)
 
-    max_q, max_k = int(lens_q.max()), int(lens_k.max())
     if hq == 0 or max_q == 0 or max_k == 0:
         for x in (dq, dk, dv):
             x.fill(0)
