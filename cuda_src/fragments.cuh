@@ -13,6 +13,18 @@
 
 namespace cuflash {
 
+// Row `half` of a thread's fragments (columns 8 ni + c relative to its first) outside [lo, hi) -> -inf.
+template <bool kLeftEdge, int kNTiles>
+__device__ __forceinline__ void mask_row(float (&acc_s_mi)[kNTiles][4], int half, int lo, int hi) {
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int col = ni * 8 + c;
+            if (col >= hi || (kLeftEdge && col < lo)) acc_s_mi[ni][2 * half + c] = -CUFLASH_INF;
+        }
+}
+
 // S tile -> scores, -inf where hidden. Without score modifiers S stays raw q.k (the softmax folds in
 // scale * log2 e) and only tiles on a window edge or the key tail pay for per-element masking; with
 // them, every element goes through modified_score and comes out in log2 units.
@@ -34,8 +46,10 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
                         i < s.seqlen_q ? modified_score(p, s, acc_s[mi][ni][e], i, j) * kLog2e : -CUFLASH_INF;
                 }
     } else if (!tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + kNTiles * 8)) {
-        // Each row sees one interval of keys [first, last) (in_window for a single row), so an
-        // element costs two comparisons against the row's bounds.
+        // Each row sees one interval of keys [first, last) (in_window for a single row). Its bounds
+        // are taken relative to the thread's first column, so that an element compares its
+        // compile-time column offset with them; only a row whose interval starts inside the tile
+        // (a sliding window's left edge) tests both, so causal and tail tiles pay one comparison.
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -43,13 +57,9 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
                 const int i = row0 + mi * 16 + g + half * 8;
                 int first, last;
                 visible_keys(p, s, i, i + 1, &first, &last);
-#pragma unroll
-                for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int j = n_lo + ni * 8 + 2 * t + c;
-                        if (j < first || j >= last) acc_s[mi][ni][2 * half + c] = -CUFLASH_INF;
-                    }
+                const int col0 = n_lo + 2 * t;
+                if (first <= col0) mask_row<false>(acc_s[mi], half, first - col0, last - col0);
+                else mask_row<true>(acc_s[mi], half, first - col0, last - col0);
             }
     }
 }

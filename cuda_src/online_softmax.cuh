@@ -48,11 +48,17 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = 2 * mi + half;
-                float m_new = m[r];
+                // The row maximum as a tree, not a chain: a chain of kNTiles dependent FMNMX sat
+                // on the critical path of every tile (fwd_sm90 D = 64: 16 deep per row).
+                float tile_max[kNTiles];
 #pragma unroll
-                for (int ni = 0; ni < kNTiles; ++ni)
-                    m_new = fmaxf(m_new, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
-                m_new = quad_max(m_new);
+                for (int ni = 0; ni < kNTiles; ++ni) tile_max[ni] = fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]);
+#pragma unroll
+                for (int width = 1; width < kNTiles; width *= 2)
+#pragma unroll
+                    for (int ni = 0; ni + width < kNTiles; ni += 2 * width)
+                        tile_max[ni] = fmaxf(tile_max[ni], tile_max[ni + width]);
+                float m_new = quad_max(fmaxf(m[r], tile_max[0]));
                 // From m = -inf the difference is +inf (or NaN while the row has seen only masked
                 // keys): both fail the test, so a row's first visible keys always set m.
                 if ((m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
