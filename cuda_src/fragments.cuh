@@ -64,22 +64,33 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
     }
 }
 
-// O rows times the online-softmax correction of their row. A warp whose corrections are all 1 (the
-// row maxima did not move) skips it: a multiply by 1 changes nothing, and at large head dims the
-// rescale costs more instructions than the softmax itself. Called by whole warps.
-template <int kMTiles, int kDTiles>
-__device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4],
-                                             const float (&correction)[2 * kMTiles]) {
+// Whether any row of the warp has a correction other than 1 (its maximum moved). Called by whole warps.
+template <int kRows>
+__device__ __forceinline__ bool rows_moved(const float (&correction)[kRows]) {
     bool moved = false;
 #pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r) moved |= correction[r] != 1.f;
-    if (!__any_sync(0xffffffffu, moved)) return;
+    for (int r = 0; r < kRows; ++r) moved |= correction[r] != 1.f;
+    return __any_sync(0xffffffffu, moved);
+}
+
+// O rows times the online-softmax correction of their row.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void scale_rows(float (&acc_o)[kMTiles][kDTiles][4], const float (&correction)[2 * kMTiles]) {
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
         for (int di = 0; di < kDTiles; ++di)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[mi][di][e] *= correction[2 * mi + e / 2];
+}
+
+// scale_rows, skipped by a warp whose corrections are all 1 (the row maxima did not move): a
+// multiply by 1 changes nothing, and at large head dims the rescale costs more instructions than
+// the softmax itself. Called by whole warps.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4],
+                                             const float (&correction)[2 * kMTiles]) {
+    if (rows_moved(correction)) scale_rows(acc_o, correction);
 }
 
 // Zeroes the dropped probabilities (philox.cuh). The row sums already saw every p, so only O loses

@@ -33,6 +33,8 @@ struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
     static constexpr int kBlockM = 128, kConsumers = 2;
+    // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim.
+    static constexpr bool kPvWaitBelowSoftmax = kHeadDim == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
     // test block masks (score-modifier variants); the consumers get the rest.
@@ -383,6 +385,11 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if (C::kDropout) drop_probabilities(acc_s, p, s, row0, n_lo, g, t);
         };
 
+        auto retire_pv = [&] {   // waits for every wgmma of the warpgroup, then P V's registers are free
+            wgmma_wait<0>();
+            fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
+            fence_registers(p_frag);
+        };
         auto wait_tile = [&](int stage, int phase) {   // the key tile that fills this stage
             mbar_wait(k_full(stage), phase);
             return *static_cast<volatile int*>(&tile_of_stage[stage]);
@@ -418,11 +425,24 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 mbar_arrive(k_empty(stage));
                 if (i == num_tiles - 1) mbar_arrive(q_empty(slot));
                 softmax_step(n, correction);
-                wgmma_wait<0>();
-                fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
-                fence_registers(p_frag);
-                mbar_arrive(v_empty(prev_stage));   // this thread's reads of that V are complete
-                rescale_rows(acc_o, correction);
+                // ptxas moves a wgmma wait up to the top of its basic block: after the softmax in
+                // the source, it was issued before the row maxima, and P_prev V_prev never ran
+                // beside the exponentials. Deciding O's rescale first, with a wait on each side of
+                // the branch, keeps the wait below the softmax (a branch ends the block). Same-run
+                // A/B: D = 128 +0.02-0.04 of cuDNN; D = 64 and 256 -0.01-0.03, so they keep one wait.
+                if constexpr (C::kPvWaitBelowSoftmax) {
+                    if (rows_moved(correction)) {
+                        retire_pv();
+                        scale_rows(acc_o, correction);
+                    } else {
+                        retire_pv();
+                    }
+                    mbar_arrive(v_empty(prev_stage));   // this thread's reads of that V are complete
+                } else {
+                    retire_pv();
+                    mbar_arrive(v_empty(prev_stage));
+                    rescale_rows(acc_o, correction);
+                }
 #pragma unroll
                 for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
                 prev_stage = stage;
@@ -433,9 +453,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if (zero_tail) zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
             wgmma_fence();
             issue_pv(prev_stage);
-            wgmma_wait<0>();
-            fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
-            fence_registers(p_frag);
+            retire_pv();
             mbar_arrive(v_empty(prev_stage));
         }
         if (num_tiles == 0) mbar_arrive(q_empty(slot));   // (otherwise released after the last S)
