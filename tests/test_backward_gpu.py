@@ -19,9 +19,11 @@ The accuracy rule (DESIGN.md §5 carried over to gradients). For each of dq, dk,
   emulated in float32, DESIGN.md §7). ``atol`` is cuflash.testing.DEFAULT_ATOL of the dtype
   (about a quarter ulp), times the largest |reference gradient| of dq, dk, dv (gradients are not
   O(1)).
-- float32: ``||g - ref||_F <= 1e-4 ||ref||_F + 1e-6 * M * sqrt(n)``, M the largest |reference
+- float32: ``||g - ref||_F <= 1e-4 ||ref||_F + 1e-5 * M * sqrt(n)``, M the largest |reference
   gradient| of dq, dk, dv: negligible, except where a reference gradient is exactly 0 (Sk = 1 gives
-  P = 1 and dS = 0) and float32 rounding noise is all there is.
+  P = 1 and dS = 0) and float32 rounding noise is all there is. That noise is the difference of two
+  float32 dot products of length D (dP = dO.v and D = dO.o, summed in different orders), scaled by
+  scale * |k|: 2.9e-6 M was seen at D = 64 with scale 2 (1e-6 M had been too tight).
 
 NaN/Inf positions must match the reference's exactly (cuflash.testing.assert_attention_close).
 Output buffers are poisoned with NaN before each call, so an element never written fails.
@@ -181,7 +183,7 @@ def assert_grad_close(got, ref, base, dtype, name, float32_rtol=FLOAT32_GRAD_RTO
     magnitude = _magnitude(ref) if magnitude is None else magnitude
     if dtype == "float32":
         tt.assert_attention_close(got, ref, dtype="float32", rtol=float32_rtol,
-                                  atol=max(1e-6 * magnitude, 1e-12), name=name)
+                                  atol=max(1e-5 * magnitude, 1e-12), name=name)
     else:
         tt.assert_attention_close(got, ref, base, dtype=dtype,
                                   atol=max(tt.DEFAULT_ATOL[dtype] * magnitude, 1e-7), name=name)
