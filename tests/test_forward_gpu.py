@@ -534,6 +534,31 @@ def test_row_maximum_grows_at_every_key_tile(family, dtype, growth):
         check_close(q, k, v, options, out, lse, state, dtype=dtype)
 
 
+@pytest.mark.parametrize("family, dtype", [k for k in KERNELS if k.values[1] != "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["jump_at_key_0", "all_scores_large"])
+def test_score_far_above_the_rows_maximum(family, dtype, head_dim, case):
+    # Key tiles run from the last to the first, so key 0 is met last: a score of 100 there (natural
+    # units, 144 in log2) lies far above every row's running maximum, and an online softmax that
+    # took a tile's exponentials against the old maximum (one way to shorten its critical path)
+    # would overflow. With every score near 100 and a causal or windowed mask, rows whose first
+    # tiles were fully masked meet their first keys with no maximum yet. (float32 is left out:
+    # scores of 100 carry more rounding than its 1e-5 rule; see the test above.)
+    B, Sq, Sk = 1, 70, 450
+    q, k, v = _qkv(_shape(B, Sq, Sk, 2, 1, head_dim), dtype, 96 + head_dim)
+    q = q.astype(cupy.float32)
+    k = k.astype(cupy.float32)
+    q[..., 0] = 1.0
+    if case == "jump_at_key_0":
+        k[:, 0, :, 0] = 100.0 * math.sqrt(head_dim)   # times q[..., 0] = 1 and the scale 1/sqrt(D)
+    else:
+        k[..., 0] = 100.0 * math.sqrt(head_dim)
+    q, k = q.astype(v.dtype), k.astype(v.dtype)
+    for options in ({}, {"causal": True}, {"window": (20, 0)}):
+        out, lse, state = run_forward(family, q, k, v, options)
+        check_close(q, k, v, options, out, lse, state, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_automatic_kernel_choice(dtype, head_dim):
