@@ -35,7 +35,7 @@ from bench_forward import DTYPE_NAMES, attention_flops, make_inputs
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
-from cuflash import _compile, _heuristics, _nvrtc  # noqa: E402
+from cuflash import _compile, _heuristics  # noqa: E402
 
 
 def sm90_variant(dtype_name: str, head_dim: int):
@@ -49,20 +49,16 @@ def build(args):
 
     def compile_one(job):
         name, src, dtype_name, head_dim = job
-        variant = sm90_variant(dtype_name, head_dim)
-        options = ["-std=c++17", "-arch=sm_90a", f"-I{src}", "--ptxas-options=-v",
-                   *(f"-D{k}={v}" for k, v in variant.defines)]
-        cubin, ptxas_log = _nvrtc.compile_to_cubin((src / "fwd_sm90.cu").read_text(), "fwd_sm90.cu", options)
         label = f"{name} {dtype_name} D={head_dim}"
-        if cubin is None:
-            return f"{label}: FAILED\n{ptxas_log}", False
+        try:
+            result = _compile.compile_cubin(sm90_variant(dtype_name, head_dim), "sm_90a", src_dir=src)
+        except (RuntimeError, ValueError) as e:
+            return f"{label}: FAILED\n{e}", False
         out = Path(args.out) / name
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{dtype_name}_{head_dim}.cubin").write_bytes(cubin)
-        usage = _nvrtc.parse_ptxas_log(ptxas_log, variant.entry)
-        notes = [ln.strip() for ln in ptxas_log.splitlines() if "Performance Loss" in ln or "warning" in ln.lower()]
-        return (f"{label}: {usage['registers']} registers, spills {usage['spill_stores']}/{usage['spill_loads']} B"
-                + "".join(f"\n    {n}" for n in notes)), True
+        (out / f"{dtype_name}_{head_dim}.cubin").write_bytes(result.cubin)
+        return (f"{label}: {result.registers} registers, spills {result.spill_stores}/{result.spill_loads} B"
+                + "".join(f"\n    {w.strip()}" for w in result.warnings)), True
 
     with ThreadPoolExecutor() as pool:
         results = list(pool.map(compile_one, jobs))

@@ -104,28 +104,32 @@ class CompileResult:
                 or "Performance Loss" in ln]
 
 
-def source_hash() -> str:
-    """sha256 (first 16 hex digits) over the names and bytes of the sources in CUDA_SRC."""
+def source_hash(src_dir=None) -> str:
+    """sha256 (first 16 hex digits) over the names and bytes of the sources in ``src_dir``
+    (default CUDA_SRC)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(CUDA_SRC).iterdir()):
+    for path in sorted(Path(src_dir or CUDA_SRC).iterdir()):
         if path.is_file() and path.suffix in _SOURCE_SUFFIXES:
             digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
-def nvrtc_options(variant: Variant, arch: str, src_hash: str | None = None) -> list[str]:
-    """NVRTC options for ``variant`` on ``arch`` (e.g. ``"sm_90a"``, ``"sm_80"``).
+def nvrtc_options(variant: Variant, arch: str, src_hash: str | None = None, src_dir=None) -> list[str]:
+    """NVRTC options for ``variant`` on ``arch`` (e.g. ``"sm_90a"``, ``"sm_80"``), with headers
+    from ``src_dir`` (default CUDA_SRC; another tree is for benchmarks/ab_forward.py).
 
     The source hash is passed as ``-DCUFLASH_SRC_HASH`` so that the options, and anything
     keyed on them, change whenever a source does.
     """
-    src_hash = src_hash or source_hash()
-    return ["-std=c++17", f"-arch={arch}", f"-I{CUDA_SRC}", f"-DCUFLASH_SRC_HASH=0x{src_hash}",
+    src_dir = src_dir or CUDA_SRC
+    src_hash = src_hash or source_hash(src_dir)
+    return ["-std=c++17", f"-arch={arch}", f"-I{src_dir}", f"-DCUFLASH_SRC_HASH=0x{src_hash}",
             "--ptxas-options=-v", *(f"-D{k}={v}" for k, v in variant.defines)]
 
 
-def compile_cubin(variant: Variant, arch: str, src_hash: str | None = None) -> CompileResult:
-    """Compile one variant for one architecture with libnvrtc (no GPU needed).
+def compile_cubin(variant: Variant, arch: str, src_hash: str | None = None, src_dir=None) -> CompileResult:
+    """Compile one variant for one architecture with libnvrtc (no GPU needed), from the sources
+    in ``src_dir`` (default CUDA_SRC).
 
     Raises
     ------
@@ -134,12 +138,12 @@ def compile_cubin(variant: Variant, arch: str, src_hash: str | None = None) -> C
     RuntimeError
         If NVRTC fails; the message holds its log.
     """
-    source = Path(CUDA_SRC) / f"{variant.family}.cu"
+    source = Path(src_dir or CUDA_SRC) / f"{variant.family}.cu"
     if not source.is_file():
         raise ValueError(f"unknown kernel family {variant.family!r}: {source} does not exist")
     start = time.perf_counter()
     cubin, log = _nvrtc.compile_to_cubin(source.read_text(), source.name,
-                                         nvrtc_options(variant, arch, src_hash))
+                                         nvrtc_options(variant, arch, src_hash, src_dir))
     try:
         usage = _nvrtc.parse_ptxas_log(log, variant.entry)
     except ValueError:
