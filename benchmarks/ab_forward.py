@@ -5,6 +5,7 @@ This is how the fwd_sm90 rows of ``benchmarks/NOTES.md`` are measured. Copy ``cu
 scratch folder, change the copy, then::
 
     python benchmarks/ab_forward.py build base=cuda_src new=/tmp/new_src      # no GPU needed
+    python benchmarks/ab_forward.py build "s4=cuda_src;SM90_STAGES={64: 4, 128: 2, 256: 2}"
     python benchmarks/ab_forward.py run base new --shapes 64/1024,128/8192,128/8192c --check new
 
 ``build`` compiles, from each tree, the fwd_sm90 variant without score modifiers or dropout (what
@@ -16,13 +17,15 @@ then prints TFLOP/s, the ratio to cuDNN and each tree's geometric mean of that r
 first compares the named trees' outputs with cuDNN's (ablations that are wrong on purpose leave it
 out). A shape is ``D/S`` with ``c`` for causal: batch = tokens / S, heads = hidden / D, Sq = Sk.
 
-A tree must keep the installed host side's interface: parameters, tensor maps, threads, shared
-memory. Same-run ratios are what compare; between runs the ratio of one shape moves by ~0.02-0.05.
+A tree must keep the installed host side's interface (parameters, tensor maps, threads), except
+for what its overrides of ``cuflash._heuristics`` constants change (after ``;`` in its spec: the
+variant's defines and shared memory, used both to compile it and to launch it). Same-run ratios are what compare; between runs the ratio of one shape moves by ~0.02-0.05.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import statistics
 import sys
@@ -38,20 +41,45 @@ sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 from cuflash import _compile, _heuristics  # noqa: E402
 
 
-def sm90_variant(dtype_name: str, head_dim: int):
-    return _heuristics.forward_plan("fwd_sm90", dtype_name, head_dim, score_mods=False, dropout=False).variant
+def sm90_plan(dtype_name: str, head_dim: int, overrides=None):
+    """The launch plan of the benchmarked variant, with ``overrides`` ({name: value} of
+    ``cuflash._heuristics`` constants, e.g. ``{"SM90_STAGES": {64: 4, 128: 2, 256: 2}}``) in force."""
+    saved = {name: getattr(_heuristics, name) for name in overrides or {}}
+    try:
+        for name, value in (overrides or {}).items():
+            setattr(_heuristics, name, value)
+        _heuristics.forward_plan.cache_clear()
+        return _heuristics.forward_plan("fwd_sm90", dtype_name, head_dim, score_mods=False, dropout=False)
+    finally:
+        for name, value in saved.items():
+            setattr(_heuristics, name, value)
+        _heuristics.forward_plan.cache_clear()
+
+
+def parse_tree(spec: str):
+    """``NAME=SRC_DIR[;CONSTANT=LITERAL...]`` -> (name, source dir, overrides)."""
+    name, rest = spec.split("=", 1)
+    src, *assignments = rest.split(";")
+    overrides = {}
+    for assignment in assignments:
+        constant, literal = assignment.split("=", 1)
+        overrides[constant] = ast.literal_eval(literal)
+    return name, Path(src).resolve(), overrides
 
 
 def build(args):
-    trees = dict(spec.split("=", 1) for spec in args.trees)
-    jobs = [(name, Path(src).resolve(), DTYPE_NAMES[dt], int(d))
-            for name, src in trees.items() for dt in args.dtypes.split(",") for d in args.head_dims.split(",")]
+    trees = [parse_tree(spec) for spec in args.trees]
+    jobs = [(name, src, overrides, DTYPE_NAMES[dt], int(d))
+            for name, src, overrides in trees for dt in args.dtypes.split(",") for d in args.head_dims.split(",")]
+    for name, _, overrides in trees:  # run reads them back: the tree's launch plan must match its cubins
+        (Path(args.out) / name).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / name / "overrides.txt").write_text(repr(overrides))
 
     def compile_one(job):
-        name, src, dtype_name, head_dim = job
+        name, src, overrides, dtype_name, head_dim = job
         label = f"{name} {dtype_name} D={head_dim}"
         try:
-            result = _compile.compile_cubin(sm90_variant(dtype_name, head_dim), "sm_90a", src_dir=src)
+            result = _compile.compile_cubin(sm90_plan(dtype_name, head_dim, overrides).variant, "sm_90a", src_dir=src)
         except (RuntimeError, ValueError) as e:
             return f"{label}: FAILED\n{e}", False
         out = Path(args.out) / name
@@ -91,17 +119,28 @@ def run(args):
             inputs = make_inputs(cupy, _cupy_dtype(dtype_name), batch, seqlen, heads, head_dim)
             torch_inputs = [tuple(torch.from_dlpack(x).transpose(1, 2) for x in qkv) for qkv in inputs]
             out = cupy.empty_like(inputs[0][0])
-            key = (sm90_variant(dtype_name, head_dim), arch)
+            keys = []
 
             def tree_kernel(name):
                 module = cupy.RawModule(path=str(Path(args.out) / name / f"{dtype_name}_{head_dim}.cubin"))
                 loaded = (module, module.get_function("cuflash_fwd_sm90"))
+                overrides_file = Path(args.out) / name / "overrides.txt"
+                plan = sm90_plan(dtype_name, head_dim,
+                                 ast.literal_eval(overrides_file.read_text()) if overrides_file.exists() else None)
+                key = (plan.variant, arch)
+                keys.append(key)
+                installed_plan = _heuristics.forward_plan
 
                 def call(i):
-                    # get_kernel's memo (cuflash._compile) is where the launch path finds its kernel.
+                    # get_kernel's memo (cuflash._compile) is where the launch path finds its kernel,
+                    # and the attention module asks _heuristics for the plan (shared memory, defines).
                     _compile._kernels[key] = loaded
-                    with cuflash.force_kernel("fwd_sm90"):
-                        cuflash.attention(*inputs[i], causal=causal, out=out)
+                    _heuristics.forward_plan = lambda *a, **kw: plan
+                    try:
+                        with cuflash.force_kernel("fwd_sm90"):
+                            cuflash.attention(*inputs[i], causal=causal, out=out)
+                    finally:
+                        _heuristics.forward_plan = installed_plan
                 return call
 
             def cudnn(i):
@@ -118,7 +157,8 @@ def run(args):
                     log(f"  {name} at {shape}: max|out - cuDNN| = {err:.3g}")
             contenders["cudnn"] = cudnn
             ms = timer.median_ms_each(contenders)
-            _compile._kernels.pop(key, None)
+            for key in keys:
+                _compile._kernels.pop(key, None)
             flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)
             tflops = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
             for name in args.trees:

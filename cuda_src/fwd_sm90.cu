@@ -33,8 +33,12 @@ struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
     static constexpr int kBlockM = 128, kConsumers = 2;
-    // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim.
-    static constexpr bool kPvWaitBelowSoftmax = kHeadDim == 128;
+    // Exponentials before the tile's maximum is known (OnlineSoftmax::update_if_held); not with
+    // score modifiers or dropout, whose variants have no registers for a second P buffer.
+    static constexpr bool kSpeculative = !kScoreMods && !kDropout;
+    // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim, and with
+    // the speculative softmax below it at every head dim (waiting first cost D = 64 0.08 of cuDNN).
+    static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDim == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
     // test block masks (score-modifier variants); the consumers get the rest.
@@ -347,7 +351,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // warpgroup computes the softmax of the next S (issued just before), so exp2 and the GEMMs
         // overlap. Only after P_prev V_prev retires are O rescaled and P_prev's registers reused.
         float acc_s[1][C::kNTiles][4];
-        unsigned p_frag[C::kBlockN / 16][4];
+        // P of the previous tile (read by its P V wgmma) and of this one: the speculative softmax
+        // makes the next P while P_prev V_prev still runs, and keeps S intact in acc_s meanwhile.
+        unsigned p_frag[C::kBlockN / 16][4], p_next[C::kBlockN / 16][4];
         auto issue_s = [&](int stage) {
             // A descriptor's address field is the low bits, so a k-step's descriptor is the tile's
             // plus its byte offset / 16.
@@ -376,13 +382,16 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
             wgmma_commit();
         };
-        // S of tile n (retired) -> P in acc_s, returns the row corrections for O.
-        auto softmax_step = [&](int n, float (&correction)[2]) {
+        const float scale_log2 = C::kScoreMods ? 1.f : p.scale_log2;   // mask_scores scales modified scores
+        // S of tile n (retired) -> the scores, masked, in acc_s.
+        auto score_step = [&](int n) {
             fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
-            const int n_lo = n * C::kBlockN;
-            mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n_lo, row0, g, t);
-            softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
-            if (C::kDropout) drop_probabilities(acc_s, p, s, row0, n_lo, g, t);
+            mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, row0, g, t);
+        };
+        // The scores of tile n -> P in acc_s, returns the row corrections for O.
+        auto softmax_step = [&](int n, float (&correction)[2]) {
+            softmax.update(acc_s, correction, scale_log2);
+            if (C::kDropout) drop_probabilities(acc_s, p, s, row0, n * C::kBlockN, g, t);
         };
 
         auto retire_pv = [&] {   // waits for every wgmma of the warpgroup, then P V's registers are free
@@ -402,6 +411,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_arrive(k_empty(stage));
             if (num_tiles == 1) mbar_arrive(q_empty(slot));   // the item's last S has retired
             float correction[2];
+            score_step(n);
             softmax_step(n, correction);   // O is still 0: nothing to rescale
             release_partner();
 #pragma unroll
@@ -411,6 +421,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // The first tile is the only one that can run past the sequence end (tiles go down).
             const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
             bool zero_tail = p.cu_seqlens_k != nullptr && first_row < C::kBlockN;
+            // Unrolled by two, the copy of p_next into p_frag at the end becomes a renaming of registers.
+#pragma unroll 2
             for (int i = 1; i < num_tiles; ++i) {
                 n = wait_tile(stage, phase);
                 wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
@@ -424,27 +436,40 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
                 mbar_arrive(k_empty(stage));
                 if (i == num_tiles - 1) mbar_arrive(q_empty(slot));
-                softmax_step(n, correction);
-                // ptxas moves a wgmma wait up to the top of its basic block: after the softmax in
-                // the source, it was issued before the row maxima, and P_prev V_prev never ran
-                // beside the exponentials. Deciding O's rescale first, with a wait on each side of
-                // the branch, keeps the wait below the softmax (a branch ends the block). Same-run
-                // A/B: D = 128 +0.02-0.04 of cuDNN; D = 64 and 256 -0.01-0.03, so they keep one wait.
-                if constexpr (C::kPvWaitBelowSoftmax) {
-                    if (rows_moved(correction)) {
-                        retire_pv();
-                        scale_rows(acc_o, correction);
-                    } else {
-                        retire_pv();
-                    }
-                    mbar_arrive(v_empty(prev_stage));   // this thread's reads of that V are complete
+                score_step(n);
+                if (!C::kPvWaitBelowSoftmax) retire_pv();
+                // Speculatively first; a row whose maximum moved sends the warp to the exact update.
+                // The vote's branch also ends the basic block, which keeps the wait below it.
+                bool held = false;
+                if constexpr (C::kSpeculative) held = softmax.update_if_held<elem_t>(acc_s, p_next, scale_log2);
+                if (held) {
+                    if (C::kPvWaitBelowSoftmax) retire_pv();   // O keeps its scale
                 } else {
-                    retire_pv();
-                    mbar_arrive(v_empty(prev_stage));
-                    rescale_rows(acc_o, correction);
-                }
+                    softmax_step(n, correction);
+                    // ptxas moves a wgmma wait up to the top of its basic block: after the softmax
+                    // in the source, it was issued before the row maxima, and P_prev V_prev never
+                    // ran beside the exponentials. Deciding O's rescale first, with a wait on each
+                    // side of the branch, keeps the wait below the softmax (a branch ends the
+                    // block). Same-run A/B: D = 128 +0.02-0.04 of cuDNN; D = 64 and 256
+                    // -0.01-0.03, so they wait before the softmax.
+                    if constexpr (C::kPvWaitBelowSoftmax) {
+                        if (rows_moved(correction)) {
+                            retire_pv();
+                            scale_rows(acc_o, correction);
+                        } else {
+                            retire_pv();
+                        }
+                    } else {
+                        rescale_rows(acc_o, correction);
+                    }
 #pragma unroll
-                for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
+                    for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_next[kk], acc_s[0], kk);
+                }
+                mbar_arrive(v_empty(prev_stage));   // this thread's reads of that V are complete
+#pragma unroll
+                for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) p_frag[kk][j] = p_next[kk][j];
                 prev_stage = stage;
                 prev_phase = phase;
                 if (++stage == C::kStages) { stage = 0; phase ^= 1; }

@@ -81,6 +81,54 @@ struct OnlineSoftmax {
         }
     }
 
+    // update(), speculatively, for one m-tile, with P packed into m16k16 A fragments of T as it is
+    // made. Once a row has a reference m, its maximum usually stays within the slack, and then
+    // update() keeps m and computes p = 2^(s * scale_log2 - m * scale_log2): this takes those
+    // exponentials at once, so they no longer wait for the tile's maximum (a tree of FMNMX and two
+    // shuffles), which is reduced beside them only to check that m holds. If m holds for every
+    // row of the warp, P, l and m are exactly what update() would give (same operations, same
+    // order) and it returns true. Otherwise it returns false and has changed only p: s is intact,
+    // and the caller runs update() on it. (A row whose maximum jumped 2^128 past m gets p = +inf
+    // here; that p is never used.) Called by whole warps.
+    template <typename T, int kNTiles>
+    __device__ __forceinline__ bool update_if_held(const float (&s)[1][kNTiles][4], unsigned (&p)[kNTiles / 2][4],
+                                                   float scale_log2) {
+        static_assert(kMTiles == 1, "one m-tile: the warpgroup's 64 rows of an sm90 tile");
+        float m_scaled[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) m_scaled[half] = m[half] == -CUFLASH_INF ? 0.f : m[half] * scale_log2;
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) {
+            float e[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                e[i] = fast_exp2(fmaf(s[0][ni][i], scale_log2, -m_scaled[i / 2]));
+                sum[i / 2] += e[i];
+            }
+            // Two n-tiles make one 16-key A fragment (as pack_p in fragments.cuh).
+            p[ni / 2][2 * (ni % 2)] = pack2<T>(e[0], e[1]);
+            p[ni / 2][2 * (ni % 2) + 1] = pack2<T>(e[2], e[3]);
+        }
+        bool held = true;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float tile_max[kNTiles];
+#pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni) tile_max[ni] = fmaxf(s[0][ni][2 * half], s[0][ni][2 * half + 1]);
+#pragma unroll
+            for (int width = 1; width < kNTiles; width *= 2)
+#pragma unroll
+                for (int ni = 0; ni + width < kNTiles; ni += 2 * width)
+                    tile_max[ni] = fmaxf(tile_max[ni], tile_max[ni + width]);
+            const float m_new = quad_max(fmaxf(m[half], tile_max[0]));
+            held &= (m_new - m[half]) * scale_log2 <= kRescaleSlack;   // update()'s test, NaN included
+        }
+        if (!__all_sync(0xffffffffu, held)) return false;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) l[half] += sum[half];   // update()'s fma(l, 1, sum)
+        return true;
+    }
+
     // After the last tile: the full row sums, 1/l for normalising (0 for rows with no visible key,
     // so they come out as 0) and lse = ln(sum exp(s_natural)) (-inf for those rows).
     __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2) {

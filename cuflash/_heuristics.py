@@ -59,13 +59,16 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
 # keys and Q double buffered (the next item's Q loads while this one computes); D = 256 fits
 # shared memory only with one Q buffer and 64-key tiles (64 + 2 x 2 x 32 KB). Measured and not
 # taken (benchmarks/NOTES.md; their wgmma wrappers are in the history at 0c98a8d): 80-key tiles at
-# D = 256 (faster from 8k keys, but they spill), 176/192-key tiles at D = 128/64, 3 stages, three
-# consumers at D = 64.
+# D = 256 (faster from 8k keys, but they spill), 176/192-key tiles at D = 128/64, three consumers
+# at D = 64.
 SM90_HEAD_DIMS = (64, 128, 256)
 SM90_BLOCK_M, SM90_THREADS = 128, 384
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
-SM90_STAGES = 2
+# K/V ring depth. D = 64 has room for 4: with the speculative softmax, a stage's V is released only
+# after the next tile's exponentials, and 2 stages left the producer waiting (same-run A/B, 8k keys:
+# 0.99 -> 1.02 of cuDNN, 1k 0.89 -> 0.96).
+SM90_STAGES = {64: 4, 128: 2, 256: 2}
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ def sm90_smem_bytes(head_dim: int) -> int:
     output (16-bit elements), for a compiled head dim of SM90_HEAD_DIMS."""
     q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
     out_bytes = SM90_BLOCK_M * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
-    return 1024 + q_bytes + 2 * SM90_STAGES * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
+    return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of its arguments, asked at every call
@@ -135,7 +138,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
-            "CUFLASH_STAGES": SM90_STAGES,
+            "CUFLASH_STAGES": SM90_STAGES[kdim],
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),

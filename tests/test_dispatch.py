@@ -76,18 +76,20 @@ def test_tma_compatibility_rule():
     assert not _tma.tma_compatible(fake((1, 5, 2, 60)))                    # 120-byte rows
 
 
-@pytest.mark.parametrize("d, kdim, block_n, q_slots", [(8, 64, 128, 2), (64, 64, 128, 2), (72, 128, 128, 2),
-                                                       (128, 128, 128, 2), (136, 256, 64, 1), (256, 256, 64, 1)])
+@pytest.mark.parametrize("d, kdim, block_n, q_slots, stages",
+                         [(8, 64, 128, 2, 4), (64, 64, 128, 2, 4), (72, 128, 128, 2, 2), (128, 128, 128, 2, 2),
+                          (136, 256, 64, 1, 2), (256, 256, 64, 1, 2)])
 @pytest.mark.parametrize("mods", [False, True])
-def test_sm90_plan(d, kdim, block_n, q_slots, mods):
+def test_sm90_plan(d, kdim, block_n, q_slots, stages, mods):
     plan = _heuristics.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=mods)
     defines = dict(plan.variant.defines)
     assert plan.head_dim == kdim and defines["CUFLASH_HEAD_DIM"] == kdim
     assert plan.threads == 384 and plan.block_m == 128
-    assert (defines["CUFLASH_BLOCK_N"], defines["CUFLASH_Q_SLOTS"], defines["CUFLASH_STAGES"]) == (block_n, q_slots, 2)
-    # The Q slots + two stages of K and V + 1 KB alignment slack + the staged output (128 rows, at
+    assert (defines["CUFLASH_BLOCK_N"], defines["CUFLASH_Q_SLOTS"], defines["CUFLASH_STAGES"]) == (block_n, q_slots,
+                                                                                                  stages)
+    # The Q slots + the stages of K and V + 1 KB alignment slack + the staged output (128 rows, at
     # most 128 columns), within a Hopper block's 227 KB.
-    expected = 1024 + q_slots * 128 * kdim * 2 + 2 * 2 * block_n * kdim * 2 + 128 * min(kdim, 128) * 2
+    expected = 1024 + q_slots * 128 * kdim * 2 + stages * 2 * block_n * kdim * 2 + 128 * min(kdim, 128) * 2
     assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == expected
     assert plan.smem_bytes <= 227 * 1024
     assert defines["CUFLASH_PARAMS_SIZE"] == _launch.PARAMS_DTYPE.itemsize

@@ -536,21 +536,24 @@ def test_row_maximum_grows_at_every_key_tile(family, dtype, growth):
 
 @pytest.mark.parametrize("family, dtype", [k for k in KERNELS if k.values[1] != "float32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("case", ["jump_at_key_0", "all_scores_large"])
+@pytest.mark.parametrize("case", ["jump_at_key_0", "step_at_key_0", "all_scores_large"])
 def test_score_far_above_the_rows_maximum(family, dtype, head_dim, case):
     # Key tiles run from the last to the first, so key 0 is met last: a score of 100 there (natural
-    # units, 144 in log2) lies far above every row's running maximum, and an online softmax that
-    # took a tile's exponentials against the old maximum (one way to shorten its critical path)
-    # would overflow. With every score near 100 and a causal or windowed mask, rows whose first
-    # tiles were fully masked meet their first keys with no maximum yet. (float32 is left out:
-    # scores of 100 carry more rounding than its 1e-5 rule; see the test above.)
+    # units, 144 in log2) lies far above every row's running maximum, and fwd_sm90's speculative
+    # softmax, which takes a tile's exponentials against the old maximum, overflows and must
+    # redo the tile exactly. A score of 10 there (14 in log2) moves the maximum past the slack
+    # without overflowing: the redo must still win over the speculative values. With every score
+    # near 100 and a causal or windowed mask, rows whose first tiles were fully masked meet their
+    # first keys with no maximum yet. (float32 is left out: scores of 100 carry more rounding than
+    # its 1e-5 rule; see the test above.)
     B, Sq, Sk = 1, 70, 450
     q, k, v = _qkv(_shape(B, Sq, Sk, 2, 1, head_dim), dtype, 96 + head_dim)
     q = q.astype(cupy.float32)
     k = k.astype(cupy.float32)
     q[..., 0] = 1.0
-    if case == "jump_at_key_0":
-        k[:, 0, :, 0] = 100.0 * math.sqrt(head_dim)   # times q[..., 0] = 1 and the scale 1/sqrt(D)
+    if case != "all_scores_large":
+        jump = 100.0 if case == "jump_at_key_0" else 10.0
+        k[:, 0, :, 0] = jump * math.sqrt(head_dim)   # times q[..., 0] = 1 and the scale 1/sqrt(D)
     else:
         k[..., 0] = 100.0 * math.sqrt(head_dim)
     q, k = q.astype(v.dtype), k.astype(v.dtype)
