@@ -5,8 +5,9 @@
 //     of K/V tiles into a kStages-deep ring of 128B-swizzled shared buffers (full barriers count the
 //     bytes in, empty barriers count the consumers out); the warpgroup gives its registers away.
 //   warpgroups 1 and 2, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
-//     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2) -> O += P V (wgmma with P
-//     from registers, V transposed by its descriptor).
+//     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2; after a row's first tile
+//     speculatively, against its current maximum) -> O += P V (wgmma with P from registers, V
+//     transposed by its descriptor).
 // Key tiles run from the last to the first, like fwd_sm80, so a causal problem meets its partly
 // masked diagonal tile first; tiles that the window or the block mask hide entirely are never
 // loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
@@ -450,8 +451,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                     // in the source, it was issued before the row maxima, and P_prev V_prev never
                     // ran beside the exponentials. Deciding O's rescale first, with a wait on each
                     // side of the branch, keeps the wait below the softmax (a branch ends the
-                    // block). Same-run A/B: D = 128 +0.02-0.04 of cuDNN; D = 64 and 256
-                    // -0.01-0.03, so they wait before the softmax.
+                    // block). Same-run A/B without the speculative softmax: D = 128 +0.02-0.04 of
+                    // cuDNN; D = 64 and 256 -0.01-0.03, so their exact-only variants (score
+                    // modifiers, dropout) wait before the softmax.
                     if constexpr (C::kPvWaitBelowSoftmax) {
                         if (rows_moved(correction)) {
                             retire_pv();
