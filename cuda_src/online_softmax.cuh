@@ -18,6 +18,21 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The maximum of row `half` of a thread's slice of an m-tile, as a tree, not a chain: a chain of
+// kNTiles dependent FMNMX sat on the critical path of every tile (fwd_sm90 D = 64: 16 deep per row).
+template <int kNTiles>
+__device__ __forceinline__ float row_max(const float (&s_mi)[kNTiles][4], int half) {
+    float tile_max[kNTiles];
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) tile_max[ni] = fmaxf(s_mi[ni][2 * half], s_mi[ni][2 * half + 1]);
+#pragma unroll
+    for (int width = 1; width < kNTiles; width *= 2)
+#pragma unroll
+        for (int ni = 0; ni + width < kNTiles; ni += 2 * width)
+            tile_max[ni] = fmaxf(tile_max[ni], tile_max[ni + width]);
+    return tile_max[0];
+}
+
 // Lazy rescaling: the running maximum m is only a reference point, and any value gives the same
 // result once O is divided by l; it only has to keep 2^(s - m) from overflowing. So m moves only
 // when a row's maximum grows past it by more than kRescaleSlack (log2 units: p stays <= 2^8, far
@@ -48,17 +63,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = 2 * mi + half;
-                // The row maximum as a tree, not a chain: a chain of kNTiles dependent FMNMX sat
-                // on the critical path of every tile (fwd_sm90 D = 64: 16 deep per row).
-                float tile_max[kNTiles];
-#pragma unroll
-                for (int ni = 0; ni < kNTiles; ++ni) tile_max[ni] = fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]);
-#pragma unroll
-                for (int width = 1; width < kNTiles; width *= 2)
-#pragma unroll
-                    for (int ni = 0; ni + width < kNTiles; ni += 2 * width)
-                        tile_max[ni] = fmaxf(tile_max[ni], tile_max[ni + width]);
-                float m_new = quad_max(fmaxf(m[r], tile_max[0]));
+                float m_new = quad_max(fmaxf(m[r], row_max(s[mi], half)));
                 // From m = -inf the difference is +inf (or NaN while the row has seen only masked
                 // keys): both fail the test, so a row's first visible keys always set m.
                 if ((m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
@@ -112,15 +117,7 @@ struct OnlineSoftmax {
         bool held = true;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float tile_max[kNTiles];
-#pragma unroll
-            for (int ni = 0; ni < kNTiles; ++ni) tile_max[ni] = fmaxf(s[0][ni][2 * half], s[0][ni][2 * half + 1]);
-#pragma unroll
-            for (int width = 1; width < kNTiles; width *= 2)
-#pragma unroll
-                for (int ni = 0; ni + width < kNTiles; ni += 2 * width)
-                    tile_max[ni] = fmaxf(tile_max[ni], tile_max[ni + width]);
-            const float m_new = quad_max(fmaxf(m[half], tile_max[0]));
+            const float m_new = quad_max(fmaxf(m[half], row_max(s[0], half)));
             held &= (m_new - m[half]) * scale_log2 <= kRescaleSlack;   // update()'s test, NaN included
         }
         if (!__all_sync(0xffffffffu, held)) return false;
