@@ -70,6 +70,18 @@ def pack_params(**fields) -> np.void:
     return np.frombuffer(packed, dtype=PARAMS_DTYPE)[0]
 
 
+# q, k, v, o, lse lead the struct: a launch replayed on new arrays rewrites only them.
+_DATA_POINTERS = struct.Struct("<5Q")
+assert _POINTERS[:5] == ("q", "k", "v", "o", "lse") and PARAMS_DTYPE.fields["q"][1] == 0
+
+
+def with_data_pointers(params: np.void, q: int, k: int, v: int, o: int, lse: int) -> np.void:
+    """``params`` with the pointers of q, k, v, o and lse replaced."""
+    packed = bytearray(params.tobytes())
+    _DATA_POINTERS.pack_into(packed, 0, q, k, v, o, lse)
+    return np.frombuffer(packed, dtype=PARAMS_DTYPE)[0]
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_id: int) -> int:
     """Multiprocessors of a device (persistent grids and split heuristics size themselves by it)."""

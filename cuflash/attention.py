@@ -141,19 +141,36 @@ def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layou
         window_left=left, window_right=right,
         scale=opts.scale, scale_log2=opts.scale * math.log2(math.e), softcap=opts.softcap,
     )
-    kernel = get_kernel(plan.variant)
     grid = (math.ceil(grid_rows / plan.block_m), heads_q, batch)
-    args = (params,)
+    box_rows = None
     if family == "fwd_sm90":
         # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from a
         # counter that the kernel leaves at 0 when it ends.
         grid = (min(grid[0] * heads_q * batch, _launch.sm_count(q.device.id)), 1, 1)
         block_n = dict(plan.variant.defines)["CUFLASH_BLOCK_N"]
         # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
-        args = (_tma.encode(q, plan.block_m, dtype_name), _tma.encode(k, block_n, dtype_name),
-                _tma.encode(v, block_n, dtype_name), _tma.encode(o, 64, dtype_name), params,
-                _launch.work_counter())
-    _launch.launch(kernel, grid, plan.threads, plan.smem_bytes, args)
+        box_rows = (plan.block_m, block_n, block_n, 64)
+    launch = _Launch(get_kernel(plan.variant), grid, plan.threads, plan.smem_bytes, params, box_rows, dtype_name)
+    launch(q, k, v, o, lse)
+    return launch
+
+
+class _Launch:
+    """One forward launch, replayable on other arrays of the same shapes, strides and dtype:
+    only the five data pointers in the parameters (and the tensor maps over them) change."""
+
+    def __init__(self, kernel, grid, threads, smem_bytes, params, box_rows, dtype_name):
+        self.kernel, self.grid, self.threads, self.smem_bytes = kernel, grid, threads, smem_bytes
+        self.params, self.box_rows, self.dtype_name = params, box_rows, dtype_name
+
+    def __call__(self, q, k, v, o, lse):
+        params = _launch.with_data_pointers(self.params, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
+                                            lse.data.ptr)
+        args = (params,)
+        if self.box_rows is not None:   # fwd_sm90: tensor maps of q, k, v and o first
+            maps = tuple(_tma.encode(x, rows, self.dtype_name) for x, rows in zip((q, k, v, o), self.box_rows))
+            args = (*maps, params, _launch.work_counter())
+        _launch.launch(self.kernel, self.grid, self.threads, self.smem_bytes, args)
 
 
 def _check_qkv(q, k, v, rank: int, layout: str):
@@ -226,6 +243,16 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     """
     import cupy
 
+    replay_key = _replay_key(q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, mask, bias,
+                             block_mask, dropout_p, generator)
+    if replay_key is not None:
+        replay = _replays.get(replay_key)
+        if replay is not None and _aligned(q, k, v, out):
+            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
+            lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=np.float32)
+            replay(q, k, v, out, lse)
+            return out, lse, None
+
     q, k, v, dtype_name = _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
@@ -259,12 +286,51 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         sb, sr, sh, _ = _checks.element_strides(x)
         row_layout.update({f"{name}_batch_stride": sb, f"{name}_row_stride": sr, f"{name}_head_stride": sh})
     row_layout.update(lse_batch_stride=hq * sq, lse_head_stride=sq)
-    _run_forward(qk, kk, vk, o_kernel, lse, dtype_name=dtype_name, head_dim=d_pad,
-                 seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
-                 score_fields=score_fields, dropout_fields=dropout_fields, grid_rows=sq, batch=b, heads_q=hq)
+    launch = _run_forward(qk, kk, vk, o_kernel, lse, dtype_name=dtype_name, head_dim=d_pad,
+                          seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
+                          score_fields=score_fields, dropout_fields=dropout_fields, grid_rows=sq, batch=b,
+                          heads_q=hq)
     if o_kernel is not out:
         out[...] = o_kernel[..., :d]
+    elif replay_key is not None and all(x is y for x, y in ((qk, q), (kk, k), (vk, v))):
+        if len(_replays) >= _REPLAY_ENTRIES:
+            _replays.clear()
+        _replays[replay_key] = launch
     return out, lse, rng_state
+
+
+# Plain calls (CuPy arrays, no score modifiers, no dropout, no lse buffer) remember their launch by
+# everything the argument checks and the kernel choice looked at: shapes, strides, dtypes, options,
+# the forced family and the device. A repeated call then skips straight to the launch, with only
+# the pointers new (their 16-byte alignment, which the kernel choice also reads, is checked each
+# time). Host time is what a short forward cannot hide: on the H100 runner the full path cost
+# ~110-135 us a call against ~110 us of kernel at 512 keys (benchmarks/NOTES.md).
+_replays: dict = {}
+_REPLAY_ENTRIES = 256
+
+
+def _replay_key(q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask,
+                dropout_p, generator):
+    """What a plain call's launch depends on besides its pointers, or None for other calls."""
+    import cupy
+
+    plain = (lse is None and alibi_slopes is None and mask is None and bias is None and block_mask is None
+             and generator is None and type(dropout_p) in (int, float) and dropout_p == 0)
+    arrays = (q, k, v) if out is None else (q, k, v, out)
+    if not plain or not all(type(x) is cupy.ndarray for x in arrays):
+        return None
+    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+           None if out is None else (out.shape, out.strides, out.dtype), causal, scale, window, softcap,
+           _forced_family.get(), cupy.cuda.runtime.getDevice(), q.device.id, k.device.id, v.device.id)
+    try:
+        hash(key)
+    except TypeError:   # e.g. a window given as a list: not remembered
+        return None
+    return key
+
+
+def _aligned(*arrays) -> bool:
+    return all(x is None or x.data.ptr % 16 == 0 for x in arrays)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
