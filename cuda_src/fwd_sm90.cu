@@ -444,7 +444,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 bool held = false;
                 if constexpr (C::kSpeculative) held = softmax.update_if_held<elem_t>(acc_s, p_next, scale_log2);
                 if (held) {
-                    if (C::kPvWaitBelowSoftmax) retire_pv();   // O keeps its scale
+                    retire_pv();   // O keeps its scale (held implies kPvWaitBelowSoftmax)
                 } else {
                     softmax_step(n, correction);
                     // ptxas moves a wgmma wait up to the top of its basic block: after the softmax
