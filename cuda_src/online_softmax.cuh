@@ -129,10 +129,10 @@ struct OnlineSoftmax {
     // After the last tile: the full row sums, 1/l for normalising (0 for rows with no visible key,
     // so they come out as 0) and lse = ln(sum exp(s_natural)) (-inf for those rows).
     // The approximate reciprocal and log2 (one MUFU instruction each, ~1 ulp and 2^-22 absolute)
-    // suffice: l is a sum of exponentials that includes ~1 for the row's maximum, far from the
-    // subnormal and huge ranges where they lose accuracy. The IEEE versions branch on those
-    // ranges, which kept the rows' chains apart: ~800 clock cycles of each item's epilogue in
-    // fwd_sm90 (benchmarks/NOTES.md, session 7).
+    // suffice: a row that sees a key has 1 <= l <= keys * 2^kRescaleSlack (m never exceeds the
+    // row's maximum, whose own term is then >= 1), far from the subnormal and huge ranges where
+    // they lose accuracy. The IEEE versions branch on those ranges, which kept the rows' chains
+    // apart: ~800 clock cycles of each item's epilogue in fwd_sm90 (benchmarks/NOTES.md, session 7).
     __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
