@@ -100,6 +100,7 @@ def run(args):
 
     import cuflash
 
+    attention_module = sys.modules["cuflash.attention"]
     gpu = open_gpu(cupy, use_torch=True)
     if gpu is None or gpu.torch is None:
         print("run needs a GPU and torch (cuDNN is the yardstick)", file=sys.stderr)
@@ -130,17 +131,23 @@ def run(args):
                 key = (plan.variant, arch)
                 keys.append(key)
                 installed_plan = _heuristics.forward_plan
+                replays = {}
 
                 def call(i):
                     # get_kernel's memo (cuflash._compile) is where the launch path finds its kernel,
                     # and the attention module asks _heuristics for the plan (shared memory, defines).
+                    # A plain call's launch is remembered by shapes and options, not by kernel, so
+                    # each tree keeps its own memo of launches: with one shared memo every tree would
+                    # replay the launch (and kernel) of whichever ran first at this shape.
                     _compile._kernels[key] = loaded
                     _heuristics.forward_plan = lambda *a, **kw: plan
+                    installed_replays, attention_module._replays = attention_module._replays, replays
                     try:
                         with cuflash.force_kernel("fwd_sm90"):
                             cuflash.attention(*inputs[i], causal=causal, out=out)
                     finally:
                         _heuristics.forward_plan = installed_plan
+                        attention_module._replays = installed_replays
                 return call
 
             def cudnn(i):
