@@ -8,8 +8,11 @@
 //     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2; after a row's first tile
 //     speculatively, against its current maximum) -> O += P V (wgmma with P from registers, V
 //     transposed by its descriptor).
-// Key tiles run from the last to the first, like fwd_sm80, so a causal problem meets its partly
-// masked diagonal tile first; tiles that the window or the block mask hide entirely are never
+// Key tiles run from the first to the last (fwd_sm80 goes down). The CTAs on one head's m-blocks
+// then read each K/V tile at about the same time, so it crosses HBM once (going down, a causal
+// head's tile 0 was read by its m-blocks a whole item apart, and at D = 256 K/V came from HBM four
+// times over); and an item's first tile, whose softmax nothing overlaps, is a causal problem's
+// unmasked one, not its diagonal. Tiles that the window or the block mask hide entirely are never
 // loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
 // with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
 // Each consumer's output goes through shared memory and leaves by TMA (store_output_staged). The
@@ -180,27 +183,30 @@ struct WorkItem {
     int n_first, n_end;   // key tiles [n_first, n_end) that the window leaves visible
     int batch_coord;      // the batch coordinate of the tensor maps (0 under varlen)
 
-    __device__ __forceinline__ WorkItem(const FwdParams& p, int item, int num_m_blocks) {
+    // No constructor, so that it can live in shared memory (the producer hands it to the consumers).
+    static __device__ __forceinline__ WorkItem of(const FwdParams& p, int item, int num_m_blocks) {
+        WorkItem w;
         const int m_block = num_m_blocks - 1 - item % num_m_blocks;
         const int hb = item / num_m_blocks;
-        s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
-        m_lo = m_block * C::kBlockM;
-        m_hi = min(m_lo + C::kBlockM, s.seqlen_q);
+        w.s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
+        w.m_lo = m_block * C::kBlockM;
+        w.m_hi = min(w.m_lo + C::kBlockM, w.s.seqlen_q);
         int key_first, key_last;
-        visible_keys(p, s, m_lo, m_hi, &key_first, &key_last);
-        n_first = key_first / C::kBlockN;
-        n_end = ceil_div(key_last, C::kBlockN);
-        batch_coord = p.cu_seqlens_q != nullptr ? 0 : s.b;
+        visible_keys(p, w.s, w.m_lo, w.m_hi, &key_first, &key_last);
+        w.n_first = key_first / C::kBlockN;
+        w.n_end = ceil_div(key_last, C::kBlockN);
+        w.batch_coord = p.cu_seqlens_q != nullptr ? 0 : w.s.b;
+        return w;
     }
     // Varlen: the grid is sized by the longest sequence, so shorter ones have m-blocks with no rows.
     __device__ __forceinline__ bool empty() const { return m_lo >= s.seqlen_q; }
 
-    // Which of the 32 key tiles top - 1, top - 2, ..., top - 32 the item visits (bit i: tile
-    // top - 1 - i): inside [n_first, n_end) and not hidden by the block mask. Each lane of the
+    // Which of the 32 key tiles base, base + 1, ..., base + 31 the item visits (bit i: tile
+    // base + i): inside [n_first, n_end) and not hidden by the block mask. Each lane of the
     // producer warp tests one tile; all 32 lanes must call it.
-    __device__ __forceinline__ unsigned tiles_below(const FwdParams& p, int top) const {
-        const int n = top - 1 - threadIdx.x % 32;
-        bool visible = n >= n_first;
+    __device__ __forceinline__ unsigned tiles_from(const FwdParams& p, int base) const {
+        const int n = base + threadIdx.x % 32;
+        bool visible = n < n_end;
         if (C::kScoreMods && visible && p.block_mask != nullptr)   // block_mask comes with the modifiers
             visible = block_mask_share_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k),
                                                0, 1);
@@ -209,7 +215,7 @@ struct WorkItem {
     __device__ __forceinline__ int count_tiles(const FwdParams& p) const {
         if (!C::kScoreMods || p.block_mask == nullptr) return n_end - n_first;
         int count = 0;
-        for (int top = n_end; top > n_first; top -= 32) count += __popc(tiles_below(p, top));
+        for (int base = n_first; base < n_end; base += 32) count += __popc(tiles_from(p, base));
         return count;
     }
 };
@@ -220,9 +226,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long barriers[2 * C::kQSlots + 4 * C::kStages];
     // What the producer tells the consumers, published by the arrive on the slot's/stage's full
-    // barrier: the item whose Q is in a slot (-1: no more work) and how many key tiles it visits,
-    // and the key tile in a stage (the block mask is evaluated once, by the producer).
+    // barrier: the item whose Q is in a slot (-1: no more work), its rows and keys (work_of_slot:
+    // the consumers would spend ~140 instructions with integer divisions at every item's start on
+    // them) and how many key tiles it visits, and the key tile in a stage (the block mask is
+    // evaluated once, by the producer).
     __shared__ int item_of_slot[C::kQSlots], tiles_of_slot[C::kQSlots], tile_of_stage[C::kStages];
+    __shared__ WorkItem<C> work_of_slot[C::kQSlots];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
     const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
     const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
@@ -263,9 +272,26 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         setmaxnreg_dec<C::kProducerRegs>();
         if (warp != 0) return;
         int stage = 0, phase = 0, slot = 0, q_phase = 0;
+        // A tile's V goes out after the next tile's K (across items too), the order in which the
+        // consumers use them (S of tile j + 1 is issued before P V of tile j): waiting for V's
+        // stage to be released then no longer holds back the next K. The V due is that of the
+        // stage before `stage`, at the coordinates kept here (-1: none due).
+        int v_row = -1, v_head = 0, v_batch = 0;
+        auto issue_v_due = [&] {   // lane 0
+            if (v_row < 0) return;
+            const int v_stage = stage == 0 ? C::kStages - 1 : stage - 1;
+            const int v_phase = stage == 0 ? phase ^ 1 : phase;
+            mbar_wait(v_empty(v_stage), v_phase ^ 1);
+            mbar_arrive_expect_tx(v_full(v_stage), C::kKVBytes);
+            for (int blk = 0; blk < C::kColBlocks; ++blk)
+                tma_load_4d(v_smem + v_stage * C::kKVBytes + blk * C::kBlockN * 128, &v_map, blk * 64, v_row,
+                            v_head, v_batch, v_full(v_stage));
+            v_row = -1;
+        };
         for (int item = blockIdx.x;;) {
             if (item >= items) {
                 if (lane == 0) {
+                    issue_v_due();
                     mbar_wait(q_empty(slot), q_phase ^ 1);
                     item_of_slot[slot] = -1;
                     mbar_arrive(q_full(slot));   // releases the write above to the consumers
@@ -273,22 +299,23 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 return;
             }
             const int next = lane == 0 ? take_item(tile_counter, items) : 0;   // used at the end
-            const WorkItem<C> w(p, item, num_m_blocks);
+            const WorkItem<C> w = WorkItem<C>::of(p, item, num_m_blocks);
             if (!w.empty()) {
                 const int num_tiles = w.count_tiles(p);
                 if (lane == 0) {
                     mbar_wait(q_empty(slot), q_phase ^ 1);   // a fresh barrier passes parity 1 at once
                     item_of_slot[slot] = item;
                     tiles_of_slot[slot] = num_tiles;
+                    work_of_slot[slot] = w;
                     mbar_arrive_expect_tx(q_full(slot), C::kQBytes);
                     for (int blk = 0; blk < C::kColBlocks; ++blk)
                         tma_load_4d(q_smem + slot * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
                                     w.s.q_row0 + w.m_lo, w.s.h, w.batch_coord, q_full(slot));
                 }
                 if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
-                for (int top = w.n_end; top > w.n_first; top -= 32)
-                for (unsigned todo = w.tiles_below(p, top); todo != 0; todo &= todo - 1) {
-                    const int n = top - __ffs(todo);   // the highest tile not yet loaded
+                for (int base = w.n_first; base < w.n_end; base += 32)
+                for (unsigned todo = w.tiles_from(p, base); todo != 0; todo &= todo - 1) {
+                    const int n = base + __ffs(todo) - 1;   // the lowest tile not yet loaded
                     if (lane == 0) {
                         const int key_row = w.s.k_row0 + n * C::kBlockN;
                         mbar_wait(k_empty(stage), phase ^ 1);
@@ -297,11 +324,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         for (int blk = 0; blk < C::kColBlocks; ++blk)
                             tma_load_4d(k_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
                                         key_row, w.s.h_kv, w.batch_coord, k_full(stage));
-                        mbar_wait(v_empty(stage), phase ^ 1);
-                        mbar_arrive_expect_tx(v_full(stage), C::kKVBytes);
-                        for (int blk = 0; blk < C::kColBlocks; ++blk)
-                            tma_load_4d(v_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &v_map, blk * 64,
-                                        key_row, w.s.h_kv, w.batch_coord, v_full(stage));
+                        issue_v_due();   // the previous tile's
+                        v_row = key_row;
+                        v_head = w.s.h_kv;
+                        v_batch = w.batch_coord;
                     }
                     if (++stage == C::kStages) { stage = 0; phase ^= 1; }
                 }
@@ -334,7 +360,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             return;
         }
         const int num_tiles = *static_cast<volatile int*>(&tiles_of_slot[slot]);
-        const WorkItem<C> w(p, item, num_m_blocks);
+        const WorkItem<C> w = work_of_slot[slot];
         const SeqInfo& s = w.s;
         const int m_lo = w.m_lo, m_hi = w.m_hi;
         const int row0 = m_lo + consumer * 64 + warp * 16;   // this warp's first query row
@@ -419,9 +445,6 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
             int prev_stage = stage, prev_phase = phase;
             if (++stage == C::kStages) { stage = 0; phase ^= 1; }
-            // The first tile is the only one that can run past the sequence end (tiles go down).
-            const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
-            bool zero_tail = p.cu_seqlens_k != nullptr && first_row < C::kBlockN;
             // Unrolled by two, the copy of p_next into p_frag at the end becomes a renaming of registers.
 #pragma unroll 2
             for (int i = 1; i < num_tiles; ++i) {
@@ -429,10 +452,6 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
                 issue_s(stage);
                 mbar_wait(v_full(prev_stage), prev_phase);
-                if (zero_tail) {
-                    zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
-                    zero_tail = false;
-                }
                 issue_pv(prev_stage);
                 wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
                 mbar_arrive(k_empty(stage));
@@ -477,7 +496,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 if (++stage == C::kStages) { stage = 0; phase ^= 1; }
             }
             mbar_wait(v_full(prev_stage), prev_phase);
-            if (zero_tail) zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+            // The last tile is the only one that can run past the sequence's end (tiles go up).
+            const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
+            if (p.cu_seqlens_k != nullptr && first_row < C::kBlockN)
+                zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
             wgmma_fence();
             issue_pv(prev_stage);
             retire_pv();
