@@ -16,8 +16,10 @@
 // loaded. Rows and keys past the tensor's end come in as zeros (TMA fills out-of-range coordinates
 // with zeros); under varlen they are the next sequence's rows, which the masks keep out of results.
 // Each consumer's output goes through shared memory and leaves by TMA (store_output_staged). The
-// CTAs are persistent and take their work items from a counter (WorkItem, take_item). Consumer 1
-// runs a fraction of a tile behind consumer 0, so their epilogues do not coincide.
+// CTAs are persistent and take their work items from a counter (WorkItem, take_item). The two
+// consumers start together: staggering them (consumer 1 waiting for consumer 0's first P) paid
+// +0.01-0.05 of cuDNN in session 3, and cost 0.00-0.03 once the producer issued V after the next
+// K (benchmarks/NOTES.md, session 8).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
 // (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
@@ -272,10 +274,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         setmaxnreg_dec<C::kProducerRegs>();
         if (warp != 0) return;
         int stage = 0, phase = 0, slot = 0, q_phase = 0;
-        // A tile's V goes out after the next tile's K (across items too), the order in which the
-        // consumers use them (S of tile j + 1 is issued before P V of tile j): waiting for V's
-        // stage to be released then no longer holds back the next K. The V due is that of the
-        // stage before `stage`, at the coordinates kept here (-1: none due).
+        // A tile's V goes out after the next tile's K, the order in which the consumers use them
+        // (S of tile j + 1 is issued before P V of tile j): waiting for V's stage to be released
+        // then no longer holds back the next K. An item's last V goes before the next item's Q
+        // and K, which its last P V would otherwise wait behind (D = 128, 512 keys: 0.93 -> 1.02
+        // of cuDNN). The V due is that of the stage before `stage`, at the coordinates kept here
+        // (-1: none due).
         int v_row = -1, v_head = 0, v_batch = 0;
         auto issue_v_due = [&] {   // lane 0
             if (v_row < 0) return;
@@ -303,6 +307,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if (!w.empty()) {
                 const int num_tiles = w.count_tiles(p);
                 if (lane == 0) {
+                    issue_v_due();   // the last item's last V
                     mbar_wait(q_empty(slot), q_phase ^ 1);   // a fresh barrier passes parity 1 at once
                     item_of_slot[slot] = item;
                     tiles_of_slot[slot] = num_tiles;
@@ -341,21 +346,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const int consumer = warpgroup - 1;
     const int g = lane / 4, t = lane % 4;
     int stage = 0, phase = 0, slot = 0, q_phase = 0;
-    // Staggered consumers: consumer 1 starts once consumer 0 has its first P (barrier 4), so that
-    // their items' first tiles and epilogues, where the tensor cores idle, do not coincide. The
-    // K/V ring lets the lag persist (a stage is refilled only when both have released it).
-    // Measured: +0.01-0.05 of cuDNN at 1k-8k keys in a same-run A/B (benchmarks/NOTES.md).
-    bool partner_waits = consumer == 0;
-    auto release_partner = [&] {
-        if (partner_waits) named_barrier_arrive(4, 128 * C::kConsumers);
-        partner_waits = false;
-    };
-    if (consumer == 1) named_barrier_sync(4, 128 * C::kConsumers);
     for (;;) {
         mbar_wait(q_full(slot), q_phase);
         const int item = *static_cast<volatile int*>(&item_of_slot[slot]);
         if (item < 0) {
-            release_partner();
             if (threadIdx.x % 128 == 0) bulk_wait();   // output stores still read shared memory
             return;
         }
@@ -440,7 +434,6 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             float correction[2];
             score_step(n);
             softmax_step(n, correction);   // O is still 0: nothing to rescale
-            release_partner();
 #pragma unroll
             for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
             int prev_stage = stage, prev_phase = phase;
@@ -512,7 +505,6 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
         store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
                                out_smem + consumer * 64 * C::kOutCols * 2, consumer);
-        release_partner();   // (an item without key tiles)
     }
 }
 

@@ -515,15 +515,18 @@ def test_large_magnitude_inputs(family, dtype):
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
 @pytest.mark.parametrize("growth", [3.0, 12.0])
-def test_row_maximum_grows_at_every_key_tile(family, dtype, growth):
-    # Key tiles run from the last to the first, so scores that rise towards the first keys raise
-    # every row's maximum at every tile, by `growth` log2 units per 64 keys: by a little (less than
-    # 8 per tile of 64 or 128 keys), the online softmax keeps its old reference point and its p
+@pytest.mark.parametrize("rising_towards", ["first_key", "last_key"])
+def test_row_maximum_grows_at_every_key_tile(family, dtype, growth, rising_towards):
+    # Key tiles run from the last to the first (fwd_sm80, fwd_simt) or from the first to the last
+    # (fwd_sm90), so scores that rise towards the first keys, or towards the last, raise every
+    # row's maximum at every tile, by `growth` log2 units per 64 keys: by a little (less than 8
+    # per tile of 64 or 128 keys), the online softmax keeps its old reference point and its p
     # exceed 1 (lazy rescaling); by a lot, it moves the reference and rescales O at each tile.
     # (Scores stay below ~60: beyond that float32's own rounding of s exceeds its 1e-5 rule.)
     B, Sq, Sk, D = 1, 70, 450, 64
     q, k, v = _qkv(_shape(B, Sq, Sk, 2, 1, D), dtype, 90 + int(growth))
-    score = growth / math.log2(math.e) * (Sk - np.arange(Sk)) / 64   # natural units, key j
+    steps = Sk - np.arange(Sk) if rising_towards == "first_key" else 1 + np.arange(Sk)
+    score = growth / math.log2(math.e) * steps / 64   # natural units, key j
     q = q.astype(cupy.float32)
     k = k.astype(cupy.float32)
     q[..., 0] = 1.0
@@ -536,24 +539,28 @@ def test_row_maximum_grows_at_every_key_tile(family, dtype, growth):
 
 @pytest.mark.parametrize("family, dtype", [k for k in KERNELS if k.values[1] != "float32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("case", ["jump_at_key_0", "step_at_key_0", "all_scores_large"])
+@pytest.mark.parametrize("case", ["jump_at_key_0", "step_at_key_0", "jump_at_a_late_key", "step_at_a_late_key",
+                                  "all_scores_large"])
 def test_score_far_above_the_rows_maximum(family, dtype, head_dim, case):
-    # Key tiles run from the last to the first, so key 0 is met last: a score of 100 there (natural
-    # units, 144 in log2) lies far above every row's running maximum, and fwd_sm90's speculative
-    # softmax, which takes a tile's exponentials against the old maximum, overflows and must
-    # redo the tile exactly. A score of 10 there (14 in log2) moves the maximum past the slack
-    # without overflowing: the redo must still win over the speculative values. With every score
-    # near 100 and a causal or windowed mask, rows whose first tiles were fully masked meet their
-    # first keys with no maximum yet. (float32 is left out: scores of 100 carry more rounding than
-    # its 1e-5 rule; see the test above.)
+    # A key met after a row's first tile carries a score far above the row's running maximum:
+    # key 0 when tiles run from the last to the first (fwd_sm80), key Sk - Sq (the last key that
+    # every row sees under the causal mask, past the first tile) when they run from the first to
+    # the last (fwd_sm90). A score of 100 there (natural units, 144 in log2) makes fwd_sm90's
+    # speculative softmax, which takes a tile's exponentials against the old maximum, overflow,
+    # and it must redo the tile exactly. A score of 10 (14 in log2) moves the maximum past the
+    # slack without overflowing: the redo must still win over the speculative values. With every
+    # score near 100 and a causal or windowed mask, rows whose first tiles were fully masked meet
+    # their first keys with no maximum yet. (float32 is left out: scores of 100 carry more
+    # rounding than its 1e-5 rule; see the test above.)
     B, Sq, Sk = 1, 70, 450
     q, k, v = _qkv(_shape(B, Sq, Sk, 2, 1, head_dim), dtype, 96 + head_dim)
     q = q.astype(cupy.float32)
     k = k.astype(cupy.float32)
     q[..., 0] = 1.0
     if case != "all_scores_large":
-        jump = 100.0 if case == "jump_at_key_0" else 10.0
-        k[:, 0, :, 0] = jump * math.sqrt(head_dim)   # times q[..., 0] = 1 and the scale 1/sqrt(D)
+        jump = 100.0 if case.startswith("jump") else 10.0
+        key = 0 if case.endswith("key_0") else Sk - Sq
+        k[:, key, :, 0] = jump * math.sqrt(head_dim)   # times q[..., 0] = 1 and the scale 1/sqrt(D)
     else:
         k[..., 0] = 100.0 * math.sqrt(head_dim)
     q, k = q.astype(v.dtype), k.astype(v.dtype)
