@@ -134,7 +134,8 @@ __device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::k
                 const unsigned word = no_keys ? 0u
                                               : pack2<elem_t>(acc_o[0][di][2 * half] * factor,
                                                               acc_o[0][di][2 * half + 1] * factor);
-                const unsigned addr = tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16) + t * 4;
+                // r % 8 == g: spelled so, the address of the second half is the first's + 1024.
+                const unsigned addr = tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ g) * 16) + t * 4;
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(word) : "memory");
             }
             const int i = wg_row0 + r;

@@ -128,17 +128,18 @@ struct OnlineSoftmax {
 
     // After the last tile: the full row sums, 1/l for normalising (0 for rows with no visible key,
     // so they come out as 0) and lse = ln(sum exp(s_natural)) (-inf for those rows).
-    // The approximate reciprocal and log2 (one MUFU instruction each, ~1 ulp and 2^-22 absolute)
-    // suffice: a row that sees a key has 1 <= l <= keys * 2^kRescaleSlack (m never exceeds the
-    // row's maximum, whose own term is then >= 1), far from the subnormal and huge ranges where
-    // they lose accuracy. The IEEE versions branch on those ranges, which kept the rows' chains
-    // apart: ~800 clock cycles of each item's epilogue in fwd_sm90 (benchmarks/NOTES.md, session 7).
+    // The approximate reciprocal and log2 (one MUFU instruction each, ~1 ulp and 2^-22 absolute,
+    // subnormals flushed) suffice: a row that sees a key has 1 <= l <= keys * 2^kRescaleSlack (m
+    // never exceeds the row's maximum, whose own term is then >= 1), far from the subnormal and
+    // huge ranges where they lose accuracy. The IEEE versions branch on those ranges, which kept
+    // the rows' chains apart: ~800 clock cycles of each item's epilogue in fwd_sm90
+    // (benchmarks/NOTES.md, session 7).
     __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const float row_sum = quad_sum(l[r]);
-            inv_l[r] = row_sum == 0.f ? 0.f : __fdividef(1.f, row_sum);
-            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] * scale_log2 + __log2f(row_sum)) * kLn2;
+            inv_l[r] = row_sum == 0.f ? 0.f : fast_rcp(row_sum);
+            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] * scale_log2 + fast_log2(row_sum)) * kLn2;
         }
     }
 };
