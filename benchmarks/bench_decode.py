@@ -7,14 +7,14 @@ contiguous cache (B, L, Hk, D) and a paged one (page 16, pages in random order).
 
 Columns:
 
-- ``cuflash us`` / ``GB/s`` / ``%copy``: the decode kernels alone (split-KV partial kernel + merge),
-  launched back to back from a validated call (``_prepare(...).launch()`` of cuflash/decode.py), so the
+- ``cuflash us`` / ``GB/s`` / ``%copy``: the decode kernels alone (index check, split-KV partial
+  kernel, merge): a ``cuflash.plan`` of the call captured once in a CUDA graph and replayed, so the
   GPU time is measured, not Python's; GB/s = K+V bytes read (2 * B * L * Hk * D * 2) / time, and
   %copy its fraction of the measured device-to-device copy bandwidth (``cupy.copyto`` of 1 GiB,
   counting read + write bytes);
-- ``call us``: the whole ``cuflash.decode`` call (argument checks, host-side block table checks,
-  allocation, launches), back to back, with ``cache_seqlens`` / ``block_table`` given as NumPy so
-  that no device-to-host synchronisation happens;
+- ``call us``: the whole ``cuflash.decode`` call as users make it (memo lookup, allocation, launches),
+  back to back, events around each call, with ``cache_seqlens`` / ``block_table`` on the GPU (never
+  read back);
 - ``flash`` / ``cudnn``: torch SDPA with the FLASH_ATTENTION / CUDNN_ATTENTION backend on the
   contiguous cache (zero-copy BHSD views of the same memory, ``enable_gqa=True``; if the backend
   refuses GQA, K/V are expanded to Hq heads beforehand and the column is marked ``*``), same q.
@@ -98,7 +98,6 @@ def main(argv=None):
     import numpy as np
 
     import cuflash
-    from cuflash.decode import _prepare
 
     gpu = open_gpu(cupy, not args.no_torch)
     if gpu is None:
@@ -141,21 +140,31 @@ def main(argv=None):
                                                                                   HEAD_DIM)
                     vc.view(cupy.uint16)[pages_of] = v.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K,
                                                                                   HEAD_DIM)
-                    lens = np.full(batch, seqlen, dtype=np.int32)
+                    lens = cupy.full(batch, seqlen, dtype=cupy.int32)
+                    table = cupy.asarray(table)
                 else:
                     raise SystemExit(f"unknown layout {layout!r}")
                 row = dict(layout=layout, B=batch, L=seqlen)
                 call = None
                 try:
-                    call = _prepare(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
-                    row["splits"] = call.num_splits
-                    ms = timer.median_ms(lambda i: call.launch())
+                    planned = cuflash.plan(cuflash.decode, q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+                    row["splits"] = planned.plan.info["num_splits"]
+                    cupy.cuda.Device().synchronize()
+                    capture = cupy.cuda.Stream(non_blocking=True)   # the default stream cannot capture
+                    with capture:
+                        planned(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)   # makes its workspace
+                        capture.begin_capture()
+                        planned(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+                        call = capture.end_capture()
+                    capture.synchronize()
+                    stream = cupy.cuda.get_current_stream()
+                    ms = timer.median_ms(lambda i: call.launch(stream))
                     row["cuflash us"] = ms * 1e3
                     row["GB/s"] = kv_bytes / (ms * 1e-3) / 1e9
                     row["%copy"] = row["GB/s"] / copy_gbs
                     row["call us"] = 1e3 * timer.median_ms(
                         lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out))
-                    call.launch()
+                    call.launch(stream)
                     row["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
                 except Exception as e:  # report and go on: one broken point should not hide the others
                     log(f"cuflash failed at {layout} B={batch} L={seqlen}: {type(e).__name__}: {e}")

@@ -9,6 +9,7 @@
 // Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32) of dst.
 #include "common.cuh"
 #include "bwd_params.cuh"
+#include "fault.cuh"
 
 namespace cuflash {
 
@@ -28,5 +29,6 @@ __device__ __forceinline__ void bwd_convert(const ConvertParams& cp) {
 }  // namespace cuflash
 
 extern "C" __global__ void __launch_bounds__(256) cuflash_bwd_convert(const cuflash::ConvertParams p) {
+    if (cuflash::call_faulted(p.error)) return;
     cuflash::bwd_convert(p);
 }

@@ -44,6 +44,7 @@ struct BwdParams {
 struct ConvertParams {
     const float* src;
     void* dst;
+    const int* error;        // the call's check_indices verdict (see FwdParams::error); nullptr: no check
     long long partial_stride;
     long long src_row_stride, src_head_stride;
     long long dst_row_stride, dst_head_stride;

@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "bwd_common.cuh"
 
@@ -70,5 +71,6 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
 }  // namespace cuflash
 
 extern "C" __global__ void __launch_bounds__(128) cuflash_bwd_preprocess(const cuflash::BwdParams p) {
+    if (cuflash::call_faulted(p.fwd.error)) return;
     cuflash::bwd_preprocess(p);
 }

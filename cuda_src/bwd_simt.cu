@@ -22,6 +22,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"   // only its cp.async wrappers: 16-byte copies with zero fill
 #include "philox.cuh"
@@ -365,5 +366,6 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size diff
 
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS)
     cuflash_bwd_simt(const cuflash::BwdParams p) {
+    if (cuflash::call_faulted(p.fwd.error)) return;
     cuflash::bwd_simt<Config>(p);
 }

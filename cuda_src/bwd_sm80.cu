@@ -27,6 +27,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "philox.cuh"
@@ -504,5 +505,6 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size diff
 
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS)
     cuflash_bwd_sm80(const cuflash::BwdParams p) {
+    if (cuflash::call_faulted(p.fwd.error)) return;
     cuflash::bwd_sm80<Config>(p);
 }

@@ -18,6 +18,11 @@
 // the cache; since no CTA reads the cache at those positions (cuflash/decode.py checks that no
 // sequence's visible cache slots are append targets), writing and reading in one launch is race free.
 //
+// Bad indices: cuda_src/check_indices.cu validates cache_seqlens and block_table on the device and
+// the launch returns at entry on its verdict (p.error). Without a check nothing is out of bounds
+// either: a sequence that does not fit its cache is skipped, and a cached key on a block_table
+// entry that is not a page reads as zeros (and receives no append).
+//
 // Two code paths share everything but the tile arithmetic:
 //   fp16/bf16: mma.sync m16n8k16 (mma_sm80.cuh), kBlockM = 16 rows (padded), 16 keys per warp step;
 //   float32:   FFMA, kBlockM = 8 rows, kKeysPerWarp keys per warp step with 32 / kKeysPerWarp lanes
@@ -30,6 +35,7 @@
 #include "common.cuh"
 #include "params.cuh"
 #include "decode_params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "online_softmax.cuh"
 #include "mma_sm80.cuh"
@@ -96,20 +102,30 @@ struct DecodeSeq {
     const int* pages;        // block_table row of b (paged only)
 };
 
-// Offsets (elements, from DecodeSeq::k_cache / v_cache) of cache position pos.
+// Whether a block_table entry names a page of the cache. Entries outside [0, num_pages) are never
+// dereferenced, even when no check_indices ran: rows on them read as zeros and receive no append.
+__device__ __forceinline__ bool page_in_cache(int page, int num_pages) {
+    return static_cast<unsigned>(page) < static_cast<unsigned>(num_pages);   // negative pages too, one compare
+}
+
+// Offsets (elements, from DecodeSeq::k_cache / v_cache) of cache position pos, which is below the
+// sequence's capacity (decode_attention leaves sequences that do not fit alone), so its page index
+// is a column of block_table. false: the position's page is not the cache's (offsets unset).
 template <class C>
-__device__ __forceinline__ void cache_offsets(const DecodeParams& p, const DecodeSeq& sq, int pos, long long* k_off,
+__device__ __forceinline__ bool cache_offsets(const DecodeParams& p, const DecodeSeq& sq, int pos, long long* k_off,
                                               long long* v_off) {
     if constexpr (C::kPaged) {
         const int page_idx = pos / p.page_size;
-        const long long page = __ldg(sq.pages + page_idx);
+        const int page = __ldg(sq.pages + page_idx);
+        if (!page_in_cache(page, p.num_pages)) return false;
         const long long slot = pos - page_idx * p.page_size;
-        *k_off = page * p.k_batch_stride + slot * p.k_row_stride;
-        *v_off = page * p.v_batch_stride + slot * p.v_row_stride;
+        *k_off = static_cast<long long>(page) * p.k_batch_stride + slot * p.k_row_stride;
+        *v_off = static_cast<long long>(page) * p.v_batch_stride + slot * p.v_row_stride;
     } else {
         *k_off = pos * p.k_row_stride;
         *v_off = pos * p.v_row_stride;
     }
+    return true;
 }
 
 // K and V rows j0 .. j0 + kBlockN - 1 into one stage; rows at or past j_end and columns past head_dim
@@ -144,15 +160,18 @@ __device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, con
         const int idx = threadIdx.x + it * C::kNThreads;
         const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
         const int j = j0 + r;
-        const bool valid = j < j_end && c < p.head_dim;
+        bool valid = j < j_end && c < p.head_dim;
         const elem_t* k_src = sq.k_cache;
         const elem_t* v_src = sq.v_cache;
         if (valid) {
             if (j < sq.cache_len) {
                 long long k_off, v_off;
-                cache_offsets<C>(p, sq, j, &k_off, &v_off);
-                k_src += k_off + c;
-                v_src += v_off + c;
+                if (cache_offsets<C>(p, sq, j, &k_off, &v_off)) {
+                    k_src += k_off + c;
+                    v_src += v_off + c;
+                } else {
+                    valid = false;   // a row on a page that is not the cache's reads as zeros
+                }
             } else {   // an appended token: read from k_new / v_new, not from the slot being written
                 const long long t = j - sq.cache_len;
                 k_src = sq.k_new + t * p.k_new_row_stride + c;
@@ -189,7 +208,7 @@ struct PagedRows {
 
 // One key row's page, fetched by thread r = threadIdx.x < kBlockN for row r of a future tile.
 struct PagedRowFetch {
-    int page;   // block_table entry (valid when the row is a cached key)
+    int page;   // block_table entry (valid when the row is a cached key; checked by publish)
     int slot;   // row inside the page; -1: not a cached key (appended token or past key_end)
 
     template <class C>
@@ -212,9 +231,13 @@ struct PagedRowFetch {
         const elem_t* k_row = nullptr;
         const elem_t* v_row = nullptr;
         if (slot >= 0) {
-            // 64-bit: a page pool can exceed 2^31 elements. Once per row per tile, not per copy.
-            k_row = sq.k_cache + static_cast<long long>(page) * p.k_batch_stride + slot * p.k_row_stride;
-            v_row = sq.v_cache + static_cast<long long>(page) * p.v_batch_stride + slot * p.v_row_stride;
+            // The page is range-checked here, where its load has landed anyway (in fetch, the test
+            // would wait on it); a row on a page that is not the cache's stays nullptr: zeros.
+            if (page_in_cache(page, p.num_pages)) {
+                // 64-bit: a page pool can exceed 2^31 elements. Once per row per tile, not per copy.
+                k_row = sq.k_cache + static_cast<long long>(page) * p.k_batch_stride + slot * p.k_row_stride;
+                v_row = sq.v_cache + static_cast<long long>(page) * p.v_batch_stride + slot * p.v_row_stride;
+            }
         } else if (j < key_end) {   // an appended token: read from k_new / v_new, not from the slot being written
             const long long t = j - sq.cache_len;
             k_row = sq.k_new + t * p.k_new_row_stride;
@@ -263,13 +286,14 @@ __device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& 
 }
 
 // k_new / v_new rows into the cache at cache_len + t (16-byte vectors; alignment checked by the host).
+// Rows whose page is not the cache's are dropped.
 template <class C>
 __device__ __forceinline__ void append_new_rows(const DecodeParams& p, const DecodeSeq& sq) {
     const int chunks = p.head_dim / C::kChunkElems;
     for (int idx = threadIdx.x; idx < p.seqlen_new * chunks; idx += C::kNThreads) {
         const int t = idx / chunks, c = (idx % chunks) * C::kChunkElems;
         long long k_off, v_off;
-        cache_offsets<C>(p, sq, sq.cache_len + t, &k_off, &v_off);
+        if (!cache_offsets<C>(p, sq, sq.cache_len + t, &k_off, &v_off)) continue;
         *reinterpret_cast<uint4*>(sq.k_cache + k_off + c) =
             *reinterpret_cast<const uint4*>(sq.k_new + t * p.k_new_row_stride + c);
         *reinterpret_cast<uint4*>(sq.v_cache + v_off + c) =
@@ -555,6 +579,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 
     DecodeSeq sq;
     sq.cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen_cache;
+    // A sequence whose keys would not fit its cache is left alone, neither appended to nor attended
+    // (even when no check_indices ran): then every position read or written lies below capacity,
+    // so a contiguous cache is read only at its rows and block_table only at its max_pages columns.
+    const long long capacity = C::kPaged ? static_cast<long long>(p.max_pages) * p.page_size : p.seqlen_cache;
+    if (sq.cache_len < 0 || static_cast<long long>(sq.cache_len) + p.seqlen_new > capacity) return;
     sq.s.b = b;
     sq.s.h = h_kv * p.group;
     sq.s.h_kv = h_kv;
@@ -747,5 +776,6 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size diff
 #define CUFLASH_MIN_BLOCKS 1
 #endif
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS) cuflash_decode(const cuflash::DecodeParams p) {
+    if (cuflash::call_faulted(p.error)) return;
     cuflash::decode_attention<Config>(p);
 }

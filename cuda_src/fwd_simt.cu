@@ -21,6 +21,7 @@
 //   CUFLASH_WARPS, CUFLASH_MIN_BLOCKS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"   // only its cp.async wrappers: 16-byte copies with zero fill
 #include "philox.cuh"
@@ -384,5 +385,6 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemFloats * sizeof(float),
 
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS)
     cuflash_fwd_simt(const cuflash::FwdParams p) {
+    if (cuflash::call_faulted(p.error)) return;
     cuflash::fwd_simt<Config>(p);
 }

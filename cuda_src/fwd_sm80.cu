@@ -12,6 +12,7 @@
 //   CUFLASH_SCORE_MODS (softcap / alibi / bias / mask / block_mask possible), CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "online_softmax.cuh"
 #include "mma_sm80.cuh"
@@ -190,5 +191,6 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemElems * sizeof(cuflash::elem_t)
 
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS)
     cuflash_fwd_sm80(const cuflash::FwdParams p) {
+    if (cuflash::call_faulted(p.error)) return;
     cuflash::fwd_sm80<Config>(p);
 }

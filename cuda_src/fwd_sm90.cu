@@ -25,6 +25,7 @@
 // (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
+#include "fault.cuh"
 #include "mask.cuh"
 #include "online_softmax.cuh"
 #include "philox.cuh"
@@ -523,6 +524,8 @@ extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
                      const __grid_constant__ cuflash::TmaMap v_map, const __grid_constant__ cuflash::TmaMap o_map,
                      const cuflash::FwdParams p, int* tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Before the barriers and before any take_item: tile_counter stays 0 for the next launch.
+    if (cuflash::call_faulted(p.error)) return;
     cuflash::fwd_sm90<Config>(q_map, k_map, v_map, o_map, p, tile_counter);
 #endif
 }

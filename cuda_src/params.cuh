@@ -20,6 +20,9 @@ struct FwdParams {
     const unsigned char* mask;         // bool; nullptr: none
     const void* bias;                  // float32/float16/bfloat16; nullptr: none
     const unsigned char* block_mask;   // bool; nullptr: none
+    // Device word written by the check_indices kernel of this call (cuda_src/check_indices.cu);
+    // nullptr: no check ran; non-zero: the call's index arrays are bad and the launch writes nothing.
+    const int* error;
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
     long long v_batch_stride, v_row_stride, v_head_stride;

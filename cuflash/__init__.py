@@ -10,6 +10,7 @@ from .decode import decode
 from .merge import merge_states
 from .random import Generator, default_generator, manual_seed
 from ._compile import precompile
+from ._pipeline import PinnedPlan as Plan, check_errors, planned as plan
 
 __version__ = "0.1.0"
 
@@ -26,4 +27,18 @@ __all__ = [
     "default_generator",
     "manual_seed",
     "precompile",
+    "plan",
+    "Plan",
+    "check_errors",
 ]
+
+# Submodules reachable as attributes without importing them (or torch, hypothesis) up front.
+_LAZY = ("reference", "testing", "interop")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

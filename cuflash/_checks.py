@@ -1,4 +1,4 @@
-"""All argument validation, done before any launch.
+"""All argument validation, done before any launch: the one module that checks operands.
 
 Every error is a TypeError (type or dtype) or ValueError (shape or value) that names the argument,
 says what was expected and what came. Nothing here writes to a user's buffer.
@@ -7,9 +7,12 @@ says what was expected and what came. Nothing here writes to a user's buffer.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from ._heuristics import MAX_HEAD_DIM
 
 try:
     import ml_dtypes
@@ -55,16 +58,86 @@ def as_cuda_array(x, name: str):
     try:
         cupy = _cupy()
     except ImportError:
-        raise RuntimeError("cuflash needs CuPy (pip install 'cuflash[cuda13]' or '[cuda12]')") from None
+        raise RuntimeError("cuflash needs CuPy: pip install 'cuflash[cuda13]' (or 'cuflash[cuda12]' with a "
+                           "CUDA 12 driver; nvidia-smi shows the driver's CUDA version)") from None
     if isinstance(x, cupy.ndarray):
         return x
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a CUDA array; it is a NumPy (host) array: move it to the GPU with "
+                        f"cupy.asarray({name})")
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         device_type = x.__dlpack_device__()[0]
         if int(device_type) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
-            raise TypeError(f"{name} must be a CUDA array; it lives on DLPack device type {int(device_type)}")
+            where = "host (CPU) memory" if int(device_type) in (1, 3) else f"DLPack device type {int(device_type)}"
+            raise TypeError(f"{name} must be a CUDA array; it lives in {where}: move it to the GPU first")
         require_gpu()
         return cupy.from_dlpack(x)
     raise TypeError(f"{name} must be a CUDA array (CuPy or anything with __dlpack__), got {type(x).__name__}")
+
+
+class Shaped:
+    """The layout of a C-contiguous array a plan will allocate (shape, strides, dtype), for the
+    layout fields of the params before the array exists."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        strides, step = [], self.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+        self.nbytes = self.itemsize * math.prod(self.shape)
+        self.ndim = len(self.shape)
+
+
+_CHECK_DEFAULT = os.environ.get("CUFLASH_CHECK", "").strip() not in ("", "0")
+
+
+def check_flag(check) -> bool:
+    """The ``check`` argument of the entry points with index arrays: None = ``$CUFLASH_CHECK``."""
+    if check is None:
+        return _CHECK_DEFAULT
+    if not isinstance(check, (bool, np.bool_)):
+        raise TypeError(f"check must be a bool or None, got {type(check).__name__}")
+    return bool(check)
+
+
+def check_qkv(q, k, v, rank: int, layout: str):
+    """q, k, v as CuPy arrays of one float dtype, rank and consistent heads/head dims; and the dtype name."""
+    q = as_cuda_array(q, "q")
+    k = as_cuda_array(k, "k")
+    v = as_cuda_array(v, "v")
+    name = check_float_dtype(q, "q")
+    check_same_dtype(q, "q", k, "k")
+    check_same_dtype(q, "q", v, "v")
+    for x, xname in ((q, "q"), (k, "k"), (v, "v")):
+        check_rank(x, rank, xname, layout)
+    check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], MAX_HEAD_DIM)
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"v must have the batch and length of k {tuple(k.shape[:-2])}, got {tuple(v.shape[:-2])}")
+    return q, k, v, name
+
+
+def kernel_ready(x, head_dim_padded: int):
+    """x itself when its rows are 16-byte aligned with the last axis contiguous, else an aligned,
+    zero-padded copy (documented: non-contiguous last axes and odd head dims cost a copy)."""
+    cupy = _cupy()
+
+    d = x.shape[-1]
+    strides = element_strides(x)
+    aligned = (
+        d == head_dim_padded
+        and strides[-1] == 1
+        and all(s % 8 == 0 for s in strides[:-1])
+        and x.data.ptr % 16 == 0
+    )
+    if aligned:
+        return x
+    padded = cupy.zeros(x.shape[:-1] + (head_dim_padded,), dtype=x.dtype)
+    padded[..., :d] = x
+    return padded
 
 
 def check_float_dtype(x, name: str) -> str:
@@ -197,10 +270,9 @@ def check_block_size(block_size) -> tuple[int, int]:
 
 
 def check_out(out, name: str, shape: tuple[int, ...], dtype, *, contiguous_last: bool = True):
-    """A caller's output buffer: a CuPy array of exactly this shape and dtype."""
-    cupy = _cupy()
-    if not isinstance(out, cupy.ndarray):
-        raise TypeError(f"{name} must be a CuPy array, got {type(out).__name__}")
+    """A caller's output buffer (a CuPy array or a CUDA DLPack tensor) of exactly this shape and
+    dtype, as a CuPy view."""
+    out = as_cuda_array(out, name)
     if out.dtype != np.dtype(dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {out.dtype}")
     if tuple(out.shape) != tuple(shape):
@@ -231,44 +303,73 @@ def check_options(*, head_dim, causal, scale, window, softcap, dropout_p, genera
     )
 
 
-def check_cu_seqlens(cu, name: str, total: int, batch: int | None):
-    """cu_seqlens: int32 (B+1,) on the GPU, 0 first, non-decreasing, ending at ``total``.
-
-    Reads the (small) array back to the host: a synchronisation, the price of checking it.
-    """
+def check_cu_seqlens(cu, name: str, batch: int | None):
+    """cu_seqlens: an int32 (B+1,) array on the GPU. Its values are never read here (that would
+    synchronise): the check_indices kernel validates them before the attention kernels run."""
     cu = as_cuda_array(cu, name)
     if cu.dtype != np.int32:
         raise TypeError(f"{name} must be int32, got {cu.dtype}")
-    if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must be 1-d of length batch + 1 >= 2, got shape {tuple(cu.shape)}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-d of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
     if batch is not None and cu.shape[0] != batch + 1:
         raise ValueError(f"{name} must have length {batch + 1} like cu_seqlens_q, got {cu.shape[0]}")
-    host = cu.get()
-    if host[0] != 0 or np.any(np.diff(host) < 0):
-        raise ValueError(f"{name} must start at 0 and never decrease, got {host.tolist()}")
-    if host[-1] != total:
-        raise ValueError(f"{name} must end at the total length {total}, got {int(host[-1])}")
-    return cu, host
+    if cu.strides[0] != 4:
+        cu = _cupy().ascontiguousarray(cu)
+    return cu
+
+
+def check_max_seqlen(value, name: str, total: int) -> int:
+    """max_seqlen_q/k: an int in [0, total], or None for the total (which bounds every sequence)."""
+    if value is None:
+        return total
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return min(int(value), total)
 
 
 def check_varlen(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q, max_seqlen_k):
     """The packed-sequence arguments of the varlen entry points: both cu_seqlens
-    (:func:`check_cu_seqlens`, same batch) and the optional max_seqlen hints, which must be ints
-    at least the longest sequence.
+    (:func:`check_cu_seqlens`, same batch) and the max_seqlen bounds.
 
     Returns
     -------
-    cu_q, cu_k : the cu_seqlens on the GPU
+    cu_q, cu_k : the cu_seqlens on the GPU (contiguous)
     batch : int
-    max_q, max_k : int, the longest query and key sequences
+    max_q, max_k : int, bounds of the longest query and key sequences
     """
-    cu_q, host_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, None)
+    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None)
     batch = cu_q.shape[0] - 1
-    cu_k, host_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", total_k, batch)
-    longest = []
-    for given, host, name in ((max_seqlen_q, host_q, "max_seqlen_q"), (max_seqlen_k, host_k, "max_seqlen_k")):
-        lens = np.diff(host)
-        if given is not None and (not isinstance(given, (int, np.integer)) or given < lens.max()):
-            raise ValueError(f"{name} must be an int >= the longest sequence ({int(lens.max())}), got {given!r}")
-        longest.append(int(lens.max()))
-    return cu_q, cu_k, batch, longest[0], longest[1]
+    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch)
+    return (cu_q, cu_k, batch, check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q),
+            check_max_seqlen(max_seqlen_k, "max_seqlen_k", total_k))
+
+
+def int32_operand(x, name: str, ndim: int):
+    """An int32 index array: on the GPU (used as it is; its values are checked by a kernel, never
+    read back here), or given on the host (NumPy array or list: checked here by the caller, then
+    copied to the GPU, no synchronisation).
+
+    Returns
+    -------
+    (device array (C-contiguous), host array or None)
+    """
+    cupy = _cupy()
+    if isinstance(x, (list, tuple)):
+        x = np.asarray(x, dtype=np.int32)
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {x.dtype}")
+        if x.ndim != ndim:
+            raise ValueError(f"{name} must be {ndim}-d, got shape {tuple(x.shape)}")
+        return cupy.asarray(np.ascontiguousarray(x)), x.astype(np.int64)
+    device = as_cuda_array(x, name)
+    if device.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {device.dtype}")
+    if device.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-d, got shape {tuple(device.shape)}")
+    # The kernels index rows of it densely (a strided row axis is fine for block_table).
+    if device.strides[-1] != 4 or any(s < 0 for s in device.strides):
+        device = cupy.ascontiguousarray(device)
+    return device, None

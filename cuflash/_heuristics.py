@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._compile import Variant
+from ._params import (BWD_PARAMS, CHECK_PARAMS, CONVERT_PARAMS, DECODE_PARAMS, FWD_PARAMS,
+                      MERGE_PARAMS)
+from ._variant import Variant
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
@@ -131,8 +133,6 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         if dtype_name not in ("float16", "bfloat16"):
             raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
         kdim = _round_up(head_dim, SM90_HEAD_DIMS)
-        from ._launch import PARAMS_DTYPE
-
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
             "CUFLASH_HEAD_DIM": kdim,
@@ -142,7 +142,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_SCORE_MODS": int(score_mods),
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
-            "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
+            "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
         }
         return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), SM90_BLOCK_M, SM90_THREADS,
                           sm90_smem_bytes(kdim), kdim)
@@ -154,8 +154,6 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         smem = simt_smem_bytes(tiles, kdim)
     else:
         raise ValueError(f"unknown kernel family {family!r}")
-    from ._launch import PARAMS_DTYPE  # the size of the parameter struct is asserted in params.cuh
-
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
@@ -166,7 +164,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         "CUFLASH_SCORE_MODS": int(score_mods),
         "CUFLASH_DROPOUT": int(dropout),
         "CUFLASH_SMEM_BYTES": smem,
-        "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
+        "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
     }
     variant = Variant(family, tuple(sorted(defines.items())))
     return LaunchPlan(variant, tiles.block_m, 32 * tiles.warps, smem, kdim)
@@ -217,7 +215,20 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
     out = forward_precompile_variants(dtypes, head_dims, families, arch)
     for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims)):
         out += [v for v in more if v not in out and (families is None or v.family in families)]
+    if families is None or "check_indices" in families:
+        out.append(check_indices_variant())
     return out
+
+
+def check_indices_variant() -> Variant:
+    """The index check (cuda_src/check_indices.cu) that runs before decode and varlen kernels whose
+    index arrays live on the GPU; 128 threads per CTA, any grid."""
+    return Variant("check_indices", {"CUFLASH_CHECK_PARAMS_SIZE": CHECK_PARAMS.itemsize})
+
+
+CHECK_THREADS = 128
+#: CTAs of the index check: one per sequence up to this many (each then strides over the rest).
+CHECK_MAX_CTAS = 1024
 
 
 def ci_variants() -> list[tuple[Variant, str]]:
@@ -229,6 +240,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         for more in (decode_precompile_variants(("bfloat16", "float32"), (128,)),
                      precompile_backward_variants(("bfloat16", "float32"), (128,))):
             variants += [v for v in more if v not in variants]
+        variants.append(check_indices_variant())
         pairs += [(v, arch) for v in variants]
     return pairs
 
@@ -346,9 +358,6 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
     else:
         raise ValueError(f"no decode tile shape for {dtype_name} head dim {kdim} fits in "
                          f"{smem_per_block} bytes of shared memory per block")
-    from ._launch import PARAMS_DTYPE
-    from .decode import DECODE_PARAMS_DTYPE  # sizes are static_asserted in the CUDA headers
-
     # Resident CTAs per SM that shared memory allows (at most 4); the kernel's register budget
     # (__launch_bounds__ minimum blocks) aims at the same number.
     ctas_per_sm = max(1, min(4, smem_per_sm // (smem + reserve)))
@@ -362,8 +371,8 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
         "CUFLASH_SCORE_MODS": int(bool(score_mods)),
         "CUFLASH_SMEM_BYTES": smem,
         "CUFLASH_MIN_BLOCKS": ctas_per_sm,
-        "CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize,
-        "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS_DTYPE.itemsize,
+        "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
+        "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS.itemsize,
     }
     return DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
                       tiles.warps * tiles.keys_per_warp, 32 * tiles.warps, smem, kdim, ctas_per_sm)
@@ -442,12 +451,10 @@ def merge_plan(in_dtype_name: str, out_dtype_name: str, head_dim: int = 128) -> 
     for name in (in_dtype_name, out_dtype_name):
         if name not in MERGE_DTYPE_CODES:
             raise ValueError(f"merge runs float16, bfloat16, float32 or float64, not {name}")
-    from .merge import MERGE_PARAMS_DTYPE  # its size is static_asserted in merge.cu
-
     defines = {
         "CUFLASH_IN_DTYPE": MERGE_DTYPE_CODES[in_dtype_name],
         "CUFLASH_OUT_DTYPE": MERGE_DTYPE_CODES[out_dtype_name],
-        "CUFLASH_MERGE_PARAMS_SIZE": MERGE_PARAMS_DTYPE.itemsize,
+        "CUFLASH_MERGE_PARAMS_SIZE": MERGE_PARAMS.itemsize,
     }
     threads = min(MERGE_THREADS_MAX, max(32, -(-head_dim // 32) * 32))
     return MergePlan(Variant("merge", tuple(sorted(defines.items()))), threads)
@@ -572,10 +579,8 @@ def bwd_simt_smem_bytes(tiles: BwdTiles, head_dim: int, dq_pass: bool) -> int:
 
 
 def _bwd_size_defines() -> dict:
-    from ._launch import BWD_PARAMS_DTYPE, CONVERT_PARAMS_DTYPE, PARAMS_DTYPE
-
-    return {"CUFLASH_PARAMS_SIZE": PARAMS_DTYPE.itemsize, "CUFLASH_BWD_PARAMS_SIZE": BWD_PARAMS_DTYPE.itemsize,
-            "CUFLASH_CONVERT_PARAMS_SIZE": CONVERT_PARAMS_DTYPE.itemsize}
+    return {"CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize, "CUFLASH_BWD_PARAMS_SIZE": BWD_PARAMS.itemsize,
+            "CUFLASH_CONVERT_PARAMS_SIZE": CONVERT_PARAMS.itemsize}
 
 
 def default_backward_family(dtype_name: str) -> str:

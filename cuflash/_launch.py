@@ -1,110 +1,156 @@
-"""The only place kernel arguments are packed.
+"""Launching kernels, and the state that launches on one CUDA stream share.
 
-``PARAMS_DTYPE`` mirrors ``cuda_src/params.cuh`` field for field (NumPy's ``align=True`` pads like
-C); its size is compiled into every module as ``CUFLASH_PARAMS_SIZE`` and checked there.
+Kernels are launched through the driver (``cuLaunchKernel`` via CuPy's binding) with arguments that
+a plan has already packed: a call costs a copy of the packed bytes and one driver call, not CuPy's
+per-argument conversion.
+
+What launches share belongs to one real stream (:class:`StreamState`): the persistent kernels'
+work counter, the verdict word of the index check, and the host-visible fault reports. The
+stream's pointer alone does not name a real stream: every thread's per-thread default stream has
+the same handle (``cudaStreamPerThread``), so for it the thread is part of the key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
-import struct
+import threading
 
 import numpy as np
 
-_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "mask", "bias",
-             "block_mask")
-_STRIDES = (
-    "q_batch_stride", "q_row_stride", "q_head_stride",
-    "k_batch_stride", "k_row_stride", "k_head_stride",
-    "v_batch_stride", "v_row_stride", "v_head_stride",
-    "o_batch_stride", "o_row_stride", "o_head_stride",
-    "lse_batch_stride", "lse_head_stride",
-    "alibi_batch_stride",
-    "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride",
-    "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
-    "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride",
-)
-_INTS = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "window_left", "window_right",
-         "block_q", "block_k", "bias_dtype")
+__all__ = ["launch", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "StreamState",
+           "current_stream_ptr", "forcing", "REPORT_SLOTS"]
 
-PARAMS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in _POINTERS]
-    + [(name, np.int64) for name in _STRIDES]
-    + [("dropout_seed", np.uint64)]
-    + [(name, np.int32) for name in _INTS]
-    + [("dropout_offset", np.uint32), ("dropout_threshold", np.uint32)]
-    + [(name, np.float32) for name in ("scale", "scale_log2", "softcap", "dropout_rescale")]
-    + [("pad_", np.int32)],
-    align=True,
-)
+_PER_THREAD_STREAM = 2   # cudaStreamPerThread
 
 
-def _flat_struct(dtype: np.dtype) -> struct.Struct:
-    """A struct.Struct with the byte layout of a flat NumPy structured dtype (padding included)."""
-    codes = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
-    fmt, pos = "<", 0
-    for name in dtype.names:
-        field, offset = dtype.fields[name][:2]
-        fmt += f"{offset - pos}x" if offset > pos else ""
-        fmt += codes[f"{field.kind}{field.itemsize}"]
-        pos = offset + field.itemsize
-    fmt += f"{dtype.itemsize - pos}x" if dtype.itemsize > pos else ""
-    layout = struct.Struct(fmt)
-    assert layout.size == dtype.itemsize
-    return layout
+def _cupy():
+    import cupy
 
-
-# Packing by struct: a few microseconds, where setting ~50 fields one by one on a structured scalar
-# took ~20 (host time that a short kernel cannot hide).
-_PARAMS_STRUCT = _flat_struct(PARAMS_DTYPE)
-_PARAMS_DEFAULTS = dict.fromkeys(PARAMS_DTYPE.names, 0) | {"dropout_rescale": 1.0}
-
-
-def pack_params(**fields) -> np.void:
-    """A FwdParams value; fields not given are zero (null pointers, no options, no dropout)."""
-    if not fields.keys() <= _PARAMS_DEFAULTS.keys():
-        raise KeyError(f"FwdParams has no fields {sorted(fields.keys() - _PARAMS_DEFAULTS.keys())}")
-    values = _PARAMS_DEFAULTS | fields
-    packed = _PARAMS_STRUCT.pack(*[values[name] for name in PARAMS_DTYPE.names])
-    return np.frombuffer(packed, dtype=PARAMS_DTYPE)[0]
-
-
-# q, k, v, o, lse lead the struct: a launch replayed on new arrays rewrites only them.
-_DATA_POINTERS = struct.Struct("<5Q")
-assert _POINTERS[:5] == ("q", "k", "v", "o", "lse") and PARAMS_DTYPE.fields["q"][1] == 0
-
-
-def with_data_pointers(params: np.void, q: int, k: int, v: int, o: int, lse: int) -> np.void:
-    """``params`` with the pointers of q, k, v, o and lse replaced."""
-    packed = bytearray(params.tobytes())
-    _DATA_POINTERS.pack_into(packed, 0, q, k, v, o, lse)
-    return np.frombuffer(packed, dtype=PARAMS_DTYPE)[0]
+    return cupy
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(device_id: int) -> int:
     """Multiprocessors of a device (persistent grids and split heuristics size themselves by it)."""
-    import cupy
-
-    runtime = cupy.cuda.runtime
+    runtime = _cupy().cuda.runtime
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
-_work_counters: dict = {}
+@functools.lru_cache(maxsize=None)
+def max_smem_per_block(device_id: int) -> int:
+    """Opt-in shared memory per block of a device (bytes)."""
+    runtime = _cupy().cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
 
 
-def work_counter():
-    """A zeroed int32 on the current device for the current stream: the persistent kernels take
-    their work items from it and reset it to 0 before they end, so launches in one stream can
-    share it (one per stream, so that kernels on different streams never take each other's)."""
-    import cupy
+_prepared: dict = {}   # (kernel function pointer, device) -> dynamic shared memory allowed
 
-    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
-    counter = _work_counters.get(key)
-    if counter is None:
-        counter = _work_counters[key] = cupy.zeros(1, dtype=np.int32)
-    return counter
+
+def prepare_kernel(kernel, smem_bytes: int, device_id: int, carveout: int | None = None) -> int:
+    """The kernel's function pointer, after raising its dynamic shared-memory limit to ``smem_bytes``
+    (and setting a carveout preference); done at plan time, once per kernel and device."""
+    ptr = kernel.kernel.ptr
+    key = (ptr, device_id)
+    if smem_bytes > _prepared.get(key, 48 * 1024):
+        if kernel.max_dynamic_shared_size_bytes < smem_bytes:
+            kernel.max_dynamic_shared_size_bytes = smem_bytes
+        _prepared[key] = smem_bytes
+    if carveout is not None and (key, "carveout") not in _prepared:
+        try:
+            kernel.preferred_shared_memory_carveout = carveout
+        except Exception:  # a hint only; the launch works without it
+            pass
+        _prepared[(key, "carveout")] = carveout
+    return ptr
+
+
+def launch(func: int, grid, threads: int, smem_bytes: int, args, stream_ptr: int) -> None:
+    """Launch ``func`` on ``stream_ptr`` with ``args``: each the bytes of one kernel parameter, in order
+    (a params struct, a 128-byte tensor map, an 8-byte pointer). The driver copies the values at the
+    call, so the buffers are free once it returns."""
+    blob = bytearray().join(args)
+    base = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
+    argv = (ctypes.c_void_p * len(args))()
+    offset = 0
+    for i, arg in enumerate(args):
+        argv[i] = base + offset
+        offset += len(arg)
+    _cupy().cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr,
+                                     ctypes.addressof(argv), 0)
+
+
+def current_stream_ptr() -> int:
+    return _cupy().cuda.get_current_stream().ptr
+
+
+# Fault reports: one slot of 4 int32 (code, index, value, spare) per entry point that checks index
+# arrays on the GPU, in pinned host memory that the check kernel writes and the host reads without
+# synchronising (a fault shows at a later call, the way CUDA reports asynchronous errors).
+REPORT_SLOTS = {"decode": 0, "attention_varlen": 1, "attention_varlen_backward": 2}
+
+
+class StreamState:
+    """The device words and fault reports of one real stream on one device.
+
+    ``counter``: zeroed int32 the persistent kernels take work items from (each launch leaves it at
+    0); ``error``: the verdict of the call's index check; ``scratch``: the check kernel's two words.
+    ``reports``: the host-mapped fault slots, and ``plans``: the plan of the last checked call of
+    each slot (its shapes word the error message).
+    """
+
+    def __init__(self, device_id: int):
+        cupy = _cupy()
+        runtime = cupy.cuda.runtime
+        with cupy.cuda.Device(device_id):
+            self._words = cupy.zeros(8, dtype=np.int32)
+        base = self._words.data.ptr
+        self.counter, self.error, self.scratch = base, base + 4, base + 8
+        nbytes = 16 * len(REPORT_SLOTS)
+        # Mapped and portable: with unified addressing the host pointer is also the device pointer.
+        self._host = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
+        ctypes.memset(self._host, 0, nbytes)
+        self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
+        self.plans = [None] * len(REPORT_SLOTS)
+
+    def report_ptr(self, slot: int) -> int:
+        return self._host + 16 * slot
+
+    def take_fault(self, slot: int):
+        """(code, index, value, plan) of a fault reported in ``slot``, cleared; or None."""
+        words = self.reports
+        code = words[4 * slot]
+        if code == 0:
+            return None
+        fault = (code, words[4 * slot + 1], words[4 * slot + 2], self.plans[slot])
+        for i in range(4):
+            words[4 * slot + i] = 0
+        return fault
+
+
+_states: dict = {}
+_states_lock = threading.Lock()
+
+
+def stream_key(device_id: int, stream_ptr: int):
+    return (device_id, stream_ptr, threading.get_ident() if stream_ptr == _PER_THREAD_STREAM else 0)
+
+
+def stream_state(device_id: int, stream_ptr: int) -> StreamState:
+    """The shared state of a real stream (created on first use; kept for the process)."""
+    key = stream_key(device_id, stream_ptr)
+    state = _states.get(key)
+    if state is None:
+        with _states_lock:
+            state = _states.get(key)
+            if state is None:
+                state = _states[key] = StreamState(device_id)
+    return state
+
+
+def all_stream_states():
+    return list(_states.values())
 
 
 @contextlib.contextmanager
@@ -117,78 +163,3 @@ def forcing(forced, family: str, families: tuple[str, ...]):
         yield
     finally:
         forced.reset(token)
-
-
-_smem_limits: dict = {}  # kernel -> the dynamic shared memory it was allowed
-
-
-def launch(kernel, grid: tuple[int, int, int], threads: int, smem_bytes: int, args) -> None:
-    """Launch on CuPy's current stream, raising the dynamic shared-memory limit when needed.
-
-    ``args`` is the parameter struct, or a tuple of the kernel's parameters in order (tensor maps
-    first for the Hopper kernels).
-    """
-    if not isinstance(args, tuple):
-        args = (args,)
-    # Reading the limit back is a driver call; kernels are cached for the process, so remembering
-    # what was set saves it on every later launch.
-    if smem_bytes > _smem_limits.get(kernel, 48 * 1024):
-        if kernel.max_dynamic_shared_size_bytes < smem_bytes:
-            kernel.max_dynamic_shared_size_bytes = smem_bytes
-        _smem_limits[kernel] = smem_bytes
-    kernel(grid, (threads, 1, 1), args, shared_mem=smem_bytes)
-
-
-# ----------------------------------------------------------------------------- Backward
-# BWD_PARAMS_DTYPE mirrors cuda_src/bwd_params.cuh's BwdParams (the forward's FwdParams first, then
-# the backward's own fields) and CONVERT_PARAMS_DTYPE its ConvertParams; their sizes go into every
-# backward module as CUFLASH_BWD_PARAMS_SIZE / CUFLASH_CONVERT_PARAMS_SIZE and are checked there.
-
-_BWD_POINTERS = ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias")
-_BWD_STRIDES = (
-    "do_batch_stride", "do_row_stride", "do_head_stride",
-    "dqa_batch_stride", "dqa_row_stride", "dqa_head_stride",
-    "dq_batch_stride", "dq_row_stride", "dq_head_stride",
-    "dk_batch_stride", "dk_row_stride", "dk_head_stride",
-    "dv_batch_stride", "dv_row_stride", "dv_head_stride",
-    "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride",
-)
-_BWD_INTS = ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "pad_")
-
-BWD_PARAMS_DTYPE = np.dtype(
-    [("fwd", PARAMS_DTYPE)]
-    + [(name, np.uint64) for name in _BWD_POINTERS]
-    + [(name, np.int64) for name in _BWD_STRIDES]
-    + [(name, np.int32) for name in _BWD_INTS],
-    align=True,
-)
-
-CONVERT_PARAMS_DTYPE = np.dtype(
-    [("src", np.uint64), ("dst", np.uint64), ("partial_stride", np.int64),
-     ("src_row_stride", np.int64), ("src_head_stride", np.int64),
-     ("dst_row_stride", np.int64), ("dst_head_stride", np.int64),
-     ("rows", np.int32), ("heads", np.int32), ("head_dim", np.int32), ("num_partials", np.int32),
-     ("scale", np.float32), ("pad_", np.int32)],
-    align=True,
-)
-
-
-def pack_bwd_params(fwd: dict, **fields) -> np.void:
-    """A BwdParams value: ``fwd`` holds FwdParams fields (as for :func:`pack_params`), the keywords
-    the backward's own; fields not given are zero (null pointers)."""
-    params = np.zeros((), dtype=BWD_PARAMS_DTYPE)
-    params["fwd"] = pack_params(**fwd)
-    params["heads_per_cta"] = 1
-    for name, value in fields.items():
-        params[name] = value
-    return params[()]
-
-
-def pack_convert_params(**fields) -> np.void:
-    """A ConvertParams value (see cuda_src/bwd_params.cuh)."""
-    params = np.zeros((), dtype=CONVERT_PARAMS_DTYPE)
-    params["num_partials"] = 1
-    params["scale"] = 1.0
-    for name, value in fields.items():
-        params[name] = value
-    return params[()]

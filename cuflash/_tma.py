@@ -19,6 +19,16 @@ _SWIZZLE_128B = 3
 TMA_MAP_DTYPE = np.dtype([("words", np.uint64, 16)], align=True)
 
 
+class TensorMapSpec(tuple):
+    """What a tensor map depends on besides the address: (shape, byte strides, nbytes, box rows,
+    dtype name). Made once per plan; maps are then cached by (address, spec)."""
+
+    __slots__ = ()
+
+    def __new__(cls, x, box_rows: int, dtype_name: str):
+        return super().__new__(cls, (tuple(x.shape), tuple(x.strides), int(x.nbytes), int(box_rows), dtype_name))
+
+
 @functools.lru_cache(maxsize=1)
 def _libcuda():
     lib = ctypes.CDLL("libcuda.so.1")
@@ -40,6 +50,21 @@ def tma_compatible(x) -> bool:
 # forward cannot hide. Bounded: cleared when full.
 _cache: dict = {}
 _CACHE_ENTRIES = 256
+
+
+def encode_at(ptr: int, spec: TensorMapSpec) -> bytes:
+    """The 128 bytes of the tensor map ``spec`` over the array at ``ptr`` (cached)."""
+    key = (ptr, spec)
+    tensor_map = _bytes_cache.get(key)
+    if tensor_map is None:
+        if len(_bytes_cache) >= _CACHE_ENTRIES:
+            _bytes_cache.clear()
+        shape, strides, nbytes, box_rows, dtype_name = spec
+        tensor_map = _bytes_cache[key] = _encode(ptr, shape, strides, nbytes, box_rows, dtype_name).tobytes()
+    return tensor_map
+
+
+_bytes_cache: dict = {}
 
 
 def encode(x, box_rows: int, dtype_name: str) -> np.void:

@@ -7,8 +7,9 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch, _tma
+from . import _checks, _heuristics, _launch, _pipeline, _tma
 from ._compile import device_arch, get_kernel
+from ._params import FWD, Template
 from .random import dropout_threshold
 
 _forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
@@ -27,63 +28,34 @@ def force_kernel(family: str):
     return _launch.forcing(_forced_family, family, FAMILIES)
 
 
-def _kernel_ready(x, head_dim_padded: int):
-    """x itself when its rows are 16-byte aligned with the last axis contiguous, else an aligned,
-    zero-padded copy (documented: non-contiguous last axes and odd head dims cost a copy)."""
-    import cupy
-
-    d = x.shape[-1]
-    strides = _checks.element_strides(x)
-    aligned = (
-        d == head_dim_padded
-        and strides[-1] == 1
-        and all(s % 8 == 0 for s in strides[:-1])
-        and x.data.ptr % 16 == 0
-    )
-    if aligned:
-        return x
-    padded = cupy.zeros(x.shape[:-1] + (head_dim_padded,), dtype=x.dtype)
-    padded[..., :d] = x
-    return padded
-
-
-def _score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block_size):
-    """Kernel fields for ALiBi, mask, bias and block_mask (zero-stride broadcast views)."""
-    fields = {}
+def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block_size, first: int):
+    """FwdParams fields for ALiBi, mask, bias and block_mask: pointers as ("operand", index) with the
+    operands at ``first``, ``first + 1``, ... in that order, and the kernel-ready arrays (zero-stride
+    broadcast views; ALiBi slopes contiguous) in the same order (None where absent)."""
+    fields, arrays = {}, [None, None, None, None]
     if alibi_slopes is not None:
-        slopes = _checks.check_alibi(alibi_slopes, b, hq)
-        fields.update(alibi_slopes=slopes.data.ptr, alibi_batch_stride=hq if slopes.ndim == 2 else 0)
+        slopes = arrays[0] = _checks.check_alibi(alibi_slopes, b, hq)
+        fields.update(alibi_slopes=("operand", first), alibi_batch_stride=hq if slopes.ndim == 2 else 0)
     if mask is not None:
-        m = _checks.broadcast_operand(mask, "mask", (b, hq, sq, sk), "bool")
-        fields.update(mask=m.data.ptr, **_stride_fields("mask", m))
+        m = arrays[1] = _checks.broadcast_operand(mask, "mask", (b, hq, sq, sk), "bool")
+        fields.update(mask=("operand", first + 1), **_stride_fields("mask", m))
     if bias is not None:
-        x = _checks.broadcast_operand(bias, "bias", (b, hq, sq, sk), "float")
-        fields.update(bias=x.data.ptr, bias_dtype=_checks.BIAS_DTYPE_CODES[np.dtype(x.dtype)],
+        x = arrays[2] = _checks.broadcast_operand(bias, "bias", (b, hq, sq, sk), "float")
+        fields.update(bias=("operand", first + 2), bias_dtype=_checks.BIAS_DTYPE_CODES[np.dtype(x.dtype)],
                       **_stride_fields("bias", x))
     bq, bk = _checks.check_block_size(block_size)
     fields.update(block_q=bq, block_k=bk)
     if block_mask is not None:
         target = (b, hq, math.ceil(sq / bq), math.ceil(sk / bk))
-        x = _checks.broadcast_operand(block_mask, "block_mask", target, "bool")
-        fields.update(block_mask=x.data.ptr, **_stride_fields("block_mask", x))
-    return fields
+        x = arrays[3] = _checks.broadcast_operand(block_mask, "block_mask", target, "bool")
+        fields.update(block_mask=("operand", first + 3), **_stride_fields("block_mask", x))
+    return fields, arrays
 
 
 def _stride_fields(prefix: str, x) -> dict:
     sb, sh, sr, sc = _checks.element_strides(x)
     return {f"{prefix}_batch_stride": sb, f"{prefix}_head_stride": sh, f"{prefix}_row_stride": sr,
             f"{prefix}_col_stride": sc}
-
-
-def _dropout_fields(dropout_p: float, generator):
-    """Kernel fields and the rng_state (seed, offset) for one call; see cuda_src/philox.cuh."""
-    if dropout_p == 0.0:
-        return {}, None
-    state = generator.next_state()
-    seed, offset = int(state[0]), int(state[1])
-    fields = dict(dropout_seed=seed, dropout_offset=offset & 0xFFFFFFFF,
-                  dropout_threshold=dropout_threshold(dropout_p), dropout_rescale=1.0 / (1.0 - dropout_p))
-    return fields, np.array([seed, offset], dtype=np.uint64)
 
 
 def _family_for(dtype_name: str) -> str | None:
@@ -123,70 +95,71 @@ def _is_hopper() -> bool:
     return device_arch() == "sm_90a"
 
 
-def _run_forward(q, k, v, o, lse, *, dtype_name, head_dim, seq_fields, row_layout, opts, score_fields,
-                 dropout_fields, grid_rows, batch, heads_q):
-    """Choose the kernel, build the plan, pack the parameters and launch one forward kernel."""
+def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_fields, row_layout, opts,
+                 score_fields, grid_rows, batch, heads_q, check=None, lse_output=True):
+    """Choose the kernel and build the plan of one forward call.
+
+    ``operands`` are the entry point's (q, k, v, out, lse, then the score and index arrays); ``q``,
+    ``k``, ``v``, ``o`` the kernel-ready arrays whose layouts the plan encodes. ``score_fields``
+    maps FwdParams fields to values, or, for pointers, to ``("operand", index)``. ``check`` is the
+    index-check step's fields (varlen on the GPU), or None.
+    """
     family = _choose_family(dtype_name, q, k, v)
-    plan = _heuristics.forward_plan(
+    dropout = opts.dropout_p > 0
+    plan_k = _heuristics.forward_plan(
         family, dtype_name, head_dim,
         score_mods=any(key in score_fields for key in ("alibi_slopes", "mask", "bias", "block_mask"))
         or opts.softcap > 0,
-        dropout=bool(dropout_fields),
+        dropout=dropout,
     )
+    b, hq = batch, heads_q
+    lse_shape = (hq, q.shape[0]) if entry == "attention_varlen" else (b, hq, q.shape[1])
+    lse_buffer = _pipeline.Buffer(lse_shape, np.float32)
+    outputs = {3: _pipeline.Buffer(o.shape, o.dtype)}
+    temps = ()
+    if lse_output:
+        outputs[4] = lse_buffer
+    else:
+        temps = (lse_buffer,)
+    plan = _pipeline.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=(0, 1, 2, 3),
+                          dropout=(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)) if dropout else None,
+                          checked=check is not None, results=(3, 4) if lse_output else (3,))
+    lse_slot = 4 if lse_output else plan.temp_index(0)
     left, right = opts.window
-    params = _launch.pack_params(
-        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=o.data.ptr, lse=lse.data.ptr,
-        **row_layout, **seq_fields, **score_fields, **dropout_fields,
-        heads_q=heads_q, heads_k=k.shape[-2], head_dim=head_dim, batch=batch,
-        window_left=left, window_right=right,
-        scale=opts.scale, scale_log2=opts.scale * math.log2(math.e), softcap=opts.softcap,
-    )
-    grid = (math.ceil(grid_rows / plan.block_m), heads_q, batch)
-    box_rows = None
+    fields = dict(**row_layout, **seq_fields, heads_q=hq, heads_k=k.shape[-2], head_dim=head_dim, batch=b,
+                  window_left=left, window_right=right, scale=opts.scale, scale_log2=opts.scale * math.log2(math.e),
+                  softcap=opts.softcap)
+    slots = {"q": 0, "k": 1, "v": 2, "o": 3, "lse": lse_slot}
+    for name, value in score_fields.items():
+        if isinstance(value, tuple):
+            slots[name] = value[1]
+        else:
+            fields[name] = value
+    if dropout:
+        fields.update(dropout_threshold=dropout_threshold(opts.dropout_p), dropout_rescale=1.0 / (1.0 - opts.dropout_p))
+        slots.update(dropout_seed=plan.index("seed"), dropout_offset=plan.index("offset"))
+    device_id = _pipeline.device_id()
+    if check is not None:
+        plan.steps.append(_pipeline.check_step(plan, check, device_id))
+        slots["error"] = plan.index("error")
+    params = Template(FWD, fields, slots)
+    kernel = get_kernel(plan_k.variant)
+    func = _launch.prepare_kernel(kernel, plan_k.smem_bytes, device_id)
+    grid = (math.ceil(grid_rows / plan_k.block_m), hq, b)
     if family == "fwd_sm90":
-        # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from a
-        # counter that the kernel leaves at 0 when it ends.
-        grid = (min(grid[0] * heads_q * batch, _launch.sm_count(q.device.id)), 1, 1)
-        block_n = dict(plan.variant.defines)["CUFLASH_BLOCK_N"]
+        # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from the
+        # stream's counter, which the kernel leaves at 0 when it ends.
+        grid = (min(grid[0] * hq * b, _launch.sm_count(device_id)), 1, 1)
+        block_n = dict(plan_k.variant.defines)["CUFLASH_BLOCK_N"]
         # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
-        box_rows = (plan.block_m, block_n, block_n, 64)
-    launch = _Launch(get_kernel(plan.variant), grid, plan.threads, plan.smem_bytes, params, box_rows, dtype_name)
-    launch(q, k, v, o, lse)
-    return launch
-
-
-class _Launch:
-    """One forward launch, replayable on other arrays of the same shapes, strides and dtype:
-    only the five data pointers in the parameters (and the tensor maps over them) change."""
-
-    def __init__(self, kernel, grid, threads, smem_bytes, params, box_rows, dtype_name):
-        self.kernel, self.grid, self.threads, self.smem_bytes = kernel, grid, threads, smem_bytes
-        self.params, self.box_rows, self.dtype_name = params, box_rows, dtype_name
-
-    def __call__(self, q, k, v, o, lse):
-        params = _launch.with_data_pointers(self.params, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr,
-                                            lse.data.ptr)
-        args = (params,)
-        if self.box_rows is not None:   # fwd_sm90: tensor maps of q, k, v and o first
-            maps = tuple(_tma.encode(x, rows, self.dtype_name) for x, rows in zip((q, k, v, o), self.box_rows))
-            args = (*maps, params, _launch.work_counter())
-        _launch.launch(self.kernel, self.grid, self.threads, self.smem_bytes, args)
-
-
-def _check_qkv(q, k, v, rank: int, layout: str):
-    q = _checks.as_cuda_array(q, "q")
-    k = _checks.as_cuda_array(k, "k")
-    v = _checks.as_cuda_array(v, "v")
-    name = _checks.check_float_dtype(q, "q")
-    _checks.check_same_dtype(q, "q", k, "k")
-    _checks.check_same_dtype(q, "q", v, "v")
-    for x, xname in ((q, "q"), (k, "k"), (v, "v")):
-        _checks.check_rank(x, rank, xname, layout)
-    _checks.check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
-    _checks.check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], _heuristics.MAX_HEAD_DIM)
-    if k.shape[:-2] != v.shape[:-2]:
-        raise ValueError(f"v must have the batch and length of k {tuple(k.shape[:-2])}, got {tuple(v.shape[:-2])}")
-    return q, k, v, name
+        boxes = (plan_k.block_m, block_n, block_n, 64)
+        maps = [("map", i, _tma.TensorMapSpec(x, rows, dtype_name)) for i, (x, rows) in enumerate(zip((q, k, v, o), boxes))]
+        args = (*maps, ("struct", params), ("pointer", plan.index("counter")))
+    else:
+        args = (("struct", params),)
+    plan.steps.append(_pipeline.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
+    plan.info["family"] = family
+    return plan
 
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
@@ -241,96 +214,90 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     RuntimeError
         When no CUDA GPU is usable.
     """
+    operands = (q, k, v, out, lse, alibi_slopes, mask, bias, block_mask)
+    options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get())
+    plan, ptrs = _pipeline.lookup("attention", operands, options)
+    finish = None
+    if plan is None:
+        plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
+                                             softcap=softcap, block_size=block_size, dropout_p=dropout_p,
+                                             generator=generator)
+        if plan is None:
+            return finish
+    (out, lse), _, rng_state = plan.run(operands, ptrs, generator=generator)
+    if finish is not None:
+        out = finish(out)
+    return out, lse, rng_state
+
+
+def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size, dropout_p, generator):
+    """The full path of :func:`attention_forward`: check, plan (remembered under ``key`` when the
+    operands are used in place). Returns (plan, pointers, finish): ``finish`` copies the kernel's
+    output into the caller's when a private one was needed; (None, None, result) for a call that
+    launches nothing."""
     import cupy
 
-    replay_key = _replay_key(q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, mask, bias,
-                             block_mask, dropout_p, generator)
-    if replay_key is not None:
-        replay = _replays.get(replay_key)
-        if replay is not None and _aligned(q, k, v, out):
-            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else out
-            lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=np.float32)
-            replay(q, k, v, out, lse)
-            return out, lse, None
-
-    q, k, v, dtype_name = _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    q, k, v, out, lse, alibi_slopes, mask, bias, block_mask = operands
+    q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
         raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
     sk = k.shape[1]
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
                                  dropout_p=dropout_p, generator=generator)
-    score_fields = _score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
-                                   block_mask=block_mask, block_size=block_size)
+    score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
+                                                block_mask=block_mask, block_size=block_size, first=5)
+    out_user = out
     if out is not None:
-        _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
+        out = _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
     if lse is not None:
-        _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
+        lse = _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
     _family_for(dtype_name)  # an impossible forced family is an argument error too
 
-    out = cupy.empty((b, sq, hq, d), dtype=q.dtype) if out is None else out
-    lse = cupy.empty((b, hq, sq), dtype=np.float32) if lse is None else lse
-    dropout_fields, rng_state = _dropout_fields(opts.dropout_p, opts.generator)
-    if out.size == 0 or lse.size == 0:
-        return out, lse, rng_state
-    if sk == 0:
-        out.fill(0)
-        lse.fill(-np.inf)
-        return out, lse, rng_state
+    if b * sq * hq * d == 0 or sk == 0:
+        _pipeline.nothing_to_plan()
+        out = cupy.empty((b, sq, hq, d), dtype=q.dtype) if out is None else out
+        lse = cupy.empty((b, hq, sq), dtype=np.float32) if lse is None else lse
+        rng_state = opts.generator.next_state() if opts.dropout_p else None
+        if sk == 0:
+            out.fill(0)
+            lse.fill(-np.inf)
+        return None, None, (out_user if out_user is not None else out, lse, rng_state)
 
     d_pad = -(-d // 8) * 8
-    qk, kk, vk = (_kernel_ready(x, d_pad) for x in (q, k, v))
-    o_kernel = out if d_pad == d and out.data.ptr % 16 == 0 else cupy.empty((b, sq, hq, d_pad), dtype=q.dtype)
+    qk, kk, vk = (_checks.kernel_ready(x, d_pad) for x in (q, k, v))
+    o_kernel = out
+    if d_pad != d or (out is not None and out.data.ptr % 16):   # the kernels write whole 16-byte rows
+        o_kernel = cupy.empty((b, sq, hq, d_pad), dtype=q.dtype)
+    o_layout = o_kernel if o_kernel is not None else _checks.Shaped((b, sq, hq, d_pad), q.dtype)
     row_layout = {}
-    for name, x in (("q", qk), ("k", kk), ("v", vk), ("o", o_kernel)):
+    for name, x in (("q", qk), ("k", kk), ("v", vk), ("o", o_layout)):
         sb, sr, sh, _ = _checks.element_strides(x)
         row_layout.update({f"{name}_batch_stride": sb, f"{name}_row_stride": sr, f"{name}_head_stride": sh})
     row_layout.update(lse_batch_stride=hq * sq, lse_head_stride=sq)
-    launch = _run_forward(qk, kk, vk, o_kernel, lse, dtype_name=dtype_name, head_dim=d_pad,
-                          seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
-                          score_fields=score_fields, dropout_fields=dropout_fields, grid_rows=sq, batch=b,
-                          heads_q=hq)
-    if o_kernel is not out:
-        out[...] = o_kernel[..., :d]
-    elif replay_key is not None and all(x is y for x, y in ((qk, q), (kk, k), (vk, v))):
-        if len(_replays) >= _REPLAY_ENTRIES:
-            _replays.clear()
-        _replays[replay_key] = launch
-    return out, lse, rng_state
+    kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays)
+    plan = forward_plan("attention", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
+                        seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
+                        score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq)
+    ptrs = _pipeline.pointers(kernel_operands)
+    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    return plan, ptrs, _copy_out(out, out_user, o_kernel, d)
 
 
-# Plain calls (CuPy arrays, no score modifiers, no dropout, no lse buffer) remember their launch by
-# everything the argument checks and the kernel choice looked at: shapes, strides, dtypes, options,
-# the forced family and the device. A repeated call then skips straight to the launch, with only
-# the pointers new (their 16-byte alignment, which the kernel choice also reads, is checked each
-# time). Host time is what a short forward cannot hide: on the H100 runner the full path cost
-# ~110-135 us a call against ~110 us of kernel at 512 keys (benchmarks/NOTES.md).
-_replays: dict = {}
-_REPLAY_ENTRIES = 256
-
-
-def _replay_key(q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask,
-                dropout_p, generator):
-    """What a plain call's launch depends on besides its pointers, or None for other calls."""
-    import cupy
-
-    plain = (lse is None and alibi_slopes is None and mask is None and bias is None and block_mask is None
-             and generator is None and type(dropout_p) in (int, float) and dropout_p == 0)
-    arrays = (q, k, v) if out is None else (q, k, v, out)
-    if not plain or not all(type(x) is cupy.ndarray for x in arrays):
+def _copy_out(out, out_user, o_kernel, d):
+    """None when the kernel writes the caller's ``out`` (or the plan's) in place; else the step
+    after the launches: the kernel's private output, cut to ``d`` columns, into ``out``."""
+    if o_kernel is out:
         return None
-    key = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
-           None if out is None else (out.shape, out.strides, out.dtype), causal, scale, window, softcap,
-           _forced_family.get(), cupy.cuda.runtime.getDevice(), q.device.id, k.device.id, v.device.id)
-    try:
-        hash(key)
-    except TypeError:   # e.g. a window given as a list: not remembered
-        return None
-    return key
 
+    def finish(o):
+        import cupy
 
-def _aligned(*arrays) -> bool:
-    return all(x is None or x.data.ptr % 16 == 0 for x in arrays)
+        target = out if out is not None else cupy.empty(o.shape[:-1] + (d,), dtype=o.dtype)
+        target[...] = o[..., :d]
+        return out_user if out_user is not None else target
+
+    return finish
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
@@ -352,7 +319,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     generator=None, return_lse=False, out=None, mask=None, bias=None, block_mask=None):
+                     generator=None, return_lse=False, out=None, mask=None, bias=None, block_mask=None,
+                     check=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
     Parameters
@@ -361,53 +329,93 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     cu_seqlens_q, cu_seqlens_k : int32 arrays (B + 1,) on the GPU
         Sequence b holds rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1; it is an independent
         (Sq_b, Sk_b) problem (causal aligned to its own bottom-right corner; batch index b for
-        ALiBi and dropout). They are read back to the host once to be checked.
+        ALiBi and dropout). They stay on the GPU (never read back): a kernel checks them before the
+        attention runs (0 first, never decreasing, at most the total rows; rows past the last offset
+        are padding and are not written), and a call with bad offsets writes nothing and reports a
+        ValueError (see ``check``).
     max_seqlen_q, max_seqlen_k : int, optional
-        Derived from cu_seqlens when not given (they are checked against them anyway).
+        The longest query / key sequence (checked on the GPU likewise). They size the grid; when
+        not given, the totals bound them (correct, but the grid is then larger than needed).
     mask, bias, block_mask
         Not supported in varlen (ValueError): pad the batch and use :func:`attention` instead.
+    check : bool, optional
+        True: wait for the check of the offsets and raise a bad one now. False: a bad offset is
+        raised at the next varlen call on this stream or by :func:`cuflash.check_errors`.
+        Default: the environment variable ``CUFLASH_CHECK`` (``1`` = True), else False.
     Other options as in :func:`attention_forward`.
 
     Returns
     -------
     out : CuPy array (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when return_lse.
     """
-    import cupy
-
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen; pad and call attention instead")
-    q, k, v, dtype_name = _check_qkv(q, k, v, 3, "(total, heads, head_dim)")
+    operands = (q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, type(generator), return_lse,
+               _forced_family.get())
+    plan, ptrs = _pipeline.lookup("attention_varlen", operands, options)
+    finish = None
+    if plan is None:
+        plan, ptrs, finish = _plan_varlen(operands, ptrs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                          causal=causal, scale=scale, window=window, softcap=softcap,
+                                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
+                                          return_lse=return_lse)
+        if plan is None:
+            out, lse = finish
+            return (out, lse) if return_lse else out
+    results, temps, _ = plan.run(operands, ptrs, generator=generator, check=_checks.check_flag(check))
+    out = finish(results[0]) if finish is not None else results[0]
+    return (out, results[1]) if return_lse else out
+
+
+def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
+                 dropout_p, generator, return_lse):
+    """The full path of :func:`attention_varlen` (see :func:`_plan_attention`)."""
+    import cupy
+
+    q, k, v, out, _, cu_seqlens_q, cu_seqlens_k, alibi_slopes = operands
+    q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k = k.shape[0]
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
                                  dropout_p=dropout_p, generator=generator)
-    score_fields = _score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
-                                   block_mask=None, block_size=(128, 128))
+    score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
+                                                block_mask=None, block_size=(128, 128), first=7)
+    out_user = out
     if out is not None:
-        _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
+        out = _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
     _family_for(dtype_name)
 
-    out = cupy.empty((total_q, hq, d), dtype=q.dtype) if out is None else out
-    lse = cupy.empty((hq, total_q), dtype=np.float32)
-    dropout_fields, _ = _dropout_fields(opts.dropout_p, opts.generator)
-    if out.size == 0 or max_q == 0:
-        return (out, lse) if return_lse else out
+    if total_q * hq * d == 0 or batch == 0 or max_q == 0:
+        _pipeline.nothing_to_plan()
+        out = cupy.empty((total_q, hq, d), dtype=q.dtype) if out is None else out
+        lse = cupy.full((hq, total_q), -np.inf, dtype=np.float32)
+        if opts.dropout_p:
+            opts.generator.next_state()
+        return None, None, (out_user if out_user is not None else out, lse)
 
     d_pad = -(-d // 8) * 8
-    qk, kk, vk = (_kernel_ready(x, d_pad) for x in (q, k, v))
-    o_kernel = out if d_pad == d and out.data.ptr % 16 == 0 else cupy.empty((total_q, hq, d_pad), dtype=q.dtype)
+    qk, kk, vk = (_checks.kernel_ready(x, d_pad) for x in (q, k, v))
+    o_kernel = out
+    if d_pad != d or (out is not None and out.data.ptr % 16):
+        o_kernel = cupy.empty((total_q, hq, d_pad), dtype=q.dtype)
+    o_layout = o_kernel if o_kernel is not None else _checks.Shaped((total_q, hq, d_pad), q.dtype)
     row_layout = {}
-    for name, x in (("q", qk), ("k", kk), ("v", vk), ("o", o_kernel)):
+    for name, x in (("q", qk), ("k", kk), ("v", vk), ("o", o_layout)):
         sr, sh, _ = _checks.element_strides(x)
         row_layout.update({f"{name}_batch_stride": 0, f"{name}_row_stride": sr, f"{name}_head_stride": sh})
     row_layout.update(lse_batch_stride=0, lse_head_stride=total_q)
-    seq_fields = dict(seqlen_q=max_q, seqlen_k=max_k, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr)
-    _run_forward(qk, kk, vk, o_kernel, lse, dtype_name=dtype_name, head_dim=d_pad, seq_fields=seq_fields,
-                 row_layout=row_layout, opts=opts, score_fields=score_fields, dropout_fields=dropout_fields,
-                 grid_rows=max_q, batch=batch, heads_q=hq)
-    if o_kernel is not out:
-        out[...] = o_kernel[..., :d]
-    return (out, lse) if return_lse else out
+    seq_fields = dict(seqlen_q=max_q, seqlen_k=max_k, cu_seqlens_q=("operand", 5), cu_seqlens_k=("operand", 6))
+    check = dict(cu_seqlens_q=("operand", 5), cu_seqlens_k=("operand", 6), batch=batch, total_q=total_q,
+                 total_k=total_k, max_seqlen_q=max_q if max_seqlen_q is not None else 0,
+                 max_seqlen_k=max_k if max_seqlen_k is not None else 0)
+    plan = forward_plan("attention_varlen", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
+                        seq_fields={}, row_layout=row_layout, opts=opts, score_fields={**score_fields, **seq_fields},
+                        grid_rows=max_q, batch=batch, heads_q=hq, check=check, lse_output=return_lse)
+    kernel_operands = (qk, kk, vk, o_kernel, None, cu_q, cu_k, score_arrays[0])
+    ptrs = _pipeline.pointers(kernel_operands)
+    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    return plan, ptrs, _copy_out(out, out_user, o_kernel, d)

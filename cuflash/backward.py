@@ -25,9 +25,10 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch
+from . import _checks, _heuristics, _launch, _pipeline
 from ._compile import get_kernel
-from .attention import _check_qkv, _kernel_ready, _score_operands
+from ._params import BWD, CONVERT, Template
+from .attention import score_operands
 from .random import as_rng_state, dropout_threshold
 
 __all__ = ["attention_backward", "attention_varlen_backward", "force_kernel", "FAMILIES"]
@@ -58,14 +59,7 @@ def _family_for(dtype_name: str) -> str:
 
 
 _num_sms = _launch.sm_count  # a module name, so tests can pretend to other SM counts
-
-
-@functools.lru_cache(maxsize=None)
-def _max_smem(device_id: int) -> int:
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
+_max_smem = _launch.max_smem_per_block
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -94,15 +88,13 @@ def _check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def _dropout_fields(dropout_p: float, rng_state):
-    """Kernel fields that regenerate the forward's dropout mask from its rng_state."""
+def _dropout_state(dropout_p: float, rng_state):
+    """The forward's (seed, offset) when the call has dropout (None otherwise)."""
     if dropout_p == 0.0:
-        return {}
+        return None
     if rng_state is None:
         raise ValueError("dropout_p > 0 needs the forward's rng_state (attention_forward returns it)")
-    seed, offset = as_rng_state(rng_state)
-    return dict(dropout_seed=seed, dropout_offset=offset & 0xFFFFFFFF,
-                dropout_threshold=dropout_threshold(dropout_p), dropout_rescale=1.0 / (1.0 - dropout_p))
+    return as_rng_state(rng_state)
 
 
 def _check_common(*, head_dim, causal, scale, window, softcap, dropout_p, rng_state, deterministic):
@@ -111,17 +103,18 @@ def _check_common(*, head_dim, causal, scale, window, softcap, dropout_p, rng_st
     softcap = _checks.check_softcap(softcap)
     dropout_p = _checks.check_dropout(dropout_p)
     deterministic = _check_flag(deterministic, "deterministic")
-    return scale, window, softcap, _dropout_fields(dropout_p, rng_state), deterministic
+    return scale, window, softcap, dropout_p, _dropout_state(dropout_p, rng_state), deterministic
 
 
 def _out_buffer(buf, name, shape, dtype, d_pad):
-    """(user-visible result, kernel target): the kernels write pairs/float4s of d_pad columns, so a
-    buffer whose head dim is not padded or whose rows are not 16-byte aligned gets a private target."""
+    """(user-visible result, kernel target) of a caller's gradient buffer, (None, None) for none:
+    the kernels write pairs/float4s of d_pad columns, so a buffer whose head dim is not padded or
+    whose rows are not 16-byte aligned gets a private target."""
     import cupy
 
-    if buf is not None:
-        _checks.check_out(buf, name, shape, dtype)
-    result = cupy.empty(shape, dtype=dtype) if buf is None else buf
+    if buf is None:   # the plan allocates it
+        return None, None
+    result = _checks.check_out(buf, name, shape, dtype)
     if shape[-1] == d_pad and result.data.ptr % 16 == 0:
         return result, result
     return result, cupy.empty(shape[:-1] + (d_pad,), dtype=dtype)
@@ -142,96 +135,132 @@ def _layout_fields(prefix: str, x, varlen: bool) -> dict:
 
 # ----------------------------------------------------------------------------- launch sequence
 
-def _convert(dtype_name, src, dst, *, rows, heads, head_dim, src_row_stride, src_head_stride, dst_row_stride,
-             dst_head_stride, scale=1.0, num_partials=1, partial_stride=0):
-    params = _launch.pack_convert_params(
-        src=src.data.ptr, dst=dst.data.ptr, partial_stride=partial_stride, src_row_stride=src_row_stride,
-        src_head_stride=src_head_stride, dst_row_stride=dst_row_stride, dst_head_stride=dst_head_stride,
-        rows=rows, heads=heads, head_dim=head_dim, num_partials=num_partials, scale=scale)
-    kernel = get_kernel(_heuristics.bwd_convert_variant(dtype_name))
-    _launch.launch(kernel, (math.ceil(rows * heads / 8), 1, 1), 256, 0, params)
+def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_dim, src_row_stride,
+                  src_head_stride, dst_row_stride, dst_head_stride, scale=1.0, num_partials=1, partial_stride=0):
+    """bwd_convert: float32 ``src`` (value index) times ``scale``, summed over ``num_partials``, into
+    ``dst`` (value index) in the output dtype."""
+    slots = {"src": src, "dst": dst}
+    if plan.checked:
+        slots["error"] = plan.index("error")
+    params = Template(CONVERT, dict(partial_stride=partial_stride, src_row_stride=src_row_stride,
+                                    src_head_stride=src_head_stride, dst_row_stride=dst_row_stride,
+                                    dst_head_stride=dst_head_stride, rows=rows, heads=heads, head_dim=head_dim,
+                                    num_partials=num_partials, scale=scale), slots)
+    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), 0, device_id)
+    return _pipeline.Step(func, (math.ceil(rows * heads / 8), 1, 1), 256, 0, (("struct", params),))
 
 
-def _run_backward(*, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d, d_pad, tensors,
-                  fwd_fields, score_fields, dropout_fields, deterministic, dq_t, dk_t, dv_t, dbias_buf):
-    """Preprocess, dK/dV pass (+ atomic dQ), then convert or the dQ pass. ``tensors`` holds the
-    kernel-ready q, k, v, out, dout and a row-contiguous lse; dq_t/dk_t/dv_t are the kernel targets."""
-    import cupy
-
-    q, k, v, o, do, lse = (tensors[n] for n in ("q", "k", "v", "out", "dout", "lse"))
-    score_mods = bool(fwd_fields.get("softcap", 0.0) > 0) or any(
+def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
+                   d_pad, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
+                   check=None):
+    """The plan of one backward call: [index check], preprocess, dK/dV pass (+ atomic dQ), then the
+    dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
+    dq, dk, dv to arrays (or :class:`_checks.Shaped`) whose strides the kernels use; operands are
+    0 dout, 1 q, 2 k, 3 v, 4 out, 5 lse, 6 dq, 7 dk, 8 dv, then the score and index arrays."""
+    score_mods = fwd_fields.get("softcap", 0.0) > 0 or any(
         key in score_fields for key in ("alibi_slopes", "mask", "bias", "block_mask"))
-    dropout = bool(dropout_fields)
+    dropout = dropout_p > 0
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout)
     plan1 = (_heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout) if deterministic else None)
-
-    device_id = cupy.cuda.Device().id
-    for plan in (plan0, plan1):
-        if plan is not None and plan.smem_bytes > _max_smem(device_id):
-            raise ValueError(f"the backward for head_dim {d} needs {plan.smem_bytes // 1024} KiB of shared memory "
+    device_id = _pipeline.device_id()
+    for p in (plan0, plan1):
+        if p is not None and p.smem_bytes > _max_smem(device_id):
+            raise ValueError(f"the backward for head_dim {d} needs {p.smem_bytes // 1024} KiB of shared memory "
                              f"per block; this GPU offers {_max_smem(device_id) // 1024} KiB")
-
-    rows_pad = _heuristics.BWD_ROW_PAD * max(1, math.ceil(max_q / _heuristics.BWD_ROW_PAD))
-    lse2 = cupy.empty((batch, heads_q, rows_pad), dtype=np.float32)
-    dsum = cupy.empty((batch, heads_q, rows_pad), dtype=np.float32)
-
-    fwd = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=o.data.ptr, lse=lse.data.ptr,
-               **{f: val for f, val in fwd_fields.items()}, **score_fields, **dropout_fields,
-               heads_q=heads_q, heads_k=heads_k, head_dim=d_pad, batch=batch)
-    for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
-        fwd.update(_layout_fields(name, x, varlen))
-    fwd.update(lse_batch_stride=0 if varlen else heads_q * max_q, lse_head_stride=lse.shape[-1])
 
     group = heads_q // heads_k
     key_blocks = math.ceil(max_k / plan0.block_m)
     heads_per_cta = _heuristics.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
     splits = group // heads_per_cta
-    float_dtype = np.float32
+    rows_pad = _heuristics.BWD_ROW_PAD * max(1, math.ceil(max_q / _heuristics.BWD_ROW_PAD))
+    dq_t, dk_t, dv_t = layouts["dq"], layouts["dk"], layouts["dv"]
+    temps = [_pipeline.Buffer((batch, heads_q, rows_pad), np.float32),     # lse2
+             _pipeline.Buffer((batch, heads_q, rows_pad), np.float32)]     # dsum
+    names = ["lse2", "dsum"]
+    if not deterministic:
+        temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=True))
+        names.append("dq_accum")
     if splits > 1:
         # float32 partial sums per head chunk: (rows, Hk * splits, d_pad); bwd_convert adds them.
         rows_k = dk_t.shape[:-2]
-        dk_part = cupy.empty(rows_k + (heads_k * splits, d_pad), dtype=float_dtype)
-        dv_part = cupy.empty(rows_k + (heads_k * splits, d_pad), dtype=float_dtype)
-        dk_target, dv_target = dk_part, dv_part
-    else:
-        dk_target, dv_target = dk_t, dv_t
-    dq_accum = None if deterministic else cupy.zeros(dq_t.shape[:-1] + (d_pad,), dtype=float_dtype)
+        for name in ("dk_part", "dv_part"):
+            temps.append(_pipeline.Buffer(rows_k + (heads_k * splits, d_pad), np.float32))
+            names.append(name)
+    if dbias_shape is not None:
+        temps.append(_pipeline.Buffer(dbias_shape, np.float32, zero=True))
+        names.append("dbias")
+    shaped = {name: _checks.Shaped(b.shape, b.dtype) for name, b in zip(names, temps)}
+    outputs = {i: _pipeline.Buffer(layouts[name].shape, layouts[name].dtype)
+               for i, name in ((6, "dq"), (7, "dk"), (8, "dv"))}
+    plan = _pipeline.Plan(entry, n_operands, outputs=outputs, temps=temps, aligned=tuple(range(9)),
+                          dropout=(dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)) if dropout else None,
+                          checked=check is not None, results=(6, 7, 8))
+    temp = {name: plan.temp_index(i) for i, name in enumerate(names)}
+    if check is not None:
+        plan.steps.append(_pipeline.check_step(plan, check, device_id))
 
-    bwd = dict(dout=do.data.ptr, lse2=lse2.data.ptr, dsum=dsum.data.ptr, seqlen_q_pad=rows_pad,
-               heads_per_cta=heads_per_cta, dkv_partial=int(splits > 1),
-               dk=dk_target.data.ptr, dv=dv_target.data.ptr, dq=dq_t.data.ptr,
-               **_layout_fields("do", do, varlen), **_layout_fields("dk", dk_target, varlen),
+    fwd = dict(**fwd_fields, heads_q=heads_q, heads_k=heads_k, head_dim=d_pad, batch=batch,
+               lse_batch_stride=0 if varlen else heads_q * max_q, lse_head_stride=lse_head_stride)
+    slots = {"fwd.q": 1, "fwd.k": 2, "fwd.v": 3, "fwd.o": 4, "fwd.lse": 5, "dout": 0, "dq": 6,
+             "lse2": temp["lse2"], "dsum": temp["dsum"]}
+    for name, value in score_fields.items():
+        if isinstance(value, tuple):
+            slots["fwd." + name] = value[1]
+        else:
+            fwd[name] = value
+    if dropout:
+        fwd.update(dropout_threshold=dropout_threshold(dropout_p), dropout_rescale=1.0 / (1.0 - dropout_p))
+        slots.update({"fwd.dropout_seed": plan.index("seed"), "fwd.dropout_offset": plan.index("offset")})
+    if check is not None:
+        slots["fwd.error"] = plan.index("error")
+    for name in ("q", "k", "v"):
+        fwd.update(_layout_fields(name, layouts[name], varlen))
+    fwd.update(_layout_fields("o", layouts["out"], varlen))
+    dk_target = shaped["dk_part"] if splits > 1 else dk_t
+    dv_target = shaped["dv_part"] if splits > 1 else dv_t
+    slots["dk"] = temp["dk_part"] if splits > 1 else 7
+    slots["dv"] = temp["dv_part"] if splits > 1 else 8
+    bwd = dict(seqlen_q_pad=rows_pad, heads_per_cta=heads_per_cta, dkv_partial=int(splits > 1),
+               **_layout_fields("do", layouts["dout"], varlen), **_layout_fields("dk", dk_target, varlen),
                **_layout_fields("dv", dv_target, varlen), **_layout_fields("dq", dq_t, varlen))
-    if dq_accum is not None:
-        bwd.update(dq_accum=dq_accum.data.ptr, **_layout_fields("dqa", dq_accum, varlen))
-    if dbias_buf is not None:
-        sb, sh, sr, _ = _checks.element_strides(dbias_buf)
-        bwd.update(dbias=dbias_buf.data.ptr, dbias_batch_stride=sb, dbias_head_stride=sh, dbias_row_stride=sr)
-    params = _launch.pack_bwd_params(fwd, **bwd)
+    if not deterministic:
+        slots["dq_accum"] = temp["dq_accum"]
+        bwd.update(_layout_fields("dqa", shaped["dq_accum"], varlen))
+    if dbias_shape is not None:
+        sb, sh, sr, _ = _checks.element_strides(shaped["dbias"])
+        slots["dbias"] = temp["dbias"]
+        bwd.update(dbias_batch_stride=sb, dbias_head_stride=sh, dbias_row_stride=sr)
+    params = Template(BWD, {**{"fwd." + k: val for k, val in fwd.items()}, **bwd}, slots)
 
-    _launch.launch(get_kernel(_heuristics.bwd_preprocess_variant(dtype_name)),
-                   (rows_pad // 16, heads_q, batch), 128, 0, params)
-    _launch.launch(get_kernel(plan0.variant), (key_blocks, heads_k * splits, batch), plan0.threads,
-                   plan0.smem_bytes, params)
+    def step(variant, grid, threads, smem):
+        func = _launch.prepare_kernel(get_kernel(variant), smem, device_id)
+        return _pipeline.Step(func, grid, threads, smem, (("struct", params),))
+
+    plan.steps.append(step(_heuristics.bwd_preprocess_variant(dtype_name), (rows_pad // 16, heads_q, batch), 128, 0))
+    plan.steps.append(step(plan0.variant, (key_blocks, heads_k * splits, batch), plan0.threads, plan0.smem_bytes))
     if deterministic:
-        _launch.launch(get_kernel(plan1.variant), (math.ceil(max_q / plan1.block_m), heads_q, batch),
-                       plan1.threads, plan1.smem_bytes, params)
+        plan.steps.append(step(plan1.variant, (math.ceil(max_q / plan1.block_m), heads_q, batch), plan1.threads,
+                               plan1.smem_bytes))
     else:
         rows_q = dq_t.shape[0] if varlen else dq_t.shape[0] * dq_t.shape[1]
-        qa = _rows(dq_accum, varlen)
-        qt = _rows(dq_t, varlen)
-        _convert(dtype_name, dq_accum, dq_t, rows=rows_q, heads=heads_q, head_dim=d,
-                 src_row_stride=qa["row"], src_head_stride=qa["head"], dst_row_stride=qt["row"],
-                 dst_head_stride=qt["head"], scale=fwd_fields["scale"])
+        qa, qt = _rows(shaped["dq_accum"], varlen), _rows(dq_t, varlen)
+        plan.steps.append(_convert_step(plan, dtype_name, device_id, src=temp["dq_accum"], dst=6, rows=rows_q,
+                                        heads=heads_q, head_dim=d, src_row_stride=qa["row"],
+                                        src_head_stride=qa["head"], dst_row_stride=qt["row"],
+                                        dst_head_stride=qt["head"], scale=fwd_fields["scale"]))
     if splits > 1:
         rows_k = dk_t.shape[0] if varlen else dk_t.shape[0] * dk_t.shape[1]
-        for part, target in ((dk_part, dk_t), (dv_part, dv_t)):
-            pr, tr = _rows(part, varlen), _rows(target, varlen)
-            _convert(dtype_name, part, target, rows=rows_k, heads=heads_k, head_dim=d,
-                     src_row_stride=pr["row"], src_head_stride=splits * pr["head"], dst_row_stride=tr["row"],
-                     dst_head_stride=tr["head"], num_partials=splits, partial_stride=pr["head"])
+        for part, target, index in (("dk_part", dk_t, 7), ("dv_part", dv_t, 8)):
+            pr, tr = _rows(shaped[part], varlen), _rows(target, varlen)
+            plan.steps.append(_convert_step(plan, dtype_name, device_id, src=temp[part], dst=index, rows=rows_k,
+                                            heads=heads_k, head_dim=d, src_row_stride=pr["row"],
+                                            src_head_stride=splits * pr["head"], dst_row_stride=tr["row"],
+                                            dst_head_stride=tr["head"], num_partials=splits,
+                                            partial_stride=pr["head"]))
+    plan.info.update(family=family, splits=splits)
+    return plan
 
 
 def _reduce_dbias(dbias_full, bias):
@@ -305,9 +334,66 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     row does not see can still reach the gradients of its tile through 0 * NaN in the matrix
     products (as in the forward's P V); visible NaNs propagate.
     """
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
+    options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
+               _forced_family.get())
+    plan, ptrs = _pipeline.lookup("attention_backward", operands, options)
+    finish = None
+    if plan is None:
+        plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
+                                            window=window, softcap=softcap, block_size=block_size,
+                                            dropout_p=dropout_p, deterministic=deterministic,
+                                            return_dbias=return_dbias)
+        if plan is None:
+            return finish
+    rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
+    grads, temps, _ = plan.run(operands, ptrs, rng_state=rng)
+    return finish(grads, temps) if finish is not None else tuple(grads)
+
+
+def _gradient_targets(dq, dk, dv, shapes, dtype, d, d_pad):
+    """The caller's gradient buffers and the kernels' targets: (results, targets, layouts)."""
+    results, targets, layouts = [], [], []
+    for buf, name, shape in zip((dq, dk, dv), ("dq", "dk", "dv"), shapes):
+        result, target = _out_buffer(buf, name, shape, dtype, d_pad)
+        if result is None and d_pad != d:   # the kernels write d_pad columns: a private target
+            import cupy
+
+            target = cupy.empty(shape[:-1] + (d_pad,), dtype=dtype)
+        results.append(result)
+        targets.append(target)
+        layouts.append(target if target is not None else _checks.Shaped(shape, dtype))
+    return results, targets, layouts
+
+
+def _finisher(users, results, targets, d, reduce_dbias=None):
+    """What a call does after its launches: copy private targets into the caller's buffers (or
+    new ones), reduce dbias; returns the gradients as the caller sees them."""
     import cupy
 
-    q, k, v, dtype_name = _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    def finish(grads, temps):
+        final = []
+        for user, result, target, grad in zip(users, results, targets, grads):
+            if target is not None and target is not result:
+                if result is None:
+                    result = cupy.empty(target.shape[:-1] + (d,), dtype=target.dtype)
+                result[...] = target[..., :d]
+            final.append(user if user is not None else (result if result is not None else grad))
+        if reduce_dbias is not None:
+            final.append(reduce_dbias(temps[-1]))
+        return tuple(final)
+
+    return finish
+
+
+def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, block_size, dropout_p,
+                   deterministic, return_dbias):
+    """The full path of :func:`attention_backward`: (plan, pointers, finish), or (None, None, result)
+    for a call that launches nothing."""
+    import cupy
+
+    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask = operands
+    q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
         raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
@@ -315,48 +401,59 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     dout = _check_like(dout, "dout", q)
     out = _check_like(out, "out", q)
     lse = _check_lse(lse, (b, hq, sq))
-    scale, window, softcap, dropout_fields, deterministic = _check_common(
+    scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
         rng_state=rng_state, deterministic=deterministic)
     return_dbias = _check_flag(return_dbias, "return_dbias")
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
-    score_fields = _score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
-                                   block_mask=block_mask, block_size=block_size)
+    score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
+                                                block_mask=block_mask, block_size=block_size, first=9)
     bias_arr = _checks.as_cuda_array(bias, "bias") if return_dbias else None
     family = _family_for(dtype_name)
     d_pad = -(-d // 8) * 8
-    dq, dq_t = _out_buffer(dq, "dq", (b, sq, hq, d), q.dtype, d_pad)
-    dk, dk_t = _out_buffer(dk, "dk", (b, sk, hk, d), q.dtype, d_pad)
-    dv, dv_t = _out_buffer(dv, "dv", (b, sk, hk, d), q.dtype, d_pad)
+    users = (dq, dk, dv)
+    results, targets, layouts = _gradient_targets(dq, dk, dv, ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)),
+                                                  q.dtype, d, d_pad)
 
     if b == 0 or hq == 0 or sq == 0 or sk == 0:
         # No score at all: every gradient is zero (and dq/dk/dv may be empty).
-        for x in (dq, dk, dv):
+        _pipeline.nothing_to_plan()
+        grads = []
+        for user, result, shape in zip(users, results, ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d))):
+            x = result if result is not None else cupy.empty(shape, dtype=q.dtype)
             x.fill(0)
-        return (dq, dk, dv, cupy.zeros(bias_arr.shape, dtype=bias_arr.dtype)) if return_dbias else (dq, dk, dv)
+            grads.append(user if user is not None else x)
+        if return_dbias:
+            grads.append(cupy.zeros(bias_arr.shape, dtype=bias_arr.dtype))
+        return None, None, tuple(grads)
 
-    tensors = dict(zip(("q", "k", "v", "out", "dout"), (_kernel_ready(x, d_pad) for x in (q, k, v, out, dout))))
-    tensors["lse"] = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
-    dbias_buf = cupy.zeros((b, hq, sq, sk), dtype=np.float32) if return_dbias else None
+    kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
+    lse_k = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
     fwd_fields = dict(seqlen_q=sq, seqlen_k=sk, window_left=window[0], window_right=window[1], scale=scale,
                       scale_log2=scale * math.log2(math.e), softcap=softcap)
-    _run_backward(family=family, dtype_name=dtype_name, varlen=False, batch=b, max_q=sq, max_k=sk, heads_q=hq,
-                  heads_k=hk, d=d, d_pad=d_pad, tensors=tensors, fwd_fields=fwd_fields,
-                  score_fields=score_fields, dropout_fields=dropout_fields, deterministic=deterministic,
-                  dq_t=dq_t, dk_t=dk_t, dv_t=dv_t, dbias_buf=dbias_buf)
-    for result, target in ((dq, dq_t), (dk, dk_t), (dv, dv_t)):
-        if target is not result:
-            result[...] = target[..., :d]
-    if return_dbias:
-        return dq, dk, dv, _reduce_dbias(dbias_buf, bias_arr)
-    return dq, dk, dv
+    plan = _backward_plan("attention_backward", len(operands), family=family, dtype_name=dtype_name,
+                          varlen=False, batch=b, max_q=sq, max_k=sk, heads_q=hq, heads_k=hk, d=d, d_pad=d_pad,
+                          layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel[:4] + [kernel[4]]),
+                                       dq=layouts[0], dk=layouts[1], dv=layouts[2]),
+                          lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
+                          dropout_p=dropout_p, deterministic=deterministic,
+                          dbias_shape=(b, hq, sq, sk) if return_dbias else None)
+    qk, kk, vk, ok, dok = kernel
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays)
+    ptrs = _pipeline.pointers(kernel_operands)
+    in_place = _pipeline.in_place(operands, kernel_operands) and not return_dbias
+    _pipeline.remember(key if in_place else None, plan)
+    needs_finish = return_dbias or any(t is not None and t is not r for t, r in zip(targets, results)) or any(
+        u is not None and type(u) is not cupy.ndarray for u in users)
+    reduce = (lambda full: _reduce_dbias(full, bias_arr)) if return_dbias else None
+    return plan, ptrs, _finisher(users, results, targets, d, reduce) if needs_finish else None
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, rng_state=None, causal=False, scale=None, window=None,
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, dq=None,
-                              dk=None, dv=None, mask=None, bias=None, block_mask=None):
+                              dk=None, dv=None, mask=None, bias=None, block_mask=None, check=None):
     """Gradients of :func:`cuflash.attention_varlen` with respect to q, k and v.
 
     Parameters
@@ -366,27 +463,51 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     lse : float32 array (Hq, total_q)
         As ``attention_varlen(..., return_lse=True)`` returns it.
     cu_seqlens_q, cu_seqlens_k : int32 arrays (B + 1,) on the GPU
-        The forward's (read back to the host once to be checked).
+        The forward's; never read back: checked on the GPU as in :func:`cuflash.attention_varlen`.
     max_seqlen_q, max_seqlen_k : int, optional
+        Bounds of the longest sequences (default: the totals, correct but with a larger grid).
     rng_state : numpy uint64 array (2,), optional
         The forward's ``(seed, offset)``; required when ``dropout_p > 0``.
     causal, scale, window, softcap, alibi_slopes, dropout_p, deterministic
         As in :func:`attention_backward`; mask, bias and block_mask are not supported in varlen.
     dq : CuPy array (total_q, Hq, D), optional
     dk, dv : CuPy arrays (total_k, Hk, D), optional
+    check : bool, optional
+        As in :func:`cuflash.attention_varlen`: raise bad offsets now (True) or at the next call.
 
     Returns
     -------
     dq : CuPy array (total_q, Hq, D)
     dk, dv : CuPy arrays (total_k, Hk, D)
     """
-    import cupy
-
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen_backward; pad and call "
                              "attention_backward instead")
-    q, k, v, dtype_name = _check_qkv(q, k, v, 3, "(total, heads, head_dim)")
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
+               _forced_family.get())
+    plan, ptrs = _pipeline.lookup("attention_varlen_backward", operands, options)
+    finish = None
+    if plan is None:
+        plan, ptrs, finish = _plan_varlen_backward(operands, ptrs, max_seqlen_q=max_seqlen_q,
+                                                   max_seqlen_k=max_seqlen_k, rng_state=rng_state, causal=causal,
+                                                   scale=scale, window=window, softcap=softcap,
+                                                   dropout_p=dropout_p, deterministic=deterministic)
+        if plan is None:
+            return finish
+    rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
+    grads, temps, _ = plan.run(operands, ptrs, rng_state=rng, check=_checks.check_flag(check))
+    return finish(grads, temps) if finish is not None else tuple(grads)
+
+
+def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_state, causal, scale, window, softcap,
+                          dropout_p, deterministic):
+    """The full path of :func:`attention_varlen_backward` (see :func:`_plan_backward`)."""
+    import cupy
+
+    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k = operands
+    q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     dout = _check_like(dout, "dout", q)
@@ -394,32 +515,44 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     lse = _check_lse(lse, (hq, total_q))
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
-    scale, window, softcap, dropout_fields, deterministic = _check_common(
+    scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
         rng_state=rng_state, deterministic=deterministic)
-    score_fields = _score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
-                                   block_mask=None, block_size=(128, 128))
+    score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
+                                                block_mask=None, block_size=(128, 128), first=9)
     family = _family_for(dtype_name)
     d_pad = -(-d // 8) * 8
-    dq, dq_t = _out_buffer(dq, "dq", (total_q, hq, d), q.dtype, d_pad)
-    dk, dk_t = _out_buffer(dk, "dk", (total_k, hk, d), q.dtype, d_pad)
-    dv, dv_t = _out_buffer(dv, "dv", (total_k, hk, d), q.dtype, d_pad)
+    users = (dq, dk, dv)
+    shapes = ((total_q, hq, d), (total_k, hk, d), (total_k, hk, d))
+    results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad)
 
-    if hq == 0 or max_q == 0 or max_k == 0:
-        for x in (dq, dk, dv):
+    if hq == 0 or batch == 0 or max_q == 0 or max_k == 0 or total_q == 0:
+        _pipeline.nothing_to_plan()
+        grads = []
+        for user, result, shape in zip(users, results, shapes):
+            x = result if result is not None else cupy.empty(shape, dtype=q.dtype)
             x.fill(0)
-        return dq, dk, dv
+            grads.append(user if user is not None else x)
+        return None, None, tuple(grads)
 
-    tensors = dict(zip(("q", "k", "v", "out", "dout"), (_kernel_ready(x, d_pad) for x in (q, k, v, out, dout))))
-    tensors["lse"] = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
-    fwd_fields = dict(seqlen_q=max_q, seqlen_k=max_k, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr,
-                      window_left=window[0], window_right=window[1], scale=scale,
+    kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
+    lse_k = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
+    fwd_fields = dict(seqlen_q=max_q, seqlen_k=max_k, window_left=window[0], window_right=window[1], scale=scale,
                       scale_log2=scale * math.log2(math.e), softcap=softcap)
-    _run_backward(family=family, dtype_name=dtype_name, varlen=True, batch=batch, max_q=max_q, max_k=max_k,
-                  heads_q=hq, heads_k=hk, d=d, d_pad=d_pad, tensors=tensors, fwd_fields=fwd_fields,
-                  score_fields=score_fields, dropout_fields=dropout_fields, deterministic=deterministic,
-                  dq_t=dq_t, dk_t=dk_t, dv_t=dv_t, dbias_buf=None)
-    for result, target in ((dq, dq_t), (dk, dk_t), (dv, dv_t)):
-        if target is not result:
-            result[...] = target[..., :d]
-    return dq, dk, dv
+    score_fields = {**score_fields, "cu_seqlens_q": ("operand", 10), "cu_seqlens_k": ("operand", 11)}
+    check = dict(cu_seqlens_q=("operand", 10), cu_seqlens_k=("operand", 11), batch=batch, total_q=total_q,
+                 total_k=total_k, max_seqlen_q=max_q if max_seqlen_q is not None else 0,
+                 max_seqlen_k=max_k if max_seqlen_k is not None else 0)
+    plan = _backward_plan("attention_varlen_backward", len(operands), family=family, dtype_name=dtype_name,
+                          varlen=True, batch=batch, max_q=max_q, max_k=max_k, heads_q=hq, heads_k=hk, d=d,
+                          d_pad=d_pad, layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel),
+                                                    dq=layouts[0], dk=layouts[1], dv=layouts[2]),
+                          lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
+                          dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check)
+    qk, kk, vk, ok, dok = kernel
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k)
+    ptrs = _pipeline.pointers(kernel_operands)
+    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    needs_finish = any(t is not None and t is not r for t, r in zip(targets, results)) or any(
+        u is not None and type(u) is not cupy.ndarray for u in users)
+    return plan, ptrs, _finisher(users, results, targets, d) if needs_finish else None

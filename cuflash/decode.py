@@ -12,37 +12,11 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics
+from . import _checks, _heuristics, _launch, _pipeline
 from ._compile import get_kernel
-from ._launch import PARAMS_DTYPE, launch, pack_params
+from ._params import DECODE, FWD, MERGE, Template
 
 __all__ = ["decode"]
-
-# Mirrors ``DecodeParams`` in cuda_src/decode_params.cuh (align=True pads like C): the forward's
-# FwdParams first (score-pipeline fields only), then decode's own. Its size is compiled in as
-# CUFLASH_DECODE_PARAMS_SIZE and static_asserted there.
-_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part", "cache_seqlens",
-             "block_table", "mask")
-_STRIDES = (
-    "q_batch_stride", "q_row_stride", "q_head_stride",
-    "k_batch_stride", "k_row_stride", "k_head_stride",
-    "v_batch_stride", "v_row_stride", "v_head_stride",
-    "k_new_batch_stride", "k_new_row_stride", "k_new_head_stride",
-    "v_new_batch_stride", "v_new_row_stride", "v_new_head_stride",
-    "o_batch_stride", "o_row_stride", "o_head_stride",
-    "lse_batch_stride", "lse_head_stride",
-    "block_table_batch_stride",
-    "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride",
-)
-_INTS = ("batch", "seqlen_q", "heads_q", "heads_k", "group", "head_dim", "out_dim", "seqlen_cache", "seqlen_new",
-         "page_size", "num_splits", "row_blocks", "mask_keys", "pad_")
-DECODE_PARAMS_DTYPE = np.dtype(
-    [("score", PARAMS_DTYPE)]
-    + [(name, np.uint64) for name in _POINTERS]
-    + [(name, np.int64) for name in _STRIDES]
-    + [(name, np.int32) for name in _INTS],
-    align=True,
-)
 
 _GRID_YZ_MAX = 65535
 
@@ -56,37 +30,6 @@ def _device_limits(device_id: int) -> tuple[int, int, int]:
     return (rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id),
             rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id),
             rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id))
-
-
-def _int32_operand(x, name: str, ndim: int):
-    """An int32 index array given on the GPU or as a NumPy array: (device array, host copy).
-
-    A GPU array is read back once to be checked (a synchronisation, the price of checking); a NumPy
-    array (or a list) is checked as is and copied to the GPU (no synchronisation).
-    """
-    import cupy
-
-    if isinstance(x, (list, tuple)):
-        x = np.asarray(x, dtype=np.int32)
-    if isinstance(x, np.ndarray):
-        host = x
-        if host.dtype != np.int32:
-            raise TypeError(f"{name} must be int32, got {host.dtype}")
-        device = None
-    else:
-        device = _checks.as_cuda_array(x, name)
-        if device.dtype != np.int32:
-            raise TypeError(f"{name} must be int32, got {device.dtype}")
-        host = None
-    shape = tuple((host if host is not None else device).shape)
-    if len(shape) != ndim:
-        raise ValueError(f"{name} must be {ndim}-d, got shape {shape}")
-    if device is None:
-        device = cupy.asarray(np.ascontiguousarray(host))
-    else:
-        host = device.get()
-        device = cupy.ascontiguousarray(device)   # the kernel indexes rows of it densely
-    return device, host.astype(np.int64)
 
 
 def _aligned(x, d_pad: int, chunk: int) -> bool:
@@ -158,46 +101,18 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
                              f"{int(slots[b, t])}, which a sequence reads as a cached key")
 
 
-_configured = {}
+# Operand positions of a decode call (lse is allocated by the plan, never passed).
+_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE = range(11)
 
 
-def _decode_kernel(variant):
-    """The decode kernel, asking once for the largest shared-memory carveout: the K/V stream lives
-    in shared memory (cp.async.cg skips L1), and two or three CTAs per SM need ~200 KiB of it."""
-    kernel = get_kernel(variant)
-    if id(kernel) not in _configured:
-        try:
-            kernel.preferred_shared_memory_carveout = 100
-        except Exception:  # a hint only; the launch works without it
-            pass
-        _configured[id(kernel)] = kernel
-    return kernel
+def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse):
+    """Check a decode call and plan its launches (see :func:`decode`); raises before any launch.
 
-
-class _DecodeCall:
-    """A validated decode call: everything checked and allocated, ready to launch (no host sync).
-
-    ``launch()`` runs the kernels on CuPy's current stream; it may be called again (benchmarks),
-    re-appending the same rows. It keeps every temporary it points to alive.
+    Returns (plan, pointers, finish), or (None, None, result) for a call that launches nothing.
     """
-
-    def __init__(self, out, lse):
-        self.out, self.lse = out, lse
-        self.num_splits = 1     # key ranges per (sequence, kv head, row block); > 1 adds the merge
-        self._steps = []
-        self._keep = []
-
-    def launch(self):
-        for step in self._steps:
-            step()
-        return self.out, self.lse
-
-
-def _prepare(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
-             causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, out=None):
-    """Validate a decode call and plan its launches (see :func:`decode`); raises before any launch."""
     import cupy
 
+    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, _ = operands
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
@@ -217,18 +132,21 @@ def _prepare(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new
     _checks.check_heads(heads_q, heads_k, v_cache.shape[2])
     _checks.check_head_dim(d, k_cache.shape[3], v_cache.shape[3], _heuristics.MAX_HEAD_DIM)
 
-    # The cache, its capacity per sequence, and the lengths it holds.
+    # The cache, its capacity per sequence, and the lengths it holds (values checked on the host when
+    # given there, else by the index check on the GPU).
     if paged:
-        table_dev, table = _int32_operand(block_table, "block_table", 2)
-        if table.shape[0] != batch:
-            raise ValueError(f"block_table must have one row per sequence ({batch}), got shape {table.shape}")
+        table_dev, table = _checks.int32_operand(block_table, "block_table", 2)
+        if table_dev.shape[0] != batch:
+            raise ValueError(f"block_table must have one row per sequence ({batch}), got shape "
+                             f"{tuple(table_dev.shape)}")
         num_pages, page_size = k_cache.shape[:2]
         if page_size == 0:
             raise ValueError("the paged cache must have page_size (k_cache.shape[1]) >= 1, got 0")
-        capacity = table.shape[1] * page_size
+        max_pages = table_dev.shape[1]
+        capacity = max_pages * page_size
     else:
         table_dev = table = None
-        num_pages = page_size = 0
+        num_pages = page_size = max_pages = 0
         if k_cache.shape[0] != batch:
             raise ValueError(f"k_cache must have the batch size of q ({batch}), got {k_cache.shape[0]}; a paged "
                              "cache needs block_table")
@@ -236,13 +154,9 @@ def _prepare(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new
     if cache_seqlens is None:
         seqlens_dev, lens = None, np.full(batch, capacity, dtype=np.int64)
     else:
-        seqlens_dev, lens = _int32_operand(cache_seqlens, "cache_seqlens", 1)
-        if lens.shape != (batch,):
-            raise ValueError(f"cache_seqlens must have shape ({batch},), got {lens.shape}")
-        if batch and (lens.min() < 0 or lens.max() > capacity):
-            b = int(np.argmax((lens < 0) | (lens > capacity)))
-            raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])} is not in [0, {capacity}] (the cache holds "
-                             f"{capacity} keys per sequence)")
+        seqlens_dev, lens = _checks.int32_operand(cache_seqlens, "cache_seqlens", 1)
+        if tuple(seqlens_dev.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(seqlens_dev.shape)}")
 
     # Tokens to append.
     if (k_new is None) != (v_new is None):
@@ -261,21 +175,28 @@ def _prepare(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new
             if tuple(x.shape) != want:
                 raise ValueError(f"{name} must have shape (batch, new tokens, kv heads, head_dim) = {want}, got "
                                  f"{tuple(x.shape)}")
-        if batch and lens.max() + seqlen_new > capacity:
-            b = int(np.argmax(lens + seqlen_new > capacity))
+        if seqlen_new > capacity:
+            raise ValueError(f"the {seqlen_new} appended tokens do not fit a cache of {capacity} keys per sequence")
+    if lens is not None and batch:   # values given on the host: checked here, no kernel needed
+        if lens.min() < 0 or lens.max() + seqlen_new > capacity:
+            b = int(np.argmax((lens < 0) | (lens + seqlen_new > capacity)))
+            if lens[b] < 0 or lens[b] > capacity:
+                raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])} is not in [0, {capacity}] (the cache holds "
+                                 f"{capacity} keys per sequence)")
             raise ValueError(f"the {seqlen_new} appended tokens do not fit: sequence {b} holds {int(lens[b])} of "
                              f"{capacity} keys" + (" (cache_seqlens=None means full)" if cache_seqlens is None
                                                    else ""))
-    if paged and batch:
-        _check_pages(table, lens, seqlen_new, page_size, num_pages)
+        if paged and table is not None:
+            _check_pages(table, lens, seqlen_new, page_size, num_pages)
+    check_on_gpu = batch > 0 and ((cache_seqlens is not None and lens is None) or (paged and table is None))
 
     # Options.
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
                                  dropout_p=0.0, generator=None)
-    score_fields = {}
+    score_fields, alibi_dev = {}, None
     if alibi_slopes is not None:
-        slopes = _checks.check_alibi(alibi_slopes, batch, heads_q)
-        score_fields.update(alibi_slopes=slopes.data.ptr, alibi_batch_stride=heads_q if slopes.ndim == 2 else 0)
+        alibi_dev = _checks.check_alibi(alibi_slopes, batch, heads_q)
+        score_fields.update({"score.alibi_slopes": None, "score.alibi_batch_stride": heads_q if alibi_dev.ndim == 2 else 0})
     mask_view, mask_keys = None, 0
     if mask is not None:
         m = _checks.as_cuda_array(mask, "mask")
@@ -290,99 +211,146 @@ def _prepare(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new
         raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
     if num_splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = heuristic), got {num_splits}")
+    out_user = out
     if out is not None:
-        _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d), q.dtype)
+        out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d), q.dtype)
     if batch > _GRID_YZ_MAX or heads_k > _GRID_YZ_MAX:
         raise ValueError(f"decode handles at most {_GRID_YZ_MAX} sequences and kv heads, got {batch} and {heads_k}")
+    if batch == 0:
+        _pipeline.nothing_to_plan()
+        out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype) if out is None else out
+        lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32)
+        return None, None, (out_user if out_user is not None else out, lse)
 
     # Kernel-ready operands: 16-byte rows. q and k_new are small, so misaligned ones are copied; a
     # misaligned cache is copied too (slow, documented) and the appended rows written back after.
-    out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype) if out is None else out
-    lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32)
-    call = _DecodeCall(out, lse)
-    if batch == 0:
-        return call
     chunk = 16 // q.itemsize
     d_pad = -(-d // chunk) * chunk
     q_k = q if _aligned(q, d_pad, chunk) else _padded_copy(q, d_pad)
     cache_in_place = _aligned(k_cache, d_pad, chunk) and _aligned(v_cache, d_pad, chunk)
     kc, vc = (k_cache, v_cache) if cache_in_place else (_padded_copy(k_cache, d_pad), _padded_copy(v_cache, d_pad))
+    kn = vn = None
     if seqlen_new:
         kn = k_new if _aligned(k_new, d_pad, chunk) else _padded_copy(k_new, d_pad)
         vn = v_new if _aligned(v_new, d_pad, chunk) else _padded_copy(v_new, d_pad)
+    if not cache_in_place and seqlen_new and lens is None:
+        raise ValueError("a cache whose rows are not 16-byte aligned is copied, and appending to it needs "
+                         "cache_seqlens (and block_table) on the host: pass NumPy arrays, or align the cache")
 
-    sms, smem_block, smem_sm = _device_limits(cupy.cuda.Device().id)
+    device_id = _pipeline.device_id()
+    sms, smem_block, smem_sm = _device_limits(device_id)
     score_mods = opts.softcap > 0 or alibi_slopes is not None or mask is not None
-    plan = _heuristics.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
-                                   smem_per_block=smem_block, smem_per_sm=smem_sm)
+    plan_k = _heuristics.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
+                                     smem_per_block=smem_block, smem_per_sm=smem_sm)
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
-    row_blocks = max(1, -(-rows // plan.block_m))
+    row_blocks = max(1, -(-rows // plan_k.block_m))
     if num_splits == 0:
         left, right = opts.window
-        keys = int(lens.max()) + seqlen_new
+        # The longest sequence when the lengths are known here, else the capacity: never read back.
+        keys = int(lens.max() if lens is not None else capacity) + seqlen_new
+        keys = min(keys, capacity)
         if left >= 0 and right >= 0:
             keys = min(keys, left + right + seqlen_q)
         num_splits = _heuristics.decode_num_splits(batch, heads_k, keys, sms, row_blocks=row_blocks,
-                                                   block_n=plan.block_n, ctas_per_sm=plan.ctas_per_sm)
+                                                   block_n=plan_k.block_n, ctas_per_sm=plan_k.ctas_per_sm)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits >= 2**31:
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")
 
-    o_part = lse_part = None
+    lse_buffer = _pipeline.Buffer((batch, heads_q, seqlen_q), np.float32)
+    temps = [] if return_lse else [lse_buffer]
     if num_splits > 1:
-        o_part = cupy.empty((num_splits, batch, seqlen_q, heads_q, d), dtype=np.float32)
-        lse_part = cupy.empty((num_splits, batch, heads_q, seqlen_q), dtype=np.float32)
+        temps += [_pipeline.Buffer((num_splits, batch, seqlen_q, heads_q, d), np.float32),
+                  _pipeline.Buffer((num_splits, batch, heads_q, seqlen_q), np.float32)]
+    outputs = {_OUT: _pipeline.Buffer((batch, seqlen_q, heads_q, d), q.dtype)}
+    if return_lse:
+        outputs[_LSE] = lse_buffer
+    plan = _pipeline.Plan("decode", len(operands), outputs=outputs, temps=temps,
+                          aligned=(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW), checked=check_on_gpu,
+                          results=(_OUT, _LSE) if return_lse else (_OUT,))
+    lse_slot = _LSE if return_lse else plan.temp_index(0)
+    part = len(temps) - 2   # o_part, lse_part: the last two temporaries
+    if check_on_gpu:
+        plan.steps.append(_pipeline.check_step(plan, dict(
+            cache_seqlens=("operand", _LENS) if cache_seqlens is not None else None,
+            block_table=("operand", _TABLE) if paged else None,
+            block_table_batch_stride=_checks.element_strides(table_dev)[0] if paged else 0,
+            batch=batch, capacity=capacity, seqlen_new=seqlen_new, page_size=page_size, num_pages=num_pages,
+            max_pages=max_pages), device_id))
 
     left, right = opts.window
-    score = pack_params(heads_q=heads_q, heads_k=heads_k, head_dim=d_pad, batch=batch, seqlen_q=seqlen_q,
-                        window_left=left, window_right=right, scale=opts.scale,
-                        scale_log2=opts.scale * math.log2(math.e), softcap=opts.softcap, **score_fields)
-    params = np.zeros((), dtype=DECODE_PARAMS_DTYPE)
-    params["score"] = score
-    fields = dict(
-        q=q_k.data.ptr, k_cache=kc.data.ptr, v_cache=vc.data.ptr, o=out.data.ptr, lse=lse.data.ptr,
-        batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_k=heads_k, group=group, head_dim=d_pad, out_dim=d,
-        seqlen_cache=capacity, seqlen_new=seqlen_new, page_size=page_size, num_splits=num_splits,
-        row_blocks=row_blocks, mask_keys=mask_keys,
-    )
-    for name, x in (("q", q_k), ("k", kc), ("v", vc), ("o", out)):
+    fields = {"score.heads_q": heads_q, "score.heads_k": heads_k, "score.head_dim": d_pad, "score.batch": batch,
+              "score.seqlen_q": seqlen_q, "score.window_left": left, "score.window_right": right,
+              "score.scale": opts.scale, "score.scale_log2": opts.scale * math.log2(math.e),
+              "score.softcap": opts.softcap}
+    fields.update({k: v for k, v in score_fields.items() if v is not None})
+    fields.update(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_k=heads_k, group=group, head_dim=d_pad,
+                  out_dim=d, seqlen_cache=capacity, seqlen_new=seqlen_new, page_size=page_size,
+                  num_splits=num_splits, row_blocks=row_blocks, mask_keys=mask_keys, num_pages=num_pages,
+                  max_pages=max_pages)
+    out_layout = out if out is not None else _checks.Shaped((batch, seqlen_q, heads_q, d), q.dtype)
+    for name, x in (("q", q_k), ("k", kc), ("v", vc), ("o", out_layout)):
         fields.update(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), _row_strides(x)))
-    lse_strides = _checks.element_strides(lse)
+    lse_strides = _checks.element_strides(_checks.Shaped(lse_buffer.shape, np.float32))
     fields.update(lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1])
+    slots = {"q": _Q, "k_cache": _K_CACHE, "v_cache": _V_CACHE, "o": _OUT, "lse": lse_slot}
     if seqlen_new:
-        fields.update(k_new=kn.data.ptr, v_new=vn.data.ptr)
+        slots.update(k_new=_K_NEW, v_new=_V_NEW)
         for name, x in (("k_new", kn), ("v_new", vn)):
             fields.update(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"),
                               _row_strides(x)))
-    if seqlens_dev is not None:
-        fields["cache_seqlens"] = seqlens_dev.data.ptr
+    if cache_seqlens is not None:
+        slots["cache_seqlens"] = _LENS
     if paged:
-        fields.update(block_table=table_dev.data.ptr, block_table_batch_stride=_checks.element_strides(table_dev)[0])
+        slots["block_table"] = _TABLE
+        fields["block_table_batch_stride"] = _checks.element_strides(table_dev)[0]
+    if alibi_dev is not None:
+        slots["score.alibi_slopes"] = _ALIBI
     if mask_view is not None:
         mb, mh, mr, mc = _checks.element_strides(mask_view)
-        fields.update(mask=mask_view.data.ptr, mask_batch_stride=mb, mask_head_stride=mh, mask_row_stride=mr,
-                      mask_col_stride=mc)
-    if o_part is not None:
-        fields.update(o_part=o_part.data.ptr, lse_part=lse_part.data.ptr)
-    for name, value in fields.items():
-        params[name] = value
-    params = params[()]
+        slots["mask"] = _MASK
+        fields.update(mask_batch_stride=mb, mask_head_stride=mh, mask_row_stride=mr, mask_col_stride=mc)
+    if num_splits > 1:
+        slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1))
+    if check_on_gpu:
+        slots["error"] = plan.index("error")
+    kernel = get_kernel(plan_k.variant)
+    # The K/V stream lives in shared memory (cp.async.cg skips L1), and two or three CTAs per SM
+    # need ~200 KiB of it: ask for the largest carveout.
+    func = _launch.prepare_kernel(kernel, plan_k.smem_bytes, device_id, carveout=100)
+    plan.steps.append(_pipeline.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
+                                     plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),)))
+    if num_splits > 1:
+        plan.steps.append(_merge_step(plan, device_id, parts=(plan.temp_index(part), plan.temp_index(part + 1)),
+                                      parts_shape=temps[part].shape, out=_OUT, out_layout=out_layout, lse=lse_slot,
+                                      lse_shape=lse_buffer.shape))
+    plan.info.update(num_splits=num_splits)
 
-    kernel = _decode_kernel(plan.variant)
-    call.num_splits = num_splits
-    grid = (row_blocks * num_splits, heads_k, batch)
-    call._steps.append(lambda: launch(kernel, grid, plan.threads, plan.smem_bytes, params))
-    if o_part is not None:
-        from .merge import _launch_merge
-
-        call._steps.append(lambda: _launch_merge(o_part, lse_part, out, lse))
+    kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, None]
+    ptrs = _pipeline.pointers(kernel_operands)
+    in_place = _pipeline.in_place(operands, kernel_operands)
+    _pipeline.remember(key if in_place else None, plan)
+    finish = None
     if seqlen_new and not cache_in_place:
-        call._steps.append(functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size))
-    call._keep += [q_k, kc, vc, seqlens_dev, table_dev, mask_view, o_part, lse_part, params]
-    if seqlen_new:
-        call._keep += [kn, vn]
-    return call
+        finish = functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size)
+    return plan, ptrs, finish
+
+
+def _merge_step(plan, device_id, *, parts, parts_shape, out, out_layout, lse, lse_shape):
+    """The merge of decode's float32 split partials into out and lse (value indices)."""
+    from .merge import merge_fields
+
+    n, b, s, h, d = parts_shape
+    fields = merge_fields(_checks.Shaped(parts_shape, np.float32),
+                          _checks.Shaped((n, b, h, s), np.float32), out_layout,
+                          _checks.Shaped(lse_shape, np.float32))
+    slots = {"outs": parts[0], "lses": parts[1], "out": out, "lse": lse}
+    if plan.checked:
+        slots["error"] = plan.index("error")
+    merge = _heuristics.merge_plan("float32", _checks.dtype_name(out_layout.dtype), d)
+    func = _launch.prepare_kernel(get_kernel(merge.variant), 0, device_id)
+    return _pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", Template(MERGE, fields, slots)),))
 
 
 def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
@@ -402,7 +370,7 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None):
+           out=None, check=None):
     """Attention of a few new query tokens over a KV cache, appending their keys and values first.
 
     Sequence ``b`` has ``T_b = cache_seqlens[b] + S_new`` keys: its cached keys, then the ``S_new``
@@ -464,8 +432,17 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     RuntimeError
         When no CUDA GPU is usable.
     """
-    call = _prepare(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
-                    v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out)
-    out, lse = call.launch()
-    return (out, lse) if return_lse else out
+    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, None)
+    options = (num_splits, causal, window, softcap, scale, return_lse)
+    plan, ptrs = _pipeline.lookup("decode", operands, options)
+    finish = None
+    if plan is None:
+        plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
+                                          softcap=softcap, scale=scale, return_lse=return_lse)
+        if plan is None:
+            out, lse = finish
+            return (out, lse) if return_lse else out
+    results, _, _ = plan.run(operands, ptrs, check=_checks.check_flag(check))
+    if finish is not None:
+        finish()
+    return tuple(results) if return_lse else results[0]

@@ -14,28 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, _heuristics
+from . import _checks, _heuristics, _launch, _pipeline
 from ._compile import get_kernel
-from ._launch import launch
+from ._params import MERGE, Template
 
 __all__ = ["merge_states"]
-
-# Mirrors ``MergeParams`` in cuda_src/merge.cu (align=True pads like C); its size is compiled in as
-# CUFLASH_MERGE_PARAMS_SIZE and static_asserted there.
-_POINTERS = ("outs", "lses", "out", "lse")
-_STRIDES = (
-    "outs_part_stride", "outs_batch_stride", "outs_row_stride", "outs_head_stride", "outs_col_stride",
-    "lses_part_stride", "lses_batch_stride", "lses_head_stride", "lses_row_stride",
-    "out_batch_stride", "out_row_stride", "out_head_stride", "out_col_stride",
-    "lse_batch_stride", "lse_head_stride", "lse_row_stride",
-)
-_INTS = ("num_parts", "batch", "seqlen", "heads", "head_dim", "pad_")
-MERGE_PARAMS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in _POINTERS]
-    + [(name, np.int64) for name in _STRIDES]
-    + [(name, np.int32) for name in _INTS],
-    align=True,
-)
 
 _MERGE_DTYPES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                  np.dtype(np.float64): "float64"}
@@ -138,41 +121,61 @@ def merge_states(outs, lses):
     makes the row NaN. Merging is exact, so merging in stages (``merge(merge(a, b), c)``) and in one
     go agree up to rounding, and attention over ``A ∪ B`` equals ``merge(attention(A), attention(B))``.
     """
+    operands = (outs, lses, None, None)
+    plan, ptrs = _pipeline.lookup("merge_states", operands, ())
+    if plan is None:
+        plan, ptrs, result = _plan_merge(operands, ptrs)
+        if plan is None:
+            return result
+    results, _, _ = plan.run(operands, ptrs)
+    return results[0], results[1]
+
+
+def _plan_merge(operands, key):
+    """The full path of :func:`merge_states`: (plan, pointers, None), or (None, None, result) for an
+    empty merge."""
     import cupy
 
+    outs, lses = operands[:2]
     stacked, out_dtype = _stacked_outs(outs)
     n, b, s, h, d = stacked.shape
     lse_stack = _stacked_lses(lses, n)
     if tuple(lse_stack.shape) != (n, b, h, s):
         raise ValueError(f"lses must have shape (parts, batch, heads, seqlen) = {(n, b, h, s)} to match outs "
                          f"{tuple(stacked.shape)}, got {tuple(lse_stack.shape)}")
-    out = cupy.empty((b, s, h, d), dtype=out_dtype)
-    lse = cupy.empty((b, h, s), dtype=np.float32)
-    _launch_merge(stacked, lse_stack, out, lse)
-    return out, lse
-
-
-def _launch_merge(outs, lses, out, lse) -> None:
-    """Launch the merge kernel: outs (n, B, S, H, D), lses (n, B, H, S) float32 -> out (B, S, H, D)
-    (only its first ``out.shape[-1]`` columns are read from ``outs``), lse (B, H, S) float32."""
-    n, b, s, h = outs.shape[:4]
-    d = out.shape[-1]
     if b * s * h == 0:
-        return
+        _pipeline.nothing_to_plan()
+        return None, None, (cupy.empty((b, s, h, d), dtype=out_dtype), cupy.empty((b, h, s), dtype=np.float32))
     if b * s * h >= 2**31:
         raise ValueError(f"merge handles fewer than 2**31 rows (batch * seqlen * heads), got {b * s * h}")
-    plan = _heuristics.merge_plan(_merge_dtype_name(outs, "outs"), _merge_dtype_name(out, "out"), d)
-    params = np.zeros((), dtype=MERGE_PARAMS_DTYPE)
-    params["outs"], params["lses"] = outs.data.ptr, lses.data.ptr
-    params["out"], params["lse"] = out.data.ptr, lse.data.ptr
-    names = ("part", "batch", "row", "head", "col")
-    for name, stride in zip(names, _checks.element_strides(outs)):
-        params[f"outs_{name}_stride"] = stride
+    out_layout = _checks.Shaped((b, s, h, d), out_dtype)
+    lse_layout = _checks.Shaped((b, h, s), np.float32)
+    plan = _pipeline.Plan("merge_states", len(operands),
+                          outputs={2: _pipeline.Buffer(out_layout.shape, out_dtype),
+                                   3: _pipeline.Buffer(lse_layout.shape, np.float32)})
+    merge = _heuristics.merge_plan(_merge_dtype_name(stacked, "outs"), _merge_dtype_name(out_layout, "out"), d)
+    device_id = _pipeline.device_id()
+    func = _launch.prepare_kernel(get_kernel(merge.variant), 0, device_id)
+    params = Template(MERGE, merge_fields(stacked, lse_stack, out_layout, lse_layout),
+                      {"outs": 0, "lses": 1, "out": 2, "lse": 3})
+    plan.steps.append(_pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", params),)))
+    kernel_operands = (stacked, lse_stack, None, None)
+    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    return plan, _pipeline.pointers(kernel_operands), None
+
+
+def merge_fields(outs, lses, out, lse) -> dict:
+    """MergeParams' sizes and strides for outs (n, B, S, H, D), lses (n, B, H, S), out (B, S, H, D)
+    (only its first ``out.shape[-1]`` columns are read from ``outs``) and lse (B, H, S); arrays or
+    :class:`cuflash._checks.Shaped` layouts."""
+    n, b, s, h = outs.shape[:4]
+    fields = dict(num_parts=n, batch=b, seqlen=s, heads=h, head_dim=out.shape[-1])
+    for name, stride in zip(("part", "batch", "row", "head", "col"), _checks.element_strides(outs)):
+        fields[f"outs_{name}_stride"] = stride
     for name, stride in zip(("part", "batch", "head", "row"), _checks.element_strides(lses)):
-        params[f"lses_{name}_stride"] = stride
+        fields[f"lses_{name}_stride"] = stride
     for name, stride in zip(("batch", "row", "head", "col"), _checks.element_strides(out)):
-        params[f"out_{name}_stride"] = stride
+        fields[f"out_{name}_stride"] = stride
     for name, stride in zip(("batch", "head", "row"), _checks.element_strides(lse)):
-        params[f"lse_{name}_stride"] = stride
-    params["num_parts"], params["batch"], params["seqlen"], params["heads"], params["head_dim"] = n, b, s, h, d
-    launch(get_kernel(plan.variant), (b * s * h, 1, 1), plan.threads, 0, params[()])
+        fields[f"lse_{name}_stride"] = stride
+    return fields

@@ -8,7 +8,7 @@ cuflash._heuristics.precompile_variants() includes precompile_backward_variants(
 import numpy as np
 import pytest
 
-from cuflash import _compile, _heuristics, _launch
+from cuflash import _compile, _heuristics, _launch, _params
 from cuflash._heuristics import (BWD_ROW_PAD, backward_heads_per_cta, backward_plan, precompile_backward_variants)
 
 
@@ -64,11 +64,13 @@ def test_heads_per_cta(batch, heads_k, group, key_blocks, sms):
 
 
 def test_param_structs_pack():
-    assert _launch.BWD_PARAMS_DTYPE.itemsize == _launch.PARAMS_DTYPE.itemsize + 8 * 8 + 18 * 8 + 4 * 4
-    p = _launch.pack_bwd_params(dict(q=1, scale=0.5, heads_q=8), dout=2, seqlen_q_pad=256, heads_per_cta=4)
+    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 8 * 8 + 18 * 8 + 4 * 4
+    raw = _params.BWD.pack({"fwd.q": 1, "fwd.scale": 0.5, "fwd.heads_q": 8, "dout": 2, "seqlen_q_pad": 256,
+                            "heads_per_cta": 4})
+    p = np.frombuffer(raw, dtype=_params.BWD_PARAMS)[0]
     assert p["fwd"]["q"] == 1 and p["fwd"]["scale"] == np.float32(0.5) and p["fwd"]["heads_q"] == 8
     assert p["fwd"]["dropout_rescale"] == 1.0 and p["dout"] == 2 and p["heads_per_cta"] == 4
-    c = _launch.pack_convert_params(rows=3, scale=2.0)
+    c = np.frombuffer(_params.CONVERT.pack({"rows": 3, "scale": 2.0}), dtype=_params.CONVERT_PARAMS)[0]
     assert c["rows"] == 3 and c["num_partials"] == 1 and c["scale"] == 2.0
 
 
@@ -79,7 +81,7 @@ def test_precompile_list():
     assert len(variants) == len(set(variants))
     for v in variants:
         defines = dict(v.defines)
-        assert defines["CUFLASH_BWD_PARAMS_SIZE"] == _launch.BWD_PARAMS_DTYPE.itemsize
+        assert defines["CUFLASH_BWD_PARAMS_SIZE"] == _params.BWD_PARAMS.itemsize
 
 
 def _nvrtc_available():

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import _heuristics, _launch, _tma
+from cuflash import _heuristics, _launch, _params, _tma
 from cuflash.attention import _choose_family, _sm90_obstacle, force_kernel
 
 
@@ -92,7 +92,7 @@ def test_sm90_plan(d, kdim, block_n, q_slots, stages, mods):
     expected = 1024 + q_slots * 128 * kdim * 2 + stages * 2 * block_n * kdim * 2 + 128 * min(kdim, 128) * 2
     assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == expected
     assert plan.smem_bytes <= 227 * 1024
-    assert defines["CUFLASH_PARAMS_SIZE"] == _launch.PARAMS_DTYPE.itemsize
+    assert defines["CUFLASH_PARAMS_SIZE"] == _params.FWD_PARAMS.itemsize
     assert (defines["CUFLASH_SCORE_MODS"], defines["CUFLASH_DROPOUT"]) == (int(mods), int(mods))
     with pytest.raises(ValueError, match="float32"):
         _heuristics.forward_plan("fwd_sm90", "float32", d, score_mods=False, dropout=False)
@@ -127,18 +127,53 @@ def test_tensor_maps_are_cached_by_value(monkeypatch):
     assert len(_tma._cache) == 1
 
 
-def test_params_pack_like_the_structured_dtype():
-    # pack_params builds the bytes with struct (fast); they must be what NumPy's field-by-field
-    # assignment gives, for every kind of field (pointers, negative strides, ints, floats).
-    fields = dict(q=(1 << 40) + 16, lse=8, q_row_stride=-4096, k_head_stride=1 << 33, seqlen_q=1025,
-                  window_left=-1, dropout_seed=(1 << 64) - 1, dropout_offset=(1 << 32) - 1, scale=0.125,
-                  softcap=30.0)
-    expected = np.zeros((), dtype=_launch.PARAMS_DTYPE)
-    expected["dropout_rescale"] = 1.0
-    for name, value in fields.items():
-        expected[name] = value
-    packed = _launch.pack_params(**fields)
-    assert packed.dtype == _launch.PARAMS_DTYPE
-    assert packed.tobytes() == expected[()].tobytes()
+@pytest.mark.parametrize("layout", ["FWD", "BWD", "CONVERT", "DECODE", "MERGE", "CHECK"])
+def test_params_pack_like_the_structured_dtype(layout):
+    # Layout.pack builds the bytes with one struct.pack (fast); they must be what NumPy's field-by-
+    # field assignment gives, for every kind of field (pointers, negative strides, ints, floats),
+    # nested structs (BwdParams.fwd, DecodeParams.score) included.
+    rng = np.random.default_rng(7)
+    lay = getattr(_params, layout)
+    expected = np.zeros((), dtype=lay.dtype)
+    fields = {}
+    for name, offset, code in lay.fields:
+        value = {"Q": int(rng.integers(0, 2**63)) * 2 + 1, "q": -int(rng.integers(0, 2**40)),
+                 "I": (1 << 32) - 1, "i": int(rng.integers(-2**31, 2**31)), "f": 0.125}[code]
+        fields[name] = value
+        target = expected
+        *outer, leaf = name.split(".")
+        for part in outer:
+            target = target[part]
+        target[leaf] = value
+    assert lay.pack(fields) == expected[()].tobytes()
+    assert lay.unpack(lay.pack(fields)) == pytest.approx(fields)
     with pytest.raises(KeyError, match="no_such_field"):
-        _launch.pack_params(no_such_field=1)
+        lay.pack({"no_such_field": 1})
+
+
+def test_template_fills_only_its_slots():
+    template = _params.Template(_params.FWD, {"seqlen_q": 1025, "scale": 0.5}, {"q": 0, "o": 1, "dropout_offset": 2})
+    values = [(1 << 40) + 16, 4096, (1 << 32) - 1]
+    got = _params.FWD.unpack(template.fill(values))
+    assert (got["q"], got["o"], got["dropout_offset"]) == tuple(values)
+    assert got["seqlen_q"] == 1025 and got["scale"] == 0.5 and got["k"] == 0 and got["dropout_rescale"] == 1.0
+
+
+def test_planners_import_no_api_module():
+    # The planners and the packer are leaves: they import (at module level or inside functions)
+    # only each other, never the entry points, the compiler or the launcher.
+    import ast
+    from pathlib import Path
+
+    leaves = {"_heuristics", "_params", "_variant"}
+    package = Path(_params.__file__).parent
+    for name in leaves:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("cuflash")):
+                imported.add((node.module or "").removeprefix("cuflash.").lstrip(".") or "cuflash")
+                imported.update(a.name for a in node.names if not node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names if a.name.startswith("cuflash"))
+        assert imported <= leaves, (name, imported - leaves)

@@ -610,11 +610,12 @@ def test_sm90_work_counter_per_stream(dtype):
         for i in range(6):
             with streams[i % 2]:
                 outs.append(cuflash.attention(q, k, v, causal=True))
+    device = cupy.cuda.Device().id
     for stream in streams:
         stream.synchronize()
-        with stream:
-            assert int(_launch.work_counter()[0]) == 0
-    assert int(_launch.work_counter()[0]) == 0
+        assert int(_launch.stream_state(device, stream.ptr)._words[0]) == 0
+    null = cupy.cuda.get_current_stream().ptr
+    assert int(_launch.stream_state(device, null)._words[0]) == 0
     for out in outs:
         cupy.testing.assert_array_equal(out, expected)
 
@@ -809,27 +810,29 @@ def test_varlen_empty_total(family, dtype):
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_repeated_plain_call_replays_its_launch(family, dtype, monkeypatch):
-    # A plain call (CuPy arrays, no modifiers, no dropout, no lse buffer) remembers its launch;
-    # a repeat on new arrays of the same layout replays it with their pointers, without the
-    # argument checks and the kernel choice. An input whose base is not 16-byte aligned (which the
-    # kernel choice reads) must go the whole way again.
+    # A call remembers its plan by the operands' layouts and the options; a repeat on new arrays of
+    # the same layout replays it with their pointers, without the argument checks and the kernel
+    # choice. An input whose base is not 16-byte aligned (which the kernel choice reads) must go
+    # the whole way again.
     import sys
+
+    from cuflash import _pipeline
 
     module = sys.modules["cuflash.attention"]
     shape = _shape(2, 130, 257, 4, 2, 64)
-    module._replays.clear()
+    _pipeline.clear_memo()
 
     def first_call_only(*args, **kwargs):
-        raise AssertionError("a repeated plain call went through the whole launch path")
+        raise AssertionError("a repeated call went through the whole launch path")
 
     for seed in (301, 302):
         q, k, v = _qkv(shape, dtype, seed)
         out = cupy.full(q.shape, NAN, dtype=q.dtype)
         with forced(family):
             got, lse = cuflash.attention(q, k, v, causal=True, out=out, return_lse=True)
-        assert got.data.ptr == out.data.ptr and len(module._replays) == 1
+        assert got is out and len(_pipeline._memo) == 1
         check_close(q, k, v, {"causal": True}, got, lse, None, dtype=dtype)
-        monkeypatch.setattr(module, "_run_forward", first_call_only)
+        monkeypatch.setattr(module, "_plan_attention", first_call_only)
     monkeypatch.undo()
 
     q, k, v = _qkv(shape, dtype, 303)

@@ -37,20 +37,26 @@ __all__ = ["attention", "attention_varlen"]
 _TENSOR_OPTIONS = ("alibi_slopes", "mask", "block_mask")
 
 
+_streams: dict = {}   # (device, torch's raw stream) -> the CuPy ExternalStream over it
+
+
 @contextlib.contextmanager
 def _on_torch_stream(device: torch.device):
     """CuPy's current device and stream become torch's for ``device``."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
-        with stream:
-            yield
+    raw = torch.cuda.current_stream(index).cuda_stream
+    stream = _streams.get((index, raw))
+    if stream is None:
+        stream = _streams[(index, raw)] = cupy.cuda.ExternalStream(raw, index)
+    with cupy.cuda.Device(index), stream:
+        yield
 
 
 def _to_cupy(x):
-    """A zero-copy CuPy view of a torch tensor (other values pass through)."""
+    """The tensor without its autograd history (cuflash reads torch tensors directly on torch's
+    current stream, and imports them through DLPack otherwise); other values pass through."""
     if isinstance(x, torch.Tensor):
-        return cupy.from_dlpack(x.detach())
+        return x.detach()
     return x
 
 

@@ -1,0 +1,447 @@
+"""The host pipeline of every entry point: check -> plan -> pack -> launch, and the memo of plans.
+
+An entry point names its array operands (inputs, optional outputs, index arrays) and its options.
+The first call with a given layout checks everything (:mod:`cuflash._checks`), plans the kernels
+(:mod:`cuflash._heuristics`) and packs their parameters (:mod:`cuflash._params`) into a
+:class:`Plan`, which it then runs. The plan is remembered under a key made of everything the checks
+and the planning looked at except the data pointers: each operand's type, shape, strides, dtype and
+device, the options, the forced kernel family and the current device. A repeat call with the same
+key, from CuPy arrays or torch tensors, does only what depends on the pointers: their 16-byte
+alignment, the outputs' allocation, copying the packed bytes with the new pointers, the launches.
+
+torch tensors are read directly (``data_ptr()``, ``stride()``; torch is never imported here) when
+torch's current stream is CuPy's current stream, which is all that DLPack's stream handshake would
+have ordered; otherwise, and for any other DLPack producer, the call takes the full path through
+``cupy.from_dlpack``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+
+import numpy as np
+
+from . import _compile, _heuristics, _launch, _params, _tma
+
+__all__ = ["Plan", "Step", "lookup", "remember", "planned", "PlanningDone"]
+
+_MEMO_ENTRIES = 512
+_memo: dict = {}
+
+
+class Step:
+    """One kernel launch of a plan.
+
+    ``args`` are the kernel's parameters in order: ``("struct", Template)``, ``("map", value index,
+    TensorMapSpec)`` or ``("pointer", value index)`` (a pointer passed by value).
+    """
+
+    __slots__ = ("func", "grid", "threads", "smem", "args")
+
+    def __init__(self, func: int, grid, threads: int, smem: int, args):
+        self.func, self.grid, self.threads, self.smem = func, tuple(int(g) for g in grid), threads, smem
+        self.args = tuple(args)
+
+
+class Buffer:
+    """An array a plan allocates per call (or owns, for a pinned plan): shape, dtype, and whether
+    each call zeroes it first (temporaries only)."""
+
+    __slots__ = ("shape", "dtype", "zero")
+
+    def __init__(self, shape, dtype, zero: bool = False):
+        self.shape, self.dtype, self.zero = tuple(int(n) for n in shape), np.dtype(dtype), zero
+
+    def make(self):
+        import cupy
+
+        return cupy.empty(self.shape, dtype=self.dtype)
+
+
+class Plan:
+    """Everything a call of one layout launches, independent of its data pointers.
+
+    Values of a call, by index: the entry point's operands (0 .. n_operands - 1: their pointers, 0
+    for an absent one), then the temporaries, then the stream's words (COUNTER, ERROR, SCRATCH,
+    REPORT), then the per-call scalars (dropout's seed and offset).
+
+    Parameters
+    ----------
+    entry : str
+        The entry point (names the fault-report slot of index checks).
+    outputs : dict
+        Operand index -> Buffer: an output the call allocates when the caller passed none.
+    temps : sequence of Buffer
+        Temporaries (split partials, lse buffers, accumulators).
+    steps : sequence of Step
+    aligned : sequence of int
+        Operand indices whose pointers must be 16-byte aligned (the plan was made for aligned ones).
+    dropout : (float, float) or None
+        (threshold, rescale) when the call draws dropout: a seed and offset per call.
+    checked : bool
+        Whether the plan's first step is the index check (its faults go to the entry's report slot).
+    info : dict
+        What error messages need (capacity, max_pages, ...).
+    """
+
+    def __init__(self, entry, n_operands, *, outputs=None, temps=(), steps=(), aligned=(), dropout=None,
+                 checked=False, info=None, results=None):
+        self.entry = entry
+        self.n_operands = n_operands
+        self.outputs = dict(outputs or {})
+        self.temps = tuple(temps)
+        self.steps = list(steps)
+        self.aligned = tuple(aligned)
+        self.dropout = dropout
+        self.checked = checked
+        self.info = dict(info or {})
+        self.results = tuple(results) if results is not None else tuple(self.outputs)
+        self.slot = _launch.REPORT_SLOTS.get(entry)
+
+    # Value indices of the stream's words and the per-call scalars.
+    def index(self, name: str) -> int:
+        base = self.n_operands + len(self.temps)
+        return base + ("counter", "error", "scratch", "report", "seed", "offset").index(name)
+
+    def temp_index(self, i: int) -> int:
+        return self.n_operands + i
+
+    def run(self, operands, ptrs, *, generator=None, rng_state=None, check=False, workspace=None):
+        """Launch the plan for one call.
+
+        Parameters
+        ----------
+        operands : tuple
+            The entry point's operands (for the outputs the caller gave).
+        ptrs : list of int
+            Their data pointers (0 for absent ones).
+        generator : cuflash.Generator, optional
+            Dropout's source (the default generator when None).
+        rng_state : (int, int), optional
+            Dropout's (seed, offset) for this call instead (the backward replays the forward's).
+        check : bool
+            Wait for the index check and raise its fault now.
+        workspace : list of arrays, optional
+            The temporaries (a pinned plan's); allocated here when None.
+
+        Returns
+        -------
+        (results, temps, rng_state): the output arrays (the caller's or new ones, in the order of
+        ``results``), the temporaries, and the dropout state (numpy uint64 (2,) or None).
+        """
+        if _planning.get() is not None:
+            raise PlanningDone(self)
+        import cupy
+
+        device_id = cupy.cuda.runtime.getDevice()
+        stream = _launch.current_stream_ptr()
+        state = _launch.stream_state(device_id, stream)
+        pinned = _pinned.get()
+        if workspace is None and pinned is not None and pinned.plan is self:
+            workspace = pinned.workspace(device_id, stream)
+        if self.checked:
+            _raise_fault(state, self.slot)
+        values = list(ptrs)
+        made = {}
+        for index, buffer in self.outputs.items():
+            if not values[index]:
+                array = made[index] = buffer.make()
+                values[index] = array.data.ptr
+        temps = workspace if workspace is not None else [b.make() for b in self.temps]
+        for buffer, array in zip(self.temps, temps):
+            if buffer.zero:   # accumulators start at zero at every call, owned ones too
+                cupy.cuda.runtime.memsetAsync(array.data.ptr, 0, array.nbytes, stream)
+        values += [t.data.ptr for t in temps]
+        values += [state.counter, state.error, state.scratch, 0]
+        drawn = None
+        if self.dropout is not None:
+            from .random import default_generator
+
+            seed, offset = (int(x) for x in (rng_state if rng_state is not None
+                                             else (generator or default_generator()).next_state()))
+            values += [seed, offset & 0xFFFFFFFF]
+            drawn = np.array([seed, offset], dtype=np.uint64)
+        if self.checked:
+            values[self.index("report")] = state.report_ptr(self.slot)
+            state.plans[self.slot] = self
+        for n, step in enumerate(self.steps):
+            args = []
+            for arg in step.args:
+                kind = arg[0]
+                if kind == "struct":
+                    args.append(arg[1].fill(values))
+                elif kind == "map":
+                    args.append(_tma.encode_at(values[arg[1]], arg[2]))
+                else:
+                    args.append(values[arg[1]].to_bytes(8, "little"))
+            _launch.launch(step.func, step.grid, step.threads, step.smem, args, stream)
+            if n == 0 and self.checked and check:
+                cupy.cuda.runtime.streamSynchronize(stream)
+                _raise_fault(state, self.slot)
+        results = [made.get(i, operands[i]) for i in self.results]
+        return results, temps, drawn
+
+
+class PlanningDone(Exception):
+    """Raised by :meth:`Plan.run` under :func:`planned` instead of launching: carries the plan."""
+
+    def __init__(self, plan):
+        super().__init__("planned")
+        self.plan = plan
+
+
+_planning = contextvars.ContextVar("cuflash_planning", default=None)   # a dict while planning
+_pinned = contextvars.ContextVar("cuflash_pinned_plan", default=None)
+
+
+class PinnedPlan:
+    """A call's plan fixed once for a serving or training loop: calling it runs the entry point with
+    arguments of the same shapes, strides, dtypes and options, with no planning at all (a mismatch
+    is a ValueError), on temporaries it owns (one set per stream, made at the first call on that
+    stream), so that its launches can be captured in a CUDA graph. Made by :func:`cuflash.plan`.
+    """
+
+    def __init__(self, fn, plan: Plan, key, options: dict):
+        self.fn, self.plan, self.key, self.options = fn, plan, key, options
+        self._workspaces = {}
+
+    def workspace(self, device_id: int, stream_ptr: int):
+        key = _launch.stream_key(device_id, stream_ptr)
+        temps = self._workspaces.get(key)
+        if temps is None:
+            temps = self._workspaces[key] = [b.make() for b in self.plan.temps]
+        return temps
+
+    def describe(self) -> str:
+        name = getattr(self.fn, "__name__", "?")
+        shapes = [d[-4] if d and d[0] == "torch" else (d[0] if d else None) for d in self.key[2]]
+        return f"{name} with operand shapes {shapes}"
+
+    def __call__(self, *args, **kwargs):
+        for name in kwargs:
+            if name in self.options:
+                raise TypeError(f"{name} is fixed by the plan; pass only arrays when calling it")
+        token = _pinned.set(self)
+        try:
+            return self.fn(*args, **self.options, **kwargs)
+        finally:
+            _pinned.reset(token)
+
+    def __repr__(self):
+        return f"<cuflash plan of {self.describe()}, {len(self.plan.steps)} launches>"
+
+
+def planned(fn, *args, **kwargs) -> PinnedPlan:
+    """Plan ``fn(*args, **kwargs)`` without launching anything: array arguments fix the layout,
+    other keyword arguments are options fixed in the plan."""
+    record = {}
+    token = _planning.set(record)
+    try:
+        fn(*args, **kwargs)
+    except PlanningDone as done:
+        plan = done.plan
+    else:
+        raise ValueError(f"{getattr(fn, '__name__', fn)} launches nothing for these arguments (an empty "
+                         "problem): there is nothing to plan")
+    finally:
+        _planning.reset(token)
+    if record.get("key") is None:
+        raise ValueError("this call cannot be planned: an operand is not a CuPy array or a torch tensor on "
+                         "torch's current stream, needs a copy (a misaligned or non-contiguous last axis, a "
+                         "head dim that is not a multiple of 8), or is an index array given on the host")
+    options = {name: value for name, value in kwargs.items() if value is not None and not _is_array(value)}
+    return PinnedPlan(fn, plan, record["key"], options)
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__") or isinstance(x, (list, tuple)) \
+        and any(hasattr(v, "__dlpack__") for v in x)
+
+
+def device_id() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def check_step(plan, fields: dict, device_id: int):
+    """The index check that runs first in a plan: its fields (index-array pointers as
+    ``("operand", i)``, sizes), its launch over ``batch`` CTAs, and the stream's words."""
+    fields = dict(fields)
+    slots = {"error": plan.index("error"), "scratch": plan.index("scratch"), "report": plan.index("report")}
+    for name in ("cache_seqlens", "block_table", "cu_seqlens_q", "cu_seqlens_k"):
+        value = fields.pop(name, None)
+        if value is not None:
+            slots[name] = value[1]
+    plan.info.update(fields)
+    template = _params.Template(_params.CHECK, fields, slots)
+    kernel = _compile.get_kernel(_heuristics.check_indices_variant())
+    func = _launch.prepare_kernel(kernel, 0, device_id)
+    ctas = max(1, min(fields.get("batch", 1), _heuristics.CHECK_MAX_CTAS))
+    return Step(func, (ctas, 1, 1), _heuristics.CHECK_THREADS, 0, (("struct", template),))
+
+
+# ----------------------------------------------------------------------------- faults
+
+_FAULTS = {
+    1: "cache_seqlens[{i}] = {v} does not fit the cache: it must be in [0, {capacity} - {new}] ({capacity} keys "
+       "per sequence, {new} appended)",
+    2: "block_table[{b}, {p}] = {v} is not a page of the cache (0 .. {last_page}) and sequence {b} uses it",
+    3: "cu_seqlens_q is not a valid offset array at position {i} (value {v}): it must start at 0, never "
+       "decrease and end at most at the total number of rows",
+    4: "cu_seqlens_k is not a valid offset array at position {i} (value {v}): it must start at 0, never "
+       "decrease and end at most at the total number of rows",
+    5: "max_seqlen_q is smaller than sequence {i}'s length: it must be at least the longest query sequence",
+    6: "max_seqlen_k is smaller than sequence {i}'s length: it must be at least the longest key sequence",
+}
+
+
+def fault_message(code: int, index: int, value: int, plan) -> str:
+    info = dict(plan.info) if plan is not None else {}
+    max_pages = max(1, info.get("max_pages", 1))
+    info.setdefault("capacity", "?")
+    info.setdefault("new", "?")
+    info["last_page"] = info.get("num_pages", 0) - 1
+    text = _FAULTS.get(code, "index fault code {code} at {i} (value {v})")
+    return text.format(i=index, v=value, b=index // max_pages, p=index % max_pages, code=code, **info)
+
+
+def _raise_fault(state, slot):
+    fault = state.take_fault(slot)
+    if fault is not None:
+        code, index, value, plan = fault
+        entry = plan.entry if plan is not None else "an entry point"
+        raise ValueError(f"{fault_message(code, index, value, plan)} (found on the GPU by a {entry} call on "
+                         "this stream; that call wrote nothing)")
+
+
+def check_errors() -> None:
+    """Raise the index fault that an earlier call found on the GPU, if any (ValueError naming the
+    argument). Waits for the current device to finish its work first."""
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    for state in _launch.all_stream_states():
+        for slot in _launch.REPORT_SLOTS.values():
+            _raise_fault(state, slot)
+
+
+# ----------------------------------------------------------------------------- the memo
+
+def _torch_stream_matches(device_index: int) -> bool:
+    """Whether torch's current stream on the device is CuPy's current stream."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        raw = torch._C._cuda_getCurrentRawStream(device_index)
+    except AttributeError:  # other torch builds
+        raw = torch.cuda.current_stream(device_index).cuda_stream
+    return raw == _launch.current_stream_ptr()
+
+
+def _is_torch_tensor(x) -> bool:
+    t = type(x)
+    return t.__module__ == "torch" and t.__name__ in ("Tensor", "Parameter")
+
+
+def lookup(entry: str, operands, options):
+    """The remembered plan of a call and the operands' pointers, or (None, key) when there is none.
+
+    Returns
+    -------
+    (plan, ptrs) on a hit; (None, key) on a miss (``key`` is None when the call cannot be
+    remembered: an operand of another kind, an unhashable option).
+    """
+    import cupy
+
+    descriptors, ptrs = [], []
+    torch_device = None
+    for x in operands:
+        if x is None:
+            descriptors.append(None)
+            ptrs.append(0)
+        elif type(x) is cupy.ndarray:
+            descriptors.append((x.shape, x.strides, x.dtype, x.data.device_id))
+            ptrs.append(x.data.ptr)
+        elif _is_torch_tensor(x) and x.is_cuda:
+            device = x.get_device()
+            if torch_device is None:
+                if not _torch_stream_matches(device):
+                    return None, None
+                torch_device = device
+            descriptors.append(("torch", tuple(x.shape), x.stride(), x.dtype, device))
+            ptrs.append(x.data_ptr())
+        else:
+            return None, None
+    key = (entry, options, tuple(descriptors), cupy.cuda.runtime.getDevice())
+    pinned = _pinned.get()
+    if pinned is not None:
+        plan = pinned.plan
+        if key != pinned.key:
+            raise ValueError(f"the arguments do not match this plan's shapes, strides, dtypes or options "
+                             f"(planned for {pinned.describe()})")
+    else:
+        try:
+            plan = _memo.get(key)
+        except TypeError:   # an unhashable option (e.g. a window given as a list): not remembered
+            return None, None
+        if plan is None:
+            return None, key
+    record = _planning.get()
+    if record is not None:
+        record["key"] = key
+    for i in plan.aligned:
+        if ptrs[i] % 16:
+            return None, None
+    return plan, ptrs
+
+
+def remember(key, plan) -> None:
+    """Keep ``plan`` for repeats of the call ``key`` names (None: a call that must not be replayed,
+    e.g. one whose operands were copied)."""
+    record = _planning.get()
+    if record is not None:
+        record["key"] = key
+    if key is None:
+        return
+    if len(_memo) >= _MEMO_ENTRIES:
+        _memo.clear()
+    _memo[key] = plan
+
+
+def clear_memo() -> None:
+    _memo.clear()
+
+
+def pointers(arrays) -> list:
+    """Data pointers of kernel-ready CuPy arrays (0 for None)."""
+    return [0 if x is None else x.data.ptr for x in arrays]
+
+
+def _pointer_of(x) -> int | None:
+    import cupy
+
+    if type(x) is cupy.ndarray:
+        return x.data.ptr
+    if _is_torch_tensor(x):
+        return x.data_ptr()
+    return None
+
+
+def in_place(operands, kernel_operands) -> bool:
+    """Whether the kernels use every operand in place (no copy was made): only then may a repeat
+    call with new operands of the same layout replay the plan with their pointers."""
+    for x, y in zip(operands, kernel_operands):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and _pointer_of(x) != y.data.ptr:
+            return False
+    return True
+
+
+def nothing_to_plan() -> None:
+    """Called by an entry point whose call launches nothing: under :func:`planned` that is an error."""
+    if _planning.get() is not None:
+        raise ValueError("an empty problem launches nothing: there is nothing to plan")
