@@ -94,13 +94,13 @@ class Shaped:
 _CHECK_DEFAULT = os.environ.get("CUFLASH_CHECK", "").strip() not in ("", "0")
 
 
-def check_flag(check) -> bool:
-    """The ``check`` argument of the entry points with index arrays: None = ``$CUFLASH_CHECK``."""
-    if check is None:
+def check_flag(value, name: str = "check") -> bool:
+    """A bool argument; for ``check`` (the entry points with index arrays) None = ``$CUFLASH_CHECK``."""
+    if value is None and name == "check":
         return _CHECK_DEFAULT
-    if not isinstance(check, (bool, np.bool_)):
-        raise TypeError(f"check must be a bool or None, got {type(check).__name__}")
-    return bool(check)
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def check_qkv(q, k, v, rank: int, layout: str):

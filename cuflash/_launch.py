@@ -22,7 +22,7 @@ import numpy as np
 __all__ = ["launch", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "StreamState",
            "current_stream_ptr", "forcing", "REPORT_SLOTS"]
 
-_PER_THREAD_STREAM = 2   # cudaStreamPerThread
+PER_THREAD_STREAM = 2   # cudaStreamPerThread
 
 
 def _cupy():
@@ -113,6 +113,17 @@ class StreamState:
         ctypes.memset(self._host, 0, nbytes)
         self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
         self.plans = [None] * len(REPORT_SLOTS)
+        self._workspaces = {}
+
+    def workspace(self, plan):
+        """Temporaries of ``plan`` kept by this stream (for streams whose freed memory CuPy's pool
+        cannot tell apart: the per-thread default streams)."""
+        temps = self._workspaces.get(id(plan))
+        if temps is None:
+            temps = [b.make() for b in plan.temps]
+            self._workspaces[id(plan)] = temps
+            self._plans_kept = getattr(self, "_plans_kept", []) + [plan]   # id() stays unique
+        return temps
 
     def report_ptr(self, slot: int) -> int:
         return self._host + 16 * slot
@@ -129,12 +140,25 @@ class StreamState:
         return fault
 
 
-_states: dict = {}
+_states: dict = {}             # (device, stream) -> StreamState
+_thread_states = threading.local()   # per-thread default streams: device -> StreamState, per thread
+_every_state: list = []        # all of them, kept for the process (a stream may still run their kernels)
 _states_lock = threading.Lock()
 
 
+def _thread_token():
+    """An object unique to the calling thread for as long as the process lives (thread idents are
+    reused once a thread ends; a dead thread's stream may still be running its kernels)."""
+    token = getattr(_thread_states, "token", None)
+    if token is None:
+        token = _thread_states.token = object()
+        with _states_lock:
+            _every_state.append(token)
+    return token
+
+
 def stream_key(device_id: int, stream_ptr: int):
-    return (device_id, stream_ptr, threading.get_ident() if stream_ptr == _PER_THREAD_STREAM else 0)
+    return (device_id, stream_ptr, _thread_token() if stream_ptr == PER_THREAD_STREAM else None)
 
 
 def stream_state(device_id: int, stream_ptr: int) -> StreamState:
@@ -146,6 +170,7 @@ def stream_state(device_id: int, stream_ptr: int) -> StreamState:
             state = _states.get(key)
             if state is None:
                 state = _states[key] = StreamState(device_id)
+                _every_state.append(state)
     return state
 
 

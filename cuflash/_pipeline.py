@@ -48,10 +48,11 @@ class Buffer:
     """An array a plan allocates per call (or owns, for a pinned plan): shape, dtype, and whether
     each call zeroes it first (temporaries only)."""
 
-    __slots__ = ("shape", "dtype", "zero")
+    __slots__ = ("shape", "dtype", "zero", "nbytes")
 
     def __init__(self, shape, dtype, zero: bool = False):
         self.shape, self.dtype, self.zero = tuple(int(n) for n in shape), np.dtype(dtype), zero
+        self.nbytes = self.dtype.itemsize * int(np.prod(self.shape))
 
     def make(self):
         import cupy
@@ -98,6 +99,11 @@ class Plan:
         self.info = dict(info or {})
         self.results = tuple(results) if results is not None else tuple(self.outputs)
         self.slot = _launch.REPORT_SLOTS.get(entry)
+        self._temp_offsets, offset = [], 0
+        for buffer in self.temps:
+            self._temp_offsets.append(offset)
+            offset += -(-buffer.nbytes // 256) * 256
+        self._temp_bytes = offset
 
     # Value indices of the stream's words and the per-call scalars.
     def index(self, name: str) -> int:
@@ -128,7 +134,8 @@ class Plan:
         Returns
         -------
         (results, temps, rng_state): the output arrays (the caller's or new ones, in the order of
-        ``results``), the temporaries, and the dropout state (numpy uint64 (2,) or None).
+        ``results``), the temporaries (the workspace's arrays, or the one allocation holding them:
+        ``temp_array(temps, i)`` views one), and the dropout state (numpy uint64 (2,) or None).
         """
         if _planning.get() is not None:
             raise PlanningDone(self)
@@ -140,19 +147,33 @@ class Plan:
         pinned = _pinned.get()
         if workspace is None and pinned is not None and pinned.plan is self:
             workspace = pinned.workspace(device_id, stream)
-        if self.checked:
+        if self.slot is not None:
             _raise_fault(state, self.slot)
+        if workspace is None and stream == _launch.PER_THREAD_STREAM and self.temps:
+            # CuPy's pool files freed blocks under the stream's handle, which every thread's
+            # per-thread stream shares: a block freed here could go to another thread while this
+            # thread's kernels still use it. Each thread keeps its temporaries instead.
+            workspace = state.workspace(self)
         values = list(ptrs)
         made = {}
         for index, buffer in self.outputs.items():
             if not values[index]:
                 array = made[index] = buffer.make()
                 values[index] = array.data.ptr
-        temps = workspace if workspace is not None else [b.make() for b in self.temps]
-        for buffer, array in zip(self.temps, temps):
+        if workspace is not None:
+            temps = workspace
+            temp_ptrs = [t.data.ptr for t in temps]
+        elif self.temps:
+            # One allocation for all temporaries (an allocation costs microseconds of host time);
+            # the pool reuses it only after this stream's work, so dropping it at return is safe.
+            temps = cupy.cuda.alloc(self._temp_bytes)
+            temp_ptrs = [temps.ptr + offset for offset in self._temp_offsets]
+        else:
+            temps, temp_ptrs = [], []
+        for buffer, ptr in zip(self.temps, temp_ptrs):
             if buffer.zero:   # accumulators start at zero at every call, owned ones too
-                cupy.cuda.runtime.memsetAsync(array.data.ptr, 0, array.nbytes, stream)
-        values += [t.data.ptr for t in temps]
+                cupy.cuda.runtime.memsetAsync(ptr, 0, buffer.nbytes, stream)
+        values += temp_ptrs
         values += [state.counter, state.error, state.scratch, 0]
         drawn = None
         if self.dropout is not None:
@@ -300,6 +321,7 @@ _FAULTS = {
 def fault_message(code: int, index: int, value: int, plan) -> str:
     info = dict(plan.info) if plan is not None else {}
     max_pages = max(1, info.get("max_pages", 1))
+    info["new"] = info.get("seqlen_new", "?")
     info.setdefault("capacity", "?")
     info.setdefault("new", "?")
     info["last_page"] = info.get("num_pages", 0) - 1
@@ -343,7 +365,7 @@ def _torch_stream_matches(device_index: int) -> bool:
 
 def _is_torch_tensor(x) -> bool:
     t = type(x)
-    return t.__module__ == "torch" and t.__name__ in ("Tensor", "Parameter")
+    return t.__name__ in ("Tensor", "Parameter") and t.__module__ in ("torch", "torch.nn.parameter")
 
 
 def lookup(entry: str, operands, options):
@@ -415,9 +437,29 @@ def clear_memo() -> None:
     _memo.clear()
 
 
-def pointers(arrays) -> list:
-    """Data pointers of kernel-ready CuPy arrays (0 for None)."""
-    return [0 if x is None else x.data.ptr for x in arrays]
+class Pointers(list):
+    """Data pointers of a call's kernel-ready arrays, holding the arrays: copies made for the call
+    (uploaded index arrays, padded operands) must outlive the launches that read them, or the pool
+    could hand their memory to the call's own outputs."""
+
+    def __init__(self, arrays):
+        super().__init__(0 if x is None else x.data.ptr for x in arrays)
+        self.keep = tuple(arrays)
+
+
+def pointers(arrays) -> Pointers:
+    return Pointers(arrays)
+
+
+def temp_array(plan, temps, i):
+    """Temporary ``i`` of a call as a CuPy array (from the workspace, or a view of the call's one
+    allocation)."""
+    import cupy
+
+    if isinstance(temps, list):
+        return temps[i]
+    buffer = plan.temps[i]
+    return cupy.ndarray(buffer.shape, dtype=buffer.dtype, memptr=temps + plan._temp_offsets[i])
 
 
 def _pointer_of(x) -> int | None:

@@ -214,23 +214,30 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     RuntimeError
         When no CUDA GPU is usable.
     """
-    operands = (q, k, v, out, lse, alibi_slopes, mask, bias, block_mask)
-    options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get())
+    return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal=causal, scale=scale,
+                    window=window, softcap=softcap, block_size=block_size, dropout_p=dropout_p, generator=generator,
+                    lse_output=True)
+
+
+def _forward(operands, *, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output):
+    """attention_forward, and attention (whose lse, unless returned, is a temporary of the call)."""
+    options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
+               lse_output)
     plan, ptrs = _pipeline.lookup("attention", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
                                              softcap=softcap, block_size=block_size, dropout_p=dropout_p,
-                                             generator=generator)
+                                             generator=generator, lse_output=lse_output)
         if plan is None:
             return finish
-    (out, lse), _, rng_state = plan.run(operands, ptrs, generator=generator)
-    if finish is not None:
-        out = finish(out)
-    return out, lse, rng_state
+    results, _, rng_state = plan.run(operands, ptrs, generator=generator)
+    out = finish(results[0]) if finish is not None else results[0]
+    return out, (results[1] if lse_output else None), rng_state
 
 
-def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size, dropout_p, generator):
+def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size, dropout_p, generator,
+                    lse_output=True):
     """The full path of :func:`attention_forward`: check, plan (remembered under ``key`` when the
     operands are used in place). Returns (plan, pointers, finish): ``finish`` copies the kernel's
     output into the caller's when a private one was needed; (None, None, result) for a call that
@@ -278,7 +285,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays)
     plan = forward_plan("attention", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
                         seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
-                        score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq)
+                        score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq, lse_output=lse_output)
     ptrs = _pipeline.pointers(kernel_operands)
     _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
     return plan, ptrs, _copy_out(out, out_user, o_kernel, d)
@@ -290,11 +297,11 @@ def _copy_out(out, out_user, o_kernel, d):
     if o_kernel is out:
         return None
 
-    def finish(o):
+    def finish(_):
         import cupy
 
-        target = out if out is not None else cupy.empty(o.shape[:-1] + (d,), dtype=o.dtype)
-        target[...] = o[..., :d]
+        target = out if out is not None else cupy.empty(o_kernel.shape[:-1] + (d,), dtype=o_kernel.dtype)
+        target[...] = o_kernel[..., :d]
         return out_user if out_user is not None else target
 
     return finish
@@ -311,9 +318,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     -------
     out : CuPy array (B, Sq, Hq, D), or (out, lse) when ``return_lse`` is true.
     """
-    out, lse, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                                    alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
-                                    block_size=block_size, dropout_p=dropout_p, generator=generator, out=out)
+    return_lse = _checks.check_flag(return_lse, "return_lse")
+    out, lse, _ = _forward((q, k, v, out, None, alibi_slopes, mask, bias, block_mask), causal=causal, scale=scale,
+                           window=window, softcap=softcap, block_size=block_size, dropout_p=dropout_p,
+                           generator=generator, lse_output=return_lse)
     return (out, lse) if return_lse else out
 
 

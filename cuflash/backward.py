@@ -348,7 +348,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
     grads, temps, _ = plan.run(operands, ptrs, rng_state=rng)
-    return finish(grads, temps) if finish is not None else tuple(grads)
+    return finish(grads, temps, plan) if finish is not None else tuple(grads)
 
 
 def _gradient_targets(dq, dk, dv, shapes, dtype, d, d_pad):
@@ -371,7 +371,7 @@ def _finisher(users, results, targets, d, reduce_dbias=None):
     new ones), reduce dbias; returns the gradients as the caller sees them."""
     import cupy
 
-    def finish(grads, temps):
+    def finish(grads, temps, plan):
         final = []
         for user, result, target, grad in zip(users, results, targets, grads):
             if target is not None and target is not result:
@@ -380,7 +380,7 @@ def _finisher(users, results, targets, d, reduce_dbias=None):
                 result[...] = target[..., :d]
             final.append(user if user is not None else (result if result is not None else grad))
         if reduce_dbias is not None:
-            final.append(reduce_dbias(temps[-1]))
+            final.append(reduce_dbias(_pipeline.temp_array(plan, temps, len(plan.temps) - 1)))
         return tuple(final)
 
     return finish
@@ -498,7 +498,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
     grads, temps, _ = plan.run(operands, ptrs, rng_state=rng, check=_checks.check_flag(check))
-    return finish(grads, temps) if finish is not None else tuple(grads)
+    return finish(grads, temps, plan) if finish is not None else tuple(grads)
 
 
 def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_state, causal, scale, window, softcap,
