@@ -20,7 +20,6 @@ guarantee.
 from __future__ import annotations
 
 import contextvars
-import functools
 import math
 
 import numpy as np

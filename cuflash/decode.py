@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _checks, _heuristics, _launch, _pipeline
 from ._compile import get_kernel
-from ._params import DECODE, FWD, MERGE, Template
+from ._params import DECODE, MERGE, Template
 
 __all__ = ["decode"]
 

@@ -332,8 +332,9 @@ def test_misaligned_cache_is_copied_and_written_back(xp_gpu, dtype):
     the GPU): given there they work, given on the GPU they are refused before anything is written."""
     case = build_case(dtype=dtype, B=2, Hq=4, Hk=2, D=36, Sq=2, lens=[20, 5], page_size=None, append=True,
                       seed=14)
-    with pytest.raises(ValueError, match="cache_seqlens .*on the host"):
-        run_case(case, dtype=dtype)
+    if dtype != "float32":   # float32 rows of 36 elements are whole 16-byte chunks: no copy
+        with pytest.raises(ValueError, match="cache_seqlens .*on the host"):
+            run_case(case, dtype=dtype)
     run_case(case, dtype=dtype, host_indices=True)
     # A contiguous-last-axis view whose other strides are not multiples of 16 bytes.
     case = build_case(dtype=dtype, B=2, Hq=4, Hk=1, D=64, Sq=1, lens=[9, 30], page_size=None, append=True,
