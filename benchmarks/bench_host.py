@@ -368,133 +368,145 @@ def host_cases(env):
     peer_outputs, naive, kind) with fns of no argument."""
     cp, cuflash, torch = env.cp, env.cuflash, env.torch
     cases = []
-
-    # attention
     b, s, h, d = 1, 256, 8, HEAD_DIM
-    q, k, v = (randn(env, (b, s, h, d)) for _ in range(3))
-    out = cp.empty_like(q)
-    c = SimpleNamespace(name="attention", problem=f"B{b} S{s} H{h} D{d}", kind="out",
-                        cupy=lambda: cuflash.attention(q, k, v, out=out),
-                        plan=lambda: cuflash.plan(cuflash.attention, q, k, v, out=out),
-                        plan_args=((q, k, v), dict(out=out)),
-                        outputs=lambda r: [as_cupy(env, r)], naive=lambda: [naive_attention(cp, q, k, v)],
-                        torch=None, peers={}, peer_outputs=None)
-    if torch is not None:
-        qt, kt, vt = torch_views(env, q, k, v)
-        out_t = torch.empty_like(qt)
-        c.torch = lambda: cuflash.attention(qt, kt, vt, out=out_t)
-        qs, ks, vs = (x.transpose(1, 2) for x in (qt, kt, vt))
-        c.peers = peer_fns(env, lambda: sdpa_call(env, qs, ks, vs))
-        c.peer_outputs = lambda r: [cp.from_dlpack(r.transpose(1, 2))]
-    cases.append(c)
 
-    # attention_backward
-    q, k, v, dout = (randn(env, (b, s, h, d)) for _ in range(4))
-    o, lse, _ = cuflash.attention_forward(q, k, v)
-    dq, dk, dv = (cp.empty_like(x) for x in (q, k, v))
-    c = SimpleNamespace(name="attention_backward", problem=f"B{b} S{s} H{h} D{d}", kind="grad",
-                        cupy=lambda: cuflash.attention_backward(dout, q, k, v, o, lse, dq=dq, dk=dk, dv=dv),
-                        plan=lambda: cuflash.plan(cuflash.attention_backward, dout, q, k, v, o, lse, dq=dq, dk=dk,
-                                                  dv=dv),
-                        plan_args=((dout, q, k, v, o, lse), dict(dq=dq, dk=dk, dv=dv)),
-                        outputs=lambda r: as_cupy(env, list(r)), naive=lambda: naive_backward(cp, dout, q, k, v),
-                        torch=None, peers={}, peer_outputs=None)
-    if torch is not None:
-        qt, kt, vt, dot, ot, lset = torch_views(env, q, k, v, dout, o, lse)
-        dqt, dkt, dvt = (torch.empty_like(x) for x in (qt, kt, vt))
-        c.torch = lambda: cuflash.attention_backward(dot, qt, kt, vt, ot, lset, dq=dqt, dk=dkt, dv=dvt)
-
-        def make_backward():
-            leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (qt, kt, vt)]
-            grad_out = dot.transpose(1, 2)
-            holder = {}
-
-            def grads():   # the forward once (under the backend), then the backward at every call
-                if "out" not in holder:
-                    holder["out"] = env.F.scaled_dot_product_attention(*leaves)
-                return torch.autograd.grad(holder["out"], leaves, grad_out, retain_graph=True)
-            return grads, None
-
-        c.peers = peer_fns(env, make_backward)
-        c.peer_outputs = lambda r: [cp.from_dlpack(g.transpose(1, 2)) for g in r]
-    cases.append(c)
-
-    # attention_varlen: 4 sequences of 64 tokens
-    n, length = 4, 64
-    total = n * length
-    q, k, v = (randn(env, (total, h, d)) for _ in range(3))
-    cu = cp.arange(0, total + 1, length, dtype=cp.int32)
-    out = cp.empty_like(q)
-    kw = dict(max_seqlen_q=length, max_seqlen_k=length)
-    c = SimpleNamespace(name="attention_varlen", problem=f"{n} x {length} tokens, H{h} D{d}", kind="out",
-                        cupy=lambda: cuflash.attention_varlen(q, k, v, cu, cu, out=out, **kw),
-                        plan=lambda: cuflash.plan(cuflash.attention_varlen, q, k, v, cu, cu, out=out, **kw),
-                        plan_args=((q, k, v, cu, cu), dict(out=out)),
-                        outputs=lambda r: [as_cupy(env, r)],
-                        naive=lambda: [cp.concatenate([naive_attention(cp, *(x[None, i * length:(i + 1) * length]
-                                                                             for x in (q, k, v)))[0]
-                                                       for i in range(n)])],
-                        torch=None, peers={}, peer_outputs=None)
-    if torch is not None:
-        qt, kt, vt, cut = torch_views(env, q, k, v, cu)
-        out_t = torch.empty_like(qt)
-        c.torch = lambda: cuflash.attention_varlen(qt, kt, vt, cut, cut, out=out_t, **kw)
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-
-            def flash_varlen():
-                return varlen_attn(qt, kt, vt, cut, cut, length, length)
-            flash_varlen()
-            torch.cuda.synchronize()
-            c.peers = {"flash": (flash_varlen, None, "")}
-            c.peer_outputs = lambda r: [as_cupy(env, r[0] if isinstance(r, tuple) else r)]
-        except Exception as e:  # noqa: BLE001 - older torch: no varlen peer
-            log(f"  torch varlen_attn: {type(e).__name__}: {first_line(e)}")
-    cases.append(c)
-
-    # decode, contiguous and paged
-    b, length = 8, 1024
-    q = randn(env, (b, 1, HEADS_Q, HEAD_DIM))
-    k, v = (randn(env, (b, length, HEADS_K, HEAD_DIM)) for _ in range(2))
-    lens = cp.full(b, length, dtype=cp.int32)
-    kp, vp, table = paged_copy(env, k, v)
-    problem = f"B{b} L{length} Hq{HEADS_Q} Hk{HEADS_K} D{HEAD_DIM}"
-    for layout, kc, vc, tb in (("contiguous", k, v, None), ("paged16", kp, vp, table)):
+    def _case_1(cases):   # its own scope: the lambdas below bind this block's arrays
+        # attention
+        b, s, h, d = 1, 256, 8, HEAD_DIM
+        q, k, v = (randn(env, (b, s, h, d)) for _ in range(3))
         out = cp.empty_like(q)
-        idx = dict(cache_seqlens=lens) if tb is None else dict(cache_seqlens=lens, block_table=tb)
-        c = SimpleNamespace(name=f"decode {layout}", problem=problem, kind="out",
-                            cupy=lambda kc=kc, vc=vc, idx=idx, out=out: cuflash.decode(q, kc, vc, out=out, **idx),
-                            plan=lambda kc=kc, vc=vc, idx=idx, out=out: cuflash.plan(cuflash.decode, q, kc, vc,
-                                                                                    out=out, **idx),
-                            plan_args=((q, kc, vc), dict(out=out, **idx)),
-                            outputs=lambda r: [as_cupy(env, r)], naive=lambda: [naive_decode(cp, q, k, v)],
+        c = SimpleNamespace(name="attention", problem=f"B{b} S{s} H{h} D{d}", kind="out",
+                            cupy=lambda: cuflash.attention(q, k, v, out=out),
+                            plan=lambda: cuflash.plan(cuflash.attention, q, k, v, out=out),
+                            plan_args=((q, k, v), dict(out=out)),
+                            outputs=lambda r: [as_cupy(env, r)], naive=lambda: [naive_attention(cp, q, k, v)],
                             torch=None, peers={}, peer_outputs=None)
         if torch is not None:
-            qt, kct, vct, lenst = torch_views(env, q, kc, vc, lens)
-            idx_t = dict(cache_seqlens=lenst) if tb is None else dict(cache_seqlens=lenst,
-                                                                      block_table=env.torch.from_dlpack(tb))
+            qt, kt, vt = torch_views(env, q, k, v)
             out_t = torch.empty_like(qt)
-            c.torch = lambda qt=qt, kct=kct, vct=vct, idx_t=idx_t, out_t=out_t: cuflash.decode(qt, kct, vct, out=out_t,
-                                                                                             **idx_t)
-            qs = env.torch.from_dlpack(q).transpose(1, 2)
-            ks, vs = (env.torch.from_dlpack(x).transpose(1, 2) for x in (k, v))
-            c.peers = peer_fns(env, lambda qs=qs, ks=ks, vs=vs: sdpa_call(env, qs, ks, vs, gqa=True))
+            c.torch = lambda: cuflash.attention(qt, kt, vt, out=out_t)
+            qs, ks, vs = (x.transpose(1, 2) for x in (qt, kt, vt))
+            c.peers = peer_fns(env, lambda: sdpa_call(env, qs, ks, vs))
             c.peer_outputs = lambda r: [cp.from_dlpack(r.transpose(1, 2))]
         cases.append(c)
+    _case_1(cases)
 
-    # merge_states: two partial results of a decode step (bf16 outs, float32 lses)
-    outs = randn(env, (2, b, 1, HEADS_Q, HEAD_DIM))
-    lses = cp.random.standard_normal((2, b, HEADS_Q, 1), dtype=cp.float32)
-    c = SimpleNamespace(name="merge_states", problem=f"2 parts, B{b} S1 H{HEADS_Q} D{HEAD_DIM}", kind="out",
-                        cupy=lambda: cuflash.merge_states(outs, lses),
-                        plan=lambda: cuflash.plan(cuflash.merge_states, outs, lses),
-                        plan_args=((outs, lses), {}),
-                        outputs=lambda r: as_cupy(env, list(r)), naive=lambda: list(naive_merge(cp, outs, lses)),
-                        torch=None, peers={}, peer_outputs=None)
-    if torch is not None:
-        outs_t, lses_t = torch_views(env, outs, lses)
-        c.torch = lambda: cuflash.merge_states(outs_t, lses_t)
-    cases.append(c)
+    def _case_2(cases):   # its own scope: the lambdas below bind this block's arrays
+        # attention_backward
+        q, k, v, dout = (randn(env, (b, s, h, d)) for _ in range(4))
+        o, lse, _ = cuflash.attention_forward(q, k, v)
+        dq, dk, dv = (cp.empty_like(x) for x in (q, k, v))
+        c = SimpleNamespace(name="attention_backward", problem=f"B{b} S{s} H{h} D{d}", kind="grad",
+                            cupy=lambda: cuflash.attention_backward(dout, q, k, v, o, lse, dq=dq, dk=dk, dv=dv),
+                            plan=lambda: cuflash.plan(cuflash.attention_backward, dout, q, k, v, o, lse, dq=dq, dk=dk,
+                                                      dv=dv),
+                            plan_args=((dout, q, k, v, o, lse), dict(dq=dq, dk=dk, dv=dv)),
+                            outputs=lambda r: as_cupy(env, list(r)), naive=lambda: naive_backward(cp, dout, q, k, v),
+                            torch=None, peers={}, peer_outputs=None)
+        if torch is not None:
+            qt, kt, vt, dot, ot, lset = torch_views(env, q, k, v, dout, o, lse)
+            dqt, dkt, dvt = (torch.empty_like(x) for x in (qt, kt, vt))
+            c.torch = lambda: cuflash.attention_backward(dot, qt, kt, vt, ot, lset, dq=dqt, dk=dkt, dv=dvt)
+
+            def make_backward():
+                leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (qt, kt, vt)]
+                grad_out = dot.transpose(1, 2)
+                holder = {}
+
+                def grads():   # the forward once (under the backend), then the backward at every call
+                    if "out" not in holder:
+                        holder["out"] = env.F.scaled_dot_product_attention(*leaves)
+                    return torch.autograd.grad(holder["out"], leaves, grad_out, retain_graph=True)
+                return grads, None
+
+            c.peers = peer_fns(env, make_backward)
+            c.peer_outputs = lambda r: [cp.from_dlpack(g.transpose(1, 2)) for g in r]
+        cases.append(c)
+    _case_2(cases)
+
+    def _case_3(cases):   # its own scope: the lambdas below bind this block's arrays
+        # attention_varlen: 4 sequences of 64 tokens
+        n, length = 4, 64
+        total = n * length
+        q, k, v = (randn(env, (total, h, d)) for _ in range(3))
+        cu = cp.arange(0, total + 1, length, dtype=cp.int32)
+        out = cp.empty_like(q)
+        kw = dict(max_seqlen_q=length, max_seqlen_k=length)
+        c = SimpleNamespace(name="attention_varlen", problem=f"{n} x {length} tokens, H{h} D{d}", kind="out",
+                            cupy=lambda: cuflash.attention_varlen(q, k, v, cu, cu, out=out, **kw),
+                            plan=lambda: cuflash.plan(cuflash.attention_varlen, q, k, v, cu, cu, out=out, **kw),
+                            plan_args=((q, k, v, cu, cu), dict(out=out)),
+                            outputs=lambda r: [as_cupy(env, r)],
+                            naive=lambda: [cp.concatenate([naive_attention(cp, *(x[None, i * length:(i + 1) * length]
+                                                                                 for x in (q, k, v)))[0]
+                                                           for i in range(n)])],
+                            torch=None, peers={}, peer_outputs=None)
+        if torch is not None:
+            qt, kt, vt, cut = torch_views(env, q, k, v, cu)
+            out_t = torch.empty_like(qt)
+            c.torch = lambda: cuflash.attention_varlen(qt, kt, vt, cut, cut, out=out_t, **kw)
+            try:
+                from torch.nn.attention.varlen import varlen_attn
+
+                def flash_varlen():
+                    return varlen_attn(qt, kt, vt, cut, cut, length, length)
+                flash_varlen()
+                torch.cuda.synchronize()
+                c.peers = {"flash": (flash_varlen, None, "")}
+                c.peer_outputs = lambda r: [as_cupy(env, r[0] if isinstance(r, tuple) else r)]
+            except Exception as e:  # noqa: BLE001 - older torch: no varlen peer
+                log(f"  torch varlen_attn: {type(e).__name__}: {first_line(e)}")
+        cases.append(c)
+    _case_3(cases)
+
+    def _case_4(cases):   # its own scope: the lambdas below bind this block's arrays
+        # decode, contiguous and paged
+        b, length = 8, 1024
+        q = randn(env, (b, 1, HEADS_Q, HEAD_DIM))
+        k, v = (randn(env, (b, length, HEADS_K, HEAD_DIM)) for _ in range(2))
+        lens = cp.full(b, length, dtype=cp.int32)
+        kp, vp, table = paged_copy(env, k, v)
+        problem = f"B{b} L{length} Hq{HEADS_Q} Hk{HEADS_K} D{HEAD_DIM}"
+        for layout, kc, vc, tb in (("contiguous", k, v, None), ("paged16", kp, vp, table)):
+            out = cp.empty_like(q)
+            idx = dict(cache_seqlens=lens) if tb is None else dict(cache_seqlens=lens, block_table=tb)
+            c = SimpleNamespace(name=f"decode {layout}", problem=problem, kind="out",
+                                cupy=lambda kc=kc, vc=vc, idx=idx, out=out: cuflash.decode(q, kc, vc, out=out, **idx),
+                                plan=lambda kc=kc, vc=vc, idx=idx, out=out: cuflash.plan(cuflash.decode, q, kc, vc,
+                                                                                        out=out, **idx),
+                                plan_args=((q, kc, vc), dict(out=out, **idx)),
+                                outputs=lambda r: [as_cupy(env, r)], naive=lambda: [naive_decode(cp, q, k, v)],
+                                torch=None, peers={}, peer_outputs=None)
+            if torch is not None:
+                qt, kct, vct, lenst = torch_views(env, q, kc, vc, lens)
+                idx_t = dict(cache_seqlens=lenst) if tb is None else dict(cache_seqlens=lenst,
+                                                                          block_table=env.torch.from_dlpack(tb))
+                out_t = torch.empty_like(qt)
+                c.torch = lambda qt=qt, kct=kct, vct=vct, idx_t=idx_t, out_t=out_t: cuflash.decode(qt, kct, vct, out=out_t,
+                                                                                                 **idx_t)
+                qs = env.torch.from_dlpack(q).transpose(1, 2)
+                ks, vs = (env.torch.from_dlpack(x).transpose(1, 2) for x in (k, v))
+                c.peers = peer_fns(env, lambda qs=qs, ks=ks, vs=vs: sdpa_call(env, qs, ks, vs, gqa=True))
+                c.peer_outputs = lambda r: [cp.from_dlpack(r.transpose(1, 2))]
+            cases.append(c)
+    _case_4(cases)
+
+    def _case_5(cases):   # its own scope: the lambdas below bind this block's arrays
+        # merge_states: two partial results of a decode step (bf16 outs, float32 lses)
+        b = 8
+        outs = randn(env, (2, b, 1, HEADS_Q, HEAD_DIM))
+        lses = cp.random.standard_normal((2, b, HEADS_Q, 1), dtype=cp.float32)
+        c = SimpleNamespace(name="merge_states", problem=f"2 parts, B{b} S1 H{HEADS_Q} D{HEAD_DIM}", kind="out",
+                            cupy=lambda: cuflash.merge_states(outs, lses),
+                            plan=lambda: cuflash.plan(cuflash.merge_states, outs, lses),
+                            plan_args=((outs, lses), {}),
+                            outputs=lambda r: as_cupy(env, list(r)), naive=lambda: list(naive_merge(cp, outs, lses)),
+                            torch=None, peers={}, peer_outputs=None)
+        if torch is not None:
+            outs_t, lses_t = torch_views(env, outs, lses)
+            c.torch = lambda: cuflash.merge_states(outs_t, lses_t)
+        cases.append(c)
+    _case_5(cases)
     return cases
 
 
