@@ -1,94 +1,448 @@
-"""Command line: ``python -m cuflash`` (self-check and demo) and ``python -m cuflash precompile``.
+"""Command line: ``python -m cuflash`` (check and demo), ``doctor`` and ``precompile``.
 
 ``python -m cuflash``
     With a GPU: checks :func:`cuflash.attention` against the float64 reference on small random
     problems (fp16/bf16/fp32, causal, GQA, dropout), then times a large bf16 problem.
-    Exit status 1 if a check fails. Without a GPU: says so and exits 0.
+    Exit status 1 if a check fails. With no GPU at all (no driver, no device) it says so and
+    exits 0; with a broken setup (CuPy missing, a driver too old for CuPy's CUDA, ...) it prints
+    the error and the fix and exits 1.
+``python -m cuflash doctor``
+    Reports the GPU, the driver, the CUDA runtime and NVRTC versions, CuPy, the kernel cache,
+    and whether a small kernel compiles and runs. Exit status as above.
 ``python -m cuflash precompile --arch sm_90a,sm_80 --cache-dir DIR``
-    Compiles every kernel variant the dispatcher can pick (no GPU needed), prints registers,
-    shared memory and spills, and writes the cubins to DIR (point ``CUFLASH_CACHE_DIR`` at it).
-    Exit status 1 if a variant fails to compile or spills registers.
+    Compiles every kernel variant the dispatcher can pick (no GPU needed) that is not cached
+    yet, prints registers, shared memory, spills and compile time, and writes the cubins to DIR
+    (point ``CUFLASH_CACHE_DIR`` at it). Exit status 1 if a variant fails to compile or spills.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import re
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 NO_GPU_MESSAGE = """\
-cuflash: no CUDA GPU found; nothing to run here.
-On a machine with an NVIDIA GPU, `python -m cuflash` checks cuflash.attention against the
-float64 reference and times it. Without one you can still
+cuflash: no CUDA GPU found: {reason}; nothing to run here.
+Without a GPU you can still
   run the tests (GPU tests skip):  pip install -e ".[test,cuda13]" && python -m pytest -q tests
   build the kernels ahead of time: python -m cuflash precompile --arch sm_90a,sm_80 --cache-dir DIR"""
 
 
-def _csv(text, kind=str):
-    return None if text is None else [kind(x) for x in text.split(",") if x.strip()]
+def _say(text: str = "", file=None) -> None:
+    print(text, file=file or sys.stdout, flush=True)
+
+
+# ----------------------------------------------------------------------------- doctor
+
+# A kernel that includes one of cuflash's headers, so that a pass means NVRTC found the sources.
+PROBE_SOURCE = r"""
+#include "common.cuh"
+extern "C" __global__ void cuflash_probe(float* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = float(cuflash::ceil_div(3 * i, 2));
+}
+"""
+
+
+def _probe_kernel(arch: str, run: bool) -> tuple[str, str]:
+    """Compile the probe kernel for ``arch`` and, if ``run``, launch it on the current device.
+
+    Returns ``(summary, fix)``; ``fix`` is "" when all went well, else the problem and the fix.
+    """
+    from cuflash import _compile, _nvrtc
+
+    start = time.perf_counter()
+    try:
+        cubin, _ = _nvrtc.compile_to_cubin(PROBE_SOURCE, "probe.cu",
+                                           ["-std=c++17", f"-arch={arch}", f"-I{_compile.CUDA_SRC}"])
+    except Exception as err:  # libnvrtc missing, headers missing, ...
+        lines = [ln for ln in str(err).splitlines() if "error" in ln.lower()] or str(err).splitlines()
+        return f"does not compile for {arch}: {lines[0].strip()}", _nvrtc_fix(err)
+    summary = f"compiles for {arch} in {time.perf_counter() - start:.2f} s"
+    if not run:
+        return summary + "; not run (no GPU)", ""
+    try:
+        import cupy
+
+        with tempfile.TemporaryDirectory(prefix="cuflash-probe-") as tmp:
+            path = Path(tmp) / "probe.cubin"
+            path.write_bytes(cubin)
+            kernel = cupy.RawModule(path=str(path)).get_function("cuflash_probe")
+            out = cupy.full(64, -1.0, dtype=cupy.float32)
+            kernel((1,), (64,), (out, np.int32(64)))
+            got = out.get()
+        want = np.array([(3 * i + 1) // 2 for i in range(64)], dtype=np.float32)
+        if not np.array_equal(got, want):
+            return summary + "; runs but computes wrong values", "report this: python -m cuflash doctor"
+    except Exception as err:  # the driver refused the cubin or the launch
+        return summary + f"; does not run: {str(err).splitlines()[0]}", _load_fix()
+    return summary + "; runs: ok", ""
+
+
+def _nvrtc_fix(err: Exception) -> str:
+    from cuflash._compile import _driver_cuda_version, _extra_for
+
+    if "libnvrtc not found" in str(err):
+        return f"{err}".replace("cuflash: ", "")
+    return f"reinstall the NVRTC package: {_extra_for(_driver_cuda_version())}"
+
+
+def _load_fix() -> str:
+    from cuflash import _nvrtc
+    from cuflash._compile import _driver_cuda_version, _extra_for
+
+    driver = _driver_cuda_version()
+    try:
+        nvrtc = _nvrtc.version()
+    except Exception:  # already reported by the compile step
+        nvrtc = None
+    if driver and nvrtc and nvrtc[0] > driver[0]:
+        return (f"NVRTC {nvrtc[0]}.{nvrtc[1]} makes cubins the driver (CUDA {driver[0]}.{driver[1]}) "
+                f"cannot load: {_extra_for(driver)}")
+    return "check `nvidia-smi`; if it works, report this error"
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's own version (e.g. ``580.65.06``): /proc on Linux, else NVML."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        m = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", text)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("nvml.dll" if platform.system() == "Windows" else "libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        buf = ctypes.create_string_buffer(96)
+        ok = nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(96)) == 0
+        nvml.nvmlShutdown()
+        return buf.value.decode() if ok else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _gpu_lines(count: int) -> list[str]:
+    import cupy
+
+    from cuflash._compile import arch_for
+
+    lines = []
+    for i in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        cc = props["major"] * 10 + props["minor"]
+        lines.append(f"{i}: {name}, compute {props['major']}.{props['minor']} ({arch_for(cc)}), "
+                     f"{props['totalGlobalMem'] / 2**30:.0f} GiB")
+    return lines
+
+
+def _cache_line() -> str:
+    from cuflash import _compile
+
+    src_hash = _compile.source_hash()
+    parts = []
+    for directory in _compile.cache_dirs():
+        cubins = len(list(directory.glob(f"*/*-{src_hash}.cubin"))) if directory.is_dir() else 0
+        probe = directory
+        while not probe.exists() and probe.parent != probe:
+            probe = probe.parent
+        writable = "writable" if os.access(probe, os.W_OK) else "read only"
+        parts.append(f"{directory} ({writable}, {cubins} cubins for these sources)")
+    return "; ".join(parts)
+
+
+def _versions(v) -> str:
+    return f"{v[0]}.{v[1]}" if v else "unknown"
+
+
+def _doctor(verbose: bool = True) -> tuple[int, str]:
+    """Print the report (``verbose``) or only what is wrong; return the exit status and the
+    state of CUDA (see :class:`cuflash._compile.CudaStatus`)."""
+    import cuflash
+    from cuflash import _compile, _nvrtc
+
+    status = _compile.cuda_status()
+    rows = [("cuflash", f"{getattr(cuflash, '__version__', '?')} ({Path(cuflash.__file__).parent}), "
+                            f"Python {platform.python_version()}")]
+    if status.state == "ok":
+        for k, line in enumerate(_gpu_lines(status.devices)):
+            rows.append(("GPU" if k == 0 else "", line))
+    else:
+        rows.append(("GPU", {"no-gpu": f"none: {status.reason}", "no-cupy": "unknown (no CuPy)",
+                             "broken": "not usable (see below)"}[status.state]))
+    driver = _driver_version()
+    rows.append(("driver", (f"{driver or 'installed'}, supports CUDA {_versions(status.driver_cuda)}"
+                            if status.driver_cuda else "none (libcuda not found)")))
+    try:
+        nvrtc = f"NVRTC {_versions(_nvrtc.version())} ({_nvrtc.library()})"
+    except Exception as err:  # reported by the probe below as well
+        nvrtc = f"NVRTC not found: {str(err).splitlines()[0]}"
+    rows.append(("CUDA", f"runtime {_versions(status.runtime_cuda)} (CuPy's), {nvrtc}"
+                 if status.runtime_cuda else nvrtc))
+    if status.state == "no-cupy":
+        rows.append(("CuPy", "not installed"))
+    else:
+        try:
+            import cupy
+
+            from cuflash._compile import _cupy_distribution
+
+            rows.append(("CuPy", f"{cupy.__version__} ({_cupy_distribution(status.runtime_cuda)})"))
+        except Exception as err:  # a CuPy that fails to import: cuda_status has the error
+            rows.append(("CuPy", f"fails to import: {str(err).splitlines()[0]}"))
+    rows.append(("cache", _cache_line()))
+    arch = _compile.device_arch() if status.state == "ok" else "sm_80"
+    summary, fix = _probe_kernel(arch, run=status.state == "ok")
+    rows.append(("kernel", summary))
+
+    if verbose:
+        for key, value in rows:
+            _say(f"  {key:8} {value}")
+    # The first cause only: a kernel that does not run usually follows from a broken setup.
+    problem = (status.message() if status.state in ("no-cupy", "broken")
+               else f"cuflash: a test kernel {summary}\nfix: {fix}" if fix else "")
+    if problem:  # the doctor's report is one text on stdout; the main job's error goes to stderr
+        _say(problem if verbose else f"{problem}\ndetails: python -m cuflash doctor",
+             None if verbose else sys.stderr)
+        return 1, status.state
+    if status.state == "no-gpu":
+        _say("no CUDA GPU here, nothing broken: kernels still compile (python -m cuflash "
+             "precompile) and the CPU tests run" if verbose
+             else NO_GPU_MESSAGE.format(reason=status.reason))
+        return 0, status.state
+    if verbose:
+        _say("ok: cuflash compiles and runs its kernels here")
+    return 0, status.state
 
 
 # ----------------------------------------------------------------------------- precompile
 
-def _precompile(args) -> int:
+DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32"}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+class UsageError(ValueError):
+    """A bad command-line argument: reported in one line, exit status 2."""
+
+
+def _csv(text) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def _parse_dtypes(text):
+    if text is None:
+        return None
+    out = []
+    for name in _csv(text) or [""]:
+        if name.lower() not in DTYPE_ALIASES:
+            raise UsageError(f"--dtypes {name!r}: expected float16 (fp16), bfloat16 (bf16) "
+                             "or float32 (fp32)")
+        out.append(DTYPE_ALIASES[name.lower()])
+    return list(dict.fromkeys(out))
+
+
+def _parse_head_dims(text):
+    if text is None:
+        return None
+    out = []
+    for item in _csv(text) or [""]:
+        if not item.isdigit() or not 1 <= int(item) <= 256:
+            raise UsageError(f"--head-dims {item!r}: expected head dims from 1 to 256, e.g. 64,128")
+        out.append(int(item))
+    return list(dict.fromkeys(out))
+
+
+def _parse_families(text, known):
+    if text is None:
+        return None
+    names = _csv(text)
+    unknown = [n for n in names if n not in known] or ([""] if not names else [])
+    if unknown:
+        raise UsageError(f"--families {unknown[0]!r}: expected some of {', '.join(sorted(known))}")
+    return names
+
+
+def _config(variant) -> str:
+    """A few words for a variant: dtype, head dim and the features compiled in."""
+    try:
+        from cuflash import _heuristics
+
+        names = {code: _SHORT.get(n, n) for n, code in
+                 getattr(_heuristics, "MERGE_DTYPE_CODES", _heuristics.DTYPE_CODES).items()}
+    except (ImportError, AttributeError):  # the table is a nicety; codes then stay numbers
+        names = {}
+    d = {k.removeprefix("CUFLASH_"): v for k, v in variant.defines}
+    words = []
+    if "DTYPE" in d:
+        words.append(names.get(d["DTYPE"], f"dtype{d['DTYPE']}"))
+    if "IN_DTYPE" in d:
+        words.append(f"{names.get(d['IN_DTYPE'], d['IN_DTYPE'])}->"
+                     f"{names.get(d.get('OUT_DTYPE'), d.get('OUT_DTYPE'))}")
+    if "HEAD_DIM" in d:
+        words.append(f"D{d['HEAD_DIM']}")
+    if "BWD_PASS" in d:
+        words.append("dq" if d["BWD_PASS"] else "dkdv")
+    words += [word for key, word in (("PAGED", "paged"), ("SCORE_MODS", "mods"),
+                                     ("DROPOUT", "dropout")) if d.get(key)]
+    return " ".join(words)
+
+
+def _kib(nbytes: int) -> str:
+    return f"{nbytes / 1024:.1f}".removesuffix(".0")
+
+
+class _Progress:
+    """A bar redrawn in place on a terminal; a plain line every ~5% otherwise (logs)."""
+
+    def __init__(self, total: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.total = total
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = max(1, total // 20)
+        self.start = time.perf_counter()
+        self.failed = 0
+
+    def __call__(self, done, total, variant, arch, result):
+        self.failed += isinstance(result, Exception)
+        elapsed = time.perf_counter() - self.start
+        failed = f", {self.failed} failed" if self.failed else ""
+        if self.tty:
+            width = 24
+            bar = "#" * (width * done // total) + "." * (width - width * done // total)
+            line = f"\r[{bar}] {done}/{total}  {elapsed:4.0f} s{failed}  {variant.family} {arch}"
+            self.stream.write(line.ljust(79)[:79])
+        elif done % self.every == 0 or done == total:
+            self.stream.write(f"precompile: {done}/{total} compiled in {elapsed:.0f} s{failed}\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.tty:
+            self.stream.write("\r" + " " * 79 + "\r")
+            self.stream.flush()
+
+
+def _default_archs() -> list[str]:
     from cuflash import _compile
+
+    status = _compile.cuda_status()
+    if status.state == "ok":
+        return [_compile.device_arch()]
+    why = status.reason or "CuPy is not installed"
+    _say(f"precompile: building for sm_80,sm_90a; no usable GPU here: {why}", sys.stderr)
+    return ["sm_80", "sm_90a"]  # the two targets cuflash tunes for
+
+
+def _precompile_jobs(args):
+    """Validate the arguments (UsageError) and list the (variant, arch) jobs."""
+    from cuflash import _compile
+
+    dtypes = _parse_dtypes(args.dtypes)
+    head_dims = _parse_head_dims(args.head_dims)
+    families = _parse_families(args.families, {p.stem for p in _compile.CUDA_SRC.glob("*.cu")})
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: expected 1 or more")
+    try:
+        archs = _compile.parse_archs(args.arch, "--arch") if args.arch is not None else None
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    cache_dir = Path(args.cache_dir) if args.cache_dir else _compile.user_cache_dir()
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--cache-dir {cache_dir}: {err.strerror}") from None
+    if not os.access(cache_dir, os.W_OK):
+        raise UsageError(f"--cache-dir {cache_dir}: not writable")
+
     from cuflash._heuristics import precompile_variants
 
-    archs = _csv(args.arch)
-    if not archs:
-        try:
-            archs = [_compile.device_arch()]
-        except RuntimeError:
-            archs = ["sm_80", "sm_90a"]  # no GPU: the two targets cuflash tunes for
-    cache_dir = args.cache_dir or _compile.user_cache_dir()
-    pairs = [(v, a) for a in archs
-             for v in dict.fromkeys(precompile_variants(dtypes=_csv(args.dtypes),
-                                                        head_dims=_csv(args.head_dims, int), arch=a))]
-    src_hash = _compile.source_hash()
-    start = time.perf_counter()
-    results = _compile.compile_many(pairs, args.threads)
+    archs = archs or _default_archs()
+    jobs = []
+    for arch in archs:
+        for variant in precompile_variants(dtypes=dtypes, head_dims=head_dims, arch=arch):
+            if families is None or variant.family in families:
+                jobs.append((variant, arch))
+    return archs, cache_dir, list(dict.fromkeys(jobs))
 
-    header = ("family", "arch", "regs", "smem", "stack", "spill st/ld", "sec", "defines")
-    rows, failed, notes = [], [], []
-    for variant, arch, result in results:
-        name = f"{variant.family} [{variant.label()}] {arch}"
+
+def _precompile(args) -> int:
+    from cuflash import _compile, _nvrtc
+
+    try:
+        _nvrtc.version()
+    except RuntimeError as err:  # libnvrtc missing: nothing can be compiled
+        _say(f"python -m cuflash precompile: {str(err).removeprefix('cuflash: ')}", sys.stderr)
+        return 1
+    try:
+        archs, cache_dir, jobs = _precompile_jobs(args)
+    except UsageError as err:
+        _say(f"python -m cuflash precompile: error: {err}", sys.stderr)
+        return 2
+    start = time.perf_counter()
+    src_hash = _compile.source_hash()
+    todo = len(jobs) if args.force else sum(
+        _compile.cached_result(cache_dir, v, a, src_hash) is None for v, a in jobs)
+    if todo:
+        _say(f"precompile: compiling {todo} of {len(jobs)} variants for {','.join(archs)} "
+             f"({len(jobs) - todo} cached) on {args.threads or _compile.default_threads()} threads",
+             sys.stderr)
+    progress = _Progress(todo)
+    try:
+        results = _compile.build(jobs, cache_dir, args.force, args.threads, progress)
+    finally:
+        progress.close()
+
+    header = ("family", "arch", "config", "regs", "smem KiB", "spills", "sec")
+    order = {a: i for i, a in enumerate(archs)}
+    rows, failed, spilled, notes = [], [], [], []
+    for variant, arch, result in sorted(results, key=lambda r: (order[r[1]], r[0].family)):
+        name = f"{variant.family} {arch} {_config(variant)}"
         if isinstance(result, Exception):
-            failed.append(f"{name}:\n{result}")
-            rows.append((variant.family, arch, "-", "-", "-", "ERROR", "-", variant.label()))
+            lines = [ln.strip() for ln in str(result).splitlines()]
+            errors = [ln for ln in lines if "error" in ln.lower()] or lines
+            failed.append(f"FAILED {name}: " + ("\n".join(lines) if args.verbose
+                                                else "; ".join(errors[:2])))
+            rows.append((variant.family, arch, _config(variant), "-", "-", "FAILED", "-"))
             continue
-        _compile.store_cubin(_compile.cache_path(cache_dir, variant, arch, src_hash), result.cubin)
         if result.spills:
-            failed.append(f"{name}: spills {result.spill_stores} B stored, "
-                          f"{result.spill_loads} B loaded")
-        notes += [f"{name}: {line}" for line in result.warnings]
-        rows.append((variant.family, arch, result.registers, result.smem_static,
-                     result.stack_frame, f"{result.spill_stores}/{result.spill_loads}",
-                     f"{result.seconds:.1f}", variant.label()))
+            spilled.append(f"SPILLS {name}: {result.spill_stores} B stored, "
+                           f"{result.spill_loads} B loaded")
+        notes += [f"note: {name}: {line.strip()}" for line in result.warnings]
+        smem = f"{_kib(result.smem_static)}+{_kib(result.smem_dynamic)}"
+        spills = f"{result.spill_stores}/{result.spill_loads}" if result.spills else "0"
+        sec = "cached" if result.cached else f"{result.seconds:.1f}"
+        regs = result.registers if result.registers >= 0 else "?"
+        rows.append((variant.family, arch, _config(variant), regs, smem, spills, sec))
+        if args.verbose:
+            rows.append(("", "", variant.label(), "", "", "", ""))
+    right = {3, 4, 5, 6}
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
-    print(f"\n{len(results) - len(failed)}/{len(results)} variants OK for {','.join(archs)} "
-          f"in {time.perf_counter() - start:.1f} s -> {cache_dir}")
-    sys.stdout.flush()
-    for note in dict.fromkeys(notes):
-        print(f"note: {note}", file=sys.stderr)
-    for failure in failed:
-        print(f"FAILED {failure}", file=sys.stderr)
-    return 1 if failed else 0
+        _say("  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)
+                       for i, (x, w) in enumerate(zip(row, widths))).rstrip())
+    compiled = sum(isinstance(r, _compile.CompileResult) and not r.cached for _, _, r in results)
+    where = "" if cache_dir == _compile.user_cache_dir() else f" (use it: CUFLASH_CACHE_DIR={cache_dir})"
+    _say(f"\n{len(results)} variants for {','.join(archs)}: {compiled} compiled, "
+         f"{len(results) - compiled - len(failed)} cached, {len(failed)} failed, "
+         f"{len(spilled)} spilling; {time.perf_counter() - start:.1f} s -> {cache_dir}{where}")
+    for line in [*dict.fromkeys(notes), *spilled, *failed]:
+        _say(line, sys.stderr)
+    return 1 if failed or spilled else 0
 
 
 # ----------------------------------------------------------------------------- main job
-
-def _gpu_count() -> int:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no CuPy, no driver, no device: all mean "no GPU" here
-        return 0
-
 
 def _random(rng, shape, dtype):
     # Drawn on the host: no CuPy kernel (and so no CUDA headers) is needed for the inputs.
@@ -181,9 +535,9 @@ def _device_name() -> str:
 
 
 def _main_job() -> int:
-    if _gpu_count() == 0:
-        print(NO_GPU_MESSAGE)
-        return 0
+    code, state = _doctor(verbose=False)  # silent when all is well
+    if code or state != "ok":
+        return code
     rng = np.random.default_rng(0)
     print(f"cuflash self-check against the float64 reference on {_device_name()}")
     ok = True
@@ -199,20 +553,30 @@ def _main_job() -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m cuflash",
+        description="Without a command: check the setup, then check cuflash.attention against the "
+                    "float64 reference and time it on the GPU.")
     commands = parser.add_subparsers(dest="command")
+    commands.add_parser("doctor", help="report GPU, driver, CUDA, NVRTC, CuPy and the cache; "
+                        "compile and run a small kernel")
     pre = commands.add_parser("precompile", help="compile kernels ahead of time (no GPU needed)")
     pre.add_argument("--arch", help="comma-separated targets, e.g. sm_90a,sm_80 "
                      "(default: this GPU's; without a GPU sm_80,sm_90a)")
     pre.add_argument("--cache-dir", help="where to write the cubins (default: the user cache, "
                      "~/.cache/cuflash); use it later with CUFLASH_CACHE_DIR=DIR")
-    pre.add_argument("--dtypes", help="comma-separated subset of float16,bfloat16,float32")
+    pre.add_argument("--dtypes", help="comma-separated: fp16,bf16,fp32 (or float16,bfloat16,float32)")
     pre.add_argument("--head-dims", help="comma-separated head dims, e.g. 64,128")
+    pre.add_argument("--families", help="comma-separated kernel families, e.g. fwd_sm90,decode")
     pre.add_argument("--threads", type=int, help="parallel compilations (default: CPU count)")
+    pre.add_argument("--force", action="store_true", help="recompile variants already cached")
+    pre.add_argument("-v", "--verbose", action="store_true",
+                     help="full defines per variant and full NVRTC logs of failures")
     args = parser.parse_args(argv)
     if args.command == "precompile":
         return _precompile(args)
+    if args.command == "doctor":
+        return _doctor(verbose=True)[0]
     return _main_job()
 
 

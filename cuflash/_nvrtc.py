@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-__all__ = ["compile_to_cubin", "parse_ptxas_log", "version"]
+__all__ = ["compile_to_cubin", "parse_ptxas_log", "version", "supported_archs", "library"]
 
 
 class _CupyBackend:
@@ -30,9 +30,14 @@ class _CupyBackend:
 
         nvrtc.getVersion()  # loads libnvrtc now, so a missing library means "try ctypes"
         self._nvrtc = nvrtc
+        self.path = "libnvrtc loaded by CuPy"
 
     def version(self) -> tuple[int, int]:
         return tuple(self._nvrtc.getVersion())
+
+    def supported_archs(self) -> tuple[int, ...]:
+        query = getattr(self._nvrtc, "getSupportedArchs", None)  # not in every CuPy
+        return tuple(int(a) for a in query()) if query else ()
 
     def compile(self, source: str, name: str, options: list[str]) -> tuple[bytes | None, str]:
         nvrtc = self._nvrtc
@@ -67,6 +72,14 @@ class _CtypesBackend:
         status = self._lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
         self._check(status, "nvrtcVersion")
         return major.value, minor.value
+
+    def supported_archs(self) -> tuple[int, ...]:
+        count = ctypes.c_int()
+        self._check(self._lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)),
+                    "nvrtcGetNumSupportedArchs")
+        archs = (ctypes.c_int * count.value)()
+        self._check(self._lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+        return tuple(archs)
 
     def _read(self, prog, size_fn, read_fn) -> bytes:
         size = ctypes.c_size_t()
@@ -128,6 +141,18 @@ def _backend():
 def version() -> tuple[int, int]:
     """(major, minor) version of the libnvrtc in use."""
     return _backend().version()
+
+
+def library() -> str:
+    """Where the libnvrtc in use comes from (a path, or "libnvrtc loaded by CuPy")."""
+    return _backend().path
+
+
+def supported_archs() -> tuple[int, ...]:
+    """Compute capabilities the libnvrtc in use can compile for, e.g. ``(75, 80, ..., 90, 100)``
+    (arch-specific targets such as ``sm_90a`` are not listed separately); ``()`` when the
+    binding cannot ask."""
+    return _backend().supported_archs()
 
 
 def compile_to_cubin(source: str, name: str, options: list[str]) -> tuple[bytes, str]:

@@ -2,15 +2,21 @@
 
 - ``HYPOTHESIS_PROFILE=ci`` (default): few examples, for CPU CI and quick runs.
   ``HYPOTHESIS_PROFILE=gpu``: more examples, for a run on an H100/H200.
-- Tests marked ``@pytest.mark.gpu`` (alias ``requires_gpu``) are skipped when CuPy finds no
-  CUDA device; the ``xp_gpu`` fixture returns the ``cupy`` module or skips.
+- Tests marked ``@pytest.mark.gpu`` (alias ``requires_gpu``) and tests using the ``xp_gpu``
+  fixture (which returns the ``cupy`` module) need a GPU. They skip only when there is truly
+  none (no NVIDIA driver, no device visible) or CuPy is not installed; with a broken CUDA setup
+  (a driver too old for CuPy's CUDA, CuPy failing to load, ...) each of them fails with the
+  cause and the fix. The pytest header says which, once.
 """
 
 import functools
 import os
+import re
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["pytester"]  # tests/test_cli.py runs this file's GPU gate in a small session
 
 _SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=25, deadline=None,
@@ -21,33 +27,80 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @functools.lru_cache(maxsize=None)
+def cuda_status():
+    """:func:`cuflash._compile.cuda_status`, asked once per session."""
+    from cuflash._compile import cuda_status
+
+    return cuda_status()
+
+
 def gpu_available():
-    """True if CuPy imports and sees at least one CUDA device."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no library, no device: all mean "no GPU"
-        return False
+    """True if CuPy imports and sees at least one working CUDA device."""
+    return cuda_status().state == "ok"
+
+
+def _skip_reason():
+    status = cuda_status()
+    if status.state == "no-cupy":
+        return "CuPy is not installed"
+    return f"no CUDA GPU: {status.reason}"
+
+
+def _needs_gpu(item):
+    return (item.get_closest_marker("gpu") is not None
+            or item.get_closest_marker("requires_gpu") is not None
+            or "xp_gpu" in getattr(item, "fixturenames", ()))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when CuPy finds none)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped when there is none)")
     config.addinivalue_line("markers", "requires_gpu: alias of the gpu marker")
 
 
+def pytest_report_header(config):
+    status = cuda_status()
+    if status.state == "ok":
+        return f"cuflash GPU tests: run on {status.devices} CUDA device(s)"
+    if status.state == "broken":
+        return f"cuflash GPU tests: FAIL, broken CUDA setup: {status.reason} (fix: {status.fix})"
+    return f"cuflash GPU tests: skipped ({_skip_reason()})"
+
+
 def pytest_collection_modifyitems(config, items):
-    if gpu_available():
-        return
-    skip = pytest.mark.skip(reason="no CUDA GPU found by CuPy")
+    if cuda_status().state not in ("no-gpu", "no-cupy"):
+        return  # a GPU, or a broken setup: the GPU tests run (and fail, see below)
+    skip = pytest.mark.skip(reason=_skip_reason())
     for item in items:
-        if item.get_closest_marker("gpu") or item.get_closest_marker("requires_gpu"):
+        if _needs_gpu(item):
             item.add_marker(skip)
+
+
+_NO_CUPY = re.compile(r"No module named '(cupy|cupyx|cupy_backends)[.']")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    # A test module that imports CuPy at its top cannot be collected without it: report the
+    # module as skipped for that reason, as pytest.importorskip would, not as an error.
+    report = yield
+    if (report.failed and isinstance(collector, pytest.Module)
+            and cuda_status().state == "no-cupy" and _NO_CUPY.search(str(report.longrepr))):
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, "Skipped: CuPy is not installed")
+    return report
+
+
+@pytest.hookimpl(tryfirst=True)  # before the skipif markers of the GPU test modules are evaluated
+def pytest_runtest_setup(item):
+    status = cuda_status()
+    if status.state == "broken" and _needs_gpu(item):
+        pytest.fail(f"broken CUDA setup: {status.reason}; fix: {status.fix}", pytrace=False)
 
 
 @pytest.fixture
 def xp_gpu():
     """The ``cupy`` module, or skip the test when there is no GPU."""
     if not gpu_available():
-        pytest.skip("no CUDA GPU found by CuPy")
+        pytest.skip(_skip_reason())
     import cupy
     return cupy

@@ -1,13 +1,16 @@
 """NVRTC compilation, ptxas reports and the cubin cache (CPU only: runs in CI).
 
-The main test compiles every kernel variant the dispatcher can pick
-(``cuflash._heuristics.precompile_variants()``) for sm_80 and sm_90a and requires zero
-spills; ``pytest -s`` prints registers and shared memory per variant. The other tests use tiny
-kernels written into a temporary ``cuda_src`` so they do not depend on the real kernels.
+The sweep compiles every kernel family for sm_80 and sm_90a (see ``_sweep_jobs``), one test per
+(family, arch) requiring a ptxas report, zero spills and no serialised wgmma; ``pytest -s``
+prints registers, static+dynamic shared memory and compile time per variant. The other tests
+use tiny kernels written into a temporary ``cuda_src`` so they do not depend on the real kernels.
 """
 
+import os
 import sys
+import time
 import types
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -48,58 +51,121 @@ TINY = Variant("tiny", {"TINY_N": 64})
 
 
 # ----------------------------------------------------------------------------- real kernels
+#
+# The sweep: cuflash._heuristics.ci_variants() (every family for sm_80 and sm_90a, forward at
+# every default head dim, the rest at D=128), or with CUFLASH_COMPILE_ALL=1 every variant
+# precompile_variants() lists for both archs (about twice as many). Compiled once per session in
+# a thread pool sized to the CPUs, with a progress line every ~10% of it. Results are kept with
+# their ptxas reports in <user cache>/tests (the last few source versions only), so a rerun on
+# unchanged sources (same NVRTC, same options) compiles nothing. CUFLASH_TEST_RECOMPILE=1
+# compiles everything again.
 
-def _real_variants():
-    try:
-        from cuflash._heuristics import precompile_variants
-    except ModuleNotFoundError as err:
-        if err.name != "cuflash._heuristics":
-            raise
-        pytest.skip("cuflash._heuristics is not written yet")
-    return list(dict.fromkeys(precompile_variants()))
+def _sweep_jobs():
+    from cuflash._heuristics import ci_variants, precompile_variants
 
-
-def _missing_families(variants):
-    return sorted({v.family for v in variants
-                   if not (_compile.CUDA_SRC / f"{v.family}.cu").is_file()})
-
-
-@pytest.fixture(scope="module")
-def compiled():
-    """Every (variant, arch) compiled once, in parallel threads (NVRTC releases the GIL)."""
-    variants = _real_variants()
-    missing = _missing_families(variants)
-    present = [v for v in variants if v.family not in missing]
-    if not present:
-        pytest.skip(f"no kernel sources yet (missing: {', '.join(missing) or 'all'})")
-    from cuflash._heuristics import ci_variants
-
-    return _compile.compile_many([(v, a) for v, a in ci_variants() if v.family not in missing])
+    jobs = list(ci_variants())
+    if os.environ.get("CUFLASH_COMPILE_ALL") == "1":
+        jobs += [(v, a) for a in ARCHS for v in precompile_variants(arch=a)]
+    # Longest first, so that the pool's threads finish together: fwd_sm90 (wgmma, warp
+    # specialised) takes 1-25 s a variant on a 2-core machine, every other family 0.1-3 s.
+    return sorted(dict.fromkeys(jobs), key=lambda job: job[0].family != "fwd_sm90")
 
 
-def test_variant_sources_exist():
-    variants = _real_variants()
-    assert variants, "precompile_variants() returned no variants"
-    missing = _missing_families(variants)
-    if missing:
-        pytest.skip(f"kernel sources not written yet: {', '.join(f + '.cu' for f in missing)}")
+def _prune(cache, keep=4):
+    """Keep the cubins of the ``keep`` most recently written source versions (about 15-25 MB
+    each): every edit of cuda_src/ makes a new version."""
+    versions = defaultdict(list)
+    for path in cache.glob("*/*"):
+        if path.suffix in (".cubin", ".ptxas"):
+            versions[path.stem.rsplit("-", 1)[-1]].append(path)
+
+    def newest(paths):
+        try:
+            return max(p.stat().st_mtime for p in paths)
+        except OSError:  # pruned meanwhile by another run
+            return 0.0
+
+    for version in sorted(versions, key=lambda v: newest(versions[v]), reverse=True)[keep:]:
+        for path in versions[version]:
+            path.unlink(missing_ok=True)
 
 
-def test_every_variant_compiles_without_spills(compiled):
-    print(f"\n{'family':10} {'arch':7} {'regs':>4} {'smem':>6} {'stack':>5} "
-          f"{'spill st/ld':>11} {'sec':>5}  defines")
+def _say(config, line):
+    """A line on the terminal now, through pytest's capture (visible with pytest -q)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        print(line, file=sys.__stderr__, flush=True)
+        return
+    with capture.global_and_fixture_disabled():
+        if getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0):
+            reporter.write("\n")  # after the progress dots of pytest -q
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def sweep(request):
+    """{(family, arch): [(variant, arch, CompileResult or Exception), ...]} for the sweep."""
+    config = request.config
+    jobs = _sweep_jobs()
+    force = os.environ.get("CUFLASH_TEST_RECOMPILE") == "1"
+    src_hash = _compile.source_hash()
+    cache = _compile.user_cache_dir() / "tests"
+    todo = len(jobs) if force else sum(
+        _compile.cached_result(cache, v, a, src_hash) is None for v, a in jobs)
+    threads = _compile.default_threads()
+    _say(config, f"compile sweep: {len(jobs)} variants for {','.join(ARCHS)}, {todo} to compile "
+                 f"on {threads} threads ({len(jobs) - todo} cached in {cache})")
+    start = last = time.perf_counter()
+    every = max(1, todo // 10)
+
+    def progress(done, total, variant, arch, result):
+        nonlocal last
+        now = time.perf_counter()
+        if done % every == 0 or done == total or now - last > 15:  # ~10 lines, more if slow
+            last = now
+            _say(config, f"compile sweep: {done}/{total} compiled in {now - start:.0f} s")
+
+    results = _compile.build(jobs, cache, force, threads, progress)
+    _prune(cache)
+    by_group = {}
+    for variant, arch, result in results:
+        by_group.setdefault((variant.family, arch), []).append((variant, arch, result))
+    return by_group
+
+
+def test_sweep_covers_every_family_and_arch():
+    from cuflash._heuristics import precompile_variants
+
+    covered = {(v.family, a) for v, a in _sweep_jobs()}
+    families = {p.stem for p in _compile.CUDA_SRC.glob("*.cu")}
+    wanted = {(v.family, a) for a in ARCHS for v in precompile_variants(arch=a)}
+    assert wanted <= covered, f"not in the sweep: {sorted(wanted - covered)}"
+    never = families - {f for f, _ in wanted}
+    assert not never, f"kernel sources no variant compiles: {sorted(never)}"
+    missing = {v.family for v, _ in _sweep_jobs()} - families
+    assert not missing, f"variants of families without a source: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("family, arch", sorted(dict.fromkeys((v.family, a) for v, a in _sweep_jobs())))
+def test_compiles_without_spills(sweep, family, arch):
     problems = []
-    for variant, arch, result in compiled:
+    print(f"\n{'family':14} {'arch':7} {'regs':>4} {'smem':>6}+{'dyn':<6} {'stack':>5} "
+          f"{'spill st/ld':>11} {'sec':>6}  defines")
+    for variant, arch, result in sweep[(family, arch)]:
         name = f"{variant.family} [{variant.label()}] {arch}"
         if isinstance(result, Exception):
-            print(f"{variant.family:10} {arch:7} ERROR  {variant.label()}")
+            print(f"{variant.family:14} {arch:7} ERROR  {variant.label()}")
             problems.append(f"{name}: {result}")
             continue
-        print(f"{variant.family:10} {arch:7} {result.registers:4d} {result.smem_static:6d} "
-              f"{result.stack_frame:5d} {result.spill_stores:5d}/{result.spill_loads:<5d} "
-              f"{result.seconds:5.1f}  {variant.label()}")
+        sec = "cached" if result.cached else f"{result.seconds:.1f}"
+        print(f"{variant.family:14} {arch:7} {result.registers:4d} {result.smem_static:6d}+"
+              f"{result.smem_dynamic:<6d} {result.stack_frame:5d} "
+              f"{result.spill_stores:5d}/{result.spill_loads:<5d} {sec:>6}  {variant.label()}")
         if not result.cubin.startswith(b"\x7fELF"):
             problems.append(f"{name}: cubin is not an ELF image ({len(result.cubin)} bytes)")
+        if result.registers < 0:
+            problems.append(f"{name}: no ptxas report in the NVRTC log")
         if result.spills:
             problems.append(f"{name}: spills {result.spill_stores} B stored, "
                             f"{result.spill_loads} B loaded")
@@ -276,47 +342,86 @@ def test_precompile_reports_failures_after_writing_the_rest(tiny_src, tmp_path):
     assert _compile.cache_path(tmp_path / "c", TINY, "sm_80").is_file()
 
 
-# ----------------------------------------------------------------------------- command line
+# ----------------------------------------------------------------------------- architectures
 
-@pytest.fixture
-def fake_heuristics(monkeypatch):
-    """Stand-in for cuflash._heuristics so the CLI can be tested on the tiny kernels."""
-    module = types.ModuleType("cuflash._heuristics")
-    module.variants = [TINY]
-    module.precompile_variants = lambda dtypes=None, head_dims=None, **kw: module.variants
-    monkeypatch.setitem(sys.modules, "cuflash._heuristics", module)
-    return module
+def test_arch_for_compute_capability():
+    assert _compile.arch_for("90") == "sm_90a" and _compile.arch_for(80) == "sm_80"
+    assert _compile.arch_for("120") == "sm_120"
 
 
-def test_cli_precompile(tiny_src, tmp_path, fake_heuristics, capsys):
-    from cuflash.__main__ import main
-
-    out_dir = tmp_path / "aot"
-    assert main(["precompile", "--arch", "sm_90a,sm_80", "--cache-dir", str(out_dir)]) == 0
-    table = capsys.readouterr().out
-    assert "tiny" in table and "TINY_N=64" in table and "2/2 variants OK" in table
-    assert _compile.cache_path(out_dir, TINY, "sm_90a").is_file()
-    fake_heuristics.variants = [TINY, Variant("broken")]
-    assert main(["precompile", "--arch", "sm_80", "--cache-dir", str(out_dir)]) == 1
-    captured = capsys.readouterr()
-    assert "ERROR" in captured.out and "undefined_thing" in captured.err
+@pytest.mark.parametrize("spec, message", [
+    ("sm90", "use sm_90a"), ("sm_90", "use sm_90a"), ("compute_90", "use sm_90a"),
+    ("sm_80a", "use sm_80"), ("sm_75", "need sm_80 or newer"), ("h100", "such as sm_80"),
+    ("sm_99", "cannot compile for it"), ("", "no architecture"),
+])
+def test_parse_archs_rejects_with_one_line(spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        _compile.parse_archs(spec)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 140
 
 
-def test_cli_without_gpu_exits_zero(capsys):
-    from cuflash.__main__ import _gpu_count, main
-
-    if _gpu_count():
-        pytest.skip("a GPU is present: the main job runs the GPU self-check instead")
-    assert main([]) == 0
-    assert "no CUDA GPU found" in capsys.readouterr().out
+def test_parse_archs_accepts_lists_and_drops_repeats():
+    assert _compile.parse_archs(" sm_90a,sm_80 ,sm_90a") == ["sm_90a", "sm_80"]
+    assert _compile.parse_archs(["sm_80", "sm_90a"]) == ["sm_80", "sm_90a"]
+    assert set(_nvrtc.supported_archs()) >= {80, 90}
 
 
-def test_device_arch_without_gpu():
-    from cuflash.__main__ import _gpu_count
-
-    if _gpu_count():
+def test_device_arch_says_why_there_is_no_gpu():
+    status = _compile.cuda_status()
+    if status.state == "ok":
         assert _compile.device_arch().startswith("sm_")
     else:
-        with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        with pytest.raises(RuntimeError, match="no CUDA GPU" if status.state == "no-gpu"
+                           else "CuPy is not installed|CUDA is not usable"):
             _compile.device_arch()
 
+
+def test_cached_result_needs_the_same_nvrtc_and_options(tiny_src, tmp_path, monkeypatch):
+    cache = tmp_path / "c"
+    assert _compile.cached_result(cache, TINY, "sm_80") is None
+    (compiled,) = _compile.build([(TINY, "sm_80")], cache)[:1]
+    assert not compiled[2].cached
+    again = _compile.cached_result(cache, TINY, "sm_80")
+    assert again.cached and again.cubin == compiled[2].cubin
+    assert (again.registers, again.smem_static) == (compiled[2].registers, 64 * 4)
+    # build() reuses it; force recompiles
+    assert _compile.build([(TINY, "sm_80")], cache)[0][2].cached
+    assert not _compile.build([(TINY, "sm_80")], cache, force=True)[0][2].cached
+    # another NVRTC version, or other options, make it stale
+    monkeypatch.setattr(_nvrtc, "version", lambda: (99, 0))
+    assert _compile.cached_result(cache, TINY, "sm_80") is None
+    monkeypatch.undo()
+    monkeypatch.setattr(_compile, "CUDA_SRC", tiny_src)
+    real = _compile.nvrtc_options
+    monkeypatch.setattr(_compile, "nvrtc_options", lambda *a, **k: real(*a, **k) + ["-lineinfo"])
+    assert _compile.cached_result(cache, TINY, "sm_80") is None
+
+
+def test_compile_many_reports_progress_in_order(tiny_src):
+    seen = []
+    jobs = [(TINY, "sm_80"), (Variant("broken"), "sm_80"), (TINY, "sm_90a")]
+    results = _compile.compile_many(jobs, 2, lambda *args: seen.append(args))
+    assert [(v, a) for v, a, _ in results] == jobs
+    assert isinstance(results[1][2], RuntimeError)
+    assert sorted(done for done, *_ in seen) == [1, 2, 3] and {t for _, t, *_ in seen} == {3}
+
+
+def test_prune_keeps_the_newest_source_versions(tmp_path):
+    for age, version in enumerate("abcdef"):
+        for name in (f"fwd-1-{version}.cubin", f"fwd-1-{version}.ptxas", f"fwd-2-{version}.cubin"):
+            path = tmp_path / "sm_80" / name
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(b"")
+            os.utime(path, (1000 - age, 1000 - age))  # "a" is the newest
+    (tmp_path / "sm_80" / "notes.txt").write_text("")
+    _prune(tmp_path, keep=2)
+    left = sorted(p.name for p in (tmp_path / "sm_80").iterdir())
+    assert left == ["fwd-1-a.cubin", "fwd-1-a.ptxas", "fwd-1-b.cubin", "fwd-1-b.ptxas",
+                    "fwd-2-a.cubin", "fwd-2-b.cubin", "notes.txt"]
+
+
+def test_smem_dynamic_is_the_define():
+    result = _compile.CompileResult(b"", "", 1, 0, 0, 1024,
+                                    variant=Variant("x", {"CUFLASH_SMEM_BYTES": 230400}))
+    assert (result.smem_static, result.smem_dynamic) == (1024, 230400)
+    assert _compile.CompileResult(b"", "", 1, 0, 0, 0, variant=Variant("x")).smem_dynamic == 0
