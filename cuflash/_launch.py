@@ -66,23 +66,36 @@ def prepare_kernel(kernel, smem_bytes: int, device_id: int, carveout: int | None
     return ptr
 
 
+_driver_launch = None     # cupy_backends' cuLaunchKernel binding, bound at the first launch
+_current_stream = None
+
+
 def launch(func: int, grid, threads: int, smem_bytes: int, args, stream_ptr: int) -> None:
     """Launch ``func`` on ``stream_ptr`` with ``args``: each the bytes of one kernel parameter, in order
     (a params struct, a 128-byte tensor map, an 8-byte pointer). The driver copies the values at the
     call, so the buffers are free once it returns."""
-    blob = bytearray().join(args)
-    base = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
-    argv = (ctypes.c_void_p * len(args))()
-    offset = 0
-    for i, arg in enumerate(args):
-        argv[i] = base + offset
-        offset += len(arg)
-    _cupy().cuda.driver.launchKernel(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr,
-                                     ctypes.addressof(argv), 0)
+    global _driver_launch
+    if _driver_launch is None:
+        _driver_launch = _cupy().cuda.driver.launchKernel
+    if len(args) == 1:   # one params struct (every kernel but fwd_sm90): no joining
+        blob = args[0]
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob)))
+    else:
+        blob = bytearray().join(args)
+        base = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
+        argv = (ctypes.c_void_p * len(args))()
+        offset = 0
+        for i, arg in enumerate(args):
+            argv[i] = base + offset
+            offset += len(arg)
+    _driver_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
 
 
 def current_stream_ptr() -> int:
-    return _cupy().cuda.get_current_stream().ptr
+    global _current_stream
+    if _current_stream is None:
+        _current_stream = _cupy().cuda.get_current_stream
+    return _current_stream().ptr
 
 
 # Fault reports: one slot of 4 int32 (code, index, value, spare) per entry point that checks index

@@ -28,6 +28,16 @@ __all__ = ["Plan", "Step", "lookup", "remember", "planned", "PlanningDone"]
 
 _MEMO_ENTRIES = 512
 _memo: dict = {}
+_cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA library at import)
+
+
+def _cupy():
+    global _cp
+    if _cp is None:
+        import cupy
+
+        _cp = cupy
+    return _cp
 
 
 class Step:
@@ -139,7 +149,7 @@ class Plan:
         """
         if _planning.get() is not None:
             raise PlanningDone(self)
-        import cupy
+        cupy = _cp or _cupy()
 
         device_id = cupy.cuda.runtime.getDevice()
         stream = _launch.current_stream_ptr()
@@ -376,8 +386,7 @@ def lookup(entry: str, operands, options):
     (plan, ptrs) on a hit; (None, key) on a miss (``key`` is None when the call cannot be
     remembered: an operand of another kind, an unhashable option).
     """
-    import cupy
-
+    cupy = _cp or _cupy()
     descriptors, ptrs = [], []
     torch_device = None
     for x in operands:
