@@ -15,13 +15,15 @@
 //
 // Appended tokens (k_new / v_new) are keys cache_len .. cache_len + seqlen_new - 1 of the sequence.
 // Every CTA reads them from k_new / v_new, and the CTAs of split 0, row block 0 also write them into
-// the cache; since no CTA reads the cache at those positions (cuflash/decode.py checks that no
-// sequence's visible cache slots are append targets), writing and reading in one launch is race free.
+// the cache (after their loop); no CTA reads the cache at those positions (the caller guarantees
+// that no sequence's visible cache slots are append targets; cuflash/decode.py checks it when the
+// tables are on the host), so writing and reading in one launch is race free.
 //
 // Bad indices: cuda_src/check_indices.cu validates cache_seqlens and block_table on the device and
-// the launch returns at entry on its verdict (p.error). Without a check nothing is out of bounds
-// either: a sequence that does not fit its cache is skipped, and a cached key on a block_table
-// entry that is not a page reads as zeros (and receives no append).
+// the launch writes nothing on its verdict (p.error), which it reads after its loop: on sm_90 it is
+// launched as a programmatic dependent of the check and overlaps it (fault.cuh). Without a check
+// nothing is out of bounds either: a sequence that does not fit its cache is skipped, and a cached
+// key on a block_table entry that is not a page reads as zeros (and receives no append).
 //
 // Two code paths share everything but the tile arithmetic:
 //   fp16/bf16: mma.sync m16n8k16 (mma_sm80.cuh), kBlockM = 16 rows (padded), 16 keys per warp step;
@@ -602,10 +604,15 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     }
     sq.pages = C::kPaged ? p.block_table + b * p.block_table_batch_stride : nullptr;
 
-    if (p.seqlen_new > 0 && split == 0 && row_block == 0) append_new_rows<C>(p, sq);
-
+    // Everything up to the writes only reads, with its own bounds checks, so it may overlap the index
+    // check ahead of this launch (fault.cuh); the appends and the outputs wait for its verdict.
+    const bool appends = p.seqlen_new > 0 && split == 0 && row_block == 0;
     const int rows_here = min(C::kBlockM, rows_total - row0);
-    if (rows_here <= 0) return;   // no query rows at all (Sq == 0): this launch only appended
+    if (rows_here <= 0) {   // no query rows at all (Sq == 0): this launch only appends
+        wait_for_prior_kernel();
+        if (appends && !call_faulted(p.error)) append_new_rows<C>(p, sq);
+        return;
+    }
     if (threadIdx.x < C::kBlockM) {
         const int pr = row0 + threadIdx.x;
         row_query[threadIdx.x] = pr < rows_total ? pr / p.group : -1;
@@ -730,7 +737,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     }
     __syncthreads();
 
-    // Write the rows: the output itself (one split) or this split's float32 partial.
+    // The appended rows (no CTA reads the cache at their slots: keys at or past cache_len come from
+    // k_new / v_new), then the rows: the output itself (one split) or this split's float32 partial.
+    wait_for_prior_kernel();
+    if (call_faulted(p.error)) return;
+    if (appends) append_new_rows<C>(p, sq);
     const long long part_row0 = (static_cast<long long>(split) * p.batch + b) * p.seqlen_q;   // (split, b, i=0)
     for (int idx = threadIdx.x; idx < C::kBlockM * C::kHeadDim; idx += C::kNThreads) {
         const int r = idx / C::kHeadDim, c = idx % C::kHeadDim;
@@ -776,6 +787,5 @@ static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size diff
 #define CUFLASH_MIN_BLOCKS 1
 #endif
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, CUFLASH_MIN_BLOCKS) cuflash_decode(const cuflash::DecodeParams p) {
-    if (cuflash::call_faulted(p.error)) return;
-    cuflash::decode_attention<Config>(p);
+    cuflash::decode_attention<Config>(p);   // returns before its writes when the call faulted
 }

@@ -12,4 +12,16 @@ namespace cuflash {
 // error == nullptr: no check ran for this call.
 __device__ __forceinline__ bool call_faulted(const int* error) { return error != nullptr && *error != 0; }
 
+// Kernels that cuflash launches right behind another kernel of the same call may be launched as
+// programmatic dependents (sm_90): they start while the kernel ahead (the index check, the split-KV
+// pass) is still running, read and compute with their own bounds checks, and wait for it (and see
+// its writes) here, before their first global write or their first read of what it wrote. The
+// launch that gains is decode's: its tiny index check then costs the stream nothing. Launched
+// without the attribute, or below sm_90, the wait returns at once.
+__device__ __forceinline__ void wait_for_prior_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 }  // namespace cuflash

@@ -95,6 +95,7 @@ __device__ __forceinline__ void merge_row(const MergeParams& p, long long row) {
 }  // namespace cuflash
 
 extern "C" __global__ void __launch_bounds__(256) cuflash_merge(const cuflash::MergeParams p) {
+    cuflash::wait_for_prior_kernel();   // decode's partials (a programmatic dependent launch on sm_90)
     if (cuflash::call_faulted(p.error)) return;
     cuflash::merge_row(p, blockIdx.x);
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import struct
 import threading
 
 import numpy as np
@@ -70,10 +71,30 @@ _driver_launch = None     # cupy_backends' cuLaunchKernel binding, bound at the 
 _current_stream = None
 
 
-def launch(func: int, grid, threads: int, smem_bytes: int, args, stream_ptr: int) -> None:
+# cuLaunchKernelEx's CUlaunchConfig (grid, block, shared memory, stream, attributes, their count)
+# and one CUlaunchAttribute: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) = allowed.
+# Layouts as cuda.h 13.0 declares them (56 and 72 bytes).
+_LAUNCH_CONFIG = struct.Struct("<7I4xQQI4x")
+_DEPENDENT = ctypes.create_string_buffer(struct.pack("<i4xi60x", 6, 1), 72)   # read-only, shared
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_kernel_ex():
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def launch(func: int, grid, threads: int, smem_bytes: int, args, stream_ptr: int, dependent: bool = False) -> None:
     """Launch ``func`` on ``stream_ptr`` with ``args``: each the bytes of one kernel parameter, in order
     (a params struct, a 128-byte tensor map, an 8-byte pointer). The driver copies the values at the
-    call, so the buffers are free once it returns."""
+    call, so the buffers are free once it returns.
+
+    ``dependent``: a programmatic dependent launch (sm_90): the kernel may start before the previous
+    kernel in the stream ends and waits for it in ``griddepcontrol.wait`` (cuda_src/fault.cuh). Only
+    for a kernel whose predecessor is a kernel of the same call.
+    """
     global _driver_launch
     if _driver_launch is None:
         _driver_launch = _cupy().cuda.driver.launchKernel
@@ -88,6 +109,13 @@ def launch(func: int, grid, threads: int, smem_bytes: int, args, stream_ptr: int
         for i, arg in enumerate(args):
             argv[i] = base + offset
             offset += len(arg)
+    if dependent:
+        config = ctypes.create_string_buffer(_LAUNCH_CONFIG.pack(grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes,
+                                                                 stream_ptr, ctypes.addressof(_DEPENDENT), 1), 56)
+        rc = _launch_kernel_ex()(config, func, argv, None)
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
+        return
     _driver_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
 
 

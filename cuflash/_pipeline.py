@@ -47,11 +47,12 @@ class Step:
     TensorMapSpec)`` or ``("pointer", value index)`` (a pointer passed by value).
     """
 
-    __slots__ = ("func", "grid", "threads", "smem", "args")
+    __slots__ = ("func", "grid", "threads", "smem", "args", "dependent")
 
-    def __init__(self, func: int, grid, threads: int, smem: int, args):
+    def __init__(self, func: int, grid, threads: int, smem: int, args, dependent: bool = False):
         self.func, self.grid, self.threads, self.smem = func, tuple(int(g) for g in grid), threads, smem
         self.args = tuple(args)
+        self.dependent = dependent   # a programmatic dependent of the plan's previous step (_launch.launch)
 
 
 class Buffer:
@@ -206,7 +207,7 @@ class Plan:
                     args.append(_tma.encode_at(values[arg[1]], arg[2]))
                 else:
                     args.append(values[arg[1]].to_bytes(8, "little"))
-            _launch.launch(step.func, step.grid, step.threads, step.smem, args, stream)
+            _launch.launch(step.func, step.grid, step.threads, step.smem, args, stream, step.dependent)
             if n == 0 and self.checked and check:
                 cupy.cuda.runtime.streamSynchronize(stream)
                 _raise_fault(state, self.slot)

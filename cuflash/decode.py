@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from . import _checks, _heuristics, _launch, _pipeline
-from ._compile import get_kernel
+from ._compile import device_arch, get_kernel
 from ._params import DECODE, MERGE, Template
 
 __all__ = ["decode"]
@@ -319,12 +319,16 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # The K/V stream lives in shared memory (cp.async.cg skips L1), and two or three CTAs per SM
     # need ~200 KiB of it: ask for the largest carveout.
     func = _launch.prepare_kernel(kernel, plan_k.smem_bytes, device_id, carveout=100)
+    # On sm_90 the kernels behind the index check start before it ends and wait for its verdict
+    # only before they write (cuda_src/fault.cuh): the check then costs the stream no time.
+    dependent = device_arch() == "sm_90a"
     plan.steps.append(_pipeline.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
-                                     plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),)))
+                                     plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),),
+                                     dependent=dependent and check_on_gpu))
     if num_splits > 1:
         plan.steps.append(_merge_step(plan, device_id, parts=(plan.temp_index(part), plan.temp_index(part + 1)),
                                       parts_shape=temps[part].shape, out=_OUT, out_layout=out_layout, lse=lse_slot,
-                                      lse_shape=lse_buffer.shape))
+                                      lse_shape=lse_buffer.shape, dependent=dependent))
     plan.info.update(num_splits=num_splits)
 
     kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, None]
@@ -337,7 +341,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     return plan, ptrs, finish
 
 
-def _merge_step(plan, device_id, *, parts, parts_shape, out, out_layout, lse, lse_shape):
+def _merge_step(plan, device_id, *, parts, parts_shape, out, out_layout, lse, lse_shape, dependent=False):
     """The merge of decode's float32 split partials into out and lse (value indices)."""
     from .merge import merge_fields
 
@@ -350,7 +354,8 @@ def _merge_step(plan, device_id, *, parts, parts_shape, out, out_layout, lse, ls
         slots["error"] = plan.index("error")
     merge = _heuristics.merge_plan("float32", _checks.dtype_name(out_layout.dtype), d)
     func = _launch.prepare_kernel(get_kernel(merge.variant), 0, device_id)
-    return _pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", Template(MERGE, fields, slots)),))
+    return _pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", Template(MERGE, fields, slots)),),
+                          dependent=dependent)
 
 
 def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
