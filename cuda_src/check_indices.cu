@@ -25,6 +25,7 @@
 // grid's threads, block_table over CTAs (rows) and their threads (columns). Compile-time: none
 // (CUFLASH_CHECK_PARAMS_SIZE checks the layout).
 #include "common.cuh"
+#include "fault.cuh"
 
 namespace cuflash {
 
@@ -164,5 +165,6 @@ __device__ __forceinline__ void check_indices(const CheckParams& p) {
 }  // namespace cuflash
 
 extern "C" __global__ void __launch_bounds__(cuflash::kCheckThreads) cuflash_check_indices(const cuflash::CheckParams p) {
+    cuflash::let_dependents_start();   // decode overlaps the check and waits for its verdict (fault.cuh)
     cuflash::check_indices(p);
 }

@@ -18,6 +18,15 @@ __device__ __forceinline__ bool call_faulted(const int* error) { return error !=
 // its writes) here, before their first global write or their first read of what it wrote. The
 // launch that gains is decode's: its tiny index check then costs the stream nothing. Launched
 // without the attribute, or below sm_90, the wait returns at once.
+//
+// A kernel ahead lets its dependents start before it ends only by saying so (otherwise they start
+// at its end, which saves just the launch): the index check does at its first instruction, since
+// its dependents wait for its verdict anyway.
+__device__ __forceinline__ void let_dependents_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void wait_for_prior_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
