@@ -399,16 +399,18 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         (last axis contiguous, D a multiple of 8 for 16-bit / 4 for float32 data, strides multiples
         of 16 bytes); otherwise the cache is copied on every call (slow) and the new rows written back.
     cache_seqlens : int32 array (B,), optional
-        Keys each sequence holds before the append (0 allowed). On the GPU it is read back once to be
-        checked (a synchronisation); a NumPy array avoids that. Default: the full capacity
-        (S_cache, or max_pages * page_size).
+        Keys each sequence holds before the append (0 allowed). On the GPU it is never read back: the
+        index check kernel validates it before anything is written (see ``check``). Given as NumPy,
+        it is checked on the host before any launch. Default: the full capacity (S_cache, or
+        max_pages * page_size).
     block_table : int32 array (B, max_pages), optional
         ``block_table[b, p]`` is the cache page holding keys ``p * page_size ..`` of sequence b.
-        Read back to the host to be checked (or given as NumPy). Pages past a sequence's end are
-        never read (they may hold anything, e.g. -1).
+        Checked like ``cache_seqlens``. Pages past a sequence's end are never read (they may hold
+        anything, e.g. -1). Appended rows must land in slots that no sequence reads as cached keys:
+        checked when the table is given on the host, the caller's contract when it is on the GPU.
     k_new, v_new : arrays (B, S_new, Hk, D), optional
         Appended at positions ``cache_seqlens[b] ..`` before attending; the cache must have room
-        (checked, like every argument, before anything is written). Usually S_new = Sq.
+        (a call whose appends do not fit writes nothing). Usually S_new = Sq.
     num_splits : int
         Key ranges per (sequence, kv head) computed in parallel and merged (split-KV); 0 picks it
         from the shapes and the SM count (:func:`cuflash._heuristics.decode_num_splits`), 1 is the
@@ -424,8 +426,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         has T keys, M = T is the usual (B, Hq, Sq, T) mask. M = 1 broadcasts over all keys.
     return_lse : bool
         Also return lse.
-    out : CuPy array (B, Sq, Hq, D), optional
-        C-contiguous, the dtype of q.
+    out : array (B, Sq, Hq, D), optional
+        C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given).
+    check : bool, optional
+        True: wait for the index check and raise a bad ``cache_seqlens`` / ``block_table`` value now.
+        False: a bad value makes the call write nothing and is raised (ValueError naming the
+        argument) by the next decode call on this stream or by :func:`cuflash.check_errors`.
+        Default: the environment variable ``CUFLASH_CHECK`` (``1`` = True), else False.
 
     Returns
     -------
@@ -436,9 +443,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     Raises
     ------
     TypeError, ValueError
-        For any bad argument, before any launch: the cache is never half-written. This includes
-        appended tokens that do not fit, block_table entries that are not pages, and appended
-        rows that would land in a slot another (or the same) sequence reads.
+        For any bad argument, before any launch: the cache is never half-written. Index values on
+        the GPU are checked by a kernel (see ``check``); given on the host, before any launch,
+        including appended rows that would land in a slot another (or the same) sequence reads.
     RuntimeError
         When no CUDA GPU is usable.
     """
