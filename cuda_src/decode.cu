@@ -562,6 +562,42 @@ __device__ __forceinline__ void simt_warp_store(SimtWarpState<C>& st, float* com
 template <bool kFirst, class A, class B> struct Select { using type = A; };
 template <class A, class B> struct Select<false, A, B> { using type = B; };
 
+// Contiguous caches with cache_seqlens on the GPU need no check_indices launch (whose stream time a
+// short decode cannot hide): every CTA applies its rule (code 1: 0 <= len, len + seqlen_new <=
+// capacity) to every sequence before its first write, from batch loads that hit L2 after the first
+// CTA, so all CTAs reach the same verdict. CTA (0, 0, 0) publishes it in *error, where the merge
+// reads it, and records a fault for the host. Called by every thread of a CTA.
+template <class C>
+__device__ __forceinline__ bool lens_faulted(const DecodeParams& p) {
+    __shared__ int first_bad;
+    constexpr int kNone = 0x7fffffff;
+    if (threadIdx.x == 0) first_bad = kNone;
+    __syncthreads();
+    for (int b = threadIdx.x; b < p.batch; b += C::kNThreads) {
+        const int len = p.cache_seqlens[b];
+        if (len < 0 || static_cast<long long>(len) + p.seqlen_new > p.seqlen_cache) atomicMin(&first_bad, b);
+    }
+    __syncthreads();
+    const int bad = first_bad;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+        *p.error = bad != kNone;
+        if (bad != kNone) {
+            volatile int* report = p.report;
+            report[1] = bad;
+            report[2] = p.cache_seqlens[bad];
+            __threadfence_system();
+            report[0] = 1;   // kFaultCacheSeqlens of check_indices.cu, written last
+        }
+    }
+    return bad != kNone;
+}
+
+// Whether the call's index arrays are bad, before the first write of a CTA that got this far.
+template <class C>
+__device__ __forceinline__ bool call_faulted_here(const DecodeParams& p) {
+    return p.check_lens ? lens_faulted<C>(p) : call_faulted(p.error);
+}
+
 template <class C>
 __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -585,7 +621,10 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     // (even when no check_indices ran): then every position read or written lies below capacity,
     // so a contiguous cache is read only at its rows and block_table only at its max_pages columns.
     const long long capacity = C::kPaged ? static_cast<long long>(p.max_pages) * p.page_size : p.seqlen_cache;
-    if (sq.cache_len < 0 || static_cast<long long>(sq.cache_len) + p.seqlen_new > capacity) return;
+    if (sq.cache_len < 0 || static_cast<long long>(sq.cache_len) + p.seqlen_new > capacity) {
+        if (p.check_lens) lens_faulted<C>(p);   // the verdict (a fault) still has to be published
+        return;
+    }
     sq.s.b = b;
     sq.s.h = h_kv * p.group;
     sq.s.h_kv = h_kv;
@@ -610,7 +649,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     const int rows_here = min(C::kBlockM, rows_total - row0);
     if (rows_here <= 0) {   // no query rows at all (Sq == 0): this launch only appends
         wait_for_prior_kernel();
-        if (appends && !call_faulted(p.error)) append_new_rows<C>(p, sq);
+        if (appends && !call_faulted_here<C>(p)) append_new_rows<C>(p, sq);
         return;
     }
     if (threadIdx.x < C::kBlockM) {
@@ -740,7 +779,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     // The appended rows (no CTA reads the cache at their slots: keys at or past cache_len come from
     // k_new / v_new), then the rows: the output itself (one split) or this split's float32 partial.
     wait_for_prior_kernel();
-    if (call_faulted(p.error)) return;
+    if (call_faulted_here<C>(p)) return;
     if (appends) append_new_rows<C>(p, sq);
     const long long part_row0 = (static_cast<long long>(split) * p.batch + b) * p.seqlen_q;   // (split, b, i=0)
     for (int idx = threadIdx.x; idx < C::kBlockM * C::kHeadDim; idx += C::kNThreads) {

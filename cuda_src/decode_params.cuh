@@ -23,8 +23,10 @@ struct DecodeParams {
     const int* cache_seqlens;          // (B,); nullptr: every sequence holds seqlen_cache keys
     const int* block_table;            // (B, max_pages), paged caches only
     const unsigned char* mask;         // bool, broadcast view of (B, Hq, Sq, mask_keys); nullptr: none
-    const int* error;                  // the call's check_indices verdict (see FwdParams::error; score.error
-                                       // is not read); nullptr: no check
+    int* error;                        // the call's verdict on its index arrays (score.error is not read):
+                                       // written by check_indices, or by this kernel when check_lens is
+                                       // set (then read by the merge); nullptr: no check
+    int* report;                       // host-mapped fault record (check_indices.cu), check_lens only
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;   // paged: the batch stride is the page stride
     long long v_batch_stride, v_row_stride, v_head_stride;
@@ -47,7 +49,8 @@ struct DecodeParams {
     int mask_keys;                     // mask columns cover the last mask_keys keys; 0: one column for all
     int num_pages;                     // pages of a paged cache (k_cache.shape[0]); 0 for a contiguous cache
     int max_pages;                     // columns of block_table; 0 for a contiguous cache
-    int pad_;
+    int check_lens;                    // 1: contiguous cache, cache_seqlens on the GPU and no check_indices
+                                       // launch: the kernel checks every length itself (decode.cu)
 };
 
 #ifdef CUFLASH_DECODE_PARAMS_SIZE

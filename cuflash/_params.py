@@ -73,7 +73,7 @@ CONVERT_PARAMS = np.dtype(
 DECODE_PARAMS = np.dtype(
     [("score", FWD_PARAMS)]
     + _fields(np.uint64, ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part",
-                          "cache_seqlens", "block_table", "mask", "error"))
+                          "cache_seqlens", "block_table", "mask", "error", "report"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -86,7 +86,7 @@ DECODE_PARAMS = np.dtype(
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride"))
     + _fields(np.int32, ("batch", "seqlen_q", "heads_q", "heads_k", "group", "head_dim", "out_dim", "seqlen_cache",
                          "seqlen_new", "page_size", "num_splits", "row_blocks", "mask_keys", "num_pages",
-                         "max_pages", "pad_")),
+                         "max_pages", "check_lens")),
     align=True,
 )
 

@@ -92,7 +92,8 @@ class Plan:
     dropout : (float, float) or None
         (threshold, rescale) when the call draws dropout: a seed and offset per call.
     checked : bool
-        Whether the plan's first step is the index check (its faults go to the entry's report slot).
+        Whether the plan's first step checks the index arrays: the index check kernel, or a decode
+        kernel that checks its lengths itself (its faults go to the entry's report slot).
     info : dict
         What error messages need (capacity, max_pages, ...).
     """

@@ -276,7 +276,12 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                           results=(_OUT, _LSE) if return_lse else (_OUT,))
     lse_slot = _LSE if return_lse else plan.temp_index(0)
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
-    if check_on_gpu:
+    # A contiguous cache has one index array, its lengths: the decode kernel checks them all itself
+    # before writing (cuda_src/decode.cu, lens_faulted), so no check_indices launch is needed.
+    check_in_kernel = check_on_gpu and not paged
+    if check_in_kernel:
+        plan.info.update(batch=batch, capacity=capacity, seqlen_new=seqlen_new)
+    elif check_on_gpu:
         plan.steps.append(_pipeline.check_step(plan, dict(
             cache_seqlens=("operand", _LENS) if cache_seqlens is not None else None,
             block_table=("operand", _TABLE) if paged else None,
@@ -320,6 +325,9 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1))
     if check_on_gpu:
         slots["error"] = plan.index("error")
+    if check_in_kernel:
+        slots["report"] = plan.index("report")
+        fields["check_lens"] = 1
     kernel = get_kernel(plan_k.variant)
     # The K/V stream lives in shared memory (cp.async.cg skips L1), and two or three CTAs per SM
     # need ~200 KiB of it: ask for the largest carveout.
@@ -329,7 +337,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     dependent = device_arch() == "sm_90a"
     plan.steps.append(_pipeline.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
                                      plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),),
-                                     dependent=dependent and check_on_gpu))
+                                     dependent=dependent and check_on_gpu and not check_in_kernel))
     if num_splits > 1:
         plan.steps.append(_merge_step(plan, device_id, parts=(plan.temp_index(part), plan.temp_index(part + 1)),
                                       parts_shape=temps[part].shape, out=_OUT, out_layout=out_layout, lse=lse_slot,
