@@ -154,16 +154,14 @@ class StreamState:
         ctypes.memset(self._host, 0, nbytes)
         self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
         self.plans = [None] * len(REPORT_SLOTS)
-        self._workspaces = {}
+        self._workspaces = {}   # plan -> its temporaries on this stream
 
     def workspace(self, plan):
         """Temporaries of ``plan`` kept by this stream (for streams whose freed memory CuPy's pool
         cannot tell apart: the per-thread default streams)."""
-        temps = self._workspaces.get(id(plan))
+        temps = self._workspaces.get(plan)
         if temps is None:
-            temps = [b.make() for b in plan.temps]
-            self._workspaces[id(plan)] = temps
-            self._plans_kept = getattr(self, "_plans_kept", []) + [plan]   # id() stays unique
+            temps = self._workspaces[plan] = [b.make() for b in plan.temps]
         return temps
 
     def report_ptr(self, slot: int) -> int:
