@@ -472,6 +472,20 @@ def get_kernel(variant: Variant):
     return _kernels[key][1]
 
 
+NOTICE_SECONDS = 1.0
+
+
+def compile_notice(variant: Variant, arch: str, seconds: float, path, file=None) -> None:
+    """One line on stderr when a call waited more than a second for a compile: what, how long, and
+    that it is paid once (``python -m cuflash precompile`` pays it ahead of time)."""
+    if seconds < NOTICE_SECONDS:
+        return
+    from cuflash.__main__ import _config
+
+    print(f"cuflash: compiled {variant.family} ({_config(variant)}, {arch}) in {seconds:.1f} s, once; "
+          f"cached in {Path(path).parent}", file=file or sys.stderr)
+
+
 def _load(variant: Variant, arch: str):
     import cupy
 
@@ -485,6 +499,7 @@ def _load(variant: Variant, arch: str):
         except OSError:  # read-only home: RawModule loads from a path, so use a private temp dir
             path = store_cubin(cache_path(tempfile.mkdtemp(prefix="cuflash-"), variant, arch,
                                           src_hash), result.cubin)
+        compile_notice(variant, arch, result.seconds, path)
     module = cupy.RawModule(path=str(path))
     # Keep the module with its kernel: the kernel's function handle lives in the module.
     return module, module.get_function(variant.entry)

@@ -430,3 +430,14 @@ def test_smem_dynamic_is_the_define():
                                     variant=Variant("x", {"CUFLASH_SMEM_BYTES": 230400}))
     assert (result.smem_static, result.smem_dynamic) == (1024, 230400)
     assert _compile.CompileResult(b"", "", 1, 0, 0, 0, variant=Variant("x")).smem_dynamic == 0
+
+
+def test_a_slow_compile_says_so_once(capsys):
+    # A call that waits more than a second for NVRTC gets one line on stderr; a quick one none.
+    variant = Variant("fwd_sm90", {"CUFLASH_DTYPE": 1, "CUFLASH_HEAD_DIM": 128, "CUFLASH_SCORE_MODS": 1})
+    _compile.compile_notice(variant, "sm_90a", 0.4, "/cache/sm_90a/x.cubin")
+    assert capsys.readouterr().err == ""
+    _compile.compile_notice(variant, "sm_90a", 37.2, "/cache/sm_90a/x.cubin")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fwd_sm90" in err and "37.2 s" in err and "D128" in err
+    assert "/cache/sm_90a" in err
