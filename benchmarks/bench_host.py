@@ -110,6 +110,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="end-to-end timed runs per point (default 7, 3 quick)")
     p.add_argument("--target-ms", type=float, default=None, help="length of one end-to-end run (default 40, 20 quick)")
     p.add_argument("--no-torch", action="store_true", help="do not use torch even if importable")
+    p.add_argument("--plot", default=None, metavar="CSV",
+                   help="no GPU run: draw DIR/bench_host.png (--out DIR, default the CSV's folder) from a "
+                        "bench_host.csv (needs matplotlib)")
     args = p.parse_args(argv)
     args.parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     unknown = args.parts - {"host", "decode", "forward"}
@@ -788,8 +791,53 @@ def write_outputs(directory, tables, parts):
     log(f"written: {path / 'bench_host.md'}, {path / 'bench_host.csv'}")
 
 
+def write_png(csv_path, png_path):
+    """Two panels from a bench_host.csv: decode end to end (us per call, cuflash from torch beside
+    SDPA flash and cuDNN, contiguous and paged caches) and host us per repeat call per entry point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    decode = [r for r in rows if r["part"] == "decode"]
+    host = [r for r in rows if r["part"] == "host"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    shapes = [(r["B"], r["L"]) for r in decode if r["layout"] == "contiguous"]
+    x = range(len(shapes))
+    series = [("cuflash, contiguous", [float(r["torch us"]) for r in decode if r["layout"] == "contiguous"]),
+              ("cuflash, paged 16", [float(r["torch us"]) for r in decode if r["layout"] == "paged16"]),
+              ("SDPA flash", [float(r["flash us"]) for r in decode if r["layout"] == "contiguous"]),
+              ("SDPA cuDNN", [float(r["cudnn us"]) for r in decode if r["layout"] == "contiguous"])]
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series):
+        left.bar([j + i * width for j in x], values, width, label=name)
+    left.set_xticks([j + 0.4 - width / 2 for j in x], [f"B{b} L{int(l) // 1024}k" for b, l in shapes])
+    left.set_ylabel("us per call, host included (lower is better)")
+    left.set_title("decode from torch tensors, bf16 Hq32 Hk8 D128")
+    left.legend(fontsize=8)
+    entries = [r["entry"] for r in host]
+    for i, (column, name) in enumerate((("cupy us", "cuflash, CuPy arrays"), ("torch us", "cuflash, torch tensors"),
+                                       ("cudnn us", "SDPA cuDNN"))):
+        values = [float(r[column]) if r[column] else 0.0 for r in host]
+        right.barh([j + i * 0.27 for j in range(len(entries))], values, 0.27, label=name)
+    right.set_yticks([j + 0.27 for j in range(len(entries))], entries)
+    right.invert_yaxis()
+    right.set_xlabel("host us per repeat call (lower is better)")
+    right.set_title("host time per call, small problems")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    log(f"written: {png_path}")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot:
+        out = Path(args.out) if args.out else Path(args.plot).parent
+        write_png(args.plot, out / "bench_host.png")
+        return 0
 
     import cupy
     import ml_dtypes
@@ -836,6 +884,11 @@ def main(argv=None):
     if args.out:
         write_outputs(args.out, tables, [("host", host, HOST_COLUMNS), ("decode", decode, DECODE_COLUMNS),
                                          ("forward", forward, FORWARD_COLUMNS), ("bars", summary, SUMMARY_COLUMNS)])
+        try:
+            if host and decode:
+                write_png(Path(args.out) / "bench_host.csv", Path(args.out) / "bench_host.png")
+        except ImportError:
+            log("matplotlib is not installed: no plot")
     print()
     print("\n\n".join(tables), flush=True)
     return 0
