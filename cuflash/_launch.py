@@ -179,20 +179,18 @@ class StreamState:
         return fault
 
 
-_states: dict = {}             # (device, stream) -> StreamState
-_thread_states = threading.local()   # per-thread default streams: device -> StreamState, per thread
-_every_state: list = []        # all of them, kept for the process (a stream may still run their kernels)
+_states: dict = {}             # (device, stream, thread token) -> StreamState, kept for the process
+_thread_states = threading.local()
 _states_lock = threading.Lock()
 
 
 def _thread_token():
-    """An object unique to the calling thread for as long as the process lives (thread idents are
-    reused once a thread ends; a dead thread's stream may still be running its kernels)."""
+    """An object unique to the calling thread (thread idents are reused once a thread ends, and a
+    dead thread's stream may still be running its kernels); the keys of ``_states`` keep it alive,
+    so it is never reused either."""
     token = getattr(_thread_states, "token", None)
     if token is None:
         token = _thread_states.token = object()
-        with _states_lock:
-            _every_state.append(token)
     return token
 
 
@@ -209,7 +207,6 @@ def stream_state(device_id: int, stream_ptr: int) -> StreamState:
             state = _states.get(key)
             if state is None:
                 state = _states[key] = StreamState(device_id)
-                _every_state.append(state)
     return state
 
 
