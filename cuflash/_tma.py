@@ -3,8 +3,8 @@
 A map describes a (B, S, H, D) array as a 4-d tensor (innermost first: D, S, H, B) with the
 caller's strides, read in boxes of 64 columns (128 bytes, the span of the 128-byte swizzle) x
 ``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
-never reach a result. The map travels to the kernel by value (a 128-byte, 64-byte-aligned NumPy
-structured scalar, like the parameter struct).
+never reach a result. The map travels to the kernel by value: its 128 bytes are one kernel
+parameter of the launch (cuflash/_launch.py), like the packed parameter struct.
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-import numpy as np
-
 _FLOAT16, _BFLOAT16 = 6, 9  # CU_TENSOR_MAP_DATA_TYPE_*
 _SWIZZLE_128B = 3
-TMA_MAP_DTYPE = np.dtype([("words", np.uint64, 16)], align=True)
 
 
 class TensorMapSpec(tuple):
@@ -45,48 +42,37 @@ def tma_compatible(x) -> bool:
     return all(s >= 0 and s % 16 == 0 for s in x.strides[:-1])
 
 
-# Encoded maps by (address, shape, strides, box rows, dtype): a map is a pure function of these, so
-# a hit is exact. Encoding through ctypes costs ~10 us a map, four a launch: host time that a short
-# forward cannot hide. Bounded: cleared when full.
+# Encoded maps by (address, TensorMapSpec): a map is a pure function of these, so a hit is exact.
+# Encoding through ctypes costs ~10 us a map, four a launch: host time that a short forward cannot
+# hide. Bounded: cleared when full.
 _cache: dict = {}
 _CACHE_ENTRIES = 256
 
 
 def encode_at(ptr: int, spec: TensorMapSpec) -> bytes:
-    """The 128 bytes of the tensor map ``spec`` over the array at ``ptr`` (cached)."""
-    key = (ptr, spec)
-    tensor_map = _bytes_cache.get(key)
-    if tensor_map is None:
-        if len(_bytes_cache) >= _CACHE_ENTRIES:
-            _bytes_cache.clear()
-        shape, strides, nbytes, box_rows, dtype_name = spec
-        tensor_map = _bytes_cache[key] = _encode(ptr, shape, strides, nbytes, box_rows, dtype_name).tobytes()
-    return tensor_map
-
-
-_bytes_cache: dict = {}
-
-
-def encode(x, box_rows: int, dtype_name: str) -> np.void:
-    """Tensor map over ``x`` of shape (B, S, H, D), or (S, H, D) as one batch (varlen's packed
-    rows): boxes of (64 columns, box_rows rows, 1, 1).
+    """The 128 bytes of the tensor map ``spec`` over the array at ``ptr`` (cached): boxes of
+    (64 columns, box rows, 1, 1) over (B, S, H, D), or (S, H, D) as one batch (varlen's packed rows).
 
     Raises
     ------
     RuntimeError
-        If the driver rejects the map (the caller falls back to a kernel without TMA only when it
-        was not forced).
+        If the driver rejects the map.
     """
-    key = (x.data.ptr, x.shape, x.strides, box_rows, dtype_name)
+    key = (ptr, spec)
     tensor_map = _cache.get(key)
     if tensor_map is None:
         if len(_cache) >= _CACHE_ENTRIES:
             _cache.clear()
-        tensor_map = _cache[key] = _encode(x.data.ptr, x.shape, x.strides, x.nbytes, box_rows, dtype_name)
+        tensor_map = _cache[key] = _encode(ptr, *spec)
     return tensor_map
 
 
-def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: str) -> np.void:
+def encode(x, box_rows: int, dtype_name: str) -> bytes:
+    """:func:`encode_at` for an array ``x``."""
+    return encode_at(x.data.ptr, TensorMapSpec(x, box_rows, dtype_name))
+
+
+def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: str) -> bytes:
     if len(shape) == 3:
         s, h, d = shape
         ss, sh, _ = strides
@@ -107,4 +93,4 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
                     0)  # out-of-bounds fill: zeros
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled rejected shape {shape} strides {strides} (error {rc})")
-    return np.frombuffer(bytes(words), dtype=TMA_MAP_DTYPE)[0]
+    return bytes(words)
