@@ -4,6 +4,9 @@
 // in a layout padded to seqlen_q_pad rows per (sequence, head), so that the passes read whole tiles
 // without bounds checks. A row that sees no key (lse = -inf) and every pad row get lse2 = +inf,
 // which makes their P exactly 0 (2^(s - inf)) instead of NaN; pad rows get D = 0.
+// It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics), which saves
+// the call a memset (~1-2 us of host time). Rows outside every varlen sequence are not rows of any
+// CTA here: cuflash/backward.py zeroes varlen accumulators with a memset as well.
 //
 // Grid: (seqlen_q_pad / 16, Hq, B), 128 threads. Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32).
 #include "common.cuh"
@@ -56,6 +59,11 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
                             (s.q_row0 + i) * bp.do_row_stride;
         for (int c = lane8 * kPerChunk; c < p.head_dim; c += 8 * kPerChunk)
             acc += dot_chunk<elem_t>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d_o + c));
+    }
+    if (bp.dq_accum != nullptr && i < s.seqlen_q) {
+        float4* dqa = reinterpret_cast<float4*>(bp.dq_accum + s.b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                                (s.q_row0 + i) * bp.dqa_row_stride);
+        for (int c = lane8; c < p.head_dim / 4; c += 8) dqa[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);

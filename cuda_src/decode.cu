@@ -10,8 +10,9 @@
 // online_softmax.cuh), so the warps never wait on each other inside the loop; their states are
 // combined through shared memory at the end. Per warp and tile:
 //     S = Q K^T  ->  score pipeline / masks (mask.cuh)  ->  online softmax  ->  O += P V.
-// The result is the final output and lse (num_splits == 1) or a float32 partial (o, lse) per split,
-// which cuda_src/merge.cu combines.
+// The result is the final output and lse (num_splits == 1) or a float32 partial (o, lse) per split;
+// the last split of a (sequence, kv head, row block) to finish combines the partials into the
+// output (merge.cu's formula), so a call is one launch.
 //
 // Appended tokens (k_new / v_new) are keys cache_len .. cache_len + seqlen_new - 1 of the sequence.
 // Every CTA reads them from k_new / v_new, and the CTAs of split 0, row block 0 also write them into
@@ -565,8 +566,8 @@ template <class A, class B> struct Select<false, A, B> { using type = B; };
 // Contiguous caches with cache_seqlens on the GPU need no check_indices launch (whose stream time a
 // short decode cannot hide): every CTA applies its rule (code 1: 0 <= len, len + seqlen_new <=
 // capacity) to every sequence before its first write, from batch loads that hit L2 after the first
-// CTA, so all CTAs reach the same verdict. CTA (0, 0, 0) publishes it in *error, where the merge
-// reads it, and records a fault for the host. Called by every thread of a CTA.
+// CTA, so all CTAs reach the same verdict. CTA (0, 0, 0) publishes it in *error (the stream's verdict
+// word) and records a fault for the host. Called by every thread of a CTA.
 template <class C>
 __device__ __forceinline__ bool lens_faulted(const DecodeParams& p) {
     __shared__ int first_bad;
@@ -590,6 +591,68 @@ __device__ __forceinline__ bool lens_faulted(const DecodeParams& p) {
         }
     }
     return bad != kNone;
+}
+
+// Split-KV: after writing its partial, a split counts itself done in the stream's counter for its
+// (sequence, kv head, row block); the last to arrive combines every split's float32 (o, lse) into
+// the output as cuda_src/merge.cu does (m = max_s lse_s, w_s = e^(lse_s - m),
+// out = sum_s w_s o_s / sum_s w_s; -inf parts skipped) and sets the counter back to 0. All splits
+// of a group count or none does (a faulted call or a skipped sequence returns before its writes in
+// every CTA), so no counter is left raised. Combining here instead of in a merge launch saves that
+// launch's host time (~3 us) and its stream gap.
+template <class C>
+__device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int b, int h_kv, int row_block,
+                                                      const int* row_query, const int* row_head) {
+    __shared__ int is_last;
+    __shared__ float combine_m[C::kBlockM], combine_inv[C::kBlockM];
+    __threadfence();   // this CTA's partials, visible before it counts itself
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* counter = p.split_counters + (static_cast<long long>(b) * p.heads_k + h_kv) * p.row_blocks + row_block;
+        is_last = atomicAdd(counter, 1) == p.num_splits - 1;
+        if (is_last) *counter = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();   // the other splits' partials: read below through L2 (ld.cg), never a stale L1 line
+
+    const long long lse_split_stride = static_cast<long long>(p.batch) * p.heads_q * p.seqlen_q;
+    const long long o_split_stride = lse_split_stride * p.out_dim;
+    if (threadIdx.x < C::kBlockM) {
+        const int r = threadIdx.x, i = row_query[r];
+        if (i >= 0) {
+            const int h = row_head[r];
+            const float* lse_in = p.lse_part + (static_cast<long long>(b) * p.heads_q + h) * p.seqlen_q + i;
+            float m = -CUFLASH_INF;   // fmaxf skips NaN; a NaN lse still makes the sum NaN
+            for (int split = 0; split < p.num_splits; ++split) m = fmaxf(m, __ldcg(lse_in + split * lse_split_stride));
+            const float m_safe = m == -CUFLASH_INF ? 0.f : m;
+            float sum = 0.f;
+            for (int split = 0; split < p.num_splits; ++split) {
+                const float x = __ldcg(lse_in + split * lse_split_stride);
+                if (x != -CUFLASH_INF) sum += expf(x - m_safe);
+            }
+            const bool empty = sum == 0.f;   // no visible key: out = 0, lse = -inf
+            combine_m[r] = m_safe;
+            combine_inv[r] = empty ? 0.f : 1.f / sum;
+            p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = empty ? -CUFLASH_INF : m_safe + logf(sum);
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < C::kBlockM * p.out_dim; idx += C::kNThreads) {
+        const int r = idx / p.out_dim, c = idx % p.out_dim;
+        const int i = row_query[r];
+        if (i < 0) continue;
+        const int h = row_head[r];
+        const float* lse_in = p.lse_part + (static_cast<long long>(b) * p.heads_q + h) * p.seqlen_q + i;
+        const float* o_in = p.o_part + ((static_cast<long long>(b) * p.seqlen_q + i) * p.heads_q + h) * p.out_dim + c;
+        float acc = 0.f;
+        for (int split = 0; split < p.num_splits; ++split) {
+            const float x = __ldcg(lse_in + split * lse_split_stride);
+            if (x != -CUFLASH_INF) acc += expf(x - combine_m[r]) * __ldcg(o_in + split * o_split_stride);
+        }
+        static_cast<elem_t*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c] =
+            from_float<elem_t>(acc * combine_inv[r]);
+    }
 }
 
 // Whether the call's index arrays are bad, before the first write of a CTA that got this far.
@@ -810,6 +873,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
                     row_lse[r];
         }
     }
+    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head);
 }
 
 }  // namespace cuflash

@@ -16,8 +16,8 @@ struct DecodeParams {
     void* v_cache;
     const void* k_new;                 // (B, S_new, Hk, D) appended at cache_seqlens; nullptr: none
     const void* v_new;
-    void* o;                           // (B, Sq, Hq, out_dim), the dtype of q; written when num_splits == 1
-    float* lse;                        // (B, Hq, Sq); written when num_splits == 1
+    void* o;                           // (B, Sq, Hq, out_dim), the dtype of q
+    float* lse;                        // (B, Hq, Sq)
     float* o_part;                     // (num_splits, B, Sq, Hq, out_dim) float32, contiguous; num_splits > 1
     float* lse_part;                   // (num_splits, B, Hq, Sq) float32, contiguous; num_splits > 1
     const int* cache_seqlens;          // (B,); nullptr: every sequence holds seqlen_cache keys
@@ -25,8 +25,10 @@ struct DecodeParams {
     const unsigned char* mask;         // bool, broadcast view of (B, Hq, Sq, mask_keys); nullptr: none
     int* error;                        // the call's verdict on its index arrays (score.error is not read):
                                        // written by check_indices, or by this kernel when check_lens is
-                                       // set (then read by the merge); nullptr: no check
+                                       // set; nullptr: no check
     int* report;                       // host-mapped fault record (check_indices.cu), check_lens only
+    int* split_counters;               // num_splits > 1: (B, Hk, row_blocks) zeroed int32 of the stream, each
+                                       // counting the splits done; the last one combines and resets it
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;   // paged: the batch stride is the page stride
     long long v_batch_stride, v_row_stride, v_head_stride;

@@ -466,7 +466,7 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
 
     Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for the shared memory
     of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
-    plus the merges decode and ``merge_states`` use: float32 partials into each dtype, and each
+    plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
     dtype into itself.
 
     Parameters

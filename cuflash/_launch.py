@@ -1,7 +1,7 @@
 """Launching kernels, and the state that launches on one CUDA stream share.
 
 Kernels are launched through the driver (``cuLaunchKernel`` via CuPy's binding) with arguments that
-a plan has already packed: a call costs a copy of the packed bytes and one driver call, not CuPy's
+a plan has already laid out: a call costs a copy of the packed bytes and one driver call, not CuPy's
 per-argument conversion.
 
 What launches share belongs to one real stream (:class:`StreamState`): the persistent kernels'
@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["launch", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "StreamState",
+__all__ = ["launch", "address", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "StreamState",
            "current_stream_ptr", "forcing", "REPORT_SLOTS"]
 
 PER_THREAD_STREAM = 2   # cudaStreamPerThread
@@ -86,37 +86,36 @@ def _launch_kernel_ex():
     return fn
 
 
-def launch(func: int, grid, threads: int, smem_bytes: int, args, stream_ptr: int, dependent: bool = False) -> None:
-    """Launch ``func`` on ``stream_ptr`` with ``args``: each the bytes of one kernel parameter, in order
-    (a params struct, a 128-byte tensor map, an 8-byte pointer). The driver copies the values at the
-    call, so the buffers are free once it returns.
+def address(block: bytearray) -> int:
+    """The address of a bytearray's bytes (valid while it lives and is not resized)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(block))
+
+
+@functools.lru_cache(maxsize=256)
+def _dependent_config(grid, threads: int, smem_bytes: int, stream_ptr: int):
+    """A CUlaunchConfig for a programmatic dependent launch (read-only once made: shared)."""
+    return ctypes.create_string_buffer(_LAUNCH_CONFIG.pack(grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes,
+                                                           stream_ptr, ctypes.addressof(_DEPENDENT), 1), 56)
+
+
+def launch(func: int, grid, threads: int, smem_bytes: int, argv: int, stream_ptr: int, dependent: bool = False) -> None:
+    """Launch ``func`` on ``stream_ptr``. ``argv`` is the address of the kernel's argument pointer
+    array (``kernelParams``: one pointer per parameter, to its bytes; see :class:`cuflash._pipeline.Step`).
+    The driver copies the values at the call, so the memory is free once it returns.
 
     ``dependent``: a programmatic dependent launch (sm_90): the kernel may start before the previous
     kernel in the stream ends and waits for it in ``griddepcontrol.wait`` (cuda_src/fault.cuh). Only
     for a kernel whose predecessor is a kernel of the same call.
     """
     global _driver_launch
-    if _driver_launch is None:
-        _driver_launch = _cupy().cuda.driver.launchKernel
-    if len(args) == 1:   # one params struct (every kernel but fwd_sm90): no joining
-        blob = args[0]
-        argv = (ctypes.c_void_p * 1)(ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob)))
-    else:
-        blob = bytearray().join(args)
-        base = ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob))
-        argv = (ctypes.c_void_p * len(args))()
-        offset = 0
-        for i, arg in enumerate(args):
-            argv[i] = base + offset
-            offset += len(arg)
     if dependent:
-        config = ctypes.create_string_buffer(_LAUNCH_CONFIG.pack(grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes,
-                                                                 stream_ptr, ctypes.addressof(_DEPENDENT), 1), 56)
-        rc = _launch_kernel_ex()(config, func, argv, None)
+        rc = _launch_kernel_ex()(_dependent_config(grid, threads, smem_bytes, stream_ptr), func, argv, None)
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
         return
-    _driver_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr, ctypes.addressof(argv), 0)
+    if _driver_launch is None:
+        _driver_launch = _cupy().cuda.driver.launchKernel
+    _driver_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr, argv, 0)
 
 
 def current_stream_ptr() -> int:
@@ -136,7 +135,8 @@ class StreamState:
     """The device words and fault reports of one real stream on one device.
 
     ``counter``: zeroed int32 the persistent kernels take work items from (each launch leaves it at
-    0); ``error``: the verdict of the call's index check; ``scratch``: the check kernel's two words.
+    0); ``error``: the verdict of the call's index check; ``scratch``: the check kernel's two words;
+    :meth:`split_counters`: zeroed counters of finished splits (split-KV decode, left at 0).
     ``reports``: the host-mapped fault slots, and ``plans``: the plan of the last checked call of
     each slot (its shapes word the error message).
     """
@@ -155,6 +155,22 @@ class StreamState:
         self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
         self.plans = [None] * len(REPORT_SLOTS)
         self._workspaces = {}   # plan -> its temporaries on this stream
+        self._device_id = device_id
+        with cupy.cuda.Device(device_id):
+            self._counters = cupy.zeros(1024, dtype=np.int32)
+        self._old_counters = []
+
+    def split_counters(self, n: int) -> int:
+        """The address of at least ``n`` zeroed int32 counters (kernels leave them at zero). A larger
+        request makes a new zeroed array, on this stream, so it is ordered after the kernels that
+        may still use the old one (which stays alive)."""
+        if n > self._counters.size:
+            cupy = _cupy()
+            size = max(n, 2 * self._counters.size)
+            with cupy.cuda.Device(self._device_id):
+                self._old_counters.append(self._counters)
+                self._counters = cupy.zeros(size, dtype=np.int32)
+        return self._counters.data.ptr
 
     def workspace(self, plan):
         """Temporaries of ``plan`` kept by this stream (for streams whose freed memory CuPy's pool

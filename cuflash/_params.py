@@ -73,7 +73,8 @@ CONVERT_PARAMS = np.dtype(
 DECODE_PARAMS = np.dtype(
     [("score", FWD_PARAMS)]
     + _fields(np.uint64, ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part",
-                          "cache_seqlens", "block_table", "mask", "error", "report"))
+                          "cache_seqlens", "block_table", "mask", "error", "report",
+                          "split_counters"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -195,6 +196,19 @@ class Template:
     def fill(self, values) -> bytearray:
         """The struct's bytes for one call; ``values[key]`` for every slot."""
         buf = bytearray(self.data)
-        for offset, fmt, key in self.slots:
-            struct.pack_into(fmt, buf, offset, values[key])
+        for offset, fmt, keys in self.runs():
+            struct.pack_into(fmt, buf, offset, *[values[key] for key in keys])
         return buf
+
+    def runs(self):
+        """The slots as runs of adjacent fields, each written by one ``struct.pack_into``: a list of
+        (offset, format, keys). The pointers of a struct are its first fields, so a call's pointers
+        are usually one or two runs."""
+        runs = []
+        for offset, fmt, key in sorted(self.slots):
+            if runs and runs[-1][0] + struct.calcsize(runs[-1][1]) == offset:
+                start, run_fmt, keys = runs[-1]
+                runs[-1] = (start, run_fmt + fmt[1:], keys + (key,))
+            else:
+                runs.append((offset, fmt, (key,)))
+        return runs

@@ -18,6 +18,8 @@ have ordered; otherwise, and for any other DLPack producer, the call takes the f
 from __future__ import annotations
 
 import contextvars
+import operator
+import struct
 import sys
 
 import numpy as np
@@ -41,18 +43,53 @@ def _cupy():
 
 
 class Step:
-    """One kernel launch of a plan.
+    """One kernel launch of a plan, its arguments laid out once.
 
     ``args`` are the kernel's parameters in order: ``("struct", Template)``, ``("map", value index,
-    TensorMapSpec)`` or ``("pointer", value index)`` (a pointer passed by value).
+    TensorMapSpec)`` or ``("pointer", value index)`` (a pointer passed by value). They are laid out in
+    one block, the argument pointer array first (``kernelParams``), then each parameter's bytes; a
+    call copies the block, writes what changes per call (the template's slots, each in one
+    ``pack_into`` per run of adjacent fields; the tensor maps; the pointer array) and launches it.
     """
 
-    __slots__ = ("func", "grid", "threads", "smem", "args", "dependent")
+    __slots__ = ("func", "grid", "threads", "smem", "args", "dependent", "block", "writes", "maps", "argv", "offsets")
 
     def __init__(self, func: int, grid, threads: int, smem: int, args, dependent: bool = False):
         self.func, self.grid, self.threads, self.smem = func, tuple(int(g) for g in grid), threads, smem
         self.args = tuple(args)
         self.dependent = dependent   # a programmatic dependent of the plan's previous step (_launch.launch)
+        parts, self.writes, self.maps, self.offsets = [], [], [], []
+        position = 8 * len(self.args)
+        for arg in self.args:
+            self.offsets.append(position)
+            if arg[0] == "struct":
+                parts.append(arg[1].data)
+                for offset, fmt, keys in arg[1].runs():
+                    self.writes.append((position + offset, struct.Struct(fmt), operator.itemgetter(*keys),
+                                        len(keys) == 1))
+            elif arg[0] == "map":
+                parts.append(bytes(128))
+                self.maps.append((position, arg[1], arg[2]))
+            else:
+                parts.append(bytes(8))
+                self.writes.append((position, struct.Struct("<Q"), operator.itemgetter(arg[1]), True))
+            position += len(parts[-1])
+        self.block = bytes(8 * len(self.args)) + b"".join(parts)
+        self.argv = struct.Struct(f"<{len(self.args)}Q")
+
+    def launch(self, values, stream: int) -> None:
+        """Launch with the call's ``values`` (see :class:`Plan`) on ``stream``."""
+        block = bytearray(self.block)
+        for offset, packer, get, single in self.writes:
+            if single:
+                packer.pack_into(block, offset, get(values))
+            else:
+                packer.pack_into(block, offset, *get(values))
+        for offset, key, spec in self.maps:
+            block[offset:offset + 128] = _tma.encode_at(values[key], spec)
+        base = _launch.address(block)
+        self.argv.pack_into(block, 0, *[base + offset for offset in self.offsets])
+        _launch.launch(self.func, self.grid, self.threads, self.smem, base, stream, self.dependent)
 
 
 class Buffer:
@@ -76,7 +113,7 @@ class Plan:
 
     Values of a call, by index: the entry point's operands (0 .. n_operands - 1: their pointers, 0
     for an absent one), then the temporaries, then the stream's words (COUNTER, ERROR, SCRATCH,
-    REPORT), then the per-call scalars (dropout's seed and offset).
+    REPORT, SPLIT_COUNTERS), then the per-call scalars (dropout's seed and offset).
 
     Parameters
     ----------
@@ -96,10 +133,13 @@ class Plan:
         kernel that checks its lengths itself (its faults go to the entry's report slot).
     info : dict
         What error messages need (capacity, max_pages, ...).
+    split_counters : int
+        Zeroed int32 counters of the stream the plan's kernels use and leave at zero (split-KV
+        decode counts its finished splits in them).
     """
 
     def __init__(self, entry, n_operands, *, outputs=None, temps=(), steps=(), aligned=(), dropout=None,
-                 checked=False, info=None, results=None):
+                 checked=False, info=None, results=None, split_counters=0):
         self.entry = entry
         self.n_operands = n_operands
         self.outputs = dict(outputs or {})
@@ -111,16 +151,28 @@ class Plan:
         self.info = dict(info or {})
         self.results = tuple(results) if results is not None else tuple(self.outputs)
         self.slot = _launch.REPORT_SLOTS.get(entry)
+        self.split_counters = split_counters
         self._temp_offsets, offset = [], 0
         for buffer in self.temps:
             self._temp_offsets.append(offset)
             offset += -(-buffer.nbytes // 256) * 256
         self._temp_bytes = offset
+        self._zeroed = tuple(i for i, buffer in enumerate(self.temps) if buffer.zero)
+        self._output_layouts = {}
+
+    def _output_layout(self, missing):
+        """(index, shape, dtype, offset) of each missing output in one allocation, and its size."""
+        layout, offset = [], 0
+        for index in missing:
+            buffer = self.outputs[index]
+            layout.append((index, buffer.shape, buffer.dtype, offset))
+            offset += -(-buffer.nbytes // 256) * 256
+        return layout, offset
 
     # Value indices of the stream's words and the per-call scalars.
     def index(self, name: str) -> int:
         base = self.n_operands + len(self.temps)
-        return base + ("counter", "error", "scratch", "report", "seed", "offset").index(name)
+        return base + ("counter", "error", "scratch", "report", "split_counters", "seed", "offset").index(name)
 
     def temp_index(self, i: int) -> int:
         return self.n_operands + i
@@ -168,47 +220,46 @@ class Plan:
             workspace = state.workspace(self)
         values = list(ptrs)
         made = {}
-        for index, buffer in self.outputs.items():
-            if not values[index]:
-                array = made[index] = buffer.make()
-                values[index] = array.data.ptr
+        if self.outputs:
+            missing = tuple(index for index in self.outputs if not values[index])
+            layout = self._output_layouts.get(missing)
+            if layout is None:
+                layout = self._output_layouts[missing] = self._output_layout(missing)
+            if layout[1]:
+                # One allocation for the outputs the caller did not give (an allocation costs
+                # about a microsecond of host time, cupy.empty nearly three).
+                memory = cupy.cuda.alloc(layout[1])
+                for index, shape, dtype, offset in layout[0]:
+                    array = made[index] = cupy.ndarray(shape, dtype, memory + offset if offset else memory)
+                    values[index] = array.data.ptr
         if workspace is not None:
             temps = workspace
             temp_ptrs = [t.data.ptr for t in temps]
         elif self.temps:
-            # One allocation for all temporaries (an allocation costs microseconds of host time);
-            # the pool reuses it only after this stream's work, so dropping it at return is safe.
+            # One allocation for all temporaries; the pool reuses it only after this stream's work,
+            # so dropping it at return is safe.
             temps = cupy.cuda.alloc(self._temp_bytes)
             temp_ptrs = [temps.ptr + offset for offset in self._temp_offsets]
         else:
             temps, temp_ptrs = [], []
-        for buffer, ptr in zip(self.temps, temp_ptrs):
-            if buffer.zero:   # accumulators start at zero at every call, owned ones too
-                cupy.cuda.runtime.memsetAsync(ptr, 0, buffer.nbytes, stream)
+        for i in self._zeroed:   # accumulators start at zero at every call, owned ones too
+            cupy.cuda.runtime.memsetAsync(temp_ptrs[i], 0, self.temps[i].nbytes, stream)
         values += temp_ptrs
-        values += [state.counter, state.error, state.scratch, 0]
+        values += (state.counter, state.error, state.scratch, 0,
+                   state.split_counters(self.split_counters) if self.split_counters else 0)
         drawn = None
         if self.dropout is not None:
             from .random import default_generator
 
             seed, offset = (int(x) for x in (rng_state if rng_state is not None
                                              else (generator or default_generator()).next_state()))
-            values += [seed, offset & 0xFFFFFFFF]
+            values += (seed, offset & 0xFFFFFFFF)
             drawn = np.array([seed, offset], dtype=np.uint64)
         if self.checked:
             values[self.index("report")] = state.report_ptr(self.slot)
             state.plans[self.slot] = self
         for n, step in enumerate(self.steps):
-            args = []
-            for arg in step.args:
-                kind = arg[0]
-                if kind == "struct":
-                    args.append(arg[1].fill(values))
-                elif kind == "map":
-                    args.append(_tma.encode_at(values[arg[1]], arg[2]))
-                else:
-                    args.append(values[arg[1]].to_bytes(8, "little"))
-            _launch.launch(step.func, step.grid, step.threads, step.smem, args, stream, step.dependent)
+            step.launch(values, stream)
             if n == 0 and self.checked and check:
                 cupy.cuda.runtime.streamSynchronize(stream)
                 _raise_fault(state, self.slot)
@@ -248,7 +299,7 @@ class PinnedPlan:
 
     def describe(self) -> str:
         name = getattr(self.fn, "__name__", "?")
-        shapes = [d[-4] if d and d[0] == "torch" else (d[0] if d else None) for d in self.key[2]]
+        shapes = [tuple(d[1]) if d and d[0] == "torch" else (d[0] if d else None) for d in self.key[2]]
         return f"{name} with operand shapes {shapes}"
 
     def __call__(self, *args, **kwargs):
@@ -375,9 +426,17 @@ def _torch_stream_matches(device_index: int) -> bool:
     return raw == _launch.current_stream_ptr()
 
 
+_torch_types = set()   # the torch tensor classes seen (torch is never imported here)
+
+
 def _is_torch_tensor(x) -> bool:
     t = type(x)
-    return t.__name__ in ("Tensor", "Parameter") and t.__module__ in ("torch", "torch.nn.parameter")
+    if t in _torch_types:
+        return True
+    if t.__name__ in ("Tensor", "Parameter") and t.__module__ in ("torch", "torch.nn.parameter"):
+        _torch_types.add(t)
+        return True
+    return False
 
 
 def lookup(entry: str, operands, options):
@@ -389,22 +448,23 @@ def lookup(entry: str, operands, options):
     remembered: an operand of another kind, an unhashable option).
     """
     cupy = _cp or _cupy()
+    ndarray = cupy.ndarray
     descriptors, ptrs = [], []
     torch_device = None
     for x in operands:
         if x is None:
             descriptors.append(None)
             ptrs.append(0)
-        elif type(x) is cupy.ndarray:
+        elif type(x) is ndarray:
             descriptors.append((x.shape, x.strides, x.dtype, x.data.device_id))
             ptrs.append(x.data.ptr)
-        elif _is_torch_tensor(x) and x.is_cuda:
-            device = x.get_device()
-            if torch_device is None:
-                if not _torch_stream_matches(device):
+        elif type(x) in _torch_types or _is_torch_tensor(x):
+            device = x.get_device()   # -1 on the host
+            if device != torch_device:
+                if torch_device is not None or device < 0 or not _torch_stream_matches(device):
                     return None, None
                 torch_device = device
-            descriptors.append(("torch", tuple(x.shape), x.stride(), x.dtype, device))
+            descriptors.append(("torch", x.shape, x.stride(), x.dtype, device))
             ptrs.append(x.data_ptr())
         else:
             return None, None

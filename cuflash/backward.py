@@ -179,7 +179,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
              _pipeline.Buffer((batch, heads_q, rows_pad), np.float32)]     # dsum
     names = ["lse2", "dsum"]
     if not deterministic:
-        temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=True))
+        # Zeroed by the preprocess kernel row by row; varlen rows outside every sequence need a memset.
+        temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
         names.append("dq_accum")
     if splits > 1:
         # float32 partial sums per head chunk: (rows, Hk * splits, d_pad); bwd_convert adds them.

@@ -1,7 +1,8 @@
 """Decode attention: a few new query tokens against a KV cache (contiguous or paged), split-KV.
 
-:func:`decode` validates everything on the host, then runs ``cuda_src/decode.cu`` (which also
-appends ``k_new`` / ``v_new`` into the cache) and, when the keys were split, ``cuda_src/merge.cu``.
+:func:`decode` checks its operands on the host (index arrays on the GPU are checked on the GPU), then
+runs ``cuda_src/decode.cu``, which also appends ``k_new`` / ``v_new`` into the cache and, when the keys
+were split, combines the splits' partial states in the last split to finish.
 The float64 twin is :func:`cuflash.reference.decode`.
 """
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from . import _checks, _heuristics, _launch, _pipeline
 from ._compile import device_arch, get_kernel
-from ._params import DECODE, MERGE, Template
+from ._params import DECODE, Template
 
 __all__ = ["decode"]
 
@@ -273,7 +274,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         outputs[_LSE] = lse_buffer
     plan = _pipeline.Plan("decode", len(operands), outputs=outputs, temps=temps,
                           aligned=(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW), checked=check_on_gpu,
-                          results=(_OUT, _LSE) if return_lse else (_OUT,))
+                          results=(_OUT, _LSE) if return_lse else (_OUT,),
+                          split_counters=batch * heads_k * row_blocks if num_splits > 1 else 0)
     lse_slot = _LSE if return_lse else plan.temp_index(0)
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
     # A contiguous cache has one index array, its lengths: the decode kernel checks them all itself
@@ -322,7 +324,9 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         slots["mask"] = _MASK
         fields.update(mask_batch_stride=mb, mask_head_stride=mh, mask_row_stride=mr, mask_col_stride=mc)
     if num_splits > 1:
-        slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1))
+        # The last split of each (sequence, kv head, row block) combines the partials (decode.cu).
+        slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1),
+                     split_counters=plan.index("split_counters"))
     if check_on_gpu:
         slots["error"] = plan.index("error")
     if check_in_kernel:
@@ -338,10 +342,6 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     plan.steps.append(_pipeline.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
                                      plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),),
                                      dependent=dependent and check_on_gpu and not check_in_kernel))
-    if num_splits > 1:
-        plan.steps.append(_merge_step(plan, device_id, parts=(plan.temp_index(part), plan.temp_index(part + 1)),
-                                      parts_shape=temps[part].shape, out=_OUT, out_layout=out_layout, lse=lse_slot,
-                                      lse_shape=lse_buffer.shape, dependent=dependent))
     plan.info.update(num_splits=num_splits)
 
     kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, None]
@@ -352,23 +352,6 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if seqlen_new and not cache_in_place:
         finish = functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size)
     return plan, ptrs, finish
-
-
-def _merge_step(plan, device_id, *, parts, parts_shape, out, out_layout, lse, lse_shape, dependent=False):
-    """The merge of decode's float32 split partials into out and lse (value indices)."""
-    from .merge import merge_fields
-
-    n, b, s, h, d = parts_shape
-    fields = merge_fields(_checks.Shaped(parts_shape, np.float32),
-                          _checks.Shaped((n, b, h, s), np.float32), out_layout,
-                          _checks.Shaped(lse_shape, np.float32))
-    slots = {"outs": parts[0], "lses": parts[1], "out": out, "lse": lse}
-    if plan.checked:
-        slots["error"] = plan.index("error")
-    merge = _heuristics.merge_plan("float32", _checks.dtype_name(out_layout.dtype), d)
-    func = _launch.prepare_kernel(get_kernel(merge.variant), 0, device_id)
-    return _pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", Template(MERGE, fields, slots)),),
-                          dependent=dependent)
 
 
 def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
