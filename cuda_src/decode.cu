@@ -563,34 +563,73 @@ __device__ __forceinline__ void simt_warp_store(SimtWarpState<C>& st, float* com
 template <bool kFirst, class A, class B> struct Select { using type = A; };
 template <class A, class B> struct Select<false, A, B> { using type = B; };
 
-// Contiguous caches with cache_seqlens on the GPU need no check_indices launch (whose stream time a
-// short decode cannot hide): every CTA applies its rule (code 1: 0 <= len, len + seqlen_new <=
-// capacity) to every sequence before its first write, from batch loads that hit L2 after the first
-// CTA, so all CTAs reach the same verdict. CTA (0, 0, 0) publishes it in *error (the stream's verdict
-// word) and records a fault for the host. Called by every thread of a CTA.
+// When the index arrays are small, the decode launch checks them itself instead of a check_indices
+// launch ahead of it (whose host and stream time a short decode cannot hide): every CTA applies
+// check_indices.cu's rules to all of them before its first write (code 1: 0 <= len,
+// len + seqlen_new <= capacity; code 2, paged: each page a sequence uses is in [0, num_pages)), from
+// loads that hit L2 after the first CTA, so all CTAs reach the same verdict. cuflash/decode.py
+// chooses this for every contiguous cache (B lengths) and for paged tables of up to
+// kSelfCheckEntriesPerThread entries per thread (one pass below). CTA (0, 0, 0) publishes the
+// verdict in *error (the stream's verdict word) and records the fault for the host: a bad length
+// first, else the first bad page. Called by every thread of a CTA.
+constexpr int kSelfCheckEntriesPerThread = 8;   // cuflash/_heuristics.py DECODE_SELF_CHECK_PER_THREAD
+
 template <class C>
-__device__ __forceinline__ bool lens_faulted(const DecodeParams& p) {
-    __shared__ int first_bad;
+__device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
+    __shared__ int first_bad_len, first_bad_page;
     constexpr int kNone = 0x7fffffff;
-    if (threadIdx.x == 0) first_bad = kNone;
+    if (threadIdx.x == 0) first_bad_len = first_bad_page = kNone;
     __syncthreads();
     for (int b = threadIdx.x; b < p.batch; b += C::kNThreads) {
-        const int len = p.cache_seqlens[b];
-        if (len < 0 || static_cast<long long>(len) + p.seqlen_new > p.seqlen_cache) atomicMin(&first_bad, b);
+        const int len = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen_cache;
+        if (len < 0 || static_cast<long long>(len) + p.seqlen_new > p.seqlen_cache) atomicMin(&first_bad_len, b);
     }
-    __syncthreads();
-    const int bad = first_bad;
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
-        *p.error = bad != kNone;
-        if (bad != kNone) {
-            volatile int* report = p.report;
-            report[1] = bad;
-            report[2] = p.cache_seqlens[bad];
-            __threadfence_system();
-            report[0] = 1;   // kFaultCacheSeqlens of check_indices.cu, written last
+    if constexpr (C::kPaged) {
+        // kPerThread entries per thread per pass, every load issued before any is tested, so a
+        // table of up to kPerThread * kNThreads entries costs one round trip to L2.
+        constexpr int kPerThread = kSelfCheckEntriesPerThread;
+        const int entries = p.batch * p.max_pages;
+        for (int base = 0; base < entries; base += kPerThread * C::kNThreads) {
+            int lens[kPerThread], pages[kPerThread];
+#pragma unroll
+            for (int k = 0; k < kPerThread; ++k) {
+                const int idx = base + k * C::kNThreads + threadIdx.x;
+                if (idx < entries) {
+                    const int b = idx / p.max_pages, col = idx % p.max_pages;
+                    lens[k] = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen_cache;
+                    pages[k] = p.block_table[b * p.block_table_batch_stride + col];   // inside the table
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < kPerThread; ++k) {
+                const int idx = base + k * C::kNThreads + threadIdx.x;
+                if (idx >= entries) continue;
+                const long long keys = static_cast<long long>(lens[k]) + p.seqlen_new;
+                const long long first_key = static_cast<long long>(idx % p.max_pages) * p.page_size;
+                if (lens[k] < 0 || keys > p.seqlen_cache || first_key >= keys) continue;   // a length fault, or unused
+                if (pages[k] < 0 || pages[k] >= p.num_pages) atomicMin(&first_bad_page, idx);
+            }
         }
     }
-    return bad != kNone;
+    __syncthreads();
+    const int bad_len = first_bad_len, bad_page = first_bad_page;
+    const bool faulted = bad_len != kNone || bad_page != kNone;
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+        *p.error = faulted;
+        if (faulted) {
+            volatile int* report = p.report;
+            if (bad_len != kNone) {
+                report[1] = bad_len;
+                report[2] = p.cache_seqlens[bad_len];
+            } else {
+                report[1] = bad_page;
+                report[2] = p.block_table[(bad_page / p.max_pages) * p.block_table_batch_stride + bad_page % p.max_pages];
+            }
+            __threadfence_system();
+            report[0] = bad_len != kNone ? 1 : 2;   // kFaultCacheSeqlens / kFaultBlockTable of check_indices.cu, last
+        }
+    }
+    return faulted;
 }
 
 // Split-KV: after writing its partial, a split counts itself done in the stream's counter for its
@@ -658,7 +697,7 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
 // Whether the call's index arrays are bad, before the first write of a CTA that got this far.
 template <class C>
 __device__ __forceinline__ bool call_faulted_here(const DecodeParams& p) {
-    return p.check_lens ? lens_faulted<C>(p) : call_faulted(p.error);
+    return p.self_check ? indices_faulted<C>(p) : call_faulted(p.error);
 }
 
 template <class C>
@@ -685,7 +724,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     // so a contiguous cache is read only at its rows and block_table only at its max_pages columns.
     const long long capacity = C::kPaged ? static_cast<long long>(p.max_pages) * p.page_size : p.seqlen_cache;
     if (sq.cache_len < 0 || static_cast<long long>(sq.cache_len) + p.seqlen_new > capacity) {
-        if (p.check_lens) lens_faulted<C>(p);   // the verdict (a fault) still has to be published
+        if (p.self_check) indices_faulted<C>(p);   // the verdict (a fault) still has to be published
         return;
     }
     sq.s.b = b;

@@ -24,9 +24,9 @@ struct DecodeParams {
     const int* block_table;            // (B, max_pages), paged caches only
     const unsigned char* mask;         // bool, broadcast view of (B, Hq, Sq, mask_keys); nullptr: none
     int* error;                        // the call's verdict on its index arrays (score.error is not read):
-                                       // written by check_indices, or by this kernel when check_lens is
+                                       // written by check_indices, or by this kernel when self_check is
                                        // set; nullptr: no check
-    int* report;                       // host-mapped fault record (check_indices.cu), check_lens only
+    int* report;                       // host-mapped fault record (check_indices.cu), self_check only
     int* split_counters;               // num_splits > 1: (B, Hk, row_blocks) zeroed int32 of the stream, each
                                        // counting the splits done; the last one combines and resets it
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -51,8 +51,8 @@ struct DecodeParams {
     int mask_keys;                     // mask columns cover the last mask_keys keys; 0: one column for all
     int num_pages;                     // pages of a paged cache (k_cache.shape[0]); 0 for a contiguous cache
     int max_pages;                     // columns of block_table; 0 for a contiguous cache
-    int check_lens;                    // 1: contiguous cache, cache_seqlens on the GPU and no check_indices
-                                       // launch: the kernel checks every length itself (decode.cu)
+    int self_check;                    // 1: index arrays on the GPU and no check_indices launch: the kernel
+                                       // checks every length (and page) itself (decode.cu, indices_faulted)
 };
 
 #ifdef CUFLASH_DECODE_PARAMS_SIZE

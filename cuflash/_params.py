@@ -87,7 +87,7 @@ DECODE_PARAMS = np.dtype(
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride"))
     + _fields(np.int32, ("batch", "seqlen_q", "heads_q", "heads_k", "group", "head_dim", "out_dim", "seqlen_cache",
                          "seqlen_new", "page_size", "num_splits", "row_blocks", "mask_keys", "num_pages",
-                         "max_pages", "check_lens")),
+                         "max_pages", "self_check")),
     align=True,
 )
 

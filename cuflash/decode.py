@@ -278,11 +278,12 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                           split_counters=batch * heads_k * row_blocks if num_splits > 1 else 0)
     lse_slot = _LSE if return_lse else plan.temp_index(0)
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
-    # A contiguous cache has one index array, its lengths: the decode kernel checks them all itself
-    # before writing (cuda_src/decode.cu, lens_faulted), so no check_indices launch is needed.
-    check_in_kernel = check_on_gpu and not paged
+    # Small index arrays (every contiguous cache's lengths, small page tables) are checked by the
+    # decode kernel itself before it writes (cuda_src/decode.cu, indices_faulted): one launch fewer.
+    check_in_kernel = check_on_gpu and _heuristics.decode_self_check(paged, batch, max_pages, plan_k.threads)
     if check_in_kernel:
-        plan.info.update(batch=batch, capacity=capacity, seqlen_new=seqlen_new)
+        plan.info.update(batch=batch, capacity=capacity, seqlen_new=seqlen_new, num_pages=num_pages,
+                         max_pages=max_pages)
     elif check_on_gpu:
         plan.steps.append(_pipeline.check_step(plan, dict(
             cache_seqlens=("operand", _LENS) if cache_seqlens is not None else None,
@@ -331,7 +332,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         slots["error"] = plan.index("error")
     if check_in_kernel:
         slots["report"] = plan.index("report")
-        fields["check_lens"] = 1
+        fields["self_check"] = 1
     kernel = get_kernel(plan_k.variant)
     # The K/V stream lives in shared memory (cp.async.cg skips L1), and two or three CTAs per SM
     # need ~200 KiB of it: ask for the largest carveout.

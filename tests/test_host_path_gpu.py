@@ -41,7 +41,7 @@ cupy = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 import cuflash.testing as tt  # noqa: E402
-from cuflash import _checks, _launch, _pipeline, reference  # noqa: E402
+from cuflash import _checks, _heuristics, _launch, _pipeline, reference  # noqa: E402
 from cuflash._reference_backward import attention_backward as reference_backward  # noqa: E402
 from cuflash._reference_backward import attention_varlen_backward as reference_varlen_backward  # noqa: E402
 
@@ -362,10 +362,28 @@ def _decode_bad_cases():
 DECODE_BAD = _decode_bad_cases()
 
 
+@pytest.fixture(params=["self_check", "check_launch"])
+def decode_checker(request, monkeypatch):
+    """Which decode checks the index arrays: the decode kernel itself (every contiguous cache, small
+    page tables), or a check_indices launch ahead of it (forced by allowing no table entries)."""
+    if request.param == "check_launch":
+        monkeypatch.setattr(_heuristics, "DECODE_SELF_CHECK_PER_THREAD", 0)
+    _pipeline.clear_memo()
+    yield request.param
+    _pipeline.clear_memo()
+
+
+def _decode_launches() -> set:
+    """The launch counts of the decode plans remembered since the memo was cleared."""
+    return {len(plan.steps) for plan in _pipeline._memo.values() if plan.entry == "decode"}
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("name, paged, append, bad, pattern", DECODE_BAD, ids=[c[0] for c in DECODE_BAD])
-def test_decode_bad_indices(name, paged, append, bad, pattern, num_splits, mode):
+def test_decode_bad_indices(name, paged, append, bad, pattern, num_splits, mode, decode_checker):
+    if not paged and decode_checker == "check_launch":
+        pytest.skip("a contiguous cache's lengths are always checked by the decode kernel")
     case = _decode_case(11, paged=paged, append=append)
     d = _device(case)
     lens_bad, table_bad = d["lens"], d["table"]
@@ -387,6 +405,7 @@ def test_decode_bad_indices(name, paged, append, bad, pattern, num_splits, mode)
 
     _bad_then_good(mode, pattern, run, lambda: (_poisoned(d["q"].shape, d["q"].dtype),),
                    [d["k_cache"], d["v_cache"]], lambda outs: _check_decode(outs[0], d, expected, case["dtype"]))
+    assert _decode_launches() == {2 if decode_checker == "check_launch" else 1}
 
 
 def _garbage_past_the_pages(table):
