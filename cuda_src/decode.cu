@@ -66,6 +66,9 @@ struct DecodeConfig {
     // End-of-loop combine buffer (reuses the K/V stages): per warp its O rows, then m, l, weights, lse.
     static constexpr int kCombStride = kHeadDim + 8;               // floats; float2 stores conflict-free
     static constexpr int kCombFloats = kNWarps * kBlockM * kCombStride + 3 * kNWarps * kBlockM + kBlockM;
+    // The last split's combine weights reuse it too: up to kMaxSplits (cuflash DECODE_MAX_SPLITS) per row.
+    static constexpr int kMaxSplits = 128;
+    static_assert(kCombFloats >= kMaxSplits * kBlockM, "the split weights must fit the combine buffer");
     static constexpr int kPFloats = kSimt ? kNWarps * kBlockM * kKeysPerWarp : 0;   // float32 P per warp
     static constexpr int kSmemBytes =
         (kBlockM * kHeadDim + 2 * kStages * kTileElems) * int(sizeof(elem_t)) + 4 * kPFloats;
@@ -641,11 +644,10 @@ __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
 // launch's host time (~3 us) and its stream gap.
 template <class C>
 __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int b, int h_kv, int row_block,
-                                                      const int* row_query, const int* row_head) {
+                                                      const int* row_query, const int* row_head, float* weights) {
     __shared__ int is_last;
-    __shared__ float combine_m[C::kBlockM], combine_inv[C::kBlockM];
     __threadfence();   // this CTA's partials, visible before it counts itself
-    __syncthreads();
+    __syncthreads();   // (and every thread done with the combine buffer that `weights` reuses)
     if (threadIdx.x == 0) {
         int* counter = p.split_counters + (static_cast<long long>(b) * p.heads_k + h_kv) * p.row_blocks + row_block;
         is_last = atomicAdd(counter, 1) == p.num_splits - 1;
@@ -655,42 +657,53 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
     if (!is_last) return;
     __threadfence();   // the other splits' partials: read below through L2 (ld.cg), never a stale L1 line
 
+    // Every split's lse of every row into shared memory (weights[split][row], at most
+    // DECODE_MAX_SPLITS x kBlockM floats), all loads in flight at once: a loop of dependent loads
+    // over 16-33 splits cost the (1, 32k) decode ~15 us.
     const long long lse_split_stride = static_cast<long long>(p.batch) * p.heads_q * p.seqlen_q;
     const long long o_split_stride = lse_split_stride * p.out_dim;
-    if (threadIdx.x < C::kBlockM) {
-        const int r = threadIdx.x, i = row_query[r];
-        if (i >= 0) {
-            const int h = row_head[r];
-            const float* lse_in = p.lse_part + (static_cast<long long>(b) * p.heads_q + h) * p.seqlen_q + i;
-            float m = -CUFLASH_INF;   // fmaxf skips NaN; a NaN lse still makes the sum NaN
-            for (int split = 0; split < p.num_splits; ++split) m = fmaxf(m, __ldcg(lse_in + split * lse_split_stride));
-            const float m_safe = m == -CUFLASH_INF ? 0.f : m;
-            float sum = 0.f;
-            for (int split = 0; split < p.num_splits; ++split) {
-                const float x = __ldcg(lse_in + split * lse_split_stride);
-                if (x != -CUFLASH_INF) sum += expf(x - m_safe);
-            }
-            const bool empty = sum == 0.f;   // no visible key: out = 0, lse = -inf
-            combine_m[r] = m_safe;
-            combine_inv[r] = empty ? 0.f : 1.f / sum;
-            p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = empty ? -CUFLASH_INF : m_safe + logf(sum);
-        }
+    for (int idx = threadIdx.x; idx < p.num_splits * C::kBlockM; idx += C::kNThreads) {
+        const int split = idx / C::kBlockM, r = idx % C::kBlockM, i = row_query[r];
+        weights[idx] = i < 0 ? -CUFLASH_INF
+                             : __ldcg(p.lse_part + split * lse_split_stride +
+                                      (static_cast<long long>(b) * p.heads_q + row_head[r]) * p.seqlen_q + i);
     }
     __syncthreads();
+    // Per row: m = max_s lse_s, the weights w_s = e^(lse_s - m) / sum_s e^(lse_s - m) in place, lse.
+    if (threadIdx.x < C::kBlockM) {
+        const int r = threadIdx.x, i = row_query[r];
+        float m = -CUFLASH_INF;   // fmaxf skips NaN; a NaN lse still makes the sum NaN
+        for (int split = 0; split < p.num_splits; ++split) m = fmaxf(m, weights[split * C::kBlockM + r]);
+        const float m_safe = m == -CUFLASH_INF ? 0.f : m;
+        float sum = 0.f;
+        for (int split = 0; split < p.num_splits; ++split) {
+            const float x = weights[split * C::kBlockM + r];
+            if (x != -CUFLASH_INF) sum += expf(x - m_safe);
+        }
+        const bool empty = sum == 0.f;   // no visible key: out = 0, lse = -inf
+        const float inv_sum = empty ? 0.f : 1.f / sum;
+        for (int split = 0; split < p.num_splits; ++split) {
+            const float x = weights[split * C::kBlockM + r];
+            weights[split * C::kBlockM + r] = x == -CUFLASH_INF ? 0.f : expf(x - m_safe) * inv_sum;
+        }
+        if (i >= 0)
+            p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + i] =
+                empty ? -CUFLASH_INF : m_safe + logf(sum);
+    }
+    __syncthreads();
+    // out = sum_s w_s o_s. A split that saw no key for a row wrote 0 there (and has w_s = 0).
     for (int idx = threadIdx.x; idx < C::kBlockM * p.out_dim; idx += C::kNThreads) {
         const int r = idx / p.out_dim, c = idx % p.out_dim;
         const int i = row_query[r];
         if (i < 0) continue;
         const int h = row_head[r];
-        const float* lse_in = p.lse_part + (static_cast<long long>(b) * p.heads_q + h) * p.seqlen_q + i;
         const float* o_in = p.o_part + ((static_cast<long long>(b) * p.seqlen_q + i) * p.heads_q + h) * p.out_dim + c;
         float acc = 0.f;
-        for (int split = 0; split < p.num_splits; ++split) {
-            const float x = __ldcg(lse_in + split * lse_split_stride);
-            if (x != -CUFLASH_INF) acc += expf(x - combine_m[r]) * __ldcg(o_in + split * o_split_stride);
-        }
+#pragma unroll 4
+        for (int split = 0; split < p.num_splits; ++split)
+            acc = fmaf(weights[split * C::kBlockM + r], __ldcg(o_in + split * o_split_stride), acc);
         static_cast<elem_t*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c] =
-            from_float<elem_t>(acc * combine_inv[r]);
+            from_float<elem_t>(acc);
     }
 }
 
@@ -912,7 +925,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
                     row_lse[r];
         }
     }
-    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head);
+    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head, comb);
 }
 
 }  // namespace cuflash

@@ -210,8 +210,9 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         mask_keys = 0 if cols == 1 else cols
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0 (0 = heuristic), got {num_splits}")
+    if not 0 <= num_splits <= _heuristics.DECODE_MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {_heuristics.DECODE_MAX_SPLITS}] (0 = heuristic), got "
+                         f"{num_splits}")
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d), q.dtype)
@@ -406,7 +407,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     num_splits : int
         Key ranges per (sequence, kv head) computed in parallel and merged (split-KV); 0 picks it
         from the shapes and the SM count (:func:`cuflash._heuristics.decode_num_splits`), 1 is the
-        unsplit path that writes the output directly.
+        unsplit path that writes the output directly; at most 128.
     causal : bool
         Default True (bottom-right, see above).
     window, softcap, alibi_slopes, scale

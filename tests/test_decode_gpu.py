@@ -396,6 +396,7 @@ def _bad_calls(case):
         ("mask_dtype", TypeError, "mask must be a bool", dict(mask=np.ones((2, 2), np.float32))),
         ("mask_shape", ValueError, "mask", dict(mask=np.ones((3, 2), bool))),
         ("splits", ValueError, "num_splits", dict(num_splits=-1)),
+        ("splits_max", ValueError, "num_splits", dict(num_splits=129)),
         ("splits_type", TypeError, "num_splits", dict(num_splits=2.0)),
         ("window", ValueError, "window", dict(window=(3,))),
         ("alibi", ValueError, "alibi_slopes", dict(alibi_slopes=np.ones(3, np.float32))),
