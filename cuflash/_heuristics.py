@@ -229,6 +229,17 @@ def check_indices_variant() -> Variant:
 CHECK_THREADS = 128
 #: CTAs of the index check: one per sequence up to this many (each then strides over the rest).
 CHECK_MAX_CTAS = 1024
+#: Table entries per thread that a decode CTA checks in one pass (cuda_src/decode.cu,
+#: kSelfCheckEntriesPerThread): up to this many, decode checks its index arrays itself.
+DECODE_SELF_CHECK_PER_THREAD = 8
+
+
+def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> bool:
+    """Whether a decode launch checks its index arrays on the GPU itself instead of a check_indices
+    launch ahead of it: always for a contiguous cache (B lengths); for a paged one when every CTA
+    can read the table in one pass (a launch saves ~3 us of host time; re-reading a larger table in
+    every CTA would cost more stream time than the overlapped check kernel)."""
+    return not paged or batch * max_pages <= DECODE_SELF_CHECK_PER_THREAD * threads
 
 
 def ci_variants() -> list[tuple[Variant, str]]:
@@ -289,17 +300,6 @@ _DECODE_TILE_CHOICES = {
     ("mma", 256): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
     ("simt", 128): (DecodeTiles(4, 8, 3), DecodeTiles(4, 8, 2), DecodeTiles(2, 8, 2)),
     ("simt", 256): (DecodeTiles(4, 4, 3), DecodeTiles(4, 4, 2), DecodeTiles(2, 4, 2)),
-#: Table entries per thread that a decode CTA checks in one pass (cuda_src/decode.cu,
-#: kSelfCheckEntriesPerThread): up to this many, decode checks its index arrays itself.
-DECODE_SELF_CHECK_PER_THREAD = 8
-
-
-def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> bool:
-    """Whether a decode launch checks its index arrays on the GPU itself instead of a check_indices
-    launch ahead of it: always for a contiguous cache (B lengths); for a paged one when every CTA
-    can read the table in one pass (a launch saves ~3 us of host time; re-reading a larger table in
-    every CTA would cost more stream time than the overlapped check kernel)."""
-    return not paged or batch * max_pages <= DECODE_SELF_CHECK_PER_THREAD * threads
 }
 
 
