@@ -21,33 +21,23 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-./bench_out}
 status=0
 
-# Every forward variant the tests can reach (each family x dtype x compiled head dim x
-# score-mods on/off x dropout on/off), compiled in parallel: `python -m cuflash precompile`
-# alone covers the common ones, and compiling the rest one by one inside pytest would cost
-# minutes of GPU time. Works without a GPU, so it can also run ahead of time (see --precompile-only).
+# Every variant the tests can reach (cuflash._heuristics.reachable_variants: each family x dtype x
+# compiled head dim x score-modifier set (none, each alone, all) x dropout on/off, both backward
+# passes, decode contiguous/paged, merges), compiled in parallel: `python -m cuflash precompile`
+# alone covers the common ones, and compiling the rest one by one inside pytest would cost minutes
+# of GPU time. Works without a GPU, so it can also run ahead of time (see --precompile-only).
 precompile_test_variants() {  # $1 = arch, $2 = cache dir ("" = the user cache)
     python - "$1" "$2" <<'PY'
-import itertools, sys, time
-from pathlib import Path
-import cuflash
+import sys, time
 from cuflash import _compile, _heuristics
 arch, cache_dir = sys.argv[1], sys.argv[2] or None
-src = Path(cuflash.__file__).resolve().parent
-families = [("fwd_sm80", ("float16", "bfloat16"), _heuristics.SM80_HEAD_DIMS),
-            ("fwd_simt", ("float32",), _heuristics.SIMT_HEAD_DIMS)]
-if arch.startswith("sm_90"):
-    families.append(("fwd_sm90", ("float16", "bfloat16"), _heuristics.SM90_HEAD_DIMS))
-variants = []
-for family, dtypes, dims in families:
-    if not any((d / f"{family}.cu").exists() for d in (src / "cuda_src", src.parent / "cuda_src")):
-        print(f"{family}: no source, skipped")
-        continue
-    for dtype, dim, (mods, dropout) in itertools.product(dtypes, dims, itertools.product((False, True), repeat=2)):
-        variants.append(_heuristics.forward_plan(family, dtype, dim, score_mods=mods, dropout=dropout).variant)
+variants = _heuristics.reachable_variants(arch)
 start = time.time()
 done = _compile.precompile(variants=variants, arch=arch, cache_dir=cache_dir)
+slowest = max(done, key=lambda r: r.seconds, default=None)
 print(f"{len(variants)} test variants for {arch}: {len(done)} compiled now, the rest cached "
-      f"({time.time() - start:.0f} s)")
+      f"({time.time() - start:.0f} s" + (f"; slowest {slowest.variant.family} {slowest.seconds:.1f} s)"
+                                         if slowest else ")"))
 PY
 }
 

@@ -32,19 +32,19 @@ __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqIn
 }
 
 // One element's share of the backward.
-//   qk    raw q_i . k_j, already -inf where the window or the key tail hides (i, j) unless
-//         kScoreMods (then the full pipeline of mask.cuh runs here);
-//   dp    raw dO_i . v_j;   lse2 / dsum  the row's lse * log2(e) and D_i
-//   word  the element's Philox word (dropout_word), used only when kDropout
+//   qk      raw q_i . k_j; without score modifiers (kMods == 0) already -inf where the window or the
+//           key tail hides (i, j);
+//   score2  with them, the element's score in log2 units from modify_scores (mask.cuh), -inf where
+//           hidden (qk is then raw: the softcap's derivative needs it); ignored without;
+//   dp      raw dO_i . v_j;   lse2 / dsum  the row's lse * log2(e) and D_i
+//   word    the element's Philox word (dropout_word), used only when kDropout
 // Outputs: pd = Pdrop (what multiplied v_j in the forward), ds = dL/ds (for dbias), dx = dL/dx.
-template <bool kScoreMods, bool kDropout>
-__device__ __forceinline__ void score_grad(const FwdParams& p, const SeqInfo& s, int i, int j, float qk, float dp,
-                                           float lse2, float dsum, unsigned word, float* pd, float* ds, float* dx) {
+template <int kMods, bool kDropout>
+__device__ __forceinline__ void score_grad(const FwdParams& p, float qk, float score2, float dp, float lse2,
+                                           float dsum, unsigned word, float* pd, float* ds, float* dx) {
     float prob;
-    if constexpr (kScoreMods) {
-        // Rows past the end are never looked up in the mask/bias arrays.
-        const float score = i < s.seqlen_q ? modified_score(p, s, qk, i, j) : -CUFLASH_INF;
-        prob = fast_exp2(fmaf(score, kLog2e, -lse2));
+    if constexpr (kMods != 0) {
+        prob = fast_exp2(score2 - lse2);
     } else {
         prob = fast_exp2(fmaf(qk, p.scale_log2, -lse2));   // -inf (masked) -> 0
     }
@@ -57,7 +57,7 @@ __device__ __forceinline__ void score_grad(const FwdParams& p, const SeqInfo& s,
     const float grad = prob == 0.f ? 0.f : prob * (dp_kept - dsum);
     *pd = p_kept;
     *ds = grad;
-    *dx = kScoreMods ? grad * softcap_grad(p, qk) : grad;
+    *dx = (kMods & kModSoftcap) ? grad * softcap_grad(p, qk) : grad;
 }
 
 // dst[0..1] += (a, b) and dst[0..3] += v with float32 atomics: one vector reduction on sm_90 (dst
@@ -86,7 +86,7 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 // query heads h0 .. h0 + heads - 1 in turn, skipping tiles that block_mask hides. Rows (the tile
 // the CTA keeps) are keys when kKeysAreRows (the dK/dV pass), else queries. Returns false past the
 // end. Every thread of the CTA must call it: block_mask_tile_visible ends in a barrier.
-template <int kBlockC, bool kScoreMods, bool kKeysAreRows>
+template <int kBlockC, int kMods, bool kKeysAreRows>
 __device__ __forceinline__ bool next_tile(const FwdParams& p, SeqInfo s, int h0, int heads, int r_lo, int r_hi,
                                           int c_begin, int c_end, int& hh, int& c) {
     if (c_begin >= c_end) return false;
@@ -95,7 +95,7 @@ __device__ __forceinline__ bool next_tile(const FwdParams& p, SeqInfo s, int h0,
             c = c_begin;
             if (++hh >= heads) return false;
         }
-        if constexpr (!kScoreMods) return true;
+        if constexpr ((kMods & kModBlockMask) == 0) return true;
         s.h = h0 + hh;
         const int c_lo = c * kBlockC;
         const int c_hi = min(c_lo + kBlockC, kKeysAreRows ? s.seqlen_q : s.seqlen_k);

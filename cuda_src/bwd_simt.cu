@@ -17,7 +17,7 @@
 // head-dim rows are padded by 4 floats so that both access patterns are free of bank conflicts.
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 2, CUFLASH_HEAD_DIM
-// (multiple of 32), CUFLASH_BLOCK_R (16 or 32), CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT,
+// (multiple of 32), CUFLASH_BLOCK_R (16 or 32), CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
 // CUFLASH_MIN_BLOCKS.
 #include "common.cuh"
 #include "params.cuh"
@@ -34,10 +34,11 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockR_, bool kPassDq_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockR_, bool kPassDq_, int kMods_, bool kDropout_>
 struct BwdSimtConfig {
     static constexpr int kHeadDim = kHeadDim_, kBlockR = kBlockR_;
-    static constexpr bool kPassDq = kPassDq_, kScoreMods = kScoreMods_, kDropout = kDropout_;
+    static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr bool kPassDq = kPassDq_, kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kBlockC = 32, kNThreads = 128;
     static constexpr int kRows = kBlockR / 16;      // kept rows per thread (the accumulators' registers)
     static constexpr int kStride = kHeadDim + 4;    // floats per row of the head-dim tiles
@@ -156,7 +157,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
             }
 
     int hh = 0, c = c_begin - 1;
-    bool have = next_tile<C::kBlockC, C::kScoreMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
+    bool have = next_tile<C::kBlockC, C::kMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
     while (have) {
         s.h = h0 + hh;
         const int c_lo = c * C::kBlockC;
@@ -215,6 +216,25 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
             }
         }
 
+        // With score modifiers, the scores in log2 units (modify_scores; acc_s keeps the raw q.k for
+        // the softcap's derivative); the queries are the kept rows in pass 1, the streamed ones in pass 0.
+        float score2[kRows][4];
+        if constexpr (C::kScoreMods) {
+            int kept[kRows], streamed[4];
+#pragma unroll
+            for (int x = 0; x < kRows; ++x) kept[x] = r_lo + sr0 + 16 * x;
+#pragma unroll
+            for (int y = 0; y < 4; ++y) streamed[y] = c_lo + sc0 + 8 * y;
+#pragma unroll
+            for (int x = 0; x < kRows; ++x)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) score2[x][y] = acc_s[x][y];
+            if constexpr (C::kPassDq) {
+                modify_scores<C::kMods>(p, s, kept, streamed, [&](int x, int y) -> float& { return score2[x][y]; });
+            } else {
+                modify_scores<C::kMods>(p, s, streamed, kept, [&](int y, int x) -> float& { return score2[x][y]; });
+            }
+        }
         // P and dS into shared memory (row = kept row, column = streamed row).
         bool check_window = false;
         if constexpr (!C::kScoreMods) {
@@ -244,9 +264,9 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
                 const float dsum = C::kPassDq ? row_dsum[x] : dsum_smem[cc];
                 float pd, ds, dx;
                 const unsigned word = C::kDropout ? dropout_word(p, s, i, j) : 0u;
-                score_grad<C::kScoreMods, C::kDropout>(p, s, i, j, acc_s[x][y], acc_dp[x][y], lse2, dsum, word, &pd,
-                                                       &ds, &dx);
-                if constexpr (C::kScoreMods && !C::kPassDq) {
+                score_grad<C::kMods, C::kDropout>(p, acc_s[x][y], C::kScoreMods ? score2[x][y] : 0.f, acc_dp[x][y],
+                                                  lse2, dsum, word, &pd, &ds, &dx);
+                if constexpr ((C::kMods & kModBias) && !C::kPassDq) {
                     if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
                         bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
                                  j] = ds;
@@ -322,7 +342,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
             }
         }
         // Every thread is done with this step's tiles before the next step overwrites them.
-        have = next_tile<C::kBlockC, C::kScoreMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
+        have = next_tile<C::kBlockC, C::kMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
         __syncthreads();
     }
     cp_async_wait<0>();   // with no visible tile, the kept tiles' copies are still outstanding
@@ -358,7 +378,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
 
 }  // namespace cuflash
 
-using Config = cuflash::BwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_R, CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS != 0,
+using Config = cuflash::BwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_R, CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

@@ -23,7 +23,7 @@
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0 fp16 / 1 bf16,
 // CUFLASH_HEAD_DIM (multiple of 64), CUFLASH_BLOCK_R, CUFLASH_BLOCK_C, CUFLASH_WARPS, CUFLASH_DSPLIT,
-// CUFLASH_MIN_BLOCKS, CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT.
+// CUFLASH_MIN_BLOCKS, CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
@@ -40,11 +40,12 @@
 namespace cuflash {
 
 template <int kHeadDim_, int kBlockR_, int kBlockC_, int kSubC_, int kNWarps_, int kDSplit_, bool kPassDq_,
-          bool kScoreMods_, bool kDropout_>
+          int kMods_, bool kDropout_>
 struct BwdSm80Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockR = kBlockR_, kBlockC = kBlockC_, kSubC = kSubC_;
     static constexpr int kNWarps = kNWarps_, kDSplit = kDSplit_;
-    static constexpr bool kPassDq = kPassDq_, kScoreMods = kScoreMods_, kDropout = kDropout_;
+    static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr bool kPassDq = kPassDq_, kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kRowGroups = kNWarps / kDSplit;   // warps along the rows, 16 rows each
     static constexpr int kCTiles = kSubC / 8;              // 8-column mma tiles of S in one slice of the streamed tile
@@ -250,7 +251,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
         load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len, p.head_dim);
     }
     int hh = 0, c = c_begin - 1;
-    bool have = next_tile<C::kBlockC, C::kScoreMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
+    bool have = next_tile<C::kBlockC, C::kMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
     if (have) load_stage(0, hh, c);
     cp_async_commit();
 
@@ -281,7 +282,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     int stage = 0;
     while (have) {
         int hh_next = hh, c_next = c;
-        const bool have_next = next_tile<C::kBlockC, C::kScoreMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi,
+        const bool have_next = next_tile<C::kBlockC, C::kMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi,
                                                                                 c_begin, c_end, hh_next, c_next);
         cp_async_wait<0>();
         __syncthreads();   // this stage has landed, and every warp is done with the other one
@@ -298,9 +299,17 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
                                       : !tile_inside_window(p, s, c_lo, min(c_lo + C::kBlockC, s.seqlen_q), r_lo,
                                                             r_lo + C::kBlockR);
         }
-        // The streamed tile in slices of kSubC columns (registers: S and dP of one slice are live).
+        // The streamed tile in slices of kSubC columns (registers: S and dP of one slice are live),
+        // unrolled; with score modifiers one slice at a time (a loop of one unrolled slice):
+        // unrolled, ptxas interleaved the slices' modifier loads and spilled, and compiled the
+        // per-element code once per slice. (Two loops rather than #pragma unroll(N): that changed
+        // the code of the variants without modifiers.)
+        constexpr int kSlices = C::kBlockC / C::kSubC, kUnrolled = C::kScoreMods ? 1 : kSlices;
+#pragma unroll 1
+        for (int sub0 = 0; sub0 < kSlices; sub0 += kUnrolled)
 #pragma unroll
-        for (int sub = 0; sub < C::kBlockC / C::kSubC; ++sub) {
+        for (int u = 0; u < kUnrolled; ++u) {
+            const int sub = sub0 + u;
             const int c0 = sub * C::kSubC;   // first column of the slice inside the tile
             // dP = dO V^T (pass 1) / dP^T = V dO^T (pass 0), then S likewise.
             float acc_dp[C::kCTiles][4];
@@ -310,6 +319,29 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
             zero(acc_s);
             gemm_abt<C>(acc_s, a_lanes, a1_tile, b_lanes, b1_tile, c0);
 
+            // With score modifiers, the scores in log2 units (modify_scores; acc_s keeps the raw q.k
+            // for the softcap's derivative). This thread's elements: kept rows warp_row0 + g (+ 8) x
+            // streamed columns c0 + 8 ni + 2 t (+ 1); the queries are the kept rows in pass 1, the
+            // streamed ones in pass 0.
+            float score2[C::kCTiles][4];
+            if constexpr (C::kScoreMods) {
+                int kept[2], streamed[2 * C::kCTiles];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) kept[h] = r_lo + warp_row0 + g + 8 * h;
+#pragma unroll
+                for (int x = 0; x < 2 * C::kCTiles; ++x) streamed[x] = c_lo + c0 + (x / 2) * 8 + 2 * t + x % 2;
+#pragma unroll
+                for (int ni = 0; ni < C::kCTiles; ++ni)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) score2[ni][e] = acc_s[ni][e];
+                if constexpr (C::kPassDq) {
+                    modify_scores<C::kMods>(p, s, kept, streamed,
+                                            [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
+                } else {
+                    modify_scores<C::kMods>(p, s, streamed, kept,
+                                            [&](int x, int r) -> float& { return score2[x / 2][2 * r + x % 2]; });
+                }
+            }
             // Only tiles on a window edge or the key tail pay for per-element masking.
             if (check_window) {
 #pragma unroll
@@ -347,9 +379,9 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
                     const float lse2 = C::kPassDq ? row_lse2[e / 2] : (e % 2 ? col_lse2.y : col_lse2.x);
                     const float dsum = C::kPassDq ? row_dsum[e / 2] : (e % 2 ? col_dsum.y : col_dsum.x);
                     float pd, ds, dx;
-                    score_grad<C::kScoreMods, C::kDropout>(p, s, i, j, acc_s[ni][e], acc_dp[ni][e], lse2, dsum,
-                                                           words[e], &pd, &ds, &dx);
-                    if constexpr (C::kScoreMods && !C::kPassDq) {
+                    score_grad<C::kMods, C::kDropout>(p, acc_s[ni][e], C::kScoreMods ? score2[ni][e] : 0.f,
+                                                      acc_dp[ni][e], lse2, dsum, words[e], &pd, &ds, &dx);
+                    if constexpr ((C::kMods & kModBias) && !C::kPassDq) {
                         if (bp.dbias != nullptr && dsplit == 0 && i < s.seqlen_q && j < s.seqlen_k)
                             bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
                                      j] = ds;
@@ -498,7 +530,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
 
 using Config = cuflash::BwdSm80Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_R, CUFLASH_BLOCK_C, CUFLASH_SUB_C, CUFLASH_WARPS,
                                       CUFLASH_DSPLIT,
-                                      CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS != 0, CUFLASH_DROPOUT != 0>;
+                                      CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

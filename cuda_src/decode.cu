@@ -33,7 +33,7 @@
 //
 // Compile-time configuration (set by cuflash/_heuristics.py): CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
 // CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED,
-// CUFLASH_SCORE_MODS (softcap / ALiBi / mask possible), CUFLASH_MIN_BLOCKS (CTAs per SM the shared
+// CUFLASH_SCORE_MODS (bit mask of softcap / ALiBi / mask: mask.cuh), CUFLASH_MIN_BLOCKS (CTAs per SM the shared
 // memory allows; the register budget aims at it). Lengths, splits, page size are run-time.
 #include "common.cuh"
 #include "params.cuh"
@@ -45,11 +45,14 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, bool kScoreMods_>
+template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, int kMods_>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kKeysPerWarp = kKeysPerWarp_;
     static constexpr int kStages = kStages_;
-    static constexpr bool kPaged = kPaged_, kScoreMods = kScoreMods_;
+    // Score modifiers compiled in (mask.cuh): softcap and ALiBi from p.score, the mask is decode's own.
+    static constexpr int kMods = kMods_;
+    static_assert((kMods & ~(kModSoftcap | kModAlibi | kModMask)) == 0, "decode has no bias or block mask");
+    static constexpr bool kPaged = kPaged_, kScoreMods = kMods != 0;
     static constexpr bool kSimt = sizeof(elem_t) == 4;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kBlockM = kSimt ? 8 : 16;                 // packed query rows per CTA
@@ -319,8 +322,8 @@ __device__ __forceinline__ float decode_score(const DecodeParams& p, const Decod
     if constexpr (C::kScoreMods) {
         SeqInfo s = sq.s;
         s.h = h;
-        float x = modified_score(p.score, s, qk, i, j);
-        if (p.mask != nullptr) {
+        float x = modified_score<C::kMods & (kModSoftcap | kModAlibi)>(p.score, s, qk, i, j);
+        if ((C::kMods & kModMask) && p.mask != nullptr) {
             const int col = p.mask_keys == 0 ? 0 : j - (s.seqlen_k - p.mask_keys);
             if (col >= 0 && !p.mask[s.b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride +
                                     col * p.mask_col_stride])
@@ -931,7 +934,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 }  // namespace cuflash
 
 using Config = cuflash::DecodeConfig<CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES,
-                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS != 0>;
+                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

@@ -25,26 +25,23 @@ __device__ __forceinline__ void mask_row(float (&acc_s_mi)[kNTiles][4], int half
         }
 }
 
-// S tile -> scores, -inf where hidden. Without score modifiers S stays raw q.k (the softmax folds in
-// scale * log2 e) and only tiles on a window edge or the key tail pay for per-element masking; with
-// them, every element goes through modified_score and comes out in log2 units.
-template <bool kScoreMods, int kMTiles, int kNTiles>
+// S tile -> scores, -inf where hidden. Without score modifiers (kMods == 0) S stays raw q.k (the
+// softmax folds in scale * log2 e) and only tiles on a window edge or the key tail pay for per-element
+// masking; with them, every element goes through modified_score<kMods> and comes out in log2 units.
+template <int kMods, int kMTiles, int kNTiles>
 __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
                                             const SeqInfo& s, int m_lo, int m_hi, int n_lo, int row0, int g,
                                             int t) {
-    if constexpr (kScoreMods) {
+    if constexpr (kMods != 0) {
+        // Thread rows r = 2 mi + half, columns c = 2 ni + (e % 2).
+        int rows[2 * kMTiles], cols[2 * kNTiles];
 #pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi)
+        for (int r = 0; r < 2 * kMTiles; ++r) rows[r] = row0 + (r / 2) * 16 + g + (r % 2) * 8;
 #pragma unroll
-            for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = row0 + mi * 16 + g + (e / 2) * 8;
-                    const int j = n_lo + ni * 8 + 2 * t + (e % 2);
-                    // Rows past the end are never written; keep them off the mask/bias arrays.
-                    acc_s[mi][ni][e] =
-                        i < s.seqlen_q ? modified_score(p, s, acc_s[mi][ni][e], i, j) * kLog2e : -CUFLASH_INF;
-                }
+        for (int c = 0; c < 2 * kNTiles; ++c) cols[c] = n_lo + (c / 2) * 8 + 2 * t + c % 2;
+        modify_scores<kMods>(p, s, rows, cols, [&](int r, int c) -> float& {
+            return acc_s[r / 2][c / 2][2 * (r % 2) + c % 2];
+        });
     } else if (!tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + kNTiles * 8)) {
         // Each row sees one interval of keys [first, last) (in_window for a single row). Its bounds
         // are taken relative to the thread's first column, so that an element compares its

@@ -18,7 +18,7 @@
 //
 // Compile-time configuration (set by cuflash/_heuristics.py, one module per combination):
 //   CUFLASH_DTYPE 2 (float32), CUFLASH_HEAD_DIM (multiple of 32), CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
-//   CUFLASH_WARPS, CUFLASH_MIN_BLOCKS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT.
+//   CUFLASH_WARPS, CUFLASH_MIN_BLOCKS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
 #include "fault.cuh"
@@ -32,10 +32,11 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMods_, bool kDropout_>
 struct FwdSimtConfig {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
-    static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
+    static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kThreadKeys = 4;                       // keys of S per thread: one float4, one Philox block
     static constexpr int kThreadsPerRow = kBlockN / kThreadKeys;
@@ -100,7 +101,7 @@ __device__ __forceinline__ void load_tile(float* tile_smem, const float* gmem, l
 template <class C>
 __device__ __forceinline__ int previous_visible_tile(const FwdParams& p, const SeqInfo& s, int n, int n_first,
                                                      int m_lo, int m_hi) {
-    if constexpr (C::kScoreMods) {
+    if constexpr ((C::kMods & kModBlockMask) != 0) {
         while (n >= n_first &&
                !block_mask_tile_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k)))
             --n;
@@ -271,20 +272,24 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
         // Scores in log2 units, -inf where hidden.
         const int n_lo = n * C::kBlockN;
         const bool need_mask = !tile_inside_window(p, s, m_lo, m_hi, n_lo, n_lo + C::kBlockN);
+        if constexpr (C::kScoreMods) {
+            int rows[kRows], cols[kKeys];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r)
+            for (int r = 0; r < kRows; ++r) rows[r] = m_lo + row0 + r;
 #pragma unroll
-            for (int c = 0; c < kKeys; ++c) {
-                const int i = m_lo + row0 + r;
-                const int j = n_lo + key0 + c;
-                float& x = acc_s[r][c];
-                if (C::kScoreMods) {
-                    // Rows past the end are never written; keep them off the mask/bias arrays.
-                    x = i < s.seqlen_q ? modified_score(p, s, x, i, j) * kLog2e : -CUFLASH_INF;
-                } else {
+            for (int c = 0; c < kKeys; ++c) cols[c] = n_lo + key0 + c;
+            modify_scores<C::kMods>(p, s, rows, cols, [&](int r, int c) -> float& { return acc_s[r][c]; });
+        } else {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int c = 0; c < kKeys; ++c) {
+                    const int i = m_lo + row0 + r;
+                    const int j = n_lo + key0 + c;
+                    float& x = acc_s[r][c];
                     x = (need_mask && !in_window(p, s, i, j)) ? -CUFLASH_INF : x * p.scale_log2;
                 }
-            }
+        }
 
         float correction[kRows];
         softmax.update(acc_s, correction);
@@ -377,7 +382,7 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
 }  // namespace cuflash
 
 using Config = cuflash::FwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
-                                      CUFLASH_SCORE_MODS != 0, CUFLASH_DROPOUT != 0>;
+                                      CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemFloats * sizeof(float),
               "shared memory size differs from cuflash/_heuristics.py");

@@ -9,7 +9,7 @@
 // Compile-time configuration (set by cuflash/_heuristics.py, one module per combination):
 //   CUFLASH_DTYPE 0 fp16 / 1 bf16, CUFLASH_HEAD_DIM (multiple of 64), CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
 //   CUFLASH_WARPS, CUFLASH_MIN_BLOCKS (CTAs per SM the register budget aims at),
-//   CUFLASH_SCORE_MODS (softcap / alibi / bias / mask / block_mask possible), CUFLASH_DROPOUT.
+//   CUFLASH_SCORE_MODS (bit mask of softcap / alibi / bias / mask / block_mask: mask.cuh), CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
 #include "fault.cuh"
@@ -21,10 +21,11 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMods_, bool kDropout_>
 struct FwdSm80Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
-    static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
+    static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);   // 16-row mma tiles per warp
     static constexpr int kNTiles = kBlockN / 8;                 // 8-key mma tiles of S
@@ -38,7 +39,7 @@ struct FwdSm80Config {
 template <class C>
 __device__ __forceinline__ int previous_visible_tile(const FwdParams& p, const SeqInfo& s, int n, int n_first,
                                                      int m_lo, int m_hi) {
-    if constexpr (C::kScoreMods) {
+    if constexpr ((C::kMods & kModBlockMask) != 0) {
         while (n >= n_first && !block_mask_tile_visible(p, s, m_lo, m_hi, n * C::kBlockN,
                                                         min((n + 1) * C::kBlockN, s.seqlen_k)))
             --n;
@@ -146,7 +147,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
 
         // Scores, -inf where hidden (raw q.k unless score modifiers are on: see fragments.cuh).
         const int n_lo = n * C::kBlockN;
-        mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n_lo, m_lo + warp_row0, g, t);
+        mask_scores<C::kMods>(acc_s, p, s, m_lo, m_hi, n_lo, m_lo + warp_row0, g, t);
 
         float correction[2 * C::kMTiles];
         softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.scale_log2);
@@ -183,7 +184,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
 }  // namespace cuflash
 
 using Config = cuflash::FwdSm80Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
-                                      CUFLASH_SCORE_MODS != 0, CUFLASH_DROPOUT != 0>;
+                                      CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemElems * sizeof(cuflash::elem_t),
               "shared memory size differs from cuflash/_heuristics.py");

@@ -22,7 +22,7 @@
 // K (benchmarks/NOTES.md, session 8).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS, CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "fault.cuh"
@@ -35,10 +35,11 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, bool kScoreMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kMods_, bool kDropout_>
 struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
-    static constexpr bool kScoreMods = kScoreMods_, kDropout = kDropout_;
+    static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kBlockM = 128, kConsumers = 2;
     // Exponentials before the tile's maximum is known (OnlineSoftmax::update_if_held); not with
     // score modifiers or dropout, whose variants have no registers for a second P buffer.
@@ -48,8 +49,9 @@ struct FwdSm90Config {
     static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDim == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
-    // test block masks (score-modifier variants); the consumers get the rest.
-    static constexpr int kProducerRegs = kScoreMods ? 40 : 24, kConsumerRegs = kScoreMods ? 232 : 240;
+    // test block masks; the consumers get the rest.
+    static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
+    static constexpr int kProducerRegs = kBlockMask ? 40 : 24, kConsumerRegs = kBlockMask ? 232 : 240;
     // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
     // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
     // Asking for more than that hangs the kernel, so it is checked here.
@@ -211,13 +213,13 @@ struct WorkItem {
     __device__ __forceinline__ unsigned tiles_from(const FwdParams& p, int base) const {
         const int n = base + threadIdx.x % 32;
         bool visible = n < n_end;
-        if (C::kScoreMods && visible && p.block_mask != nullptr)   // block_mask comes with the modifiers
+        if (C::kBlockMask && visible && p.block_mask != nullptr)
             visible = block_mask_share_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k),
                                                0, 1);
         return __ballot_sync(0xffffffffu, visible);
     }
     __device__ __forceinline__ int count_tiles(const FwdParams& p) const {
-        if (!C::kScoreMods || p.block_mask == nullptr) return n_end - n_first;
+        if (!C::kBlockMask || p.block_mask == nullptr) return n_end - n_first;
         int count = 0;
         for (int base = n_first; base < n_end; base += 32) count += __popc(tiles_from(p, base));
         return count;
@@ -409,7 +411,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // S of tile n (retired) -> the scores, masked, in acc_s.
         auto score_step = [&](int n) {
             fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
-            mask_scores<C::kScoreMods>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, row0, g, t);
+            mask_scores<C::kMods>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, row0, g, t);
         };
         // The scores of tile n -> P in acc_s, returns the row corrections for O.
         auto softmax_step = [&](int n, float (&correction)[2]) {
@@ -426,7 +428,65 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_wait(k_full(stage), phase);
             return *static_cast<volatile int*>(&tile_of_stage[stage]);
         };
-        if (num_tiles > 0) {
+        if constexpr (C::kScoreMods) {
+            // The pipeline of the loop below, rotated so that every tile, the first included, goes
+            // through one copy of the per-element score code (that loop, with a first tile of its own
+            // and unrolled by two, compiled it three times: 30-45 s of NVRTC per variant with every
+            // modifier). Each pass: the scores of tile n and their softmax, then S of the next tile
+            // and P V of this one. No speculative softmax here, so P goes straight into p_frag once
+            // the previous P V has retired. At D = 256, P V retires before the scores: its P
+            // registers are what the modifiers need there (otherwise 24-28 bytes of spills).
+            if (num_tiles > 0) {
+                int n = wait_tile(stage, phase);
+                wgmma_fence();
+                issue_s(stage);
+                wgmma_wait<0>();
+                mbar_arrive(k_empty(stage));
+                if (num_tiles == 1) mbar_arrive(q_empty(slot));   // the item's last S has retired
+                int prev_stage = stage, prev_phase = phase;
+#pragma unroll 1
+                for (int i = 0;;) {
+                    float correction[2];
+                    if constexpr (C::kHeadDim == 256) retire_pv();
+                    score_step(n);
+                    if (!C::kPvWaitBelowSoftmax) retire_pv();
+                    softmax_step(n, correction);
+                    if constexpr (C::kPvWaitBelowSoftmax) {   // as below: a wait on each side of the branch
+                        if (rows_moved(correction)) {
+                            retire_pv();
+                            scale_rows(acc_o, correction);
+                        } else {
+                            retire_pv();
+                        }
+                    } else {
+                        rescale_rows(acc_o, correction);   // (on the first tile O is 0 and stays 0)
+                    }
+#pragma unroll
+                    for (int kk = 0; kk < C::kBlockN / 16; ++kk) pack_p<elem_t>(p_frag[kk], acc_s[0], kk);
+                    if (i > 0) mbar_arrive(v_empty(prev_stage));   // this thread's reads of that V are complete
+                    prev_stage = stage;
+                    prev_phase = phase;
+                    if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+                    if (++i == num_tiles) break;
+                    n = wait_tile(stage, phase);
+                    wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
+                    issue_s(stage);
+                    mbar_wait(v_full(prev_stage), prev_phase);
+                    issue_pv(prev_stage);
+                    wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
+                    mbar_arrive(k_empty(stage));
+                    if (i == num_tiles - 1) mbar_arrive(q_empty(slot));
+                }
+                mbar_wait(v_full(prev_stage), prev_phase);
+                const int first_row = s.seqlen_k - n * C::kBlockN;   // as below
+                if (p.cu_seqlens_k != nullptr && first_row < C::kBlockN)
+                    zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+                wgmma_fence();
+                issue_pv(prev_stage);
+                retire_pv();
+                mbar_arrive(v_empty(prev_stage));
+            }
+        } else if (num_tiles > 0) {
             int n = wait_tile(stage, phase);
             wgmma_fence();
             issue_s(stage);
@@ -513,7 +573,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 }  // namespace cuflash
 
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
-                                      CUFLASH_SCORE_MODS != 0,
+                                      CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

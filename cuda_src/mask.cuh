@@ -5,6 +5,11 @@
 //   then s = -inf where a mask hides (i, j): window (causal is window_right = 0), tails, mask, block_mask.
 //
 // Rows i and keys j are positions inside one sequence (varlen: relative to cu_seqlens[b]).
+//
+// Which modifiers a kernel variant compiles is the bit mask CUFLASH_SCORE_MODS (kMods below): the
+// code of a modifier whose bit is clear is left out and its run-time argument never read, so that a
+// softcap-only call does not compile (nor wait for) the bias, mask and block-mask paths. A variant
+// with several bits set still tests each argument at run time (nullptr / softcap 0: not applied).
 #pragma once
 #include "common.cuh"
 #include "params.cuh"
@@ -64,30 +69,142 @@ __device__ __forceinline__ bool tile_inside_window(const FwdParams& p, const Seq
     return true;
 }
 
-// Whether the caller asked for any modifier that needs the per-element pipeline below.
-__device__ __forceinline__ bool has_score_mods(const FwdParams& p) {
-    return p.softcap > 0.f || p.alibi_slopes != nullptr || p.bias != nullptr || p.mask != nullptr ||
-           p.block_mask != nullptr;
-}
+// Score-modifier bits of CUFLASH_SCORE_MODS (cuflash/_heuristics.py SCORE_MODS has the same order).
+// An enum, not constexpr ints: those became globals of every module (symbols, constant bank entries).
+enum ScoreMod : int { kModSoftcap = 1, kModAlibi = 2, kModBias = 4, kModMask = 8, kModBlockMask = 16,
+                      kAllMods = kModSoftcap | kModAlibi | kModBias | kModMask | kModBlockMask };
 
-// The full pipeline for one element in natural units; qk is the raw dot product q_i . k_j.
+// The full pipeline for one element in natural units; qk is the raw dot product q_i . k_j. Only the
+// modifiers of kMods are compiled.
+template <int kMods = kAllMods>
 __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInfo& s, float qk, int i, int j) {
     if (!in_window(p, s, i, j)) return -CUFLASH_INF;
     float x = qk * p.scale;
-    if (p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
-    if (p.alibi_slopes != nullptr)
+    if ((kMods & kModSoftcap) && p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+    if ((kMods & kModAlibi) && p.alibi_slopes != nullptr)
         x -= p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * fabsf(float(i + s.diag - j));
-    if (p.bias != nullptr)
+    if ((kMods & kModBias) && p.bias != nullptr)
         x += load_as_float(p.bias, s.b * p.bias_batch_stride + s.h * p.bias_head_stride +
                                        i * p.bias_row_stride + j * p.bias_col_stride, p.bias_dtype);
-    if (p.mask != nullptr && !p.mask[s.b * p.mask_batch_stride + s.h * p.mask_head_stride +
-                                     i * p.mask_row_stride + j * p.mask_col_stride])
+    if ((kMods & kModMask) && p.mask != nullptr &&
+        !p.mask[s.b * p.mask_batch_stride + s.h * p.mask_head_stride + i * p.mask_row_stride +
+                j * p.mask_col_stride])
         return -CUFLASH_INF;
-    if (p.block_mask != nullptr &&
+    if ((kMods & kModBlockMask) && p.block_mask != nullptr &&
         !p.block_mask[s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
                       (i / p.block_q) * p.block_mask_row_stride + (j / p.block_k) * p.block_mask_col_stride])
         return -CUFLASH_INF;
     return x;
+}
+
+// modified_score for a thread's grid of kRows rows x kCols keys at once (rows[r], cols[c]; x(r, c) is
+// the element's raw q.k in, its score in log2 units out, -inf where hidden, rows past the sequence's
+// end included). Same arithmetic as modified_score, element for element, but one modifier at a time
+// over the whole grid: each run-time test (softcap > 0, a pointer) is one branch per tile rather than
+// one per element, the bias dtype two passes rather than a switch per element, the row part of every
+// index is computed once per row, and the loads are predicated on visibility instead of branched
+// around. Fully unrolled, the per-element form was a maze of branches that took ptxas 30-45 s per
+// fwd_sm90 variant (and spilled at D = 128 and 256).
+template <int kMods, int kRows, int kCols, class At>
+__device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
+                                              const int (&cols)[kCols], At&& x) {
+    // Visible keys of each row: [first, last) (window and sequence end), none past the last row.
+    int first[kRows], last[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        visible_keys(p, s, rows[r], rows[r] + 1, &first[r], &last[r]);
+        if (rows[r] >= s.seqlen_q) last[r] = first[r];
+    }
+    auto visible = [&](int r, int c) { return cols[c] >= first[r] && cols[c] < last[r]; };
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) x(r, c) *= p.scale;
+    if constexpr ((kMods & kModSoftcap) != 0) {
+        if (p.softcap > 0.f) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) x(r, c) = p.softcap * tanhf(x(r, c) / p.softcap);
+        }
+    }
+    if constexpr ((kMods & kModAlibi) != 0) {
+        if (p.alibi_slopes != nullptr) {
+            const float slope = p.alibi_slopes[s.b * p.alibi_batch_stride + s.h];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) x(r, c) -= slope * fabsf(float(rows[r] + s.diag - cols[c]));
+        }
+    }
+    if constexpr ((kMods & kModBias) != 0) {
+        if (p.bias != nullptr) {
+            long long row_off[kRows];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                row_off[r] = s.b * p.bias_batch_stride + s.h * p.bias_head_stride + rows[r] * p.bias_row_stride;
+            // float32 in one pass, float16 and bfloat16 in another (one 16-bit load, two conversions).
+            if (p.bias_dtype == 0) {
+                const float* bias = static_cast<const float*>(p.bias);
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) {
+                    const long long col_off = cols[c] * p.bias_col_stride;
+#pragma unroll
+                    for (int r = 0; r < kRows; ++r)
+                        if (visible(r, c)) x(r, c) += bias[row_off[r] + col_off];
+                }
+            } else {
+                const unsigned short* bias = static_cast<const unsigned short*>(p.bias);
+                const bool is_half = p.bias_dtype == 1;
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) {
+                    const long long col_off = cols[c] * p.bias_col_stride;
+#pragma unroll
+                    for (int r = 0; r < kRows; ++r)
+                        if (visible(r, c)) {
+                            const unsigned short bits = bias[row_off[r] + col_off];
+                            x(r, c) += is_half ? to_float(half_t{bits}) : to_float(bfloat16_t{bits});
+                        }
+                }
+            }
+        }
+    }
+    // The masks (read only where visible) set -inf; so do the window and the sequence ends.
+    if constexpr ((kMods & kModMask) != 0) {
+        if (p.mask != nullptr) {
+            long long row_off[kRows];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                row_off[r] = s.b * p.mask_batch_stride + s.h * p.mask_head_stride + rows[r] * p.mask_row_stride;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const long long col_off = cols[c] * p.mask_col_stride;
+#pragma unroll
+                for (int r = 0; r < kRows; ++r)
+                    if (visible(r, c) && !p.mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
+            }
+        }
+    }
+    if constexpr ((kMods & kModBlockMask) != 0) {
+        if (p.block_mask != nullptr) {
+            long long row_off[kRows];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                row_off[r] = s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
+                             (rows[r] / p.block_q) * p.block_mask_row_stride;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const long long col_off = (cols[c] / p.block_k) * p.block_mask_col_stride;
+#pragma unroll
+                for (int r = 0; r < kRows; ++r)
+                    if (visible(r, c) && !p.block_mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) x(r, c) = visible(r, c) ? x(r, c) * kLog2e : -CUFLASH_INF;
 }
 
 // Whether any of this thread's share (blocks first, first + step, ...) of the user blocks that

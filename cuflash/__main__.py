@@ -282,8 +282,9 @@ def _config(variant) -> str:
 
         names = {code: _SHORT.get(n, n) for n, code in
                  getattr(_heuristics, "MERGE_DTYPE_CODES", _heuristics.DTYPE_CODES).items()}
+        mod_names = getattr(_heuristics, "SCORE_MODS", ())
     except (ImportError, AttributeError):  # the table is a nicety; codes then stay numbers
-        names = {}
+        names, mod_names = {}, ()
     d = {k.removeprefix("CUFLASH_"): v for k, v in variant.defines}
     words = []
     if "DTYPE" in d:
@@ -295,8 +296,14 @@ def _config(variant) -> str:
         words.append(f"D{d['HEAD_DIM']}")
     if "BWD_PASS" in d:
         words.append("dq" if d["BWD_PASS"] else "dkdv")
-    words += [word for key, word in (("PAGED", "paged"), ("SCORE_MODS", "mods"),
-                                     ("DROPOUT", "dropout")) if d.get(key)]
+    if d.get("PAGED"):
+        words.append("paged")
+    mods = d.get("SCORE_MODS", 0)
+    if mods:  # one modifier by name; every one the family has: "mods"
+        one = [name for k, name in enumerate(mod_names) if mods == 1 << k]
+        words.append(one[0] if one else "mods")
+    if d.get("DROPOUT"):
+        words.append("dropout")
     return " ".join(words)
 
 
@@ -432,11 +439,15 @@ def _precompile(args) -> int:
     for row in [header, *rows]:
         _say("  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)
                        for i, (x, w) in enumerate(zip(row, widths))).rstrip())
-    compiled = sum(isinstance(r, _compile.CompileResult) and not r.cached for _, _, r in results)
+    fresh = [(v, a, r) for v, a, r in results if isinstance(r, _compile.CompileResult) and not r.cached]
+    compiled = len(fresh)
     where = "" if cache_dir == _compile.user_cache_dir() else f" (use it: CUFLASH_CACHE_DIR={cache_dir})"
     _say(f"\n{len(results)} variants for {','.join(archs)}: {compiled} compiled, "
          f"{len(results) - compiled - len(failed)} cached, {len(failed)} failed, "
          f"{len(spilled)} spilling; {time.perf_counter() - start:.1f} s -> {cache_dir}{where}")
+    if fresh:  # what a first call waits for at most (issue 19: a few seconds per variant)
+        v, a, r = max(fresh, key=lambda job: job[2].seconds)
+        _say(f"slowest compile: {r.seconds:.1f} s ({v.family} {a} {_config(v)})")
     for line in [*dict.fromkeys(notes), *spilled, *failed]:
         _say(line, sys.stderr)
     return 1 if failed or spilled else 0

@@ -73,6 +73,62 @@ SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 SM90_STAGES = {64: 4, 128: 2, 256: 2}
 
 
+# Score modifiers, in the order of their bits in CUFLASH_SCORE_MODS (cuda_src/mask.cuh, kModSoftcap
+# = 1 ... kModBlockMask = 16). A variant compiles only the modifiers whose bits it has, so that a
+# call with one modifier waits only for that one's code (fwd_sm90 with all five took 30-45 s of
+# NVRTC; benchmarks/NOTES.md, session 10). A call with two or more shares the variant with all of
+# them, which is precompiled: that keeps the variants per configuration at 7 (none, each alone,
+# all) instead of 32, the count that tests and first calls could otherwise meet.
+SCORE_MODS = ("softcap", "alibi", "bias", "mask", "block_mask")
+#: Decode's modifiers: its mask is decode's own (cuda_src/decode.cu); it takes no bias or block mask.
+DECODE_SCORE_MODS = ("softcap", "alibi", "mask")
+_MOD_BITS = {name: 1 << k for k, name in enumerate(SCORE_MODS)}
+_MOD_BITS["alibi_slopes"] = _MOD_BITS["alibi"]  # the keyword's own name
+
+
+def score_mod_bits(score_mods, names=SCORE_MODS) -> int:
+    """CUFLASH_SCORE_MODS of the variant for a call's score modifiers.
+
+    Parameters
+    ----------
+    score_mods : bool, int or iterable of str
+        The modifiers the call uses: names from ``names`` (``"alibi_slopes"`` is ``"alibi"``), or
+        True for all of them, False / None / empty for none, or a bit mask as an int.
+    names : tuple of str
+        The modifiers the kernel family has (:data:`SCORE_MODS`, :data:`DECODE_SCORE_MODS`).
+
+    Returns
+    -------
+    int
+        0 for none, the modifier's bit for one alone, every bit of ``names`` for two or more.
+
+    Raises
+    ------
+    ValueError
+        For a name or bit the family does not have.
+    """
+    every = sum(_MOD_BITS[n] for n in names)
+    if isinstance(score_mods, bool) or score_mods is None:
+        return every if score_mods else 0
+    if isinstance(score_mods, (int, np.integer)):
+        bits = int(score_mods)
+        if bits < 0 or bits & ~every:
+            raise ValueError(f"score_mods bit mask {bits} has bits outside {every} ({', '.join(names)})")
+    else:
+        bits = 0
+        for name in score_mods:
+            if _MOD_BITS.get(name, 0) & every == 0:
+                raise ValueError(f"unknown score modifier {name!r}: expected some of {', '.join(names)}")
+            bits |= _MOD_BITS[name]
+    return bits if bits & (bits - 1) == 0 else every
+
+
+def score_mod_sets(names=SCORE_MODS) -> list[int]:
+    """Every CUFLASH_SCORE_MODS a planner gives for a family with these modifiers: none, each alone,
+    all (for precompiling and timing everything calls can reach)."""
+    return [0] + [_MOD_BITS[n] for n in names] + [score_mod_bits(True, names)]
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """What the launcher needs besides the parameters: the variant, grid rows and resources."""
@@ -109,8 +165,9 @@ def sm90_smem_bytes(head_dim: int) -> int:
     return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of its arguments, asked at every call
-def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: bool, dropout: bool) -> LaunchPlan:
+# typed: score_mods=True (every modifier) and score_mods=1 (the softcap alone) are equal as keys otherwise.
+@functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
+def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool) -> LaunchPlan:
     """The forward variant for a problem.
 
     Parameters
@@ -119,15 +176,17 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
     dtype_name : {"float16", "bfloat16", "float32"}
     head_dim : int
         Run-time head dim (a multiple of 8, at most 256).
-    score_mods : bool
-        Whether softcap, ALiBi, bias, mask or block_mask may be present (the per-element pipeline).
+    score_mods : bool, int or tuple/frozenset of str
+        The score modifiers the call uses (softcap, alibi, bias, mask, block_mask: the per-element
+        pipeline); True: all of them. See :func:`score_mod_bits` (hashable values only: cached).
     dropout : bool
     """
+    mods = score_mod_bits(score_mods)
     if family == "fwd_sm80":
         if dtype_name not in ("float16", "bfloat16"):
             raise ValueError(f"fwd_sm80 runs float16/bfloat16, not {dtype_name}")
         kdim = _round_up(head_dim, SM80_HEAD_DIMS)
-        tiles = (SM80_TILES_FEATURED if score_mods or dropout else SM80_TILES)[kdim]
+        tiles = (SM80_TILES_FEATURED if mods or dropout else SM80_TILES)[kdim]
         smem = sm80_smem_bytes(tiles, kdim)
     elif family == "fwd_sm90":
         if dtype_name not in ("float16", "bfloat16"):
@@ -139,7 +198,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
             "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
             "CUFLASH_STAGES": SM90_STAGES[kdim],
-            "CUFLASH_SCORE_MODS": int(score_mods),
+            "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
             "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
@@ -161,7 +220,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods: boo
         "CUFLASH_BLOCK_N": tiles.block_n,
         "CUFLASH_WARPS": tiles.warps,
         "CUFLASH_MIN_BLOCKS": tiles.min_blocks,
-        "CUFLASH_SCORE_MODS": int(score_mods),
+        "CUFLASH_SCORE_MODS": mods,
         "CUFLASH_DROPOUT": int(dropout),
         "CUFLASH_SMEM_BYTES": smem,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
@@ -177,7 +236,9 @@ def default_family(dtype_name: str) -> str:
 
 def forward_precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
     """Forward variants worth compiling ahead of time: each dtype x head dim, plain and with every
-    feature, for the portable families and (for sm_90a, or when ``arch`` is None) fwd_sm90.
+    feature, for the portable families and (for sm_90a, or when ``arch`` is None) fwd_sm90. Variants
+    with one score modifier (see :data:`SCORE_MODS`) or with only modifiers or only dropout compile
+    on first use.
 
     Parameters
     ----------
@@ -244,7 +305,8 @@ def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> 
 
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
-    sm_90a only), forward at every default head dim, decode/merge and backward at D=128."""
+    sm_90a only), forward at every default head dim, decode/merge and backward at D=128, and each
+    score modifier alone (forward, backward, decode at D=128, no dropout)."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -252,8 +314,68 @@ def ci_variants() -> list[tuple[Variant, str]]:
                      precompile_backward_variants(("bfloat16", "float32"), (128,))):
             variants += [v for v in more if v not in variants]
         variants.append(check_indices_variant())
+        singles = [v for v in reachable_variants(arch, ("bfloat16", "float32"), (128,))
+                   if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
+        variants += [v for v in singles if v not in variants]
         pairs += [(v, arch) for v in variants]
     return pairs
+
+
+def _one_score_mod(variant: Variant) -> bool:
+    mods = dict(variant.defines).get("CUFLASH_SCORE_MODS", 0)
+    return mods != 0 and mods & (mods - 1) == 0
+
+
+def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
+    """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
+    set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
+    contiguous and paged decode, and the merge, preprocess, convert and index-check kernels. What
+    the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for the default
+    shared-memory budget of decode.
+
+    Parameters
+    ----------
+    arch : str, optional
+        fwd_sm90 is included for sm_90a, or when ``arch`` is None.
+    dtypes : sequence of str, optional
+        Default: float16, bfloat16, float32.
+    head_dims : sequence of int, optional
+        Run-time head dims (each rounded up per family); default: every compiled head dim.
+    """
+    dtypes = [np.dtype(d).name if d != "bfloat16" else d for d in (dtypes or ("float16", "bfloat16", "float32"))]
+    out = {}
+
+    def dims(compiled):
+        return compiled if head_dims is None else sorted({_round_up(d, compiled) for d in head_dims})
+
+    for dtype_name in dtypes:
+        families = [default_family(dtype_name)]
+        if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+            families.append("fwd_sm90")
+        for family in families:
+            compiled = {"fwd_sm80": SM80_HEAD_DIMS, "fwd_sm90": SM90_HEAD_DIMS, "fwd_simt": SIMT_HEAD_DIMS}[family]
+            for d in dims(compiled):
+                for mods in score_mod_sets():
+                    for dropout in (False, True):
+                        out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout).variant)
+        family = default_backward_family(dtype_name)
+        out.setdefault(bwd_preprocess_variant(dtype_name))
+        out.setdefault(bwd_convert_variant(dtype_name))
+        for d in dims(SM80_HEAD_DIMS if family == "bwd_sm80" else SIMT_HEAD_DIMS):
+            for dq_pass in (False, True):
+                for mods in score_mod_sets():
+                    for dropout in (False, True):
+                        out.setdefault(backward_plan(family, dtype_name, d, dq_pass=dq_pass, score_mods=mods,
+                                                     dropout=dropout).variant)
+        for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
+            for paged in (False, True):
+                for mods in score_mod_sets(DECODE_SCORE_MODS):
+                    out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods).variant)
+        out.setdefault(merge_plan("float32", dtype_name).variant)
+        out.setdefault(merge_plan(dtype_name, dtype_name).variant)
+    out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states
+    out.setdefault(check_indices_variant())
+    return list(out)
 
 
 # ============================================================================= Decode
@@ -337,7 +459,7 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles) -> int
     return (block_m * head_dim + 2 * tiles.stages * block_n * head_dim) * itemsize + 4 * p_floats
 
 
-def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool,
+def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
                 smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
                 smem_per_sm: int = DEFAULT_SMEM_PER_SM) -> DecodePlan:
     """The decode variant and launch shape for a problem.
@@ -349,8 +471,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
         Run-time head dim (a multiple of the 16-byte chunk, at most 256).
     paged : bool
         Paged cache (block_table) or contiguous.
-    score_mods : bool
-        Whether softcap, ALiBi or a mask may be present (the per-element score pipeline).
+    score_mods : bool, int or tuple/frozenset of str
+        The score modifiers the call uses (softcap, alibi, mask: the per-element score pipeline);
+        True: all of them. See :func:`score_mod_bits`.
     smem_per_block, smem_per_sm : int
         The device's opt-in shared memory per block and shared memory per SM (bytes).
 
@@ -379,7 +502,7 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods: bool
         "CUFLASH_KEYS_PER_WARP": tiles.keys_per_warp,
         "CUFLASH_STAGES": tiles.stages,
         "CUFLASH_PAGED": int(bool(paged)),
-        "CUFLASH_SCORE_MODS": int(bool(score_mods)),
+        "CUFLASH_SCORE_MODS": score_mod_bits(score_mods, DECODE_SCORE_MODS),
         "CUFLASH_SMEM_BYTES": smem,
         "CUFLASH_MIN_BLOCKS": ctas_per_sm,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
@@ -564,6 +687,15 @@ BWD_SM80_DQ_TILES_FEATURED = {
     192: BwdTiles(128, 32, 32, 8),
     256: BwdTiles(64, 32, 32, 4),
 }
+# With score modifiers the dQ pass takes its streamed tile in narrower slices, one at a time
+# (cuda_src/bwd_sm80.cu): with whole-tile slices their per-element state spilled (D = 128 on sm_80,
+# D = 256 with a mask on sm_90a).
+BWD_SM80_DQ_TILES_MODS = {
+    64: BwdTiles(128, 64, 32, 8),
+    128: BwdTiles(128, 64, 32, 8),
+    192: BwdTiles(128, 32, 16, 8),
+    256: BwdTiles(64, 32, 16, 4),
+}
 
 
 def _bwd_simt_tiles(head_dim: int) -> BwdTiles:
@@ -599,7 +731,7 @@ def default_backward_family(dtype_name: str) -> str:
     return "bwd_simt" if dtype_name == "float32" else "bwd_sm80"
 
 
-def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods: bool,
+def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
                   dropout: bool) -> LaunchPlan:
     """The variant of one backward pass.
 
@@ -611,7 +743,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         Run-time head dim (a multiple of 8, at most 256).
     dq_pass : bool
         False: the dK/dV pass (with atomic dQ when asked at run time); True: the dQ pass.
-    score_mods, dropout : bool
+    score_mods, dropout
         As in :func:`forward_plan`.
 
     Returns
@@ -619,13 +751,15 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     LaunchPlan
         ``block_m`` is the number of kept rows per CTA (grid: ceil(rows / block_m)).
     """
+    mods = score_mod_bits(score_mods)
     if family == "bwd_sm80":
         if dtype_name not in ("float16", "bfloat16"):
             raise ValueError(f"bwd_sm80 runs float16/bfloat16, not {dtype_name}")
         kdim = _round_up(head_dim, SM80_HEAD_DIMS)
-        featured = score_mods or dropout
+        featured = bool(mods or dropout)
         if dq_pass:
-            tiles = (BWD_SM80_DQ_TILES_FEATURED if featured else BWD_SM80_DQ_TILES)[kdim]
+            table = BWD_SM80_DQ_TILES_MODS if mods else BWD_SM80_DQ_TILES_FEATURED if featured else BWD_SM80_DQ_TILES
+            tiles = table[kdim]
         else:
             tiles = (BWD_SM80_DKDV_TILES_FEATURED if featured else BWD_SM80_DKDV_TILES)[kdim]
         smem = bwd_sm80_smem_bytes(tiles, kdim, dq_pass)
@@ -643,7 +777,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         "CUFLASH_BLOCK_R": tiles.block_r,
         "CUFLASH_MIN_BLOCKS": tiles.min_blocks,
         "CUFLASH_BWD_PASS": int(dq_pass),
-        "CUFLASH_SCORE_MODS": int(score_mods),
+        "CUFLASH_SCORE_MODS": mods,
         "CUFLASH_DROPOUT": int(dropout),
         "CUFLASH_SMEM_BYTES": smem,
         **_bwd_size_defines(),

@@ -108,8 +108,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
     dropout = opts.dropout_p > 0
     plan_k = _heuristics.forward_plan(
         family, dtype_name, head_dim,
-        score_mods=any(key in score_fields for key in ("alibi_slopes", "mask", "bias", "block_mask"))
-        or opts.softcap > 0,
+        score_mods=tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
+        + (("softcap",) if opts.softcap > 0 else ()),
         dropout=dropout,
     )
     b, hq = batch, heads_q

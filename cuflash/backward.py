@@ -156,8 +156,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
     dq, dk, dv to arrays (or :class:`_checks.Shaped`) whose strides the kernels use; operands are
     0 dout, 1 q, 2 k, 3 v, 4 out, 5 lse, 6 dq, 7 dk, 8 dv, then the score and index arrays."""
-    score_mods = fwd_fields.get("softcap", 0.0) > 0 or any(
-        key in score_fields for key in ("alibi_slopes", "mask", "bias", "block_mask"))
+    score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
+        ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ())
     dropout = dropout_p > 0
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout)

@@ -241,7 +241,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
 
     device_id = _pipeline.device_id()
     sms, smem_block, smem_sm = _device_limits(device_id)
-    score_mods = opts.softcap > 0 or alibi_slopes is not None or mask is not None
+    score_mods = tuple(name for name, used in (("softcap", opts.softcap > 0), ("alibi", alibi_slopes is not None),
+                                                ("mask", mask is not None)) if used)
     plan_k = _heuristics.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
                                      smem_per_block=smem_block, smem_per_sm=smem_sm)
     group = heads_q // heads_k if heads_k else 0

@@ -233,11 +233,13 @@ def test_precompile_table_cache_and_force(tiny_src, tmp_path, fake_heuristics, c
     assert " 0.2+0 " in rows[0] + " "  # 256 B static, no dynamic shared memory
     assert max(len(ln) for ln in [header, *rows]) < 100
     assert "2 variants for sm_90a,sm_80: 2 compiled, 0 cached, 0 failed" in out
+    assert "slowest compile: " in out and " s (tiny sm_" in out   # the time a first call waits at most
     assert "precompile: 2/2 compiled" in err  # stderr is not a terminal here: plain lines
     assert _compile.cache_path(out_dir, TINY, "sm_90a").is_file()
     # Second run: nothing compiled, the table comes from the cached reports.
     code, out, err = run(capsys, "precompile", "--arch", "sm_90a,sm_80", "--cache-dir", str(out_dir))
     assert code == 0 and "0 compiled, 2 cached" in out and "cached" in out.splitlines()[1]
+    assert "slowest compile" not in out
     assert "compiling" not in err
     code, out, err = run(capsys, "precompile", "--arch", "sm_80", "--cache-dir", str(out_dir),
                          "--force")

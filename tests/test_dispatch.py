@@ -93,7 +93,7 @@ def test_sm90_plan(d, kdim, block_n, q_slots, stages, mods):
     assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == expected
     assert plan.smem_bytes <= 227 * 1024
     assert defines["CUFLASH_PARAMS_SIZE"] == _params.FWD_PARAMS.itemsize
-    assert (defines["CUFLASH_SCORE_MODS"], defines["CUFLASH_DROPOUT"]) == (int(mods), int(mods))
+    assert (defines["CUFLASH_SCORE_MODS"], defines["CUFLASH_DROPOUT"]) == (31 if mods else 0, int(mods))
     with pytest.raises(ValueError, match="float32"):
         _heuristics.forward_plan("fwd_sm90", "float32", d, score_mods=False, dropout=False)
 

@@ -106,7 +106,7 @@ def test_decode_plan_fits(dtype, smem, head_dim):
             assert plan.threads == 32 * defines["CUFLASH_WARPS"]
             assert plan.block_n == defines["CUFLASH_WARPS"] * defines["CUFLASH_KEYS_PER_WARP"]
             assert defines["CUFLASH_STAGES"] >= 2
-            assert defines["CUFLASH_PAGED"] == int(paged) and defines["CUFLASH_SCORE_MODS"] == int(mods)
+            assert defines["CUFLASH_PAGED"] == int(paged) and defines["CUFLASH_SCORE_MODS"] == (11 if mods else 0)
             assert 1 <= plan.ctas_per_sm <= 4 and defines["CUFLASH_MIN_BLOCKS"] == plan.ctas_per_sm
             if dtype == "float32":
                 assert plan.block_m == 8 and plan.head_dim % 128 == 0
@@ -156,3 +156,89 @@ def test_decode_precompile_variants_cover_the_dispatcher():
         assert H.merge_plan(dtype, dtype).variant in variants
     only = H.decode_precompile_variants(dtypes=["bfloat16"], head_dims=[128])
     assert len([v for v in only if v.family == "decode"]) == 4
+
+
+# ----------------------------------------------------------------------------- score modifiers
+
+def test_score_mod_bits():
+    assert H.SCORE_MODS == ("softcap", "alibi", "bias", "mask", "block_mask")
+    assert [H.score_mod_bits((name,)) for name in H.SCORE_MODS] == [1, 2, 4, 8, 16]
+    assert H.score_mod_bits(("alibi_slopes",)) == 2   # the keyword's name
+    assert H.score_mod_bits(True) == 31 and H.score_mod_bits(False) == H.score_mod_bits(()) == 0
+    assert H.score_mod_bits(None) == 0 and H.score_mod_bits(8) == 8
+    # Two or more share the variant with every modifier (precompiled), so at most 7 per configuration.
+    assert H.score_mod_bits(("softcap", "mask")) == H.score_mod_bits(frozenset({"bias", "block_mask"})) == 31
+    assert H.score_mod_bits(True, H.DECODE_SCORE_MODS) == 1 | 2 | 8
+    assert H.score_mod_bits(("alibi", "mask"), H.DECODE_SCORE_MODS) == 11
+    assert H.score_mod_sets() == [0, 1, 2, 4, 8, 16, 31]
+    assert H.score_mod_sets(H.DECODE_SCORE_MODS) == [0, 1, 2, 8, 11]
+    with pytest.raises(ValueError, match="unknown score modifier 'tanh'"):
+        H.score_mod_bits(("tanh",))
+    with pytest.raises(ValueError, match="unknown score modifier 'bias'"):
+        H.score_mod_bits(("bias",), H.DECODE_SCORE_MODS)
+    with pytest.raises(ValueError, match="bit mask 32"):
+        H.score_mod_bits(32)
+
+
+def test_score_mod_bits_match_mask_cuh():
+    # The planner's bit order is the kernels' (cuda_src/mask.cuh): one source of truth each side.
+    from cuflash import _compile
+
+    text = (_compile.CUDA_SRC / "mask.cuh").read_text()
+    for k, name in enumerate(H.SCORE_MODS):
+        camel = "".join(part.title() for part in name.split("_"))
+        assert f"kMod{camel} = {1 << k}" in text, name
+
+
+@pytest.mark.parametrize("family, dtype", [("fwd_sm90", "bfloat16"), ("fwd_sm80", "float16"),
+                                           ("fwd_simt", "float32")])
+def test_softcap_only_plan_compiles_only_the_softcap(family, dtype):
+    # A softcap-only call gets a variant of its own (CUFLASH_SCORE_MODS=1), not the one with every
+    # modifier (31, what True and any two modifiers give), and the flag reaches NVRTC's defines.
+    from cuflash import _compile
+
+    softcap = H.forward_plan(family, dtype, 128, score_mods=("softcap",), dropout=False).variant
+    every = H.forward_plan(family, dtype, 128, score_mods=True, dropout=False).variant
+    plain = H.forward_plan(family, dtype, 128, score_mods=(), dropout=False).variant
+    assert len({softcap, every, plain}) == 3
+    assert dict(softcap.defines)["CUFLASH_SCORE_MODS"] == 1
+    assert dict(every.defines)["CUFLASH_SCORE_MODS"] == 31
+    assert dict(plain.defines)["CUFLASH_SCORE_MODS"] == 0
+    assert H.forward_plan(family, dtype, 128, score_mods=("softcap", "bias"), dropout=False).variant == every
+    assert H.forward_plan(family, dtype, 128, score_mods=False, dropout=False).variant == plain
+    # Only the modifier bits differ (tiles, shared memory: the same as with every modifier).
+    assert {k: v for k, v in softcap.defines if k != "CUFLASH_SCORE_MODS"} == \
+        {k: v for k, v in every.defines if k != "CUFLASH_SCORE_MODS"}
+    assert "-DCUFLASH_SCORE_MODS=1" in _compile.nvrtc_options(softcap, "sm_90a")
+    assert "-DCUFLASH_SCORE_MODS=31" in _compile.nvrtc_options(every, "sm_90a")
+
+
+def test_each_modifier_alone_has_its_own_variant():
+    for plan in (lambda m: H.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=m, dropout=True),
+                 lambda m: H.backward_plan("bwd_sm80", "bfloat16", 64, dq_pass=False, score_mods=m, dropout=False)):
+        variants = [plan((name,)).variant for name in H.SCORE_MODS]
+        assert len(set(variants)) == 5
+        assert [dict(v.defines)["CUFLASH_SCORE_MODS"] for v in variants] == [1, 2, 4, 8, 16]
+    decode = [H.decode_plan("bfloat16", 128, paged=True, score_mods=(name,)).variant for name in H.DECODE_SCORE_MODS]
+    assert [dict(v.defines)["CUFLASH_SCORE_MODS"] for v in decode] == [1, 2, 8]
+
+
+def test_reachable_variants():
+    sm90 = H.reachable_variants("sm_90a")
+    assert len(sm90) == len(set(sm90))
+    assert set(H.precompile_variants(arch="sm_90a")) <= set(sm90)
+    assert {v.family for v in sm90} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "bwd_sm80", "bwd_simt", "decode",
+                                        "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
+    assert "fwd_sm90" not in {v.family for v in H.reachable_variants("sm_80")}
+    # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off.
+    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2
+    small = H.reachable_variants("sm_90a", ("bfloat16",), (100,))
+    assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
+
+
+def test_forward_plan_cache_tells_true_from_one():
+    # forward_plan is memoised; True (every modifier) and 1 (the softcap bit) are equal as dict keys.
+    assert dict(H.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=1, dropout=False).variant.defines)[
+        "CUFLASH_SCORE_MODS"] == 1
+    assert dict(H.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=True, dropout=False).variant.defines)[
+        "CUFLASH_SCORE_MODS"] == 31
