@@ -575,8 +575,8 @@ template <class A, class B> struct Select<false, A, B> { using type = B; };
 // len + seqlen_new <= capacity; code 2, paged: each page a sequence uses is in [0, num_pages)), from
 // loads that hit L2 after the first CTA, so all CTAs reach the same verdict. cuflash/decode.py
 // chooses this for every contiguous cache (B lengths) and for paged tables of up to
-// kSelfCheckEntriesPerThread entries per thread (one pass below). CTA (0, 0, 0) publishes the
-// verdict in *error (the stream's verdict word) and records the fault for the host: a bad length
+// kSelfCheckEntriesPerThread entries per thread (one pass below). CTA (0, 0, 0) records the fault
+// for the host (no other kernel of the call needs the verdict): a bad length
 // first, else the first bad page. Called by every thread of a CTA.
 constexpr int kSelfCheckEntriesPerThread = 8;   // cuflash/_heuristics.py DECODE_SELF_CHECK_PER_THREAD
 
@@ -621,7 +621,6 @@ __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
     const int bad_len = first_bad_len, bad_page = first_bad_page;
     const bool faulted = bad_len != kNone || bad_page != kNone;
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
-        *p.error = faulted;
         if (faulted) {
             volatile int* report = p.report;
             if (bad_len != kNone) {

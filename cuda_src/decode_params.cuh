@@ -23,9 +23,8 @@ struct DecodeParams {
     const int* cache_seqlens;          // (B,); nullptr: every sequence holds seqlen_cache keys
     const int* block_table;            // (B, max_pages), paged caches only
     const unsigned char* mask;         // bool, broadcast view of (B, Hq, Sq, mask_keys); nullptr: none
-    int* error;                        // the call's verdict on its index arrays (score.error is not read):
-                                       // written by check_indices, or by this kernel when self_check is
-                                       // set; nullptr: no check
+    const int* error;                  // the verdict of the check_indices launch ahead (score.error is not
+                                       // read); nullptr: none (no check, or self_check)
     int* report;                       // host-mapped fault record (check_indices.cu), self_check only
     int* split_counters;               // num_splits > 1: (B, Hk, row_blocks) zeroed int32 of the stream, each
                                        // counting the splits done; the last one combines and resets it

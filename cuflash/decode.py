@@ -330,7 +330,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # The last split of each (sequence, kv head, row block) combines the partials (decode.cu).
         slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1),
                      split_counters=plan.index("split_counters"))
-    if check_on_gpu:
+    if check_on_gpu and not check_in_kernel:
         slots["error"] = plan.index("error")
     if check_in_kernel:
         slots["report"] = plan.index("report")
