@@ -5,7 +5,11 @@ hidden size ``--hidden`` (heads * head_dim = 2048), Sq = Sk, bf16, causal and no
 
 Only the backward is timed. cuflash: ``attention_forward`` once per input set, then
 ``attention_backward(dout, q, k, v, out, lse)`` (atomic dQ, and ``deterministic=True`` in its own
-column). torch: ``scaled_dot_product_attention`` under ``sdpa_kernel(FLASH_ATTENTION)`` /
+column ``cuflash_det``) on CuPy arrays; ``cuflash_torch`` is the same call given torch tensors
+(``torch.from_dlpack`` views of the same memory, gradient buffers included), as a torch user calls
+it. ``--family`` forces one backward kernel family on every cuflash call
+(``cuflash.backward.force_kernel``); by default cuflash chooses, and ``family`` says what it chose.
+torch: ``scaled_dot_product_attention`` under ``sdpa_kernel(FLASH_ATTENTION)`` /
 ``sdpa_kernel(CUDNN_ATTENTION)`` once per input set (BHSD views of the same memory, with
 requires_grad), then ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``.
 
@@ -15,27 +19,37 @@ input sets so that L2 cannot hold them; everything on torch's current stream. ``
 max|dq_cuflash - dq_flash| (cuDNN's when flash is unavailable) on the first input set: a guard
 against a fast but wrong kernel.
 
-Output: progress lines, then a Markdown table on stdout (last); ``--csv`` and ``--md`` write files.
+Ratios (speed over speed, > 1 is faster than the peer): ``cuflash/flash``, ``cuflash/cudnn``,
+``det/cudnn`` (cuflash_det / cudnn), ``torch-path/cudnn`` (cuflash_torch / cudnn).
+
+Output: progress lines, then a Markdown table on stdout (last); ``--csv`` and ``--md`` write files,
+``--plot`` a PNG (one panel per dtype and head dim: cuflash/cudnn against seqlen, causal and not,
+det/cudnn dashed; needs matplotlib).
 
 Examples
 --------
     python benchmarks/bench_backward.py --quick
     python benchmarks/bench_backward.py --head-dims 128 --seqlens 8192 --causal no
+    python benchmarks/bench_backward.py --dtypes bf16,fp16 --head-dims 64,128,256 --family bwd_sm90 --plot bwd.png
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
 
-from _harness import N_INPUT_SETS, Timer, log, markdown_table, open_gpu, write_results
+from _harness import N_INPUT_SETS, Timer, log, markdown_table, missing, open_gpu, write_results
 
 FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (2048, 8192)
-COLUMNS = ["dtype", "head_dim", "causal", "batch", "heads", "seqlen", "cuflash", "cuflash_det", "flash", "cudnn",
-           "cuflash/flash", "cuflash/cudnn", "maxdiff"]
+COLUMNS = ["dtype", "head_dim", "causal", "batch", "heads", "seqlen", "family", "cuflash", "cuflash_det",
+           "cuflash_torch", "flash", "cudnn", "cuflash/flash", "cuflash/cudnn", "det/cudnn", "torch-path/cudnn",
+           "maxdiff"]
+RATIOS = {"cuflash/flash": ("cuflash", "flash"), "cuflash/cudnn": ("cuflash", "cudnn"),
+          "det/cudnn": ("cuflash_det", "cudnn"), "torch-path/cudnn": ("cuflash_torch", "cudnn")}
 
 
 def parse_args(argv=None):
@@ -52,8 +66,13 @@ def parse_args(argv=None):
     p.add_argument("--target-ms", type=float, default=40.0, help="approximate duration of one timed run (ms)")
     p.add_argument("--no-torch", action="store_true", help="do not use torch even if importable")
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic=True column")
+    p.add_argument("--family", default=None,
+                   help="force this backward kernel family (e.g. bwd_sm90, bwd_sm80) on every cuflash call "
+                        "(default: none, cuflash chooses)")
     p.add_argument("--csv", default=None, help="write the results as CSV to this path")
     p.add_argument("--md", default=None, help="write the Markdown table to this path")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG of the cuDNN ratios to this path (needs matplotlib)")
     args = p.parse_args(argv)
     names = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
     try:
@@ -75,16 +94,71 @@ def backward_flops(batch, heads, sq, sk, head_dim, causal):
 
 
 # Cells: ratios to two decimals, maxdiff in scientific notation, other floats to one decimal.
-CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in ("cuflash/flash", "cuflash/cudnn")}, "maxdiff": lambda v: f"{v:.2e}"}
+CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in RATIOS}, "maxdiff": lambda v: f"{v:.2e}"}
+
+
+def forcing(cuflash, family):
+    """The context every cuflash backward call runs in: the forced family, or nothing."""
+    return cuflash.backward.force_kernel(family) if family else contextlib.nullcontext()
+
+
+def write_plot(rows, path):
+    """One panel per (dtype, head_dim): cuflash/cudnn against seqlen, causal and non-causal lines
+    (det/cudnn dashed in the same colour), and the parity line at 1."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not importable: no plot written")
+        return
+    groups = sorted({(r["dtype"], r["head_dim"]) for r in rows})
+    if not groups:
+        log("no rows: no plot written")
+        return
+    ncols = min(3, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.8 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    nan = float("nan")
+    for ax, (dt, d) in zip(axes.flat, groups):
+        for causal, color in ((False, "tab:blue"), (True, "tab:orange")):
+            sel = sorted((r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == (dt, d, causal)),
+                         key=lambda r: r["seqlen"])
+            if not sel:
+                continue
+            xs = [r["seqlen"] for r in sel]
+            label = "causal" if causal else "non-causal"
+            for column, style, suffix in (("cuflash/cudnn", "-", ""), ("det/cudnn", "--", " deterministic")):
+                ys = [nan if missing(r.get(column)) else r[column] for r in sel]
+                if all(math.isnan(y) for y in ys):
+                    continue
+                ax.plot(xs, ys, style, color=color, marker="o", label=label + suffix)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("seqlen (Sq = Sk)")
+        ax.set_ylabel("cuflash / cuDNN (speed)")
+        ax.set_title(f"backward {dt} D={d}")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        else:   # cuDNN or cuflash could not run these shapes: say so rather than leave a bare panel
+            ax.text(0.5, 0.5, "no ratio measured", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log(f"plot written to {path}")
 
 
 def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs, dtype_name, batch, s,
                 heads, d, causal):
     flops = backward_flops(batch, heads, s, s, d, causal)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
-    row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s,
-               cuflash=float("nan"), cuflash_det=float("nan"), flash=float("nan"), cudnn=float("nan"),
-               maxdiff=float("nan"))
+    nan = float("nan")
+    row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s, family="-",
+               cuflash=nan, cuflash_det=nan, cuflash_torch=nan, flash=nan, cudnn=nan, maxdiff=nan)
+    where = f"D={d} S={s} causal={causal}"
 
     # cuflash: one forward per input set, then backward only.
     saved = []
@@ -93,18 +167,42 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
         saved.append((out, lse))
     grads = tuple(cupy.empty_like(x) for x in inputs[0][:3])
 
+    # Every cuflash call below runs inside forcing(...) (the forced family, or nothing), entered
+    # around the timing rather than in each call, so that it adds no host time to the figures.
     def run_cuflash(i, deterministic=False):
         q, k, v, dout = inputs[i]
         out, lse = saved[i]
         return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
                                           dq=grads[0], dk=grads[1], dv=grads[2])
 
-    try:
-        row["cuflash"] = tflops(timer.median_ms(run_cuflash))
-        if not args.no_deterministic:
-            row["cuflash_det"] = tflops(timer.median_ms(lambda i: run_cuflash(i, True)))
-    except Exception as e:  # report and go on: one broken shape should not hide the others
-        log(f"cuflash failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+    try:   # which family runs (planned, nothing launched)
+        q, k, v, dout = inputs[0]
+        with forcing(cuflash, args.family):
+            planned = cuflash.plan(cuflash.attention_backward, dout, q, k, v, *saved[0], causal=causal,
+                                   dq=grads[0], dk=grads[1], dv=grads[2])
+        row["family"] = planned.plan.info.get("family", "?")
+    except Exception as e:
+        log(f"cuflash planning failed at {where}: {type(e).__name__}: {e}")
+
+    contenders = {"cuflash": run_cuflash}
+    if not args.no_deterministic:
+        contenders["cuflash_det"] = lambda i: run_cuflash(i, True)
+    if torch is not None:
+        # The same call from torch: views of the same memory, gradient buffers included.
+        views = [tuple(torch.from_dlpack(x) for x in (dout, q, k, v, out, lse))
+                 for (q, k, v, dout), (out, lse) in zip(inputs, saved)]
+        grads_t = tuple(torch.from_dlpack(g) for g in grads)
+
+        def run_cuflash_torch(i):
+            return cuflash.attention_backward(*views[i], causal=causal, dq=grads_t[0], dk=grads_t[1], dv=grads_t[2])
+
+        contenders["cuflash_torch"] = run_cuflash_torch
+    for name, fn in contenders.items():
+        try:
+            with forcing(cuflash, args.family):
+                row[name] = tflops(timer.median_ms(fn))
+        except Exception as e:  # report and go on: one broken shape should not hide the others
+            log(f"{name} failed at {where}: {type(e).__name__}: {e}")
 
     reference_dq = None
     if torch is not None:
@@ -127,14 +225,15 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
                     reference_dq = cupy.from_dlpack(run_torch(0)[0].transpose(1, 2).contiguous())
                 del graphs
             except Exception as e:
-                log(f"torch {name} failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
+                log(f"torch {name} failed at {where}: {type(e).__name__}: {e}")
             torch.cuda.empty_cache()
 
     if reference_dq is not None and not math.isnan(row["cuflash"]):
-        dq = run_cuflash(0)[0]
+        with forcing(cuflash, args.family):
+            dq = run_cuflash(0)[0]
         row["maxdiff"] = float(cupy.abs(dq.astype(cupy.float32) - reference_dq.astype(cupy.float32)).max())
-    row["cuflash/flash"] = row["cuflash"] / row["flash"]
-    row["cuflash/cudnn"] = row["cuflash"] / row["cudnn"]
+    for ratio, (num, den) in RATIOS.items():
+        row[ratio] = row[num] / row[den]
     return row
 
 
@@ -149,13 +248,21 @@ def main(argv=None):
 
     if not hasattr(cuflash, "attention_backward"):  # until the package exports it
         cuflash.attention_backward = attention_backward
+    import cuflash.backward
+
+    if args.family is not None and args.family not in cuflash.backward.FAMILIES:
+        print(f"--family: {args.family!r} is not a backward kernel family; expected one of "
+              f"{', '.join(cuflash.backward.FAMILIES)}", file=sys.stderr)
+        return 2
     gpu = open_gpu(cupy, not args.no_torch)
     if gpu is None:
         return 1
     torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
     dtypes = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    chosen = f"forced {args.family}" if args.family else "cuflash's choice"
     header = (f"**{gpu.device_name}** ({gpu.versions}). Backward TFLOP/s (2.5x forward FLOPs), tokens = {args.tokens}, "
-              f"hidden = {args.hidden}, median of {args.repeats} runs; cuflash_det = deterministic=True.")
+              f"hidden = {args.hidden}, median of {args.repeats} runs; cuflash family: {chosen}; "
+              f"cuflash_det = deterministic=True; cuflash_torch = the same call on torch tensors.")
     log(header)
     rows = []
     with gpu.stream:
@@ -177,6 +284,8 @@ def main(argv=None):
                     cupy.get_default_memory_pool().free_all_blocks()
     table = markdown_table(rows, header, COLUMNS, CELL_FORMATS)
     write_results(rows, table, COLUMNS, args.csv, args.md)
+    if args.plot:
+        write_plot(rows, args.plot)
     print()
     print(table, flush=True)
     return 0

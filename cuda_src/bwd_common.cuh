@@ -82,6 +82,77 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 v) {
 #endif
 }
 
+// Dropout words of the 4 elements of one 16x8 accumulator tile, element e at row g + 8 (e / 2) and
+// column 2t + e % 2 (mma C layout).
+//
+// Pass 1 (rows = queries i0 + {0, 8}, columns = keys j0 + {0, 1}, j0 even): both columns of a row
+// lie in one Philox block, so two blocks per tile.
+__device__ __forceinline__ void dropout_words_rows(const FwdParams& p, const SeqInfo& s, int i0, int j0,
+                                                   unsigned (&word)[4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i0 + 8 * half, j0 >> 2, p.heads_q);
+        word[2 * half] = (j0 & 2) ? w.z : w.x;
+        word[2 * half + 1] = (j0 & 2) ? w.w : w.y;
+    }
+}
+
+// Pass 0 (rows = keys j0 + {0, 8}, columns = queries i0 + {0, 1}; j0 = first key + g): the four
+// elements lie in four Philox blocks (query, keys / 4), each needing word g % 4 of it. The four lanes
+// that share t and g / 4 need the same four blocks, so each computes one (block r = g % 4: query
+// i0 + r % 2, keys + 8 (r / 2)) and in round x sends word r ^ x to the lane r ^ x: Philox runs once
+// per tile and thread instead of four times.
+__device__ __forceinline__ void dropout_words_cols(const FwdParams& p, const SeqInfo& s, int i0, int j0, int lane,
+                                                   unsigned (&word)[4]) {
+    const int r = (lane >> 2) & 3;
+    const int block_key = j0 - r + 8 * (r >> 1);   // first key of this lane's block (a multiple of 4)
+    const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i0 + (r & 1), block_key >> 2,
+                                  p.heads_q);
+    unsigned got[4];   // got[x]: word r of block r ^ x
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        const int index = r ^ x;
+        const unsigned send = (index & 2) ? ((index & 1) ? w.w : w.z) : ((index & 1) ? w.y : w.x);
+        got[x] = x == 0 ? send : __shfl_xor_sync(0xffffffffu, send, x << 2);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {   // element e lies in block e (query + e % 2, keys + 8 (e / 2))
+        const int x = r ^ e;
+        word[e] = (x & 2) ? ((x & 1) ? got[3] : got[2]) : ((x & 1) ? got[1] : got[0]);
+    }
+}
+
+// Where dK (already scaled) and dV of key row r (inside the sequence) of the kv head of s go: dk/dv
+// in the element type Elem (16-bit), or, when the host split the GQA group over CTAs (dkv_partial),
+// the float32 partial sums of the CTA's head chunk (chunk = first query head / heads_per_cta, which is
+// the dK/dV pass's blockIdx.y). The row's addresses are computed once; store() writes columns col and
+// col + 1.
+template <class Elem>
+struct DkDvRow {
+    char* dk;
+    char* dv;
+    bool partial;
+
+    __device__ __forceinline__ DkDvRow(const BwdParams& bp, const SeqInfo& s, int chunk, int r) {
+        partial = bp.dkv_partial != 0;
+        const int head = partial ? chunk : s.h_kv;
+        const int bytes = partial ? 4 : 2;
+        dk = static_cast<char*>(bp.dk) +
+             bytes * (s.b * bp.dk_batch_stride + head * bp.dk_head_stride + (s.k_row0 + r) * bp.dk_row_stride);
+        dv = static_cast<char*>(bp.dv) +
+             bytes * (s.b * bp.dv_batch_stride + head * bp.dv_head_stride + (s.k_row0 + r) * bp.dv_row_stride);
+    }
+    __device__ __forceinline__ void store(int col, float dk0, float dk1, float dv0, float dv1) const {
+        if (partial) {
+            *reinterpret_cast<float2*>(dk + 4 * col) = make_float2(dk0, dk1);
+            *reinterpret_cast<float2*>(dv + 4 * col) = make_float2(dv0, dv1);
+        } else {
+            *reinterpret_cast<unsigned*>(dk + 2 * col) = pack2<Elem>(dk0, dk1);
+            *reinterpret_cast<unsigned*>(dv + 2 * col) = pack2<Elem>(dv0, dv1);
+        }
+    }
+};
+
 // Advances (hh, c) to the next tile of a CTA's walk: C tiles c_begin .. c_end - 1 for each of the
 // query heads h0 .. h0 + heads - 1 in turn, skipping tiles that block_mask hides. Rows (the tile
 // the CTA keeps) are keys when kKeysAreRows (the dK/dV pass), else queries. Returns false past the

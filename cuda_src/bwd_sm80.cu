@@ -113,46 +113,6 @@ __device__ __forceinline__ void gemm_abt(float (&acc)[C::kCTiles][4], const Swiz
     }
 }
 
-// Dropout words of the 4 elements of one 16x8 accumulator tile, element e at row g + 8 (e / 2) and
-// column 2t + e % 2 (mma C layout).
-//
-// Pass 1 (rows = queries i0 + {0, 8}, columns = keys j0 + {0, 1}, j0 even): both columns of a row
-// lie in one Philox block, so two blocks per tile.
-__device__ __forceinline__ void dropout_words_rows(const FwdParams& p, const SeqInfo& s, int i0, int j0,
-                                                   unsigned (&word)[4]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i0 + 8 * half, j0 >> 2, p.heads_q);
-        word[2 * half] = (j0 & 2) ? w.z : w.x;
-        word[2 * half + 1] = (j0 & 2) ? w.w : w.y;
-    }
-}
-
-// Pass 0 (rows = keys j0 + {0, 8}, columns = queries i0 + {0, 1}; j0 = first key + g): the four
-// elements lie in four Philox blocks (query, keys / 4), each needing word g % 4 of it. The four lanes
-// that share t and g / 4 need the same four blocks, so each computes one (block r = g % 4: query
-// i0 + r % 2, keys + 8 (r / 2)) and in round x sends word r ^ x to the lane r ^ x: Philox runs once
-// per tile and thread instead of four times.
-__device__ __forceinline__ void dropout_words_cols(const FwdParams& p, const SeqInfo& s, int i0, int j0, int lane,
-                                                   unsigned (&word)[4]) {
-    const int r = (lane >> 2) & 3;
-    const int block_key = j0 - r + 8 * (r >> 1);   // first key of this lane's block (a multiple of 4)
-    const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i0 + (r & 1), block_key >> 2,
-                                  p.heads_q);
-    unsigned got[4];   // got[x]: word r of block r ^ x
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-        const int index = r ^ x;
-        const unsigned send = (index & 2) ? ((index & 1) ? w.w : w.z) : ((index & 1) ? w.y : w.x);
-        got[x] = x == 0 ? send : __shfl_xor_sync(0xffffffffu, send, x << 2);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {   // element e lies in block e (query + e % 2, keys + 8 (e / 2))
-        const int x = r ^ e;
-        word[e] = (x & 2) ? ((x & 1) ? got[3] : got[2]) : ((x & 1) ? got[1] : got[0]);
-    }
-}
-
 template <int kN>
 __device__ __forceinline__ void zero(float (&acc)[kN][4]) {
 #pragma unroll
@@ -495,6 +455,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     for (int half = 0; half < 2; ++half) {
         const int r = r_lo + warp_row0 + g + 8 * half;
         if (r >= r_len) continue;
+        const DkDvRow<elem_t> dkdv(bp, s, h0 / bp.heads_per_cta, C::kPassDq ? 0 : r);
 #pragma unroll
         for (int dj = 0; dj < C::kDTiles; ++dj) {
             const int col = dsplit * C::kDCols + dj * 8 + 2 * t;
@@ -504,23 +465,9 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
                              (s.q_row0 + r) * bp.dq_row_stride + col;
                 *reinterpret_cast<unsigned*>(dq) =
                     pack2<elem_t>(acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale);
-            } else if (bp.dkv_partial) {
-                const int head = h0 / bp.heads_per_cta;
-                float* dk = static_cast<float*>(bp.dk) + b * bp.dk_batch_stride + head * bp.dk_head_stride +
-                            (s.k_row0 + r) * bp.dk_row_stride + col;
-                float* dv = static_cast<float*>(bp.dv) + b * bp.dv_batch_stride + head * bp.dv_head_stride +
-                            (s.k_row0 + r) * bp.dv_row_stride + col;
-                *reinterpret_cast<float2*>(dk) =
-                    make_float2(acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale);
-                *reinterpret_cast<float2*>(dv) = make_float2(acc_2[dj][2 * half], acc_2[dj][2 * half + 1]);
             } else {
-                elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + s.h_kv * bp.dk_head_stride +
-                             (s.k_row0 + r) * bp.dk_row_stride + col;
-                elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + s.h_kv * bp.dv_head_stride +
-                             (s.k_row0 + r) * bp.dv_row_stride + col;
-                *reinterpret_cast<unsigned*>(dk) =
-                    pack2<elem_t>(acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale);
-                *reinterpret_cast<unsigned*>(dv) = pack2<elem_t>(acc_2[dj][2 * half], acc_2[dj][2 * half + 1]);
+                dkdv.store(col, acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale, acc_2[dj][2 * half],
+                           acc_2[dj][2 * half + 1]);
             }
         }
     }

@@ -411,7 +411,13 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // S of tile n (retired) -> the scores, masked, in acc_s.
         auto score_step = [&](int n) {
             fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
-            mask_scores<C::kMods>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, row0, g, t);
+            // D = 256 with modifiers: what the modifiers derive from the rows alone (visible keys,
+            // bias/mask row offsets) is the same for every tile, and NVVM hoisted it out of the tile
+            // loop, live beside O's 128 registers: NVRTC 13.0's ptxas spilled 20-24 bytes. Made
+            // opaque here, the row is taken anew each tile and those few instructions with it.
+            int mod_row0 = row0;
+            if constexpr (C::kScoreMods && C::kHeadDim == 256) asm volatile("" : "+r"(mod_row0));
+            mask_scores<C::kMods>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
         };
         // The scores of tile n -> P in acc_s, returns the row corrections for O.
         auto softmax_step = [&](int n, float (&correction)[2]) {

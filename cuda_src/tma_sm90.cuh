@@ -59,11 +59,26 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int
         : "memory");
 }
 
+// `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global memory
+// into shared memory at dst, counted on bar like a tensor copy.
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
 // One box from shared memory at src into a 4-d tensor map; coordinates past the tensor's extent
 // are not written. Completion is tracked by bulk groups of the issuing thread (below).
 __device__ __forceinline__ void tma_store_4d(const TmaMap* map, unsigned src, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(map),
                  "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+                 : "memory");
+}
+// dst[0 .. bytes / 4) += the floats at src (shared memory), by the bulk-copy unit: a reduction that
+// costs the issuing thread one instruction. Tracked by bulk groups like the stores above.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }

@@ -274,7 +274,7 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
     """Every kernel family's variants worth compiling ahead of time (``python -m cuflash
     precompile``, :func:`cuflash.precompile`): forward, decode and merge, backward."""
     out = forward_precompile_variants(dtypes, head_dims, families, arch)
-    for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims)):
+    for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims, arch)):
         out += [v for v in more if v not in out and (families is None or v.family in families)]
     if families is None or "check_indices" in families:
         out.append(check_indices_variant())
@@ -311,7 +311,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
         for more in (decode_precompile_variants(("bfloat16", "float32"), (128,)),
-                     precompile_backward_variants(("bfloat16", "float32"), (128,))):
+                     precompile_backward_variants(("bfloat16", "float32"), (128,), arch)):
             variants += [v for v in more if v not in variants]
         variants.append(check_indices_variant())
         singles = [v for v in reachable_variants(arch, ("bfloat16", "float32"), (128,))
@@ -367,6 +367,15 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                     for dropout in (False, True):
                         out.setdefault(backward_plan(family, dtype_name, d, dq_pass=dq_pass, score_mods=mods,
                                                      dropout=dropout).variant)
+        if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+            for d in dims(BWD_SM90_HEAD_DIMS):
+                for mods in score_mod_sets():
+                    for dropout in (False, True):
+                        for det in (False, True):
+                            if bwd_sm90_obstacle(d, mods, dropout) is None:
+                                out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
+                                                             score_mods=mods, dropout=dropout,
+                                                             deterministic=det).variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):
@@ -632,7 +641,7 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
 # block_r keys per CTA and streams the queries; the dQ pass ("pass 1", deterministic mode only)
 # keeps block_r queries and streams the keys. See cuflash/backward.py for the launch sequence.
 
-BWD_FAMILIES = ("bwd_sm80", "bwd_simt")
+BWD_FAMILIES = ("bwd_sm90", "bwd_sm80", "bwd_simt")
 
 #: Rows of the lse2 / dsum buffers per (sequence, head) are padded to a multiple of this, which is
 #: a multiple of every backward block size, so the passes read whole tiles without bounds checks.
@@ -698,6 +707,37 @@ BWD_SM80_DQ_TILES_MODS = {
 }
 
 
+# bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
+# such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
+# split by columns). Shared memory: K, V, kStages x (Q, dO), two dS^T buffers, the dQ staging of
+# both consumers.
+BWD_SM90_HEAD_DIMS = (64, 128)
+BWD_SM90_BLOCK_N, BWD_SM90_THREADS = 128, 384
+BWD_SM90_BLOCK_M = {64: 128, 128: 64}
+BWD_SM90_STAGES = {64: 2, 128: 2}
+
+
+def bwd_sm90_smem_bytes(head_dim: int) -> int:
+    """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included)."""
+    block_m, stages = BWD_SM90_BLOCK_M[head_dim], BWD_SM90_STAGES[head_dim]
+    kv, q_do, ds = 2 * BWD_SM90_BLOCK_N * head_dim, 2 * block_m * head_dim, 2 * BWD_SM90_BLOCK_N * block_m
+    dq_staging = 2 * 64 * (64 * 4 + 32)
+    return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
+
+
+def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> str | None:
+    """Why bwd_sm90 cannot run a backward with this (padded, multiple of 8) head dim, score
+    modifiers and dropout, or None when it can. (The caller also needs sm_90a and TMA-compatible
+    layouts: cuflash/backward.py checks those.)"""
+    if head_dim > max(BWD_SM90_HEAD_DIMS):
+        return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {head_dim}"
+    if score_mod_bits(score_mods):
+        return "bwd_sm90 does not run score modifiers (softcap, ALiBi, mask, bias, block_mask) yet"
+    if dropout:
+        return "bwd_sm90 does not run dropout yet"
+    return None
+
+
 def _bwd_simt_tiles(head_dim: int) -> BwdTiles:
     # 4 warps, 32 streamed rows; 32 kept rows, or 16 for head dims whose accumulators need it.
     return BwdTiles(32 if head_dim <= 160 else 16, 32, 32, 4)
@@ -726,13 +766,16 @@ def _bwd_size_defines() -> dict:
             "CUFLASH_CONVERT_PARAMS_SIZE": CONVERT_PARAMS.itemsize}
 
 
-def default_backward_family(dtype_name: str) -> str:
-    """The backward kernel family used when none is forced."""
-    return "bwd_simt" if dtype_name == "float32" else "bwd_sm80"
+def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
+    """The backward kernel family used when none is forced, before bwd_sm90_obstacle and the
+    layouts have their say (bwd_sm90 on sm_90a, where it runs)."""
+    if dtype_name == "float32":
+        return "bwd_simt"
+    return "bwd_sm90" if arch is not None and arch.startswith("sm_90") else "bwd_sm80"
 
 
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
-                  dropout: bool) -> LaunchPlan:
+                  dropout: bool, deterministic: bool | None = None) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -745,6 +788,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         False: the dK/dV pass (with atomic dQ when asked at run time); True: the dQ pass.
     score_mods, dropout
         As in :func:`forward_plan`.
+    deterministic : bool, optional
+        bwd_sm90 only (required there): whether dQ comes from bwd_sm80's dQ pass (True) or is
+        added by the dK/dV pass itself (False).
 
     Returns
     -------
@@ -763,6 +809,30 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         else:
             tiles = (BWD_SM80_DKDV_TILES_FEATURED if featured else BWD_SM80_DKDV_TILES)[kdim]
         smem = bwd_sm80_smem_bytes(tiles, kdim, dq_pass)
+    elif family == "bwd_sm90":
+        if dtype_name not in ("float16", "bfloat16"):
+            raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
+        if dq_pass:
+            raise ValueError("bwd_sm90 has no dQ pass (deterministic dQ runs bwd_sm80's)")
+        if deterministic is None:
+            raise ValueError("bwd_sm90 needs deterministic=True/False (it adds dQ itself only when False)")
+        obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout)
+        if obstacle is not None:
+            raise ValueError(obstacle)
+        kdim = _round_up(head_dim, BWD_SM90_HEAD_DIMS)
+        defines = {
+            "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+            "CUFLASH_HEAD_DIM": kdim,
+            "CUFLASH_BLOCK_M": BWD_SM90_BLOCK_M[kdim],
+            "CUFLASH_STAGES": BWD_SM90_STAGES[kdim],
+            "CUFLASH_BWD_DQ": int(not deterministic),
+            "CUFLASH_SCORE_MODS": mods,
+            "CUFLASH_DROPOUT": int(dropout),
+            "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim),
+            **_bwd_size_defines(),
+        }
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), BWD_SM90_BLOCK_N, BWD_SM90_THREADS,
+                          bwd_sm90_smem_bytes(kdim), kdim)
     elif family == "bwd_simt":
         if dtype_name != "float32":
             raise ValueError(f"bwd_simt runs float32, not {dtype_name}")
@@ -813,9 +883,10 @@ def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int
     return 1
 
 
-def precompile_backward_variants(dtypes=None, head_dims=None) -> list[Variant]:
+def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list[Variant]:
     """Backward variants worth compiling ahead of time: for each dtype and head dim, both passes,
-    plain and with every feature, plus the preprocess and convert kernels.
+    plain and with every feature, plus the preprocess and convert kernels; and bwd_sm90's (for
+    sm_90a, or when ``arch`` is None) where it runs that head dim.
 
     Parameters
     ----------
@@ -839,4 +910,11 @@ def precompile_backward_variants(dtypes=None, head_dims=None) -> list[Variant]:
                     plan = backward_plan(family, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout)
                     if plan.variant not in out:
                         out.append(plan.variant)
+            if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+                for mods, dropout, det in (((), False, False), ((), False, True), (SCORE_MODS, True, False)):
+                    if bwd_sm90_obstacle(d, mods, dropout) is None:
+                        plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
+                                             dropout=dropout, deterministic=det)
+                        if plan.variant not in out:
+                            out.append(plan.variant)
     return out

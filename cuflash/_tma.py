@@ -14,6 +14,7 @@ import functools
 
 _FLOAT16, _BFLOAT16 = 6, 9  # CU_TENSOR_MAP_DATA_TYPE_*
 _SWIZZLE_128B = 3
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 class TensorMapSpec(tuple):
@@ -86,11 +87,20 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
     box = (ctypes.c_uint32 * 4)(64, box_rows, 1, 1)
     elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     data_type = _BFLOAT16 if dtype_name == "bfloat16" else _FLOAT16
-    rc = _libcuda()(words, data_type, 4, ctypes.c_void_p(ptr), dims, byte_strides, box, elem,
-                    0,  # interleave none
-                    _SWIZZLE_128B,
-                    0,  # L2 promotion none
-                    0)  # out-of-bounds fill: zeros
+    args = (words, data_type, 4, ctypes.c_void_p(ptr), dims, byte_strides, box, elem,
+            0,  # interleave none
+            _SWIZZLE_128B,
+            0,  # L2 promotion none
+            0)  # out-of-bounds fill: zeros
+    rc = _libcuda()(*args)
+    if rc == _INVALID_CONTEXT:
+        # A thread whose CuPy work so far needed no runtime call (memory from the pool, cached
+        # plans) has no current context for this driver call: bind the device's primary context
+        # (cudaFree(0) initialises the runtime on the current device) and try again.
+        import cupy
+
+        cupy.cuda.runtime.free(0)
+        rc = _libcuda()(*args)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled rejected shape {shape} strides {strides} (error {rc})")
     return bytes(words)

@@ -5,7 +5,8 @@ them (FlashAttention-2's backward); nothing of size Sq x Sk is kept between forw
 One call runs, on CuPy's current stream:
 
 1. ``bwd_preprocess``: D = rowsum(dO * O) and lse * log2(e) per query row (float32, padded rows);
-2. the dK/dV pass (``bwd_sm80`` / ``bwd_simt``, pass 0): a CTA per block of keys of one kv head
+2. the dK/dV pass (``bwd_sm90`` on H100/H200, ``bwd_sm80``, ``bwd_simt``; pass 0): a CTA per block of
+   keys of one kv head
    walks over the queries of every query head of its GQA group, so dK/dV are summed over the
    group in registers, in a fixed order; it also adds dQ into a float32 buffer with atomics;
 3. ``bwd_convert``: that float32 dQ, times the softmax scale, into the output dtype.
@@ -24,8 +25,8 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch, _pipeline
-from ._compile import get_kernel
+from . import _checks, _heuristics, _launch, _pipeline, _tma
+from ._compile import device_arch, get_kernel
 from ._params import BWD, CONVERT, Template
 from .attention import score_operands
 from .random import as_rng_state, dropout_threshold
@@ -41,20 +42,49 @@ def force_kernel(family: str):
 
     Parameters
     ----------
-    family : {"bwd_sm80", "bwd_simt"}
-        bwd_sm80 runs float16/bfloat16, bwd_simt float32; a family that cannot run a call's dtype
-        raises ValueError at that call, never falls back.
+    family : {"bwd_sm90", "bwd_sm80", "bwd_simt"}
+        bwd_sm90 (sm_90 GPUs) and bwd_sm80 run float16/bfloat16, bwd_simt float32; a family that
+        cannot run a call (its dtype; for bwd_sm90 also the GPU, the head dim or the layouts) raises
+        ValueError at that call, never falls back.
     """
     return _launch.forcing(_forced_family, family, FAMILIES)
 
 
-def _family_for(dtype_name: str) -> str:
-    family = _forced_family.get() or _heuristics.default_backward_family(dtype_name)
-    if family == "bwd_sm80" and dtype_name == "float32":
-        raise ValueError("the forced kernel family bwd_sm80 runs float16/bfloat16, not float32")
+def _family_for(dtype_name: str) -> str | None:
+    """The forced family after checking it can run this dtype (None: choose per call)."""
+    family = _forced_family.get()
+    if family in ("bwd_sm80", "bwd_sm90") and dtype_name == "float32":
+        raise ValueError(f"the forced kernel family {family} runs float16/bfloat16, not float32")
     if family == "bwd_simt" and dtype_name != "float32":
         raise ValueError(f"the forced kernel family bwd_simt runs float32, not {dtype_name}")
     return family
+
+
+def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts) -> str | None:
+    """Why bwd_sm90 cannot run this call, or None: it needs an sm_90 GPU, a head dim and options it
+    compiles (_heuristics.bwd_sm90_obstacle), and q, k, v, dout that TMA can read (16-byte aligned
+    bases, positive strides that are multiples of 16 bytes)."""
+    if device_arch() != "sm_90a":
+        return "bwd_sm90 needs an sm_90 GPU (H100/H200)"
+    obstacle = _heuristics.bwd_sm90_obstacle(d_pad, score_mods, dropout)
+    if obstacle is not None:
+        return obstacle
+    if not all(_tma.tma_compatible(layouts[name]) for name in ("q", "k", "v", "dout")):
+        return "the strides of q, k, v or dout are negative or not multiples of 16 bytes"
+    return None
+
+
+def _choose_family(dtype_name: str, forced: str | None, d_pad: int, score_mods, dropout: bool, layouts) -> str:
+    """The forced family, or the default for the dtype: bwd_sm90 on sm_90 where it can run the call,
+    bwd_sm80 otherwise (bwd_simt for float32)."""
+    if forced is not None and forced != "bwd_sm90":
+        return forced
+    if dtype_name == "float32":
+        return "bwd_simt"
+    obstacle = _sm90_obstacle(d_pad, score_mods, dropout, layouts)
+    if forced == "bwd_sm90" and obstacle is not None:
+        raise ValueError(f"the forced kernel family bwd_sm90 cannot run this call: {obstacle}")
+    return "bwd_sm90" if obstacle is None else "bwd_sm80"
 
 
 _num_sms = _launch.sm_count  # a module name, so tests can pretend to other SM counts
@@ -159,9 +189,12 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
         ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ())
     dropout = dropout_p > 0
+    family = _choose_family(dtype_name, family, d_pad, score_mods, dropout, layouts)
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
-                                      dropout=dropout)
-    plan1 = (_heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
+                                      dropout=dropout, deterministic=deterministic if family == "bwd_sm90" else None)
+    # bwd_sm90 has no dQ pass of its own: deterministic dQ is bwd_sm80's.
+    dq_family = "bwd_sm80" if family == "bwd_sm90" else family
+    plan1 = (_heuristics.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout) if deterministic else None)
     device_id = _pipeline.device_id()
     for p in (plan0, plan1):
@@ -239,7 +272,17 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         return _pipeline.Step(func, grid, threads, smem, (("struct", params),))
 
     plan.steps.append(step(_heuristics.bwd_preprocess_variant(dtype_name), (rows_pad // 16, heads_q, batch), 128, 0))
-    plan.steps.append(step(plan0.variant, (key_blocks, heads_k * splits, batch), plan0.threads, plan0.smem_bytes))
+    grid0 = (key_blocks, heads_k * splits, batch)
+    if family == "bwd_sm90":
+        # Q and dO arrive in boxes of a step's query rows, K and V in boxes of the CTA's keys.
+        block_m = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"]
+        maps = [("map", index, _tma.TensorMapSpec(layouts[name], rows, dtype_name))
+                for index, name, rows in ((1, "q", block_m), (2, "k", plan0.block_m), (3, "v", plan0.block_m),
+                                          (0, "dout", block_m))]
+        func = _launch.prepare_kernel(get_kernel(plan0.variant), plan0.smem_bytes, device_id)
+        plan.steps.append(_pipeline.Step(func, grid0, plan0.threads, plan0.smem_bytes, (*maps, ("struct", params))))
+    else:
+        plan.steps.append(step(plan0.variant, grid0, plan0.threads, plan0.smem_bytes))
     if deterministic:
         plan.steps.append(step(plan1.variant, (math.ceil(max_q / plan1.block_m), heads_q, batch), plan1.threads,
                                plan1.smem_bytes))

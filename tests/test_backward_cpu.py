@@ -77,7 +77,8 @@ def test_param_structs_pack():
 def test_precompile_list():
     variants = precompile_backward_variants()
     families = {v.family for v in variants}
-    assert families == {"bwd_preprocess", "bwd_convert", "bwd_sm80", "bwd_simt"}
+    assert families == {"bwd_preprocess", "bwd_convert", "bwd_sm80", "bwd_sm90", "bwd_simt"}
+    assert "bwd_sm90" not in {v.family for v in precompile_backward_variants(arch="sm_80")}
     assert len(variants) == len(set(variants))
     for v in variants:
         defines = dict(v.defines)

@@ -1,7 +1,11 @@
 """Backward attention on the GPU against the float64 analytic reference, kernel family by family.
 
 Every test forces one backward family (``with cuflash.backward.force_kernel(...)``): ``bwd_sm80``
-for float16/bfloat16, ``bwd_simt`` for float32.
+for float16/bfloat16, ``bwd_simt`` for float32, and on an sm_90 GPU also ``bwd_sm90`` for
+float16/bfloat16. A case that bwd_sm90 cannot run (``_heuristics.bwd_sm90_obstacle`` of the
+padded head dim, the score modifiers and dropout names the reason) is skipped with that reason:
+listed cases by pytest.skip, drawn (hypothesis) cases by ``assume``, so that the other examples of
+the same test still run on it.
 
 Inputs of the backward. ``out`` and ``lse`` come from the float64 forward reference (rounded to
 the input dtype / float32), so a forward bug cannot hide or fake a backward one; dropout uses a
@@ -35,17 +39,19 @@ precompile_backward_variants()).
 """
 
 import math
+import re
 import zlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import cupy
 
 import cuflash
 import cuflash.testing as tt
+from cuflash import _heuristics
 from cuflash import backward as bw
 from cuflash import reference
 from cuflash._reference_backward import attention_backward as reference_backward
@@ -59,12 +65,28 @@ def _gpu_available():
         return False
 
 
+def _is_sm90():
+    if not _gpu_available():
+        return False
+    try:
+        return cupy.cuda.Device().compute_capability == "90"
+    except Exception:
+        return False
+
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
+
+IS_SM90 = _is_sm90()
+SM90_MARKS = [pytest.mark.skipif(not IS_SM90, reason="bwd_sm90 needs an sm_90 GPU"),
+              pytest.mark.skipif("bwd_sm90" not in bw.FAMILIES,
+                                 reason="bwd_sm90 is not in cuflash.backward.FAMILIES (not built yet)")]
 
 KERNELS = [
     pytest.param("bwd_sm80", "float16", id="sm80-fp16"),
     pytest.param("bwd_sm80", "bfloat16", id="sm80-bf16"),
     pytest.param("bwd_simt", "float32", id="simt-fp32"),
+    pytest.param("bwd_sm90", "float16", id="sm90-fp16", marks=SM90_MARKS),
+    pytest.param("bwd_sm90", "bfloat16", id="sm90-bf16", marks=SM90_MARKS),
 ]
 NAN = float("nan")
 FLOAT32_GRAD_RTOL = 1e-4
@@ -72,9 +94,10 @@ FLOAT32_GRAD_RTOL = 1e-4
 
 def _capped(n):
     base = settings.default
+    # filter_too_much: bwd_sm90 rejects (assume) the drawn cases it cannot run.
     return settings(max_examples=max(1, min(base.max_examples, n)), deadline=None,
                     suppress_health_check=list(base.suppress_health_check)
-                    + [HealthCheck.too_slow, HealthCheck.data_too_large])
+                    + [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 
 
 def _dtype(name):
@@ -87,6 +110,63 @@ def _shape(B, Sq, Sk, Hq, Hk, D):
 
 def _seed_of(name):
     return zlib.crc32(name.encode())
+
+
+# ----------------------------------------------------------------------------- what bwd_sm90 runs
+
+SCORE_MODS = ("alibi_slopes", "mask", "bias", "block_mask", "softcap")
+
+
+def _score_mods(options):
+    """The score modifiers a call uses, in cuflash.backward's order."""
+    return tuple(name for name in SCORE_MODS
+                 if (options.get(name, 0.0) > 0 if name == "softcap" else options.get(name) is not None))
+
+
+def unsupported(family, head_dim, options):
+    """Why ``family`` cannot run a call with this head dim and these options (None: it can). Only
+    bwd_sm90 has such limits; it is asked about the head dim padded to a multiple of 8, as
+    cuflash.backward pads it (its kernels round that up to 64 or 128)."""
+    if family != "bwd_sm90":
+        return None
+    obstacle = getattr(_heuristics, "bwd_sm90_obstacle", None)
+    if obstacle is None:   # not written yet: let the forced call say what it cannot do
+        return None
+    return obstacle(8 * -(-head_dim // 8), _score_mods(options), options.get("dropout_p", 0.0) > 0)
+
+
+def skip_unsupported(family, head_dim, options):
+    """pytest.skip a listed case that ``family`` cannot run (never inside a hypothesis test: a skip
+    there skips every example; see :func:`assume_supported`)."""
+    reason = unsupported(family, head_dim, options)
+    if reason is not None:
+        pytest.skip(f"{family}: {reason}")
+
+
+def assume_supported(family, head_dim, options):
+    """Reject a drawn case that ``family`` cannot run, so hypothesis draws another."""
+    reason = unsupported(family, head_dim, options)
+    if reason is not None:
+        event(f"{family} cannot run: {reason}")
+    assume(reason is None)
+
+
+class SkippedCases:
+    """Sub-cases of a loop that ``family`` cannot run: each is left out, the others run, and at the
+    end the test is reported skipped with the reasons (after every assertion of the others)."""
+
+    def __init__(self, family):
+        self.family, self.reasons = family, []
+
+    def runs(self, head_dim, options) -> bool:
+        reason = unsupported(self.family, head_dim, options)
+        if reason is not None:
+            self.reasons.append(f"{sorted(options)}: {reason}")
+        return reason is None
+
+    def report(self):
+        if self.reasons:
+            pytest.skip(f"{self.family} left out {len(self.reasons)} sub-case(s): " + "; ".join(self.reasons))
 
 
 # ----------------------------------------------------------------------------- baseline
@@ -254,7 +334,9 @@ def check_gradients(dout, q, k, v, out, options, grads, *, dtype, rng_state=None
 
 def solve(family, dtype, shape, options, seed, *, deterministic=False, return_dbias=False,
           bias_same_dtype=False):
-    """Fresh data, reference forward, forced backward into poisoned buffers, reference check."""
+    """Fresh data, reference forward, forced backward into poisoned buffers, reference check.
+    A case ``family`` cannot run is skipped (hypothesis tests reject it before calling this)."""
+    skip_unsupported(family, shape["D"], options)
     q, k, v = tt.random_qkv(shape, dtype, seed, xp=cupy)
     dout = _random_like(q, seed + 1)
     opts = _device_options(options, dtype, bias_same_dtype)
@@ -285,6 +367,7 @@ def option_problems(draw):
 @_capped(30)
 @given(problem=option_problems())
 def test_option_combinations(family, dtype, problem):
+    assume_supported(family, problem["shape"]["D"], problem["options"])
     solve(family, dtype, problem["shape"], problem["options"], problem["seed"],
           deterministic=problem["deterministic"], return_dbias=problem["return_dbias"],
           bias_same_dtype=problem["bias_same_dtype"])
@@ -302,6 +385,7 @@ def shape_problems(draw):
 @_capped(25)
 @given(problem=shape_problems())
 def test_shapes_and_head_dims(family, dtype, problem):
+    assume_supported(family, problem["shape"]["D"], problem["options"])
     solve(family, dtype, problem["shape"], problem["options"], problem["seed"],
           deterministic=problem["deterministic"])
 
@@ -388,7 +472,10 @@ def test_large_magnitude_inputs(family, dtype):
     # including the zero-padded tail keys (s = 0, far above a very negative lse).
     shape = _shape(2, 129, 257, 4, 1, 128)
     q, k, v = tt.random_qkv(shape, dtype, 80, xp=cupy)
+    left_out = SkippedCases(family)
     for qscale, options in ((30.0, {}), (30.0, {"causal": True}), (30.0, {"softcap": 50.0}), (-30.0, {})):
+        if not left_out.runs(shape["D"], options):
+            continue
         qs = (q.astype(cupy.float32) * qscale).astype(q.dtype)
         dout = _random_like(q, 81)
         out, lse = _forward_reference(qs, k, v, options, None)
@@ -398,6 +485,7 @@ def test_large_magnitude_inputs(family, dtype):
         # float32: scores of a few hundred carry rounding errors of |s| * 2^-24 into P = exp(s - lse)
         # (the same for any float32 implementation), so the relative gradient error here is ~1e-4.
         check_gradients(dout, qs, k, v, out, options, grads, dtype=dtype, float32_rtol=1e-3)
+    left_out.report()
 
 
 FULLY_MASKED = [
@@ -438,9 +526,10 @@ def test_fully_masked_rows_get_zero_gradients(family, dtype, name, shape, option
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
 def test_deterministic_is_bitwise_reproducible(family, dtype, heads):
     shape = _shape(2, 300, 333, heads[0], heads[1], 64)
+    options = {"causal": True, "dropout_p": 0.2, "alibi_slopes": cupy.asarray(_slopes(heads[0]))}
+    skip_unsupported(family, shape["D"], options)
     q, k, v = tt.random_qkv(shape, dtype, 90, xp=cupy)
     dout = _random_like(q, 91)
-    options = {"causal": True, "dropout_p": 0.2, "alibi_slopes": cupy.asarray(_slopes(heads[0]))}
     rng_state = np.array([5, 9], dtype=np.uint64)
     out, lse = _forward_reference(q, k, v, options, rng_state)
     first = run_backward(family, dout, q, k, v, out, lse, options, rng_state=rng_state, deterministic=True)
@@ -483,9 +572,10 @@ def _views(x):
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_non_contiguous_dout_and_inputs(family, dtype):
     shape = _shape(2, 77, 143, 4, 2, 64)
+    options = {"causal": True}
+    skip_unsupported(family, shape["D"], options)
     q, k, v = tt.random_qkv(shape, dtype, 110, xp=cupy)
     dout = _random_like(q, 111)
-    options = {"causal": True}
     out, lse = _forward_reference(q, k, v, options, None)
     expected = run_backward(family, dout, q, k, v, out, lse, options, deterministic=True)
     check_gradients(dout, q, k, v, out, options, expected, dtype=dtype)
@@ -518,15 +608,20 @@ def test_end_to_end_with_forward_kernels(family, dtype):
     shape = _shape(2, 200, 260, 4, 2, 128)
     q, k, v = tt.random_qkv(shape, dtype, 120, xp=cupy)
     dout = _random_like(q, 121)
+    left_out = SkippedCases(family)
     for options in ({}, {"causal": True, "dropout_p": 0.3, "softcap": 10.0}):
+        if not left_out.runs(shape["D"], options):
+            continue
         out, lse, rng_state = cuflash.attention_forward(q, k, v, generator=cuflash.Generator(7), **options)
         grads = run_backward(family, dout, q, k, v, out, lse, options, rng_state=rng_state)
         check_gradients(dout, q, k, v, out, options, grads, dtype=dtype, rng_state=rng_state)
+    left_out.report()
 
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_runs_on_the_current_stream(family, dtype):
     shape = _shape(2, 129, 129, 4, 4, 64)
+    skip_unsupported(family, shape["D"], {})
     q, k, v = tt.random_qkv(shape, dtype, 130, xp=cupy)
     dout = _random_like(q, 131)
     out, lse = _forward_reference(q, k, v, {}, None)
@@ -555,6 +650,7 @@ def varlen_problems(draw, allow=tt.VARLEN_OPTIONS):
 
 
 def _varlen_solve(family, dtype, cu_q, cu_k, shape, options, seed, deterministic, poison_neighbours=False):
+    skip_unsupported(family, shape["D"], options)
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
     q, k, v = tt.random_qkv(_shape(1, total_q, total_k, shape["Hq"], shape["Hk"], shape["D"]), dtype, seed,
                             xp=cupy)
@@ -587,6 +683,7 @@ def _varlen_solve(family, dtype, cu_q, cu_k, shape, options, seed, deterministic
 @_capped(25)
 @given(problem=varlen_problems())
 def test_varlen_against_reference(family, dtype, problem):
+    assume_supported(family, problem["shape"]["D"], problem["options"])
     _varlen_solve(family, dtype, problem["cu_q"], problem["cu_k"], problem["shape"], problem["options"],
                   problem["seed"], problem["deterministic"])
 
@@ -607,6 +704,7 @@ def test_varlen_empty_sequences_and_neighbours(family, dtype):
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_zero_size_inputs(family, dtype):
+    skip_unsupported(family, 64, {"causal": True})
     dt = _dtype(dtype)
     for B, Sq, Sk in ((0, 5, 7), (2, 0, 7), (2, 5, 0)):
         q = cupy.ones((B, Sq, 4, 64), dtype=dt)
@@ -622,6 +720,7 @@ def test_zero_size_inputs(family, dtype):
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_argument_errors_come_before_any_launch(family, dtype):
     shape = _shape(1, 33, 40, 4, 2, 64)
+    skip_unsupported(family, shape["D"], {})
     q, k, v = tt.random_qkv(shape, dtype, 150, xp=cupy)
     dout = _random_like(q, 151)
     out, lse = _forward_reference(q, k, v, {}, None)
@@ -651,10 +750,77 @@ def test_argument_errors_come_before_any_launch(family, dtype):
     with pytest.raises(ValueError, match="dk"):
         call(dk=cupy.empty((1, 40, 2, 63), dtype=q.dtype))
     assert bool(cupy.isnan(dq.astype(cupy.float32)).all()), "dq was written before an argument error"
-    other = "bwd_simt" if family == "bwd_sm80" else "bwd_sm80"
+    other = "bwd_sm80" if dtype == "float32" else "bwd_simt"   # a family that cannot run this dtype
     with pytest.raises(ValueError, match=other):
         with bw.force_kernel(other):
             bw.attention_backward(dout, q, k, v, out, lse)
     with pytest.raises(ValueError, match="family"):
         with bw.force_kernel("bwd_nonexistent"):
             pass
+
+
+# ----------------------------------------------------------------------------- bwd_sm90
+
+def _sm90_only(test):
+    for mark in SM90_MARKS:
+        test = mark(test)
+    return test
+
+
+@_sm90_only
+@pytest.mark.parametrize("head_dim, causal", [(128, True), (64, False)], ids=["d128-causal", "d64"])
+def test_sm90_deterministic_is_bitwise_reproducible_at_scale(head_dim, causal):
+    # Long enough for many key blocks per CTA and many CTAs per kv head: any order that depends on
+    # scheduling (atomics, a split GQA group summed out of order) would show in 20 runs.
+    options = {"causal": True} if causal else {}
+    skip_unsupported("bwd_sm90", head_dim, options)
+    shape = _shape(2, 1000, 1000, 8, 2, head_dim)
+    q, k, v = tt.random_qkv(shape, "bfloat16", 160 + head_dim, xp=cupy)
+    dout = _random_like(q, 161 + head_dim)
+    out, lse = _forward_reference(q, k, v, options, None)
+    first = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
+    check_gradients(dout, q, k, v, out, options, first, dtype="bfloat16")
+    for run in range(19):
+        again = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
+                f"deterministic=True changed bits of {name} on run {run + 2}"
+
+
+@_sm90_only
+def test_sm90_is_the_default_for_bf16_d128():
+    shape = _shape(2, 256, 300, 8, 2, 128)
+    q, k, v = tt.random_qkv(shape, "bfloat16", 170, xp=cupy)
+    dout, out = _random_like(q, 171), _random_like(q, 172)
+    lse = cupy.zeros((2, 8, 256), dtype=cupy.float32)
+    for options in ({}, {"causal": True}):
+        # cuflash.plan plans the call without launching; the plan records the family it chose.
+        planned = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **options)
+        assert planned.plan.info["family"] == "bwd_sm90", f"default backward with {options}"
+
+
+@_sm90_only
+def test_sm90_forced_on_a_call_it_cannot_run_raises():
+    obstacle = getattr(_heuristics, "bwd_sm90_obstacle", None)
+    if obstacle is None:
+        pytest.skip("cuflash._heuristics.bwd_sm90_obstacle is not written yet")
+    reason = obstacle(256, (), False)
+    if reason is None:
+        pytest.skip("bwd_sm90 runs head dim 256")
+    q, k, v = tt.random_qkv(_shape(1, 33, 40, 4, 2, 256), "bfloat16", 180, xp=cupy)
+    lse = cupy.zeros((1, 4, 33), dtype=cupy.float32)
+    dq = cupy.full(q.shape, NAN, dtype=q.dtype)
+    with bw.force_kernel("bwd_sm90"):
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            bw.attention_backward(q, q, k, v, q, lse, dq=dq)
+    assert bool(cupy.isnan(dq.astype(cupy.float32)).all()), "dq was written before the error"
+
+
+@pytest.mark.skipif(IS_SM90, reason="this GPU is sm_90")
+@pytest.mark.skipif("bwd_sm90" not in bw.FAMILIES, reason="bwd_sm90 is not in cuflash.backward.FAMILIES")
+def test_sm90_forced_on_another_gpu_raises():
+    q, k, v = tt.random_qkv(_shape(1, 33, 40, 4, 2, 64), "bfloat16", 190, xp=cupy)
+    lse = cupy.zeros((1, 4, 33), dtype=cupy.float32)
+    with bw.force_kernel("bwd_sm90"):
+        with pytest.raises(ValueError, match="bwd_sm90"):
+            bw.attention_backward(q, q, k, v, q, lse)

@@ -242,3 +242,23 @@ def test_forward_plan_cache_tells_true_from_one():
         "CUFLASH_SCORE_MODS"] == 1
     assert dict(H.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=True, dropout=False).variant.defines)[
         "CUFLASH_SCORE_MODS"] == 31
+
+
+# ----------------------------------------------------------------------------- bwd_sm90
+
+def _bwd_sm90_obstacle():
+    obstacle = getattr(H, "bwd_sm90_obstacle", None)
+    if obstacle is None:
+        pytest.skip("cuflash._heuristics.bwd_sm90_obstacle is not written yet")
+    return obstacle
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bwd_sm90_runs_plain_head_dims_64_and_128(head_dim):
+    assert _bwd_sm90_obstacle()(head_dim, (), False) is None
+
+
+def test_bwd_sm90_names_why_it_cannot_run_head_dim_256():
+    reason = _bwd_sm90_obstacle()(256, (), False)
+    assert isinstance(reason, str) and len(reason.split()) >= 3, "a sentence saying why"
+    assert "\n" not in reason

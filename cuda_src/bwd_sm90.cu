@@ -1,0 +1,414 @@
+// Backward attention for Hopper (sm_90a), fp16/bf16: the dK/dV pass (with atomic dQ) on wgmma, its
+// operands brought in by TMA, warp-specialised.
+//
+// A CTA keeps kBlockN = 128 keys of one kv head (K and V, loaded once) and walks over the query
+// tiles that see them, for each query head of its GQA group in turn (FlashAttention-2's backward
+// recomputing P from lse, in FlashAttention-3's arrangement):
+//   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
+//     copies) of each query tile into a kStages-deep ring; it gives its registers away.
+//   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
+//       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory)
+//       P^T, dS^T element by element          (score_grad, bwd_common.cuh; masks of mask.cuh)
+//       dV += P^T dO,  dK += dS^T Q            (wgmma with P^T / dS^T from registers: the
+//                                               accumulator layout is the A-fragment layout)
+//       dQ += dS K                             (dS^T of both consumers through shared memory, each
+//                                               consumer a 64 x 64 share of dQ; float32 vector
+//                                               atomics into dq_accum)
+//   dK, dV stay in registers across the walk and are written once at the end.
+// With deterministic=True (CUFLASH_BWD_DQ=0) there is no dQ product here: bwd_sm80's dQ pass writes
+// dQ (cuflash/backward.py).
+//
+// Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
+// belong to the next one: the consumers zero them in shared memory (queries: Q and dO rows of the
+// tile; keys: K rows, which the dQ product would otherwise meet as 0 * K), so nothing outside the
+// sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (score_grad).
+//
+// Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
+// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here), CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128, so
+// that each consumer's share of dQ is 64 x 64), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask,
+// mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE.
+#include "common.cuh"
+#include "params.cuh"
+#include "bwd_params.cuh"
+#include "fault.cuh"
+#include "mask.cuh"
+#include "philox.cuh"
+#include "bwd_common.cuh"
+#include "tma_sm90.cuh"
+#include "wgmma_sm90.cuh"
+#include "gemm_sm90.cuh"
+
+#if CUFLASH_DTYPE == 2
+#error "bwd_sm90 computes float16/bfloat16 (CUFLASH_DTYPE 0 or 1)"
+#endif
+
+namespace cuflash {
+
+template <int kHeadDim_, int kBlockM_, int kStages_, bool kDq_, int kMods_, bool kDropout_>
+struct BwdSm90Config {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kStages = kStages_;
+    // dQ computed here and added into dq_accum; false for deterministic=True (bwd_sm80's dQ pass).
+    // Compile-time: an in-flight wgmma on one side of a run-time branch made ptxas serialize them all.
+    static constexpr bool kDq = kDq_;
+    static constexpr int kMods = kMods_;
+    static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
+    static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
+    static constexpr int kBlockN = 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
+    // The producer's walk and copies need 40 registers (with 24 they spilled); the consumers get
+    // the rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills.
+    static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
+                  "the register split exceeds what the launch allocates");
+    static constexpr int kMTiles = kBlockM / 8, kDTiles = kHeadDim / 8;   // 8-column n-tiles of S^T and dK/dV
+    // dQ (kBlockM x kHeadDim) in two 64 x 64 shares: by rows when kBlockM = 128, by columns when 64.
+    static constexpr bool kDqSplitRows = kBlockM == 128;
+    static_assert(kDqSplitRows ? kHeadDim == 64 : (kBlockM == 64 && kHeadDim == 128),
+                  "each consumer's share of dQ is 64 x 64 (wgmma_ss_n64_tt)");
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // dS^T, double buffered
+    // Each consumer's float32 share of dQ on its way to dq_accum: 64 rows of 256 bytes, 32 bytes
+    // apart so that the 8 rows of a fragment store fall in different banks.
+    static constexpr int kDqRowBytes = 64 * 4 + 32;
+    static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
+                                      2 * kDsBytes + kConsumers * 64 * kDqRowBytes;
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "bwd_sm90 runs head dims 64 and 128");
+};
+
+// Zeroes rows first_row .. kRows - 1 of a swizzled tile (column blocks of 64 x kRows), split over
+// the consumers' 256 threads, then makes the stores visible to wgmma and meets at barrier 1. A
+// whole 128-byte row stays in place under the swizzle, so rows are zeroed without knowing it.
+template <class C, int kRows>
+__device__ __forceinline__ void zero_tile_rows(unsigned tile, int first_row) {
+    const int chunks_per_block = (kRows - first_row) * 8;
+    for (int x = threadIdx.x - 128; x < chunks_per_block * (C::kHeadDim / 64); x += 128 * C::kConsumers) {
+        const int blk = x / chunks_per_block, r = first_row + x % chunks_per_block / 8;
+        const unsigned addr = tile + blk * kRows * 128 + r * 128 + (x % 8) * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, 128 * C::kConsumers);
+}
+
+template <class C>
+__device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                         const TmaMap& do_map, const BwdParams& bp) {
+    const FwdParams& p = bp.fwd;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long barriers[1 + 2 * C::kStages];
+    __shared__ __align__(16) float lse2_smem[C::kStages][C::kBlockM], dsum_smem[C::kStages][C::kBlockM];
+    __shared__ int tile_of_stage[C::kStages];   // (head offset << 16) | query tile; -1: the walk is over
+    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const unsigned k_smem = smem;                                   // [kHeadDim / 64][kBlockN][64]
+    const unsigned v_smem = k_smem + C::kKVBytes;
+    const unsigned q_smem = v_smem + C::kKVBytes;                   // [kStages][kHeadDim / 64][kBlockM][64]
+    const unsigned do_smem = q_smem + C::kStages * C::kQBytes;
+    const unsigned ds_smem = do_smem + C::kStages * C::kQBytes;     // [2][kBlockM / 64][kBlockN][64]: dS^T
+    const unsigned dq_smem = ds_smem + 2 * C::kDsBytes;             // [kConsumers][64][kDqRowBytes / 4]
+    const unsigned kv_full = smem_addr(&barriers[0]);
+    auto full = [&](int stage) { return smem_addr(&barriers[1 + stage]); };
+    auto empty = [&](int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); };
+
+    // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
+    // h0 .. h0 + heads - 1 of that kv head's group (all of it unless the host split it).
+    const int b = blockIdx.z;
+    const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
+    const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
+    const int heads = bp.heads_per_cta;
+    SeqInfo s = make_seq_info(p, b, h0);
+    const int n_lo = blockIdx.x * C::kBlockN;
+    if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
+    const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
+    int q_first, q_last;
+    visible_queries(p, s, n_lo, n_hi, &q_first, &q_last);
+    const int c_begin = q_first / C::kBlockM, c_end = ceil_div(q_last, C::kBlockM);
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int batch_coord = varlen ? 0 : b;
+
+    const int warpgroup = threadIdx.x / 128;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
+        for (int stage = 0; stage < C::kStages; ++stage) {
+            mbar_init(full(stage), 1);
+            mbar_init(empty(stage), 128 * C::kConsumers);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<C::kProducerRegs>();
+        if (warp != 0) return;
+        // Producer: warp 0 walks the tiles (all lanes, for the block-mask vote); lane 0 issues.
+        if (lane == 0) {
+            mbar_arrive_expect_tx(kv_full, 2 * C::kKVBytes);
+            for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
+                tma_load_4d(k_smem + blk * C::kBlockN * 128, &k_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
+                            kv_full);
+                tma_load_4d(v_smem + blk * C::kBlockN * 128, &v_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
+                            kv_full);
+            }
+        }
+        int stage = 0, phase = 0;
+        for (int hh = 0; hh < heads; ++hh) {
+            s.h = h0 + hh;
+            // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
+            const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
+            const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
+            for (int c = c_begin; c < c_end; ++c) {
+                const int m_lo = c * C::kBlockM;
+                if constexpr (C::kBlockMask) {
+                    if (!block_mask_tile_visible_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_hi))
+                        continue;
+                }
+                if (lane == 0) {
+                    mbar_wait(empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
+                    tile_of_stage[stage] = (hh << 16) | c;
+                    mbar_arrive_expect_tx(full(stage), 2 * C::kQBytes + 2 * C::kBlockM * 4);
+                    for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
+                        const unsigned off = stage * C::kQBytes + blk * C::kBlockM * 128;
+                        tma_load_4d(q_smem + off, &q_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, full(stage));
+                        tma_load_4d(do_smem + off, &do_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, full(stage));
+                    }
+                    bulk_load(smem_addr(&lse2_smem[stage][0]), lse2_head + m_lo, C::kBlockM * 4, full(stage));
+                    bulk_load(smem_addr(&dsum_smem[stage][0]), dsum_head + m_lo, C::kBlockM * 4, full(stage));
+                }
+                if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+            }
+        }
+        if (lane == 0) {
+            mbar_wait(empty(stage), phase ^ 1);
+            tile_of_stage[stage] = -1;
+            mbar_arrive(full(stage));   // releases the write above to the consumers
+        }
+        return;
+    }
+
+    // Consumers.
+    setmaxnreg_inc<C::kConsumerRegs>();
+    const int consumer = warpgroup - 1;
+    const int g = lane / 4, t = lane % 4;
+    const int key_row0 = consumer * 64 + warp * 16 + g;   // this thread's first key inside the CTA's block
+    float acc_dk[C::kDTiles][4], acc_dv[C::kDTiles][4];
+#pragma unroll
+    for (int di = 0; di < C::kDTiles; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
+
+    mbar_wait(kv_full, 0);
+    // Varlen: keys of the block past the sequence's end are the next sequence's; the dQ product
+    // reads every K row of the block, so they become zeros (their dS is 0 anyway).
+    if (C::kDq && varlen && n_lo + C::kBlockN > s.seqlen_k)
+        zero_tile_rows<C, C::kBlockN>(k_smem, s.seqlen_k - n_lo);
+
+    int stage = 0, phase = 0, ds_buf = 0;
+    for (;;) {
+        mbar_wait(full(stage), phase);
+        const int tile = *static_cast<volatile int*>(&tile_of_stage[stage]);
+        if (tile < 0) break;
+        s.h = h0 + (tile >> 16);
+        const int m_lo = (tile & 0xffff) * C::kBlockM;
+        const unsigned q_tile = q_smem + stage * C::kQBytes, do_tile = do_smem + stage * C::kQBytes;
+        if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
+            // As for K above: this tile's rows past the sequence are the next sequence's queries.
+            zero_tile_rows<C, C::kBlockM>(q_tile, s.seqlen_q - m_lo);
+            zero_tile_rows<C, C::kBlockM>(do_tile, s.seqlen_q - m_lo);
+        }
+
+        // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
+        float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
+        float(&s_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_s[0][0]);
+        float(&dp_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_dp[0][0]);
+        wgmma_fence();
+        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, k_smem + consumer * 64 * 128, q_tile);
+        wgmma_commit();
+        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, v_smem + consumer * 64 * 128, do_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s_flat);
+        fence_registers(dp_flat);
+
+        // P^T and dS^T element by element: acc_s becomes Pdrop, acc_dp dL/dx. Element (mi, e) of this
+        // thread: key n_lo + key_row0 + 8 (e / 2), query m_lo + 8 mi + 2 t + e % 2.
+        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
+        float score2[C::kScoreMods ? C::kMTiles : 1][4];
+        if constexpr (C::kScoreMods) {
+            int queries[2 * C::kMTiles];
+#pragma unroll
+            for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + (x / 2) * 8 + 2 * t + x % 2;
+#pragma unroll
+            for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
+            modify_scores<C::kMods>(p, s, queries, keys,
+                                    [&](int x, int r) -> float& { return score2[x / 2][2 * r + x % 2]; });
+        } else if (!tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) {
+            // The queries that see key j are [j - diag - right, j - diag + left] (in_window turned
+            // around), none for a key past the end: two bounds per key row, one compare per element.
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int lo, hi;
+                visible_queries(p, s, keys[r], keys[r] + 1, &lo, &hi);
+                if (keys[r] >= s.seqlen_k) hi = lo;
+                lo -= m_lo + 2 * t;   // bounds on the column offset 8 mi + e % 2 of this thread's elements
+                hi -= m_lo + 2 * t;
+#pragma unroll
+                for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const int x = mi * 8 + e % 2;
+                        if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
+                    }
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi) {
+            const float2 col_lse2 = *reinterpret_cast<const float2*>(&lse2_smem[stage][mi * 8 + 2 * t]);
+            const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum_smem[stage][mi * 8 + 2 * t]);
+            unsigned words[4] = {0u, 0u, 0u, 0u};
+            if constexpr (C::kDropout) dropout_words_cols(p, s, m_lo + mi * 8 + 2 * t, keys[0], lane, words);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pd, ds, dx;
+                score_grad<C::kMods, C::kDropout>(p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f,
+                                                  acc_dp[mi][e], e % 2 ? col_lse2.y : col_lse2.x,
+                                                  e % 2 ? col_dsum.y : col_dsum.x, words[e], &pd, &ds, &dx);
+                if constexpr ((C::kMods & kModBias) != 0) {
+                    const int i = m_lo + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
+                    if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
+                        bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
+                                 j] = ds;
+                }
+                acc_s[mi][e] = pd;
+                acc_dp[mi][e] = dx;
+            }
+        }
+        unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < C::kBlockM / 16; ++kk) {
+            p_frag[kk][0] = pack2<elem_t>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
+            p_frag[kk][1] = pack2<elem_t>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
+            p_frag[kk][2] = pack2<elem_t>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
+            p_frag[kk][3] = pack2<elem_t>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
+            ds_frag[kk][0] = pack2<elem_t>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
+            ds_frag[kk][1] = pack2<elem_t>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
+            ds_frag[kk][2] = pack2<elem_t>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
+            ds_frag[kk][3] = pack2<elem_t>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
+        }
+
+        // dV += P^T dO, dK += dS^T Q (dO and Q are MN-major B operands: their rows are the queries).
+        float(&dv_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dv[0][0]);
+        float(&dk_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dk[0][0]);
+        wgmma_fence();
+        gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
+        gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dk_flat, ds_frag, q_tile);
+        wgmma_commit();
+
+        float acc_dq[8][4];
+        float(&dq_flat)[32] = *reinterpret_cast<float(*)[32]>(&acc_dq[0][0]);
+        if constexpr (C::kDq) {
+            // dS^T of this consumer's keys into the shared tile [kBlockM / 64][kBlockN keys][64 queries],
+            // 16-byte chunks XOR-swizzled by key (conflict-free: a warp's 8 keys x 4 pairs hit 32 banks).
+            const unsigned ds_tile = ds_smem + ds_buf * C::kDsBytes;
+            // Row key_row0 (+ 8: the same swizzle phase), chunk mi % 8 of block mi / 8: the tile is
+            // 1024-byte aligned, so the chunk's XOR is one with the chunk index on the row's address.
+            const unsigned ds_row = (ds_tile + key_row0 * 128 + ((key_row0 % 8) * 16)) + t * 4;
+#pragma unroll
+            for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const unsigned addr = (ds_row ^ ((mi % 8) * 16)) + (mi / 8) * C::kBlockN * 128 + half * 8 * 128;
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag[mi / 2][(mi % 2) * 2 + half])
+                                 : "memory");
+                }
+            fence_proxy_async();
+            named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' dS^T are in
+            // This consumer's 64 x 64 share of dQ = dS K over all kBlockN keys: A = dS^T read
+            // transposed, B = K read transposed (both tiles have the keys as rows).
+            const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
+            const unsigned b_tile = k_smem + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
+            gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
+            wgmma_commit();
+            ds_buf ^= 1;
+        }
+        wgmma_wait<0>();
+        fence_registers(dv_flat);
+        fence_registers(dk_flat);
+        fence_registers(p_frag);
+        fence_registers(ds_frag);
+        mbar_arrive(empty(stage));   // Q, dO, lse2 and D of this stage are no longer read
+
+        if constexpr (C::kDq) {
+            // The 64 x 64 share of dQ leaves through shared memory: each warp writes its 16 rows and
+            // lanes 0-15 add one row each to dq_accum with a bulk reduction (the rows of dq_accum
+            // are 256 contiguous bytes; float32 atomics from registers held 32 more registers per
+            // thread across the wait, and ptxas serialized every wgmma for lack of them).
+            fence_registers(dq_flat);
+            const int row_in_share = warp * 16 + lane % 16;
+            if (lane < 16) bulk_wait_read();   // the row's previous reduction has read it
+            __syncwarp();
+            const unsigned share = dq_smem + consumer * 64 * C::kDqRowBytes;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int nj = 0; nj < 8; ++nj) {
+                    const unsigned addr = share + (warp * 16 + g + 8 * half) * C::kDqRowBytes + nj * 32 + t * 8;
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc_dq[nj][2 * half]),
+                                 "f"(acc_dq[nj][2 * half + 1])
+                                 : "memory");
+                }
+            fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
+            __syncwarp();
+            const int i = m_lo + (C::kDqSplitRows ? consumer * 64 : 0) + row_in_share;
+            const int col0 = C::kDqSplitRows ? 0 : consumer * 64;
+            const int cols = min(64, p.head_dim - col0);
+            if (lane < 16 && i < s.seqlen_q && cols > 0) {
+                bulk_reduce_add(bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                    (s.q_row0 + i) * bp.dqa_row_stride + col0,
+                                share + row_in_share * C::kDqRowBytes, cols * 4);
+                bulk_commit();
+            }
+        }
+        if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+    }
+
+    if (C::kDq && lane < 16) bulk_wait();   // this lane's dQ reductions have read shared memory and landed
+
+    // dK (scaled) and dV of this consumer's keys, once. The sequence is looked up again rather than
+    // kept in registers through the walk (two values of the prologue held there spilled).
+    int kv_head = blockIdx.y / splits;
+    asm volatile("" : "+r"(kv_head));
+    const SeqInfo se = make_seq_info(p, b, kv_head * group);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = n_lo + key_row0 + 8 * half;
+        if (r >= se.seqlen_k) continue;
+        const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
+#pragma unroll
+        for (int di = 0; di < C::kDTiles; ++di) {
+            const int col = di * 8 + 2 * t;
+            if (col < p.head_dim)
+                dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
+                           acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
+        }
+    }
+}
+
+}  // namespace cuflash
+
+using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_STAGES, CUFLASH_BWD_DQ != 0,
+                                      CUFLASH_SCORE_MODS,
+                                      CUFLASH_DROPOUT != 0>;
+#ifdef CUFLASH_SMEM_BYTES
+static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
+#endif
+
+extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
+    cuflash_bwd_sm90(const __grid_constant__ cuflash::TmaMap q_map, const __grid_constant__ cuflash::TmaMap k_map,
+                     const __grid_constant__ cuflash::TmaMap v_map, const __grid_constant__ cuflash::TmaMap do_map,
+                     const cuflash::BwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cuflash::call_faulted(p.fwd.error)) return;
+    cuflash::bwd_sm90<Config>(q_map, k_map, v_map, do_map, p);
+#endif
+}

@@ -1,0 +1,81 @@
+// Tile GEMMs on wgmma (sm_90a) over 128B-swizzled shared-memory tiles: the products of the Hopper
+// kernels, named by what they compute, for one warpgroup's 64 accumulator rows.
+//
+// Tiles are stored as TMA writes them: column blocks of 64 elements (one 128-byte swizzle row) x
+// all rows of the tile, 1024-byte aligned. An operand is either
+//   K-major: its tile's rows are the M (or N) index and its columns the contraction index K
+//     (Q, K, dO as they come from global memory, for S = Q K^T): a k-step of 16 columns is 32 bytes
+//     inside a column block, and the next block starts rows x 128 bytes further;
+//   MN-major: its tile's rows are K and its columns M or N (V in P V, dO in P^T dO): a k-step of 16
+//     rows is 2048 bytes; the descriptor's leading byte offset is the distance between column blocks.
+// A descriptor's address field is its low bits, so a k-step's descriptor is the tile's plus the
+// step's byte offset / 16 (one add per wgmma).
+//
+// Accumulators are flat float arrays of N / 2 per thread (wgmma_sm90.cuh gives the layout: the
+// mma.sync C layout of one 16-row m-tile per warp, N / 8 n-tiles of 4).
+#pragma once
+#include "common.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace cuflash {
+
+// Byte offset of k-step kk (16 contraction elements) in a K-major tile of kRows rows.
+template <int kRows>
+__device__ __forceinline__ constexpr unsigned kmajor_step(int kk) {
+    return (kk / 4) * kRows * 128 + (kk % 4) * 32;
+}
+// Byte offset of k-step kk (16 rows) in an MN-major tile.
+__device__ __forceinline__ constexpr unsigned mnmajor_step(int kk) { return kk * 2048; }
+
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
+    static_assert(N == 64 || N == 128, "wgmma n of 64 or 128");
+    if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
+    else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
+}
+template <int N>
+__device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
+    static_assert(N == 64 || N == 128, "wgmma n of 64 or 128");
+    if constexpr (N == 64) wgmma_ss_n64_first(d, a, b, elem_t{});
+    else wgmma_ss_n128_first(d, a, b, elem_t{});
+}
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float* acc, const unsigned (&a)[4], unsigned long long b) {
+    static_assert(N == 64 || N == 128, "wgmma n of 64 or 128");
+    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(acc);
+    if constexpr (N == 64) wgmma_rs_n64(d, a, b, elem_t{});
+    else wgmma_rs_n128(d, a, b, elem_t{});
+}
+
+// acc (64 x N) = A B^T: A = 64 rows of a K-major tile of kARows rows starting at a_tile, B = the N
+// rows of a K-major tile of kBRows rows at b_tile; kK contraction columns. acc is only written.
+template <int N, int kK, int kARows, int kBRows>
+__device__ __forceinline__ void gemm_abt_ss(float (&acc)[N / 2], unsigned a_tile, unsigned b_tile) {
+    const unsigned long long a = smem_desc(a_tile, 16, 1024), b = smem_desc(b_tile, 16, 1024);
+    wgmma_ss_first<N>(acc, a, b);
+#pragma unroll
+    for (int kk = 1; kk < kK / 16; ++kk)
+        wgmma_ss<N>(acc, a + (kmajor_step<kARows>(kk) >> 4), b + (kmajor_step<kBRows>(kk) >> 4), 1);
+}
+
+// acc (64 x N) += A B: A (64 x kK) in registers as kK / 16 A fragments, B the first N columns of an
+// MN-major tile of kBRows rows (>= kK) at b_tile.
+template <int N, int kK, int kBRows>
+__device__ __forceinline__ void gemm_ab_rs(float (&acc)[N / 2], const unsigned (&a)[kK / 16][4], unsigned b_tile) {
+    const unsigned long long b = smem_desc(b_tile, kBRows * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kK / 16; ++kk) wgmma_rs<N>(acc, a[kk], b + (mnmajor_step(kk) >> 4));
+}
+
+// acc (64 x 64) = A B over kK: A^T is 64 columns of an MN-major tile (rows = K) at a_tile, B the
+// first 64 columns of an MN-major tile at b_tile (both tiles have kK rows). acc is only written.
+template <int kK>
+__device__ __forceinline__ void gemm_atb_ss_n64(float (&acc)[32], unsigned a_tile, unsigned b_tile) {
+    const unsigned long long a = smem_desc(a_tile, kK * 128, 1024), b = smem_desc(b_tile, kK * 128, 1024);
+    wgmma_ss_n64_tt_first(acc, a, b, elem_t{});
+#pragma unroll
+    for (int kk = 1; kk < kK / 16; ++kk)
+        wgmma_ss_n64_tt(acc, a + (mnmajor_step(kk) >> 4), b + (mnmajor_step(kk) >> 4), 1, elem_t{});
+}
+
+}  // namespace cuflash
