@@ -1,5 +1,5 @@
-// Backward attention for Hopper (sm_90a), fp16/bf16: the dK/dV pass (with atomic dQ) on wgmma, its
-// operands brought in by TMA, warp-specialised.
+// Backward attention for Hopper (sm_90a), fp16/bf16: the dK/dV pass (and dQ, added into a float32
+// buffer) on wgmma, its operands brought in by TMA, warp-specialised.
 //
 // A CTA keeps kBlockN = 128 keys of one kv head (K and V, loaded once) and walks over the query
 // tiles that see them, for each query head of its GQA group in turn (FlashAttention-2's backward
@@ -12,8 +12,8 @@
 //       dV += P^T dO,  dK += dS^T Q            (wgmma with P^T / dS^T from registers: the
 //                                               accumulator layout is the A-fragment layout)
 //       dQ += dS K                             (dS^T of both consumers through shared memory, each
-//                                               consumer a 64 x 64 share of dQ; float32 vector
-//                                               atomics into dq_accum)
+//                                               consumer a 64 x 64 share of dQ, added into
+//                                               dq_accum by bulk reductions)
 //   dK, dV stay in registers across the walk and are written once at the end.
 // With deterministic=True (CUFLASH_BWD_DQ=0) there is no dQ product here: bwd_sm80's dQ pass writes
 // dQ (cuflash/backward.py).
@@ -24,9 +24,11 @@
 // sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (score_grad).
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
-// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here), CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128, so
-// that each consumer's share of dQ is 64 x 64), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask,
-// mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE.
+// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here), CUFLASH_BLOCK_M (query rows per step: 128
+// for D = 64, 64 for D = 128, so that each consumer's share of dQ is 64 x 64), CUFLASH_STAGES,
+// CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE,
+// CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants compile but still spill, so the planner
+// does not choose them yet (_heuristics.bwd_sm90_obstacle).
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
@@ -340,9 +342,9 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
         if constexpr (C::kDq) {
             // The 64 x 64 share of dQ leaves through shared memory: each warp writes its 16 rows and
-            // lanes 0-15 add one row each to dq_accum with a bulk reduction (the rows of dq_accum
-            // are 256 contiguous bytes; float32 atomics from registers held 32 more registers per
-            // thread across the wait, and ptxas serialized every wgmma for lack of them).
+            // lanes 0-15 add one row each (256 contiguous bytes of dq_accum) with a bulk reduction,
+            // so the accumulators are free after 16 stores (atomics from registers keep them, and
+            // their addresses, live: benchmarks/NOTES.md, session 11).
             fence_registers(dq_flat);
             const int row_in_share = warp * 16 + lane % 16;
             if (lane < 16) bulk_wait_read();   // the row's previous reduction has read it
