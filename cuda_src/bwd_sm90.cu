@@ -76,21 +76,6 @@ struct BwdSm90Config {
     static_assert(kHeadDim == 64 || kHeadDim == 128, "bwd_sm90 runs head dims 64 and 128");
 };
 
-// Zeroes rows first_row .. kRows - 1 of a swizzled tile (column blocks of 64 x kRows), split over
-// the consumers' 256 threads, then makes the stores visible to wgmma and meets at barrier 1. A
-// whole 128-byte row stays in place under the swizzle, so rows are zeroed without knowing it.
-template <class C, int kRows>
-__device__ __forceinline__ void zero_tile_rows(unsigned tile, int first_row) {
-    const int chunks_per_block = (kRows - first_row) * 8;
-    for (int x = threadIdx.x - 128; x < chunks_per_block * (C::kHeadDim / 64); x += 128 * C::kConsumers) {
-        const int blk = x / chunks_per_block, r = first_row + x % chunks_per_block / 8;
-        const unsigned addr = tile + blk * kRows * 128 + r * 128 + (x % 8) * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-    }
-    fence_proxy_async();
-    named_barrier_sync(1, 128 * C::kConsumers);
-}
-
 template <class C>
 __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                          const TmaMap& do_map, const BwdParams& bp) {
@@ -201,7 +186,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // Varlen: keys of the block past the sequence's end are the next sequence's; the dQ product
     // reads every K row of the block, so they become zeros (their dS is 0 anyway).
     if (C::kDq && varlen && n_lo + C::kBlockN > s.seqlen_k)
-        zero_tile_rows<C, C::kBlockN>(k_smem, s.seqlen_k - n_lo);
+        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(k_smem, s.seqlen_k - n_lo);
 
     int stage = 0, phase = 0, ds_buf = 0;
     for (;;) {
@@ -213,8 +198,8 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         const unsigned q_tile = q_smem + stage * C::kQBytes, do_tile = do_smem + stage * C::kQBytes;
         if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
             // As for K above: this tile's rows past the sequence are the next sequence's queries.
-            zero_tile_rows<C, C::kBlockM>(q_tile, s.seqlen_q - m_lo);
-            zero_tile_rows<C, C::kBlockM>(do_tile, s.seqlen_q - m_lo);
+            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(q_tile, s.seqlen_q - m_lo);
+            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(do_tile, s.seqlen_q - m_lo);
         }
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.

@@ -32,6 +32,7 @@
 #include "fragments.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
+#include "gemm_sm90.cuh"
 
 namespace cuflash {
 
@@ -74,37 +75,12 @@ struct FwdSm90Config {
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
 };
 
-// Dispatch to the wgmma of the right N (the accumulator is a flat view of [1][N/8][4]).
-template <int N>
-__device__ __forceinline__ void gemm_qk(float (&acc)[1][N / 8][4], unsigned long long a, unsigned long long b,
-                                        int scale_d) {
-    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(&acc[0][0][0]);
-    if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
-    else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
-}
-// O[:, chunk of N columns] += P (16 keys, registers) V (16 keys x N columns); acc points at the chunk.
-template <int N>
-__device__ __forceinline__ void gemm_pv(float* acc, const unsigned (&a)[4], unsigned long long b) {
-    float(&d)[N / 2] = *reinterpret_cast<float(*)[N / 2]>(acc);
-    if constexpr (N == 64) wgmma_rs_n64(d, a, b, elem_t{});
-    else wgmma_rs_n128(d, a, b, elem_t{});
-}
-
 // Varlen: a key tile that runs past the end of its sequence holds the next sequence's rows (TMA
 // zero-fills only past the end of the whole tensor). Their scores are masked, but P V would still
-// meet them as 0 * V, which is NaN when V is: the consumers zero those rows of the V tile before
-// P V, split between their 256 threads, and meet at a named barrier (both see the same tiles).
+// meet them as 0 * V: the consumers zero those rows of the V tile before P V (zero_tile_rows).
 template <class C>
 __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
-    const int chunks_per_block = (C::kBlockN - first_row) * 8;   // 16-byte chunks, 8 per 128-byte row
-    for (int c = threadIdx.x - 128; c < chunks_per_block * C::kColBlocks; c += 128 * C::kConsumers) {
-        const int blk = c / chunks_per_block, r = first_row + c % chunks_per_block / 8;
-        // The 128B swizzle permutes chunks only inside a row, so a whole row stays where it was.
-        const unsigned addr = v_tile + blk * C::kBlockN * 128 + r * 128 + (c % 8) * 16;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-    }
-    fence_proxy_async();   // the generic-proxy stores must be visible to the wgmma that reads V
-    named_barrier_sync(1, 128 * C::kConsumers);
+    zero_tile_rows<C::kBlockN, C::kColBlocks, C::kConsumers>(v_tile, first_row);
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -389,7 +365,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 // Each 64-column block of the head dim is its own swizzled region, 32 bytes per k-step.
                 const unsigned q_off = (kk / 4) * C::kBlockM * 128 + (kk % 4) * 32;
                 const unsigned k_off = (kk / 4) * C::kBlockN * 128 + (kk % 4) * 32;
-                gemm_qk<C::kBlockN>(acc_s, q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
+                wgmma_ss<C::kBlockN>(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]),
+                                     q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
             }
             wgmma_commit();
         };
@@ -403,7 +380,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #pragma unroll
                 for (int c = 0; c < C::kPvChunks; ++c) {
                     const unsigned v_off = c * (C::kPvN / 64) * C::kBlockN * 128 + kk * 2048;
-                    gemm_pv<C::kPvN>(&acc_o[0][c * C::kPvN / 8][0], p_frag[kk], v_desc + (v_off >> 4));
+                    wgmma_rs<C::kPvN>(&acc_o[0][c * C::kPvN / 8][0], p_frag[kk], v_desc + (v_off >> 4));
                 }
             wgmma_commit();
         };

@@ -15,6 +15,7 @@
 // mma.sync C layout of one 16-row m-tile per warp, N / 8 n-tiles of 4).
 #pragma once
 #include "common.cuh"
+#include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace cuflash {
@@ -76,6 +77,23 @@ __device__ __forceinline__ void gemm_atb_ss_n64(float (&acc)[32], unsigned a_til
 #pragma unroll
     for (int kk = 1; kk < kK / 16; ++kk)
         wgmma_ss_n64_tt(acc, a + (mnmajor_step(kk) >> 4), b + (mnmajor_step(kk) >> 4), 1, elem_t{});
+}
+
+// Zeroes rows first_row .. kRows - 1 of a tile of kColBlocks column blocks, split over the
+// consumer warpgroups' threads (128 .. 128 (kConsumers + 1) - 1), then makes the stores visible to
+// wgmma and meets at named barrier 1. The 128B swizzle permutes 16-byte chunks only inside a row,
+// so a whole row stays where it was. (Varlen tiles that run past their sequence hold the next
+// sequence's rows; products that would meet them as 0 * x, NaN when x is, get zeros instead.)
+template <int kRows, int kColBlocks, int kConsumers>
+__device__ __forceinline__ void zero_tile_rows(unsigned tile, int first_row) {
+    const int chunks_per_block = (kRows - first_row) * 8;   // 16-byte chunks, 8 per 128-byte row
+    for (int c = threadIdx.x - 128; c < chunks_per_block * kColBlocks; c += 128 * kConsumers) {
+        const int blk = c / chunks_per_block, r = first_row + c % chunks_per_block / 8;
+        const unsigned addr = tile + blk * kRows * 128 + r * 128 + (c % 8) * 16;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fence_proxy_async();   // the generic-proxy stores must be visible to the wgmma that reads the tile
+    named_barrier_sync(1, 128 * kConsumers);
 }
 
 }  // namespace cuflash
