@@ -118,11 +118,13 @@ def launch(func: int, grid, threads: int, smem_bytes: int, argv: int, stream_ptr
     _driver_launch(func, grid[0], grid[1], grid[2], threads, 1, 1, smem_bytes, stream_ptr, argv, 0)
 
 
-def current_stream_ptr() -> int:
+def current_stream_ptr(device_id: int = -1) -> int:
+    """The handle of CuPy's current stream on ``device_id`` (-1: the current device). A caller that
+    knows the current device passes it, which spares CuPy a getDevice call (~0.2 us)."""
     global _current_stream
     if _current_stream is None:
         _current_stream = _cupy().cuda.get_current_stream
-    return _current_stream().ptr
+    return _current_stream(device_id).ptr
 
 
 # Fault reports: one slot of 4 int32 (code, index, value, spare) per entry point that checks index

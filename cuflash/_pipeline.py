@@ -7,7 +7,8 @@ The first call with a given layout checks everything (:mod:`cuflash._checks`), p
 and the planning looked at except the data pointers: each operand's type, shape, strides, dtype and
 device, the options, the forced kernel family and the current device. A repeat call with the same
 key, from CuPy arrays or torch tensors, does only what depends on the pointers: their 16-byte
-alignment, the outputs' allocation, copying the packed bytes with the new pointers, the launches.
+alignment, the outputs' allocation, writing the new pointers (into the packed structs and the
+tensor maps, each step's argument block kept per thread at a fixed address), the launches.
 
 torch tensors are read directly (``data_ptr()``, ``stride()``; torch is never imported here) when
 torch's current stream is CuPy's current stream, which is all that DLPack's stream handshake would
@@ -21,6 +22,7 @@ import contextvars
 import operator
 import struct
 import sys
+import threading
 
 import numpy as np
 
@@ -31,6 +33,7 @@ __all__ = ["Plan", "Step", "lookup", "remember", "planned", "PlanningDone"]
 _MEMO_ENTRIES = 512
 _memo: dict = {}
 _cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA library at import)
+_random = None   # cuflash.random, bound at the first call that draws dropout
 
 
 def _cupy():
@@ -47,39 +50,72 @@ class Step:
 
     ``args`` are the kernel's parameters in order: ``("struct", Template)``, ``("map", value index,
     TensorMapSpec)`` or ``("pointer", value index)`` (a pointer passed by value). They are laid out in
-    one block, the argument pointer array first (``kernelParams``), then each parameter's bytes; a
-    call copies the block, writes what changes per call (the template's slots, each in one
-    ``pack_into`` per run of adjacent fields; the tensor maps; the pointer array) and launches it.
+    one block, the argument pointer array first (``kernelParams``), then each parameter's bytes (at
+    8-byte aligned offsets). A tensor map's bytes are encoded here, at a stand-in address that each
+    call replaces (:func:`cuflash._tma.address_patchable`; where the driver's layout does not allow
+    it, each call encodes its maps instead).
+
+    Each thread that launches the step has its own copy of the block, at a fixed address, its
+    pointer array filled in once. A call writes only what changes per call into it (64-bit words:
+    the template's pointer slots, the maps' addresses, pointer parameters; other slots by
+    ``pack_into``, one per run of adjacent fields), so every other byte stays what the plan packed,
+    and launches it. The driver has copied the arguments when the launch returns, so the thread's
+    next call may write the block again.
     """
 
-    __slots__ = ("func", "grid", "threads", "smem", "args", "dependent", "block", "writes", "maps", "argv", "offsets")
+    __slots__ = ("func", "grid", "threads", "smem", "args", "dependent", "block", "offsets", "words", "writes",
+                 "maps", "_local")
 
     def __init__(self, func: int, grid, threads: int, smem: int, args, dependent: bool = False):
         self.func, self.grid, self.threads, self.smem = func, tuple(int(g) for g in grid), threads, smem
         self.args = tuple(args)
         self.dependent = dependent   # a programmatic dependent of the plan's previous step (_launch.launch)
-        parts, self.writes, self.maps, self.offsets = [], [], [], []
-        position = 8 * len(self.args)
+        words, writes, maps, offsets = [], [], [], []
+        block = bytearray(8 * len(self.args))
         for arg in self.args:
-            self.offsets.append(position)
+            block += bytes(-len(block) % 8)
+            position = len(block)
+            offsets.append(position)
             if arg[0] == "struct":
-                parts.append(arg[1].data)
+                block += arg[1].data
                 for offset, fmt, keys in arg[1].runs():
-                    self.writes.append((position + offset, struct.Struct(fmt), operator.itemgetter(*keys),
-                                        len(keys) == 1))
+                    if fmt == "<" + "Q" * len(keys) and (position + offset) % 8 == 0:
+                        words += [((position + offset) // 8 + i, key) for i, key in enumerate(keys)]
+                    else:
+                        writes.append((position + offset, struct.Struct(fmt), operator.itemgetter(*keys),
+                                       len(keys) == 1))
             elif arg[0] == "map":
-                parts.append(bytes(128))
-                self.maps.append((position, arg[1], arg[2]))
+                if _tma.address_patchable():
+                    block += _tma.template(arg[2])
+                    words.append((position // 8, arg[1]))   # bytes 0..7: the global address
+                else:
+                    block += bytes(128)
+                    maps.append((position, arg[1], arg[2]))
             else:
-                parts.append(bytes(8))
-                self.writes.append((position, struct.Struct("<Q"), operator.itemgetter(arg[1]), True))
-            position += len(parts[-1])
-        self.block = bytes(8 * len(self.args)) + b"".join(parts)
-        self.argv = struct.Struct(f"<{len(self.args)}Q")
+                block += bytes(8)
+                words.append((position // 8, arg[1]))
+        block += bytes(-len(block) % 8)
+        self.block, self.offsets = bytes(block), tuple(offsets)
+        self.words, self.writes, self.maps = tuple(words), tuple(writes), tuple(maps)
+        self._local = threading.local()
+
+    def _thread_block(self):
+        """The calling thread's block: (bytearray, its 64-bit words, its address), made at its first
+        launch (the words' memoryview pins the bytearray, so its address never changes)."""
+        block = bytearray(self.block)
+        base = _launch.address(block)
+        struct.pack_into(f"<{len(self.offsets)}Q", block, 0, *[base + offset for offset in self.offsets])
+        mine = self._local.block = (block, memoryview(block).cast("Q"), base)
+        return mine
 
     def launch(self, values, stream: int) -> None:
         """Launch with the call's ``values`` (see :class:`Plan`) on ``stream``."""
-        block = bytearray(self.block)
+        try:
+            block, words, base = self._local.block
+        except AttributeError:
+            block, words, base = self._thread_block()
+        for index, key in self.words:
+            words[index] = values[key]   # native byte order: little-endian on every CUDA host
         for offset, packer, get, single in self.writes:
             if single:
                 packer.pack_into(block, offset, get(values))
@@ -87,8 +123,6 @@ class Step:
                 packer.pack_into(block, offset, *get(values))
         for offset, key, spec in self.maps:
             block[offset:offset + 128] = _tma.encode_at(values[key], spec)
-        base = _launch.address(block)
-        self.argv.pack_into(block, 0, *[base + offset for offset in self.offsets])
         _launch.launch(self.func, self.grid, self.threads, self.smem, base, stream, self.dependent)
 
 
@@ -158,16 +192,18 @@ class Plan:
             offset += -(-buffer.nbytes // 256) * 256
         self._temp_bytes = offset
         self._zeroed = tuple(i for i, buffer in enumerate(self.temps) if buffer.zero)
+        self._output_indices = tuple(self.outputs)
         self._output_layouts = {}
+        self._report = self.index("report")
 
     def _output_layout(self, missing):
         """(index, shape, dtype, offset) of each missing output in one allocation, and its size."""
         layout, offset = [], 0
         for index in missing:
             buffer = self.outputs[index]
-            layout.append((index, buffer.shape, buffer.dtype, offset))
+            layout.append((index, buffer.shape, _array_dtype(buffer.dtype), offset))
             offset += -(-buffer.nbytes // 256) * 256
-        return layout, offset
+        return tuple(layout), offset
 
     # Value indices of the stream's words and the per-call scalars.
     def index(self, name: str) -> int:
@@ -206,7 +242,7 @@ class Plan:
         cupy = _cp or _cupy()
 
         device_id = cupy.cuda.runtime.getDevice()
-        stream = _launch.current_stream_ptr()
+        stream = _launch.current_stream_ptr(device_id)
         state = _launch.stream_state(device_id, stream)
         pinned = _pinned.get()
         if workspace is None and pinned is not None and pinned.plan is self:
@@ -220,8 +256,8 @@ class Plan:
             workspace = state.workspace(self)
         values = list(ptrs)
         made = {}
-        if self.outputs:
-            missing = tuple(index for index in self.outputs if not values[index])
+        if self._output_indices:
+            missing = tuple([index for index in self._output_indices if not values[index]])
             layout = self._output_layouts.get(missing)
             if layout is None:
                 layout = self._output_layouts[missing] = self._output_layout(missing)
@@ -229,9 +265,10 @@ class Plan:
                 # One allocation for the outputs the caller did not give (an allocation costs
                 # about a microsecond of host time, cupy.empty nearly three).
                 memory = cupy.cuda.alloc(layout[1])
+                ndarray, base = cupy.ndarray, memory.ptr
                 for index, shape, dtype, offset in layout[0]:
-                    array = made[index] = cupy.ndarray(shape, dtype, memory + offset if offset else memory)
-                    values[index] = array.data.ptr
+                    made[index] = ndarray(shape, dtype, memory + offset if offset else memory)
+                    values[index] = base + offset
         if workspace is not None:
             temps = workspace
             temp_ptrs = [t.data.ptr for t in temps]
@@ -249,22 +286,40 @@ class Plan:
                    state.split_counters(self.split_counters) if self.split_counters else 0)
         drawn = None
         if self.dropout is not None:
-            from .random import default_generator
-
-            seed, offset = (int(x) for x in (rng_state if rng_state is not None
-                                             else (generator or default_generator()).next_state()))
+            if rng_state is None:
+                rng_state = (generator or _default_generator()).next_state()
+            seed, offset = int(rng_state[0]), int(rng_state[1])
             values += (seed, offset & 0xFFFFFFFF)
             drawn = np.array([seed, offset], dtype=np.uint64)
+        steps = self.steps
         if self.checked:
-            values[self.index("report")] = state.report_ptr(self.slot)
+            values[self._report] = state.report_ptr(self.slot)
             state.plans[self.slot] = self
-        for n, step in enumerate(self.steps):
-            step.launch(values, stream)
-            if n == 0 and self.checked and check:
+            if check:
+                steps[0].launch(values, stream)
                 cupy.cuda.runtime.streamSynchronize(stream)
                 _raise_fault(state, self.slot)
-        results = [made.get(i, operands[i]) for i in self.results]
-        return results, temps, drawn
+                steps = steps[1:]
+        for step in steps:
+            step.launch(values, stream)
+        return [made.get(i, operands[i]) for i in self.results], temps, drawn
+
+
+def _array_dtype(dtype: np.dtype):
+    """What to pass as cupy.ndarray's dtype: the scalar type of a NumPy built-in dtype (which CuPy
+    resolves ~0.15 us faster than the dtype object), else the dtype."""
+    return dtype.type if dtype.isbuiltin == 1 and dtype.isnative else dtype
+
+
+def _default_generator():
+    """cuflash.random.default_generator(), its module imported once (an import statement in the
+    call path costs ~0.8 us a call)."""
+    global _random
+    if _random is None:
+        from . import random
+
+        _random = random
+    return _random.default_generator()
 
 
 class PlanningDone(Exception):

@@ -5,6 +5,13 @@ caller's strides, read in boxes of 64 columns (128 bytes, the span of the 128-by
 ``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
 never reach a result. The map travels to the kernel by value: its 128 bytes are one kernel
 parameter of the launch (cuflash/_launch.py), like the packed parameter struct.
+
+A plan encodes its maps once, at a stand-in address (:data:`TEMPLATE_ADDRESS`), and a call writes
+only the operand's address into them: the driver keeps the global address as a plain little-endian
+64-bit value in bytes 0..7 of the map, and nothing else in the map depends on it (as measured with
+CUDA 13's ``cuTensorMapEncodeTiled``). That layout is not documented, so :func:`address_patchable`
+checks it on the driver once per process; where it does not hold, a call encodes its maps
+(:func:`encode_at`, ~8.5 us each).
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ def tma_compatible(x) -> bool:
 
 
 # Encoded maps by (address, TensorMapSpec): a map is a pure function of these, so a hit is exact.
-# Encoding through ctypes costs ~10 us a map, four a launch: host time that a short forward cannot
-# hide. Bounded: cleared when full.
+# Encoding through ctypes costs ~8.5 us a map; plans encode theirs once (:func:`template`), and
+# calls go through here only where maps cannot be patched. Bounded: cleared when full.
 _cache: dict = {}
 _CACHE_ENTRIES = 256
 
@@ -104,3 +111,49 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled rejected shape {shape} strides {strides} (error {rc})")
     return bytes(words)
+
+
+# Where plans encode their maps (any 16-byte aligned address: the driver does not dereference it),
+# and the check's addresses, apart from it in low and high bits (below 2**47, like a real pointer).
+TEMPLATE_ADDRESS = 0x7F00_0000_0000
+_PROBE_ADDRESSES = (0x7A12_3456_7890, 0x1000_0000_0100)
+_PROBE_SPECS = (
+    ((2, 300, 8, 128), (300 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2), 2 * 300 * 8 * 128 * 2, 128, "bfloat16"),
+    ((700, 4, 64), (4 * 64 * 2, 64 * 2, 2), 700 * 4 * 64 * 2, 64, "float16"),   # varlen's packed rows
+)
+_patchable = None
+
+
+def address_patchable() -> bool:
+    """Whether a map encoded at one address becomes the map at another by writing that address into
+    its bytes 0..7 (little-endian). Checked on the driver when a plan first needs a map, once per
+    process: a (B, S, H, D) and a packed-rows map, each encoded at three addresses. False as well
+    where the driver refuses the stand-in addresses; then every call encodes its maps."""
+    global _patchable
+    if _patchable is None:
+        _patchable = _check_patchable()
+    return _patchable
+
+
+def _check_patchable() -> bool:
+    try:
+        for spec in _PROBE_SPECS:
+            addresses = (TEMPLATE_ADDRESS, *_PROBE_ADDRESSES)
+            maps = [_encode(address, *spec) for address in addresses]
+            for address, tensor_map in zip(addresses, maps):
+                if len(tensor_map) != 128 or tensor_map != patched(maps[0], address):
+                    return False
+    except RuntimeError:
+        return False
+    return True
+
+
+def patched(tensor_map: bytes, ptr: int) -> bytes:
+    """``tensor_map`` over the address ``ptr`` (valid where :func:`address_patchable`)."""
+    return ptr.to_bytes(8, "little") + tensor_map[8:]
+
+
+def template(spec: TensorMapSpec) -> bytes:
+    """The map ``spec`` at :data:`TEMPLATE_ADDRESS`: a plan's copy, whose address each call replaces
+    (valid where :func:`address_patchable`)."""
+    return encode_at(TEMPLATE_ADDRESS, spec)

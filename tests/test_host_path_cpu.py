@@ -1,13 +1,18 @@
 """Host-side pieces of the call pipeline that need no GPU: the fault messages of the device index
-check, the stream key of per-thread default streams, the ``check`` flag, and a pinned plan's
-refusal of options at call time. (The GPU side is tests/test_host_path_gpu.py.)"""
+check, the stream key of per-thread default streams, the ``check`` flag, a pinned plan's refusal of
+options at call time, the driver check that lets a plan's tensor maps be patched with each call's
+addresses, the argument blocks a step launches (per thread, at fixed addresses), and a plan's run
+with CuPy faked. (The GPU side is tests/test_host_path_gpu.py.)"""
 
+import ctypes
+import hashlib
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from cuflash import _checks, _launch, _pipeline
+from cuflash import _checks, _launch, _params, _pipeline, _tma
 
 # What cuflash/decode.py hands the index check (and so the plan's info) for a paged cache of 9 pages
 # of 16 keys, 4 pages per sequence, 2 tokens appended.
@@ -113,3 +118,315 @@ def test_pinned_plan_refuses_options_at_call_time():
         with pytest.raises(TypeError):
             plan(5, opt=value)
     assert len(seen) == 1, "a refused call reached the function"
+
+
+# ----------------------------------------------------------------------------- tensor maps, argument blocks
+
+def _map_body(spec) -> bytes:
+    """120 bytes that depend on everything in a map but its address."""
+    return (hashlib.sha256(repr(spec).encode()).digest() * 4)[:120]
+
+
+def encode_like_cuda13(ptr, *spec):
+    """A driver whose maps hold the global address as a little-endian 64-bit value in bytes 0..7
+    (what CUDA 13's cuTensorMapEncodeTiled was measured to do)."""
+    return ptr.to_bytes(8, "little") + _map_body(spec)
+
+
+def encode_shifted(ptr, *spec):
+    """A driver that keeps the address elsewhere (bytes 8..15, shifted by 4)."""
+    body = _map_body(spec)
+    return body[:8] + (ptr >> 4).to_bytes(8, "little") + body[8:]
+
+
+def encode_mixed(ptr, *spec):
+    """A driver whose other bytes depend on the address too."""
+    return ptr.to_bytes(8, "little") + _map_body((spec, ptr >> 40))
+
+
+def encode_refusing(ptr, *spec):
+    raise RuntimeError("cuTensorMapEncodeTiled rejected")
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    """Install a fake encoder (returns the list of its calls); the patch check starts unknown."""
+    def install(encoder):
+        calls = []
+
+        def encode(ptr, *spec):
+            calls.append(ptr)
+            return encoder(ptr, *spec)
+
+        monkeypatch.setattr(_tma, "_encode", encode)
+        monkeypatch.setattr(_tma, "_cache", {})
+        monkeypatch.setattr(_tma, "_patchable", None)
+        return calls
+
+    return install
+
+
+@pytest.mark.parametrize("encoder, patchable", [(encode_like_cuda13, True), (encode_shifted, False),
+                                                (encode_mixed, False), (encode_refusing, False)])
+def test_address_patch_check(driver, encoder, patchable):
+    calls = driver(encoder)
+    assert _tma.address_patchable() is patchable
+    checked = len(calls)
+    assert 1 <= checked <= 6   # a few encodes (fewer where the first answer already says no)
+    assert _tma.address_patchable() is patchable and len(calls) == checked, "checked more than once"
+
+
+def _dense(shape, itemsize=2):
+    """Just enough of a contiguous array for a TensorMapSpec: shape, byte strides, nbytes."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.insert(0, step)
+        step *= n
+    return SimpleNamespace(shape=tuple(shape), strides=tuple(strides), nbytes=step, itemsize=itemsize)
+
+
+def test_patched_map_is_the_map_encoded_at_the_address(driver):
+    driver(encode_like_cuda13)
+    spec = _tma.TensorMapSpec(_dense((2, 300, 8, 128)), 128, "bfloat16")
+    for ptr in (0x7F12_3456_0000, 0x3_0000_0010, 0x7FFF_FFFF_FFF0):
+        assert _tma.patched(_tma.template(spec), ptr) == encode_like_cuda13(ptr, *spec)
+
+
+# A fwd_sm90-like launch: four maps (q, k, v, o), the params struct with pointer slots, dropout's
+# seed (64-bit) and offset (32-bit) slots, and the stream's counter by value.
+COUNTER, SEED, OFFSET = 11, 12, 13
+MAPPED = (0, 1, 2, 3)
+
+
+def _step():
+    x = _dense((2, 300, 8, 64))
+    maps = [("map", i, _tma.TensorMapSpec(x, rows, "bfloat16")) for i, rows in zip(MAPPED, (128, 128, 128, 64))]
+    template = _params.Template(_params.FWD, {"seqlen_q": 300, "scale": 0.125, "dropout_rescale": 2.0},
+                                {"q": 0, "k": 1, "v": 2, "o": 3, "lse": 4, "dropout_seed": SEED,
+                                 "dropout_offset": OFFSET})
+    return _pipeline.Step(0xF00, (132, 1, 1), 384, 1000, (*maps, ("struct", template), ("pointer", COUNTER)))
+
+
+def _values(n):
+    """The values of call ``n``: distinct 16-byte aligned pointers, dropout's seed and 32-bit offset."""
+    values = [0x7E00_0000_0000 + (n << 32) + (i << 20) for i in range(SEED)]
+    return values + [n * 1000 + 7, (n * 77 + 5) & 0xFFFFFFFF]
+
+
+def _expected_arguments(step, values):
+    """Each parameter's bytes as the driver at CUDA 13 would have them (maps encoded at their address)."""
+    out = []
+    for arg in step.args:
+        if arg[0] == "map":
+            out.append(encode_like_cuda13(values[arg[1]], *arg[2]))
+        elif arg[0] == "struct":
+            out.append(bytes(arg[1].fill(values)))
+        else:
+            out.append(values[arg[1]].to_bytes(8, "little"))
+    return out
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Replace the driver launch of ``step``: record each launch, with the bytes of each parameter
+    read, as the driver does, through the argument pointer array before the launch returns."""
+    seen = []
+
+    def launch(func, grid, threads, smem, argv, stream, dependent=False):
+        sizes = [128 if a[0] == "map" else len(a[1].data) if a[0] == "struct" else 8 for a in launches.step.args]
+        pointers = [int.from_bytes(ctypes.string_at(argv + 8 * i, 8), "little") for i in range(len(sizes))]
+        seen.append(SimpleNamespace(func=func, grid=grid, argv=argv, stream=stream,
+                                    arguments=[ctypes.string_at(p, n) for p, n in zip(pointers, sizes)]))
+
+    launches = SimpleNamespace(seen=seen, launch=launch, step=None)
+    monkeypatch.setattr(_launch, "launch", launch)
+    return launches
+
+
+@pytest.mark.parametrize("encoder", [encode_like_cuda13, encode_shifted])
+def test_a_launch_writes_each_calls_pointers_and_map_addresses(driver, launches, encoder):
+    calls = driver(encoder)
+    step = launches.step = _step()
+    made = len(calls)   # the check and the plan's maps
+    for n in range(3):
+        values = _values(n + 1)
+        step.launch(values, 0x1234)
+        got = launches.seen[-1].arguments
+        if _tma.address_patchable():
+            assert got == _expected_arguments(step, values)
+        else:   # each call has the driver encode its maps
+            assert [got[i] for i in MAPPED] == [encoder(values[i], *step.args[i][2]) for i in MAPPED]
+            assert got[4:] == _expected_arguments(step, values)[4:]
+        fields = _params.FWD.unpack(got[4])
+        assert [fields[name] for name in ("q", "k", "v", "o", "lse")] == values[:5]
+        assert (fields["dropout_seed"], fields["dropout_offset"]) == (values[SEED], values[OFFSET])
+        assert fields["seqlen_q"] == 300 and fields["scale"] == 0.125 and fields["dropout_rescale"] == 2.0
+        seen = launches.seen[-1]
+        assert (seen.func, seen.grid, seen.stream) == (0xF00, (132, 1, 1), 0x1234)
+    if _tma.address_patchable():
+        assert len(calls) == made, "a call encoded a tensor map: it should only write the address"
+    else:
+        assert len(calls) == made + 3 * len(MAPPED)
+    assert len({s.argv for s in launches.seen}) == 1, "the thread's argument block moved between calls"
+
+
+def test_each_thread_launches_its_own_block(driver, launches, monkeypatch):
+    # Two threads launch the same step at once: each reads its parameters only after the other has
+    # written its own (the barrier), so a shared block would show the other thread's pointers.
+    driver(encode_like_cuda13)
+    step = launches.step = _step()
+    both_wrote = threading.Barrier(2, timeout=10)
+    values = {n: _values(n) for n in (5, 6)}
+
+    def launch_when_both_wrote(*args):
+        both_wrote.wait()
+        launches.launch(*args)
+
+    def worker(n):
+        for _ in range(2):
+            step.launch(values[n], 0x1000 + n)
+
+    monkeypatch.setattr(_launch, "launch", launch_when_both_wrote)
+    threads = [threading.Thread(target=worker, args=(n,)) for n in values]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(launches.seen) == 4
+    argv = {}
+    for seen in launches.seen:
+        n = seen.stream - 0x1000
+        assert seen.arguments == _expected_arguments(step, values[n]), f"thread {n} launched another's pointers"
+        argv.setdefault(n, set()).add(seen.argv)
+    assert all(len(a) == 1 for a in argv.values()), "a thread's argument block moved between its calls"
+    assert argv[5] != argv[6], "two threads share an argument block"
+
+
+def test_a_finished_threads_block_is_freed(driver, launches):
+    import gc
+    import weakref
+
+    driver(encode_like_cuda13)
+    step = launches.step = _step()
+    blocks = []
+
+    def worker():
+        step.launch(_values(1), 0)
+        blocks.append(weakref.ref(step._local.block[1]))   # the block's memoryview
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    gc.collect()
+    assert blocks and blocks[0]() is None, "a finished thread's argument block is still alive"
+
+
+# ----------------------------------------------------------------------------- Plan.run, CuPy faked
+
+class _Memory:
+    """A CuPy MemoryPointer stand-in: an address, and ``+`` for an offset."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __add__(self, offset):
+        return _Memory(self.ptr + offset)
+
+
+class _Array:
+    def __init__(self, shape, dtype, memptr):
+        self.shape, self.dtype, self.data = shape, np.dtype(dtype), memptr
+
+
+class _Stream:
+    """The stream state Plan.run reads, and what it was asked."""
+
+    counter, error, scratch = 0x9000, 0x9004, 0x9008
+
+    def __init__(self, fault=None):
+        self.fault, self.plans, self.events = fault, [None] * 3, []
+
+    def report_ptr(self, slot):
+        return 0xB000 + 16 * slot
+
+    def take_fault(self, slot):
+        self.events.append("take_fault")
+        if not self.events.count("sync"):
+            return None
+        fault, self.fault = self.fault, None
+        return fault
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = _Stream()
+    allocations = []
+
+    def alloc(nbytes):
+        allocations.append(nbytes)
+        return _Memory(0x7C00_0000_0000 * len(allocations))
+
+    runtime = SimpleNamespace(getDevice=lambda: 0, memsetAsync=lambda *a: state.events.append(("memset", a)),
+                              streamSynchronize=lambda stream: state.events.append("sync"))
+    cupy = SimpleNamespace(ndarray=_Array, cuda=SimpleNamespace(alloc=alloc, runtime=runtime))
+    monkeypatch.setattr(_pipeline, "_cp", cupy)
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
+    monkeypatch.setattr(_launch, "stream_state", lambda device, stream: state)
+    return SimpleNamespace(state=state, allocations=allocations)
+
+
+class _Recorder:
+    """A step that records the values it was launched with."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def launch(self, values, stream):
+        self.log.append((self.name, list(values), stream))
+
+
+def test_run_allocates_missing_outputs_in_one_block(fake_cuda):
+    log = []
+    outputs = {3: _pipeline.Buffer((2, 5, 3, 64), _checks.BFLOAT16), 4: _pipeline.Buffer((2, 3, 5), np.float32)}
+    plan = _pipeline.Plan("attention", 5, outputs=outputs, steps=[_Recorder("fwd", log)], results=(3, 4))
+    given = _Array((2, 5, 3, 64), _checks.BFLOAT16, _Memory(0x5550))
+    operands = (None, None, None, given, None)
+    results, temps, drawn = plan.run(operands, [0x10, 0x20, 0x30, 0x5550, 0])
+    assert results[0] is given and drawn is None and temps == []
+    lse = results[1]
+    assert lse.shape == (2, 3, 5) and lse.dtype == np.float32 and fake_cuda.allocations == [256]
+    assert log[0][1][:5] == [0x10, 0x20, 0x30, 0x5550, lse.data.ptr] and log[0][2] == 0x1234
+    results, _, _ = plan.run((None,) * 5, [0x10, 0x20, 0x30, 0, 0])   # neither given: one allocation
+    out, lse = results
+    assert fake_cuda.allocations[1] == 2 * 5 * 3 * 64 * 2 + 256 and lse.data.ptr == out.data.ptr + 3840
+    assert out.dtype == _checks.BFLOAT16 and log[1][1][3:5] == [out.data.ptr, lse.data.ptr]
+    assert log[1][1][5:10] == [0x9000, 0x9004, 0x9008, 0, 0]   # the stream's words
+
+
+def test_run_with_check_waits_for_the_index_check(fake_cuda):
+    log = []
+    plan = _pipeline.Plan("attention_varlen", 8, steps=[_Recorder("check", log), _Recorder("fwd", log)],
+                          checked=True, info=VARLEN_INFO)
+    ptrs = [0x100 * (i + 1) for i in range(8)]
+    plan.run((None,) * 8, ptrs, check=False)
+    assert [name for name, _, _ in log] == ["check", "fwd"] and "sync" not in fake_cuda.state.events
+    assert log[0][1][plan.index("report")] == 0xB000 + 16 * _launch.REPORT_SLOTS["attention_varlen"]
+    fake_cuda.state.fault = (3, 2, 25, plan)
+    log.clear()
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        plan.run((None,) * 8, ptrs, check=True)
+    assert [name for name, _, _ in log] == ["check"], "a kernel ran after the index check found a fault"
+    plan.run((None,) * 8, ptrs, check=True)   # the fault was taken: the next call runs
+    assert [name for name, _, _ in log] == ["check", "check", "fwd"]
+
+
+def test_run_passes_dropouts_seed_and_offset(fake_cuda):
+    log = []
+    plan = _pipeline.Plan("attention", 3, steps=[_Recorder("fwd", log)], dropout=(0.5, 2.0))
+    seed, offset = 0xDEAD_BEEF_0000_0001, (5 << 32) + 12
+    _, _, drawn = plan.run((None,) * 3, [0x10, 0x20, 0x30], rng_state=np.array([seed, offset], dtype=np.uint64))
+    assert log[-1][1][plan.index("seed"):] == [seed, 12]
+    assert drawn.dtype == np.uint64 and drawn.tolist() == [seed, offset]
+    generator = SimpleNamespace(next_state=lambda: (7, 9))
+    _, _, drawn = plan.run((None,) * 3, [0x10, 0x20, 0x30], generator=generator)
+    assert log[-1][1][plan.index("seed"):] == [7, 9] and drawn.tolist() == [7, 9]
