@@ -24,6 +24,28 @@ __device__ __forceinline__ long long bwd_row_index(const BwdParams& bp, int b, i
     return (static_cast<long long>(b) * bp.fwd.heads_q + h) * bp.seqlen_q_pad + i;
 }
 
+// bwd_sm90's dq_accum (BwdParams::dqa_tile_rows > 0): per (b, h) a row space of whole tiles of
+// tile_rows query rows x the compiled head dim (dqa_row_stride floats), each tile one contiguous
+// block of two 64 x 64 shares (split by rows when a tile has 128 rows, by columns when 64). A share
+// is stored in the order a warpgroup's wgmma accumulators leave registers: float4 number
+// n-tile * 128 + thread, element e of the m64n64 accumulator fragment (wgmma_sm90.cuh). That order
+// lets bwd_sm90 write it to shared memory with conflict-free 16-byte stores and add it in one bulk
+// reduction; bwd_convert and bwd_preprocess read it back through these two functions.
+//
+// Where sequence b's tiles start: row 0, or under varlen (every sequence in one row space per head)
+// its first row plus b tiles, rounded down to a tile, so that its tiles are whole and apart from
+// its neighbours'.
+__device__ __forceinline__ int dq_tile_row0(int q_row0, int b, int tile_rows, bool varlen) {
+    return varlen ? (q_row0 + b * tile_rows) / tile_rows * tile_rows : 0;
+}
+// Offset of element (r, c) inside its tile.
+__device__ __forceinline__ int dq_tile_offset(int r, int c, int tile_rows) {
+    const bool by_rows = tile_rows == 128;
+    const int share = by_rows ? r / 64 : c / 64, rr = by_rows ? r % 64 : r, cc = by_rows ? c : c % 64;
+    const int thread = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2, e = ((rr % 16) / 8) * 2 + cc % 2;
+    return share * 4096 + ((cc / 8) * 128 + thread) * 4 + e;
+}
+
 // The Philox word of element (i, j) of the sequence/head in s (cuda_src/philox.cuh's formula).
 __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqInfo& s, int i, int j) {
     const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j >> 2, p.heads_q);
@@ -31,33 +53,53 @@ __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqIn
     return r == 0 ? w.x : r == 1 ? w.y : r == 2 ? w.z : w.w;
 }
 
-// One element's share of the backward.
+// One element's share of the backward, in two halves so that a kernel can take P as soon as the
+// scores are in and dS once dP is (bwd_sm90 overlaps each half with a product).
 //   qk      raw q_i . k_j; without score modifiers (kMods == 0) already -inf where the window or the
 //           key tail hides (i, j);
 //   score2  with them, the element's score in log2 units from modify_scores (mask.cuh), -inf where
 //           hidden (qk is then raw: the softcap's derivative needs it); ignored without;
 //   dp      raw dO_i . v_j;   lse2 / dsum  the row's lse * log2(e) and D_i
 //   word    the element's Philox word (dropout_word), used only when kDropout
-// Outputs: pd = Pdrop (what multiplied v_j in the forward), ds = dL/ds (for dbias), dx = dL/dx.
+//
+// element_prob: P_ij; with dropout its sign carries the keep bit (-P: dropped), so that the second
+// half needs no Philox word.
+template <int kMods, bool kDropout>
+__device__ __forceinline__ float element_prob(const FwdParams& p, float qk, float score2, float lse2, unsigned word) {
+    const float prob = kMods != 0 ? fast_exp2(score2 - lse2)
+                                  : fast_exp2(fmaf(qk, p.scale_log2, -lse2));   // -inf (masked) -> 0
+    if constexpr (kDropout) return dropout_keeps(word, p.dropout_threshold) ? prob : -prob;
+    return prob;
+}
+
+// Pdrop, what multiplied v_j in the forward, from element_prob's value.
+template <bool kDropout>
+__device__ __forceinline__ float element_pdrop(const FwdParams& p, float prob) {
+    if constexpr (kDropout) return fmaxf(prob, 0.f) * p.dropout_rescale;
+    return prob;
+}
+
+// dx = dL/dx from element_prob's value; ds = dL/ds (for dbias).
+template <int kMods, bool kDropout>
+__device__ __forceinline__ float element_grad(const FwdParams& p, float prob, float qk, float dp, float dsum,
+                                              float* ds) {
+    float dp_kept = dp;
+    if constexpr (kDropout) {
+        dp_kept = prob > 0.f ? dp * p.dropout_rescale : 0.f;
+        prob = fabsf(prob);
+    }
+    const float grad = prob == 0.f ? 0.f : prob * (dp_kept - dsum);
+    *ds = grad;
+    return (kMods & kModSoftcap) ? grad * softcap_grad(p, qk) : grad;
+}
+
+// Both halves at once. Outputs: pd = Pdrop, ds = dL/ds, dx = dL/dx.
 template <int kMods, bool kDropout>
 __device__ __forceinline__ void score_grad(const FwdParams& p, float qk, float score2, float dp, float lse2,
                                            float dsum, unsigned word, float* pd, float* ds, float* dx) {
-    float prob;
-    if constexpr (kMods != 0) {
-        prob = fast_exp2(score2 - lse2);
-    } else {
-        prob = fast_exp2(fmaf(qk, p.scale_log2, -lse2));   // -inf (masked) -> 0
-    }
-    float dp_kept = dp, p_kept = prob;
-    if constexpr (kDropout) {
-        const bool keep = dropout_keeps(word, p.dropout_threshold);
-        dp_kept = keep ? dp * p.dropout_rescale : 0.f;
-        p_kept = keep ? prob * p.dropout_rescale : 0.f;
-    }
-    const float grad = prob == 0.f ? 0.f : prob * (dp_kept - dsum);
-    *pd = p_kept;
-    *ds = grad;
-    *dx = (kMods & kModSoftcap) ? grad * softcap_grad(p, qk) : grad;
+    const float prob = element_prob<kMods, kDropout>(p, qk, score2, lse2, word);
+    *pd = element_pdrop<kDropout>(p, prob);
+    *dx = element_grad<kMods, kDropout>(p, prob, qk, dp, dsum, ds);
 }
 
 // dst[0..1] += (a, b) and dst[0..3] += v with float32 atomics: one vector reduction on sm_90 (dst

@@ -17,7 +17,8 @@ struct BwdParams {
     FwdParams fwd;
 
     const void* dout;        // dO, the layout of o (strides below)
-    float* dq_accum;         // float32 dQ / scale, accumulated with atomics; nullptr: deterministic dQ pass
+    float* dq_accum;         // float32 dQ / scale, accumulated with atomics (bwd_sm90: bulk reductions into
+                             // tiles, dqa_tile_rows); nullptr: deterministic dQ pass
     void* dq;                // elem_t dQ, written by the dQ pass (deterministic mode)
     void* dk;                // elem_t dK (dkv_partial = 0) or float32 partial sums (dkv_partial = 1)
     void* dv;
@@ -34,23 +35,27 @@ struct BwdParams {
     int seqlen_q_pad;        // rows per (b, h) of lse2/dsum: a multiple of every backward block size
     int heads_per_cta;       // query heads whose dK/dV one CTA sums (divides Hq / Hk)
     int dkv_partial;         // 1: dk/dv hold float32 partial sums, head index = query head / heads_per_cta
-    int pad_;
+    int dqa_tile_rows;       // 0: dq_accum rows are dQ's rows; else bwd_sm90's tiles (bwd_common.cuh)
 };
 
 // Elementwise float32 -> element type conversion with a scale and a fixed-order sum over partial
 // buffers: dQ from dq_accum, and dK/dV from per-head-chunk partials (GQA split over CTAs).
 //   dst[r, h, d] = scale * sum_{s < num_partials} src[s * partial_stride + r * src_row_stride
 //                                                     + h * src_head_stride + d]
+// or, with tile_rows > 0, dQ from bwd_sm90's tiled dq_accum (bwd_common.cuh): dst row i of sequence
+// b from element (i, d) of b's tiles, src_batch_stride / dst_batch_stride apart per sequence (0
+// under varlen, whose rows start at cu_seqlens[b]).
 struct ConvertParams {
     const float* src;
     void* dst;
     const int* error;        // the call's check_indices verdict (see FwdParams::error); nullptr: no check
+    const int* cu_seqlens;   // tiled source under varlen; else nullptr
     long long partial_stride;
-    long long src_row_stride, src_head_stride;
-    long long dst_row_stride, dst_head_stride;
-    int rows, heads, head_dim, num_partials;
+    long long src_row_stride, src_head_stride, src_batch_stride;
+    long long dst_row_stride, dst_head_stride, dst_batch_stride;
+    int rows, heads, head_dim, num_partials;   // tiled: rows per sequence (varlen: the longest)
     float scale;
-    int pad_;
+    int tile_rows;           // 0: rows as above; else the tiles' rows (their columns: src_row_stride)
 };
 
 #ifdef CUFLASH_BWD_PARAMS_SIZE

@@ -60,10 +60,17 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
         for (int c = lane8 * kPerChunk; c < p.head_dim; c += 8 * kPerChunk)
             acc += dot_chunk<elem_t>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d_o + c));
     }
-    if (bp.dq_accum != nullptr && i < s.seqlen_q) {
+    if (bp.dq_accum != nullptr) {
+        // Row by row; bwd_sm90's tiles (dqa_tile_rows) are zeroed whole, the rows past the sequence
+        // included: a tile is one block that its reductions cover entirely.
+        const int tile = bp.dqa_tile_rows;
+        const bool zero = tile ? i < ceil_div(s.seqlen_q, tile) * tile : i < s.seqlen_q;
+        const int row = tile ? dq_tile_row0(s.q_row0, s.b, tile, p.cu_seqlens_q != nullptr) + i : s.q_row0 + i;
+        const int width = tile ? static_cast<int>(bp.dqa_row_stride) : p.head_dim;
         float4* dqa = reinterpret_cast<float4*>(bp.dq_accum + s.b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                                (s.q_row0 + i) * bp.dqa_row_stride);
-        for (int c = lane8; c < p.head_dim / 4; c += 8) dqa[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+                                                row * bp.dqa_row_stride);
+        if (zero)
+            for (int c = lane8; c < width / 4; c += 8) dqa[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);

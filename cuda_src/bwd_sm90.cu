@@ -7,13 +7,16 @@
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
 //     copies) of each query tile into a kStages-deep ring; it gives its registers away.
 //   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
-//       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory)
-//       P^T, dS^T element by element          (score_grad, bwd_common.cuh; masks of mask.cuh)
-//       dV += P^T dO,  dK += dS^T Q            (wgmma with P^T / dS^T from registers: the
-//                                               accumulator layout is the A-fragment layout)
+//       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory; two groups)
+//       P^T element by element                (element_prob, bwd_common.cuh; masks of mask.cuh),
+//                                              while dP^T is still computed
+//       dV += P^T dO                           (wgmma with P^T from registers: the accumulator
+//                                              layout is the A-fragment layout; at D = 128 issued
+//                                              before dS^T, which it then overlaps)
+//       dS^T element by element, dK += dS^T Q  (element_grad; wgmma from registers)
 //       dQ += dS K                             (dS^T of both consumers through shared memory, each
-//                                               consumer a 64 x 64 share of dQ, added into
-//                                               dq_accum by bulk reductions)
+//                                              consumer a 64 x 64 share of dQ, added into its
+//                                              share of dq_accum's tile by one bulk reduction)
 //   dK, dV stay in registers across the walk and are written once at the end.
 // With deterministic=True (CUFLASH_BWD_DQ=0) there is no dQ product here: bwd_sm80's dQ pass writes
 // dQ (cuflash/backward.py).
@@ -21,7 +24,7 @@
 // Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
 // belong to the next one: the consumers zero them in shared memory (queries: Q and dO rows of the
 // tile; keys: K rows, which the dQ product would otherwise meet as 0 * K), so nothing outside the
-// sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (score_grad).
+// sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (element_grad).
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
 // CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here), CUFLASH_BLOCK_M (query rows per step: 128
@@ -58,23 +61,34 @@ struct BwdSm90Config {
     static constexpr int kBlockN = 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
     // The producer's walk and copies need 40 registers (with 24 they spilled); the consumers get
     // the rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills.
-    static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+    static constexpr int kProducerRegs = 40, kConsumerRegs = 232, kProducerUnroll = kHeadDim == 128 ? 1 : 4;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
     static constexpr int kMTiles = kBlockM / 8, kDTiles = kHeadDim / 8;   // 8-column n-tiles of S^T and dK/dV
+    // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
+    // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
+    static constexpr bool kEarlyDv = kBlockM == 64;
     // dQ (kBlockM x kHeadDim) in two 64 x 64 shares: by rows when kBlockM = 128, by columns when 64.
     static constexpr bool kDqSplitRows = kBlockM == 128;
     static_assert(kDqSplitRows ? kHeadDim == 64 : (kBlockM == 64 && kHeadDim == 128),
                   "each consumer's share of dQ is 64 x 64 (wgmma_ss_n64_tt)");
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
     static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // dS^T, double buffered
-    // Each consumer's float32 share of dQ on its way to dq_accum: 64 rows of 256 bytes, 32 bytes
-    // apart so that the 8 rows of a fragment store fall in different banks.
-    static constexpr int kDqRowBytes = 64 * 4 + 32;
+    // Each consumer's float32 share of dQ on its way to dq_accum (64 x 64), double buffered where
+    // shared memory allows (D = 128: 227 KB in all; D = 64's dS^T tiles are twice as large).
+    static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kHeadDim == 128 ? 2 : 1;
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
-                                      2 * kDsBytes + kConsumers * 64 * kDqRowBytes;
+                                      2 * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "bwd_sm90 runs head dims 64 and 128");
 };
+
+// Where a consumer keeps P^T: in score2 with score modifiers (acc_s keeps the raw scores), in acc_s
+// without.
+template <bool kScoreMods, class S, class S2>
+__device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
+    if constexpr (kScoreMods) return score2;
+    else return acc_s;
+}
 
 template <class C>
 __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
@@ -83,25 +97,24 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long barriers[1 + 2 * C::kStages];
     __shared__ __align__(16) float lse2_smem[C::kStages][C::kBlockM], dsum_smem[C::kStages][C::kBlockM];
-    __shared__ int tile_of_stage[C::kStages];   // (head offset << 16) | query tile; -1: the walk is over
+    __shared__ int tile_of_stage[C::kStages];   // (query head << 16) | query tile; -1: the walk is over
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;
     const unsigned k_smem = smem;                                   // [kHeadDim / 64][kBlockN][64]
     const unsigned v_smem = k_smem + C::kKVBytes;
     const unsigned q_smem = v_smem + C::kKVBytes;                   // [kStages][kHeadDim / 64][kBlockM][64]
     const unsigned do_smem = q_smem + C::kStages * C::kQBytes;
     const unsigned ds_smem = do_smem + C::kStages * C::kQBytes;     // [2][kBlockM / 64][kBlockN][64]: dS^T
-    const unsigned dq_smem = ds_smem + 2 * C::kDsBytes;             // [kConsumers][64][kDqRowBytes / 4]
+    const unsigned dq_smem = ds_smem + 2 * C::kDsBytes;             // [kConsumers][kDqBuffers][64 x 64 float]
     const unsigned kv_full = smem_addr(&barriers[0]);
     auto full = [&](int stage) { return smem_addr(&barriers[1 + stage]); };
     auto empty = [&](int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); };
 
     // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
-    // h0 .. h0 + heads - 1 of that kv head's group (all of it unless the host split it).
+    // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
+    // The consumers learn each tile's head from the producer.
     const int b = blockIdx.z;
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
-    const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
-    const int heads = bp.heads_per_cta;
-    SeqInfo s = make_seq_info(p, b, h0);
+    SeqInfo s = make_seq_info(p, b, (blockIdx.y / splits) * group);
     const int n_lo = blockIdx.x * C::kBlockN;
     if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
     const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
@@ -136,12 +149,18 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                             kv_full);
             }
         }
+        const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
         int stage = 0, phase = 0;
-        for (int hh = 0; hh < heads; ++hh) {
+        // Unrolled as far as ptxas then needs no spills in any warpgroup (NVRTC 13.0: D = 128
+        // spilled in the producer with the inner loop unrolled 4 times, D = 64 in the consumers
+        // with it not unrolled).
+#pragma unroll 1
+        for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
             s.h = h0 + hh;
             // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
             const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
             const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
+#pragma unroll C::kProducerUnroll
             for (int c = c_begin; c < c_end; ++c) {
                 const int m_lo = c * C::kBlockM;
                 if constexpr (C::kBlockMask) {
@@ -150,7 +169,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
                 if (lane == 0) {
                     mbar_wait(empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
-                    tile_of_stage[stage] = (hh << 16) | c;
+                    tile_of_stage[stage] = (s.h << 16) | c;
                     mbar_arrive_expect_tx(full(stage), 2 * C::kQBytes + 2 * C::kBlockM * 4);
                     for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
                         const unsigned off = stage * C::kQBytes + blk * C::kBlockM * 128;
@@ -193,7 +212,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         mbar_wait(full(stage), phase);
         const int tile = *static_cast<volatile int*>(&tile_of_stage[stage]);
         if (tile < 0) break;
-        s.h = h0 + (tile >> 16);
+        s.h = tile >> 16;
         const int m_lo = (tile & 0xffff) * C::kBlockM;
         const unsigned q_tile = q_smem + stage * C::kQBytes, do_tile = do_smem + stage * C::kQBytes;
         if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
@@ -202,7 +221,8 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(do_tile, s.seqlen_q - m_lo);
         }
 
-        // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
+        // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, in two groups: P^T is taken
+        // from S^T while dP^T is still being computed.
         float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
         float(&s_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_dp[0][0]);
@@ -211,12 +231,12 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         wgmma_commit();
         gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, v_smem + consumer * 64 * 128, do_tile);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();
         fence_registers(s_flat);
-        fence_registers(dp_flat);
 
-        // P^T and dS^T element by element: acc_s becomes Pdrop, acc_dp dL/dx. Element (mi, e) of this
-        // thread: key n_lo + key_row0 + 8 (e / 2), query m_lo + 8 mi + 2 t + e % 2.
+        // P^T element by element: element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2),
+        // query m_lo + 8 mi + 2 t + e % 2. With score modifiers P goes to score2 and acc_s keeps
+        // the raw scores (the softcap's derivative needs them); without, P replaces S in acc_s.
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         if constexpr (C::kScoreMods) {
@@ -248,46 +268,78 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                     }
             }
         }
+        float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
             const float2 col_lse2 = *reinterpret_cast<const float2*>(&lse2_smem[stage][mi * 8 + 2 * t]);
-            const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum_smem[stage][mi * 8 + 2 * t]);
             unsigned words[4] = {0u, 0u, 0u, 0u};
             if constexpr (C::kDropout) dropout_words_cols(p, s, m_lo + mi * 8 + 2 * t, keys[0], lane, words);
 #pragma unroll
+            for (int e = 0; e < 4; ++e)
+                prob[mi][e] = element_prob<C::kMods, C::kDropout>(p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f,
+                                                                  e % 2 ? col_lse2.y : col_lse2.x, words[e]);
+        }
+        unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
+        auto pack_pdrop = [&] {
+#pragma unroll
+            for (int kk = 0; kk < C::kBlockM / 16; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float* x = prob[2 * kk + half];
+                    p_frag[kk][2 * half] = pack2<elem_t>(element_pdrop<C::kDropout>(p, x[0]),
+                                                         element_pdrop<C::kDropout>(p, x[1]));
+                    p_frag[kk][2 * half + 1] = pack2<elem_t>(element_pdrop<C::kDropout>(p, x[2]),
+                                                             element_pdrop<C::kDropout>(p, x[3]));
+                }
+        };
+
+        // dV += P^T dO (dO is an MN-major B operand: its rows are the queries). Issued before dS^T
+        // when the registers allow P^T to stay in float32 beside its packed copy (C::kEarlyDv).
+        float(&dv_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dv[0][0]);
+        float(&dk_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dk[0][0]);
+        if constexpr (C::kEarlyDv) {
+            pack_pdrop();
+            wgmma_fence();
+            gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
+            wgmma_commit();
+            wgmma_wait<1>();   // dP^T (the older group) is in; dV runs on
+        } else {
+            // (ptxas waits for dP^T here before the exponentials anyway: with 128 query columns
+            // they can only be written in place, over accumulator registers.)
+            wgmma_wait<0>();
+        }
+        fence_registers(dp_flat);
+
+        // dS^T element by element, into acc_dp as dL/dx.
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi) {
+            const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum_smem[stage][mi * 8 + 2 * t]);
+#pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pd, ds, dx;
-                score_grad<C::kMods, C::kDropout>(p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f,
-                                                  acc_dp[mi][e], e % 2 ? col_lse2.y : col_lse2.x,
-                                                  e % 2 ? col_dsum.y : col_dsum.x, words[e], &pd, &ds, &dx);
+                float ds;
+                acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(p, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
+                                                                    e % 2 ? col_dsum.y : col_dsum.x, &ds);
                 if constexpr ((C::kMods & kModBias) != 0) {
                     const int i = m_lo + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
                     if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
                         bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
                                  j] = ds;
                 }
-                acc_s[mi][e] = pd;
-                acc_dp[mi][e] = dx;
             }
         }
-        unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
 #pragma unroll
         for (int kk = 0; kk < C::kBlockM / 16; ++kk) {
-            p_frag[kk][0] = pack2<elem_t>(acc_s[2 * kk][0], acc_s[2 * kk][1]);
-            p_frag[kk][1] = pack2<elem_t>(acc_s[2 * kk][2], acc_s[2 * kk][3]);
-            p_frag[kk][2] = pack2<elem_t>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
-            p_frag[kk][3] = pack2<elem_t>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
             ds_frag[kk][0] = pack2<elem_t>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
             ds_frag[kk][1] = pack2<elem_t>(acc_dp[2 * kk][2], acc_dp[2 * kk][3]);
             ds_frag[kk][2] = pack2<elem_t>(acc_dp[2 * kk + 1][0], acc_dp[2 * kk + 1][1]);
             ds_frag[kk][3] = pack2<elem_t>(acc_dp[2 * kk + 1][2], acc_dp[2 * kk + 1][3]);
         }
 
-        // dV += P^T dO, dK += dS^T Q (dO and Q are MN-major B operands: their rows are the queries).
-        float(&dv_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dv[0][0]);
-        float(&dk_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dk[0][0]);
+        // dK += dS^T Q (and dV here when it could not go first: P^T packed only now, as each float32
+        // value of it is read for the last time).
+        if constexpr (!C::kEarlyDv) pack_pdrop();
         wgmma_fence();
-        gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
+        if constexpr (!C::kEarlyDv) gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
         gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dk_flat, ds_frag, q_tile);
         wgmma_commit();
 
@@ -326,46 +378,49 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         mbar_arrive(empty(stage));   // Q, dO, lse2 and D of this stage are no longer read
 
         if constexpr (C::kDq) {
-            // The 64 x 64 share of dQ leaves through shared memory: each warp writes its 16 rows and
-            // lanes 0-15 add one row each (256 contiguous bytes of dq_accum) with a bulk reduction,
-            // so the accumulators are free after 16 stores (atomics from registers keep them, and
-            // their addresses, live: benchmarks/NOTES.md, session 11).
+            // The 64 x 64 share of dQ leaves through shared memory in dq_tile_offset's order (16-byte
+            // stores, no bank conflicts) and is added to the tile's share of dq_accum, 16 KB in one
+            // place, by one bulk reduction that thread 0 of the warpgroup issues. Per call the shares
+            // of all CTAs add up to (key blocks) x the size of dQ in float32: atomics or row-wise
+            // reductions from every warp kept the consumers waiting on them (benchmarks/NOTES.md).
             fence_registers(dq_flat);
-            const int row_in_share = warp * 16 + lane % 16;
-            if (lane < 16) bulk_wait_read();   // the row's previous reduction has read it
-            __syncwarp();
-            const unsigned share = dq_smem + consumer * 64 * C::kDqRowBytes;
+            const int wg_thread = threadIdx.x % 128;
+            if constexpr (C::kDqBuffers == 1) {
+                if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
+                named_barrier_sync(2 + consumer, 128);
+            }
+            // (Double buffered, the buffers alternate with dS^T's: ds_buf.)
+            const unsigned share = dq_smem + (consumer * C::kDqBuffers + (C::kDqBuffers == 2 ? ds_buf : 0)) *
+                                                 C::kDqShareBytes;
 #pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int nj = 0; nj < 8; ++nj) {
-                    const unsigned addr = share + (warp * 16 + g + 8 * half) * C::kDqRowBytes + nj * 32 + t * 8;
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc_dq[nj][2 * half]),
-                                 "f"(acc_dq[nj][2 * half + 1])
-                                 : "memory");
-                }
+            for (int nj = 0; nj < 8; ++nj)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
+                             "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
+                             : "memory");
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
-            __syncwarp();
-            const int i = m_lo + (C::kDqSplitRows ? consumer * 64 : 0) + row_in_share;
-            const int col0 = C::kDqSplitRows ? 0 : consumer * 64;
-            const int cols = min(64, p.head_dim - col0);
-            if (lane < 16 && i < s.seqlen_q && cols > 0) {
-                bulk_reduce_add(bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                    (s.q_row0 + i) * bp.dqa_row_stride + col0,
-                                share + row_in_share * C::kDqRowBytes, cols * 4);
+            // Two buffers: the previous step's reduction (the other buffer) must have read it before
+            // the next step writes there; the barrier below tells every thread.
+            if (C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
+            named_barrier_sync(2 + consumer, 128);
+            if (wg_thread == 0) {
+                float* tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                              (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                bulk_reduce_add(tile + consumer * (C::kDqShareBytes / 4), share, C::kDqShareBytes);
                 bulk_commit();
             }
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
 
-    if (C::kDq && lane < 16) bulk_wait();   // this lane's dQ reductions have read shared memory and landed
+    if (C::kDq && threadIdx.x % 128 == 0) bulk_wait();   // this warpgroup's dQ reductions have landed
 
     // dK (scaled) and dV of this consumer's keys, once. The sequence is looked up again rather than
     // kept in registers through the walk (two values of the prologue held there spilled).
-    int kv_head = blockIdx.y / splits;
-    asm volatile("" : "+r"(kv_head));
-    const SeqInfo se = make_seq_info(p, b, kv_head * group);
+    // (The group's shape is read again too: held through the walk, it spilled.)
+    int cta_y = blockIdx.y;
+    asm volatile("" : "+r"(cta_y));
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
+    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = n_lo + key_row0 + 8 * half;

@@ -721,7 +721,8 @@ def bwd_sm90_smem_bytes(head_dim: int) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included)."""
     block_m, stages = BWD_SM90_BLOCK_M[head_dim], BWD_SM90_STAGES[head_dim]
     kv, q_do, ds = 2 * BWD_SM90_BLOCK_N * head_dim, 2 * block_m * head_dim, 2 * BWD_SM90_BLOCK_N * block_m
-    dq_staging = 2 * 64 * (64 * 4 + 32)
+    dq_buffers = 2 if head_dim == 128 else 1   # a 64 x 64 float32 share of dQ per consumer and buffer
+    dq_staging = 2 * dq_buffers * 64 * 64 * 4
     return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
 
 

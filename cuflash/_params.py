@@ -57,15 +57,16 @@ BWD_PARAMS = np.dtype(
         "dk_batch_stride", "dk_row_stride", "dk_head_stride",
         "dv_batch_stride", "dv_row_stride", "dv_head_stride",
         "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride"))
-    + _fields(np.int32, ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "pad_")),
+    + _fields(np.int32, ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "dqa_tile_rows")),
     align=True,
 )
 
 CONVERT_PARAMS = np.dtype(
-    _fields(np.uint64, ("src", "dst", "error"))
-    + _fields(np.int64, ("partial_stride", "src_row_stride", "src_head_stride", "dst_row_stride", "dst_head_stride"))
+    _fields(np.uint64, ("src", "dst", "error", "cu_seqlens"))
+    + _fields(np.int64, ("partial_stride", "src_row_stride", "src_head_stride", "src_batch_stride", "dst_row_stride",
+                         "dst_head_stride", "dst_batch_stride"))
     + _fields(np.int32, ("rows", "heads", "head_dim", "num_partials"))
-    + [("scale", np.float32), ("pad_", np.int32)],
+    + [("scale", np.float32), ("tile_rows", np.int32)],
     align=True,
 )
 

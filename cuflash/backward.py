@@ -164,6 +164,25 @@ def _layout_fields(prefix: str, x, varlen: bool) -> dict:
 
 # ----------------------------------------------------------------------------- launch sequence
 
+def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_rows, dq, varlen, rows, batch, heads,
+                        head_dim, cu_seqlens, scale):
+    """bwd_convert of bwd_sm90's tiled dq_accum ``src`` (value index; ``tiles`` its shape) into dQ
+    ``dst``: a warp per row of each sequence (``rows``: the longest), heads and sequences in y, z."""
+    strides = _checks.element_strides(tiles)
+    d = _rows(dq, varlen)
+    slots = {"src": src, "dst": dst}
+    if cu_seqlens is not None:
+        slots["cu_seqlens"] = cu_seqlens[1]
+    if plan.checked:
+        slots["error"] = plan.index("error")
+    params = Template(CONVERT, dict(src_row_stride=strides[-2], src_head_stride=strides[-3],
+                                    src_batch_stride=0 if varlen else strides[0], dst_row_stride=d["row"],
+                                    dst_head_stride=d["head"], dst_batch_stride=d["batch"], rows=rows, heads=heads,
+                                    head_dim=head_dim, scale=scale, tile_rows=tile_rows), slots)
+    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), 0, device_id)
+    return _pipeline.Step(func, (math.ceil(rows / 8), heads, batch), 256, 0, (("struct", params),))
+
+
 def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_dim, src_row_stride,
                   src_head_stride, dst_row_stride, dst_head_stride, scale=1.0, num_partials=1, partial_stride=0):
     """bwd_convert: float32 ``src`` (value index) times ``scale``, summed over ``num_partials``, into
@@ -211,7 +230,17 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     temps = [_pipeline.Buffer((batch, heads_q, rows_pad), np.float32),     # lse2
              _pipeline.Buffer((batch, heads_q, rows_pad), np.float32)]     # dsum
     names = ["lse2", "dsum"]
-    if not deterministic:
+    # bwd_sm90 adds dQ into whole tiles (cuda_src/bwd_common.cuh, dq_tile_offset): per head a row
+    # space of tiles of the compiled head dim; under varlen each sequence's tiles start a tile apart.
+    dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not deterministic else 0
+    if dq_tile:
+        total_q = dq_t.shape[0]
+        shape = ((heads_q, -(-(total_q + batch * dq_tile) // dq_tile) * dq_tile, plan0.head_dim) if varlen
+                 else (batch, heads_q, rows_pad, plan0.head_dim))
+        # Zeroed by the preprocess kernel, every tile of every sequence.
+        temps.append(_pipeline.Buffer(shape, np.float32))
+        names.append("dq_accum")
+    elif not deterministic:
         # Zeroed by the preprocess kernel row by row; varlen rows outside every sequence need a memset.
         temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
         names.append("dq_accum")
@@ -258,7 +287,12 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     bwd = dict(seqlen_q_pad=rows_pad, heads_per_cta=heads_per_cta, dkv_partial=int(splits > 1),
                **_layout_fields("do", layouts["dout"], varlen), **_layout_fields("dk", dk_target, varlen),
                **_layout_fields("dv", dv_target, varlen), **_layout_fields("dq", dq_t, varlen))
-    if not deterministic:
+    if dq_tile:
+        slots["dq_accum"] = temp["dq_accum"]
+        strides = _checks.element_strides(shaped["dq_accum"])
+        bwd.update(dqa_batch_stride=0 if varlen else strides[0], dqa_head_stride=strides[-3],
+                   dqa_row_stride=strides[-2], dqa_tile_rows=dq_tile)
+    elif not deterministic:
         slots["dq_accum"] = temp["dq_accum"]
         bwd.update(_layout_fields("dqa", shaped["dq_accum"], varlen))
     if dbias_shape is not None:
@@ -286,6 +320,11 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     if deterministic:
         plan.steps.append(step(plan1.variant, (math.ceil(max_q / plan1.block_m), heads_q, batch), plan1.threads,
                                plan1.smem_bytes))
+    elif dq_tile:
+        plan.steps.append(_convert_tiles_step(plan, dtype_name, device_id, src=temp["dq_accum"], dst=6,
+                                              tiles=shaped["dq_accum"], tile_rows=dq_tile, dq=dq_t, varlen=varlen,
+                                              rows=max_q, batch=batch, heads=heads_q, head_dim=d,
+                                              cu_seqlens=score_fields.get("cu_seqlens_q"), scale=fwd_fields["scale"]))
     else:
         rows_q = dq_t.shape[0] if varlen else dq_t.shape[0] * dq_t.shape[1]
         qa, qt = _rows(shaped["dq_accum"], varlen), _rows(dq_t, varlen)
