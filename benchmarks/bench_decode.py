@@ -12,9 +12,9 @@ Columns:
   GPU time is measured, not Python's; GB/s = K+V bytes read (2 * B * L * Hk * D * 2) / time, and
   %copy its fraction of the measured device-to-device copy bandwidth (``cupy.copyto`` of 1 GiB,
   counting read + write bytes);
-- ``call us``: the whole ``cuflash.decode`` call as users make it (memo lookup, allocation, launches),
-  back to back, events around each call, with ``cache_seqlens`` / ``block_table`` on the GPU (never
-  read back);
+- ``call us`` / ``call GB/s``: the whole ``cuflash.decode`` call as users make it (memo lookup,
+  allocation, launches), back to back, events around each call, with ``cache_seqlens`` /
+  ``block_table`` on the GPU (never read back); GB/s counts the same K+V bytes;
 - ``flash`` / ``cudnn``: torch SDPA with the FLASH_ATTENTION / CUDNN_ATTENTION backend on the
   contiguous cache (zero-copy BHSD views of the same memory, ``enable_gqa=True``; if the backend
   refuses GQA, K/V are expanded to Hq heads beforehand and the column is marked ``*``), same q.
@@ -28,10 +28,15 @@ Timing: CUDA events around N back-to-back calls (N sized so that a run takes abo
 ``--target-ms``), after warm-up (which also compiles), median of ``--repeats`` runs. The caches
 (128-512 MiB) are larger than L2, so no input rotation is needed.
 
+Output: progress lines, then the Markdown table on stdout (last); ``--csv`` and ``--md`` write
+files, ``--png`` a plot (when matplotlib is importable): one panel per cache layout, per (B, L) the
+GB/s per call (``call GB/s``) of cuflash beside SDPA flash and cuDNN (theirs on the contiguous
+cache in both panels), with the measured copy bandwidth as a dashed line.
+
 Examples
 --------
     python benchmarks/bench_decode.py
-    python benchmarks/bench_decode.py --repeats 11 --md decode.md --csv decode.csv
+    python benchmarks/bench_decode.py --repeats 11 --md decode.md --csv decode.csv --png decode.png
 """
 
 from __future__ import annotations
@@ -40,15 +45,15 @@ import argparse
 import math
 import sys
 
-from _harness import Timer, copy_bandwidth, fmt, log, markdown_table, open_gpu, write_results
+from _harness import Timer, copy_bandwidth, fmt, log, markdown_table, missing, open_gpu, write_results
 
 SHAPES = ((1, 32768), (8, 8192), (32, 4096), (1, 131072))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 BARS = {("contiguous", 8, 8192): 0.80, ("contiguous", 1, 131072): 0.80,
         **{("paged16", b, s): 0.70 for b, s in SHAPES}}
 
-COLUMNS = ["layout", "B", "L", "splits", "cuflash us", "GB/s", "%copy", "call us", "flash us", "flash GB/s",
-           "cudnn us", "cudnn GB/s", "maxdiff", "bar"]
+COLUMNS = ["layout", "B", "L", "splits", "cuflash us", "GB/s", "%copy", "call us", "call GB/s", "flash us",
+           "flash GB/s", "cudnn us", "cudnn GB/s", "maxdiff", "bar"]
 
 
 def parse_args(argv=None):
@@ -61,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--no-torch", action="store_true", help="skip torch SDPA even if importable")
     p.add_argument("--csv", default=None, help="also write the rows as CSV")
     p.add_argument("--md", default=None, help="also write the Markdown table to this file")
+    p.add_argument("--png", default=None, help="also write a plot of GB/s per call to this path (needs matplotlib)")
     args = p.parse_args(argv)
     if args.shapes:
         args.shapes = [tuple(int(x) for x in pair.split(":")) for pair in args.shapes.split(",") if pair]
@@ -115,7 +121,7 @@ def main(argv=None):
         log(header)
         rng = np.random.default_rng(0)
         for batch, seqlen in args.shapes:
-            kv_bytes = 2 * batch * seqlen * HEADS_K * HEAD_DIM * bf16.itemsize
+            kv_bytes = kv_bytes_of(batch, seqlen)
             q = cupy.random.standard_normal((batch, 1, HEADS_Q, HEAD_DIM), dtype=cupy.float32).astype(bf16)
             k = cupy.random.standard_normal((batch, seqlen, HEADS_K, HEAD_DIM), dtype=cupy.float32).astype(bf16)
             v = cupy.random.standard_normal((batch, seqlen, HEADS_K, HEAD_DIM), dtype=cupy.float32).astype(bf16)
@@ -164,6 +170,7 @@ def main(argv=None):
                     row["%copy"] = row["GB/s"] / copy_gbs
                     row["call us"] = 1e3 * timer.median_ms(
                         lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out))
+                    row["call GB/s"] = kv_bytes / (row["call us"] * 1e-6) / 1e9
                     call.launch(stream)
                     row["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
                 except Exception as e:  # report and go on: one broken point should not hide the others
@@ -186,9 +193,71 @@ def main(argv=None):
 
     table_md = markdown_table(rows, header, COLUMNS, CELL_FORMATS)
     write_results(rows, table_md, COLUMNS, args.csv, args.md)
+    if args.png:
+        write_png(rows, args.png, gpu.device_name, copy_gbs)
     print()
     print(table_md, flush=True)
     return 0
+
+
+def kv_bytes_of(batch, seqlen):
+    """K+V bytes a decode step reads: 2 * B * L * Hk * D * 2 (bf16)."""
+    return 2 * batch * seqlen * HEADS_K * HEAD_DIM * 2
+
+
+def write_png(rows, path, device_name, copy_gbs):
+    """One panel per cache layout: per (B, L), GB/s per call (K+V bytes over ``call us``) of cuflash
+    beside SDPA flash and cuDNN (theirs on the contiguous cache in every panel), higher is better;
+    the dashed line is the measured device copy bandwidth."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not importable: no plot written")
+        return
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    if not layouts:
+        log("no rows: no plot written")
+        return
+    nan = float("nan")
+
+    def gbs(row, column):   # GB/s from a time column, NaN where that contender did not run
+        us = row.get(column)
+        return nan if missing(us) else kv_bytes_of(row["B"], row["L"]) / (us * 1e-6) / 1e9
+
+    bars = [("cuflash.decode", "call us", "tab:blue"), ("SDPA flash", "flash us", "tab:green"),
+            ("SDPA cuDNN", "cudnn us", "tab:red")]
+    width = 0.8 / len(bars)
+    measured = [gbs(r, column) for r in rows for _, column, _ in bars]
+    top = max([copy_gbs] + [y for y in measured if not math.isnan(y)])
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.2), squeeze=False, sharey=True)
+    for ax, layout in zip(axes.flat, layouts):
+        sel = [r for r in rows if r["layout"] == layout]
+        xs = range(len(sel))
+        for j, (label, column, color) in enumerate(bars):
+            # "*": that backend refused GQA, so K/V were expanded to Hq heads before timing
+            expanded = any(str(r.get(column.replace(" us", " GB/s"), "")).endswith("*") for r in sel)
+            ys = [gbs(r, column) for r in sel]
+            if all(math.isnan(y) for y in ys):   # not run (no torch, or the backend refused every shape)
+                continue
+            ax.bar([x + (j - (len(bars) - 1) / 2) * width for x in xs], ys, width, color=color,
+                   label=label + (" *K/V expanded" if expanded else ""))
+        ax.axhline(copy_gbs, color="gray", linestyle="--", linewidth=1,
+                   label=f"device copy {copy_gbs:.0f} GB/s (read + write)")
+        ax.set_xticks(list(xs), [f"B{r['B']} L{r['L'] // 1024}k" if r["L"] % 1024 == 0 else f"B{r['B']} L{r['L']}"
+                                 for r in sel])
+        ax.set_ylabel("K+V GB/s per call (higher is better)")
+        ax.set_title("decode, contiguous cache" if layout == "contiguous" else
+                     f"decode, paged cache (page {PAGE_SIZE}); SDPA on the contiguous one")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_ylim(0, 1.3 * top)   # room above the bars for the legend (shared by the panels)
+        ax.legend(fontsize="small", loc="upper left", ncol=2)
+    fig.suptitle(f"{device_name}: bf16, Sq 1, Hq {HEADS_Q}, Hk {HEADS_K}, D {HEAD_DIM}; per call, host included")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log(f"plot written to {path}")
 
 
 def bench_sdpa(torch, F, sdpa_kernel, SDPBackend, timer, q, k, v, kv_bytes):
