@@ -164,6 +164,16 @@ def _layout_fields(prefix: str, x, varlen: bool) -> dict:
 
 # ----------------------------------------------------------------------------- launch sequence
 
+def _convert_launch(plan, dtype_name, device_id, grid, fields, slots):
+    """A bwd_convert step: its ConvertParams ``fields`` and operand ``slots`` (value indices), and
+    the call's index-check verdict when the plan has one."""
+    if plan.checked:
+        slots = {**slots, "error": plan.index("error")}
+    params = Template(CONVERT, fields, slots)
+    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), 0, device_id)
+    return _pipeline.Step(func, grid, 256, 0, (("struct", params),))
+
+
 def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_rows, dq, varlen, rows, batch, heads,
                         head_dim, cu_seqlens, scale):
     """bwd_convert of bwd_sm90's tiled dq_accum ``src`` (value index; ``tiles`` its shape) into dQ
@@ -173,29 +183,21 @@ def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_ro
     slots = {"src": src, "dst": dst}
     if cu_seqlens is not None:
         slots["cu_seqlens"] = cu_seqlens[1]
-    if plan.checked:
-        slots["error"] = plan.index("error")
-    params = Template(CONVERT, dict(src_row_stride=strides[-2], src_head_stride=strides[-3],
-                                    src_batch_stride=0 if varlen else strides[0], dst_row_stride=d["row"],
-                                    dst_head_stride=d["head"], dst_batch_stride=d["batch"], rows=rows, heads=heads,
-                                    head_dim=head_dim, scale=scale, tile_rows=tile_rows), slots)
-    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), 0, device_id)
-    return _pipeline.Step(func, (math.ceil(rows / 8), heads, batch), 256, 0, (("struct", params),))
+    fields = dict(src_row_stride=strides[-2], src_head_stride=strides[-3], src_batch_stride=0 if varlen else strides[0],
+                  dst_row_stride=d["row"], dst_head_stride=d["head"], dst_batch_stride=d["batch"], rows=rows,
+                  heads=heads, head_dim=head_dim, scale=scale, tile_rows=tile_rows)
+    return _convert_launch(plan, dtype_name, device_id, (math.ceil(rows / 8), heads, batch), fields, slots)
 
 
 def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_dim, src_row_stride,
                   src_head_stride, dst_row_stride, dst_head_stride, scale=1.0, num_partials=1, partial_stride=0):
     """bwd_convert: float32 ``src`` (value index) times ``scale``, summed over ``num_partials``, into
     ``dst`` (value index) in the output dtype."""
-    slots = {"src": src, "dst": dst}
-    if plan.checked:
-        slots["error"] = plan.index("error")
-    params = Template(CONVERT, dict(partial_stride=partial_stride, src_row_stride=src_row_stride,
-                                    src_head_stride=src_head_stride, dst_row_stride=dst_row_stride,
-                                    dst_head_stride=dst_head_stride, rows=rows, heads=heads, head_dim=head_dim,
-                                    num_partials=num_partials, scale=scale), slots)
-    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), 0, device_id)
-    return _pipeline.Step(func, (math.ceil(rows * heads / 8), 1, 1), 256, 0, (("struct", params),))
+    fields = dict(partial_stride=partial_stride, src_row_stride=src_row_stride, src_head_stride=src_head_stride,
+                  dst_row_stride=dst_row_stride, dst_head_stride=dst_head_stride, rows=rows, heads=heads,
+                  head_dim=head_dim, num_partials=num_partials, scale=scale)
+    return _convert_launch(plan, dtype_name, device_id, (math.ceil(rows * heads / 8), 1, 1), fields,
+                           {"src": src, "dst": dst})
 
 
 def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
