@@ -5,12 +5,16 @@ plus the ``-D`` defines that fix its compile-time configuration. Every variant i
 libnvrtc (:mod:`cuflash._nvrtc`) to a cubin for one exact architecture; this works without a
 GPU, so CI and ``python -m cuflash precompile`` build the same binaries a GPU would load.
 
-Cubins are cached on disk as ``DIR/<arch>/<family>-<defines hash>-<source hash>.cubin``, each
-with its ptxas report beside it (``.ptxas``: registers, spills, compile time); the source hash
-covers every file in ``cuda_src/``, so editing a header never reuses a stale binary.
+Cubins are cached on disk as ``DIR/<arch>/<family>-<options hash>-<source hash>.cubin``, each
+with its report beside it (``.ptxas``: registers, spills, compile time, and the cubin's length and
+sha256). The options hash covers the NVRTC version and every option (the defines among them), the
+source hash every file in ``cuda_src/``: another libnvrtc (the ``cuda12`` and ``cuda13`` extras),
+another option or an edited header never reuses a stale binary. A cubin that does not match its
+report (empty, cut short, overwritten) is never loaded: it is deleted and built again.
 :func:`get_kernel` looks in ``$CUFLASH_CACHE_DIR`` (read only, e.g. filled ahead of time by
 ``python -m cuflash precompile --cache-dir``), then in the user cache (``$XDG_CACHE_HOME/cuflash``
-or ``~/.cache/cuflash``), and compiles into the user cache on a miss.
+or ``~/.cache/cuflash``), and compiles into the user cache on a miss; when that is not writable,
+into ``<temp dir>/cuflash-<uid>``, which this user's later processes find again.
 
 :func:`cuda_status` is the one place that tells "no GPU here" from "a CUDA setup that is broken"
 (the command line, the test suite and :func:`device_arch` all ask it).
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 import threading
@@ -150,12 +155,21 @@ def compile_cubin(variant: Variant, arch: str, src_hash: str | None = None, src_
     return _result(variant, arch, cubin, log, time.perf_counter() - start)
 
 
+@functools.lru_cache(maxsize=None)  # the libnvrtc in use is chosen once per process
+def _nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc.version())
+
+
 def cache_path(cache_dir, variant: Variant, arch: str, src_hash: str | None = None) -> Path:
-    """``cache_dir/<arch>/<family>-<defines hash>-<source hash>.cubin``."""
-    defines = ",".join(f"{k}={v}" for k, v in variant.defines)
-    defines_hash = hashlib.sha256(defines.encode()).hexdigest()[:16]
+    """``cache_dir/<arch>/<family>-<options hash>-<source hash>.cubin``.
+
+    The options hash covers the NVRTC version and the options (defines and arch included), so
+    that another libnvrtc or another option never reuses a binary.
+    """
+    key = json.dumps([_nvrtc_version(), _portable(variant, arch)])
+    options_hash = hashlib.sha256(key.encode()).hexdigest()[:16]
     src_hash = src_hash or source_hash()
-    return Path(cache_dir) / arch / f"{variant.family}-{defines_hash}-{src_hash}.cubin"
+    return Path(cache_dir) / arch / f"{variant.family}-{options_hash}-{src_hash}.cubin"
 
 
 def user_cache_dir() -> Path:
@@ -165,44 +179,98 @@ def user_cache_dir() -> Path:
 
 
 def cache_dirs() -> list[Path]:
-    """Where :func:`find_cubin` looks, in order: $CUFLASH_CACHE_DIR (if set), the user cache."""
+    """Where :func:`find_cubin` looks, in order: $CUFLASH_CACHE_DIR (if set), the user cache
+    (then the temporary cache, if there is one: see :func:`get_kernel`)."""
     env = os.environ.get("CUFLASH_CACHE_DIR")
     return ([Path(env)] if env else []) + [user_cache_dir()]
 
 
+def _temp_cache_dir(create: bool = False) -> Path | None:
+    """``<temp dir>/cuflash-<uid>``: where :func:`get_kernel` stores cubins when the user cache
+    is not writable, found again by this user's later processes. None when it does not exist
+    (``create`` makes it, 0700) or cannot be trusted: a symlink, another user's, or writable by
+    others (anyone may create that name in /tmp first)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None  # Windows: the temp dir is per user
+    path = Path(tempfile.gettempdir()) / (f"cuflash-{uid}" if uid is not None else "cuflash")
+    if create:
+        try:
+            path.mkdir(mode=0o700, exist_ok=True)
+        except OSError:  # something else holds the name: rejected below
+            pass
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    if uid is not None and (st.st_uid != uid or st.st_mode & 0o022):
+        return None
+    return path
+
+
 def find_cubin(variant: Variant, arch: str, src_hash: str | None = None) -> Path | None:
-    """The cached cubin for ``variant`` on ``arch`` built from the current sources, or None."""
-    src_hash = src_hash or source_hash()
-    for directory in cache_dirs():
-        path = cache_path(directory, variant, arch, src_hash)
-        if path.is_file():
+    """The cached cubin for ``variant`` on ``arch`` built from the current sources, or None.
+
+    Looks in :func:`cache_dirs`, then in the temporary cache. A cubin that does not match its
+    report (see :func:`cached_result`) is never returned: it is deleted, so that it gets built
+    again, except in $CUFLASH_CACHE_DIR (read only by contract), where it is only skipped.
+    """
+    name = cache_path("", variant, arch, src_hash or source_hash())
+    for directory in (*cache_dirs(), _temp_cache_dir()):
+        if directory is None:
+            continue
+        path = directory / name
+        if _read_cache(path) is not None:
             return path
+        if path.exists():
+            _discard(path)
     return None
+
+
+def _discard(path: Path) -> None:
+    """Delete a damaged cubin and its report, where the cache is ours to change."""
+    env = os.environ.get("CUFLASH_CACHE_DIR")
+    if env and path.is_relative_to(env):
+        return
+    for stale in (path, _report_path(path)):
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError:  # a read-only user cache: the file is skipped all the same
+            pass
 
 
 def _atomic_write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    # Created 0644 less the umask, as any file; not through mkstemp, whose 0600 would keep the
+    # other users of a shared --cache-dir out.
+    tmp = path.with_name(f"{path.name}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
 
+def _fingerprint(cubin: bytes) -> dict:
+    return {"bytes": len(cubin), "sha256": hashlib.sha256(cubin).hexdigest()}
+
+
 def store_cubin(path: Path, cubin: bytes, result: CompileResult | None = None) -> Path:
-    """Write ``cubin`` to ``path`` atomically: readers (other processes too) never see a
-    partial file, and concurrent writers of the same variant simply both succeed. With
-    ``result``, its ptxas report goes beside it (read back by :func:`cached_result`)."""
+    """Write ``cubin`` to ``path`` atomically, with its report beside it (its length and sha256;
+    with ``result``, also the ptxas log read back by :func:`cached_result`): readers (other
+    processes too) never see a partial file, and concurrent writers of the same variant simply
+    both succeed."""
     path = Path(path)
-    if result is not None:  # report first: a cubin never looks cached without its report
-        report = {"nvrtc": list(_nvrtc.version()), "options": _portable(result.variant, result.arch),
-                  "log": result.log,
-                  "seconds": round(result.seconds, 3)}
-        _atomic_write(_report_path(path), json.dumps(report).encode())
+    report = {"nvrtc": list(_nvrtc_version()), "cubin": _fingerprint(cubin)}
+    if result is not None:
+        report.update(options=_portable(result.variant, result.arch), log=result.log,
+                      seconds=round(result.seconds, 3))
+    # Report first: a cubin is never there without the report that vouches for it.
+    _atomic_write(_report_path(path), json.dumps(report).encode())
     return _atomic_write(path, cubin)
 
 
@@ -216,19 +284,30 @@ def _portable(variant: Variant, arch: str) -> list[str]:
     return [o for o in nvrtc_options(variant, arch, "0") if not o.startswith("-I")]
 
 
-def cached_result(cache_dir, variant: Variant, arch: str, src_hash: str | None = None) -> CompileResult | None:
-    """The cached cubin of ``variant`` with its ptxas report, as a CompileResult
-    (``cached=True``); None when either is missing or was made by another NVRTC version or
-    with other options (then the variant should be compiled again)."""
-    path = cache_path(cache_dir, variant, arch, src_hash)
+def _read_cache(path: Path) -> tuple[bytes, dict] | None:
+    """The cubin at ``path`` and its report, or None when either is missing or the cubin is not
+    the ELF image of the length and sha256 its report gives (empty, cut short, overwritten):
+    the driver must never see such a file."""
     try:
         report = json.loads(_report_path(path).read_text())
         cubin = path.read_bytes()
     except (OSError, ValueError):
         return None
-    if (tuple(report.get("nvrtc", ())) != _nvrtc.version()
-            or report.get("options") != _portable(variant, arch)):
+    if (not isinstance(report, dict) or not cubin.startswith(b"\x7fELF")
+            or report.get("cubin") != _fingerprint(cubin)):
         return None
+    return cubin, report
+
+
+def cached_result(cache_dir, variant: Variant, arch: str, src_hash: str | None = None) -> CompileResult | None:
+    """The cached cubin of ``variant`` with its ptxas report, as a CompileResult
+    (``cached=True``); None when either is missing or the cubin does not match its report
+    (then the variant should be compiled again). Another NVRTC version or other options look
+    under another name (see :func:`cache_path`)."""
+    found = _read_cache(cache_path(cache_dir, variant, arch, src_hash))
+    if found is None:
+        return None
+    cubin, report = found
     return _result(variant, arch, cubin, report.get("log", ""), report.get("seconds", 0.0), True)
 
 
@@ -457,8 +536,9 @@ def get_kernel(variant: Variant):
     """The ``cupy.RawKernel`` for ``variant`` on the current device, memoised per
     (variant, arch); thread-safe, and each variant is built at most once per process.
 
-    Looks for a cached cubin (see :func:`cache_dirs`); if none, compiles it and stores it in
-    the user cache (or a temporary directory if that is not writable).
+    Looks for a cached cubin (see :func:`find_cubin`); if none, compiles it and stores it in
+    the user cache, or when that is not writable in ``<temp dir>/cuflash-<uid>`` (a private
+    directory of this user's, reused by their later processes).
     """
     arch = device_arch()
     key = (variant, arch)
@@ -486,23 +566,50 @@ def compile_notice(variant: Variant, arch: str, seconds: float, path, file=None)
           f"cached in {Path(path).parent}", file=file or sys.stderr)
 
 
+# Driver errors that a rebuild mends: CUDA_ERROR_INVALID_IMAGE (a cubin bad from the start,
+# which its report vouches for all the same), CUDA_ERROR_FILE_NOT_FOUND (deleted by another
+# process since the lookup). Others (a dead context, a driver too old) would only fail again.
+_REBUILD_ON = (200, 301)
+
+
 def _load(variant: Variant, arch: str):
     import cupy
 
     src_hash = source_hash()
     path = find_cubin(variant, arch, src_hash)
-    if path is None:
-        result = compile_cubin(variant, arch, src_hash)
+    if path is not None:
         try:
-            path = store_cubin(cache_path(user_cache_dir(), variant, arch, src_hash),
-                               result.cubin, result)
-        except OSError:  # read-only home: RawModule loads from a path, so use a private temp dir
-            path = store_cubin(cache_path(tempfile.mkdtemp(prefix="cuflash-"), variant, arch,
-                                          src_hash), result.cubin)
-        compile_notice(variant, arch, result.seconds, path)
+            return _module(path, variant)
+        except cupy.cuda.driver.CUDADriverError as err:
+            if err.status not in _REBUILD_ON:
+                raise
+            _discard(path)  # and build it again, once
+    result = compile_cubin(variant, arch, src_hash)
+    path = _store_compiled(result, src_hash)
+    compile_notice(variant, arch, result.seconds, path)
+    return _module(path, variant)
+
+
+def _module(path: Path, variant: Variant):
+    import cupy
+
     module = cupy.RawModule(path=str(path))
     # Keep the module with its kernel: the kernel's function handle lives in the module.
     return module, module.get_function(variant.entry)
+
+
+def _store_compiled(result: CompileResult, src_hash: str) -> Path:
+    """Store a cubin that :func:`get_kernel` compiled: in the user cache, else in the temporary
+    cache, else (someone else holds its name) in a new private directory: RawModule loads from
+    a path."""
+    variant, arch = result.variant, result.arch
+    try:
+        return store_cubin(cache_path(user_cache_dir(), variant, arch, src_hash), result.cubin,
+                           result)
+    except OSError:  # a read-only home, a full disk
+        pass
+    directory = _temp_cache_dir(create=True) or tempfile.mkdtemp(prefix="cuflash-")
+    return store_cubin(cache_path(directory, variant, arch, src_hash), result.cubin, result)
 
 
 # ----------------------------------------------------------------------------- building many

@@ -393,7 +393,7 @@ def test_cached_result_needs_the_same_nvrtc_and_options(tiny_src, tmp_path, monk
     assert _compile.build([(TINY, "sm_80")], cache)[0][2].cached
     assert not _compile.build([(TINY, "sm_80")], cache, force=True)[0][2].cached
     # another NVRTC version, or other options, make it stale
-    monkeypatch.setattr(_nvrtc, "version", lambda: (99, 0))
+    monkeypatch.setattr(_compile, "_nvrtc_version", lambda: (99, 0))
     assert _compile.cached_result(cache, TINY, "sm_80") is None
     monkeypatch.undo()
     monkeypatch.setattr(_compile, "CUDA_SRC", tiny_src)
