@@ -8,16 +8,18 @@ peers measured in the same run. Three parts:
    with CuPy arrays, with torch tensors, and through a ``cuflash.plan`` (CuPy arrays), beside
    torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION backends on the same memory (BHSD views).
    Method: warm-up calls, synchronise the device, then ``time.perf_counter()`` around the host
-   submission of N = 200 back-to-back calls, divided by N; the device is synchronised after the
-   clock stops (outside the timed region). Median of ``--runs`` such loops. The problems are small
-   (kernels of a few microseconds), so the GPU keeps up with the host and the launch queue never
-   fills (a full queue would block submission and inflate the figure): the ``gpu us`` column is
-   the CUDA-event time of the same 200 cuflash (CuPy) calls per call, and a row where it exceeds
-   the host time is marked ``gpu-bound``.
-   How each is called, as a user would: cuflash writes into ``out=`` / ``dq=, dk=, dv=`` buffers
-   (torch tensors in the torch column, returned as those very tensors); index arrays
-   (``cache_seqlens``, ``block_table``, ``cu_seqlens``) live on the GPU; torch's backend is chosen
-   once around the loop (``sdpa_kernel``), as a model selects it; torch's backward is
+   submission of N = 20 back-to-back calls, divided by N; the device is synchronised after the
+   clock stops (outside the timed region). Median of ``--runs`` such loops. N is small so that the
+   launch queue never fills even where the GPU takes longer per call than the host (a full queue
+   blocks submission, and a loop of 200 backward calls measured the GPU's 25-36 us per call
+   instead of the host's): the ``gpu us`` column is the CUDA-event time of the same cuflash (CuPy)
+   calls per call, and a row where it exceeds the host time is marked ``gpu-bound`` (the GPU, not
+   the host, sets the pace of back-to-back calls there).
+   How each is called, as a user would: cuflash writes into ``out=`` / ``dq=, dk=, dv=`` /
+   ``out=, lse=`` (merge_states) buffers (torch tensors in the torch column, returned as those very
+   tensors); index arrays (``cache_seqlens``, ``block_table``, ``cu_seqlens``) live on the GPU;
+   torch's backend is chosen once around the loop (``sdpa_kernel``), as a model selects it;
+   torch's backward is
    ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` on an SDPA output; varlen's peer
    is ``torch.nn.attention.varlen.varlen_attn`` (flash) when this torch has it; decode's peers run
    SDPA with ``enable_gqa=True`` on the contiguous cache (``*``: the backend refused GQA, so K/V are
@@ -30,15 +32,16 @@ peers measured in the same run. Three parts:
    GQA 32/8, D = 128, one new token (Sq = 1, the cache full: ``cache_seqlens`` = L on the GPU),
    contiguous and paged (page 16, pages in random order): cuflash from torch tensors and from
    CuPy arrays against SDPA flash (and cuDNN where it runs) on the contiguous cache.
-3. **End-to-end forward** (``forward``): bf16, D = 128, H = 16, B * S = 16k tokens, S = 1k, 4k, 8k,
-   16k (``--quick``: 1k, 8k), causal and not; cuflash from torch tensors (and CuPy arrays) against
+3. **End-to-end forward** (``forward``): bf16, D = 128 (``--head-dims 64,128,256``: the forward
+   grid), heads x D = 2048, B * S = 16k tokens, S = 1k, 4k, 8k, 16k (``--quick``: 1k, 8k;
+   ``--seqlens``), causal and not; cuflash from torch tensors (and CuPy arrays) against
    SDPA cuDNN and flash; three input sets in rotation so that L2 cannot hold them.
 
 End-to-end time: CUDA events around N back-to-back calls (host work included, so a host-bound call
 shows), N sized to about ``--target-ms``, contenders timed in turns (each repeat runs every
 contender once), median of ``--repeats``. Ratios ``vs flash`` / ``vs cudnn`` are peer time /
 cuflash time (> 1: cuflash is faster). Bars: decode >= 1.0x flash contiguous, >= 0.9x paged;
-forward >= 0.95x cuDNN at every shape, >= 1.0x at 8k.
+forward >= 0.95x cuDNN at every shape, >= 1.0x at D = 128 8k.
 
 Before timing, every cuflash call is checked once against the peer's output (or a float32 CuPy
 computation when there is no peer): ``maxdiff`` is the largest |difference| over the call's
@@ -75,7 +78,7 @@ DECODE_SHAPES = ((8, 8192), (1, 131072), (32, 4096), (1, 32768))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 FORWARD_SEQLENS = (1024, 4096, 8192, 16384)
 FORWARD_SEQLENS_QUICK = (1024, 8192)
-FORWARD_TOKENS, FORWARD_HEADS = 16384, 16
+FORWARD_TOKENS, FORWARD_HIDDEN = 16384, 2048   # heads = hidden / head dim, as bench_forward.py
 
 # Host bars (us): (entry, frontend) -> bar. The issue's "decode (contiguous and paged) <= 20 us /
 # 30 us" is read like attention's "15 us with CuPy arrays / 25 us with torch tensors".
@@ -93,7 +96,7 @@ HOST_COLUMNS = ["entry", "problem", "cupy us", "torch us", "plan us", "flash us"
                 "check", "bar"]
 DECODE_COLUMNS = ["layout", "B", "L", "torch us", "cupy us", "flash us", "cudnn us", "torch GB/s", "vs flash",
                   "vs cudnn", "maxdiff", "check", "bar"]
-FORWARD_COLUMNS = ["causal", "B", "S", "torch TFLOP/s", "cupy TFLOP/s", "cudnn TFLOP/s", "flash TFLOP/s", "vs cudnn",
+FORWARD_COLUMNS = ["D", "causal", "B", "S", "torch TFLOP/s", "cupy TFLOP/s", "cudnn TFLOP/s", "flash TFLOP/s", "vs cudnn",
                    "vs flash", "maxdiff", "check", "bar"]
 SUMMARY_COLUMNS = ["bar", "value", "target", "result"]
 
@@ -105,10 +108,13 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="forward at 1k and 8k only, fewer repeats (~3 min on an H100)")
     p.add_argument("--out", default=None, help="directory for bench_host.md and bench_host.csv")
     p.add_argument("--parts", default="host,decode,forward", help="comma-separated subset of host, decode, forward")
-    p.add_argument("--calls", type=int, default=200, help="back-to-back calls per host-time loop (default 200)")
-    p.add_argument("--runs", type=int, default=None, help="host-time loops per point, median (default 7, 5 quick)")
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls per host-time loop (default 20)")
+    p.add_argument("--runs", type=int, default=None, help="host-time loops per point, median (default 41, 25 quick)")
     p.add_argument("--repeats", type=int, default=None, help="end-to-end timed runs per point (default 7, 3 quick)")
     p.add_argument("--target-ms", type=float, default=None, help="length of one end-to-end run (default 40, 20 quick)")
+    p.add_argument("--head-dims", default="128", help="forward part: head dims (default 128; the forward grid: "
+                                                      "64,128,256)")
+    p.add_argument("--seqlens", default=None, help="forward part: sequence lengths (default 1k,4k,8k,16k; quick 1k,8k)")
     p.add_argument("--no-torch", action="store_true", help="do not use torch even if importable")
     p.add_argument("--plot", default=None, metavar="CSV",
                    help="no GPU run: draw DIR/bench_host.png (--out DIR, default the CSV's folder) from a "
@@ -118,10 +124,14 @@ def parse_args(argv=None):
     unknown = args.parts - {"host", "decode", "forward"}
     if unknown:
         p.error(f"--parts: unknown {sorted(unknown)}")
-    args.runs = args.runs or (5 if args.quick else 7)
+    args.runs = args.runs or (25 if args.quick else 41)
     args.repeats = args.repeats or (3 if args.quick else 7)
     args.target_ms = args.target_ms or (20.0 if args.quick else 40.0)
-    args.seqlens = FORWARD_SEQLENS_QUICK if args.quick else FORWARD_SEQLENS
+    if args.seqlens:
+        args.seqlens = tuple(int(x) for x in args.seqlens.split(","))
+    else:
+        args.seqlens = FORWARD_SEQLENS_QUICK if args.quick else FORWARD_SEQLENS
+    args.head_dims = tuple(int(x) for x in args.head_dims.split(","))
     return args
 
 
@@ -175,8 +185,13 @@ def e2e_ms_each(env, contenders):
             single = run(fn, 1, 0)
         counts[name] = int(min(1000, max(N_INPUT_SETS, math.ceil(env.args.target_ms / max(single, 1e-3)))))
     times = {name: [] for name in contenders}
+    names = list(contenders)
     for r in range(env.args.repeats):
-        for name, (fn, ctx) in contenders.items():
+        # Each repeat starts one contender later: back-to-back heavy kernels slow down along a turn
+        # (H100, D = 128 8k forward: the same call 1674 us first, 1695 third, 1721 sixth), so a
+        # fixed order would favour whoever goes first.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, ctx = contenders[name]
             with ctx() if ctx is not None else contextlib.nullcontext():
                 times[name].append(run(fn, counts[name], r))
     return {name: statistics.median(t) for name, t in times.items()}
@@ -499,15 +514,17 @@ def host_cases(env):
         b = 8
         outs = randn(env, (2, b, 1, HEADS_Q, HEAD_DIM))
         lses = cp.random.standard_normal((2, b, HEADS_Q, 1), dtype=cp.float32)
+        # Into buffers kept across calls, as a serving loop does (like out= of the other entries).
+        out, lse = cp.empty(outs.shape[1:], dtype=outs.dtype), cp.empty(lses.shape[1:], dtype=cp.float32)
         c = SimpleNamespace(name="merge_states", problem=f"2 parts, B{b} S1 H{HEADS_Q} D{HEAD_DIM}", kind="out",
-                            cupy=lambda: cuflash.merge_states(outs, lses),
-                            plan=lambda: cuflash.plan(cuflash.merge_states, outs, lses),
-                            plan_args=((outs, lses), {}),
+                            cupy=lambda: cuflash.merge_states(outs, lses, out=out, lse=lse),
+                            plan=lambda: cuflash.plan(cuflash.merge_states, outs, lses, out=out, lse=lse),
+                            plan_args=((outs, lses), dict(out=out, lse=lse)),
                             outputs=lambda r: as_cupy(env, list(r)), naive=lambda: list(naive_merge(cp, outs, lses)),
                             torch=None, peers={}, peer_outputs=None)
         if torch is not None:
-            outs_t, lses_t = torch_views(env, outs, lses)
-            c.torch = lambda: cuflash.merge_states(outs_t, lses_t)
+            outs_t, lses_t, out_t, lse_t = torch_views(env, outs, lses, out, lse)
+            c.torch = lambda: cuflash.merge_states(outs_t, lses_t, out=out_t, lse=lse_t)
         cases.append(c)
     _case_5(cases)
     return cases
@@ -686,15 +703,15 @@ def bench_decode(env):
 def bench_forward(env):
     cp, cuflash, torch = env.cp, env.cuflash, env.torch
     rows = []
-    for s in env.args.seqlens:
-        b = max(1, FORWARD_TOKENS // s)
-        sets = [tuple(randn(env, (b, s, FORWARD_HEADS, HEAD_DIM)) for _ in range(3)) for _ in range(N_INPUT_SETS)]
+    for d, s in ((d, s) for d in env.args.head_dims for s in env.args.seqlens):
+        b, heads = max(1, FORWARD_TOKENS // s), FORWARD_HIDDEN // d
+        sets = [tuple(randn(env, (b, s, heads, d)) for _ in range(3)) for _ in range(N_INPUT_SETS)]
         out = cp.empty_like(sets[0][0])
         tsets = [torch_views(env, *x) for x in sets] if torch is not None else None
         out_t = torch.empty_like(tsets[0][0]) if torch is not None else None
         for causal in (False, True):
-            log(f"forward: B={b} S={s} causal={causal}")
-            flops = 4.0 * b * FORWARD_HEADS * s * s * HEAD_DIM / (2 if causal else 1)
+            log(f"forward: D={d} B={b} S={s} causal={causal}")
+            flops = 4.0 * b * heads * s * s * d / (2 if causal else 1)
             contenders = {"cupy": (lambda i, c=causal: cuflash.attention(*sets[i], causal=c, out=out), None)}
             peers = {}
             if torch is not None:
@@ -711,7 +728,7 @@ def bench_forward(env):
                     reference = [cp.from_dlpack(fn().transpose(1, 2))]
             else:
                 reference = [naive_attention(cp, *sets[0], causal=causal)] if s <= 4096 else None
-            row = dict(causal=causal, B=b, S=s)
+            row = dict(D=d, causal=causal, B=b, S=s)
             if reference is not None:
                 worst, scale = 0.0, 0.0
                 for frontend in ("cupy", "torch"):
@@ -729,7 +746,7 @@ def bench_forward(env):
                 if name in times:
                     row[f"vs {name}"] = times[name] / base
             if "vs cudnn" in row:
-                bar = FORWARD_BAR_8K if s == 8192 else FORWARD_BAR
+                bar = FORWARD_BAR_8K if (s, d) == (8192, 128) else FORWARD_BAR
                 row["bar"] = f">={bar:.2f}x cudnn {'PASS' if row['vs cudnn'] >= bar else 'FAIL'}"
             log("  " + " ".join(f"{col}={fmt(row.get(col), 2)}" for col in FORWARD_COLUMNS))
             rows.append(row)
@@ -762,8 +779,8 @@ def summary_rows(host, decode, forward):
                          "target": f">= {bar:.1f}x", "result": "PASS" if r["vs flash"] >= bar else "FAIL"})
     for r in forward:
         if "vs cudnn" in r:
-            bar = FORWARD_BAR_8K if r["S"] == 8192 else FORWARD_BAR
-            rows.append({"bar": f"forward {'causal' if r['causal'] else 'full'} S{r['S']} vs cuDNN",
+            bar = FORWARD_BAR_8K if (r["S"], r["D"]) == (8192, 128) else FORWARD_BAR
+            rows.append({"bar": f"forward D{r['D']} {'causal' if r['causal'] else 'full'} S{r['S']} vs cuDNN",
                          "value": f"{r['vs cudnn']:.2f}x", "target": f">= {bar:.2f}x",
                          "result": "PASS" if r["vs cudnn"] >= bar else "FAIL"})
     for part, rs in (("host", host), ("decode", decode), ("forward", forward)):
@@ -877,7 +894,7 @@ def main(argv=None):
         tables.append(markdown_table(decode, f"End-to-end decode, us per call (bf16, Sq 1, Hq {HEADS_Q}, Hk {HEADS_K}, "
                                              f"D {HEAD_DIM}; peers on the contiguous cache)", DECODE_COLUMNS, CELLS))
     if forward:
-        tables.append(markdown_table(forward, f"End-to-end forward (bf16, D {HEAD_DIM}, H {FORWARD_HEADS}, "
+        tables.append(markdown_table(forward, f"End-to-end forward (bf16, heads x D = {FORWARD_HIDDEN}, "
                                               f"{FORWARD_TOKENS} tokens)", FORWARD_COLUMNS, CELLS))
     summary = summary_rows(host, decode, forward)
     tables.append(markdown_table(summary, "Bars (issue 15)", SUMMARY_COLUMNS))

@@ -282,6 +282,31 @@ def check_out(out, name: str, shape: tuple[int, ...], dtype, *, contiguous_last:
     return out
 
 
+def memory_span(x) -> tuple[int, int]:
+    """[first, last) byte addresses an array's elements can occupy (empty arrays: an empty span)."""
+    if x.size == 0:
+        return 0, 0
+    low = high = x.data.ptr
+    for n, stride in zip(x.shape, x.strides):
+        if stride > 0:
+            high += (n - 1) * stride
+        else:
+            low += (n - 1) * stride
+    return low, high + x.itemsize
+
+
+def check_disjoint(outputs, inputs) -> None:
+    """Raise ValueError when an output's memory overlaps an input's or another output's: the kernels
+    read their inputs while writing, so an overlap would be a race. ``outputs`` and ``inputs`` are
+    (name, array or None) pairs; spans are compared, so two interleaved views count as overlapping."""
+    spans = [(name, memory_span(x)) for name, x in outputs if x is not None]
+    for i, (name, (low, high)) in enumerate(spans):
+        others = spans[i + 1:] + [(n, memory_span(x)) for n, x in inputs if x is not None]
+        for other, (lo, hi) in others:
+            if low < hi and lo < high:
+                raise ValueError(f"{name} overlaps {other} in memory: pass an output buffer of its own")
+
+
 @dataclass
 class Options:
     """Validated, kernel-ready options shared by the forward entry points."""

@@ -505,22 +505,25 @@ def lookup(entry: str, operands, options):
     cupy = _cp or _cupy()
     ndarray = cupy.ndarray
     descriptors, ptrs = [], []
+    describe, point = descriptors.append, ptrs.append
     torch_device = None
     for x in operands:
-        if x is None:
-            descriptors.append(None)
-            ptrs.append(0)
-        elif type(x) is ndarray:
-            descriptors.append((x.shape, x.strides, x.dtype, x.data.device_id))
-            ptrs.append(x.data.ptr)
-        elif type(x) in _torch_types or _is_torch_tensor(x):
+        kind = type(x)
+        if kind is ndarray:
+            memory = x.data
+            describe((x.shape, x.strides, x.dtype, memory.device_id))
+            point(memory.ptr)
+        elif x is None:
+            describe(None)
+            point(0)
+        elif kind in _torch_types or _is_torch_tensor(x):
             device = x.get_device()   # -1 on the host
             if device != torch_device:
                 if torch_device is not None or device < 0 or not _torch_stream_matches(device):
                     return None, None
                 torch_device = device
-            descriptors.append(("torch", x.shape, x.stride(), x.dtype, device))
-            ptrs.append(x.data_ptr())
+            describe(("torch", x.shape, x.stride(), x.dtype, device))
+            point(x.data_ptr())
         else:
             return None, None
     key = (entry, options, tuple(descriptors), cupy.cuda.runtime.getDevice())

@@ -258,10 +258,13 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # Contiguous caches: one long split per SM streams as fast as two shorter ones and halves the
         # partials to merge (H100, bf16 Hq 32 / Hk 8: (1, 32k) 16 splits 60 us, 33 splits 64; (1, 128k)
         # 184 vs 194 us), so waves count SMs. Paged caches wait on page lookups and need the second
-        # CTA per SM ((8, 8k) page 16: 110.8 us with one, 102.7 with two).
-        num_splits = _heuristics.decode_num_splits(batch, heads_k, keys, sms, row_blocks=row_blocks,
-                                                   block_n=plan_k.block_n,
-                                                   ctas_per_sm=plan_k.ctas_per_sm if paged else 1)
+        # CTA per SM ((8, 8k) page 16: 4 splits 104 us, 2 splits 113), but not at the price of splits
+        # under 2048 keys, whose page-table start-up no longer hides ((1, 32k): 16 splits 66 us, 32
+        # splits 69).
+        num_splits = _heuristics.decode_num_splits(
+            batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
+            ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
+            min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits >= 2**31:
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")

@@ -90,7 +90,7 @@ def _stacked_lses(lses, n: int):
     return x
 
 
-def merge_states(outs, lses):
+def merge_states(outs, lses, *, out=None, lse=None):
     """Combine attention results over disjoint key sets into the result over their union.
 
     Parameters
@@ -101,11 +101,15 @@ def merge_states(outs, lses):
         in float32 (float64 if one is float64).
     lses : CUDA float32 array (n, B, H, S), or a sequence of n arrays (B, H, S)
         Their log-sum-exps, in the layout :func:`cuflash.attention_forward` returns.
+    out : CUDA array (B, S, H, D) of the dtype of ``outs[0]``, optional
+    lse : CUDA float32 array (B, H, S), optional
+        C-contiguous buffers to write the results into (a serving loop passes them, so that a call
+        allocates nothing); neither may overlap ``outs`` or ``lses``.
 
     Returns
     -------
-    out : CuPy array (B, S, H, D), the dtype of ``outs[0]``
-    lse : CuPy float32 array (B, H, S)
+    out : CuPy array (B, S, H, D), the dtype of ``outs[0]`` (the caller's ``out`` when given)
+    lse : CuPy float32 array (B, H, S) (the caller's ``lse`` when given)
         ``lse = log(sum_i exp(lse_i))`` (exact up to float32 rounding) and
         ``out = sum_i exp(lse_i - lse) * out_i``.
 
@@ -121,7 +125,7 @@ def merge_states(outs, lses):
     makes the row NaN. Merging is exact, so merging in stages (``merge(merge(a, b), c)``) and in one
     go agree up to rounding, and attention over ``A ∪ B`` equals ``merge(attention(A), attention(B))``.
     """
-    operands = (outs, lses, None, None)
+    operands = (outs, lses, out, lse)
     plan, ptrs = _pipeline.lookup("merge_states", operands, ())
     if plan is None:
         plan, ptrs, result = _plan_merge(operands, ptrs)
@@ -136,16 +140,20 @@ def _plan_merge(operands, key):
     empty merge."""
     import cupy
 
-    outs, lses = operands[:2]
+    outs, lses, out, lse = operands
     stacked, out_dtype = _stacked_outs(outs)
     n, b, s, h, d = stacked.shape
     lse_stack = _stacked_lses(lses, n)
     if tuple(lse_stack.shape) != (n, b, h, s):
         raise ValueError(f"lses must have shape (parts, batch, heads, seqlen) = {(n, b, h, s)} to match outs "
                          f"{tuple(stacked.shape)}, got {tuple(lse_stack.shape)}")
+    out_k = None if out is None else _checks.check_out(out, "out", (b, s, h, d), out_dtype)
+    lse_k = None if lse is None else _checks.check_out(lse, "lse", (b, h, s), np.float32)
+    _checks.check_disjoint((("out", out_k), ("lse", lse_k)), (("outs", stacked), ("lses", lse_stack)))
     if b * s * h == 0:
         _pipeline.nothing_to_plan()
-        return None, None, (cupy.empty((b, s, h, d), dtype=out_dtype), cupy.empty((b, h, s), dtype=np.float32))
+        return None, None, (out if out is not None else cupy.empty((b, s, h, d), dtype=out_dtype),
+                            lse if lse is not None else cupy.empty((b, h, s), dtype=np.float32))
     if b * s * h >= 2**31:
         raise ValueError(f"merge handles fewer than 2**31 rows (batch * seqlen * heads), got {b * s * h}")
     out_layout = _checks.Shaped((b, s, h, d), out_dtype)
@@ -159,7 +167,7 @@ def _plan_merge(operands, key):
     params = Template(MERGE, merge_fields(stacked, lse_stack, out_layout, lse_layout),
                       {"outs": 0, "lses": 1, "out": 2, "lse": 3})
     plan.steps.append(_pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", params),)))
-    kernel_operands = (stacked, lse_stack, None, None)
+    kernel_operands = (stacked, lse_stack, out_k, lse_k)
     _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
     return plan, _pipeline.pointers(kernel_operands), None
 

@@ -430,3 +430,33 @@ def test_run_passes_dropouts_seed_and_offset(fake_cuda):
     generator = SimpleNamespace(next_state=lambda: (7, 9))
     _, _, drawn = plan.run((None,) * 3, [0x10, 0x20, 0x30], generator=generator)
     assert log[-1][1][plan.index("seed"):] == [7, 9] and drawn.tolist() == [7, 9]
+
+
+class _Strided:
+    """What memory_span reads of an array: its address, shape, byte strides, item size."""
+
+    def __init__(self, ptr, shape, strides, itemsize=4):
+        self.data, self.shape, self.strides, self.itemsize = SimpleNamespace(ptr=ptr), shape, strides, itemsize
+        self.size = int(np.prod(shape))
+
+
+def test_memory_span_and_disjoint_outputs():
+    rng = np.random.default_rng()
+    base = int(rng.integers(1, 2**40)) * 256
+    rows = _Strided(base, (4, 8), (32, 4))                  # 128 bytes
+    assert _checks.memory_span(rows) == (base, base + 128)
+    flipped = _Strided(base + 124, (4, 8), (-32, -4))       # the same bytes walked backwards
+    assert _checks.memory_span(flipped) == (base, base + 128)
+    assert _checks.memory_span(_Strided(base, (0, 8), (32, 4))) == (0, 0)
+    after = _Strided(base + 128, (2, 8), (32, 4))
+    _checks.check_disjoint((("out", after),), (("q", rows), ("k", None)))   # adjacent: fine
+    with pytest.raises(ValueError, match="out overlaps q"):
+        _checks.check_disjoint((("out", _Strided(base + 96, (1, 8), (32, 4))),), (("q", rows),))
+    with pytest.raises(ValueError, match="dq overlaps dk"):
+        _checks.check_disjoint((("dq", rows), ("dk", flipped)), ())
+    # Every other column of a wide array against the columns between: the spans overlap, refused.
+    even = _Strided(base, (4, 4), (32, 8))
+    odd = _Strided(base + 4, (4, 4), (32, 8))
+    with pytest.raises(ValueError, match="out overlaps lse"):
+        _checks.check_disjoint((("out", even), ("lse", odd)), ())
+    _checks.check_disjoint((("out", _Strided(base, (0,), (4,))),), (("q", rows),))   # empty: no memory

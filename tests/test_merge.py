@@ -294,3 +294,57 @@ def test_cascade_gpu(xp_gpu, problem, dtype):
         err = np.abs(got - ref_out).max()
         allowed = max(part_errors) + HALF_EPS[dtype] * np.abs(ref_out).max() + tt.DEFAULT_ATOL[dtype]
         assert err <= allowed, f"merged error {err:.3g} > worst part error + rounding = {allowed:.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_merge_states_gpu_into_caller_buffers(xp_gpu, dtype):
+    """out= / lse= are written in place (NaN-poisoned first), equal the allocating call bitwise,
+    and are returned as the very objects passed; overlaps and bad buffers are refused before any
+    launch, the buffers left untouched. (Overlaps are checked when a call's layout is planned, so
+    the bad calls come first here: a repeat call replays its plan with no checks but alignment.)"""
+    import cuflash
+    from cuflash import _pipeline
+
+    cp = xp_gpu
+    _pipeline.clear_memo()   # these layouts are planned (and checked) here first
+    rng = np.random.default_rng()
+    n, b, s, h, d = 3, 2, 5, 4, 64
+    outs = cp.asarray(rng.standard_normal((n, b, s, h, d)).astype(tt._dtype(dtype)))
+    lses = cp.asarray(rng.standard_normal((n, b, h, s)).astype(np.float32))
+    before, lses_before = outs.copy(), lses.copy()
+    with pytest.raises(ValueError, match="out overlaps outs"):
+        cuflash.merge_states(outs, lses, out=outs[0])
+    with pytest.raises(ValueError, match="lse overlaps lses"):
+        cuflash.merge_states(outs, lses, lse=lses[1])
+    shared = cp.empty(b * s * h * d, dtype=cp.float32)
+    with pytest.raises(ValueError, match="out overlaps lse"):
+        cuflash.merge_states(outs.astype(cp.float32), lses, out=shared.reshape(b, s, h, d),
+                             lse=shared[:b * h * s].reshape(b, h, s))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        cuflash.merge_states(outs, lses, out=cp.empty((b, s, h, d), dtype=cp.float64))
+    with pytest.raises(ValueError, match="lse must have shape"):
+        cuflash.merge_states(outs, lses, lse=cp.empty((b, s, h), dtype=cp.float32))
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        cuflash.merge_states(outs, lses, out=cp.empty((b, s, h, 2 * d), dtype=outs.dtype)[..., ::2])
+    np.testing.assert_array_equal(outs.view(cp.uint8).get(), before.view(cp.uint8).get())
+    np.testing.assert_array_equal(lses.get(), lses_before.get())
+    want_out, want_lse = cuflash.merge_states(outs, lses)
+
+    def poisoned(shape, dtype):   # all bits set: NaN in every float format (bfloat16 has no cp.full)
+        x = cp.empty(shape, dtype=dtype)
+        x.view({2: cp.uint16, 4: cp.uint32}[x.itemsize]).fill(2 ** (8 * x.itemsize) - 1)
+        return x
+
+    for _ in range(2):   # the first call plans, the second replays the plan
+        out = poisoned((b, s, h, d), outs.dtype)
+        lse = poisoned((b, h, s), cp.float32)
+        got_out, got_lse = cuflash.merge_states(outs, lses, out=out, lse=lse)
+        assert got_out is out and got_lse is lse
+        np.testing.assert_array_equal(out.view(cp.uint8).get(), want_out.view(cp.uint8).get())
+        np.testing.assert_array_equal(lse.get(), want_lse.get())
+    only_lse = poisoned((b, h, s), cp.float32)
+    got_out, _ = cuflash.merge_states(outs, lses, lse=only_lse)
+    np.testing.assert_array_equal(got_out.view(cp.uint8).get(), want_out.view(cp.uint8).get())
+    np.testing.assert_array_equal(only_lse.get(), want_lse.get())
+
