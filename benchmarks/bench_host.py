@@ -7,14 +7,15 @@ peers measured in the same run. Three parts:
    ``attention_varlen``, ``decode`` (contiguous and paged, page 16) and ``merge_states``, called
    with CuPy arrays, with torch tensors, and through a ``cuflash.plan`` (CuPy arrays), beside
    torch SDPA's FLASH_ATTENTION and CUDNN_ATTENTION backends on the same memory (BHSD views).
-   Method: warm-up calls, synchronise the device, then ``time.perf_counter()`` around the host
-   submission of N = 20 back-to-back calls, divided by N; the device is synchronised after the
-   clock stops (outside the timed region). Median of ``--runs`` such loops. N is small so that the
-   launch queue never fills even where the GPU takes longer per call than the host (a full queue
-   blocks submission, and a loop of 200 backward calls measured the GPU's 25-36 us per call
-   instead of the host's): the ``gpu us`` column is the CUDA-event time of the same cuflash (CuPy)
-   calls per call, and a row where it exceeds the host time is marked ``gpu-bound`` (the GPU, not
-   the host, sets the pace of back-to-back calls there).
+   Method: warm-up calls, then per loop: synchronise the device, two untimed calls, then
+   ``time.perf_counter()`` around the host submission of N = 30 back-to-back calls, divided by N;
+   the device is synchronised after the clock stops (outside the timed region). Median of
+   ``--runs`` loops, the front ends and the peers taking turns (each loop starting one later). N
+   is small so that the launch queue cannot fill where the GPU takes longer per call than the
+   host (a full queue blocks submission; loops of 200 backward calls measured the GPU's pace, the
+   host time equal to the event time per call). The ``gpu us`` column is the CUDA-event time of
+   the same cuflash (CuPy) calls per call, and a row where it exceeds the host time is marked
+   ``gpu-bound`` (the GPU, not the host, sets the pace of back-to-back calls there).
    How each is called, as a user would: cuflash writes into ``out=`` / ``dq=, dk=, dv=`` /
    ``out=, lse=`` (merge_states) buffers (torch tensors in the torch column, returned as those very
    tensors); index arrays (``cache_seqlens``, ``block_table``, ``cu_seqlens``) live on the GPU;
@@ -108,7 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="forward at 1k and 8k only, fewer repeats (~3 min on an H100)")
     p.add_argument("--out", default=None, help="directory for bench_host.md and bench_host.csv")
     p.add_argument("--parts", default="host,decode,forward", help="comma-separated subset of host, decode, forward")
-    p.add_argument("--calls", type=int, default=20, help="back-to-back calls per host-time loop (default 20)")
+    p.add_argument("--calls", type=int, default=30, help="back-to-back calls per host-time loop (default 30)")
     p.add_argument("--runs", type=int, default=None, help="host-time loops per point, median (default 41, 25 quick)")
     p.add_argument("--repeats", type=int, default=None, help="end-to-end timed runs per point (default 7, 3 quick)")
     p.add_argument("--target-ms", type=float, default=None, help="length of one end-to-end run (default 40, 20 quick)")
@@ -137,28 +138,39 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- timing
 
-def host_us(env, fn, ctx=None):
-    """(host us per call, GPU-event us per call): medians over ``env.args.runs`` loops of
-    ``env.args.calls`` back-to-back calls, the device idle at the start of each loop."""
+def host_us_each(env, contenders):
+    """{name: (host us per call, GPU-event us per call)} for ``{name: (fn, ctx or None)}``: medians
+    over ``env.args.runs`` loops of ``env.args.calls`` back-to-back calls, each loop starting on an
+    idle device after two untimed calls (the host's caches warm again after the wait). The
+    contenders take turns, each run starting one later: host times drift along a sequence too
+    (the same merge_states call measured 9.1 us first and 14.1 us third in a fixed order)."""
     cp, calls = env.cp, env.args.calls
     device = cp.cuda.Device()
-    host, gpu = [], []
-    with ctx() if ctx is not None else contextlib.nullcontext():
-        for _ in range(5):
-            fn()
-        for _ in range(env.args.runs):
-            device.synchronize()
-            begin, end = cp.cuda.Event(), cp.cuda.Event()
-            begin.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
+    host = {name: [] for name in contenders}
+    gpu = {name: [] for name in contenders}
+    names = list(contenders)
+    for name, (fn, ctx) in contenders.items():
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            for _ in range(5):
                 fn()
-            t1 = time.perf_counter()
-            end.record()
-            end.synchronize()
-            host.append((t1 - t0) / calls * 1e6)
-            gpu.append(cp.cuda.get_elapsed_time(begin, end) / calls * 1e3)
-    return statistics.median(host), statistics.median(gpu)
+    for r in range(env.args.runs):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, ctx = contenders[name]
+            with ctx() if ctx is not None else contextlib.nullcontext():
+                device.synchronize()
+                fn()
+                fn()
+                begin, end = cp.cuda.Event(), cp.cuda.Event()
+                begin.record()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                t1 = time.perf_counter()
+                end.record()
+                end.synchronize()
+            host[name].append((t1 - t0) / calls * 1e6)
+            gpu[name].append(cp.cuda.get_elapsed_time(begin, end) / calls * 1e3)
+    return {name: (statistics.median(host[name]), statistics.median(gpu[name])) for name in names}
 
 
 def e2e_ms_each(env, contenders):
@@ -573,18 +585,16 @@ def bench_host(env):
         row["check"] = "ok" if worst <= tolerance(case.kind, scale) else "FAILED"
         if row["check"] != "ok":
             log(f"  CHECK FAILED: maxdiff {worst:.3e} at output scale {scale:.3e}")
-        # Timing.
-        gpu = None
-        for frontend, fn in calls.items():
-            if fn is not None:
-                host, g = host_us(env, fn)
-                row[f"{frontend} us"] = host
-                if frontend == "cupy":
-                    gpu = g
-        for name, (fn, ctx, mark) in case.peers.items():
-            row[f"{name} us"] = host_us(env, fn, ctx)[0]
+        # Timing: cuflash's front ends and the peers in turns.
+        contenders = {frontend: (fn, None) for frontend, fn in calls.items() if fn is not None}
+        contenders.update({name: (fn, ctx) for name, (fn, ctx, _) in case.peers.items()})
+        timed = host_us_each(env, contenders)
+        for name, (host, _) in timed.items():
+            row[f"{name} us"] = host
+        for name, (_, _, mark) in case.peers.items():
             if mark:
                 row[f"{name} us"] = f"{row[f'{name} us']:.1f}{mark}"
+        gpu = timed["cupy"][1] if "cupy" in timed else None
         row["gpu us"] = gpu
         if gpu is not None and not missing(row.get("cupy us")) and gpu > row["cupy us"]:
             row["gpu us"] = f"{gpu:.1f} gpu-bound"
