@@ -28,6 +28,13 @@ BIAS_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 if BFLOAT16 is not None:
     BIAS_DTYPE_CODES[BFLOAT16] = 2
 
+# What the params structs and the kernels can hold: sizes, positions and window sizes are int32,
+# scale and softcap float32, and sequences and query heads are CUDA grid axes y and z.
+INT32_MAX = 2**31 - 1
+GRID_YZ_MAX = 65535
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)   # the smallest normal float32
+
 
 def dtype_name(dtype) -> str:
     return SUPPORTED_DTYPES[np.dtype(dtype)]
@@ -178,8 +185,11 @@ def check_scale(scale, head_dim: int) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    # float32 in the kernels, and scale * log2(e) too: neither may round to 0 or overflow there.
+    limit = FLOAT32_MAX / math.log2(math.e)
+    if not FLOAT32_TINY <= scale <= limit:
+        raise ValueError(f"scale must be > 0, in [{FLOAT32_TINY:.4g}, {limit:.4g}] (float32 in the kernels), got "
+                         f"{scale}")
     return scale
 
 
@@ -187,13 +197,22 @@ def check_softcap(softcap) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
+    # float32 in the kernels: a softcap that rounds to 0 there would silently turn the cap off.
+    if not (softcap == 0 or FLOAT32_TINY <= softcap <= FLOAT32_MAX):
+        raise ValueError(f"softcap must be 0 (off) or in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (float32 in the "
+                         f"kernels), got {softcap}")
     return softcap
 
 
-def check_window(window, causal) -> tuple[int, int]:
-    """(left, right) with causal folded in as right = 0; -1 means unbounded."""
+def check_window(window, causal, seqlens=None) -> tuple[int, int]:
+    """(left, right) with causal folded in as right = 0; -1 means unbounded.
+
+    ``seqlens`` = (seqlen_q, seqlen_k), bounds of the call's query and key lengths: a side wider
+    than that is cut to it, which is the same attention (query i sees keys i + seqlen_k - seqlen_q -
+    left .. i + seqlen_k - seqlen_q + right, so left >= seqlen_k and right >= seqlen_q bound
+    nothing). The kernels add window sizes to positions in int32, where a size near 2**31 would
+    overflow.
+    """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if window is None:
@@ -207,8 +226,13 @@ def check_window(window, causal) -> tuple[int, int]:
         left, right = int(window[0]), int(window[1])
         if left < -1 or right < -1:
             raise ValueError(f"window values must be >= -1 (-1 = unbounded), got {window!r}")
+        if left > INT32_MAX or right > INT32_MAX:
+            raise ValueError(f"window values must be at most {INT32_MAX} (int32 in the kernels; -1 = unbounded), "
+                             f"got {window!r}")
     if causal:
         right = 0 if right < 0 else min(right, 0)
+    if seqlens is not None:
+        left, right = min(left, seqlens[1]), min(right, seqlens[0])   # -1 stays -1
     return left, right
 
 
@@ -264,8 +288,9 @@ def check_block_size(block_size) -> tuple[int, int]:
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise ValueError(f"block_size must be a pair (bq, bk), got {block_size!r}")
     for value in block_size:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"block_size must hold two positive ints, got {block_size!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= INT32_MAX:
+            raise ValueError(f"block_size must hold two ints in [1, {INT32_MAX}] (int32 in the kernels), got "
+                             f"{block_size!r}")
     return int(block_size[0]), int(block_size[1])
 
 
@@ -295,16 +320,82 @@ def memory_span(x) -> tuple[int, int]:
     return low, high + x.itemsize
 
 
-def check_disjoint(outputs, inputs) -> None:
+def check_disjoint(outputs, inputs, why: str = "pass an output buffer of its own") -> None:
     """Raise ValueError when an output's memory overlaps an input's or another output's: the kernels
     read their inputs while writing, so an overlap would be a race. ``outputs`` and ``inputs`` are
-    (name, array or None) pairs; spans are compared, so two interleaved views count as overlapping."""
+    (name, array or None) pairs; spans are compared, so two interleaved views count as overlapping.
+    ``why`` ends the message."""
     spans = [(name, memory_span(x)) for name, x in outputs if x is not None]
     for i, (name, (low, high)) in enumerate(spans):
         others = spans[i + 1:] + [(n, memory_span(x)) for n, x in inputs if x is not None]
         for other, (lo, hi) in others:
             if low < hi and lo < high:
-                raise ValueError(f"{name} overlaps {other} in memory: pass an output buffer of its own")
+                raise ValueError(f"{name} overlaps {other} in memory: {why}")
+
+
+def distinct_elements(shape, strides, itemsize: int) -> bool:
+    """Whether no two elements of a layout (shape, byte strides) can share a byte, by a sufficient
+    test: taken by increasing stride, each axis longer than 1 steps past every byte that the faster
+    axes reach. Every view sliced or transposed out of a C- or F-ordered array passes; zero
+    (broadcast) strides and axes that step into each other fail."""
+    if 0 in tuple(shape):
+        return True
+    reach = itemsize
+    for stride, n in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
+        if stride < reach:
+            return False
+        reach += (n - 1) * stride
+    return True
+
+
+def check_cache_rows(k_cache, v_cache) -> None:
+    """Before an append into the caches (same shape): ValueError when two rows of a cache can share
+    memory (a zero or overlapping batch or page stride), or a row of k_cache one of v_cache
+    (``k_cache is v_cache``, overlapping views): an appended row would overwrite another's. Caches
+    interleaved in one allocation (k and v as views of a (..., 2, ...) array) are distinct."""
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if not distinct_elements(x.shape, x.strides, x.itemsize):
+            raise ValueError(f"{name} has rows that share memory (shape {tuple(x.shape)}, byte strides "
+                             f"{tuple(x.strides)}: a zero or overlapping batch/page stride), and the call appends "
+                             "k_new/v_new into it, which would overwrite another row: pass a cache whose rows are "
+                             "distinct (without k_new/v_new it is only read, and that is allowed)")
+    if k_cache.strides == v_cache.strides:
+        # v_cache is k_cache moved by delta bytes: the two are distinct iff the layout with a leading
+        # axis of length 2 and stride delta is.
+        delta = v_cache.data.ptr - k_cache.data.ptr
+        apart = distinct_elements((2, *k_cache.shape), (delta, *k_cache.strides), k_cache.itemsize)
+    else:
+        (k_lo, k_hi), (v_lo, v_hi) = memory_span(k_cache), memory_span(v_cache)
+        apart = k_hi <= v_lo or v_hi <= k_lo
+    if not apart:
+        raise ValueError("k_cache and v_cache share memory (k_cache is v_cache, or views whose rows overlap), and "
+                         "the call appends k_new/v_new into both, so appended keys would overwrite values: pass "
+                         "separate caches (without k_new/v_new they are only read, and sharing is allowed)")
+
+
+def check_size(value: int, limit: int, what: str, why: str) -> None:
+    """ValueError when a size exceeds what the kernels can index; ``what`` names the argument (and
+    its axes), ``why`` says what sets the limit."""
+    if value > limit:
+        raise ValueError(f"{what} must be at most {limit} ({why}), got {value}")
+
+
+def check_problem_size(q, k, *, batch: int, seqlen_q: int, seqlen_k: int, varlen: bool) -> None:
+    """The sizes of a forward or backward call that the attention kernels can index: a CUDA grid row
+    per sequence and per query head (grid axes y and z), q's and k's rows x heads in int32, and query
+    and key positions (compared after adding the window) in int32. ``seqlen_q``/``seqlen_k``: the
+    lengths, or under varlen their bounds max_seqlen_q/k."""
+    grid = "one CUDA grid row (axis y or z) per sequence and per query head"
+    if varlen:
+        check_size(batch, GRID_YZ_MAX, "the sequences of cu_seqlens_q (its length - 1)", grid)
+    else:
+        check_size(batch, GRID_YZ_MAX, "the batch of q (axis 0)", grid)
+    check_size(q.shape[-2], GRID_YZ_MAX, "the heads of q (axis -2)", grid)
+    axes = "total x heads" if varlen else "batch x seqlen x heads"
+    for x, name in ((q, "q"), (k, "k")):
+        check_size(math.prod(x.shape[:-1]), INT32_MAX, f"the rows of {name} ({axes})", "int32 in the kernels")
+    lengths = "max_seqlen_q + max_seqlen_k" if varlen else "the sequence lengths of q and k (axis 1) added"
+    check_size(seqlen_q + seqlen_k, INT32_MAX, lengths, "positions are int32 in the kernels")
 
 
 @dataclass
@@ -318,10 +409,11 @@ class Options:
     generator: object
 
 
-def check_options(*, head_dim, causal, scale, window, softcap, dropout_p, generator) -> Options:
+def check_options(*, head_dim, causal, scale, window, softcap, dropout_p, generator, seqlens=None) -> Options:
+    """The forward options; ``seqlens`` as in :func:`check_window`."""
     return Options(
         scale=check_scale(scale, head_dim),
-        window=check_window(window, causal),
+        window=check_window(window, causal, seqlens),
         softcap=check_softcap(softcap),
         dropout_p=check_dropout(dropout_p),
         generator=check_generator(generator) if dropout_p else None,
@@ -382,7 +474,7 @@ def int32_operand(x, name: str, ndim: int):
     """
     cupy = _cupy()
     if isinstance(x, (list, tuple)):
-        x = np.asarray(x, dtype=np.int32)
+        x = _int32_values(x, name)
     if isinstance(x, np.ndarray):
         if x.dtype != np.int32:
             raise TypeError(f"{name} must be int32, got {x.dtype}")
@@ -398,3 +490,21 @@ def int32_operand(x, name: str, ndim: int):
     if device.strides[-1] != 4 or any(s < 0 for s in device.strides):
         device = cupy.ascontiguousarray(device)
     return device, None
+
+
+def _int32_values(values, name: str) -> np.ndarray:
+    """A list or tuple of ints as an int32 array; np.asarray(values, dtype=np.int32) would truncate
+    floats and raise OverflowError for values past int32, neither naming the argument."""
+    try:
+        x = np.asarray(values)
+    except ValueError:   # ragged
+        raise ValueError(f"{name} must be a rectangular array of int32 values, got a ragged sequence") from None
+    if x.size == 0:
+        return x.astype(np.int32)
+    if x.dtype.kind == "O" and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in x.flat):
+        raise ValueError(f"{name} holds values past int32: {min(x.flat)} .. {max(x.flat)}")
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold int32 values, got {x.dtype} values")
+    if x.min() < -INT32_MAX - 1 or x.max() > INT32_MAX:
+        raise ValueError(f"{name} holds values past int32: {x.min()} .. {x.max()}")
+    return x.astype(np.int32)

@@ -115,6 +115,7 @@ CHECK_PARAMS = np.dtype(
 )
 
 _CODES = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
+_C_TYPES = {"Q": "uint64", "q": "int64", "I": "uint32", "i": "int32", "f": "float32"}
 
 
 class Layout:
@@ -160,7 +161,21 @@ class Layout:
         if unknown:
             raise KeyError(f"the params struct has no fields {sorted(unknown)}")
         values = self.defaults | fields
-        return self._struct.pack(*[values[name] for name, _, _ in self.fields])
+        try:
+            return self._struct.pack(*[values[name] for name, _, _ in self.fields])
+        except (struct.error, OverflowError):   # OverflowError: a float past float32
+            raise ValueError(self._misfit(values)) from None
+
+    def _misfit(self, values: dict) -> str:
+        """The message for values that do not pack: the first field whose value does not fit its C type.
+        The argument checks (cuflash/_checks.py) bound every argument first, so this is a safety net."""
+        for name, _, code in self.fields:
+            try:
+                struct.pack("<" + code, values[name])
+            except (struct.error, OverflowError):
+                return (f"the kernel parameter {name} = {values[name]!r} does not fit its C type "
+                        f"({_C_TYPES[code]}): an argument is out of range")
+        return "the kernel parameters do not pack"   # pragma: no cover - each field packed alone
 
     def unpack(self, data: bytes) -> dict:
         """Field values of packed bytes (tests and debugging)."""

@@ -28,10 +28,14 @@ def force_kernel(family: str):
     return _launch.forcing(_forced_family, family, FAMILIES)
 
 
+SCORE_OPERANDS = ("alibi_slopes", "mask", "bias", "block_mask")
+
+
 def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block_size, first: int):
     """FwdParams fields for ALiBi, mask, bias and block_mask: pointers as ("operand", index) with the
     operands at ``first``, ``first + 1``, ... in that order, and the kernel-ready arrays (zero-stride
-    broadcast views; ALiBi slopes contiguous) in the same order (None where absent)."""
+    broadcast views; ALiBi slopes contiguous) in the same order (None where absent; names in
+    SCORE_OPERANDS)."""
     fields, arrays = {}, [None, None, None, None]
     if alibi_slopes is not None:
         slopes = arrays[0] = _checks.check_alibi(alibi_slopes, b, hq)
@@ -113,6 +117,12 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
         dropout=dropout,
     )
     b, hq = batch, heads_q
+    if family == "fwd_sm90" and entry == "attention_varlen":
+        # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks
+        # cover max_seqlen_q rows of every sequence (check_problem_size bounds the dense ones).
+        _checks.check_size(math.ceil(grid_rows / plan_k.block_m) * hq * b, _checks.INT32_MAX,
+                           "the query blocks of max_seqlen_q rows x heads x sequences",
+                           "int32 in fwd_sm90: pass max_seqlen_q, the longest query sequence")
     lse_shape = (hq, q.shape[0]) if entry == "attention_varlen" else (b, hq, q.shape[1])
     lse_buffer = _pipeline.Buffer(lse_shape, np.float32)
     outputs = {3: _pipeline.Buffer(o.shape, o.dtype)}
@@ -199,6 +209,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         Source of (seed, offset); default: the global generator (cuflash.manual_seed).
     out : CuPy array (B, Sq, Hq, D), optional
     lse : CuPy float32 array (B, Hq, Sq), optional
+        C-contiguous buffers to write the results into; they may not overlap each other or any input
+        (ValueError).
 
     Returns
     -------
@@ -250,8 +262,9 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     if k.shape[0] != b:
         raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
     sk = k.shape[1]
+    _checks.check_problem_size(q, k, batch=b, seqlen_q=sq, seqlen_k=sk, varlen=False)
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
-                                 dropout_p=dropout_p, generator=generator)
+                                 dropout_p=dropout_p, generator=generator, seqlens=(sq, sk))
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=5)
     out_user = out
@@ -259,6 +272,8 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
         out = _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
     if lse is not None:
         lse = _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
+    _checks.check_disjoint((("out", out), ("lse", lse)),
+                           (("q", q), ("k", k), ("v", v), *zip(SCORE_OPERANDS, score_arrays)))
     _family_for(dtype_name)  # an impossible forced family is an argument error too
 
     if b * sq * hq * d == 0 or sk == 0:
@@ -388,13 +403,16 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     total_k = k.shape[0]
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
+    _checks.check_problem_size(q, k, batch=batch, seqlen_q=max_q, seqlen_k=max_k, varlen=True)
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
-                                 dropout_p=dropout_p, generator=generator)
+                                 dropout_p=dropout_p, generator=generator, seqlens=(max_q, max_k))
     score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
                                                 block_mask=None, block_size=(128, 128), first=7)
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
+    _checks.check_disjoint((("out", out),), (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_q),
+                                             ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0])))
     _family_for(dtype_name)
 
     if total_q * hq * d == 0 or batch == 0 or max_q == 0:

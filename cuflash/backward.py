@@ -28,7 +28,7 @@ import numpy as np
 from . import _checks, _heuristics, _launch, _pipeline, _tma
 from ._compile import device_arch, get_kernel
 from ._params import BWD, CONVERT, Template
-from .attention import score_operands
+from .attention import SCORE_OPERANDS, score_operands
 from .random import as_rng_state, dropout_threshold
 
 __all__ = ["attention_backward", "attention_varlen_backward", "force_kernel", "FAMILIES"]
@@ -126,9 +126,9 @@ def _dropout_state(dropout_p: float, rng_state):
     return as_rng_state(rng_state)
 
 
-def _check_common(*, head_dim, causal, scale, window, softcap, dropout_p, rng_state, deterministic):
+def _check_common(*, head_dim, causal, scale, window, softcap, dropout_p, rng_state, deterministic, seqlens):
     scale = _checks.check_scale(scale, head_dim)
-    window = _checks.check_window(window, causal)
+    window = _checks.check_window(window, causal, seqlens)
     softcap = _checks.check_softcap(softcap)
     dropout_p = _checks.check_dropout(dropout_p)
     deterministic = _check_flag(deterministic, "deterministic")
@@ -391,7 +391,8 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         buffer, which is then summed over the axes along which ``bias`` was broadcast.
     dq : CuPy array (B, Sq, Hq, D), optional
     dk, dv : CuPy arrays (B, Sk, Hk, D), optional
-        C-contiguous output buffers of the input dtype.
+        C-contiguous output buffers of the input dtype; they may not overlap each other or any input
+        (ValueError).
 
     Returns
     -------
@@ -482,12 +483,13 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     if k.shape[0] != b:
         raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
     sk, hk = k.shape[1], k.shape[2]
+    _checks.check_problem_size(q, k, batch=b, seqlen_q=sq, seqlen_k=sk, varlen=False)
     dout = _check_like(dout, "dout", q)
     out = _check_like(out, "out", q)
     lse = _check_lse(lse, (b, hq, sq))
     scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-        rng_state=rng_state, deterministic=deterministic)
+        rng_state=rng_state, deterministic=deterministic, seqlens=(sq, sk))
     return_dbias = _check_flag(return_dbias, "return_dbias")
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
@@ -499,6 +501,9 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     users = (dq, dk, dv)
     results, targets, layouts = _gradient_targets(dq, dk, dv, ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)),
                                                   q.dtype, d, d_pad)
+    _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
+                           (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
+                            *zip(SCORE_OPERANDS, score_arrays)))
 
     if b == 0 or hq == 0 or sq == 0 or sk == 0:
         # No score at all: every gradient is zero (and dq/dk/dv may be empty).
@@ -599,9 +604,10 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     lse = _check_lse(lse, (hq, total_q))
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
+    _checks.check_problem_size(q, k, batch=batch, seqlen_q=max_q, seqlen_k=max_k, varlen=True)
     scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-        rng_state=rng_state, deterministic=deterministic)
+        rng_state=rng_state, deterministic=deterministic, seqlens=(max_q, max_k))
     score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
                                                 block_mask=None, block_size=(128, 128), first=9)
     family = _family_for(dtype_name)
@@ -609,6 +615,9 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     users = (dq, dk, dv)
     shapes = ((total_q, hq, d), (total_k, hk, d), (total_k, hk, d))
     results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad)
+    _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
+                           (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
+                            ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0])))
 
     if hq == 0 or batch == 0 or max_q == 0 or max_k == 0 or total_q == 0:
         _pipeline.nothing_to_plan()

@@ -19,8 +19,6 @@ from ._params import DECODE, Template
 
 __all__ = ["decode"]
 
-_GRID_YZ_MAX = 65535
-
 
 @functools.lru_cache(maxsize=None)
 def _device_limits(device_id: int) -> tuple[int, int, int]:
@@ -177,23 +175,25 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                 raise ValueError(f"{name} must have shape (batch, new tokens, kv heads, head_dim) = {want}, got "
                                  f"{tuple(x.shape)}")
         if seqlen_new > capacity:
-            raise ValueError(f"the {seqlen_new} appended tokens do not fit a cache of {capacity} keys per sequence")
+            raise ValueError(f"the {seqlen_new} tokens of k_new/v_new do not fit a cache of {capacity} keys per "
+                             "sequence")
     if lens is not None and batch:   # values given on the host: checked here, no kernel needed
         if lens.min() < 0 or lens.max() + seqlen_new > capacity:
             b = int(np.argmax((lens < 0) | (lens + seqlen_new > capacity)))
             if lens[b] < 0 or lens[b] > capacity:
                 raise ValueError(f"cache_seqlens[{b}] = {int(lens[b])} is not in [0, {capacity}] (the cache holds "
                                  f"{capacity} keys per sequence)")
-            raise ValueError(f"the {seqlen_new} appended tokens do not fit: sequence {b} holds {int(lens[b])} of "
-                             f"{capacity} keys" + (" (cache_seqlens=None means full)" if cache_seqlens is None
-                                                   else ""))
+            raise ValueError(f"the {seqlen_new} tokens of k_new/v_new do not fit: sequence {b} holds "
+                             f"{int(lens[b])} of {capacity} keys" + (" (cache_seqlens=None means full)"
+                                                                      if cache_seqlens is None else
+                                                                      f" (cache_seqlens[{b}])"))
         if paged and table is not None:
             _check_pages(table, lens, seqlen_new, page_size, num_pages)
     check_on_gpu = batch > 0 and ((cache_seqlens is not None and lens is None) or (paged and table is None))
 
-    # Options.
+    # Options (a sequence holds at most ``capacity`` keys: the bound of the window).
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
-                                 dropout_p=0.0, generator=None)
+                                 dropout_p=0.0, generator=None, seqlens=(seqlen_q, capacity))
     score_fields, alibi_dev = {}, None
     if alibi_slopes is not None:
         alibi_dev = _checks.check_alibi(alibi_slopes, batch, heads_q)
@@ -216,8 +216,30 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d), q.dtype)
-    if batch > _GRID_YZ_MAX or heads_k > _GRID_YZ_MAX:
-        raise ValueError(f"decode handles at most {_GRID_YZ_MAX} sequences and kv heads, got {batch} and {heads_k}")
+
+    # Memory the call writes must not be memory it reads: out always, the caches when it appends.
+    reads = (("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", mask_view), ("alibi_slopes", alibi_dev),
+             ("cache_seqlens", seqlens_dev), ("block_table", table_dev))
+    _checks.check_disjoint((("out", out),), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
+    if seqlen_new:
+        # Without an append the caches are only read: a broadcast cache, or k_cache is v_cache, is fine.
+        _checks.check_cache_rows(k_cache, v_cache)
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _checks.check_disjoint(((name, cache),), reads,
+                                   why="the call appends k_new/v_new into the caches, so nothing it reads may "
+                                       "share their memory")
+
+    # Sizes: grid axes y and z are kv heads and sequences; the kernel's positions, pages and rows are int32.
+    grid = "one CUDA grid row (axis y or z) per sequence and per kv head"
+    _checks.check_size(batch, _checks.GRID_YZ_MAX, "the batch of q (axis 0)", grid)
+    _checks.check_size(heads_k, _checks.GRID_YZ_MAX, "the heads of k_cache (axis 2)", grid)
+    int32 = "int32 in the decode kernel"
+    _checks.check_size(seqlen_q * max(heads_q, 1), _checks.INT32_MAX, "the rows of q (seqlen x heads)", int32)
+    _checks.check_size(capacity, _checks.INT32_MAX, "the keys a sequence can hold (block_table's columns x "
+                       "page_size)" if paged else "the length of k_cache (axis 1)", int32)
+    _checks.check_size(num_pages, _checks.INT32_MAX, "the pages of k_cache (axis 0)", int32)
+    _checks.check_size(batch * max_pages, _checks.INT32_MAX, "the entries of block_table", int32)
+    _checks.check_size(mask_keys, _checks.INT32_MAX, "the key columns of mask (last axis)", int32)
     if batch == 0:
         _pipeline.nothing_to_plan()
         out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype) if out is None else out
@@ -395,6 +417,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         (any page size). Written in place when ``k_new`` is given. Rows should be 16-byte aligned
         (last axis contiguous, D a multiple of 8 for 16-bit / 4 for float32 data, strides multiples
         of 16 bytes); otherwise the cache is copied on every call (slow) and the new rows written back.
+        With ``k_new`` their rows must not share memory (no zero or overlapping batch/page stride, and
+        ``k_cache`` and ``v_cache`` distinct, though they may interleave in one allocation); without
+        it they are only read, so a broadcast cache or ``v_cache is k_cache`` is accepted.
     cache_seqlens : int32 array (B,), optional
         Keys each sequence holds before the append (0 allowed). On the GPU it is never read back: the
         index check kernel validates it before anything is written (see ``check``). Given as NumPy,
@@ -424,7 +449,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     return_lse : bool
         Also return lse.
     out : array (B, Sq, Hq, D), optional
-        C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given).
+        C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given), sharing no
+        memory with the other arguments.
     check : bool, optional
         True: wait for the index check and raise a bad ``cache_seqlens`` / ``block_table`` value now.
         False: a bad value makes the call write nothing and is raised (ValueError naming the
