@@ -218,7 +218,8 @@ def stream_key(device_id: int, stream_ptr: int):
 
 def stream_state(device_id: int, stream_ptr: int) -> StreamState:
     """The shared state of a real stream (created on first use; kept for the process)."""
-    key = (device_id, stream_ptr, _thread_token() if stream_ptr == PER_THREAD_STREAM else None)   # stream_key
+    # stream_key(), written out: this runs at every call.
+    key = (device_id, stream_ptr, _thread_token() if stream_ptr == PER_THREAD_STREAM else None)
     state = _states.get(key)
     if state is None:
         with _states_lock:
