@@ -25,6 +25,8 @@ struct BwdParams {
     float* lse2;             // (B, Hq, seqlen_q_pad): lse * log2(e); +inf for rows with no key and pad rows
     float* dsum;             // (B, Hq, seqlen_q_pad): D = rowsum(dO * O); 0 for pad rows
     float* dbias;            // float32 dL/ds (B, Hq, Sq, Sk) when the caller wants dbias, else nullptr
+    int* dq_semaphore;       // bwd_sm90, deterministic: a counter per dq_accum tile and consumer share,
+                             // zeroed per call (cuda_src/dq_order.cuh); else nullptr
     long long do_batch_stride, do_row_stride, do_head_stride;
     long long dqa_batch_stride, dqa_row_stride, dqa_head_stride;
     long long dq_batch_stride, dq_row_stride, dq_head_stride;
@@ -36,6 +38,7 @@ struct BwdParams {
     int heads_per_cta;       // query heads whose dK/dV one CTA sums (divides Hq / Hk)
     int dkv_partial;         // 1: dk/dv hold float32 partial sums, head index = query head / heads_per_cta
     int dqa_tile_rows;       // 0: dq_accum rows are dQ's rows; else bwd_sm90's tiles (bwd_common.cuh)
+    int pad_;
 };
 
 // Elementwise float32 -> element type conversion with a scale and a fixed-order sum over partial

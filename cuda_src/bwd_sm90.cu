@@ -5,7 +5,8 @@
 // tiles that see them, for each query head of its GQA group in turn (FlashAttention-2's backward
 // recomputing P from lse, in FlashAttention-3's arrangement):
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
-//     copies) of each query tile into a kStages-deep ring; it gives its registers away.
+//     copies) of each query tile into a kStages-deep ring; it gives its registers away. With
+//     ordered dQ another warp of it is the dQ writer (below).
 //   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
 //       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory; two groups)
 //       P^T element by element                (element_prob, bwd_common.cuh; masks of mask.cuh),
@@ -18,8 +19,13 @@
 //                                              consumer a 64 x 64 share of dQ, added into its
 //                                              share of dq_accum's tile by one bulk reduction)
 //   dK, dV stay in registers across the walk and are written once at the end.
-// With deterministic=True (CUFLASH_BWD_DQ=0) there is no dQ product here: bwd_sm80's dQ pass writes
-// dQ (cuflash/backward.py).
+// Ordered dQ (deterministic=True, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ
+// writer (warp 1 of warpgroup 0) through mbarriers instead of reducing them themselves; the writer
+// waits for each tile's turn, reduces, and passes the turn on once the reduction has landed, so that
+// neither the turns nor the reductions' latency stall the tensor cores.
+// With deterministic=True the additions into each dq_accum tile take turns in a fixed order
+// (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh) at D = 128; at D = 64 there is no dQ product here
+// (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ.
 //
 // Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
 // belong to the next one: the consumers zero them in shared memory (queries: Q and dO rows of the
@@ -27,7 +33,7 @@
 // sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (element_grad).
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
-// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here), CUFLASH_BLOCK_M (query rows per step: 128
+// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here, 2: in a fixed order), CUFLASH_BLOCK_M (query rows per step: 128
 // for D = 64, 64 for D = 128, so that each consumer's share of dQ is 64 x 64), CUFLASH_STAGES,
 // CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE,
 // CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants compile but still spill, so the planner
@@ -39,6 +45,7 @@
 #include "mask.cuh"
 #include "philox.cuh"
 #include "bwd_common.cuh"
+#include "dq_order.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 #include "gemm_sm90.cuh"
@@ -49,15 +56,17 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kStages_, bool kDq_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockM_, int kStages_, int kDqMode_, int kMods_, bool kDropout_>
 struct BwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kStages = kStages_;
-    // dQ computed here and added into dq_accum; false for deterministic=True (bwd_sm80's dQ pass).
-    // Compile-time: an in-flight wgmma on one side of a run-time branch made ptxas serialize them all.
-    static constexpr bool kDq = kDq_;
+    // dQ computed here and added into dq_accum (in a fixed order: kOrdered); kDq false: bwd_sm80's dQ
+    // pass computes it. Compile-time: an in-flight wgmma on one side of a run-time branch made ptxas
+    // serialize them all.
+    static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2;
     static constexpr int kMods = kMods_;
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
+    static_assert(!(kOrdered && kBlockMask), "ordered dQ needs every CTA to visit every tile of its range");
     static constexpr int kBlockN = 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
     // The producer's walk and copies need 40 registers (with 24 they spilled); the consumers get
     // the rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills.
@@ -77,10 +86,22 @@ struct BwdSm90Config {
     // Each consumer's float32 share of dQ on its way to dq_accum (64 x 64), double buffered where
     // shared memory allows (D = 128: 227 KB in all; D = 64's dS^T tiles are twice as large).
     static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kHeadDim == 128 ? 2 : 1;
+    static_assert(!kOrdered || kDqBuffers == 2, "the dQ writer takes turns with double-buffered shares");
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
                                       2 * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "bwd_sm90 runs head dims 64 and 128");
 };
+
+// The CTA's block of kBlockN keys. Ordered dQ dispatches the highest key block first
+// (dq_order.cuh). Read again where it is needed: kept in a register through the walk, it spilled.
+template <class C>
+__device__ __forceinline__ int cta_key_block() {
+    int x, n;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+    if constexpr (!C::kOrdered) return x;
+    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(n));
+    return n - 1 - x;
+}
 
 // Where a consumer keeps P^T: in score2 with score modifiers (acc_s keeps the raw scores), in acc_s
 // without.
@@ -98,6 +119,12 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     __shared__ __align__(8) unsigned long long barriers[1 + 2 * C::kStages];
     __shared__ __align__(16) float lse2_smem[C::kStages][C::kBlockM], dsum_smem[C::kStages][C::kBlockM];
     __shared__ int tile_of_stage[C::kStages];   // (query head << 16) | query tile; -1: the walk is over
+    // Ordered dQ: per consumer and share buffer, a share is ready (dq_full) / free again (dq_empty),
+    // and which tile it belongs to ((query head << 16) | query tile; -1: the walk is over); the
+    // parities the consumers' thread 0 waits for next (bit buffer; in shared memory: a register
+    // held through the walk made ptxas spill).
+    __shared__ __align__(8) unsigned long long dq_barriers[C::kOrdered ? 2 * C::kConsumers * 2 : 1];
+    __shared__ int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;
     const unsigned k_smem = smem;                                   // [kHeadDim / 64][kBlockN][64]
     const unsigned v_smem = k_smem + C::kKVBytes;
@@ -108,6 +135,8 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const unsigned kv_full = smem_addr(&barriers[0]);
     auto full = [&](int stage) { return smem_addr(&barriers[1 + stage]); };
     auto empty = [&](int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); };
+    auto dq_full = [&](int consumer, int buf) { return smem_addr(&dq_barriers[consumer * 2 + buf]); };
+    auto dq_empty = [&](int consumer, int buf) { return smem_addr(&dq_barriers[2 * C::kConsumers + consumer * 2 + buf]); };
 
     // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
     // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
@@ -115,7 +144,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const int b = blockIdx.z;
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
     SeqInfo s = make_seq_info(p, b, (blockIdx.y / splits) * group);
-    const int n_lo = blockIdx.x * C::kBlockN;
+    const int n_lo = cta_key_block<C>() * C::kBlockN;
     if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
     const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
     int q_first, q_last;
@@ -132,12 +161,53 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(full(stage), 1);
             mbar_init(empty(stage), 128 * C::kConsumers);
         }
+        if constexpr (C::kOrdered) {
+            for (int i = 0; i < 2 * C::kConsumers; ++i) {
+                mbar_init(smem_addr(&dq_barriers[i]), 1);
+                mbar_init(smem_addr(&dq_barriers[2 * C::kConsumers + i]), 1);
+            }
+            for (int i = 0; i < C::kConsumers; ++i) dq_empty_parity[i] = 0;
+        }
         fence_barrier_init();
     }
     __syncthreads();
 
     if (warpgroup == 0) {
         setmaxnreg_dec<C::kProducerRegs>();
+        if constexpr (C::kOrdered) {
+            if (warp == 1 && lane == 0) {
+                // The dQ writer. The consumers' shares alternate between two buffers, the first
+                // step's in buffer 1 (ds_buf's order).
+                int full_parity = 0;   // bit buf
+                for (int buf = 1;; buf ^= 1) {
+                    int counters[C::kConsumers];
+                    for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
+                        mbar_wait(dq_full(consumer, buf), (full_parity >> buf) & 1);
+                        const int tile = *static_cast<volatile int*>(&dq_tile_of[consumer][buf]);
+                        if (tile < 0) return;   // both consumers end together; every reduction has landed
+                        s.h = tile >> 16;
+                        const int c = tile & 0xffff;
+                        const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                                 (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + c * C::kBlockM) *
+                                                     bp.dqa_row_stride;
+                        // One counter per tile (kBlockM rows of kHeadDim floats) and share.
+                        counters[consumer] =
+                            static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers + consumer;
+                        dq_wait_turn(bp.dq_semaphore + counters[consumer],
+                                     dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c));
+                        bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
+                                        dq_smem + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
+                        bulk_commit();
+                    }
+                    full_parity ^= 1 << buf;
+                    bulk_wait_read();
+                    for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(dq_empty(consumer, buf));
+                    bulk_wait();
+                    for (int consumer = 0; consumer < C::kConsumers; ++consumer)
+                        dq_pass_turn(bp.dq_semaphore + counters[consumer]);
+                }
+            }
+        }
         if (warp != 0) return;
         // Producer: warp 0 walks the tiles (all lanes, for the block-mask vote); lane 0 issues.
         if (lane == 0) {
@@ -237,6 +307,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // P^T element by element: element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2),
         // query m_lo + 8 mi + 2 t + e % 2. With score modifiers P goes to score2 and acc_s keeps
         // the raw scores (the softcap's derivative needs them); without, P replaces S in acc_s.
+        const int n_lo = cta_key_block<C>() * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         if constexpr (C::kScoreMods) {
@@ -389,6 +460,13 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
                 named_barrier_sync(2 + consumer, 128);
             }
+            if constexpr (C::kOrdered) {
+                if (wg_thread == 0) {   // the writer has read this buffer's previous share
+                    mbar_wait(dq_empty(consumer, ds_buf), ((dq_empty_parity[consumer] >> ds_buf) & 1) ^ 1);
+                    dq_empty_parity[consumer] ^= 1 << ds_buf;
+                }
+                named_barrier_sync(2 + consumer, 128);
+            }
             // (Double buffered, the buffers alternate with dS^T's: ds_buf.)
             const unsigned share = dq_smem + (consumer * C::kDqBuffers + (C::kDqBuffers == 2 ? ds_buf : 0)) *
                                                  C::kDqShareBytes;
@@ -400,19 +478,33 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
             // Two buffers: the previous step's reduction (the other buffer) must have read it before
             // the next step writes there; the barrier below tells every thread.
-            if (C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
+            if (!C::kOrdered && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
-                float* tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                              (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
-                bulk_reduce_add(tile + consumer * (C::kDqShareBytes / 4), share, C::kDqShareBytes);
-                bulk_commit();
+                if constexpr (C::kOrdered) {   // to the writer
+                    dq_tile_of[consumer][ds_buf] = (s.h << 16) | (m_lo / C::kBlockM);
+                    mbar_arrive(dq_full(consumer, ds_buf));
+                } else {
+                    float* tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                  (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                    bulk_reduce_add(tile + consumer * (C::kDqShareBytes / 4), share, C::kDqShareBytes);
+                    bulk_commit();
+                }
             }
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
 
-    if (C::kDq && threadIdx.x % 128 == 0) bulk_wait();   // this warpgroup's dQ reductions have landed
+    if (C::kDq && threadIdx.x % 128 == 0) {
+        if constexpr (C::kOrdered) {   // the end of the walk, to the writer
+            const int buf = ds_buf ^ 1;
+            mbar_wait(dq_empty(consumer, buf), ((dq_empty_parity[consumer] >> buf) & 1) ^ 1);
+            dq_tile_of[consumer][buf] = -1;
+            mbar_arrive(dq_full(consumer, buf));
+        } else {
+            bulk_wait();   // this warpgroup's dQ reductions have landed
+        }
+    }
 
     // dK (scaled) and dV of this consumer's keys, once. The sequence is looked up again rather than
     // kept in registers through the walk (two values of the prologue held there spilled).
@@ -423,7 +515,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int r = n_lo + key_row0 + 8 * half;
+        const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
         if (r >= se.seqlen_k) continue;
         const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
 #pragma unroll
@@ -438,7 +530,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
 }  // namespace cuflash
 
-using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_STAGES, CUFLASH_BWD_DQ != 0,
+using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_STAGES, CUFLASH_BWD_DQ,
                                       CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES

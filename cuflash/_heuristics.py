@@ -371,7 +371,9 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
             for d in dims(BWD_SM90_HEAD_DIMS):
                 for mods in score_mod_sets():
                     for dropout in (False, True):
-                        for det in (False, True):
+                        for det in (False, True, "pass"):
+                            if det is True and not bwd_sm90_orders_dq(d):
+                                continue
                             if bwd_sm90_obstacle(d, mods, dropout) is None:
                                 out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
                                                              score_mods=mods, dropout=dropout,
@@ -715,6 +717,9 @@ BWD_SM90_HEAD_DIMS = (64, 128)
 BWD_SM90_BLOCK_N, BWD_SM90_THREADS = 128, 384
 BWD_SM90_BLOCK_M = {64: 128, 128: 64}
 BWD_SM90_STAGES = {64: 2, 128: 2}
+#: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh);
+#: at D = 64 the order's bookkeeping made the consumers spill, and bwd_sm80's dQ pass computes dQ.
+BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
 def bwd_sm90_smem_bytes(head_dim: int) -> int:
@@ -724,6 +729,12 @@ def bwd_sm90_smem_bytes(head_dim: int) -> int:
     dq_buffers = 2 if head_dim == 128 else 1   # a 64 x 64 float32 share of dQ per consumer and buffer
     dq_staging = 2 * dq_buffers * 64 * 64 * 4
     return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
+
+
+def bwd_sm90_orders_dq(head_dim: int) -> bool:
+    """Whether bwd_sm90 adds dQ in a fixed order under deterministic=True at this (padded) head dim
+    (else bwd_sm80's dQ pass computes dQ after it)."""
+    return head_dim <= max(BWD_SM90_HEAD_DIMS) and _round_up(head_dim, BWD_SM90_HEAD_DIMS) in BWD_SM90_ORDERED_HEAD_DIMS
 
 
 def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> str | None:
@@ -789,9 +800,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         False: the dK/dV pass (with atomic dQ when asked at run time); True: the dQ pass.
     score_mods, dropout
         As in :func:`forward_plan`.
-    deterministic : bool, optional
-        bwd_sm90 only (required there): whether dQ comes from bwd_sm80's dQ pass (True) or is
-        added by the dK/dV pass itself (False).
+    deterministic : bool or "pass", optional
+        bwd_sm90 only (required there): False, the dK/dV pass adds dQ in any order; True, it adds
+        dQ in a fixed order (cuda_src/dq_order.cuh); "pass", dQ comes from bwd_sm80's dQ pass.
 
     Returns
     -------
@@ -815,8 +826,10 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
         if dq_pass:
             raise ValueError("bwd_sm90 has no dQ pass (deterministic dQ runs bwd_sm80's)")
-        if deterministic is None:
-            raise ValueError("bwd_sm90 needs deterministic=True/False (it adds dQ itself only when False)")
+        if deterministic not in (False, True, "pass"):
+            raise ValueError("bwd_sm90 needs deterministic=True, False or 'pass' (how dQ is added)")
+        if deterministic is True and not bwd_sm90_orders_dq(head_dim):
+            raise ValueError(f"bwd_sm90 adds dQ in a fixed order only at head dims {BWD_SM90_ORDERED_HEAD_DIMS}")
         obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout)
         if obstacle is not None:
             raise ValueError(obstacle)
@@ -826,7 +839,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_M": BWD_SM90_BLOCK_M[kdim],
             "CUFLASH_STAGES": BWD_SM90_STAGES[kdim],
-            "CUFLASH_BWD_DQ": int(not deterministic),
+            "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim),
@@ -912,8 +925,11 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
                     if plan.variant not in out:
                         out.append(plan.variant)
             if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
-                for mods, dropout, det in (((), False, False), ((), False, True), (SCORE_MODS, True, False)):
+                for mods, dropout, det in (((), False, False), ((), False, True), ((), False, "pass"),
+                                           (SCORE_MODS, True, False)):
                     if bwd_sm90_obstacle(d, mods, dropout) is None:
+                        if det is True and not bwd_sm90_orders_dq(d):
+                            continue
                         plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
                                              dropout=dropout, deterministic=det)
                         if plan.variant not in out:

@@ -49,7 +49,7 @@ FWD_PARAMS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/bwd_params.cuh
 BWD_PARAMS = np.dtype(
     [("fwd", FWD_PARAMS)]
-    + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias"))
+    + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias", "dq_semaphore"))
     + _fields(np.int64, (
         "do_batch_stride", "do_row_stride", "do_head_stride",
         "dqa_batch_stride", "dqa_row_stride", "dqa_head_stride",
@@ -57,7 +57,7 @@ BWD_PARAMS = np.dtype(
         "dk_batch_stride", "dk_row_stride", "dk_head_stride",
         "dv_batch_stride", "dv_row_stride", "dv_head_stride",
         "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride"))
-    + _fields(np.int32, ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "dqa_tile_rows")),
+    + _fields(np.int32, ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "dqa_tile_rows", "pad_")),
     align=True,
 )
 

@@ -211,13 +211,17 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ())
     dropout = dropout_p > 0
     family = _choose_family(dtype_name, family, d_pad, score_mods, dropout, layouts)
+    device_id = _pipeline.device_id()
+    # Deterministic bwd_sm90 adds dQ in a fixed order (cuda_src/dq_order.cuh) where it can; else, and
+    # on the other families, a dQ pass computes dQ after the dK/dV pass (bwd_sm90 has none: bwd_sm80's).
+    ordered = family == "bwd_sm90" and bool(deterministic) and _heuristics.bwd_sm90_orders_dq(d_pad)
+    dq_pass = bool(deterministic) and not ordered
+    sm90_mode = (True if ordered else "pass" if deterministic else False) if family == "bwd_sm90" else None
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
-                                      dropout=dropout, deterministic=deterministic if family == "bwd_sm90" else None)
-    # bwd_sm90 has no dQ pass of its own: deterministic dQ is bwd_sm80's.
+                                      dropout=dropout, deterministic=sm90_mode)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (_heuristics.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
-                                       dropout=dropout) if deterministic else None)
-    device_id = _pipeline.device_id()
+                                       dropout=dropout) if dq_pass else None)
     for p in (plan0, plan1):
         if p is not None and p.smem_bytes > _max_smem(device_id):
             raise ValueError(f"the backward for head_dim {d} needs {p.smem_bytes // 1024} KiB of shared memory "
@@ -234,7 +238,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     names = ["lse2", "dsum"]
     # bwd_sm90 adds dQ into whole tiles (cuda_src/bwd_common.cuh, dq_tile_offset): per head a row
     # space of tiles of the compiled head dim; under varlen each sequence's tiles start a tile apart.
-    dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not deterministic else 0
+    dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
     if dq_tile:
         total_q = dq_t.shape[0]
         shape = ((heads_q, -(-(total_q + batch * dq_tile) // dq_tile) * dq_tile, plan0.head_dim) if varlen
@@ -242,6 +246,11 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         # Zeroed by the preprocess kernel, every tile of every sequence.
         temps.append(_pipeline.Buffer(shape, np.float32))
         names.append("dq_accum")
+        if ordered:
+            # A counter per tile of kBlockM rows and per consumer's share (cuda_src/dq_order.cuh).
+            tiles = math.prod(shape) // (dq_tile * plan0.head_dim)
+            temps.append(_pipeline.Buffer((tiles * 2,), np.int32, zero=True))
+            names.append("dq_semaphore")
     elif not deterministic:
         # Zeroed by the preprocess kernel row by row; varlen rows outside every sequence need a memset.
         temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
@@ -294,6 +303,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         strides = _checks.element_strides(shaped["dq_accum"])
         bwd.update(dqa_batch_stride=0 if varlen else strides[0], dqa_head_stride=strides[-3],
                    dqa_row_stride=strides[-2], dqa_tile_rows=dq_tile)
+        if ordered:
+            slots["dq_semaphore"] = temp["dq_semaphore"]
     elif not deterministic:
         slots["dq_accum"] = temp["dq_accum"]
         bwd.update(_layout_fields("dqa", shaped["dq_accum"], varlen))
@@ -319,7 +330,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         plan.steps.append(_pipeline.Step(func, grid0, plan0.threads, plan0.smem_bytes, (*maps, ("struct", params))))
     else:
         plan.steps.append(step(plan0.variant, grid0, plan0.threads, plan0.smem_bytes))
-    if deterministic:
+    if dq_pass:
         plan.steps.append(step(plan1.variant, (math.ceil(max_q / plan1.block_m), heads_q, batch), plan1.threads,
                                plan1.smem_bytes))
     elif dq_tile:
@@ -343,7 +354,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             src_head_stride=splits * pr["head"], dst_row_stride=tr["row"],
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))
-    plan.info.update(family=family, splits=splits)
+    plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic")
     return plan
 
 

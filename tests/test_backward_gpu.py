@@ -51,7 +51,7 @@ import cupy
 
 import cuflash
 import cuflash.testing as tt
-from cuflash import _heuristics
+from cuflash import _heuristics, _pipeline
 from cuflash import backward as bw
 from cuflash import reference
 from cuflash._reference_backward import attention_backward as reference_backward
@@ -768,7 +768,8 @@ def _sm90_only(test):
 
 
 @_sm90_only
-@pytest.mark.parametrize("head_dim, causal", [(128, True), (64, False)], ids=["d128-causal", "d64"])
+@pytest.mark.parametrize("head_dim, causal", [(128, True), (128, False), (64, False)],
+                         ids=["d128-causal", "d128", "d64"])
 def test_sm90_deterministic_is_bitwise_reproducible_at_scale(head_dim, causal):
     # Long enough for many key blocks per CTA and many CTAs per kv head: any order that depends on
     # scheduling (atomics, a split GQA group summed out of order) would show in 20 runs.
@@ -782,6 +783,68 @@ def test_sm90_deterministic_is_bitwise_reproducible_at_scale(head_dim, causal):
     check_gradients(dout, q, k, v, out, options, first, dtype="bfloat16")
     for run in range(19):
         again = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
+                f"deterministic=True changed bits of {name} on run {run + 2}"
+
+
+@_sm90_only
+@pytest.mark.parametrize("options, sq, sk, num_sms, dq", [
+    ({}, 700, 900, None, "ordered"),
+    ({}, 900, 500, None, "ordered"),
+    ({}, 700, 900, 3, "ordered"),                         # fewer CTAs at once than key blocks (8)
+    ({"causal": True}, 600, 1000, None, "ordered"),
+    ({"causal": True}, 1000, 600, 3, "ordered"),
+    ({"window": (200, 150)}, 900, 900, None, "ordered"),
+    ({"window": (100, -1)}, 600, 600, None, "ordered"),   # bounded on the left only
+    ({"window": (-1, 60)}, 600, 900, None, "ordered"),    # bounded on the right only
+], ids=["full", "full-sq>sk", "full-3-sms", "causal", "causal-3-sms", "window", "left-window", "right-window"])
+def test_sm90_ordered_dq(options, sq, sk, num_sms, dq, monkeypatch):
+    # Deterministic dQ added in a fixed order (cuda_src/dq_order.cuh) at D = 128 with GQA, under
+    # every window shape: chosen by the plan, gradients within the accuracy rule, the same bits on
+    # every run. (num_sms only changes how the GQA group is split over CTAs.)
+    if num_sms is not None:
+        monkeypatch.setattr(bw, "_num_sms", lambda device_id: num_sms)
+    _pipeline.clear_memo()   # plans remembered from other calls were made for the real SM count
+    monkeypatch.setattr(_pipeline, "_memo", {})   # and none made here outlives the test
+    shape = _shape(2, sq, sk, 8, 2, 128)
+    q, k, v = tt.random_qkv(shape, "bfloat16", sq + 7 * sk, xp=cupy)
+    dout = _random_like(q, sq + 7 * sk + 1)
+    out, lse = _forward_reference(q, k, v, options, None)
+    with bw.force_kernel("bwd_sm90"):
+        planned = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, deterministic=True, **options)
+    assert planned.plan.info["dq"] == dq
+    first = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
+    check_gradients(dout, q, k, v, out, options, first, dtype="bfloat16")
+    for run in range(4):
+        again = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
+                f"deterministic=True changed bits of {name} on run {run + 2}"
+
+
+@_sm90_only
+def test_sm90_d64_deterministic_takes_the_dq_pass():
+    shape = _shape(1, 300, 300, 4, 2, 64)
+    q, k, v = tt.random_qkv(shape, "bfloat16", 190, xp=cupy)
+    dout, out = _random_like(q, 191), _random_like(q, 192)
+    lse = cupy.zeros((1, 4, 300), dtype=cupy.float32)
+    with bw.force_kernel("bwd_sm90"):
+        for deterministic, dq in ((True, "pass"), (False, "atomic")):
+            planned = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, deterministic=deterministic)
+            assert planned.plan.info["dq"] == dq
+
+
+@_sm90_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_ordered_dq_varlen(causal):
+    # Sequences of different lengths in one call: each has its own key blocks, tiles and order.
+    cu_q = np.array([0, 300, 310, 900, 1029], dtype=np.int32)
+    cu_k = np.array([0, 520, 521, 1100, 1380], dtype=np.int32)
+    shape = _shape(4, 600, 579, 4, 2, 128)
+    first = _varlen_solve("bwd_sm90", "bfloat16", cu_q, cu_k, shape, {"causal": causal}, 180, True)
+    for run in range(4):
+        again = _varlen_solve("bwd_sm90", "bfloat16", cu_q, cu_k, shape, {"causal": causal}, 180, True)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
                 f"deterministic=True changed bits of {name} on run {run + 2}"

@@ -262,3 +262,28 @@ def test_bwd_sm90_names_why_it_cannot_run_head_dim_256():
     reason = _bwd_sm90_obstacle()(256, (), False)
     assert isinstance(reason, str) and len(reason.split()) >= 3, "a sentence saying why"
     assert "\n" not in reason
+
+
+def test_bwd_sm90_orders_dq_at_d128_only():
+    # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
+    # at D = 64 bwd_sm80's dQ pass computes dQ.
+    assert [H.bwd_sm90_orders_dq(d) for d in (40, 64, 72, 128, 136, 256)] == [False, False, True, True, False, False]
+
+
+def test_bwd_sm90_deterministic_variants():
+    def dq_mode(d, det):
+        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
+                               deterministic=det)
+        return dict(plan.variant.defines)["CUFLASH_BWD_DQ"]
+
+    assert [dq_mode(128, det) for det in (False, True, "pass")] == [1, 2, 0]
+    assert dq_mode(64, "pass") == 0
+    with pytest.raises(ValueError, match="fixed order"):
+        dq_mode(64, True)
+    with pytest.raises(ValueError, match="deterministic"):
+        dq_mode(128, None)
+    # Every variant the planner can choose is precompiled (and so compiled by the CPU tests).
+    variants = set(H.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(64, 128), arch="sm_90a"))
+    for d, det in ((128, False), (128, True), (128, "pass"), (64, False), (64, "pass")):
+        assert H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
+                               deterministic=det).variant in variants
