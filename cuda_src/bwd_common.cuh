@@ -48,7 +48,7 @@ __device__ __forceinline__ int dq_tile_offset(int r, int c, int tile_rows) {
 
 // The Philox word of element (i, j) of the sequence/head in s (cuda_src/philox.cuh's formula).
 __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqInfo& s, int i, int j) {
-    const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j >> 2, p.heads_q);
+    const uint4 w = dropout_words(dropout_key(p), s.b, s.h, i, j >> 2, p.heads_q);
     const int r = j & 3;
     return r == 0 ? w.x : r == 1 ? w.y : r == 2 ? w.z : w.w;
 }
@@ -133,7 +133,7 @@ __device__ __forceinline__ void dropout_words_rows(const FwdParams& p, const Seq
                                                    unsigned (&word)[4]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i0 + 8 * half, j0 >> 2, p.heads_q);
+        const uint4 w = dropout_words(dropout_key(p), s.b, s.h, i0 + 8 * half, j0 >> 2, p.heads_q);
         word[2 * half] = (j0 & 2) ? w.z : w.x;
         word[2 * half + 1] = (j0 & 2) ? w.w : w.y;
     }
@@ -148,8 +148,7 @@ __device__ __forceinline__ void dropout_words_cols(const FwdParams& p, const Seq
                                                    unsigned (&word)[4]) {
     const int r = (lane >> 2) & 3;
     const int block_key = j0 - r + 8 * (r >> 1);   // first key of this lane's block (a multiple of 4)
-    const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i0 + (r & 1), block_key >> 2,
-                                  p.heads_q);
+    const uint4 w = dropout_words(dropout_key(p), s.b, s.h, i0 + (r & 1), block_key >> 2, p.heads_q);
     unsigned got[4];   // got[x]: word r of block r ^ x
 #pragma unroll
     for (int x = 0; x < 4; ++x) {

@@ -93,11 +93,13 @@ __device__ __forceinline__ void rescale_rows(float (&acc_o)[kMTiles][kDTiles][4]
 // Zeroes the dropped probabilities (philox.cuh). The row sums already saw every p, so only O loses
 // them: lse is pre-dropout and O is rescaled by 1 / (1 - p) at the end. The Philox draws of a row
 // are gathered into a bit mask first, in a loop that is only partly unrolled: fully unrolled, all
-// of a row's draws would be in flight at once and push a large tile's registers into spills.
+// of a row's draws would be in flight at once and push a large tile's registers into spills. The
+// (seed, offset) is read once (philox.cuh, dropout_key): read per draw, it spilled fwd_sm90 at D=128.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
                                                    const SeqInfo& s, int row0, int n_lo, int g, int t) {
     static_assert(kNTiles <= 32, "two bits per n-tile in one 64-bit mask");
+    const DropoutKey key = dropout_key(p);
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -107,7 +109,7 @@ __device__ __forceinline__ void drop_probabilities(float (&acc_s)[kMTiles][kNTil
 #pragma unroll 2
             for (int ni = 0; ni < kNTiles; ++ni) {
                 const int j = n_lo + ni * 8 + 2 * t;   // even: the pair sits in one Philox block
-                const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, j / 4, p.heads_q);
+                const uint4 w = dropout_words(key, s.b, s.h, i, j / 4, p.heads_q);
                 const unsigned w0 = (j & 2) ? w.z : w.x, w1 = (j & 2) ? w.w : w.y;
                 dropped |= (unsigned long long)(unsigned(w0 < p.dropout_threshold) | unsigned(w1 < p.dropout_threshold) << 1)
                            << (2 * ni);

@@ -306,8 +306,7 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
                 const int i = m_lo + row0 + r;
-                const uint4 w = dropout_words(p.dropout_seed, p.dropout_offset, s.b, s.h, i, (n_lo + key0) / 4,
-                                              p.heads_q);
+                const uint4 w = dropout_words(dropout_key(p), s.b, s.h, i, (n_lo + key0) / 4, p.heads_q);
                 if (w.x < p.dropout_threshold) acc_s[r][0] = 0.f;
                 if (w.y < p.dropout_threshold) acc_s[r][1] = 0.f;
                 if (w.z < p.dropout_threshold) acc_s[r][2] = 0.f;

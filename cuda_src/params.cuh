@@ -32,6 +32,10 @@ struct FwdParams {
     long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
     long long block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride, block_mask_col_stride;
+    // Dropout's (seed, offset) in device memory, read instead of the two fields below when not
+    // nullptr (a call captured in a CUDA graph, whose rng_state kernel writes them at every replay;
+    // or a backward given the forward's rng_state as a device array): philox.cuh, dropout_key.
+    const unsigned long long* dropout_state;
     unsigned long long dropout_seed;
 
     int batch;                         // number of sequences

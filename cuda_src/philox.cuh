@@ -67,6 +67,26 @@ __device__ __forceinline__ uint4 dropout_words(unsigned long long seed, unsigned
   return philox4x32_10(counter, key);
 }
 
+// A call's (seed, offset): the values its params carry (a call launched from the host), or, when
+// p.dropout_state is not nullptr, the two words there: a call captured in a CUDA graph reads them
+// from device memory, where the call's rng_state kernel (cuda_src/rng_state.cu) has written this
+// replay's state; a backward given the forward's device rng_state reads that. The words are written
+// before the launch and constant during it, so they come through the read-only cache.
+struct DropoutKey {
+  unsigned long long seed;
+  unsigned int offset;   // the low 32 bits of the generator offset
+};
+
+template <class Params>
+__device__ __forceinline__ DropoutKey dropout_key(const Params& p) {
+  if (p.dropout_state == nullptr) return {p.dropout_seed, p.dropout_offset};
+  return {__ldg(p.dropout_state), static_cast<unsigned int>(__ldg(p.dropout_state + 1))};
+}
+
+__device__ __forceinline__ uint4 dropout_words(DropoutKey key, int b, int h, int i, int j4, int num_heads_q) {
+  return dropout_words(key.seed, key.offset, b, h, i, j4, num_heads_q);
+}
+
 // True if a score whose word is `word` survives dropout with the host-computed threshold.
 __device__ __forceinline__ bool dropout_keeps(unsigned int word, unsigned int threshold) {
   return word >= threshold;

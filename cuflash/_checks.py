@@ -60,7 +60,8 @@ def as_cuda_array(x, name: str):
     """A CuPy view of a CuPy array or any CUDA array that speaks DLPack (zero copy).
 
     cupy.from_dlpack passes CuPy's current stream to ``__dlpack__``, so the producer orders its
-    pending work before ours.
+    pending work before ours. An array on another GPU than the current device is a ValueError
+    (:func:`check_device`), raised before it is imported.
     """
     try:
         cupy = _cupy()
@@ -68,6 +69,7 @@ def as_cuda_array(x, name: str):
         raise RuntimeError("cuflash needs CuPy: pip install 'cuflash[cuda13]' (or 'cuflash[cuda12]' with a "
                            "CUDA 12 driver; nvidia-smi shows the driver's CUDA version)") from None
     if isinstance(x, cupy.ndarray):
+        check_device(x.data.device_id, name)
         return x
     if isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be a CUDA array; it is a NumPy (host) array: move it to the GPU with "
@@ -78,8 +80,28 @@ def as_cuda_array(x, name: str):
             where = "host (CPU) memory" if int(device_type) in (1, 3) else f"DLPack device type {int(device_type)}"
             raise TypeError(f"{name} must be a CUDA array; it lives in {where}: move it to the GPU first")
         require_gpu()
+        if int(device_type) == 2:   # managed memory (13) is usable from every device
+            check_device(int(x.__dlpack_device__()[1]), name)
         return cupy.from_dlpack(x)
     raise TypeError(f"{name} must be a CUDA array (CuPy or anything with __dlpack__), got {type(x).__name__}")
+
+
+def current_device() -> int:
+    """The id of CuPy's current CUDA device: where the kernels run, on its current stream."""
+    return _cupy().cuda.runtime.getDevice()
+
+
+def check_device(device_id: int, name: str) -> None:
+    """ValueError when an operand lives on another GPU than the current device (the kernels run on the
+    current device; one on another GPU would read or write memory it cannot address). Checked on the
+    full path of every entry point, for every operand, before any launch; the plans remembered for
+    repeat calls are keyed by each operand's device and the current device (_pipeline.lookup), so a
+    repeat call with an operand elsewhere is checked again."""
+    current = current_device()
+    if device_id != current:
+        raise ValueError(f"{name} is on CUDA device {device_id}, but the current device is {current}: every array "
+                         f"must be on the device the kernels run on; call inside `with cupy.cuda.Device({device_id}):` "
+                         f"with all arrays there, or move {name} to device {current}")
 
 
 class Shaped:

@@ -45,7 +45,7 @@ __all__ = ["CUDA_SRC", "Variant", "CompileResult", "source_hash", "nvrtc_options
            "compile_cubin", "cache_path", "user_cache_dir", "cache_dirs", "find_cubin",
            "store_cubin", "cached_result", "get_kernel", "compile_many", "build", "precompile",
            "device_arch", "arch_for", "parse_archs", "default_threads", "CudaStatus",
-           "cuda_status"]
+           "cuda_status", "current_device"]
 
 
 def _find_cuda_src() -> Path:
@@ -532,16 +532,30 @@ _key_locks: defaultdict = defaultdict(threading.Lock)
 _key_locks_guard = threading.Lock()
 
 
+def current_device() -> int:
+    """The id of CuPy's current CUDA device."""
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
 def get_kernel(variant: Variant):
     """The ``cupy.RawKernel`` for ``variant`` on the current device, memoised per
-    (variant, arch); thread-safe, and each variant is built at most once per process.
+    (variant, arch, device); thread-safe, and each variant is built at most once per process.
 
     Looks for a cached cubin (see :func:`find_cubin`); if none, compiles it and stores it in
     the user cache, or when that is not writable in ``<temp dir>/cuflash-<uid>`` (a private
     directory of this user's, reused by their later processes).
+
+    Per device, because a module is loaded into one device's context: a RawKernel would load
+    itself on another device lazily from its cubin's path, at its first use there, past the
+    checks and the rebuild of :func:`_load` (a cubin deleted or cut short since would fail there).
+    Here each device's first call finds (or rebuilds) the cubin and loads it. Function handles
+    and attributes (the shared-memory limit) are per device as well: see
+    :func:`cuflash._launch.prepare_kernel`.
     """
     arch = device_arch()
-    key = (variant, arch)
+    key = (variant, arch, current_device())
     if key in _kernels:
         return _kernels[key][1]
     with _key_locks_guard:

@@ -278,6 +278,8 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
         out += [v for v in more if v not in out and (families is None or v.family in families)]
     if families is None or "check_indices" in families:
         out.append(check_indices_variant())
+    if families is None or "rng_state" in families:
+        out.append(rng_state_variant())
     return out
 
 
@@ -285,6 +287,12 @@ def check_indices_variant() -> Variant:
     """The index check (cuda_src/check_indices.cu) that runs before decode and varlen kernels whose
     index arrays live on the GPU; 128 threads per CTA, any grid."""
     return Variant("check_indices", {"CUFLASH_CHECK_PARAMS_SIZE": CHECK_PARAMS.itemsize})
+
+
+def rng_state_variant() -> Variant:
+    """The dropout state draw (cuda_src/rng_state.cu) that runs first in a dropout call captured in a
+    CUDA graph; one thread."""
+    return Variant("rng_state")
 
 
 CHECK_THREADS = 128
@@ -313,7 +321,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         for more in (decode_precompile_variants(("bfloat16", "float32"), (128,)),
                      precompile_backward_variants(("bfloat16", "float32"), (128,), arch)):
             variants += [v for v in more if v not in variants]
-        variants.append(check_indices_variant())
+        variants += [check_indices_variant(), rng_state_variant()]
         singles = [v for v in reachable_variants(arch, ("bfloat16", "float32"), (128,))
                    if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
         variants += [v for v in singles if v not in variants]
@@ -329,9 +337,9 @@ def _one_score_mod(variant: Variant) -> bool:
 def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
     """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
     set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
-    contiguous and paged decode, and the merge, preprocess, convert and index-check kernels. What
-    the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for the default
-    shared-memory budget of decode.
+    contiguous and paged decode, and the merge, preprocess, convert, index-check and rng-state
+    kernels. What the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for
+    the default shared-memory budget of decode.
 
     Parameters
     ----------
@@ -386,6 +394,7 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
         out.setdefault(merge_plan(dtype_name, dtype_name).variant)
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states
     out.setdefault(check_indices_variant())
+    out.setdefault(rng_state_variant())
     return list(out)
 
 

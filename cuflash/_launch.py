@@ -50,8 +50,19 @@ _prepared: dict = {}   # (kernel function pointer, device) -> dynamic shared mem
 
 
 def prepare_kernel(kernel, smem_bytes: int, device_id: int, carveout: int | None = None) -> int:
-    """The kernel's function pointer, after raising its dynamic shared-memory limit to ``smem_bytes``
-    (and setting a carveout preference); done at plan time, once per kernel and device."""
+    """The kernel's function pointer on device ``device_id``, after raising its dynamic shared-memory
+    limit to ``smem_bytes`` (and setting a carveout preference); done at plan time, once per kernel
+    and device.
+
+    A ``cupy.RawKernel`` holds one function per device (``kernel.kernel`` is the current device's,
+    loaded there at its first use), and its attributes are set on that function: a limit raised on
+    one GPU is not raised on another. So everything here happens with ``device_id`` current, and
+    the record of what was done is keyed by (function, device).
+    """
+    runtime = _cupy().cuda.runtime
+    if runtime.getDevice() != device_id:
+        with _cupy().cuda.Device(device_id):
+            return prepare_kernel(kernel, smem_bytes, device_id, carveout)
     ptr = kernel.kernel.ptr
     key = (ptr, device_id)
     if smem_bytes > _prepared.get(key, 48 * 1024):
@@ -168,6 +179,11 @@ class StreamState:
         may still use the old one (which stays alive)."""
         if n > self._counters.size:
             cupy = _cupy()
+            if cupy.cuda.runtime.streamIsCapturing(current_stream_ptr(self._device_id)):
+                # Zeroing the new counters would be recorded into the graph instead of done now.
+                raise RuntimeError(f"this call needs {n} split counters, more than its stream has made so far, "
+                                   "and a capture cannot make them: run the call once on this stream before "
+                                   "capturing it")
             size = max(n, 2 * self._counters.size)
             with cupy.cuda.Device(self._device_id):
                 self._old_counters.append(self._counters)
@@ -225,6 +241,11 @@ def stream_state(device_id: int, stream_ptr: int) -> StreamState:
         with _states_lock:
             state = _states.get(key)
             if state is None:
+                if _cupy().cuda.runtime.streamIsCapturing(stream_ptr):
+                    # Its words are zeroed on the stream: a capture would record that, not do it.
+                    raise RuntimeError("the first cuflash call on a stream cannot be captured in a CUDA graph (it "
+                                       "sets up the stream's words, which a capture would only record): run the "
+                                       "call (or any cuflash call) once on this stream before capturing")
                 state = _states[key] = StreamState(device_id)
     return state
 

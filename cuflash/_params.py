@@ -5,7 +5,8 @@ its C struct; the size it computes is compiled into the kernels as ``CUFLASH_*_P
 ``static_assert``-ed there, so the two sides cannot drift silently.
 
 A plan packs each struct once, into a byte template (:class:`Template`); a call copies the template
-and writes only what changes from call to call: the data pointers, and for dropout its counter.
+and writes only what changes from call to call: the data pointers, and for dropout its seed and
+offset (or, captured in a CUDA graph, the address of the device words holding them).
 A leaf module: it imports nothing of cuflash.
 """
 
@@ -37,7 +38,7 @@ FWD_PARAMS = np.dtype(
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride",
         "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
         "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride"))
-    + [("dropout_seed", np.uint64)]
+    + [("dropout_state", np.uint64), ("dropout_seed", np.uint64)]
     + _fields(np.int32, ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "window_left",
                          "window_right", "block_q", "block_k", "bias_dtype"))
     + _fields(np.uint32, ("dropout_offset", "dropout_threshold"))

@@ -142,12 +142,26 @@ class Buffer:
         return cupy.empty(self.shape, dtype=self.dtype)
 
 
+# The values of a call after its operands and temporaries (see Plan): the stream's words, then
+# dropout's state: the address of its device words (0: none, the seed and offset are the values),
+# its seed and its offset (low 32 bits).
+_VALUE_NAMES = ("counter", "error", "scratch", "report", "split_counters", "dropout_state", "seed", "offset")
+
+
 class Plan:
     """Everything a call of one layout launches, independent of its data pointers.
 
     Values of a call, by index: the entry point's operands (0 .. n_operands - 1: their pointers, 0
     for an absent one), then the temporaries, then the stream's words (COUNTER, ERROR, SCRATCH,
-    REPORT, SPLIT_COUNTERS), then the per-call scalars (dropout's seed and offset).
+    REPORT, SPLIT_COUNTERS), then dropout's state (DROPOUT_STATE, SEED, OFFSET).
+
+    Under CUDA graph capture (CuPy's current stream capturing), what a replay needs must outlive the
+    call and may not be read on the host: the temporaries come from a workspace that the stream
+    keeps (a pinned plan's own, or :meth:`cuflash._launch.StreamState.workspace`), and a call that
+    draws dropout takes its (seed, offset) on the GPU, from its generator's graph state, by a launch
+    of ``cuda_src/rng_state.cu`` ahead of its steps; its kernels read them through DROPOUT_STATE.
+    Graphs captured on one stream share that stream's words and workspaces, as calls on it do: run
+    them one after the other (capture on separate streams the graphs that are to run at once).
 
     Parameters
     ----------
@@ -205,15 +219,16 @@ class Plan:
             offset += -(-buffer.nbytes // 256) * 256
         return tuple(layout), offset
 
-    # Value indices of the stream's words and the per-call scalars.
+    # Value indices of the stream's words and the per-call dropout state.
     def index(self, name: str) -> int:
         base = self.n_operands + len(self.temps)
-        return base + ("counter", "error", "scratch", "report", "split_counters", "seed", "offset").index(name)
+        return base + _VALUE_NAMES.index(name)
 
     def temp_index(self, i: int) -> int:
         return self.n_operands + i
 
-    def run(self, operands, ptrs, *, generator=None, rng_state=None, check=False, workspace=None):
+    def run(self, operands, ptrs, *, generator=None, rng_state=None, rng_output=False, check=False,
+            workspace=None):
         """Launch the plan for one call.
 
         Parameters
@@ -224,8 +239,12 @@ class Plan:
             Their data pointers (0 for absent ones).
         generator : cuflash.Generator, optional
             Dropout's source (the default generator when None).
-        rng_state : (int, int), optional
-            Dropout's (seed, offset) for this call instead (the backward replays the forward's).
+        rng_state : (int, int) or int, optional
+            Dropout's (seed, offset) for this call instead (the backward replays the forward's), or
+            the address of a device uint64 (2,) array holding them (read by the kernels).
+        rng_output : bool
+            Whether the caller returns the drawn state: under capture it then gets an array of its
+            own (else the stream's scratch words hold it).
         check : bool
             Wait for the index check and raise its fault now.
         workspace : list of arrays, optional
@@ -235,7 +254,14 @@ class Plan:
         -------
         (results, temps, rng_state): the output arrays (the caller's or new ones, in the order of
         ``results``), the temporaries (the workspace's arrays, or the one allocation holding them:
-        ``temp_array(temps, i)`` views one), and the dropout state (numpy uint64 (2,) or None).
+        ``temp_array(temps, i)`` views one), and the dropout state drawn (numpy uint64 (2,); under
+        capture a CuPy uint64 (2,) array that each replay fills; None without dropout or when given).
+
+        Raises
+        ------
+        RuntimeError
+            Under capture: ``check=True`` (it waits for the GPU), or dropout from a generator with
+            no graph state on this GPU (:meth:`cuflash.Generator.graph_safe`).
         """
         if _planning.get() is not None:
             raise PlanningDone(self)
@@ -249,11 +275,33 @@ class Plan:
             workspace = pinned.workspace(device_id, stream)
         if self.slot is not None:
             _raise_fault(state, self.slot)
-        if workspace is None and stream == _launch.PER_THREAD_STREAM and self.temps:
-            # CuPy's pool files freed blocks under the stream's handle, which every thread's
-            # per-thread stream shares: a block freed here could go to another thread while this
-            # thread's kernels still use it. Each thread keeps its temporaries instead.
-            workspace = state.workspace(self)
+        capturing = None   # asked only where the answer changes what the call does
+        if check and self.checked:
+            capturing = cupy.cuda.runtime.streamIsCapturing(stream)
+            if capturing:
+                raise RuntimeError(f"{self.entry}(check=True) waits for the GPU's check of the index arrays, which a "
+                                   "stream capture cannot do: capture it with check=False (a bad index then makes "
+                                   "the replay write nothing and is raised by the next call on the stream or by "
+                                   "cuflash.check_errors())")
+        if workspace is None and self.temps:
+            if stream == _launch.PER_THREAD_STREAM:
+                # CuPy's pool files freed blocks under the stream's handle, which every thread's
+                # per-thread stream shares: a block freed here could go to another thread while this
+                # thread's kernels still use it. Each thread keeps its temporaries instead.
+                workspace = state.workspace(self)
+            else:
+                capturing = cupy.cuda.runtime.streamIsCapturing(stream)
+                if capturing:   # the graph uses them at every replay: the stream keeps them
+                    workspace = state.workspace(self)
+        draw = None
+        if self.dropout is not None and rng_state is None:
+            source = generator or _default_generator()
+            if capturing is None:
+                capturing = cupy.cuda.runtime.streamIsCapturing(stream)
+            if capturing:   # drawn on the GPU at each replay, from the generator's graph state
+                draw = _graph_draw(cupy, source, device_id, state, rng_output, self.entry)
+            else:
+                rng_state = source.next_state()
         values = list(ptrs)
         made = {}
         if self._output_indices:
@@ -286,12 +334,18 @@ class Plan:
                    state.split_counters(self.split_counters) if self.split_counters else 0)
         drawn = None
         if self.dropout is not None:
-            if rng_state is None:
-                rng_state = (generator or _default_generator()).next_state()
-            seed, offset = int(rng_state[0]), int(rng_state[1])
-            values += (seed, offset & 0xFFFFFFFF)
-            drawn = np.array([seed, offset], dtype=np.uint64)
+            if draw is not None:
+                drawn = draw[2]
+                values += (drawn.data.ptr, 0, 0)
+            elif type(rng_state) is int:   # the address of device words (a backward's device rng_state)
+                values += (rng_state, 0, 0)
+            else:
+                seed, offset = int(rng_state[0]), int(rng_state[1])
+                values += (0, seed, offset & 0xFFFFFFFF)
+                drawn = np.array([seed, offset], dtype=np.uint64)
         steps = self.steps
+        if draw is not None:
+            draw[0].launch(draw[1], stream)
         if self.checked:
             values[self._report] = state.report_ptr(self.slot)
             state.plans[self.slot] = self
@@ -303,6 +357,69 @@ class Plan:
         for step in steps:
             step.launch(values, stream)
         return [made.get(i, operands[i]) for i in self.results], temps, drawn
+
+
+class _RngScratch:
+    """The stream's two words holding the state that a captured call drew but does not return
+    (``attention``, ``attention_varlen``), kept by the stream's workspaces under this key."""
+
+    temps = (Buffer((2,), np.uint64),)
+
+
+_RNG_SCRATCH = _RngScratch()
+_rng_steps: dict = {}   # device id -> the Step of cuda_src/rng_state.cu
+
+
+def rng_step(device_id: int) -> Step:
+    """The launch of ``cuda_src/rng_state.cu`` on a device (values: the generator's graph state, the
+    call's words); its kernel is loaded at the first call (made outside any capture by
+    :meth:`cuflash.Generator.graph_safe`)."""
+    step = _rng_steps.get(device_id)
+    if step is None:
+        func = _launch.prepare_kernel(_compile.get_kernel(_heuristics.rng_state_variant()), 0, device_id)
+        step = _rng_steps[device_id] = Step(func, (1, 1, 1), 1, 0, (("pointer", 0), ("pointer", 1)))
+    return step
+
+
+def _graph_draw(cupy, generator, device_id: int, state, rng_output: bool, entry: str):
+    """Dropout's state for a captured call: the launch that draws it on the GPU at each replay
+    (step, values), and the call's words it fills (a new array when the caller returns it, else the
+    stream's scratch words), as (step, values, words)."""
+    words = generator._graph_state(device_id)
+    if words is None:
+        raise RuntimeError(f"{entry} with dropout is being captured in a CUDA graph, and its generator has no graph "
+                           "state on this GPU, which a capture cannot make (it would take a copy to the GPU): call "
+                           "generator.graph_safe() (cuflash.default_generator().graph_safe() without a generator), "
+                           "or plan the call with cuflash.plan(...), before capturing")
+    if rng_output:
+        call = cupy.ndarray((2,), np.uint64, cupy.cuda.alloc(16))
+    else:
+        call = state.workspace(_RNG_SCRATCH)[0]
+    step = _rng_steps.get(device_id) or rng_step(device_id)
+    return step, [words.data.ptr, call.data.ptr], call
+
+
+# Why a call that copies an operand cannot be captured in a CUDA graph: the copies live only during
+# the call, and a replay would read and write them after the memory pool has handed them on.
+COPIES_NOT_CAPTURED = (
+    "the kernels need copies of some of its arrays (a last axis that is not contiguous, a base or out= not "
+    "16-byte aligned, a head dim that is not a multiple of 8, index arrays given on the host, a list of "
+    "states to merge), which live only during the call. Pass arrays the kernels can use in place "
+    "(cuflash.plan(...) refuses the others)")
+
+
+def is_capturing() -> bool:
+    """Whether CuPy's current stream is capturing a CUDA graph."""
+    cupy = _cp or _cupy()
+    return bool(cupy.cuda.runtime.streamIsCapturing(_launch.current_stream_ptr()))
+
+
+def refuse_capture(entry: str, why: str) -> None:
+    """Raise RuntimeError when CuPy's current stream is capturing: ``entry``'s call cannot be
+    captured safely, for the reason ``why``. Called on the full path only (a call that can never be
+    replayed from a plan)."""
+    if is_capturing():
+        raise RuntimeError(f"this {entry} call cannot be captured in a CUDA graph: {why}")
 
 
 def _array_dtype(dtype: np.dtype):
@@ -338,7 +455,9 @@ class PinnedPlan:
     """A call's plan fixed once for a serving or training loop: calling it runs the entry point with
     arguments of the same shapes, strides, dtypes and options, with no planning at all (a mismatch
     is a ValueError), on temporaries it owns (one set per stream, made at the first call on that
-    stream), so that its launches can be captured in a CUDA graph. Made by :func:`cuflash.plan`.
+    stream), so that its launches can be captured in a CUDA graph. Made by :func:`cuflash.plan`,
+    which also makes the graph state of a dropout forward's generator on the current GPU
+    (:meth:`cuflash.Generator.graph_safe`).
     """
 
     def __init__(self, fn, plan: Plan, key, options: dict):
@@ -373,7 +492,29 @@ class PinnedPlan:
 
 def planned(fn, *args, **kwargs) -> PinnedPlan:
     """Plan ``fn(*args, **kwargs)`` without launching anything: array arguments fix the layout,
-    other keyword arguments are options fixed in the plan."""
+    other keyword arguments are options fixed in the plan.
+
+    Notes
+    -----
+    CUDA graphs (``cupy.cuda.Stream.begin_capture``, ``torch.cuda.graph``): every entry point can be
+    captured, through its plan or as a plain call, on these terms.
+
+    - Run the call once on the capturing stream first (it makes the stream's words, the plan's
+      workspace there, and loads the kernels); a first call inside a capture is a RuntimeError.
+    - The graph reads and writes the arrays the captured call was given or returned (outputs,
+      ``rng_state``): write new inputs into the same arrays, and keep the returned ones as long as the
+      graph is replayed. Temporaries are kept by the plan (or the stream) for the graph.
+    - Graphs captured on one stream share that stream's words and temporaries: run them one after
+      the other; capture the graphs that are to run at the same time on different streams.
+    - Dropout: each replay draws its (seed, offset) on the GPU from the generator's graph state
+      (:meth:`cuflash.Generator.graph_safe`; made here for a forward with dropout), and the returned
+      ``rng_state`` is a device array holding each replay's state, which
+      :func:`cuflash.attention_backward` reads on the GPU.
+    - A call that needs copies of its operands, ``check=True``, or ``return_dbias=True`` cannot be
+      captured: RuntimeError, before any of its kernels is recorded (end the capture and drop its
+      graph). Index arrays are checked on the GPU at every replay: a bad one makes the replay write
+      nothing and is raised by the next call on the stream or by :func:`cuflash.check_errors`.
+    """
     record = {}
     token = _planning.set(record)
     try:
@@ -390,6 +531,10 @@ def planned(fn, *args, **kwargs) -> PinnedPlan:
                          "torch's current stream, needs a copy (a misaligned or non-contiguous last axis, a "
                          "head dim that is not a multiple of 8), or is an index array given on the host")
     options = {name: value for name, value in kwargs.items() if value is not None and not _is_array(value)}
+    if plan.dropout is not None and plan.entry in ("attention", "attention_varlen"):
+        # Its runs may be captured: their dropout then draws from the generator's graph state,
+        # which a capture cannot make.
+        (kwargs.get("generator") or _default_generator()).graph_safe()
     return PinnedPlan(fn, plan, record["key"], options)
 
 

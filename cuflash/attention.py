@@ -147,7 +147,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
             fields[name] = value
     if dropout:
         fields.update(dropout_threshold=dropout_threshold(opts.dropout_p), dropout_rescale=1.0 / (1.0 - opts.dropout_p))
-        slots.update(dropout_seed=plan.index("seed"), dropout_offset=plan.index("offset"))
+        slots.update(dropout_state=plan.index("dropout_state"), dropout_seed=plan.index("seed"),
+                     dropout_offset=plan.index("offset"))
     device_id = _pipeline.device_id()
     if check is not None:
         plan.steps.append(_pipeline.check_step(plan, check, device_id))
@@ -218,6 +219,11 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     lse : CuPy float32 array (B, Hq, Sq)
         Natural log of each row's sum of exp(scores); -inf (and out = 0) for rows with no visible key.
     rng_state : numpy uint64 array (2,) = (seed, offset), or None without dropout
+        Captured in a CUDA graph: a CuPy uint64 array (2,) that each replay fills with its own
+        (seed, offset), drawn on the GPU from the generator's graph state (see
+        :meth:`cuflash.Generator.graph_safe`); pass it to :func:`cuflash.attention_backward` as it is
+        (the kernels read it on the GPU), and keep it, like ``out`` and ``lse``, while the graph
+        is replayed.
 
     Raises
     ------
@@ -228,11 +234,13 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     """
     return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal=causal, scale=scale,
                     window=window, softcap=softcap, block_size=block_size, dropout_p=dropout_p, generator=generator,
-                    lse_output=True)
+                    lse_output=True, rng_output=True)
 
 
-def _forward(operands, *, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output):
-    """attention_forward, and attention (whose lse, unless returned, is a temporary of the call)."""
+def _forward(operands, *, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
+             rng_output=False):
+    """attention_forward, and attention (whose lse, unless returned, is a temporary of the call, and
+    whose dropout state is not returned)."""
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output)
     plan, ptrs = _pipeline.lookup("attention", operands, options)
@@ -243,7 +251,7 @@ def _forward(operands, *, causal, scale, window, softcap, block_size, dropout_p,
                                              generator=generator, lse_output=lse_output)
         if plan is None:
             return finish
-    results, _, rng_state = plan.run(operands, ptrs, generator=generator)
+    results, _, rng_state = plan.run(operands, ptrs, generator=generator, rng_output=rng_output)
     out = finish(results[0]) if finish is not None else results[0]
     return out, (results[1] if lse_output else None), rng_state
 
@@ -302,7 +310,10 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
                         seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
                         score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq, lse_output=lse_output)
     ptrs = _pipeline.pointers(kernel_operands)
-    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    in_place = _pipeline.in_place(operands, kernel_operands)
+    if not in_place:
+        _pipeline.refuse_capture("attention", _pipeline.COPIES_NOT_CAPTURED)
+    _pipeline.remember(key if in_place else None, plan)
     return plan, ptrs, _copy_out(out, out_user, o_kernel, d)
 
 
@@ -443,5 +454,8 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                         grid_rows=max_q, batch=batch, heads_q=hq, check=check, lse_output=return_lse)
     kernel_operands = (qk, kk, vk, o_kernel, None, cu_q, cu_k, score_arrays[0])
     ptrs = _pipeline.pointers(kernel_operands)
-    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    in_place = _pipeline.in_place(operands, kernel_operands)
+    if not in_place:
+        _pipeline.refuse_capture("attention_varlen", _pipeline.COPIES_NOT_CAPTURED)
+    _pipeline.remember(key if in_place else None, plan)
     return plan, ptrs, _copy_out(out, out_user, o_kernel, d)

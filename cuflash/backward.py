@@ -118,12 +118,31 @@ def _check_flag(value, name: str) -> bool:
 
 
 def _dropout_state(dropout_p: float, rng_state):
-    """The forward's (seed, offset) when the call has dropout (None otherwise)."""
+    """The forward's (seed, offset) when the call has dropout (None otherwise), or, for an rng_state
+    on the GPU, the address of its two words: the kernels read them there (never the host: no wait
+    for the GPU, and a captured backward reads each replay's state)."""
     if dropout_p == 0.0:
         return None
     if rng_state is None:
         raise ValueError("dropout_p > 0 needs the forward's rng_state (attention_forward returns it)")
-    return as_rng_state(rng_state)
+    if not _on_gpu(rng_state):
+        return as_rng_state(rng_state)
+    x = _checks.as_cuda_array(rng_state, "rng_state")
+    if x.dtype.kind not in "iu" or x.dtype.itemsize != 8:
+        raise TypeError(f"rng_state on the GPU must be uint64 (as a captured attention_forward returns it), got "
+                        f"{x.dtype}")
+    if tuple(x.shape) != (2,) or not x.flags.c_contiguous:
+        raise ValueError(f"rng_state on the GPU must be a contiguous array of shape (2,) = [seed, offset], got shape "
+                         f"{tuple(x.shape)}" + ("" if x.flags.c_contiguous else " (strided)"))
+    return int(x.data.ptr)
+
+
+def _on_gpu(x) -> bool:
+    """Whether x is a CUDA array (CuPy, or DLPack on a CUDA device), not a host sequence."""
+    if type(x).__module__.startswith("cupy"):
+        return True
+    device = getattr(x, "__dlpack_device__", None)
+    return device is not None and not isinstance(x, np.ndarray) and int(device()[0]) in (2, 13)
 
 
 def _check_common(*, head_dim, causal, scale, window, softcap, dropout_p, rng_state, deterministic, seqlens):
@@ -285,7 +304,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
             fwd[name] = value
     if dropout:
         fwd.update(dropout_threshold=dropout_threshold(dropout_p), dropout_rescale=1.0 / (1.0 - dropout_p))
-        slots.update({"fwd.dropout_seed": plan.index("seed"), "fwd.dropout_offset": plan.index("offset")})
+        slots.update({"fwd.dropout_state": plan.index("dropout_state"), "fwd.dropout_seed": plan.index("seed"),
+                      "fwd.dropout_offset": plan.index("offset")})
     if check is not None:
         slots["fwd.error"] = plan.index("error")
     for name in ("q", "k", "v"):
@@ -391,7 +411,9 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     lse : float32 array (B, Hq, Sq)
         The forward's log-sum-exp (-inf for rows that saw no key: they get zero gradients).
     rng_state : numpy uint64 array (2,), optional
-        The forward's ``(seed, offset)``; required when ``dropout_p > 0``.
+        The forward's ``(seed, offset)``; required when ``dropout_p > 0``. On the GPU (a uint64 (2,)
+        array, as a forward captured in a CUDA graph returns it), the kernels read it there: no
+        wait for the GPU, and a captured backward reads the state of each replay.
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
         Exactly the forward's options (see :func:`cuflash.attention_forward`).
     deterministic : bool
@@ -543,6 +565,11 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays)
     ptrs = _pipeline.pointers(kernel_operands)
     in_place = _pipeline.in_place(operands, kernel_operands) and not return_dbias
+    if return_dbias:
+        _pipeline.refuse_capture("attention_backward", "return_dbias sums dS over the broadcast axes of bias "
+                                 "into a new array, through temporaries that live only during the call")
+    elif not in_place:
+        _pipeline.refuse_capture("attention_backward", _pipeline.COPIES_NOT_CAPTURED)
     _pipeline.remember(key if in_place else None, plan)
     needs_finish = return_dbias or any(t is not None and t is not r for t, r in zip(targets, results)) or any(
         u is not None and type(u) is not cupy.ndarray for u in users)
@@ -567,7 +594,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     max_seqlen_q, max_seqlen_k : int, optional
         Bounds of the longest sequences (default: the totals, correct but with a larger grid).
     rng_state : numpy uint64 array (2,), optional
-        The forward's ``(seed, offset)``; required when ``dropout_p > 0``.
+        The forward's ``(seed, offset)``; required when ``dropout_p > 0``; on the GPU as in
+        :func:`attention_backward`.
     causal, scale, window, softcap, alibi_slopes, dropout_p, deterministic
         As in :func:`attention_backward`; mask, bias and block_mask are not supported in varlen.
     dq : CuPy array (total_q, Hq, D), optional
@@ -656,7 +684,10 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     qk, kk, vk, ok, dok = kernel
     kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k)
     ptrs = _pipeline.pointers(kernel_operands)
-    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    in_place = _pipeline.in_place(operands, kernel_operands)
+    if not in_place:
+        _pipeline.refuse_capture("attention_varlen_backward", _pipeline.COPIES_NOT_CAPTURED)
+    _pipeline.remember(key if in_place else None, plan)
     needs_finish = any(t is not None and t is not r for t, r in zip(targets, results)) or any(
         u is not None and type(u) is not cupy.ndarray for u in users)
     return plan, ptrs, _finisher(users, results, targets, d) if needs_finish else None

@@ -375,6 +375,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, None]
     ptrs = _pipeline.pointers(kernel_operands)
     in_place = _pipeline.in_place(operands, kernel_operands)
+    if not in_place:
+        _pipeline.refuse_capture("decode", _pipeline.COPIES_NOT_CAPTURED)
     _pipeline.remember(key if in_place else None, plan)
     finish = None
     if seqlen_new and not cache_in_place:

@@ -168,7 +168,10 @@ def _plan_merge(operands, key):
                       {"outs": 0, "lses": 1, "out": 2, "lse": 3})
     plan.steps.append(_pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", params),)))
     kernel_operands = (stacked, lse_stack, out_k, lse_k)
-    _pipeline.remember(key if _pipeline.in_place(operands, kernel_operands) else None, plan)
+    in_place = _pipeline.in_place(operands, kernel_operands)
+    if not in_place:
+        _pipeline.refuse_capture("merge_states", _pipeline.COPIES_NOT_CAPTURED)
+    _pipeline.remember(key if in_place else None, plan)
     return plan, _pipeline.pointers(kernel_operands), None
 
 

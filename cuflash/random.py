@@ -17,6 +17,11 @@ row/column inside the sequence) is a pure function of ``(seed, offset, b, h, i, 
 so it does not depend on tiling, kernel family or GPU, and a backward pass can regenerate it.
 Each attention call with ``dropout_p > 0`` takes ``offset = generator.offset`` and advances the
 generator's offset by one (:meth:`Generator.next_state`).
+
+A call captured in a CUDA graph cannot take its offset on the host (the host runs once, at the
+capture): it draws from the generator's *graph state* on the GPU instead (:meth:`Generator.graph_safe`),
+a device word pair (seed, next offset) that a one-thread kernel at the head of the captured call
+copies into the call's ``rng_state`` and advances, at every replay (``cuda_src/rng_state.cu``).
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ import threading
 import numpy as np
 
 __all__ = [
+    "GRAPH_OFFSET_START",
     "Generator",
     "as_rng_state",
     "default_generator",
     "dropout_keep",
     "dropout_threshold",
     "dropout_words",
+    "graph_offsets",
     "manual_seed",
     "philox4x32",
 ]
@@ -44,6 +51,11 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
+
+#: A graph state starts this far above the host offset of the moment it is made (or the generator
+#: reseeded), so that 2**31 host draws and a graph state's draws never meet (the counter takes the
+#: offset mod 2**32). The GPUs share the other half: :func:`graph_offsets` each.
+GRAPH_OFFSET_START = 2**31
 
 _MASK32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
@@ -234,21 +246,39 @@ class Generator:
     Notes
     -----
     The methods are thread-safe: two threads calling :meth:`next_state` get distinct offsets.
+
+    Calls captured in a CUDA graph draw on the GPU, from the generator's graph state on that GPU
+    (:meth:`graph_safe`; made by :func:`cuflash.plan` for a call with dropout, or by calling
+    :meth:`graph_safe` before capturing). The graph state of GPU ``d`` starts at offset
+    ``offset + 2**31 + d * graph_offsets()``, ``offset`` the host offset when it is made, and each
+    replay of a captured call takes the next one; the host offset is not moved. Host calls and
+    replays thus never share an offset as long as there are fewer than ``2**31`` host calls, and
+    fewer than :func:`graph_offsets` replays on each GPU (``2**31`` with one GPU, ``2**28`` with
+    eight), since the state was made or the generator reseeded (the counter takes offsets mod
+    ``2**32``). :meth:`manual_seed` restarts the graph states too (offset ``2**31 + d *
+    graph_offsets()``, like the host's 0: the same draws again); :meth:`set_state` gives them the
+    new seed and leaves their offsets where the replays took them (restoring a host state for a
+    recomputation does not make later replays repeat earlier masks). :meth:`get_state` is the host
+    state; read a graph state with ``graph_safe(device).get()``.
     """
 
     def __init__(self, seed=None):
         self._lock = threading.Lock()
         self._seed = 0
         self._offset = 0
+        self._graph = {}   # device id -> its graph state, a CuPy uint64 array (seed, next offset)
         self.manual_seed(seed)
 
     def manual_seed(self, seed=None):
-        """Reset to ``seed`` (``None``: a random seed) and offset 0; returns ``self``."""
+        """Reset to ``seed`` (``None``: a random seed) and offset 0, and the graph states to their first
+        offsets (see the class notes); returns ``self``."""
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         seed = _check_seed(seed)
         with self._lock:
             self._seed, self._offset = seed, 0
+            for device_id, words in sorted(self._graph.items()):
+                _write_graph_state(words, device_id, (seed, _graph_start(0, device_id)), wait=True)
         return self
 
     @property
@@ -281,6 +311,9 @@ class Generator:
         """
         seed, offset = as_rng_state(state, "state")
         with self._lock:
+            if seed != self._seed:
+                for device_id, words in sorted(self._graph.items()):
+                    _write_graph_state(words, device_id, (seed,), wait=True)
             self._seed, self._offset = seed, offset
 
     def next_state(self):
@@ -296,8 +329,92 @@ class Generator:
             self._offset = (self._offset + 1) % 2**64
         return state
 
+    def graph_safe(self, device=None):
+        """This generator's graph state on a GPU, made at the first call for that GPU: what calls
+        captured in a CUDA graph draw their ``(seed, offset)`` from, at every replay.
+
+        Call it (or plan the call with :func:`cuflash.plan`, which does) before capturing a call
+        with dropout that uses this generator: a captured call cannot make it (that would take a
+        copy to the GPU, which a capture would record instead of doing).
+
+        Parameters
+        ----------
+        device : int, optional
+            The GPU; default: CuPy's current device.
+
+        Returns
+        -------
+        cupy.ndarray of uint64, shape (2,)
+            The live state ``[seed, next offset]`` (see the class notes for where the offsets start).
+            Each replay of a captured call advances it on the GPU; ``.get()`` reads it. Writing into
+            it (outside any replay) sets where the next replay starts.
+
+        Raises
+        ------
+        RuntimeError
+            If CuPy's current stream is capturing.
+        """
+        import cupy
+
+        device_id = cupy.cuda.runtime.getDevice() if device is None else int(device)
+        words = self._graph.get(device_id)
+        if words is not None:
+            return words
+        with self._lock:
+            words = self._graph.get(device_id)
+            if words is None:
+                with cupy.cuda.Device(device_id):
+                    if cupy.cuda.get_current_stream().is_capturing():
+                        raise RuntimeError(
+                            "the generator has no graph state on this GPU, and a capture cannot make one: call "
+                            "generator.graph_safe() (cuflash.default_generator().graph_safe() for the default "
+                            "generator), or plan the call with cuflash.plan(...), before capturing")
+                    words = cupy.empty(2, dtype=np.uint64)
+                    _write_graph_state(words, device_id, (self._seed, _graph_start(self._offset, device_id)))
+                    from . import _pipeline
+
+                    _pipeline.rng_step(device_id)   # its kernel loaded now, not inside a capture
+                self._graph[device_id] = words
+        return words
+
+    def _graph_state(self, device_id: int):
+        """The graph state on ``device_id``, or None when there is none (the launch path's lookup)."""
+        return self._graph.get(device_id)
+
     def __repr__(self):
         return f"cuflash.Generator(seed={self._seed}, offset={self._offset})"
+
+
+def graph_offsets(device_count: int | None = None) -> int:
+    """Offsets each GPU's graph state owns: ``2**31`` shared by the GPUs of the process (``device_count``,
+    default CuPy's count), rounded down to a power of two (``2**31`` for one GPU, ``2**28`` for eight)."""
+    if device_count is None:
+        import cupy
+
+        device_count = cupy.cuda.runtime.getDeviceCount()
+    slots = 1 << max(0, int(device_count) - 1).bit_length()
+    return GRAPH_OFFSET_START // slots
+
+
+def _graph_start(host_offset: int, device_id: int) -> int:
+    """The first offset of GPU ``device_id``'s graph state made (or reset) at host offset ``host_offset``."""
+    return (host_offset + GRAPH_OFFSET_START + device_id * graph_offsets()) % 2**64
+
+
+def _write_graph_state(words, device_id: int, values, wait: bool = False) -> None:
+    """Write ``values`` (the seed, and the offset if given) into a graph state from the host, and wait
+    until they are there. ``wait``: first wait for the GPU's work, whose replays may be drawing from it."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            raise RuntimeError("a generator's graph states cannot be written while CuPy's current stream is "
+                               "capturing (reseed it before or after the capture)")
+        if wait:
+            cupy.cuda.runtime.deviceSynchronize()
+        words[:len(values)].set(np.array(values, dtype=np.uint64))
+        stream.synchronize()
 
 
 def as_rng_state(state, name="rng_state"):

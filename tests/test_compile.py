@@ -326,6 +326,7 @@ def test_get_kernel_compiles_once_and_caches(tiny_src, tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(RawModule=FakeModule))
     monkeypatch.setattr(_compile, "device_arch", lambda device=None: "sm_80")
+    monkeypatch.setattr(_compile, "current_device", lambda: 0)
     monkeypatch.setattr(_compile, "_kernels", {})
     with ThreadPoolExecutor(8) as pool:
         kernels = list(pool.map(lambda _: _compile.get_kernel(TINY), range(8)))

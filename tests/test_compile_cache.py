@@ -66,6 +66,7 @@ def fake_gpu(monkeypatch):
     cupy = types.SimpleNamespace(RawModule=FakeModule, cuda=types.SimpleNamespace(driver=driver))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(_compile, "device_arch", lambda device=None: ARCH)
+    monkeypatch.setattr(_compile, "current_device", lambda: 0)
     monkeypatch.setattr(_compile, "_kernels", {})
     real = _compile.compile_cubin
 

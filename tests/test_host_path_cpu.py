@@ -367,7 +367,8 @@ def fake_cuda(monkeypatch):
         return _Memory(0x7C00_0000_0000 * len(allocations))
 
     runtime = SimpleNamespace(getDevice=lambda: 0, memsetAsync=lambda *a: state.events.append(("memset", a)),
-                              streamSynchronize=lambda stream: state.events.append("sync"))
+                              streamSynchronize=lambda stream: state.events.append("sync"),
+                              streamIsCapturing=lambda stream: False)
     cupy = SimpleNamespace(ndarray=_Array, cuda=SimpleNamespace(alloc=alloc, runtime=runtime))
     monkeypatch.setattr(_pipeline, "_cp", cupy)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)

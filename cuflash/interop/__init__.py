@@ -5,7 +5,9 @@ Each submodule here imports its framework and wraps cuflash's forward and backwa
 framework's autograd:
 
 - :mod:`cuflash.interop.torch`: ``attention`` and ``attention_varlen`` as
-  ``torch.autograd.Function`` s (zero-copy through DLPack, on torch's current stream).
+  ``torch.autograd.Function`` s (zero-copy through DLPack, on torch's current stream), and
+  ``cuflash.interop.torch.ops``: the ``torch.library`` custom ops ``torch.ops.cuflash.*``
+  (:mod:`cuflash.interop._torch_ops`) for ``torch.compile``, ``torch.export`` and CUDA graphs.
 
 Import the submodule you need (``import cuflash.interop.torch``); importing this package imports
 no framework.

@@ -1,9 +1,26 @@
-"""PyTorch autograd over cuflash: ``attention`` and ``attention_varlen`` for torch tensors.
+"""PyTorch over cuflash: a direct autograd path, and ``torch.library`` custom ops (``ops``).
 
-The tensors cross into CuPy and back through DLPack without copies, and every kernel runs on
-torch's current stream of the inputs' device (``cupy.cuda.ExternalStream``), so the calls order
-with the surrounding torch work exactly as a torch operator would. The forward saves q, k, v,
-out, lse and the dropout ``rng_state`` (two integers) for the backward; never the probabilities.
+Two ways to call cuflash from torch, with the same semantics (those of :func:`cuflash.attention`;
+BSHD layouts, torch's BHSD tensors can be passed as ``x.transpose(1, 2)`` views):
+
+- **The direct path**, :func:`attention` and :func:`attention_varlen` here: ``torch.autograd.Function`` s
+  that call cuflash with the least host work per call. Use it in eager mode (training or
+  inference) when host time matters. ``torch.compile`` cannot trace it (a graph break around each
+  call), and the memory cuflash allocates comes from CuPy's pool (returned to it when torch frees
+  the tensors), so it does not belong in a ``torch.cuda.graph`` capture.
+- **The custom ops**, ``cuflash.interop.torch.ops`` (:mod:`cuflash.interop._torch_ops`):
+  ``ops.attention``, ``ops.attention_forward`` / ``ops.attention_backward``, ``ops.attention_varlen``,
+  ``ops.decode``, ``ops.merge_states``, over ``torch.ops.cuflash.*`` registered with
+  ``torch.library.custom_op`` (fake implementations and autograd formulas included). Use them under
+  ``torch.compile`` (``fullgraph=True`` works: no graph break), ``torch.export``, and in
+  ``torch.cuda.graph`` captures (decode in a serving loop): every allocation comes from torch's
+  caching allocator. A call takes more host time than the direct path (torch's dispatcher and
+  custom-op layer, the output allocations; not measured here).
+
+Both run cuflash's kernels on torch's current stream of the inputs' device
+(``cupy.cuda.ExternalStream``), so they order with the surrounding torch work exactly as a torch
+operator would, and both save q, k, v, out, lse and the dropout ``rng_state`` (two integers) for the
+backward, never the probabilities. Importing this module imports torch and registers the ops.
 
 Example
 -------
@@ -12,44 +29,25 @@ Example
 ...            for _ in range(3))
 >>> out = ct.attention(q, k, v, causal=True)          # (2, 1024, 8, 64), layout (B, S, H, D)
 >>> out.float().square().mean().backward()            # q.grad, k.grad, v.grad
+>>> block = torch.compile(lambda q, k, v: ct.ops.attention(q, k, v, causal=True), fullgraph=True)
 
-Layouts and options are those of :func:`cuflash.attention` (BSHD; torch's BHSD tensors can be
-passed as ``x.transpose(1, 2)`` views). Tensor options (``alibi_slopes``, ``mask``, ``bias``,
-``block_mask``, ``cu_seqlens_*``) may be torch tensors; ``bias`` gets a gradient when it requires
-one. Memory that cuflash allocates comes from CuPy's memory pool (returned to it when torch
-frees the tensors).
+Tensor options of the direct path (``alibi_slopes``, ``mask``, ``bias``, ``block_mask``,
+``cu_seqlens_*``) may be torch tensors; ``bias`` gets a gradient when it requires one.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-import cupy
 
 from ..attention import attention_forward, attention_varlen as _attention_varlen
 from ..backward import attention_backward, attention_varlen_backward
 from ..random import Generator, default_generator
+from . import _torch_ops as ops
+from ._torch_stream import on_torch_stream as _on_torch_stream
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "ops"]
 
 _TENSOR_OPTIONS = ("alibi_slopes", "mask", "block_mask")
-
-
-_streams: dict = {}   # (device, torch's raw stream) -> the CuPy ExternalStream over it
-
-
-@contextlib.contextmanager
-def _on_torch_stream(device: torch.device):
-    """CuPy's current device and stream become torch's for ``device``."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = torch.cuda.current_stream(index).cuda_stream
-    stream = _streams.get((index, raw))
-    if stream is None:
-        stream = _streams[(index, raw)] = cupy.cuda.ExternalStream(raw, index)
-    with cupy.cuda.Device(index), stream:
-        yield
 
 
 def _to_cupy(x):

@@ -1,0 +1,618 @@
+"""cuflash as ``torch.library`` custom ops: traceable by ``torch.compile``, capturable by ``torch.cuda.graph``.
+
+Imported by :mod:`cuflash.interop.torch`, which exposes this module as ``cuflash.interop.torch.ops``.
+Importing it registers, in the namespace ``cuflash`` (``torch.ops.cuflash.<name>``):
+
+    attention_forward(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None,
+                      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128,
+                      block_k=128, dropout_p=0.0, deterministic=False) -> (out, lse, rng_state)
+    attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes=None, mask=None, bias=None,
+                       block_mask=None, <the options>, deterministic=False, return_dbias=False)
+                       -> (dq, dk, dv, dbias)
+    attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None,
+                             max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None,
+                             window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
+                             deterministic=False) -> (out, lse, rng_state)
+    attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
+                              alibi_slopes=None, max_seqlen_q=None, ..., deterministic=False) -> (dq, dk, dv)
+    decode(q, k_cache!, v_cache!, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
+           alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1,
+           softcap=0.0) -> (out, lse)
+    decode_out(q, k_cache!, v_cache!, out!, <the same>) -> lse
+    merge_states(outs, lses) -> (out, lse)
+
+(``!``: mutated in place.) Every op has a fake (meta) implementation, so ``torch.compile``,
+``torch.export`` and ``FakeTensorMode`` trace them without a GPU; the two forwards are
+differentiable (``torch.library.register_autograd``: the backward op computes dq, dk, dv and, when
+``bias`` requires a gradient, dbias). The functions of this module are the user-facing wrappers
+(``window=(left, right)``, ``block_size=(bq, bk)``, a ``generator``, a list of partial states...).
+
+Semantics are cuflash's (:func:`cuflash.attention_forward`, :func:`cuflash.decode`, ...): layouts
+(B, S, H, D), bottom-right causal, lse float32 (B, Hq, Sq) (varlen: (Hq, total_q)) and treated as a
+constant by autograd (its gradient is not propagated). Outputs are allocated by torch, C-contiguous
+(``out`` has the shape and dtype of ``q``, whatever ``q``'s strides), and every allocation cuflash
+makes during a call comes from torch's caching allocator (:mod:`cuflash.interop._torch_stream`).
+
+Dropout and its random state
+----------------------------
+The forwards take ``rng_state`` (optional int64 tensor (2,) = [seed, offset], the bits of cuflash's
+uint64 pair) and return the state they used. Without one, the op draws a fresh state from
+cuflash's default generator (:func:`cuflash.manual_seed`) *when it runs*, so a compiled graph draws
+a new mask at every call, like eager mode, and the backward regenerates that mask from the saved
+state. The returned state is a CPU tensor when ``dropout_p > 0`` (the backward reads it on the host,
+without a synchronisation) and zeros on the inputs' device otherwise (so that graphs without dropout
+stay on the GPU, e.g. for ``torch.compile(mode="reduce-overhead")``). The state is drawn on the
+host, so a forward with dropout does not belong in a CUDA graph (a replay cannot draw a new one):
+capture the ops without dropout. AOTAutograd's common-subexpression pass
+exempts only aten's random ops, so two calls with identical inputs and dropout in one compiled graph
+may be merged into one: pass distinct ``rng_state`` tensors if that matters.
+"""
+
+import inspect
+import numbers
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import _checks
+from ..attention import attention_forward as _cf_attention_forward, attention_varlen as _cf_attention_varlen
+from ..backward import attention_backward as _cf_attention_backward
+from ..backward import attention_varlen_backward as _cf_attention_varlen_backward
+from ..decode import decode as _cf_decode
+from ..merge import merge_states as _cf_merge_states
+from ..random import Generator, as_rng_state, default_generator
+from ._torch_stream import as_torch, torch_call
+
+__all__ = ["attention", "attention_forward", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "decode", "merge_states"]
+
+# The forwards draw dropout's random numbers; the tag keeps compilers from folding or reordering them
+# as if they were pure (torch.library.custom_op takes tags since torch 2.6 or so: omitted before).
+_RANDOM = ({"tags": (torch.Tag.nondeterministic_seeded,)}
+           if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+# ----------------------------------------------------------------------------- the kernels behind the ops
+
+def _plain(x):
+    """The tensor without autograd's requires_grad (cuflash imports tensors it has not planned for
+    through DLPack, which refuses those); None passes."""
+    return x.detach() if x is not None and x.requires_grad else x
+
+
+def _generator(state):
+    """A private generator whose next draw is exactly ``state`` (None without dropout)."""
+    if state is None:
+        return None
+    generator = Generator(0)
+    generator.set_state(state)
+    return generator
+
+
+class _CudaKernels:
+    """cuflash's kernels on torch's current stream, with torch's memory: each method writes the
+    torch tensors it is given (``out``, ``lse``, ``dq``...) and returns what cuflash allocated."""
+
+    @staticmethod
+    def attention_forward(q, k, v, out, lse, rng_state, options):
+        with torch_call(q.device):
+            _cf_attention_forward(_plain(q), _plain(k), _plain(v), out=out, lse=lse, generator=_generator(rng_state),
+                                  **options)
+
+    @staticmethod
+    def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, rng_state, options, return_dbias):
+        with torch_call(q.device):
+            grads = _cf_attention_backward(_plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), lse,
+                                           rng_state=rng_state, dq=dq, dk=dk, dv=dv, return_dbias=return_dbias,
+                                           **options)
+            return as_torch(grads[3]) if return_dbias else None
+
+    @staticmethod
+    def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, rng_state, options):
+        with torch_call(q.device):
+            _, lse = _cf_attention_varlen(_plain(q), _plain(k), _plain(v), cu_seqlens_q, cu_seqlens_k, out=out,
+                                          generator=_generator(rng_state), return_lse=True, **options)
+            return as_torch(lse)
+
+    @staticmethod
+    def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, rng_state,
+                                  options):
+        with torch_call(q.device):
+            _cf_attention_varlen_backward(_plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), lse,
+                                          cu_seqlens_q, cu_seqlens_k, rng_state=rng_state, dq=dq, dk=dk, dv=dv,
+                                          **options)
+
+    @staticmethod
+    def decode(q, k_cache, v_cache, out, options):
+        with torch_call(q.device):
+            _, lse = _cf_decode(_plain(q), k_cache, v_cache, out=out, return_lse=True, **options)
+            return as_torch(lse)
+
+    @staticmethod
+    def merge_states(outs, lses, out, lse):
+        with torch_call(outs.device):
+            _cf_merge_states(_plain(outs), _plain(lses), out=out, lse=lse)
+
+
+# The kernels per device type. Only CUDA runs cuflash; the tests put a float64 host reference under
+# "cpu" to check the torch.library plumbing (schemas, fakes, autograd, torch.compile) without a GPU.
+_KERNELS = {"cuda": _CudaKernels}
+
+
+def _kernels_for(x: Tensor):
+    kernels = _KERNELS.get(x.device.type)
+    if kernels is None:
+        raise ValueError(f"cuflash's ops need CUDA tensors, got one on {x.device}")
+    return kernels
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+def _check_rank(x: Tensor, rank: int, name: str, layout: str) -> None:
+    if x.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-d {layout}, got shape {tuple(x.shape)}")
+
+
+def _empty(shape, dtype, device) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _window(window_left: int, window_right: int):
+    return None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+
+
+def _state_of(rng_state: Tensor):
+    """(seed, offset) of an rng_state tensor: int64 (the bits of cuflash's uint64 pair) or uint64, (2,)."""
+    if not isinstance(rng_state, Tensor):
+        raise TypeError(f"rng_state must be a torch.Tensor, got {type(rng_state).__name__}")
+    if rng_state.dtype not in (torch.int64, torch.uint64) or tuple(rng_state.shape) != (2,):
+        raise ValueError(f"rng_state must be an int64 tensor of shape (2,) = [seed, offset], got "
+                         f"{rng_state.dtype} {tuple(rng_state.shape)}")
+    values = rng_state.detach().cpu().numpy()   # a copy from the GPU synchronises: keep it on the CPU
+    return as_rng_state(values.view(np.uint64))
+
+
+def _draw(dropout_p: float, rng_state: Optional[Tensor]):
+    """The (seed, offset) of a forward call: the given one, or the default generator's next; None
+    without dropout. Checks dropout_p first, so a bad call draws nothing."""
+    if _checks.check_dropout(dropout_p) == 0.0:
+        return None
+    if rng_state is not None:
+        return _state_of(rng_state)
+    seed, offset = default_generator().next_state()
+    return int(seed), int(offset)
+
+
+def _state_tensor(state, device) -> Tensor:
+    """The returned rng_state: [seed, offset] as int64 bits on the CPU, zeros on ``device`` without dropout."""
+    if state is None:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    return torch.from_numpy(np.array(state, dtype=np.uint64).view(np.int64))
+
+
+def _fake_state(dropout_p: float, device) -> Tensor:
+    return torch.empty(2, dtype=torch.int64, device="cpu" if dropout_p > 0 else device)
+
+
+def _backward_state(dropout_p: float, rng_state: Optional[Tensor]):
+    if dropout_p == 0.0:
+        return None
+    if rng_state is None:
+        raise ValueError("dropout_p > 0 needs the forward's rng_state")
+    return _state_of(rng_state)
+
+
+_BSHD = "(batch, seqlen, heads, head_dim)"
+_THD = "(total, heads, head_dim)"
+
+
+# ----------------------------------------------------------------------------- attention
+
+@torch.library.custom_op("cuflash::attention_forward", mutates_args=(), **_RANDOM)
+def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
+                          mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                          block_mask: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
+                          causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
+                          window_right: int = -1, softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
+                          dropout_p: float = 0.0, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    kernels = _kernels_for(q)
+    _check_rank(q, 4, "q", _BSHD)
+    b, sq, hq, _ = q.shape
+    state = _draw(dropout_p, rng_state)
+    out = _empty(q.shape, q.dtype, q.device)
+    lse = _empty((b, hq, sq), torch.float32, q.device)
+    options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
+                   causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
+                   block_size=(block_q, block_k), dropout_p=dropout_p)
+    kernels.attention_forward(q, k, v, out, lse, state, options)
+    return out, lse, _state_tensor(state, q.device)
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None, causal=False, scale=None,
+      window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False):
+    _check_rank(q, 4, "q", _BSHD)
+    b, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
+
+
+@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           rng_state: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                           mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                           block_mask: Optional[Tensor] = None, causal: bool = False, scale: Optional[float] = None,
+                           window_left: int = -1, window_right: int = -1, softcap: float = 0.0, block_q: int = 128,
+                           block_k: int = 128, dropout_p: float = 0.0, deterministic: bool = False,
+                           return_dbias: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    kernels = _kernels_for(q)
+    state = _backward_state(dropout_p, rng_state)
+    dq = _empty(q.shape, q.dtype, q.device)
+    dk = _empty(k.shape, q.dtype, q.device)
+    dv = _empty(v.shape, q.dtype, q.device)
+    options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
+                   causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
+                   block_size=(block_q, block_k), dropout_p=dropout_p, deterministic=deterministic)
+    dbias = kernels.attention_backward(dout, q, k, v, out, lse, dq, dk, dv, state, options, return_dbias)
+    if dbias is None:
+        dbias = _empty((0,), torch.float32, q.device)
+    return dq, dk, dv, dbias
+
+
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bias=None, block_mask=None,
+      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128,
+      dropout_p=0.0, deterministic=False, return_dbias=False):
+    if return_dbias and bias is None:
+        raise ValueError("return_dbias=True needs a bias")
+    dbias = bias.new_empty(bias.shape) if return_dbias else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dbias
+
+
+def _setup_attention(ctx, inputs, output):
+    (q, k, v, alibi_slopes, mask, bias, block_mask, _, causal, scale, window_left, window_right, softcap, block_q,
+     block_k, dropout_p, deterministic) = inputs
+    out, lse, rng_state = output
+    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask)
+    ctx.options = (causal, scale, window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
+
+
+def _attention_grads(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask = ctx.saved_tensors
+    want_dbias = bias is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dbias = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
+                                                             bias, block_mask, *ctx.options, want_dbias)
+    return (dq, dk, dv, None, None, dbias if want_dbias else None) + (None,) * 11
+
+
+torch.library.register_autograd("cuflash::attention_forward", _attention_grads, setup_context=_setup_attention)
+
+
+# ----------------------------------------------------------------------------- varlen
+
+@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=(), **_RANDOM)
+def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                 alibi_slopes: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
+                                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                                 causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
+                                 window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0,
+                                 deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    kernels = _kernels_for(q)
+    _check_rank(q, 3, "q", _THD)
+    state = _draw(dropout_p, rng_state)
+    out = _empty(q.shape, q.dtype, q.device)
+    options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
+                   dropout_p=dropout_p)
+    lse = kernels.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, state, options)
+    return out, lse, _state_tensor(state, q.device)
+
+
+@_attention_varlen_forward_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
+      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False):
+    _check_rank(q, 3, "q", _THD)
+    total_q, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
+
+
+@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, rng_state: Optional[Tensor] = None,
+                                  alibi_slopes: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                                  max_seqlen_k: Optional[int] = None, causal: bool = False,
+                                  scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
+                                  softcap: float = 0.0, dropout_p: float = 0.0,
+                                  deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    kernels = _kernels_for(q)
+    state = _backward_state(dropout_p, rng_state)
+    dq = _empty(q.shape, q.dtype, q.device)
+    dk = _empty(k.shape, q.dtype, q.device)
+    dv = _empty(v.shape, q.dtype, q.device)
+    options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
+                   dropout_p=dropout_p, deterministic=deterministic)
+    kernels.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, state, options)
+    return dq, dk, dv
+
+
+@_attention_varlen_backward_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi_slopes=None, max_seqlen_q=None,
+      max_seqlen_k=None, causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
+      deterministic=False):
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+
+
+def _setup_varlen(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, _, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
+     window_right, softcap, dropout_p, deterministic) = inputs
+    out, lse, rng_state = output
+    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes)
+    ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
+                   deterministic)
+
+
+def _varlen_grads(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                             rng_state, alibi_slopes, *ctx.options)
+    return (dq, dk, dv) + (None,) * 13
+
+
+torch.library.register_autograd("cuflash::attention_varlen_forward", _varlen_grads, setup_context=_setup_varlen)
+
+
+# ----------------------------------------------------------------------------- decode
+
+def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale,
+                    window_left, window_right, softcap):
+    return dict(cache_seqlens=cache_seqlens, block_table=block_table, k_new=_plain(k_new), v_new=_plain(v_new),
+                mask=mask, alibi_slopes=_plain(alibi_slopes), num_splits=num_splits, causal=causal, scale=scale,
+                window=_window(window_left, window_right), softcap=softcap)
+
+
+@torch.library.custom_op("cuflash::decode", mutates_args=("k_cache", "v_cache"))
+def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
+               block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
+               mask: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
+               causal: bool = True, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
+               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    kernels = _kernels_for(q)
+    _check_rank(q, 4, "q", _BSHD)
+    out = _empty(q.shape, q.dtype, q.device)
+    lse = kernels.decode(q, k_cache, v_cache, out, _decode_options(
+        cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
+        window_right, softcap))
+    return out, lse
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
+      alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0):
+    _check_rank(q, 4, "q", _BSHD)
+    b, sq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::decode_out", mutates_args=("k_cache", "v_cache", "out"))
+def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, cache_seqlens: Optional[Tensor] = None,
+                   block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None,
+                   v_new: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                   alibi_slopes: Optional[Tensor] = None, num_splits: int = 0, causal: bool = True,
+                   scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
+                   softcap: float = 0.0) -> Tensor:
+    kernels = _kernels_for(q)
+    _check_rank(q, 4, "q", _BSHD)
+    return kernels.decode(q, k_cache, v_cache, out, _decode_options(
+        cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
+        window_right, softcap))
+
+
+@_decode_out_op.register_fake
+def _(q, k_cache, v_cache, out, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
+      alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0):
+    _check_rank(q, 4, "q", _BSHD)
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- merge
+
+@torch.library.custom_op("cuflash::merge_states", mutates_args=())
+def _merge_states_op(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    kernels = _kernels_for(outs)
+    _check_rank(outs, 5, "outs", "(parts, batch, seqlen, heads, head_dim)")
+    _, b, s, h, _ = outs.shape
+    out = _empty(outs.shape[1:], outs.dtype, outs.device)
+    lse = _empty((b, h, s), torch.float32, outs.device)
+    kernels.merge_states(outs, lses, out, lse)
+    return out, lse
+
+
+@_merge_states_op.register_fake
+def _(outs, lses):
+    _check_rank(outs, 5, "outs", "(parts, batch, seqlen, heads, head_dim)")
+    _, b, s, h, _ = outs.shape
+    return outs.new_empty(outs.shape[1:]), outs.new_empty((b, h, s), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- the functions users call
+
+def _pair(value, name: str, unbounded):
+    """(a, b) of a window or block_size argument (``unbounded`` for None)."""
+    if value is None:
+        return unbounded
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair of ints, got {value!r}")
+    for x in value:
+        if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+            raise TypeError(f"{name} must hold ints, got {value!r}")
+    return value[0], value[1]
+
+
+def _call_state(dropout_p, rng_state, generator):
+    """The rng_state tensor a forward gets: the caller's, or drawn from ``generator`` (eager mode:
+    under torch.compile the generator's Python lock breaks the graph; use cuflash.manual_seed)."""
+    if generator is None or not dropout_p:
+        return rng_state
+    if rng_state is not None:
+        raise ValueError("pass either generator or rng_state, not both")
+    return _state_tensor(generator.next_state(), None)
+
+
+def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
+                      bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None,
+                      generator=None, deterministic=False):
+    """``torch.ops.cuflash.attention_forward``: differentiable exact attention with its lse and rng_state.
+
+    Parameters
+    ----------
+    q : torch.Tensor (B, Sq, Hq, D), float16, bfloat16 or float32, on a CUDA device
+    k, v : torch.Tensor (B, Sk, Hk, D)
+    causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
+        As in :func:`cuflash.attention_forward`; tensors are torch tensors. ``bias`` receives a
+        gradient when it requires one.
+    rng_state : int64 torch.Tensor (2,), optional
+        The dropout state [seed, offset] to use (see the module docstring); default: drawn from
+        cuflash's default generator when the op runs.
+    generator : cuflash.Generator, optional
+        Draw the state from this generator instead (eager mode only).
+    deterministic : bool
+        Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
+
+    Returns
+    -------
+    out : torch.Tensor (B, Sq, Hq, D), C-contiguous, the dtype of q (differentiable)
+    lse : float32 torch.Tensor (B, Hq, Sq) (a constant for autograd)
+    rng_state : int64 torch.Tensor (2,): the state used (CPU) with dropout, zeros (q's device) without
+    """
+    left, right = _pair(window, "window", (-1, -1))
+    block_q, block_k = _pair(block_size, "block_size", (128, 128))
+    rng_state = _call_state(dropout_p, rng_state, generator)
+    return torch.ops.cuflash.attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
+                                               scale, left, right, softcap, block_q, block_k, dropout_p,
+                                               deterministic)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
+              bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None, generator=None,
+              deterministic=False, return_lse=False):
+    """Differentiable exact attention through the custom op (see :func:`attention_forward`).
+
+    Returns
+    -------
+    torch.Tensor (B, Sq, Hq, D), or (out, lse) when ``return_lse``.
+    """
+    out, lse, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                    alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
+                                    block_size=block_size, dropout_p=dropout_p, rng_state=rng_state,
+                                    generator=generator, deterministic=deterministic)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None, softcap=0.0,
+                       alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
+                       deterministic=False, return_dbias=False):
+    """``torch.ops.cuflash.attention_backward``: dq, dk, dv (and dbias) from the forward's out, lse, rng_state.
+
+    Takes the forward's options (see :func:`cuflash.attention_backward`). Returns (dq, dk, dv), or
+    (dq, dk, dv, dbias) with ``return_dbias`` (dbias in the shape and dtype of ``bias``).
+    """
+    left, right = _pair(window, "window", (-1, -1))
+    block_q, block_k = _pair(block_size, "block_size", (128, 128))
+    dq, dk, dv, dbias = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
+                                                             bias, block_mask, causal, scale, left, right, softcap,
+                                                             block_q, block_k, dropout_p, deterministic, return_dbias)
+    return (dq, dk, dv, dbias) if return_dbias else (dq, dk, dv)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+                     scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     generator=None, deterministic=False, return_lse=False):
+    """``torch.ops.cuflash.attention_varlen_forward``: differentiable packed-sequence attention.
+
+    Parameters
+    ----------
+    q : torch.Tensor (total_q, Hq, D); k, v : torch.Tensor (total_k, Hk, D)
+    cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on q's device (never read back)
+    max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p
+        As in :func:`cuflash.attention_varlen`.
+    rng_state, generator, deterministic
+        As in :func:`attention_forward`.
+
+    Returns
+    -------
+    out : torch.Tensor (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when ``return_lse``.
+    """
+    left, right = _pair(window, "window", (-1, -1))
+    rng_state = _call_state(dropout_p, rng_state, generator)
+    out, lse, _ = torch.ops.cuflash.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                             rng_state, max_seqlen_q, max_seqlen_k, causal, scale,
+                                                             left, right, softcap, dropout_p, deterministic)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, rng_state=None,
+                              max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None,
+                              softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False):
+    """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`."""
+    left, right = _pair(window, "window", (-1, -1))
+    return tuple(torch.ops.cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                             rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                                             causal, scale, left, right, softcap, dropout_p,
+                                                             deterministic))
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
+           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
+           out=None):
+    """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache.
+
+    Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
+    int32 on the GPU). ``k_new`` / ``v_new`` are appended into ``k_cache`` / ``v_cache`` in place
+    (the ops declare the caches mutated). ``out`` (C-contiguous, q's shape and dtype) is written in
+    place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` after one eager call of
+    the same shapes (which plans the call and compiles its kernel).
+
+    Returns
+    -------
+    out : torch.Tensor (B, Sq, Hq, D), or (out, lse) with lse float32 (B, Hq, Sq) when ``return_lse``.
+    """
+    left, right = _pair(window, "window", (-1, -1))
+    args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
+            softcap)
+    if out is None:
+        out, lse = torch.ops.cuflash.decode(q, k_cache, v_cache, *args)
+    else:
+        lse = torch.ops.cuflash.decode_out(q, k_cache, v_cache, out, *args)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(outs, lses):
+    """``torch.ops.cuflash.merge_states``: attention over the union of disjoint key sets.
+
+    Parameters
+    ----------
+    outs : torch.Tensor (n, B, S, H, D), or a sequence of n tensors (B, S, H, D)
+        A sequence of mixed dtypes is merged in float32 (float64 if one is) and returned in the dtype
+        of ``outs[0]``.
+    lses : float32 torch.Tensor (n, B, H, S), or a sequence of n tensors (B, H, S)
+
+    Returns
+    -------
+    out : torch.Tensor (B, S, H, D), lse : float32 torch.Tensor (B, H, S)
+    """
+    dtype = None
+    if isinstance(outs, (list, tuple)):
+        dtype = outs[0].dtype
+        work = dtype
+        if any(x.dtype != dtype for x in outs):
+            work = torch.float64 if any(x.dtype == torch.float64 for x in outs) else torch.float32
+        outs = torch.stack([x.to(work) for x in outs])
+    if isinstance(lses, (list, tuple)):
+        lses = torch.stack(list(lses))
+    out, lse = torch.ops.cuflash.merge_states(outs, lses)
+    return (out if dtype is None or out.dtype == dtype else out.to(dtype)), lse

@@ -1,0 +1,170 @@
+"""Where a cuflash call made from torch runs: torch's current stream, and (for the custom ops) torch's memory.
+
+Two contexts, used by :mod:`cuflash.interop.torch` (the direct autograd path) and
+:mod:`cuflash.interop._torch_ops` (the ``torch.library`` custom ops):
+
+- :func:`on_torch_stream`: CuPy's current device and stream become torch's, so cuflash's kernels
+  order with the surrounding torch work exactly as a torch operator's would.
+- :func:`torch_call`: that, and every allocation cuflash makes during the call (outputs it was not
+  given, split-KV partials, backward accumulators, padded copies) comes from torch's caching
+  allocator instead of CuPy's pool. Inside ``torch.cuda.graph`` capture this is what keeps a
+  captured kernel's memory valid: torch gives capture-time allocations from the graph's private
+  pool and keeps them for the replays, while a block of CuPy's pool freed at the end of the call
+  would be handed to other work and overwritten under the replaying graph. Outside capture the
+  two pools stop competing for the GPU's memory.
+
+cuflash keeps a few words of state per stream (:class:`cuflash._launch.StreamState`: the persistent
+kernels' work counter, the index check's verdict, fault reports in pinned host memory). Its first
+call on a stream creates them with ``cudaMalloc``/``cudaHostAlloc``, which a stream capture in
+torch's default (global) mode forbids, and zeroes them with a memset that a capture would record
+instead of running; cuflash therefore refuses to make them for a capturing stream. :func:`torch_call`
+makes them before its first launch on each stream, on a side stream of its own, with the thread's
+capture mode relaxed for that moment (as torch's allocator does around its own ``cudaMalloc``), so
+that ``torch.cuda.graph`` may capture the first cuflash call on its (internal) capture stream: a
+warm-up call on any stream, as torch recommends, is all a capture needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+
+import torch
+
+import cupy
+
+from .. import _launch
+
+__all__ = ["as_torch", "on_torch_stream", "torch_call"]
+
+_streams: dict = {}   # (device, torch's raw stream) -> the CuPy ExternalStream over it
+_ready: set = set()   # (device, raw stream) whose cuflash stream state exists
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _raw_stream(index: int) -> int:
+    try:
+        return torch._C._cuda_getCurrentRawStream(index)
+    except AttributeError:  # other torch builds
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def _external_stream(index: int, raw: int):
+    stream = _streams.get((index, raw))
+    if stream is None:
+        stream = _streams[(index, raw)] = cupy.cuda.ExternalStream(raw, index)
+    return stream
+
+
+@contextlib.contextmanager
+def on_torch_stream(device: torch.device):
+    """CuPy's current device and stream become torch's current ones for ``device``."""
+    index = _device_index(device)
+    with cupy.cuda.Device(index), _external_stream(index, _raw_stream(index)):
+        yield
+
+
+@contextlib.contextmanager
+def torch_call(device: torch.device):
+    """:func:`on_torch_stream`, with cuflash's allocations taken from torch's caching allocator and
+    cuflash's state of the stream made beforehand (see the module docstring)."""
+    index = _device_index(device)
+    raw = _raw_stream(index)
+    if (index, raw) not in _ready:
+        _prepare_stream(index, raw)
+    with cupy.cuda.Device(index), _external_stream(index, raw), cupy.cuda.using_allocator(_allocator(index)):
+        yield
+
+
+@functools.lru_cache(maxsize=None)
+def _allocator(index: int):
+    """A CuPy allocator (bytes -> MemoryPointer) that takes each block from torch's caching allocator
+    on torch's current stream; the block goes back to torch when CuPy drops the pointer, after the
+    call's kernels were queued on that same stream (torch's own stream-ordered reuse)."""
+    device = torch.device("cuda", index)
+    empty, uint8 = torch.empty, torch.uint8
+    pointer, memory = cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory
+
+    def allocate(nbytes: int):
+        block = empty(nbytes, dtype=uint8, device=device)
+        return pointer(memory(block.data_ptr(), nbytes, block, index), 0)
+
+    return allocate
+
+
+def as_torch(x) -> torch.Tensor:
+    """A CuPy array that cuflash allocated inside :func:`torch_call` as a torch view of torch's block
+    (no DLPack exchange, no event between streams); any other array through ``torch.from_dlpack``."""
+    owner = getattr(x.data.mem, "_owner", None)
+    dtype = _TORCH_DTYPES.get(x.dtype.name)
+    if isinstance(owner, torch.Tensor) and dtype is not None and x.size:
+        start, step = x.data.ptr - owner.data_ptr(), x.itemsize
+        span = step + sum((n - 1) * s for n, s in zip(x.shape, x.strides))
+        if start >= 0 and start % step == 0 and all(s >= 0 and s % step == 0 for s in x.strides) \
+                and start + span <= owner.numel():
+            flat = owner[start:start + span].view(dtype)
+            return flat.as_strided(x.shape, tuple(s // step for s in x.strides))
+    return torch.from_dlpack(x)
+
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+
+
+def _prepare_stream(index: int, raw: int) -> None:
+    """Create cuflash's state of stream ``raw`` now: on a side stream of our own, so that its memsets
+    run now even when ``raw`` is capturing, with the thread's capture mode relaxed for the allocations."""
+    with _relaxed_capture_mode(), cupy.cuda.Device(index):
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            if cupy.cuda.runtime.streamIsCapturing(raw):
+                _adopt_state(index, raw)
+            else:
+                _launch.stream_state(index, raw)
+        side.synchronize()
+    if raw != _launch.PER_THREAD_STREAM:   # that state is per thread: made again by each thread
+        _ready.add((index, raw))
+
+
+def _adopt_state(index: int, raw: int) -> None:
+    """Register a new state for the capturing stream ``raw`` (made on CuPy's current stream, which is
+    not capturing). :func:`cuflash._launch.stream_state` refuses to make one for a capturing stream,
+    since it would zero the words on that stream; here they are zeroed on the side stream instead."""
+    states, lock = getattr(_launch, "_states", None), getattr(_launch, "_states_lock", None)
+    if states is None or lock is None:   # another layout of _launch: its own answer (an error that says why)
+        _launch.stream_state(index, raw)
+        return
+    key = _launch.stream_key(index, raw)
+    with lock:
+        if key not in states:
+            states[key] = _launch.StreamState(index)
+
+
+_RELAXED = 2   # CU_STREAM_CAPTURE_MODE_RELAXED
+
+
+@functools.lru_cache(maxsize=1)
+def _exchange_capture_mode():
+    fn = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    return fn
+
+
+@contextlib.contextmanager
+def _relaxed_capture_mode():
+    """The calling thread may make calls that a stream capture in global mode forbids (allocations)
+    for the block; its previous mode is restored after."""
+    exchange = _exchange_capture_mode()
+    mode = ctypes.c_int(_RELAXED)
+    rc = exchange(ctypes.byref(mode))
+    if rc != 0:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed with CUresult {rc}")
+    try:
+        yield
+    finally:
+        exchange(ctypes.byref(mode))
