@@ -20,8 +20,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["launch", "address", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "StreamState",
-           "current_stream_ptr", "forcing", "REPORT_SLOTS"]
+__all__ = ["launch", "address", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "make_stream_state",
+           "StreamState", "current_stream_ptr", "forcing", "REPORT_SLOTS"]
 
 PER_THREAD_STREAM = 2   # cudaStreamPerThread
 
@@ -157,6 +157,7 @@ class StreamState:
     def __init__(self, device_id: int):
         cupy = _cupy()
         runtime = cupy.cuda.runtime
+        self.device_id = device_id
         with cupy.cuda.Device(device_id):
             self._words = cupy.zeros(8, dtype=np.int32)
         base = self._words.data.ptr
@@ -247,6 +248,18 @@ def stream_state(device_id: int, stream_ptr: int) -> StreamState:
                                        "sets up the stream's words, which a capture would only record): run the "
                                        "call (or any cuflash call) once on this stream before capturing")
                 state = _states[key] = StreamState(device_id)
+    return state
+
+
+def make_stream_state(device_id: int, stream_ptr: int) -> StreamState:
+    """The state of a stream, made now if it has none, its words zeroed on CuPy's current stream
+    (which must not be capturing) rather than on ``stream_ptr``: for a stream that is capturing, whose
+    own work a capture would only record (the torch ops' first call inside ``torch.cuda.graph``)."""
+    key = stream_key(device_id, stream_ptr)
+    with _states_lock:
+        state = _states.get(key)
+        if state is None:
+            state = _states[key] = StreamState(device_id)
     return state
 
 

@@ -603,11 +603,14 @@ def _raise_fault(state, slot):
 
 def check_errors() -> None:
     """Raise the index fault that an earlier call found on the GPU, if any (ValueError naming the
-    argument). Waits for the current device to finish its work first."""
+    argument). Waits first for the current device, and every device cuflash ran on, to finish."""
     import cupy
 
-    cupy.cuda.runtime.deviceSynchronize()
-    for state in _launch.all_stream_states():
+    states = _launch.all_stream_states()
+    for device in sorted({cupy.cuda.runtime.getDevice()} | {state.device_id for state in states}):
+        with cupy.cuda.Device(device):
+            cupy.cuda.runtime.deviceSynchronize()
+    for state in states:
         for slot in _launch.REPORT_SLOTS.values():
             _raise_fault(state, slot)
 
@@ -676,7 +679,7 @@ def lookup(entry: str, operands, options):
     if pinned is not None:
         plan = pinned.plan
         if key != pinned.key:
-            raise ValueError(f"the arguments do not match this plan's shapes, strides, dtypes or options "
+            raise ValueError(f"the arguments do not match this plan's shapes, strides, dtypes, options or device "
                              f"(planned for {pinned.describe()})")
     else:
         try:

@@ -767,6 +767,14 @@ def _sm90_only(test):
     return test
 
 
+def _assert_same_bits_every_run(first, run_again, *, runs):
+    """``run_again()`` ``runs`` times: dq, dk, dv bitwise equal to ``first`` every time."""
+    for run in range(runs):
+        for name, a, b in zip(("dq", "dk", "dv"), first, run_again()):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
+                f"deterministic=True changed bits of {name} on run {run + 2}"
+
+
 @_sm90_only
 @pytest.mark.parametrize("head_dim, causal", [(128, True), (128, False), (64, False)],
                          ids=["d128-causal", "d128", "d64"])
@@ -781,11 +789,8 @@ def test_sm90_deterministic_is_bitwise_reproducible_at_scale(head_dim, causal):
     out, lse = _forward_reference(q, k, v, options, None)
     first = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
     check_gradients(dout, q, k, v, out, options, first, dtype="bfloat16")
-    for run in range(19):
-        again = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
-                f"deterministic=True changed bits of {name} on run {run + 2}"
+    _assert_same_bits_every_run(first, lambda: run_backward("bwd_sm90", dout, q, k, v, out, lse, options,
+                                                              deterministic=True), runs=19)
 
 
 @_sm90_only
@@ -816,11 +821,8 @@ def test_sm90_ordered_dq(options, sq, sk, num_sms, dq, monkeypatch):
     assert planned.plan.info["dq"] == dq
     first = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
     check_gradients(dout, q, k, v, out, options, first, dtype="bfloat16")
-    for run in range(4):
-        again = run_backward("bwd_sm90", dout, q, k, v, out, lse, options, deterministic=True)
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
-                f"deterministic=True changed bits of {name} on run {run + 2}"
+    _assert_same_bits_every_run(first, lambda: run_backward("bwd_sm90", dout, q, k, v, out, lse, options,
+                                                              deterministic=True), runs=4)
 
 
 @_sm90_only
@@ -842,12 +844,10 @@ def test_sm90_ordered_dq_varlen(causal):
     cu_q = np.array([0, 300, 310, 900, 1029], dtype=np.int32)
     cu_k = np.array([0, 520, 521, 1100, 1380], dtype=np.int32)
     shape = _shape(4, 600, 579, 4, 2, 128)
-    first = _varlen_solve("bwd_sm90", "bfloat16", cu_q, cu_k, shape, {"causal": causal}, 180, True)
-    for run in range(4):
-        again = _varlen_solve("bwd_sm90", "bfloat16", cu_q, cu_k, shape, {"causal": causal}, 180, True)
-        for name, a, b in zip(("dq", "dk", "dv"), first, again):
-            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()), \
-                f"deterministic=True changed bits of {name} on run {run + 2}"
+    def solve_once():
+        return _varlen_solve("bwd_sm90", "bfloat16", cu_q, cu_k, shape, {"causal": causal}, 180, True)
+
+    _assert_same_bits_every_run(solve_once(), solve_once, runs=4)
 
 
 @_sm90_only

@@ -121,27 +121,10 @@ def _prepare_stream(index: int, raw: int) -> None:
     with _relaxed_capture_mode(), cupy.cuda.Device(index):
         side = cupy.cuda.Stream(non_blocking=True)
         with side:
-            if cupy.cuda.runtime.streamIsCapturing(raw):
-                _adopt_state(index, raw)
-            else:
-                _launch.stream_state(index, raw)
+            _launch.make_stream_state(index, raw)   # its words zeroed on the side stream
         side.synchronize()
     if raw != _launch.PER_THREAD_STREAM:   # that state is per thread: made again by each thread
         _ready.add((index, raw))
-
-
-def _adopt_state(index: int, raw: int) -> None:
-    """Register a new state for the capturing stream ``raw`` (made on CuPy's current stream, which is
-    not capturing). :func:`cuflash._launch.stream_state` refuses to make one for a capturing stream,
-    since it would zero the words on that stream; here they are zeroed on the side stream instead."""
-    states, lock = getattr(_launch, "_states", None), getattr(_launch, "_states_lock", None)
-    if states is None or lock is None:   # another layout of _launch: its own answer (an error that says why)
-        _launch.stream_state(index, raw)
-        return
-    key = _launch.stream_key(index, raw)
-    with lock:
-        if key not in states:
-            states[key] = _launch.StreamState(index)
 
 
 _RELAXED = 2   # CU_STREAM_CAPTURE_MODE_RELAXED
