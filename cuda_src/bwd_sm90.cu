@@ -177,24 +177,24 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         if constexpr (C::kOrdered) {
             if (warp == 1 && lane == 0) {
                 // The dQ writer. The consumers' shares alternate between two buffers, the first
-                // step's in buffer 1 (ds_buf's order).
+                // step's in buffer 1 (ds_buf's order); both consumers' shares of a step belong to
+                // the same tile, whose counters are consecutive.
                 int full_parity = 0;   // bit buf
                 for (int buf = 1;; buf ^= 1) {
-                    int counters[C::kConsumers];
+                    mbar_wait(dq_full(0, buf), (full_parity >> buf) & 1);
+                    const int tile = *static_cast<volatile int*>(&dq_tile_of[0][buf]);
+                    if (tile < 0) return;   // both consumers end together; every reduction has landed
+                    s.h = tile >> 16;
+                    const int c = tile & 0xffff;
+                    const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                             (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + c * C::kBlockM) *
+                                                 bp.dqa_row_stride;
+                    // One counter per tile (kBlockM rows of kHeadDim floats) and share.
+                    const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
+                    const int rank = dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c);
                     for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
-                        mbar_wait(dq_full(consumer, buf), (full_parity >> buf) & 1);
-                        const int tile = *static_cast<volatile int*>(&dq_tile_of[consumer][buf]);
-                        if (tile < 0) return;   // both consumers end together; every reduction has landed
-                        s.h = tile >> 16;
-                        const int c = tile & 0xffff;
-                        const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                                 (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + c * C::kBlockM) *
-                                                     bp.dqa_row_stride;
-                        // One counter per tile (kBlockM rows of kHeadDim floats) and share.
-                        counters[consumer] =
-                            static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers + consumer;
-                        dq_wait_turn(bp.dq_semaphore + counters[consumer],
-                                     dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c));
+                        if (consumer > 0) mbar_wait(dq_full(consumer, buf), (full_parity >> buf) & 1);
+                        dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
                         bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
                                         dq_smem + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
                         bulk_commit();
@@ -204,7 +204,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                     for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(dq_empty(consumer, buf));
                     bulk_wait();
                     for (int consumer = 0; consumer < C::kConsumers; ++consumer)
-                        dq_pass_turn(bp.dq_semaphore + counters[consumer]);
+                        dq_pass_turn(bp.dq_semaphore + counter + consumer);
                 }
             }
         }
