@@ -19,13 +19,12 @@
 //                                              consumer a 64 x 64 share of dQ, added into its
 //                                              share of dq_accum's tile by one bulk reduction)
 //   dK, dV stay in registers across the walk and are written once at the end.
-// Ordered dQ (deterministic=True, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ
-// writer (warp 1 of warpgroup 0) through mbarriers instead of reducing them themselves; the writer
-// waits for each tile's turn, reduces, and passes the turn on once the reduction has landed, so that
-// neither the turns nor the reductions' latency stall the tensor cores.
-// With deterministic=True the additions into each dq_accum tile take turns in a fixed order
-// (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh) at D = 128; at D = 64 there is no dQ product here
-// (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ.
+// With deterministic=True the additions into each dq_accum tile take turns in a fixed order at
+// D = 128 (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ writer
+// (warp 1 of warpgroup 0) through mbarriers instead of reducing them themselves; the writer waits for
+// each tile's turn, reduces, and passes the turn on once the reduction has landed, so that neither
+// the turns nor the reductions' latency stall the tensor cores. At D = 64 there is no dQ product
+// here (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ.
 //
 // Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
 // belong to the next one: the consumers zero them in shared memory (queries: Q and dO rows of the
@@ -33,10 +32,10 @@
 // sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (element_grad).
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
-// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (1: dQ here, 2: in a fixed order), CUFLASH_BLOCK_M (query rows per step: 128
-// for D = 64, 64 for D = 128, so that each consumer's share of dQ is 64 x 64), CUFLASH_STAGES,
-// CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE,
-// CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants compile but still spill, so the planner
+// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order), CUFLASH_BLOCK_M
+// (query rows per step: 128 for D = 64, 64 for D = 128, so that each consumer's share of dQ is
+// 64 x 64), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
+// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants compile but still spill, so the planner
 // does not choose them yet (_heuristics.bwd_sm90_obstacle).
 #include "common.cuh"
 #include "params.cuh"
@@ -136,7 +135,9 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     auto full = [&](int stage) { return smem_addr(&barriers[1 + stage]); };
     auto empty = [&](int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); };
     auto dq_full = [&](int consumer, int buf) { return smem_addr(&dq_barriers[consumer * 2 + buf]); };
-    auto dq_empty = [&](int consumer, int buf) { return smem_addr(&dq_barriers[2 * C::kConsumers + consumer * 2 + buf]); };
+    auto dq_empty = [&](int consumer, int buf) {
+        return smem_addr(&dq_barriers[2 * C::kConsumers + consumer * 2 + buf]);
+    };
 
     // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
     // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
