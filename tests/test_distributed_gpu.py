@@ -1,0 +1,105 @@
+"""Ring attention with virtual ranks (cuflash.distributed) against one single-GPU call.
+
+``ring_attention_virtual`` runs the zigzag ring schedule with ``world`` ranks in one process: per
+(query chunk, key chunk) pair one forward, merged through the log-sum-exp. Its result must equal
+one :func:`cuflash.attention_forward` over the whole sequence up to rounding, and
+``ring_attention_backward_virtual`` must equal one :func:`cuflash.attention_backward`.
+
+Tolerances (the ring and the single call are both exact attention; they differ by rounding only):
+- float32: relative Frobenius error 1e-5 for out, 1e-4 for the gradients (which are summed from
+  up to 2 * world pair gradients in another order; test_backward_gpu.py holds the single call to
+  1e-4 of the float64 reference too).
+- float16/bfloat16: max|ring - single| <= 2e-2 * max|single| (the partial outputs and per-pair
+  gradients are rounded to the dtype before they are merged/summed: a few ulps, 2^-8 for bf16).
+- lse is float32 whatever the dtype: rtol 1e-5, atol 1e-4.
+Inputs are fresh standard-normal values (cuflash.testing.random_qkv); problems are small
+(B = 2, S <= 400), so the file runs in seconds once the kernels are compiled.
+"""
+
+import numpy as np
+import pytest
+
+import cuflash
+import cuflash.testing as tt
+from cuflash import distributed as cd
+
+pytestmark = pytest.mark.gpu  # conftest.py skips it without a GPU, fails it on a broken setup
+
+WORLDS = [1, 2, 4]
+DTYPES = ["bfloat16", "float16", "float32"]
+HEADS = [(4, 4), (8, 2)]  # (Hq, Hk): MHA and GQA
+
+
+def _host(x):
+    return np.asarray(x.get() if hasattr(x, "get") else x).astype(np.float64)
+
+
+def _assert_close(got, want, dtype, name, f32_rtol):
+    g, w = _host(got), _host(want)
+    assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"
+    assert np.isfinite(g).all(), f"{name}: non-finite values"
+    if dtype == "float32":
+        err, norm = np.linalg.norm(g - w), np.linalg.norm(w)
+        assert err <= f32_rtol * norm, f"{name}: relative error {err / norm:.3g} > {f32_rtol}"
+    else:
+        err, scale = np.abs(g - w).max(), np.abs(w).max()
+        assert err <= 2e-2 * scale, f"{name}: max error {err:.3g} > 2e-2 * {scale:.3g}"
+
+
+def _problem(cp, S, heads, dtype, seed):
+    Hq, Hk = heads
+    shape = dict(B=2, Sq=S, Sk=S, Hq=Hq, Hk=Hk, D=64)
+    q, k, v = tt.random_qkv(shape, dtype, seed, xp=cp)
+    dout, _, _ = tt.random_qkv(shape, dtype, seed + 1, xp=cp)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("S", [256, 8 * 25])  # chunks of 32/64/128 rows, and of 25..100 (tails)
+def test_ring_forward_matches_single_call(xp_gpu, world, causal, dtype, heads, S):
+    q, k, v, _ = _problem(xp_gpu, S, heads, dtype, seed=world + 10 * S)
+    want_out, want_lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
+    out, lse = cd.ring_attention_virtual(q, k, v, world=world, causal=causal)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    _assert_close(out, want_out, dtype, "out", 1e-5)
+    np.testing.assert_allclose(_host(lse), _host(want_lse), rtol=1e-5, atol=1e-4, err_msg="lse")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_ring_backward_matches_single_call(xp_gpu, world, causal, dtype, heads):
+    q, k, v, dout = _problem(xp_gpu, 256, heads, dtype, seed=100 + world)
+    out, lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
+    want = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    got = cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=world, causal=causal)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        _assert_close(g, w, dtype, name, 1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_forward_backward_chain_with_scale(xp_gpu, causal):
+    # the ring's own out/lse feed the ring backward; a non-default scale reaches every pair
+    q, k, v, dout = _problem(xp_gpu, 400, (8, 2), "float32", seed=7)
+    out, lse = cd.ring_attention_virtual(q, k, v, world=4, causal=causal, scale=0.3)
+    want_out, want_lse, _ = cuflash.attention_forward(q, k, v, causal=causal, scale=0.3)
+    _assert_close(out, want_out, "float32", "out", 1e-5)
+    np.testing.assert_allclose(_host(lse), _host(want_lse), rtol=1e-5, atol=1e-4, err_msg="lse")
+    got = cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=4, causal=causal, scale=0.3)
+    want = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal, scale=0.3)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        _assert_close(g, w, "float32", name, 1e-4)
+
+
+def test_shard_unshard_on_gpu(xp_gpu):
+    cp = xp_gpu
+    q, _, _, _ = _problem(cp, 64, (2, 2), "bfloat16", seed=3)
+    shards = cd.shard(q, 4)
+    assert all(isinstance(s, cp.ndarray) and s.shape == (2, 16, 2, 64) for s in shards)
+    back = cd.unshard(shards)
+    np.testing.assert_array_equal(back.view(cp.uint16).get(), q.view(cp.uint16).get())
