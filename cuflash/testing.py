@@ -39,9 +39,13 @@ __all__ = [
     "attention_shapes",
     "baseline_attention",
     "baseline_attention_varlen",
+    "decode_case",
+    "decode_kwargs",
+    "decode_on",
     "gqa_heads",
     "head_dims",
     "problems",
+    "normal_data",
     "random_qkv",
     "seqlens",
     "varlen_seqlens",
@@ -390,6 +394,78 @@ def random_qkv(shape, dtype, seed, xp=np):
 
 
 # ----------------------------------------------------------------------------- baseline
+
+def normal_data(rng, shape, dtype):
+    """Standard normal host values of ``dtype`` from ``rng`` (a NumPy Generator), with no zeros
+    (test data is never zero: an unwritten output must not pass as a result)."""
+    x = rng.standard_normal(shape, dtype=np.float32).astype(_dtype(dtype))
+    x[x == 0] = 1
+    return x
+
+
+#: The arrays of a :func:`decode_case`, in decode's argument order.
+DECODE_ARRAYS = ("q", "k_cache", "v_cache", "k_new", "v_new", "lens", "table")
+
+
+def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, page_size, max_pages,
+                num_pages=None):
+    """Host arrays of a decode problem: q (B, Sq, Hq, D), a contiguous (B, capacity, Hk, D) or paged
+    (num_pages, page_size, Hk, D) cache holding ``lens[b]`` keys per sequence, and with ``append``
+    Sq new tokens (k_new, v_new) to write after them. Cache memory no sequence uses holds NaN (so a
+    kernel that reads it shows), block_table is -1 past each sequence's pages, which are in random
+    order; ``num_pages`` defaults to the pages needed plus 3.
+
+    Returns
+    -------
+    dict of NumPy arrays: q, k_cache, v_cache, k_new, v_new (None without append), lens (int32),
+    table (int32 (B, max_pages), None when contiguous); and dtype.
+    """
+    dt = _dtype(dtype)
+    lens = np.asarray(lens, dtype=np.int64)
+    s_new = Sq if append else 0
+    q = normal_data(rng, (B, Sq, Hq, D), dtype)
+    if paged:
+        needed = -(-(lens + s_new) // page_size)
+        assert needed.max() <= max_pages
+        num_pages = int(needed.sum()) + 3 if num_pages is None else num_pages
+        assert needed.sum() <= num_pages
+        order = rng.permutation(num_pages)
+        table = np.full((B, max_pages), -1, dtype=np.int32)
+        k_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
+        v_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
+        used = 0
+        for b in range(B):
+            n = int(needed[b])
+            table[b, :n] = order[used:used + n]
+            used += n
+            pos = np.arange(lens[b])
+            rows = (table[b, pos // page_size], pos % page_size)
+            k_cache[rows] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
+            v_cache[rows] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
+    else:
+        assert lens.max() + s_new <= capacity
+        table = None
+        k_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
+        v_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
+        for b in range(B):
+            k_cache[b, :lens[b]] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
+            v_cache[b, :lens[b]] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
+    k_new = normal_data(rng, (B, s_new, Hk, D), dtype) if append else None
+    v_new = normal_data(rng, (B, s_new, Hk, D), dtype) if append else None
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new, lens=lens.astype(np.int32),
+                table=table, dtype=dtype)
+
+
+def decode_on(case, xp):
+    """The case's arrays as ``xp`` arrays (``cupy`` for the GPU; None stays None)."""
+    return {n: None if case[n] is None else xp.asarray(case[n]) for n in DECODE_ARRAYS}
+
+
+def decode_kwargs(case):
+    """decode's keyword arrays of a case (absent ones left out, so that a plan accepts them)."""
+    kw = dict(cache_seqlens=case["lens"], block_table=case["table"], k_new=case["k_new"], v_new=case["v_new"])
+    return {n: x for n, x in kw.items() if x is not None}
+
 
 def _round_to(x, dtype):
     """Round float32 ``x`` to ``dtype`` and back, as storing it in that dtype would."""

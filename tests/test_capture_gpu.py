@@ -73,12 +73,6 @@ def _poisoned(shape, dtype):
     return _poison(cupy.empty(shape, dtype=dtype))
 
 
-def _normal(rng, shape, dtype):
-    x = rng.standard_normal(shape, dtype=np.float32).astype(tt._dtype(dtype))
-    x[x == 0] = 1   # never zeros as data
-    return x
-
-
 def _write(dst, src):
     """src's bits (NumPy or CuPy) into the device buffer dst of the same shape and dtype."""
     src = cupy.asarray(src)
@@ -224,7 +218,7 @@ def _backward_inputs(rng, dtype, q, k, v, dout, out, lse, **opts):
     """New q, k, v, dout into the buffers, and the forward's out and lse of them (uncaptured)."""
     for dst, src in zip((q, k, v), _qkv(int(rng.integers(2**31)), dtype)):
         _write(dst, src)
-    _write(dout, _normal(rng, dout.shape, dtype))
+    _write(dout, tt.normal_data(rng, dout.shape, dtype))
     cuflash.attention_forward(q, k, v, out=out, lse=lse, **opts)
 
 
@@ -324,7 +318,7 @@ def test_attention_varlen_backward(via):
     def new_inputs(n):
         for dst, src in zip((q, k, v), _varlen_qkv(rng, "float16")):
             _write(dst, src)
-        _write(dout, _normal(rng, dout.shape, "float16"))
+        _write(dout, tt.normal_data(rng, dout.shape, "float16"))
         _write(cu_q, CU[n][0])
         _write(cu_k, CU[n][1])
         _, new_lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, out=out, return_lse=True, **fwd_opts)
@@ -353,49 +347,6 @@ def test_attention_varlen_backward(via):
 
 DECODE = dict(B=2, Hq=8, Hk=2, D=128, Sq=2, capacity=320, page_size=16, max_pages=20, num_pages=48)
 DECODE_LENS = {1: (300, 77), 2: (250, 100), 3: (17, 261)}
-DECODE_ARRAYS = ("q", "k_cache", "v_cache", "k_new", "v_new", "lens", "table")
-
-
-def _decode_case(rng, lens, *, paged, dtype="bfloat16", B, Hq, Hk, D, Sq, capacity, page_size, max_pages,
-                 num_pages):
-    """Host arrays of a decode problem with an append of Sq tokens; cache memory that no sequence
-    uses holds NaN, and block_table is -1 past each sequence's pages."""
-    dt = tt._dtype(dtype)
-    lens = np.asarray(lens, dtype=np.int64)
-    q = _normal(rng, (B, Sq, Hq, D), dtype)
-    if paged:
-        needed = -(-(lens + Sq) // page_size)
-        order = rng.permutation(num_pages)
-        table = np.full((B, max_pages), -1, dtype=np.int32)
-        k_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
-        v_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
-        used = 0
-        for b in range(B):
-            n = int(needed[b])
-            table[b, :n] = order[used:used + n]
-            used += n
-            pos = np.arange(lens[b])
-            rows = (table[b, pos // page_size], pos % page_size)
-            k_cache[rows] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-            v_cache[rows] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-    else:
-        table = None
-        k_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
-        v_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
-        for b in range(B):
-            k_cache[b, :lens[b]] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-            v_cache[b, :lens[b]] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k_new=_normal(rng, (B, Sq, Hk, D), dtype),
-                v_new=_normal(rng, (B, Sq, Hk, D), dtype), lens=lens.astype(np.int32), table=table)
-
-
-def _device(case):
-    return {n: None if case[n] is None else cupy.asarray(case[n]) for n in DECODE_ARRAYS}
-
-
-def _decode_kwargs(d):
-    kw = dict(cache_seqlens=d["lens"], block_table=d["table"], k_new=d["k_new"], v_new=d["v_new"])
-    return {n: x for n, x in kw.items() if x is not None}
 
 
 def _check_decode(out, d, case):
@@ -420,22 +371,23 @@ def test_decode(paged, via, num_splits):
     """decode with an append (split-KV partials and split counters when num_splits > 1; index arrays
     checked on the GPU at every replay)."""
     rng = np.random.default_rng()
-    cases = {n: _decode_case(rng, DECODE_LENS[n], paged=paged, **DECODE) for n in DECODE_LENS}
-    d = _device(cases[1])
+    cases = {n: tt.decode_case(rng, DECODE_LENS[n], paged=paged, append=True, dtype="bfloat16", **DECODE)
+             for n in DECODE_LENS}
+    d = tt.decode_on(cases[1], cupy)
     out = _poisoned(d["q"].shape, d["q"].dtype)
     opts = dict(num_splits=num_splits, check=False)
     stream = cupy.cuda.Stream(non_blocking=True)
-    fn = _entry(via, cuflash.decode, (d["q"], d["k_cache"], d["v_cache"]), dict(out=out, **_decode_kwargs(d)), opts)
-    graph, got = _capture(stream, lambda: fn(d["q"], d["k_cache"], d["v_cache"], out=out, **_decode_kwargs(d)))
+    fn = _entry(via, cuflash.decode, (d["q"], d["k_cache"], d["v_cache"]), dict(out=out, **tt.decode_kwargs(d)), opts)
+    graph, got = _capture(stream, lambda: fn(d["q"], d["k_cache"], d["v_cache"], out=out, **tt.decode_kwargs(d)))
     assert got is out
     for n in (2, 3):
-        for name in DECODE_ARRAYS:
+        for name in tt.DECODE_ARRAYS:
             if d[name] is not None:
                 _write(d[name], cases[n][name])   # new tokens, lengths and pages; the cache reset to the case's
         _poison(out)
         _replay(graph, stream)
-        w = _device(cases[n])
-        want = cuflash.decode(w["q"], w["k_cache"], w["v_cache"], **_decode_kwargs(w), **opts)
+        w = tt.decode_on(cases[n], cupy)
+        want = cuflash.decode(w["q"], w["k_cache"], w["v_cache"], **tt.decode_kwargs(w), **opts)
         assert _same_bits(out, want), "the replay differs from an uncaptured call on the same data"
         assert _same_bits(d["k_cache"], w["k_cache"]) and _same_bits(d["v_cache"], w["v_cache"])
         _check_decode(out, d, cases[n])
@@ -451,7 +403,7 @@ def test_merge_states(via, dtype):
     n, b, s, h, d = 3, 2, 5, 4, 64
 
     def new_states():
-        outs = _normal(rng, (n, b, s, h, d), dtype)
+        outs = tt.normal_data(rng, (n, b, s, h, d), dtype)
         lses = (3 * rng.standard_normal((n, b, h, s))).astype(np.float32)
         lses[lses == 0] = 1
         lses[0, 0, 0, 0] = -np.inf   # a part that saw no key
@@ -496,7 +448,7 @@ def test_dropout_draws_a_fresh_reproducible_mask_per_replay(dtype, family, via):
     generator = cuflash.Generator(seed)
     generator.next_state()                         # a host draw before: the graph state starts above it
     q, k, v = _qkv(int(rng.integers(2**31)), dtype)
-    dout = cupy.asarray(_normal(rng, q.shape, dtype))
+    dout = cupy.asarray(tt.normal_data(rng, q.shape, dtype))
     out, lse = _poisoned(q.shape, q.dtype), _poisoned((2, 4, 77), np.float32)
     grads = tuple(_poisoned(x.shape, x.dtype) for x in (q, k, v))
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -529,7 +481,7 @@ def test_dropout_draws_a_fresh_reproducible_mask_per_replay(dtype, family, via):
             new = _qkv(int(rng.integers(2**31)), dtype)
             for dst, src in zip((q, k, v), new):
                 _write(dst, src)
-            _write(dout, _normal(rng, dout.shape, dtype))
+            _write(dout, tt.normal_data(rng, dout.shape, dtype))
             for x in (out, lse, *grads):
                 _poison(x)
             _replay(graph, stream)

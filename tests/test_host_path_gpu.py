@@ -86,12 +86,6 @@ def _poisoned(shape, dtype):
     return x
 
 
-def _normal(rng, shape, dtype):
-    x = rng.standard_normal(shape, dtype=np.float32).astype(tt._dtype(dtype))
-    x[x == 0] = 1   # never zeros as data
-    return x
-
-
 def _drain_faults():
     """Clear faults that an earlier test left on any stream (each check_errors raises one)."""
     for _ in range(64):
@@ -188,57 +182,10 @@ def _assert_grads_near(got, ref, rel=0.03):
 
 def _decode_case(seed, *, paged, append, dtype="bfloat16", B=2, Hq=4, Hk=2, D=64, Sq=2, lens=(20, 3),
                  capacity=32, page_size=16, max_pages=4, num_pages=None):
-    """Host arrays of a decode problem whose unused cache memory holds NaN (slots past the lengths,
-    pages no sequence owns) and whose block_table is -1 past each sequence's pages."""
-    rng = np.random.default_rng(seed)
-    dt = tt._dtype(dtype)
-    lens = np.asarray(lens, dtype=np.int64)
-    s_new = Sq if append else 0
-    q = _normal(rng, (B, Sq, Hq, D), dtype)
-    if paged:
-        needed = -(-(lens + s_new) // page_size)
-        assert needed.max() <= max_pages
-        num_pages = int(needed.sum()) + 3 if num_pages is None else num_pages
-        assert needed.sum() <= num_pages
-        order = rng.permutation(num_pages)
-        table = np.full((B, max_pages), -1, dtype=np.int32)
-        k_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
-        v_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
-        used = 0
-        for b in range(B):
-            n = int(needed[b])
-            table[b, :n] = order[used:used + n]
-            used += n
-            pos = np.arange(lens[b])
-            rows = (table[b, pos // page_size], pos % page_size)
-            k_cache[rows] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-            v_cache[rows] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-    else:
-        assert lens.max() + s_new <= capacity
-        table = None
-        k_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
-        v_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
-        for b in range(B):
-            k_cache[b, :lens[b]] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-            v_cache[b, :lens[b]] = _normal(rng, (int(lens[b]), Hk, D), dtype)
-    k_new = _normal(rng, (B, s_new, Hk, D), dtype) if append else None
-    v_new = _normal(rng, (B, s_new, Hk, D), dtype) if append else None
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new, lens=lens.astype(np.int32),
-                table=table, dtype=dtype)
-
-
-_DECODE_ARRAYS = ("q", "k_cache", "v_cache", "k_new", "v_new", "lens", "table")
-
-
-def _device(case):
-    """CuPy copies of a case's arrays (None stays None)."""
-    return {n: None if case[n] is None else cupy.asarray(case[n]) for n in _DECODE_ARRAYS}
-
-
-def _decode_kwargs(d):
-    """decode's keyword arrays of a device case (absent ones left out, so a plan accepts them)."""
-    kw = dict(cache_seqlens=d["lens"], block_table=d["table"], k_new=d["k_new"], v_new=d["v_new"])
-    return {n: x for n, x in kw.items() if x is not None}
+    """tt.decode_case from a seed, with small defaults."""
+    return tt.decode_case(np.random.default_rng(seed), lens, paged=paged, append=append, dtype=dtype, B=B, Hq=Hq,
+                          Hk=Hk, D=D, Sq=Sq, capacity=capacity, page_size=page_size, max_pages=max_pages,
+                          num_pages=num_pages)
 
 
 def _decode_expected(case):
@@ -288,7 +235,7 @@ def _check_varlen(q, k, v, out, cu_q=CU_Q, cu_k=CU_K):
 def _varlen_backward_inputs(seed, dtype="float16"):
     """dout, q, k, v and the forward's out / lse (from the float64 reference, in the call's dtypes)."""
     q, k, v = _varlen_qkv(seed, dtype)
-    dout = cupy.asarray(_normal(np.random.default_rng(seed + 1), q.shape, dtype))
+    dout = cupy.asarray(tt.normal_data(np.random.default_rng(seed + 1), q.shape, dtype))
     out64, lse64 = reference.attention_varlen(q, k, v, CU_Q, CU_K, causal=True)
     out = cupy.asarray(out64.astype(np.float32)).astype(q.dtype)
     lse = cupy.asarray(lse64.astype(np.float32))
@@ -385,7 +332,7 @@ def test_decode_bad_indices(name, paged, append, bad, pattern, num_splits, mode,
     if not paged and decode_checker == "check_launch":
         pytest.skip("a contiguous cache's lengths are always checked by the decode kernel")
     case = _decode_case(11, paged=paged, append=append)
-    d = _device(case)
+    d = tt.decode_on(case, cupy)
     lens_bad, table_bad = d["lens"], d["table"]
     what, value = bad
     if what == "lens":
@@ -422,10 +369,10 @@ def _garbage_past_the_pages(table):
 def test_decode_bad_entries_in_unused_block_table_columns_are_no_error(append, num_splits):
     case = _decode_case(12, paged=True, append=append)
     case["table"] = _garbage_past_the_pages(case["table"])
-    d = _device(case)
+    d = tt.decode_on(case, cupy)
     out = _poisoned(d["q"].shape, d["q"].dtype)
     got = cuflash.decode(d["q"], d["k_cache"], d["v_cache"], num_splits=num_splits, out=out, check=True,
-                         **_decode_kwargs(d))
+                         **tt.decode_kwargs(d))
     assert got is out
     _check_decode(out, d, _decode_expected(case), case["dtype"])
     cuflash.check_errors()
@@ -437,7 +384,7 @@ def test_decode_host_lengths_with_a_device_table_ignore_unused_columns(append):
     at the pages each sequence uses (the docstring allows anything, e.g. -1, past them)."""
     case = _decode_case(13, paged=True, append=append)
     case["table"] = _garbage_past_the_pages(case["table"])
-    d = _device(case)
+    d = tt.decode_on(case, cupy)
     out = _poisoned(d["q"].shape, d["q"].dtype)
     got = cuflash.decode(d["q"], d["k_cache"], d["v_cache"], cache_seqlens=case["lens"], block_table=d["table"],
                          k_new=d["k_new"], v_new=d["v_new"], out=out, check=True)
@@ -512,7 +459,7 @@ def test_check_default_comes_from_the_environment(monkeypatch):
     """CUFLASH_CHECK=1 at import sets _checks._CHECK_DEFAULT: check=None then behaves as check=True."""
     monkeypatch.setattr(_checks, "_CHECK_DEFAULT", True)
     case = _decode_case(41, paged=True, append=True)
-    d = _device(case)
+    d = tt.decode_on(case, cupy)
     k_before, v_before = _bits(d["k_cache"]).copy(), _bits(d["v_cache"]).copy()
     out = _poisoned(d["q"].shape, d["q"].dtype)
     out_before = _bits(out).copy()
@@ -588,7 +535,7 @@ def _check_attention(a, out):
 
 def _make_backward(seed):
     q, k, v = tt.random_qkv(BWD_SHAPE, "float16", seed, xp=cupy)
-    dout = cupy.asarray(_normal(np.random.default_rng(seed + 7), q.shape, "float16"))
+    dout = cupy.asarray(tt.normal_data(np.random.default_rng(seed + 7), q.shape, "float16"))
     out64, lse64 = reference.attention_forward(q, k, v, causal=True)
     return dict(dout=dout, q=q, k=k, v=v, out=cupy.asarray(out64.astype(np.float32)).astype(q.dtype),
                 lse=cupy.asarray(lse64.astype(np.float32)), dq=_poisoned(q.shape, q.dtype),
@@ -637,7 +584,7 @@ def _check_varlen_backward(a, grads):
 def _make_decode(paged):
     def make(seed):
         case = _decode_case(seed, paged=paged, lens=(40 + seed % 7, 9), **MEMO_DECODE)
-        d = _device(case)
+        d = tt.decode_on(case, cupy)
         arrays = {n: x for n, x in d.items() if x is not None}
         arrays.update(out=_poisoned(d["q"].shape, d["q"].dtype), _case=case, _device=d)
         return arrays
@@ -655,8 +602,8 @@ def _check_decode_entry(a, out):
 
 def _make_merge(seed):
     rng = np.random.default_rng(seed)
-    outs = _normal(rng, (3, 2, 5, 4, 64), "float32")
-    lses = 3.0 * _normal(rng, (3, 2, 4, 5), "float32")
+    outs = tt.normal_data(rng, (3, 2, 5, 4, 64), "float32")
+    lses = 3.0 * tt.normal_data(rng, (3, 2, 4, 5), "float32")
     lses[1, 0, 2, 3] = -np.inf            # a part that saw no key
     return dict(outs=cupy.asarray(outs), lses=cupy.asarray(lses))
 
@@ -793,7 +740,7 @@ PLAN_DECODE = dict(append=True, dtype="bfloat16", B=2, Hq=8, Hk=2, D=128, Sq=1, 
 
 def _load_into(d, case):
     """Write a case's values into the device buffers ``d`` (same shapes), on the current stream."""
-    for n in _DECODE_ARRAYS:
+    for n in tt.DECODE_ARRAYS:
         if d[n] is not None:
             _bits(d[n])[...] = _bits(cupy.asarray(case[n]))
 
@@ -817,11 +764,11 @@ def _capturing(stream, graphs):
 def test_plan_decode(paged, monkeypatch):
     lens = {1: (300, 77), 2: (250, 100), 3: (260, 90)}
     cases = {n: _decode_case(n, paged=paged, lens=lens[n], **PLAN_DECODE) for n in lens}
-    d1 = _device(cases[1])
+    d1 = tt.decode_on(cases[1], cupy)
     out1 = _poisoned(d1["q"].shape, d1["q"].dtype)
     out1_before = _bits(out1).copy()
     p = cuflash.plan(cuflash.decode, d1["q"], d1["k_cache"], d1["v_cache"], out=out1, num_splits=4, check=False,
-                     **_decode_kwargs(d1))
+                     **tt.decode_kwargs(d1))
     assert isinstance(p, cuflash.Plan)
     cupy.cuda.Device().synchronize()
     assert np.array_equal(_host_bits(cupy.asnumpy(d1["k_cache"])), _host_bits(cases[1]["k_cache"])), \
@@ -831,14 +778,14 @@ def test_plan_decode(paged, monkeypatch):
     # Runs on other arrays of the layout: no planning, the plain call's bits (each on its own copy,
     # since both append).
     expected = _decode_expected(cases[2])
-    da, db = _device(cases[2]), _device(cases[2])
+    da, db = tt.decode_on(cases[2], cupy), tt.decode_on(cases[2], cupy)
     out_a, out_b = (_poisoned(da["q"].shape, da["q"].dtype) for _ in range(2))
     with monkeypatch.context() as m:
         m.setattr(decode_module, "_plan_decode", _forbidden)
-        got = p(da["q"], da["k_cache"], da["v_cache"], out=out_a, **_decode_kwargs(da))
+        got = p(da["q"], da["k_cache"], da["v_cache"], out=out_a, **tt.decode_kwargs(da))
     assert got is out_a
     want = cuflash.decode(db["q"], db["k_cache"], db["v_cache"], out=out_b, num_splits=4, check=False,
-                          **_decode_kwargs(db))
+                          **tt.decode_kwargs(db))
     cupy.cuda.Device().synchronize()
     assert _same_bits(out_a, want), "the plan's run differs from the plain call"
     assert _same_bits(da["k_cache"], db["k_cache"]) and _same_bits(da["v_cache"], db["v_cache"])
@@ -848,32 +795,32 @@ def test_plan_decode(paged, monkeypatch):
     k_before = _bits(da["k_cache"]).copy()
     q_other = cupy.asarray(np.concatenate([cases[2]["q"]] * 2, axis=1))       # Sq = 2
     with pytest.raises(ValueError, match="plan"):
-        p(q_other, da["k_cache"], da["v_cache"], out=out_a, **_decode_kwargs(da))
+        p(q_other, da["k_cache"], da["v_cache"], out=out_a, **tt.decode_kwargs(da))
     for option in (dict(num_splits=4), dict(num_splits=2), dict(check=True)):
         with pytest.raises(TypeError):
-            p(da["q"], da["k_cache"], da["v_cache"], out=out_a, **_decode_kwargs(da), **option)
+            p(da["q"], da["k_cache"], da["v_cache"], out=out_a, **tt.decode_kwargs(da), **option)
     with pytest.raises((TypeError, ValueError)):    # an option not fixed at plan time
-        p(da["q"], da["k_cache"], da["v_cache"], out=out_a, causal=False, **_decode_kwargs(da))
+        p(da["q"], da["k_cache"], da["v_cache"], out=out_a, causal=False, **tt.decode_kwargs(da))
     cupy.cuda.Device().synchronize()
     assert bool(cupy.array_equal(_bits(da["k_cache"]), k_before)), "a rejected call wrote into the cache"
 
     # Capture in a CUDA graph; replay it on new values in the same buffers.
-    bufs = _device(cases[2])
+    bufs = tt.decode_on(cases[2], cupy)
     out_g = _poisoned(bufs["q"].shape, bufs["q"].dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
     graphs = []
     cupy.cuda.Device().synchronize()
     with stream:
-        p(bufs["q"], bufs["k_cache"], bufs["v_cache"], out=out_g, **_decode_kwargs(bufs))   # warm-up
+        p(bufs["q"], bufs["k_cache"], bufs["v_cache"], out=out_g, **tt.decode_kwargs(bufs))   # warm-up
         stream.synchronize()
         with _capturing(stream, graphs):
-            p(bufs["q"], bufs["k_cache"], bufs["v_cache"], out=out_g, **_decode_kwargs(bufs))
+            p(bufs["q"], bufs["k_cache"], bufs["v_cache"], out=out_g, **tt.decode_kwargs(bufs))
         _load_into(bufs, cases[3])          # new q, k_new, v_new, lengths, table; the cache reset
         _bits(out_g)[...] = _bits(_poisoned(out_g.shape, out_g.dtype))
         graphs[0].launch(stream)
         stream.synchronize()
-    dw = _device(cases[3])
-    want = cuflash.decode(dw["q"], dw["k_cache"], dw["v_cache"], num_splits=4, check=False, **_decode_kwargs(dw))
+    dw = tt.decode_on(cases[3], cupy)
+    want = cuflash.decode(dw["q"], dw["k_cache"], dw["v_cache"], num_splits=4, check=False, **tt.decode_kwargs(dw))
     cupy.cuda.Device().synchronize()
     assert _same_bits(out_g, want), "the graph's replay differs from an uncaptured call"
     assert _same_bits(bufs["k_cache"], dw["k_cache"]) and _same_bits(bufs["v_cache"], dw["v_cache"])
@@ -948,7 +895,7 @@ SETS_PER_WORKER = 2
 def _conc_inputs(index):
     """Input set ``index``: attention q, k, v (fp16) and a paged decode case on the GPU."""
     q, k, v = tt.random_qkv(CONC_ATTENTION, "float16", 1000 + index, xp=cupy)
-    d = _device(_decode_case(2000 + index, **CONC_DECODE))
+    d = tt.decode_on(_decode_case(2000 + index, **CONC_DECODE), cupy)
     return dict(attention=(q, k, v), decode=d)
 
 
