@@ -61,34 +61,86 @@ struct BwdSm90Config {
     // dQ computed here and added into dq_accum (in a fixed order: kOrdered); kDq false: bwd_sm80's dQ
     // pass computes it. Compile-time: an in-flight wgmma on one side of a run-time branch made ptxas
     // serialize them all.
-    static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2;
+    // kWriter: the consumers hand their shares of dQ to a writer warp, which reduces them into
+    // dq_accum (in the fixed order when kOrdered) instead of issuing the reductions themselves.
+    static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2, kWriter = kDqMode_ >= 2;
     static constexpr int kMods = kMods_;
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static_assert(!(kOrdered && kBlockMask), "ordered dQ needs every CTA to visit every tile of its range");
-    static constexpr int kBlockN = 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
+    // How the two consumers share a CTA's work: by keys (64 each, dK/dV of all columns) up to
+    // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
+    // of every column would take 256 registers per thread.
+    static constexpr bool kSplitDims = kHeadDim == 256;
+    static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
     // The producer's walk and copies need 40 registers (with 24 they spilled); the consumers get
     // the rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills.
-    static constexpr int kProducerRegs = 40, kConsumerRegs = 232, kProducerUnroll = kHeadDim == 128 ? 1 : 4;
+    static constexpr int kProducerRegs = 40, kConsumerRegs = 232, kProducerUnroll = kHeadDim == 64 ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
-    static constexpr int kMTiles = kBlockM / 8, kDTiles = kHeadDim / 8;   // 8-column n-tiles of S^T and dK/dV
+    // A consumer's S^T is 64 keys x kQueryCols, its dK/dV 64 keys x kDimCols.
+    static constexpr int kQueryCols = kSplitDims ? kBlockM / 2 : kBlockM, kDimCols = kSplitDims ? kHeadDim / 2 : kHeadDim;
+    static constexpr int kMTiles = kQueryCols / 8, kDTiles = kDimCols / 8;   // 8-column n-tiles of S^T and dK/dV
     // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
     // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
     static constexpr bool kEarlyDv = kBlockM == 64;
-    // dQ (kBlockM x kHeadDim) in two 64 x 64 shares: by rows when kBlockM = 128, by columns when 64.
+    // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64 (two
+    // per consumer at D = 256).
     static constexpr bool kDqSplitRows = kBlockM == 128;
-    static_assert(kDqSplitRows ? kHeadDim == 64 : (kBlockM == 64 && kHeadDim == 128),
-                  "each consumer's share of dQ is 64 x 64 (wgmma_ss_n64_tt)");
+    static_assert(kDqSplitRows ? kHeadDim == 64 : kBlockM == 64 && (kHeadDim == 128 || kHeadDim == 256),
+                  "each consumer's share of dQ is made of 64 x 64 products (wgmma_ss_n64_tt)");
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
-    static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // dS^T, double buffered
+    // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
+    // consumers meet after every step's products).
+    static constexpr int kDsBytes = kBlockN * kBlockM * 2, kDsTiles = 2;
     // Each consumer's float32 share of dQ on its way to dq_accum (64 x 64), double buffered where
-    // shared memory allows (D = 128: 227 KB in all; D = 64's dS^T tiles are twice as large).
-    static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kHeadDim == 128 ? 2 : 1;
-    static_assert(!kOrdered || kDqBuffers == 2, "the dQ writer takes turns with double-buffered shares");
+    // shared memory allows (D = 128: 227 KB in all; D = 64's dS^T tiles are twice as large). At D = 256
+    // the shares pass through the step's own Q and dO buffers, which are free by then.
+    static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 ? 2 : 1;
+    static_assert(!kWriter || kDqBuffers == 2, "the dQ writer takes double-buffered shares");
+    static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
+    static_assert(!kSplitDims || (!kScoreMods && !kDropout), "D = 256 runs no score modifiers nor dropout yet");
+    static_assert(!kSplitDims || !kWriter, "D = 256 reduces its dQ shares from the consumers");
+    // Arrivals that free a stage: every consumer thread, or at D = 256 each consumer's thread 0 once
+    // the bulk reduction of its dQ share, staged in the stage's buffers, has read them.
+    static constexpr int kEmptyArrivals = kSplitDims ? kConsumers : 128 * kConsumers;
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
-                                      2 * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "bwd_sm90 runs head dims 64 and 128");
+                                      kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
+};
+
+// The CTA's static shared memory: the stage ring's barriers (K/V loaded, stage full, stage empty),
+// each stage's lse2 and D rows and its tile ((query head << 16) | query tile; -1: the walk is over).
+// Ordered dQ: per consumer and share buffer, a share is ready (dq_full) / free again (dq_empty),
+// and which tile it belongs to ((query head << 16) | query tile; -1: the walk is over); the
+// parities the consumers' thread 0 waits for next (bit buffer; in shared memory: a register held
+// through the walk made ptxas spill).
+// (lse2 and dsum first: bulk copies land there, 16-byte aligned.)
+template <class C>
+struct BwdSm90Shared {
+    alignas(16) float lse2[C::kStages][C::kBlockM];
+    alignas(16) float dsum[C::kStages][C::kBlockM];
+    unsigned long long barriers[1 + 2 * C::kStages];
+    unsigned long long dq_barriers[C::kWriter ? 2 * C::kConsumers * 2 : 1];
+    int tile_of_stage[C::kStages];
+    int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
+
+    __device__ __forceinline__ unsigned kv_full() { return smem_addr(&barriers[0]); }
+    __device__ __forceinline__ unsigned full(int stage) { return smem_addr(&barriers[1 + stage]); }
+    __device__ __forceinline__ unsigned empty(int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); }
+    __device__ __forceinline__ unsigned dq_full(int consumer, int buf) {
+        return smem_addr(&dq_barriers[consumer * 2 + buf]);
+    }
+    __device__ __forceinline__ unsigned dq_empty(int consumer, int buf) {
+        return smem_addr(&dq_barriers[2 * C::kConsumers + consumer * 2 + buf]);
+    }
+};
+
+// Shared-memory addresses of the CTA's tiles (column blocks of 64 elements, 128B-swizzled):
+// K, V [kHeadDim / 64][kBlockN][64]; Q, dO [kStages][kHeadDim / 64][kBlockM][64]; ds [2][kBlockM / 64]
+// [kBlockN][64] (dS^T, or at D = 256 P^T then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float].
+struct BwdSm90Tiles {
+    unsigned k, v, q, dout, ds, dq;
 };
 
 // The CTA's block of kBlockN keys. Ordered dQ dispatches the highest key block first
@@ -110,160 +162,116 @@ __device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
     else return acc_s;
 }
 
+
+// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ warp 1 is the
+// dQ writer. Returns when its part is done.
 template <class C>
-__device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                         const TmaMap& do_map, const BwdParams& bp) {
+__device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                        const TmaMap& do_map, const BwdParams& bp, SeqInfo s, int b, bool varlen, int n_lo,
+                                        int c_begin, int c_end, BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles) {
     const FwdParams& p = bp.fwd;
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    __shared__ __align__(8) unsigned long long barriers[1 + 2 * C::kStages];
-    __shared__ __align__(16) float lse2_smem[C::kStages][C::kBlockM], dsum_smem[C::kStages][C::kBlockM];
-    __shared__ int tile_of_stage[C::kStages];   // (query head << 16) | query tile; -1: the walk is over
-    // Ordered dQ: per consumer and share buffer, a share is ready (dq_full) / free again (dq_empty),
-    // and which tile it belongs to ((query head << 16) | query tile; -1: the walk is over); the
-    // parities the consumers' thread 0 waits for next (bit buffer; in shared memory: a register
-    // held through the walk made ptxas spill).
-    __shared__ __align__(8) unsigned long long dq_barriers[C::kOrdered ? 2 * C::kConsumers * 2 : 1];
-    __shared__ int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
-    const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const unsigned k_smem = smem;                                   // [kHeadDim / 64][kBlockN][64]
-    const unsigned v_smem = k_smem + C::kKVBytes;
-    const unsigned q_smem = v_smem + C::kKVBytes;                   // [kStages][kHeadDim / 64][kBlockM][64]
-    const unsigned do_smem = q_smem + C::kStages * C::kQBytes;
-    const unsigned ds_smem = do_smem + C::kStages * C::kQBytes;     // [2][kBlockM / 64][kBlockN][64]: dS^T
-    const unsigned dq_smem = ds_smem + 2 * C::kDsBytes;             // [kConsumers][kDqBuffers][64 x 64 float]
-    const unsigned kv_full = smem_addr(&barriers[0]);
-    auto full = [&](int stage) { return smem_addr(&barriers[1 + stage]); };
-    auto empty = [&](int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); };
-    auto dq_full = [&](int consumer, int buf) { return smem_addr(&dq_barriers[consumer * 2 + buf]); };
-    auto dq_empty = [&](int consumer, int buf) {
-        return smem_addr(&dq_barriers[2 * C::kConsumers + consumer * 2 + buf]);
-    };
-
-    // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
-    // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
-    // The consumers learn each tile's head from the producer.
-    const int b = blockIdx.z;
-    const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
-    SeqInfo s = make_seq_info(p, b, (blockIdx.y / splits) * group);
-    const int n_lo = cta_key_block<C>() * C::kBlockN;
-    if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
-    const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
-    int q_first, q_last;
-    visible_queries(p, s, n_lo, n_hi, &q_first, &q_last);
-    const int c_begin = q_first / C::kBlockM, c_end = ceil_div(q_last, C::kBlockM);
-    const bool varlen = p.cu_seqlens_q != nullptr;
     const int batch_coord = varlen ? 0 : b;
-
-    const int warpgroup = threadIdx.x / 128;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    if (threadIdx.x == 0) {
-        mbar_init(kv_full, 1);
-        for (int stage = 0; stage < C::kStages; ++stage) {
-            mbar_init(full(stage), 1);
-            mbar_init(empty(stage), 128 * C::kConsumers);
-        }
-        if constexpr (C::kOrdered) {
-            for (int i = 0; i < 2 * C::kConsumers; ++i) {
-                mbar_init(smem_addr(&dq_barriers[i]), 1);
-                mbar_init(smem_addr(&dq_barriers[2 * C::kConsumers + i]), 1);
-            }
-            for (int i = 0; i < C::kConsumers; ++i) dq_empty_parity[i] = 0;
-        }
-        fence_barrier_init();
-    }
-    __syncthreads();
-
-    if (warpgroup == 0) {
-        setmaxnreg_dec<C::kProducerRegs>();
-        if constexpr (C::kOrdered) {
-            if (warp == 1 && lane == 0) {
-                // The dQ writer. The consumers' shares alternate between two buffers, the first
-                // step's in buffer 1 (ds_buf's order); both consumers' shares of a step belong to
-                // the same tile, whose counters are consecutive.
-                int full_parity = 0;   // bit buf
-                for (int buf = 1;; buf ^= 1) {
-                    mbar_wait(dq_full(0, buf), (full_parity >> buf) & 1);
-                    const int tile = *static_cast<volatile int*>(&dq_tile_of[0][buf]);
-                    if (tile < 0) return;   // both consumers end together; every reduction has landed
-                    s.h = tile >> 16;
-                    const int c = tile & 0xffff;
-                    const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                             (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + c * C::kBlockM) *
-                                                 bp.dqa_row_stride;
-                    // One counter per tile (kBlockM rows of kHeadDim floats) and share.
-                    const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
-                    const int rank = dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c);
-                    for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
-                        if (consumer > 0) mbar_wait(dq_full(consumer, buf), (full_parity >> buf) & 1);
-                        dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
-                        bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
-                                        dq_smem + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
-                        bulk_commit();
-                    }
-                    full_parity ^= 1 << buf;
-                    bulk_wait_read();
-                    for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(dq_empty(consumer, buf));
+    setmaxnreg_dec<C::kProducerRegs>();
+    if constexpr (C::kWriter) {
+        if (warp == 1 && lane == 0) {
+            // The dQ writer. The consumers' shares alternate between two buffers, the first
+            // step's in buffer 1 (ds_buf's order); both consumers' shares of a step belong to
+            // the same tile, whose counters are consecutive.
+            int full_parity = 0;   // bit buf
+            for (int buf = 1;; buf ^= 1) {
+                mbar_wait(sh.dq_full(0, buf), (full_parity >> buf) & 1);
+                const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
+                if (tile < 0) {   // both consumers end together
+                    bulk_wait();
+                    return;
+                }
+                s.h = tile >> 16;
+                const int c = tile & 0xffff;
+                const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                         (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + c * C::kBlockM) *
+                                             bp.dqa_row_stride;
+                // One counter per tile (kBlockM rows of kHeadDim floats) and share.
+                const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
+                const int rank = C::kOrdered ? dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c) : 0;
+                for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
+                    if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), (full_parity >> buf) & 1);
+                    if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
+                    bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
+                                    tiles.dq + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
+                    bulk_commit();
+                }
+                full_parity ^= 1 << buf;
+                bulk_wait_read();
+                for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
+                if constexpr (C::kOrdered) {
                     bulk_wait();
                     for (int consumer = 0; consumer < C::kConsumers; ++consumer)
                         dq_pass_turn(bp.dq_semaphore + counter + consumer);
                 }
             }
         }
-        if (warp != 0) return;
-        // Producer: warp 0 walks the tiles (all lanes, for the block-mask vote); lane 0 issues.
-        if (lane == 0) {
-            mbar_arrive_expect_tx(kv_full, 2 * C::kKVBytes);
-            for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
-                tma_load_4d(k_smem + blk * C::kBlockN * 128, &k_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
-                            kv_full);
-                tma_load_4d(v_smem + blk * C::kBlockN * 128, &v_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
-                            kv_full);
-            }
-        }
-        const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
-        int stage = 0, phase = 0;
-        // Unrolled as far as ptxas then needs no spills in any warpgroup (NVRTC 13.0: D = 128
-        // spilled in the producer with the inner loop unrolled 4 times, D = 64 in the consumers
-        // with it not unrolled).
-#pragma unroll 1
-        for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
-            s.h = h0 + hh;
-            // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
-            const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
-            const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
-#pragma unroll C::kProducerUnroll
-            for (int c = c_begin; c < c_end; ++c) {
-                const int m_lo = c * C::kBlockM;
-                if constexpr (C::kBlockMask) {
-                    if (!block_mask_tile_visible_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_hi))
-                        continue;
-                }
-                if (lane == 0) {
-                    mbar_wait(empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
-                    tile_of_stage[stage] = (s.h << 16) | c;
-                    mbar_arrive_expect_tx(full(stage), 2 * C::kQBytes + 2 * C::kBlockM * 4);
-                    for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
-                        const unsigned off = stage * C::kQBytes + blk * C::kBlockM * 128;
-                        tma_load_4d(q_smem + off, &q_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, full(stage));
-                        tma_load_4d(do_smem + off, &do_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, full(stage));
-                    }
-                    bulk_load(smem_addr(&lse2_smem[stage][0]), lse2_head + m_lo, C::kBlockM * 4, full(stage));
-                    bulk_load(smem_addr(&dsum_smem[stage][0]), dsum_head + m_lo, C::kBlockM * 4, full(stage));
-                }
-                if (++stage == C::kStages) { stage = 0; phase ^= 1; }
-            }
-        }
-        if (lane == 0) {
-            mbar_wait(empty(stage), phase ^ 1);
-            tile_of_stage[stage] = -1;
-            mbar_arrive(full(stage));   // releases the write above to the consumers
-        }
-        return;
     }
+    if (warp != 0) return;
+    // Producer: warp 0 walks the tiles (all lanes, for the block-mask vote); lane 0 issues.
+    if (lane == 0) {
+        mbar_arrive_expect_tx(sh.kv_full(), 2 * C::kKVBytes);
+        for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
+            tma_load_4d(tiles.k + blk * C::kBlockN * 128, &k_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
+                        sh.kv_full());
+            tma_load_4d(tiles.v + blk * C::kBlockN * 128, &v_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
+                        sh.kv_full());
+        }
+    }
+    const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
+    const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
+    int stage = 0, phase = 0;
+    // Unrolled as far as ptxas then needs no spills in any warpgroup (NVRTC 13.0: D = 128
+    // spilled in the producer with the inner loop unrolled 4 times, D = 64 in the consumers
+    // with it not unrolled).
+#pragma unroll 1
+    for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
+        s.h = h0 + hh;
+        // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
+        const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
+        const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
+#pragma unroll C::kProducerUnroll
+        for (int c = c_begin; c < c_end; ++c) {
+            const int m_lo = c * C::kBlockM;
+            if constexpr (C::kBlockMask) {
+                if (!block_mask_tile_visible_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, min(n_lo + C::kBlockN, s.seqlen_k)))
+                    continue;
+            }
+            if (lane == 0) {
+                mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
+                sh.tile_of_stage[stage] = (s.h << 16) | c;
+                mbar_arrive_expect_tx(sh.full(stage), 2 * C::kQBytes + 2 * C::kBlockM * 4);
+                for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
+                    const unsigned off = stage * C::kQBytes + blk * C::kBlockM * 128;
+                    tma_load_4d(tiles.q + off, &q_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
+                    tma_load_4d(tiles.dout + off, &do_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
+                }
+                bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
+                bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
+            }
+            if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+        }
+    }
+    if (lane == 0) {
+        mbar_wait(sh.empty(stage), phase ^ 1);
+        sh.tile_of_stage[stage] = -1;
+        mbar_arrive(sh.full(stage));   // releases the write above to the consumers
+    }
+}
 
-    // Consumers.
-    setmaxnreg_inc<C::kConsumerRegs>();
-    const int consumer = warpgroup - 1;
+// Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
+template <class C>
+__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
+                                                   const BwdSm90Tiles& tiles) {
+    const FwdParams& p = bp.fwd;
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int consumer = threadIdx.x / 128 - 1;
     const int g = lane / 4, t = lane % 4;
     const int key_row0 = consumer * 64 + warp * 16 + g;   // this thread's first key inside the CTA's block
     float acc_dk[C::kDTiles][4], acc_dv[C::kDTiles][4];
@@ -272,20 +280,20 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
 
-    mbar_wait(kv_full, 0);
+    mbar_wait(sh.kv_full(), 0);
     // Varlen: keys of the block past the sequence's end are the next sequence's; the dQ product
     // reads every K row of the block, so they become zeros (their dS is 0 anyway).
-    if (C::kDq && varlen && n_lo + C::kBlockN > s.seqlen_k)
-        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(k_smem, s.seqlen_k - n_lo);
+    if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
+        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
 
     int stage = 0, phase = 0, ds_buf = 0;
     for (;;) {
-        mbar_wait(full(stage), phase);
-        const int tile = *static_cast<volatile int*>(&tile_of_stage[stage]);
+        mbar_wait(sh.full(stage), phase);
+        const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
         if (tile < 0) break;
         s.h = tile >> 16;
         const int m_lo = (tile & 0xffff) * C::kBlockM;
-        const unsigned q_tile = q_smem + stage * C::kQBytes, do_tile = do_smem + stage * C::kQBytes;
+        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
         if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
             // As for K above: this tile's rows past the sequence are the next sequence's queries.
             zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(q_tile, s.seqlen_q - m_lo);
@@ -298,9 +306,9 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         float(&s_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_dp[0][0]);
         wgmma_fence();
-        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, k_smem + consumer * 64 * 128, q_tile);
+        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k + consumer * 64 * 128, q_tile);
         wgmma_commit();
-        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, v_smem + consumer * 64 * 128, do_tile);
+        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v + consumer * 64 * 128, do_tile);
         wgmma_commit();
         wgmma_wait<1>();
         fence_registers(s_flat);
@@ -343,7 +351,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
-            const float2 col_lse2 = *reinterpret_cast<const float2*>(&lse2_smem[stage][mi * 8 + 2 * t]);
+            const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][mi * 8 + 2 * t]);
             unsigned words[4] = {0u, 0u, 0u, 0u};
             if constexpr (C::kDropout) dropout_words_cols(p, s, m_lo + mi * 8 + 2 * t, keys[0], lane, words);
 #pragma unroll
@@ -385,7 +393,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // dS^T element by element, into acc_dp as dL/dx.
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
-            const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum_smem[stage][mi * 8 + 2 * t]);
+            const float2 col_dsum = *reinterpret_cast<const float2*>(&sh.dsum[stage][mi * 8 + 2 * t]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float ds;
@@ -420,7 +428,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         if constexpr (C::kDq) {
             // dS^T of this consumer's keys into the shared tile [kBlockM / 64][kBlockN keys][64 queries],
             // 16-byte chunks XOR-swizzled by key (conflict-free: a warp's 8 keys x 4 pairs hit 32 banks).
-            const unsigned ds_tile = ds_smem + ds_buf * C::kDsBytes;
+            const unsigned ds_tile = tiles.ds + ds_buf * C::kDsBytes;
             // Row key_row0 (+ 8: the same swizzle phase), chunk mi % 8 of block mi / 8: the tile is
             // 1024-byte aligned, so the chunk's XOR is one with the chunk index on the row's address.
             const unsigned ds_row = (ds_tile + key_row0 * 128 + ((key_row0 % 8) * 16)) + t * 4;
@@ -437,7 +445,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // This consumer's 64 x 64 share of dQ = dS K over all kBlockN keys: A = dS^T read
             // transposed, B = K read transposed (both tiles have the keys as rows).
             const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
-            const unsigned b_tile = k_smem + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
+            const unsigned b_tile = tiles.k + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
             gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
             wgmma_commit();
             ds_buf ^= 1;
@@ -447,7 +455,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         fence_registers(dk_flat);
         fence_registers(p_frag);
         fence_registers(ds_frag);
-        mbar_arrive(empty(stage));   // Q, dO, lse2 and D of this stage are no longer read
+        mbar_arrive(sh.empty(stage));   // Q, dO, lse2 and D of this stage are no longer read
 
         if constexpr (C::kDq) {
             // The 64 x 64 share of dQ leaves through shared memory in dq_tile_offset's order (16-byte
@@ -461,15 +469,15 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
                 named_barrier_sync(2 + consumer, 128);
             }
-            if constexpr (C::kOrdered) {
+            if constexpr (C::kWriter) {
                 if (wg_thread == 0) {   // the writer has read this buffer's previous share
-                    mbar_wait(dq_empty(consumer, ds_buf), ((dq_empty_parity[consumer] >> ds_buf) & 1) ^ 1);
-                    dq_empty_parity[consumer] ^= 1 << ds_buf;
+                    mbar_wait(sh.dq_empty(consumer, ds_buf), ((sh.dq_empty_parity[consumer] >> ds_buf) & 1) ^ 1);
+                    sh.dq_empty_parity[consumer] ^= 1 << ds_buf;
                 }
                 named_barrier_sync(2 + consumer, 128);
             }
             // (Double buffered, the buffers alternate with dS^T's: ds_buf.)
-            const unsigned share = dq_smem + (consumer * C::kDqBuffers + (C::kDqBuffers == 2 ? ds_buf : 0)) *
+            const unsigned share = tiles.dq + (consumer * C::kDqBuffers + (C::kDqBuffers == 2 ? ds_buf : 0)) *
                                                  C::kDqShareBytes;
 #pragma unroll
             for (int nj = 0; nj < 8; ++nj)
@@ -479,12 +487,12 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
             // Two buffers: the previous step's reduction (the other buffer) must have read it before
             // the next step writes there; the barrier below tells every thread.
-            if (!C::kOrdered && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
+            if (!C::kWriter && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
-                if constexpr (C::kOrdered) {   // to the writer
-                    dq_tile_of[consumer][ds_buf] = (s.h << 16) | (m_lo / C::kBlockM);
-                    mbar_arrive(dq_full(consumer, ds_buf));
+                if constexpr (C::kWriter) {   // to the writer
+                    sh.dq_tile_of[consumer][ds_buf] = (s.h << 16) | (m_lo / C::kBlockM);
+                    mbar_arrive(sh.dq_full(consumer, ds_buf));
                 } else {
                     float* tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
                                   (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
@@ -497,11 +505,11 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     }
 
     if (C::kDq && threadIdx.x % 128 == 0) {
-        if constexpr (C::kOrdered) {   // the end of the walk, to the writer
+        if constexpr (C::kWriter) {   // the end of the walk, to the writer
             const int buf = ds_buf ^ 1;
-            mbar_wait(dq_empty(consumer, buf), ((dq_empty_parity[consumer] >> buf) & 1) ^ 1);
-            dq_tile_of[consumer][buf] = -1;
-            mbar_arrive(dq_full(consumer, buf));
+            mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);
+            sh.dq_tile_of[consumer][buf] = -1;
+            mbar_arrive(sh.dq_full(consumer, buf));
         } else {
             bulk_wait();   // this warpgroup's dQ reductions have landed
         }
@@ -528,6 +536,258 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         }
     }
 }
+
+// Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
+// their dK and dV (128 registers). Per query tile of 64 rows:
+//   S^T, dP^T of the 64 keys x the queries 32c .. 32c + 31 (wgmma n = 32), P^T and dS^T element
+//   by element, both into shared memory as 16-bit tiles [64 keys][64 queries] (P^T, then dS^T in
+//   tiles.ds), which each consumer then reads whole:
+//   dV[:, c] += P^T dO[:, c],  dK[:, c] += dS^T Q[:, c]    (both operands in shared memory)
+//   dQ[:, c]  = dS K[:, c]                                 (two 64 x 64 products)
+// The consumer's share of dQ (64 x 128 float32) leaves through the step's own Q (consumer 0) or dO
+// (consumer 1) buffer, once both consumers' products have read it, as one 32 KB bulk reduction into
+// dq_accum. The stage goes back to the producer when that reduction has read it: thread 0 checks
+// at the next step, after issuing its products.
+template <class C>
+__device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
+                                                   const BwdSm90Tiles& tiles) {
+    const FwdParams& p = bp.fwd;
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
+    const int consumer = threadIdx.x / 128 - 1;
+    const int g = lane / 4, t = lane % 4;
+    const int key_row0 = warp * 16 + g;          // this thread's first key inside the CTA's block
+    const int col0 = consumer * C::kQueryCols;   // this consumer's first query column of a tile
+    const unsigned pt_tile = tiles.ds, ds_tile = tiles.ds + C::kDsBytes;
+    float acc_dk[C::kDTiles][4], acc_dv[C::kDTiles][4];
+#pragma unroll
+    for (int di = 0; di < C::kDTiles; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
+
+    mbar_wait(sh.kv_full(), 0);
+    // Varlen: keys of the block past the sequence's end are the next sequence's; the dQ product
+    // reads every K row of the block, so they become zeros (their dS is 0 anyway).
+    if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
+        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
+
+    int stage = 0, phase = 0, pending = -1;   // pending: the stage thread 0 still has to give back
+    for (;;) {
+        mbar_wait(sh.full(stage), phase);
+        const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
+        if (tile < 0) break;
+        s.h = tile >> 16;
+        const int m_lo = (tile & 0xffff) * C::kBlockM;
+        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
+        if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
+            // This tile's rows past the sequence are the next sequence's queries.
+            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(q_tile, s.seqlen_q - m_lo);
+            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(do_tile, s.seqlen_q - m_lo);
+        }
+
+        // S^T = K Q^T and dP^T = V dO^T for this consumer's query columns (B starts col0 rows into
+        // the Q / dO tiles: a multiple of the swizzle's 8 rows).
+        float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
+        float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
+        float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
+        wgmma_fence();
+        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
+        wgmma_commit();
+        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
+        wgmma_commit();
+        if (wg_thread == 0 && pending >= 0) {   // the previous step's dQ reduction has read its stage
+            bulk_wait_read();
+            mbar_arrive(sh.empty(pending));
+        }
+        wgmma_wait<1>();
+        fence_registers(s_flat);
+
+        // P^T element by element: element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2),
+        // query m_lo + col0 + 8 mi + 2 t + e % 2.
+        const int n_lo = cta_key_block<C>() * C::kBlockN;
+        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
+        if (!tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) {
+            // As in consume_key_halves: two bounds per key row, one compare per element.
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                int lo, hi;
+                visible_queries(p, s, keys[r], keys[r] + 1, &lo, &hi);
+                if (keys[r] >= s.seqlen_k) hi = lo;
+                lo -= m_lo + col0 + 2 * t;
+                hi -= m_lo + col0 + 2 * t;
+#pragma unroll
+                for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                        const int x = mi * 8 + e % 2;
+                        if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
+                    }
+            }
+        }
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi) {
+            const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][col0 + mi * 8 + 2 * t]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_s[mi][e] = element_prob<C::kMods, C::kDropout>(p, acc_s[mi][e], 0.f,
+                                                                   e % 2 ? col_lse2.y : col_lse2.x, 0u);
+        }
+        wgmma_wait<0>();
+        fence_registers(dp_flat);
+        // dS^T element by element, into acc_dp.
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi) {
+            const float2 col_dsum = *reinterpret_cast<const float2*>(&sh.dsum[stage][col0 + mi * 8 + 2 * t]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float ds;
+                acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(p, acc_s[mi][e], acc_s[mi][e], acc_dp[mi][e],
+                                                                    e % 2 ? col_dsum.y : col_dsum.x, &ds);
+            }
+        }
+        // P^T and dS^T into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
+        // col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a warp's 8 rows x 4 pairs hit 32 banks).
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = key_row0 + 8 * half;
+                const unsigned off = row * 128 + (((col0 / 8 + mi) ^ g) * 16) + t * 4;
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(pt_tile + off),
+                             "r"(pack2<elem_t>(acc_s[mi][2 * half], acc_s[mi][2 * half + 1]))
+                             : "memory");
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ds_tile + off),
+                             "r"(pack2<elem_t>(acc_dp[mi][2 * half], acc_dp[mi][2 * half + 1]))
+                             : "memory");
+            }
+        fence_proxy_async();
+        named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
+
+        // dQ's two 64 x 64 shares (A = dS^T read transposed, B = K's column blocks 2c, 2c + 1), then
+        // dV and dK over the whole tile (B = this consumer's two column blocks of dO / Q).
+        float(&dv_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dv[0][0]);
+        float(&dk_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dk[0][0]);
+        const unsigned cols = consumer * (C::kDimCols / 64) * C::kBlockM * 128;
+        float acc_dq[2][32];
+        wgmma_fence();
+        if constexpr (C::kDq) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile, tiles.k + (2 * consumer + j) * C::kBlockN * 128);
+        }
+        gemm_ab_ss_n128<C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols);
+        gemm_ab_ss_n128<C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dv_flat);
+        fence_registers(dk_flat);
+        fence_registers(acc_dq[0]);
+        fence_registers(acc_dq[1]);
+        // Both consumers are done with this stage's Q and dO, and with P^T and dS^T.
+        named_barrier_sync(1, 128 * C::kConsumers);
+
+        if constexpr (C::kDq) {
+            // In dq_tile_offset's order: share j of this consumer is the tile's share 2c + j.
+            const unsigned share = consumer == 0 ? q_tile : do_tile;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int nj = 0; nj < 8; ++nj)
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                                     share + j * C::kDqShareBytes + (nj * 128 + wg_thread) * 16),
+                                 "f"(acc_dq[j][4 * nj]), "f"(acc_dq[j][4 * nj + 1]), "f"(acc_dq[j][4 * nj + 2]),
+                                 "f"(acc_dq[j][4 * nj + 3])
+                                 : "memory");
+            fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
+            named_barrier_sync(2 + consumer, 128);
+            if (wg_thread == 0) {
+                float* dq_tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                 (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                bulk_reduce_add(dq_tile + consumer * 2 * (C::kDqShareBytes / 4), share, 2 * C::kDqShareBytes);
+                bulk_commit();
+                pending = stage;
+            }
+        } else if (wg_thread == 0) {
+            mbar_arrive(sh.empty(stage));
+        }
+        if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+    }
+    if (C::kDq && wg_thread == 0) bulk_wait();   // this warpgroup's dQ reductions have landed
+
+    // dK (scaled) and dV of the block's keys, this consumer's columns.
+    int cta_y = blockIdx.y;
+    asm volatile("" : "+r"(cta_y));
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
+    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
+        if (r >= se.seqlen_k) continue;
+        const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
+#pragma unroll
+        for (int di = 0; di < C::kDTiles; ++di) {
+            const int col = consumer * C::kDimCols + di * 8 + 2 * t;
+            if (col < p.head_dim)
+                dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
+                           acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
+        }
+    }
+}
+
+template <class C>
+__device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                         const TmaMap& do_map, const BwdParams& bp) {
+    const FwdParams& p = bp.fwd;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    __shared__ __align__(16) BwdSm90Shared<C> sh;
+    BwdSm90Tiles tiles;
+    tiles.k = (smem_addr(smem_raw) + 1023) & ~1023u;
+    tiles.v = tiles.k + C::kKVBytes;
+    tiles.q = tiles.v + C::kKVBytes;
+    tiles.dout = tiles.q + C::kStages * C::kQBytes;
+    tiles.ds = tiles.dout + C::kStages * C::kQBytes;
+    tiles.dq = tiles.ds + C::kDsTiles * C::kDsBytes;
+
+    // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
+    // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
+    // The consumers learn each tile's head from the producer.
+    const int b = blockIdx.z;
+    const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
+    SeqInfo s = make_seq_info(p, b, (blockIdx.y / splits) * group);
+    const int n_lo = cta_key_block<C>() * C::kBlockN;
+    if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
+    const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
+    int q_first, q_last;
+    visible_queries(p, s, n_lo, n_hi, &q_first, &q_last);
+    const int c_begin = q_first / C::kBlockM, c_end = ceil_div(q_last, C::kBlockM);
+    const bool varlen = p.cu_seqlens_q != nullptr;
+
+    if (threadIdx.x == 0) {
+        mbar_init(sh.kv_full(), 1);
+        for (int stage = 0; stage < C::kStages; ++stage) {
+            mbar_init(sh.full(stage), 1);
+            mbar_init(sh.empty(stage), C::kEmptyArrivals);
+        }
+        if constexpr (C::kWriter) {
+            for (int i = 0; i < 2 * C::kConsumers; ++i) {
+                mbar_init(smem_addr(&sh.dq_barriers[i]), 1);
+                mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
+            }
+            for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+        produce<C>(q_map, k_map, v_map, do_map, bp, s, b, varlen, n_lo, c_begin, c_end, sh, tiles);
+        return;
+    }
+    setmaxnreg_inc<C::kConsumerRegs>();
+    if constexpr (C::kSplitDims) consume_dim_halves<C>(bp, s, b, sh, tiles);
+    else consume_key_halves<C>(bp, s, b, sh, tiles);
+}
+
 
 }  // namespace cuflash
 

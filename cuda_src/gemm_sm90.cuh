@@ -30,14 +30,16 @@ __device__ __forceinline__ constexpr unsigned mnmajor_step(int kk) { return kk *
 
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
-    static_assert(N == 64 || N == 128, "wgmma n of 64 or 128");
-    if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma n of 32, 64 or 128");
+    if constexpr (N == 32) wgmma_ss_n32(d, a, b, scale_d);
+    else if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
     else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
 }
 template <int N>
 __device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
-    static_assert(N == 64 || N == 128, "wgmma n of 64 or 128");
-    if constexpr (N == 64) wgmma_ss_n64_first(d, a, b, elem_t{});
+    static_assert(N == 32 || N == 64 || N == 128, "wgmma n of 32, 64 or 128");
+    if constexpr (N == 32) wgmma_ss_n32_first(d, a, b);
+    else if constexpr (N == 64) wgmma_ss_n64_first(d, a, b, elem_t{});
     else wgmma_ss_n128_first(d, a, b, elem_t{});
 }
 template <int N>
@@ -66,6 +68,17 @@ __device__ __forceinline__ void gemm_ab_rs(float (&acc)[N / 2], const unsigned (
     const unsigned long long b = smem_desc(b_tile, kBRows * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kK / 16; ++kk) wgmma_rs<N>(acc, a[kk], b + (mnmajor_step(kk) >> 4));
+}
+
+// acc (64 x 128) += A B: A = the 64 rows of a K-major tile (kK columns: one column block), B the
+// first 128 columns of an MN-major tile of kBRows rows (>= kK) at b_tile.
+template <int kK, int kBRows>
+__device__ __forceinline__ void gemm_ab_ss_n128(float (&acc)[64], unsigned a_tile, unsigned b_tile) {
+    static_assert(kK <= 64, "A is one column block");
+    const unsigned long long a = smem_desc(a_tile, 16, 1024), b = smem_desc(b_tile, kBRows * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kK / 16; ++kk)
+        wgmma_ss_n128_tb(acc, a + (kmajor_step<64>(kk) >> 4), b + (mnmajor_step(kk) >> 4));
 }
 
 // acc (64 x 64) = A B over kK: A^T is 64 columns of an MN-major tile (rows = K) at a_tile, B the

@@ -720,22 +720,27 @@ BWD_SM80_DQ_TILES_MODS = {
 
 # bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
 # such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
-# split by columns). Shared memory: K, V, kStages x (Q, dO), two dS^T buffers, the dQ staging of
-# both consumers.
-BWD_SM90_HEAD_DIMS = (64, 128)
-BWD_SM90_BLOCK_N, BWD_SM90_THREADS = 128, 384
-BWD_SM90_BLOCK_M = {64: 128, 128: 64}
-BWD_SM90_STAGES = {64: 2, 128: 2}
+# split by columns). At D = 256, 64 keys per CTA whose dK/dV columns the consumers split (64 rows per
+# step, two 64 x 64 shares of dQ each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and
+# dS^T) tiles, the dQ staging of both consumers (at D = 256 in the step's Q and dO buffers).
+BWD_SM90_HEAD_DIMS = (64, 128, 256)
+BWD_SM90_THREADS = 384
+BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
+BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
+BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
 #: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh);
 #: at D = 64 the order's bookkeeping made the consumers spill, and bwd_sm80's dQ pass computes dQ.
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
+#: Head dims whose bwd_sm90 (deterministic=False) hands each step's dQ shares to the writer warp
+#: rather than reducing them from the consumers (CUFLASH_BWD_DQ=3).
+BWD_SM90_DQ_WRITER_HEAD_DIMS = ()
 
 
 def bwd_sm90_smem_bytes(head_dim: int) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included)."""
-    block_m, stages = BWD_SM90_BLOCK_M[head_dim], BWD_SM90_STAGES[head_dim]
-    kv, q_do, ds = 2 * BWD_SM90_BLOCK_N * head_dim, 2 * block_m * head_dim, 2 * BWD_SM90_BLOCK_N * block_m
-    dq_buffers = 2 if head_dim == 128 else 1   # a 64 x 64 float32 share of dQ per consumer and buffer
+    block_n, block_m, stages = BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim], BWD_SM90_STAGES[head_dim]
+    kv, q_do, ds = 2 * block_n * head_dim, 2 * block_m * head_dim, 2 * block_n * block_m
+    dq_buffers = {64: 1, 128: 2, 256: 0}[head_dim]   # a 64 x 64 float32 share of dQ per consumer and buffer
     dq_staging = 2 * dq_buffers * 64 * 64 * 4
     return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
 
@@ -848,13 +853,14 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_M": BWD_SM90_BLOCK_M[kdim],
             "CUFLASH_STAGES": BWD_SM90_STAGES[kdim],
-            "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
+            "CUFLASH_BWD_DQ": (0 if deterministic == "pass" else 2 if deterministic
+                               else 3 if kdim in BWD_SM90_DQ_WRITER_HEAD_DIMS else 1),
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim),
             **_bwd_size_defines(),
         }
-        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), BWD_SM90_BLOCK_N, BWD_SM90_THREADS,
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), BWD_SM90_BLOCK_N[kdim], BWD_SM90_THREADS,
                           bwd_sm90_smem_bytes(kdim), kdim)
     elif family == "bwd_simt":
         if dtype_name != "float32":

@@ -411,6 +411,9 @@ EACH_OPTION = [
     ("causal_sq_lt_sk", _shape(B_, 17, 129, HQ_, HK_, D_), {"causal": True}),
     ("causal_sq_gt_sk", _shape(B_, 129, 17, HQ_, HK_, D_), {"causal": True}),
     ("causal_square_d128", _shape(1, 257, 257, 2, 2, 128), {"causal": True}),
+    ("d256_long_gqa", _shape(1, 200, 300, 4, 1, 256), {}),
+    ("causal_d256", _shape(2, 129, 193, 2, 2, 256), {"causal": True}),
+    ("window_d256", _shape(1, 200, 150, 2, 1, 256), {"window": (7, 3)}),
     ("window_both", _shape(B_, 200, 150, HQ_, HK_, D_), {"window": (7, 3)}),
     ("window_causal", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"window": (20, 8), "causal": True}),
     ("softcap", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"softcap": 5.0, "scale": 1.0}),
@@ -689,13 +692,14 @@ def test_varlen_against_reference(family, dtype, problem):
 
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
-def test_varlen_empty_sequences_and_neighbours(family, dtype):
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_varlen_empty_sequences_and_neighbours(family, dtype, head_dim):
     # Sequence 1 has no keys (its dq must be 0), sequence 2 no queries (its dk/dv must be 0).
     cu_q = np.array([0, 70, 150, 150, 320], dtype=np.int32)
     cu_k = np.array([0, 129, 129, 200, 263], dtype=np.int32)
     for deterministic in (False, True):
-        dq, dk, dv = _varlen_solve(family, dtype, cu_q, cu_k, _shape(4, 170, 129, 4, 2, 64), {"causal": True}, 140,
-                                   deterministic)
+        dq, dk, dv = _varlen_solve(family, dtype, cu_q, cu_k, _shape(4, 170, 129, 4, 2, head_dim), {"causal": True},
+                                   140, deterministic)
         assert not bool(dq[70:150].astype(cupy.float32).any())
         assert not bool(dk[129:200].astype(cupy.float32).any()) and not bool(dv[129:200].astype(cupy.float32).any())
 
@@ -851,8 +855,9 @@ def test_sm90_ordered_dq_varlen(causal):
 
 
 @_sm90_only
-def test_sm90_is_the_default_for_bf16_d128():
-    shape = _shape(2, 256, 300, 8, 2, 128)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_sm90_is_the_default_for_bf16(head_dim):
+    shape = _shape(2, 256, 300, 8, 2, head_dim)
     q, k, v = tt.random_qkv(shape, "bfloat16", 170, xp=cupy)
     dout, out = _random_like(q, 171), _random_like(q, 172)
     lse = cupy.zeros((2, 8, 256), dtype=cupy.float32)
@@ -863,19 +868,19 @@ def test_sm90_is_the_default_for_bf16_d128():
 
 
 @_sm90_only
-def test_sm90_forced_on_a_call_it_cannot_run_raises():
-    obstacle = getattr(_heuristics, "bwd_sm90_obstacle", None)
-    if obstacle is None:
-        pytest.skip("cuflash._heuristics.bwd_sm90_obstacle is not written yet")
-    reason = obstacle(256, (), False)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_sm90_forced_on_a_call_it_cannot_run_raises(head_dim):
+    # A score modifier (softcap) that bwd_sm90 does not run yet: a ValueError naming why, before
+    # anything is written.
+    reason = _heuristics.bwd_sm90_obstacle(head_dim, ("softcap",), False)
     if reason is None:
-        pytest.skip("bwd_sm90 runs head dim 256")
-    q, k, v = tt.random_qkv(_shape(1, 33, 40, 4, 2, 256), "bfloat16", 180, xp=cupy)
+        pytest.skip("bwd_sm90 runs softcap")
+    q, k, v = tt.random_qkv(_shape(1, 33, 40, 4, 2, head_dim), "bfloat16", 180, xp=cupy)
     lse = cupy.zeros((1, 4, 33), dtype=cupy.float32)
     dq = cupy.full(q.shape, NAN, dtype=q.dtype)
     with bw.force_kernel("bwd_sm90"):
         with pytest.raises(ValueError, match=re.escape(reason)):
-            bw.attention_backward(q, q, k, v, q, lse, dq=dq)
+            bw.attention_backward(q, q, k, v, q, lse, softcap=5.0, dq=dq)
     assert bool(cupy.isnan(dq.astype(cupy.float32)).all()), "dq was written before the error"
 
 

@@ -253,15 +253,30 @@ def _bwd_sm90_obstacle():
     return obstacle
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_bwd_sm90_runs_plain_head_dims_64_and_128(head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_bwd_sm90_runs_plain_head_dims(head_dim):
     assert _bwd_sm90_obstacle()(head_dim, (), False) is None
 
 
-def test_bwd_sm90_names_why_it_cannot_run_head_dim_256():
-    reason = _bwd_sm90_obstacle()(256, (), False)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mods, dropout", [(("softcap",), False), ((), True)])
+def test_bwd_sm90_names_why_it_cannot_run_modifiers_or_dropout(head_dim, mods, dropout):
+    reason = _bwd_sm90_obstacle()(head_dim, mods, dropout)
     assert isinstance(reason, str) and len(reason.split()) >= 3, "a sentence saying why"
     assert "\n" not in reason
+
+
+def test_bwd_sm90_plans_head_dim_256_by_columns():
+    # D = 256: 64 keys per CTA (the consumers split dK/dV's columns), 64 query rows per step, and
+    # shared memory within the 227 KiB an H100 block may use.
+    plan = H.backward_plan("bwd_sm90", "bfloat16", 256, dq_pass=False, score_mods=(), dropout=False,
+                           deterministic=False)
+    defines = dict(plan.variant.defines)
+    assert (plan.block_m, defines["CUFLASH_BLOCK_M"], plan.head_dim) == (64, 64, 256)
+    assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
+    for d in (136, 192, 200):   # padded to the compiled head dim 256
+        assert H.backward_plan("bwd_sm90", "float16", d, dq_pass=False, score_mods=(), dropout=False,
+                               deterministic="pass").head_dim == 256
 
 
 def test_bwd_sm90_orders_dq_at_d128_only():
