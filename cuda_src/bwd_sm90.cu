@@ -1,9 +1,9 @@
 // Backward attention for Hopper (sm_90a), fp16/bf16: the dK/dV pass (and dQ, added into a float32
 // buffer) on wgmma, its operands brought in by TMA, warp-specialised.
 //
-// A CTA keeps kBlockN = 128 keys of one kv head (K and V, loaded once) and walks over the query
-// tiles that see them, for each query head of its GQA group in turn (FlashAttention-2's backward
-// recomputing P from lse, in FlashAttention-3's arrangement):
+// A CTA keeps kBlockN = 128 keys of one kv head (64 at D = 256; K and V, loaded once) and walks over
+// the query tiles that see them, for each query head of its GQA group in turn (FlashAttention-2's
+// backward recomputing P from lse, in FlashAttention-3's arrangement):
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
 //     copies) of each query tile into a kStages-deep ring; it gives its registers away. With
 //     ordered dQ another warp of it is the dQ writer (below).
@@ -19,12 +19,15 @@
 //                                              consumer a 64 x 64 share of dQ, added into its
 //                                              share of dq_accum's tile by one bulk reduction)
 //   dK, dV stay in registers across the walk and are written once at the end.
+// At D = 256 the dK and dV of 64 keys over all columns would take 256 registers per thread, so the
+// consumers split the columns instead (consume_dim_halves, below): S^T and dP^T by query halves,
+// P^T and dS^T through shared memory, every other product from shared memory.
 // With deterministic=True the additions into each dq_accum tile take turns in a fixed order at
 // D = 128 (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ writer
 // (warp 1 of warpgroup 0) through mbarriers instead of reducing them themselves; the writer waits for
 // each tile's turn, reduces, and passes the turn on once the reduction has landed, so that neither
 // the turns nor the reductions' latency stall the tensor cores. At D = 64 there is no dQ product
-// here (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ.
+// here (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ; so at D = 256.
 //
 // Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
 // belong to the next one: the consumers zero them in shared memory (queries: Q and dO rows of the
@@ -32,11 +35,12 @@
 // sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (element_grad).
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
-// CUFLASH_HEAD_DIM 64/128, CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order), CUFLASH_BLOCK_M
-// (query rows per step: 128 for D = 64, 64 for D = 128, so that each consumer's share of dQ is
-// 64 x 64), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
-// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants compile but still spill, so the planner
-// does not choose them yet (_heuristics.bwd_sm90_obstacle).
+// CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
+// CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128 and 256, so that dQ is made of
+// 64 x 64 shares), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
+// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants
+// of D = 64/128 compile but still spill, so the planner does not choose them yet
+// (_heuristics.bwd_sm90_obstacle); D = 256 does not compile them.
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
@@ -61,9 +65,7 @@ struct BwdSm90Config {
     // dQ computed here and added into dq_accum (in a fixed order: kOrdered); kDq false: bwd_sm80's dQ
     // pass computes it. Compile-time: an in-flight wgmma on one side of a run-time branch made ptxas
     // serialize them all.
-    // kWriter: the consumers hand their shares of dQ to a writer warp, which reduces them into
-    // dq_accum (in the fixed order when kOrdered) instead of issuing the reductions themselves.
-    static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2, kWriter = kDqMode_ >= 2;
+    static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2;
     static constexpr int kMods = kMods_;
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
@@ -97,10 +99,10 @@ struct BwdSm90Config {
     // shared memory allows (D = 128: 227 KB in all; D = 64's dS^T tiles are twice as large). At D = 256
     // the shares pass through the step's own Q and dO buffers, which are free by then.
     static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 ? 2 : 1;
-    static_assert(!kWriter || kDqBuffers == 2, "the dQ writer takes double-buffered shares");
+    static_assert(!kOrdered || kDqBuffers == 2, "the dQ writer takes turns with double-buffered shares");
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || (!kScoreMods && !kDropout), "D = 256 runs no score modifiers nor dropout yet");
-    static_assert(!kSplitDims || !kWriter, "D = 256 reduces its dQ shares from the consumers");
+    static_assert(!kSplitDims || !kOrdered, "D = 256 adds dQ in no fixed order (its dQ pass does)");
     // Arrivals that free a stage: every consumer thread, or at D = 256 each consumer's thread 0 once
     // the bulk reduction of its dQ share, staged in the stage's buffers, has read them.
     static constexpr int kEmptyArrivals = kSplitDims ? kConsumers : 128 * kConsumers;
@@ -121,7 +123,7 @@ struct BwdSm90Shared {
     alignas(16) float lse2[C::kStages][C::kBlockM];
     alignas(16) float dsum[C::kStages][C::kBlockM];
     unsigned long long barriers[1 + 2 * C::kStages];
-    unsigned long long dq_barriers[C::kWriter ? 2 * C::kConsumers * 2 : 1];
+    unsigned long long dq_barriers[C::kOrdered ? 2 * C::kConsumers * 2 : 1];
     int tile_of_stage[C::kStages];
     int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
 
@@ -173,7 +175,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     const int batch_coord = varlen ? 0 : b;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     setmaxnreg_dec<C::kProducerRegs>();
-    if constexpr (C::kWriter) {
+    if constexpr (C::kOrdered) {
         if (warp == 1 && lane == 0) {
             // The dQ writer. The consumers' shares alternate between two buffers, the first
             // step's in buffer 1 (ds_buf's order); both consumers' shares of a step belong to
@@ -182,10 +184,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
             for (int buf = 1;; buf ^= 1) {
                 mbar_wait(sh.dq_full(0, buf), (full_parity >> buf) & 1);
                 const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
-                if (tile < 0) {   // both consumers end together
-                    bulk_wait();
-                    return;
-                }
+                if (tile < 0) return;   // both consumers end together; every reduction has landed
                 s.h = tile >> 16;
                 const int c = tile & 0xffff;
                 const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
@@ -193,10 +192,10 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                                              bp.dqa_row_stride;
                 // One counter per tile (kBlockM rows of kHeadDim floats) and share.
                 const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
-                const int rank = C::kOrdered ? dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c) : 0;
+                const int rank = dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c);
                 for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
                     if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), (full_parity >> buf) & 1);
-                    if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
+                    dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
                     bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
                                     tiles.dq + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
                     bulk_commit();
@@ -204,11 +203,9 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 full_parity ^= 1 << buf;
                 bulk_wait_read();
                 for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
-                if constexpr (C::kOrdered) {
-                    bulk_wait();
-                    for (int consumer = 0; consumer < C::kConsumers; ++consumer)
-                        dq_pass_turn(bp.dq_semaphore + counter + consumer);
-                }
+                bulk_wait();
+                for (int consumer = 0; consumer < C::kConsumers; ++consumer)
+                    dq_pass_turn(bp.dq_semaphore + counter + consumer);
             }
         }
     }
@@ -226,9 +223,9 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
     const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
     int stage = 0, phase = 0;
-    // Unrolled as far as ptxas then needs no spills in any warpgroup (NVRTC 13.0: D = 128
-    // spilled in the producer with the inner loop unrolled 4 times, D = 64 in the consumers
-    // with it not unrolled).
+    // Unrolled as far as ptxas then needs no spills in any warpgroup (kProducerUnroll; NVRTC
+    // 13.0: D = 128 spilled in the producer unrolled 4 times, D = 64 in the consumers not unrolled
+    // and in the producer unrolled 4 times).
 #pragma unroll 1
     for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
         s.h = h0 + hh;
@@ -469,7 +466,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
                 named_barrier_sync(2 + consumer, 128);
             }
-            if constexpr (C::kWriter) {
+            if constexpr (C::kOrdered) {
                 if (wg_thread == 0) {   // the writer has read this buffer's previous share
                     mbar_wait(sh.dq_empty(consumer, ds_buf), ((sh.dq_empty_parity[consumer] >> ds_buf) & 1) ^ 1);
                     sh.dq_empty_parity[consumer] ^= 1 << ds_buf;
@@ -487,10 +484,10 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
             // Two buffers: the previous step's reduction (the other buffer) must have read it before
             // the next step writes there; the barrier below tells every thread.
-            if (!C::kWriter && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
+            if (!C::kOrdered && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
-                if constexpr (C::kWriter) {   // to the writer
+                if constexpr (C::kOrdered) {   // to the writer
                     sh.dq_tile_of[consumer][ds_buf] = (s.h << 16) | (m_lo / C::kBlockM);
                     mbar_arrive(sh.dq_full(consumer, ds_buf));
                 } else {
@@ -505,7 +502,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     }
 
     if (C::kDq && threadIdx.x % 128 == 0) {
-        if constexpr (C::kWriter) {   // the end of the walk, to the writer
+        if constexpr (C::kOrdered) {   // the end of the walk, to the writer
             const int buf = ds_buf ^ 1;
             mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);
             sh.dq_tile_of[consumer][buf] = -1;
@@ -768,7 +765,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(sh.full(stage), 1);
             mbar_init(sh.empty(stage), C::kEmptyArrivals);
         }
-        if constexpr (C::kWriter) {
+        if constexpr (C::kOrdered) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
                 mbar_init(smem_addr(&sh.dq_barriers[i]), 1);
                 mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);

@@ -731,9 +731,6 @@ BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
 #: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh);
 #: at D = 64 the order's bookkeeping made the consumers spill, and bwd_sm80's dQ pass computes dQ.
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
-#: Head dims whose bwd_sm90 (deterministic=False) hands each step's dQ shares to the writer warp
-#: rather than reducing them from the consumers (CUFLASH_BWD_DQ=3).
-BWD_SM90_DQ_WRITER_HEAD_DIMS = ()
 
 
 def bwd_sm90_smem_bytes(head_dim: int) -> int:
@@ -853,8 +850,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_M": BWD_SM90_BLOCK_M[kdim],
             "CUFLASH_STAGES": BWD_SM90_STAGES[kdim],
-            "CUFLASH_BWD_DQ": (0 if deterministic == "pass" else 2 if deterministic
-                               else 3 if kdim in BWD_SM90_DQ_WRITER_HEAD_DIMS else 1),
+            "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim),
