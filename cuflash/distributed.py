@@ -1,20 +1,38 @@
-"""Context parallelism: ring attention in the zigzag layout (single-GPU part).
+"""Context parallelism: ring attention in the zigzag layout, over NCCL or on virtual ranks.
 
 A sequence too long for one GPU is cut into ``2 * world`` equal chunks; rank ``r`` holds chunks
 ``r`` and ``2 * world - 1 - r`` (the zigzag layout), so that under causal masking every rank has
 the same amount of work: one early chunk, which sees few keys, and one late chunk, which sees many.
 At ring step ``s`` rank ``r`` holds the keys and values of rank ``(r - s) % world`` and attends its
 queries to them; partial results over disjoint key sets are merged exactly through their
-log-sum-exp (:func:`cuflash.merge_states`).
-
-This module holds the pieces that need no communicator:
+log-sum-exp (:func:`cuflash.merge_states`). In the backward the keys and values travel the ring
+again, and their gradients travel with them, summed in float32 by every rank they visit, until one
+last hop brings them home.
 
 - :func:`zigzag_chunks`, :func:`shard`, :func:`unshard`: the layout;
 - :func:`ring_schedule`: which (query chunk, key chunk) pairs each rank computes at each step,
-  and with which mask (pure Python, checked on the CPU);
-- :func:`ring_attention_virtual`, :func:`ring_attention_backward_virtual`: the same schedule
-  with ``world`` virtual ranks in one process on one GPU (no NCCL), which the tests compare with
-  one :func:`cuflash.attention_forward` / :func:`cuflash.attention_backward` call.
+  and with which mask; :func:`step_calls`: the kernel calls a step takes (one per step in the
+  zigzag layout); pure Python, checked on the CPU;
+- :func:`ring_attention`, :func:`ring_attention_backward`: one rank's part, the ranks joined by a
+  communicator (``group``): a ``cupy.cuda.nccl.NcclCommunicator``, a ``torch.distributed`` process
+  group (torch users call :func:`cuflash.interop.torch.ring_attention`, an autograd function), or
+  any object with the ring interface of :mod:`cuflash._ring_comm`;
+- :func:`ring_attention_virtual`, :func:`ring_attention_backward_virtual`: the same driver with
+  ``world`` virtual ranks in one process on one GPU, joined by device copies
+  (:class:`cuflash._ring_comm.LoopbackRing`), which the tests compare with one
+  :func:`cuflash.attention_forward` / :func:`cuflash.attention_backward` call.
+
+How a rank's work overlaps its communication: the keys and values of step ``s + 1`` are sent on
+and received on the communicator's stream while step ``s``'s attention runs on the compute stream
+(CuPy's current stream). CUDA events order the two: the compute of step ``s + 1`` waits for the
+receive of step ``s``; a receive into one of the two spare kv buffers waits until the compute that
+read that buffer (two steps earlier) is done; a send of dK/dV sums waits for the compute that added
+to them. Only the kv heads travel (GQA), in the inputs' dtype; the dK/dV sums travel in float32.
+
+Dropout is not supported: the kernels draw a score's dropout decision from its row and column
+*inside the call* (Philox counter ``(j // 4, i, b * Hq + h, offset)``, ``cuda_src/philox.cuh``),
+so a chunk pair's call would draw the mask of the wrong global positions; matching the single-GPU
+mask needs a query/key position offset in the kernels' params (see the NotImplementedError).
 """
 
 from __future__ import annotations
@@ -24,8 +42,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["RingPair", "zigzag_chunks", "shard", "unshard", "pair_mask", "ring_schedule",
-           "ring_attention_virtual", "ring_attention_backward_virtual"]
+from . import _checks
+from ._heuristics import MAX_HEAD_DIM
+from . import _ring_comm
+from ._ring_comm import LoopbackRing, as_ring, device_for
+
+__all__ = ["RingPair", "RingCall", "zigzag_chunks", "shard", "unshard", "pair_mask", "ring_schedule",
+           "step_calls", "ring_attention", "ring_attention_backward", "ring_attention_virtual",
+           "ring_attention_backward_virtual"]
 
 FULL, CAUSAL, SKIP = "full", "causal", "skip"
 
@@ -219,48 +243,306 @@ def ring_schedule(world, *, causal):
     return schedule
 
 
-# ----------------------------------------------------------------------------- virtual ranks
+# ----------------------------------------------------------------------------- one step's calls
 
-def _check_ring(q, k, v, world, dropout_p):
+class RingCall(NamedTuple):
+    """One kernel call of a ring step, in chunk slots: slot ``i`` is rows ``i * c .. (i + 1) * c``
+    of a shard (``c`` the chunk length). The rank's query slots ``[q_slots[0], q_slots[1])`` attend
+    to key slots ``[k_slots[0], k_slots[1])`` of the kv shard in hand, every key visible, or, with
+    ``causal``, causal aligned to the bottom-right corner of that rectangle (as the kernels align it).
+    """
+    q_slots: tuple
+    k_slots: tuple
+    causal: bool
+
+
+def _call_mask(a, b, nq, nk, causal):
+    """The mask a call of ``nq`` query and ``nk`` key chunks applies to its chunk pair (a, b).
+
+    Bottom-right causal: query row ``a * c + x`` sees key ``b * c + y`` iff
+    ``b * c + y <= a * c + x + (nk - nq) * c``, so whole chunks left of the shifted diagonal are
+    full, the diagonal chunk is causal within itself, and chunks right of it are skipped.
+    """
+    if not causal:
+        return FULL
+    diagonal = a + nk - nq
+    return FULL if b < diagonal else CAUSAL if b == diagonal else SKIP
+
+
+def step_calls(pairs, world):
+    """The kernel calls that compute one rank's ring step.
+
+    When the step's live (non-skipped) pairs fill a rectangle of chunk slots that one call masks
+    exactly as the pairs ask, that one call (bigger calls run closer to the GPU's peak; in the
+    zigzag layout every step is one call: the whole shard against itself, causal, at step 0, then
+    ``c x 2c`` or ``2c x c`` unmasked); otherwise one call per live pair.
+
+    Parameters
+    ----------
+    pairs : tuple of :class:`RingPair`
+        ``ring_schedule(world, causal=...)[rank][step]``.
+    world : int
+        Number of ranks.
+
+    Returns
+    -------
+    tuple of :class:`RingCall`
+        Empty when every pair is skipped.
+    """
     world = _check_world(world)
-    if dropout_p:
-        raise NotImplementedError(
-            "dropout_p > 0 is not supported by ring attention yet: the dropout mask depends on "
-            "global query/key positions, which the kernels do not take as offsets")
+
+    def slots(p):
+        return (zigzag_chunks(p.rank, world).index(p.q_chunk), zigzag_chunks(p.kv_rank, world).index(p.k_chunk))
+
+    masks = {slots(p): p.mask for p in pairs}
+    live = [slots(p) for p in pairs if p.mask != SKIP]
+    if not live:
+        return ()
+    q_lo, q_hi = min(a for a, _ in live), max(a for a, _ in live) + 1
+    k_lo, k_hi = min(b for _, b in live), max(b for _, b in live) + 1
+    nq, nk = q_hi - q_lo, k_hi - k_lo
+    for causal in (False, True):
+        if all(masks.get((a, b), SKIP) == _call_mask(a - q_lo, b - k_lo, nq, nk, causal)
+               for a in range(q_lo, q_hi) for b in range(k_lo, k_hi)):
+            return (RingCall((q_lo, q_hi), (k_lo, k_hi), causal),)
+    return tuple(RingCall((a, a + 1), (b, b + 1), masks[a, b] == CAUSAL) for a, b in live)
+
+
+def _rank_calls(world, rank, causal):
+    """``step_calls`` of every step of ``rank``."""
+    return [step_calls(pairs, world) for pairs in ring_schedule(world, causal=causal)[rank]]
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+_DROPOUT = ("dropout_p > 0 is not supported by ring attention: the kernels draw a score's dropout decision from "
+            "its row i and column j inside the call (Philox counter (j // 4, i, b * Hq + h, offset), "
+            "cuda_src/philox.cuh), so a chunk pair would draw the mask of other positions than the single-GPU "
+            "call; matching it needs query/key position offsets for the counter in the kernels' params")
+
+
+def _check_dropout(dropout_p):
+    if _checks.check_dropout(dropout_p):
+        raise NotImplementedError(_DROPOUT)
+
+
+def _check_causal(causal):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return bool(causal)
+
+
+def _as_arrays(named, host):
+    """The operands as CuPy views (CUDA arrays, DLPack imported), or NumPy arrays as they are
+    when ``host`` (the CPU tests' path, whose kernels are NumPy stand-ins)."""
+    if host:
+        for name, x in named:
+            if not isinstance(x, np.ndarray):
+                raise TypeError(f"{name} must be a NumPy array like q, got {type(x).__name__}")
+        return [x for _, x in named]
+    return [_checks.as_cuda_array(x, name) for name, x in named]
+
+
+def _check_qkv(q, k, v, host):
+    """Shapes (B, S, H, D) with one B and one S, GQA heads, one head dim, one dtype (one the kernels
+    take, unless ``host``: NumPy stand-ins may be float64)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must have shape (B, S, H, D), got {tuple(x.shape)}")
-    seqlen = q.shape[1]
+    if not host:
+        _checks.check_float_dtype(q, "q")
+    _checks.check_same_dtype(q, "q", k, "k")
+    _checks.check_same_dtype(q, "q", v, "v")
+    b, seqlen, hq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"k and v must have the batch size of q ({b}), got {k.shape[0]} and {v.shape[0]}")
     if k.shape[1] != seqlen or v.shape[1] != seqlen:
         raise ValueError(f"q, k and v must have one sequence length (self-attention over one "
                          f"sharded sequence), got S = {q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
-    if seqlen % (2 * world):
-        raise ValueError(f"q.shape[1] (S = {seqlen}) must be divisible by 2 * world = {2 * world}")
-    return world, seqlen // (2 * world)
+    _checks.check_heads(hq, k.shape[2], v.shape[2])
+    _checks.check_head_dim(d, k.shape[3], v.shape[3], MAX_HEAD_DIM)
 
 
-def _chunk(x, rank, chunk, world, c, axis=1):
-    """Rank ``rank``'s rows of ``chunk`` in its shard ``x`` (a view)."""
-    start = c * zigzag_chunks(rank, world).index(chunk)
-    index = [slice(None)] * x.ndim
-    index[axis] = slice(start, start + c)
-    return x[tuple(index)]
+def _check_saved(q, dout, out, lse, host):
+    """The backward's dout and out (q's shape and dtype) and lse (float32 (B, Hq, S); NumPy stand-ins
+    may be float64 when ``host``)."""
+    for name, x in (("dout", dout), ("out", out)):
+        _checks.check_same_dtype(q, "q", x, name)
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(x.shape)}")
+    want = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != want:
+        raise ValueError(f"lse must have shape (B, Hq, S) = {want}, got {tuple(lse.shape)}")
+    if np.dtype(lse.dtype) != np.float32 and not (host and np.dtype(lse.dtype) == np.float64):
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+
+
+def _check_local_length(q):
+    if q.shape[1] % 2:
+        raise ValueError(f"q.shape[1] (this rank's shard, S = {q.shape[1]}) must be even: a shard holds two "
+                         f"equal chunks of the zigzag layout (see shard)")
+
+
+def _check_global_length(q, world):
+    if q.shape[1] % (2 * world):
+        raise ValueError(f"q.shape[1] (S = {q.shape[1]}) must be divisible by 2 * world = {2 * world}")
+
+
+def _ring_group(group):
+    ring = as_ring(group)
+    if getattr(ring, "lockstep", False):
+        raise TypeError("group is a rank of a LoopbackRing, whose ranks only run together: use "
+                        "ring_attention_virtual / ring_attention_backward_virtual")
+    return ring
+
+
+# ----------------------------------------------------------------------------- public API
+
+def _empty_results(xp, shapes, dtypes):
+    return tuple(xp.empty(s, d) for s, d in zip(shapes, dtypes))
+
+
+def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0):
+    """Ring attention forward: this rank's part of attention over a sequence sharded across ranks.
+
+    Every rank of ``group`` calls it at once with its zigzag shard (:func:`shard`: chunks ``rank``
+    and ``2 * world - 1 - rank`` of ``2 * world`` equal chunks). The keys and values travel the ring
+    (only the kv heads, in their dtype) while each rank attends its queries to the slice in hand;
+    the partial results are merged through their log-sum-exp in float32.
+
+    Parameters
+    ----------
+    q : CUDA array (B, S, Hq, D)
+    k, v : CUDA arrays (B, S, Hk, D)
+        This rank's shard (CuPy, or any CUDA array with DLPack), float16, bfloat16 or float32, on
+        the current device; ``S`` (the shard length) even; GQA as in :func:`cuflash.attention_forward`.
+        Every rank passes the same shapes, dtype and options. k and v are copied once if they
+        are not C-contiguous (they are sent as they are).
+    group : communicator
+        A ``cupy.cuda.nccl.NcclCommunicator`` (one GPU per process), a ``torch.distributed``
+        process group with the NCCL backend, a :class:`cuflash._ring_comm.NcclRing`, or any object
+        with the ring interface (``rank``, ``world``, ``stream``, ``send_recv``; see
+        :mod:`cuflash._ring_comm`).
+    causal : bool
+        Causal self-attention over the whole (global) sequence.
+    scale : float, optional
+        Multiplies q.k; default ``1 / sqrt(D)``.
+    dropout_p : float
+        Must be 0 (see Raises).
+
+    Returns
+    -------
+    out : CuPy array (B, S, Hq, D), the dtype of q
+    lse : CuPy float32 array (B, Hq, S)
+        This rank's rows of the global result: ``unshard`` of all ranks' outputs equals, up to
+        rounding, one :func:`cuflash.attention_forward` over the whole sequence.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad argument (naming it), before any launch or communication.
+    NotImplementedError
+        If ``dropout_p > 0``: the kernels' dropout counter takes positions inside a call.
+
+    Notes
+    -----
+    Runs on CuPy's current stream; the transfers run on the communicator's stream, each step's
+    overlapping the previous step's attention, ordered by CUDA events; the host never waits.
+    World 1 is one attention call (no communication).
+    """
+    ring = _ring_group(group)
+    _check_dropout(dropout_p)
+    causal = _check_causal(causal)
+    q, k, v = _as_arrays((("q", q), ("k", k), ("v", v)), host=False)
+    _check_qkv(q, k, v, host=False)
+    _check_local_length(q)
+    scale = _checks.check_scale(scale, q.shape[3])
+    import cupy
+
+    b, s, hq, d = q.shape
+    if b * s * hq == 0:
+        return _empty_results(cupy, ((b, s, hq, d), (b, hq, s)), (q.dtype, np.float32))
+    k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+    calls = _rank_calls(ring.world, ring.rank, causal)
+    return _ring_comm.run(_ring_comm.forward_rank(ring, device_for(q), calls, q, k, v, scale=scale))
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, scale=None, dropout_p=0.0):
+    """Ring attention backward: this rank's dq, dk, dv of :func:`ring_attention`.
+
+    The keys and values travel the ring again; the dK/dV each rank computes for the slice in hand
+    travel with it in float32, summed by every rank they visit, and come home after the last step.
+
+    Parameters
+    ----------
+    dout : CUDA array (B, S, Hq, D)
+        Gradient of the loss with respect to this rank's ``out``, the dtype of q.
+    q, k, v : CUDA arrays
+        This rank's shard, as given to :func:`ring_attention`.
+    out : CUDA array (B, S, Hq, D)
+    lse : CUDA float32 array (B, Hq, S)
+        What :func:`ring_attention` returned on this rank.
+    group, causal, scale, dropout_p
+        As in :func:`ring_attention` (the same values).
+
+    Returns
+    -------
+    dq : CuPy array (B, S, Hq, D)
+    dk, dv : CuPy arrays (B, S, Hk, D)
+        The dtype of q, this rank's rows; dk/dv summed over the query heads that share a kv head
+        and over all ranks' queries.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad argument (naming it), before any launch or communication.
+    NotImplementedError
+        If ``dropout_p > 0``.
+    """
+    ring = _ring_group(group)
+    _check_dropout(dropout_p)
+    causal = _check_causal(causal)
+    dout, q, k, v, out, lse = _as_arrays((("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
+                                         ("lse", lse)), host=False)
+    _check_qkv(q, k, v, host=False)
+    _check_saved(q, dout, out, lse, host=False)
+    _check_local_length(q)
+    scale = _checks.check_scale(scale, q.shape[3])
+    import cupy
+
+    if q.shape[0] * q.shape[1] * q.shape[2] == 0:
+        return _empty_results(cupy, (q.shape, k.shape, v.shape), (q.dtype,) * 3)
+    k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+    calls = _rank_calls(ring.world, ring.rank, causal)
+    return _ring_comm.run(_ring_comm.backward_rank(ring, device_for(q), calls, dout, q, k, v, out, lse,
+                                                  scale=scale))
+
+
+def _virtual_operands(named, world, dropout_p, causal):
+    """The virtual functions' checks: (world, causal, arrays, whether they are NumPy stand-ins)."""
+    world = _check_world(world)
+    _check_dropout(dropout_p)
+    causal = _check_causal(causal)
+    host = isinstance(dict(named)["q"], np.ndarray)
+    arrays = _as_arrays(named, host)
+    return world, causal, arrays, host
 
 
 def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_p=0.0):
     """Ring attention forward with ``world`` virtual ranks on one GPU.
 
-    The inputs are sharded with :func:`shard`; each rank attends its two query chunks to the
-    key chunks :func:`ring_schedule` hands it step by step (one :func:`cuflash.attention_forward`
-    per non-skipped pair), the partial results of each query chunk are merged with
-    :func:`cuflash.merge_states`, and the rank outputs are put back in sequence order.
+    The inputs are sharded with :func:`shard`, and the driver of :func:`ring_attention` runs for
+    every rank, the ranks joined by a :class:`cuflash._ring_comm.LoopbackRing` (device copies on
+    each rank's communication stream, events and double buffers as over NCCL) and advanced in
+    turns; the rank outputs are put back in sequence order.
 
     Parameters
     ----------
     q : CuPy array (B, S, Hq, D)
     k, v : CuPy arrays (B, S, Hk, D)
         float16, bfloat16 or float32; ``S`` divisible by ``2 * world``; GQA as in
-        :func:`cuflash.attention_forward` (each chunk keeps its kv heads).
+        :func:`cuflash.attention_forward` (each chunk keeps its kv heads). NumPy arrays run the
+        same driver at once on the host, for tests whose kernels are NumPy stand-ins.
     world : int
         Number of virtual ranks (>= 1).
     causal : bool
@@ -278,50 +560,33 @@ def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_
 
     Raises
     ------
-    ValueError
+    TypeError, ValueError
         If ``world < 1``, the shapes are not (B, S, H, D) with one ``S``, or ``S`` is not
-        divisible by ``2 * world``.
+        divisible by ``2 * world``, or another argument is bad; before any launch.
     NotImplementedError
         If ``dropout_p > 0``.
     """
-    from .attention import attention_forward
-    from .merge import merge_states
-
-    world, c = _check_ring(q, k, v, world, dropout_p)
-    xp = _xp_of(q)
-    q_sh, k_sh, v_sh = (shard(x, world) for x in (q, k, v))
-
-    out_sh, lse_sh = [], []
-    for rank, steps in enumerate(ring_schedule(world, causal=causal)):
-        parts = {chunk: ([], []) for chunk in zigzag_chunks(rank, world)}  # outs, lses
-        for pairs in steps:
-            for p in pairs:
-                if p.mask == SKIP:
-                    continue
-                o, lse, _ = attention_forward(
-                    _chunk(q_sh[rank], rank, p.q_chunk, world, c),
-                    _chunk(k_sh[p.kv_rank], p.kv_rank, p.k_chunk, world, c),
-                    _chunk(v_sh[p.kv_rank], p.kv_rank, p.k_chunk, world, c),
-                    causal=p.mask == CAUSAL, scale=scale)
-                parts[p.q_chunk][0].append(o)
-                parts[p.q_chunk][1].append(lse)
-        merged = [(outs[0], lses[0]) if len(outs) == 1 else merge_states(outs, lses)
-                  for outs, lses in parts.values()]  # every query chunk sees its own diagonal
-        out_sh.append(xp.concatenate([o for o, _ in merged], axis=1))
-        lse_sh.append(xp.concatenate([lse for _, lse in merged], axis=2))
-    return unshard(out_sh, axis=1), unshard(lse_sh, axis=2)
+    world, causal, (q, k, v), host = _virtual_operands((("q", q), ("k", k), ("v", v)), world, dropout_p, causal)
+    _check_qkv(q, k, v, host)
+    _check_global_length(q, world)
+    scale = _checks.check_scale(scale, q.shape[3])
+    dev = device_for(q)
+    loop = LoopbackRing(world, dev)
+    shards = [shard(x, world) for x in (q, k, v)]
+    results = _ring_comm.lockstep([_ring_comm.forward_rank(loop.ranks[r], dev, _rank_calls(world, r, causal),
+                                                           *(s[r] for s in shards), scale=scale)
+                                   for r in range(world)])
+    return unshard([o for o, _ in results], axis=1), unshard([lse for _, lse in results], axis=2)
 
 
 def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=False, scale=None,
                                     dropout_p=0.0):
     """Ring attention backward with ``world`` virtual ranks on one GPU.
 
-    Each non-skipped (query chunk, key chunk) pair of :func:`ring_schedule` runs one
-    :func:`cuflash.attention_backward` with the chunks' q, k, v and the *final* ``out`` and
-    ``lse`` rows of its queries: the probabilities it recomputes, ``exp(s - lse)``, are then
-    those of the whole row, and ``rowsum(dout * out)`` is the whole row's, so the pairs'
-    gradients add up exactly. dq is summed per query chunk and dk/dv per key chunk in float32
-    (as they would travel around a real ring), then cast to the input dtype.
+    The driver of :func:`ring_attention_backward` for every rank, joined as in
+    :func:`ring_attention_virtual`. Each (query chunks, key chunks) call of the schedule gets the
+    *final* ``out`` and ``lse`` rows of its queries, so the calls' gradients add up exactly; dq
+    is summed per rank and dk/dv travel the ring in float32, then are cast to the input dtype.
 
     Parameters
     ----------
@@ -344,44 +609,21 @@ def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=Fa
 
     Raises
     ------
-    ValueError
+    TypeError, ValueError
         As :func:`ring_attention_virtual`, or if ``lse`` is not (B, Hq, S).
     NotImplementedError
         If ``dropout_p > 0``.
     """
-    from .backward import attention_backward
-
-    world, c = _check_ring(q, k, v, world, dropout_p)
-    if tuple(lse.shape) != (q.shape[0], q.shape[2], q.shape[1]):
-        raise ValueError(f"lse must have shape (B, Hq, S) = {(q.shape[0], q.shape[2], q.shape[1])}, "
-                         f"got {tuple(lse.shape)}")
-    xp = _xp_of(q)
-    q_sh, k_sh, v_sh, dout_sh, out_sh = (shard(x, world) for x in (q, k, v, dout, out))
-    lse_sh = shard(lse, world, axis=2)
-
-    dq_acc = [xp.zeros(s.shape, xp.float32) for s in q_sh]
-    dk_acc = [xp.zeros(s.shape, xp.float32) for s in k_sh]
-    dv_acc = [xp.zeros(s.shape, xp.float32) for s in v_sh]
-    for rank, steps in enumerate(ring_schedule(world, causal=causal)):
-        for pairs in steps:
-            for p in pairs:
-                if p.mask == SKIP:
-                    continue
-                src = p.kv_rank
-
-                def qrows(x, axis=1):
-                    return _chunk(x, rank, p.q_chunk, world, c, axis)
-
-                def krows(x):
-                    return _chunk(x, src, p.k_chunk, world, c)
-
-                dq, dk, dv = attention_backward(
-                    qrows(dout_sh[rank]), qrows(q_sh[rank]), krows(k_sh[src]), krows(v_sh[src]),
-                    qrows(out_sh[rank]),
-                    xp.ascontiguousarray(qrows(lse_sh[rank], axis=2)),  # (B, Hq, c), packed rows
-                    causal=p.mask == CAUSAL, scale=scale)
-                qrows(dq_acc[rank])[...] += dq.astype(xp.float32)
-                krows(dk_acc[src])[...] += dk.astype(xp.float32)
-                krows(dv_acc[src])[...] += dv.astype(xp.float32)
-    dtype = q.dtype
-    return tuple(unshard([a.astype(dtype) for a in acc]) for acc in (dq_acc, dk_acc, dv_acc))
+    named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
+    world, causal, (dout, q, k, v, out, lse), host = _virtual_operands(named, world, dropout_p, causal)
+    _check_qkv(q, k, v, host)
+    _check_saved(q, dout, out, lse, host)
+    _check_global_length(q, world)
+    scale = _checks.check_scale(scale, q.shape[3])
+    dev = device_for(q)
+    loop = LoopbackRing(world, dev)
+    shards = [shard(x, world) for x in (dout, q, k, v, out)] + [shard(lse, world, axis=2)]
+    results = _ring_comm.lockstep([_ring_comm.backward_rank(loop.ranks[r], dev, _rank_calls(world, r, causal),
+                                                            *(s[r] for s in shards), scale=scale)
+                                   for r in range(world)])
+    return tuple(unshard([grads[i] for grads in results]) for i in range(3))

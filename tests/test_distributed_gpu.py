@@ -1,9 +1,12 @@
-"""Ring attention with virtual ranks (cuflash.distributed) against one single-GPU call.
+"""Ring attention on one GPU (cuflash.distributed) against one single-GPU call.
 
-``ring_attention_virtual`` runs the zigzag ring schedule with ``world`` ranks in one process: per
-(query chunk, key chunk) pair one forward, merged through the log-sum-exp. Its result must equal
-one :func:`cuflash.attention_forward` over the whole sequence up to rounding, and
-``ring_attention_backward_virtual`` must equal one :func:`cuflash.attention_backward`.
+``ring_attention_virtual`` runs the ring driver of ``ring_attention`` for ``world`` ranks in one
+process, joined by a LoopbackRing (device copies on each rank's communication stream, the compute on
+CuPy's current stream, ordered by events, double-buffered): per step one attention call, merged
+through the log-sum-exp. Its result must equal one :func:`cuflash.attention_forward` over the whole
+sequence up to rounding, and ``ring_attention_backward_virtual`` one :func:`cuflash.attention_backward`.
+The public ``ring_attention`` / ``ring_attention_backward`` run too, one thread per rank, each on a
+compute stream of its own, over a threaded loopback ring (the test double of an NCCL ring).
 
 Tolerances (the ring and the single call are both exact attention; they differ by rounding only):
 - float32: relative Frobenius error 1e-5 for out, 1e-4 for the gradients (which are summed from
@@ -16,11 +19,14 @@ Inputs are fresh standard-normal values (cuflash.testing.random_qkv); problems a
 (B = 2, S <= 400), so the file runs in seconds once the kernels are compiled.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
 import cuflash
 import cuflash.testing as tt
+from cuflash import _ring_comm as ring_comm
 from cuflash import distributed as cd
 
 pytestmark = pytest.mark.gpu  # conftest.py skips it without a GPU, fails it on a broken setup
@@ -103,3 +109,112 @@ def test_shard_unshard_on_gpu(xp_gpu):
     assert all(isinstance(s, cp.ndarray) and s.shape == (2, 16, 2, 64) for s in shards)
     back = cd.unshard(shards)
     np.testing.assert_array_equal(back.view(cp.uint16).get(), q.view(cp.uint16).get())
+
+
+def test_virtual_forward_is_bitwise_repeatable_on_a_side_stream(xp_gpu):
+    cp = xp_gpu
+    q, k, v, _ = _problem(cp, 256, (8, 2), "bfloat16", seed=11)
+    first, _ = cd.ring_attention_virtual(q, k, v, world=4, causal=True)
+    with cp.cuda.Stream(non_blocking=True) as side:   # the compute stream is whatever is current
+        again, _ = cd.ring_attention_virtual(q, k, v, world=4, causal=True)
+    side.synchronize()
+    np.testing.assert_array_equal(first.view(cp.uint16).get(), again.view(cp.uint16).get())
+    want_out, _, _ = cuflash.attention_forward(q, k, v, causal=True)
+    _assert_close(again, want_out, "bfloat16", "out", None)
+
+
+class _ThreadedLoopback(ring_comm.LoopbackRing):
+    """A LoopbackRing whose ranks run in threads of their own, as NCCL ranks run in processes: a
+    post waits until every rank has posted (lockstep off), so the public API drives each rank."""
+
+    def __init__(self, world, device):
+        super().__init__(world, device)
+        self._turn = threading.Condition()
+        for rank in self.ranks:
+            rank.lockstep = False
+
+    def _post(self, rank, sends, recvs):
+        with self._turn:
+            done = self.exchanges
+            super()._post(rank, sends, recvs)
+            self._turn.notify_all()
+            if not self._turn.wait_for(lambda: self.exchanges > done, timeout=120):
+                raise RuntimeError(f"rank {rank}: the other ranks never posted")
+
+
+def _threaded(world, fn):
+    """fn(rank) in one thread per rank, each on a compute stream of its own; the results."""
+    import cupy
+
+    results, errors = [None] * world, []
+
+    def body(rank):
+        try:
+            with cupy.cuda.Device(0), cupy.cuda.Stream(non_blocking=True) as stream:
+                results[rank] = fn(rank)
+                stream.synchronize()
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_public_ring_over_a_threaded_loopback(xp_gpu, world, causal):
+    cp = xp_gpu
+    q, k, v, dout = _problem(cp, 2 * world * 40, (8, 2), "bfloat16", seed=20 + world)
+    out, lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
+    want = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    q_sh, k_sh, v_sh, dout_sh = (cd.shard(x, world) for x in (q, k, v, dout))
+    # k and v with strided rows: ring_attention sends contiguous copies
+    k_sh, v_sh = ([cp.concatenate([x, x], axis=3)[..., :x.shape[3]] for x in xs] for xs in (k_sh, v_sh))
+    cp.cuda.Device().synchronize()
+    loop = _ThreadedLoopback(world, ring_comm.CudaDevice())
+
+    def rank_forward(r):
+        return cd.ring_attention(q_sh[r], k_sh[r], v_sh[r], group=loop.ranks[r], causal=causal)
+
+    fwd = _threaded(world, rank_forward)
+    _assert_close(cd.unshard([o for o, _ in fwd]), out, "bfloat16", "out", None)
+    np.testing.assert_allclose(_host(cd.unshard([x for _, x in fwd], axis=2)), _host(lse), rtol=1e-5, atol=1e-4)
+
+    def rank_backward(r):
+        return cd.ring_attention_backward(dout_sh[r], q_sh[r], k_sh[r], v_sh[r], *fwd[r], group=loop.ranks[r],
+                                          causal=causal)
+
+    bwd = _threaded(world, rank_backward)
+    for i, (name, w) in enumerate(zip(("dq", "dk", "dv"), want)):
+        _assert_close(cd.unshard([g[i] for g in bwd]), w, "bfloat16", name, None)
+    assert loop.exchanges == 3 * world - 2
+
+
+def test_torch_ring_attention_on_one_rank(xp_gpu, tmp_path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+    if not torch.cuda.is_available() or not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("torch without CUDA or NCCL")
+    import cuflash.interop.torch as ct
+
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        def make(heads):
+            return torch.randn(2, 128, heads, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        q, k, v = make(8), make(2), make(2)
+        dout = torch.randn_like(q)
+        out = ct.ring_attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        want = ct.attention(q, k, v, causal=True)
+        want_grads = torch.autograd.grad(want, (q, k, v), dout)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
+            _assert_close(xp_gpu.from_dlpack(g.detach()), xp_gpu.from_dlpack(w.detach()), "bfloat16", name, None)
+    finally:
+        dist.destroy_process_group()

@@ -43,9 +43,10 @@ from ..attention import attention_forward, attention_varlen as _attention_varlen
 from ..backward import attention_backward, attention_varlen_backward
 from ..random import Generator, default_generator
 from . import _torch_ops as ops
+from ._torch_ring import ring_attention   # context parallelism (cuflash.distributed) as autograd
 from ._torch_stream import on_torch_stream as _on_torch_stream
 
-__all__ = ["attention", "attention_varlen", "ops"]
+__all__ = ["attention", "attention_varlen", "ops", "ring_attention"]
 
 _TENSOR_OPTIONS = ("alibi_slopes", "mask", "block_mask")
 

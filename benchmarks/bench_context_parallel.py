@@ -1,0 +1,369 @@
+"""Context parallelism benchmark: ring attention (cuflash.distributed) against one GPU's throughput.
+
+Shapes: causal self-attention, bf16, D = 128, B = 1, ``--heads`` query heads and ``--kv-heads`` kv
+heads (default 16 and 16), total sequence T in 32k .. 1M tokens (``--tokens``), for each world size
+present among 2, 4, 8 GPUs (``--worlds``). Rank r holds T / world tokens in the zigzag layout.
+
+Ring mode (default): one process per GPU, spawned from Python, joined by CuPy's NCCL
+(``cupy.cuda.nccl``); every rank times ``cuflash.distributed.ring_attention`` (forward) and
+``ring_attention`` + ``ring_attention_backward`` (forward+backward). A timed run is one call (two
+for forward+backward) with CUDA events around each public call, host work included, after an NCCL
+barrier; the median of ``--repeats`` runs on each rank, and of those the slowest rank's (the ring is
+done when its last rank is). Beside it, in the same run, every rank times one
+``cuflash.attention_forward`` (and ``attention_backward``) over its own T / world tokens, causal:
+one GPU's time t1 at the per-rank length (median over runs, then over ranks).
+
+Fraction of ideal. Ideal is world x one GPU's throughput (FLOP/s) at the per-rank length: the ring
+computes world^2 times the work of that single call (causal attention is quadratic), spread over
+world GPUs, so its ideal time is world * t1, and
+
+    tokens/s = T / t_ring,   ideal tokens/s = T / (world * t1),   fraction = world * t1 / t_ring.
+
+``--virtual``: one GPU runs ``ring_attention_virtual`` with ``world`` virtual ranks over T tokens
+(the same driver, joined by device copies); its ideal is one single-GPU call over all T tokens (the
+same work without a ring): fraction = t_single(T) / t_virtual. It measures what the decomposition
+costs (smaller calls, merges, copies) apart from the network.
+
+Output: progress lines, then a Markdown table on stdout; a CSV, the table and a plot (fraction of
+ideal against T, one line per world and pass; needs matplotlib) under benchmarks/results/, named
+``context_parallel[_virtual]_<gpu>.{csv,md,png}`` unless ``--csv``/``--md``/``--plot`` say otherwise.
+A point that does not fit in memory is reported as ``-``.
+
+Examples
+--------
+    python benchmarks/bench_context_parallel.py                     # every world size present
+    python benchmarks/bench_context_parallel.py --worlds 2 --tokens 131072,262144
+    python benchmarks/bench_context_parallel.py --virtual --worlds 2,4,8 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import statistics
+import sys
+import time
+
+from _harness import log, markdown_table, write_results
+
+FULL_TOKENS = (32768, 65536, 131072, 262144, 524288, 1048576)
+QUICK_TOKENS = (32768, 131072)
+HEAD_DIM = 128
+PASSES = ("fwd", "fwd+bwd")
+COLUMNS = ["mode", "world", "tokens", "per_rank", "pass", "ring_ms", "single_ms", "tokens/s", "ideal tokens/s",
+           "fraction"]
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="cuflash ring attention (context parallelism) against one GPU.")
+    p.add_argument("--virtual", action="store_true", help="one GPU, virtual ranks (ring_attention_virtual)")
+    p.add_argument("--worlds", default=None, help="comma-separated world sizes (default: those of 2, 4, 8 "
+                                                  "that fit the GPUs present; --virtual: 2, 4, 8)")
+    p.add_argument("--tokens", default=None, help=f"comma-separated total tokens T (default {FULL_TOKENS})")
+    p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 3 repeats")
+    p.add_argument("--heads", type=int, default=16, help="query heads (default 16)")
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads (default: --heads)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per point (median); default 5, 3 quick")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    p.add_argument("--csv", default=None, help="CSV path (default under benchmarks/results/)")
+    p.add_argument("--md", default=None, help="Markdown path (default under benchmarks/results/)")
+    p.add_argument("--plot", default=None, help="PNG path (default under benchmarks/results/)")
+    args = p.parse_args(argv)
+    args.tokens = ([int(t) for t in args.tokens.split(",") if t.strip()] if args.tokens
+                   else list(QUICK_TOKENS if args.quick else FULL_TOKENS))
+    args.worlds = [int(w) for w in args.worlds.split(",") if w.strip()] if args.worlds else None
+    args.repeats = args.repeats or (3 if args.quick else 5)
+    args.kv_heads = args.kv_heads or args.heads
+    return args
+
+
+# ----------------------------------------------------------------------------- timing
+
+def timed_ms(cupy, fn, repeats, warmup, before=None):
+    """Median milliseconds of ``fn()``, CUDA events around each call on the current stream;
+    ``before()`` (a barrier) runs ahead of every call, outside the events."""
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before:
+            before()
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def make_inputs(cupy, seqlen, heads, kv_heads):
+    """q, dout (1, S, Hq, D) and k, v (1, S, Hk, D), bf16, standard normal."""
+    import ml_dtypes
+
+    def normal(h):
+        return cupy.random.standard_normal((1, seqlen, h, HEAD_DIM), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
+
+    return normal(heads), normal(kv_heads), normal(kv_heads), normal(heads)
+
+
+def bytes_needed(seqlen, heads, kv_heads):
+    """A generous bound of one rank's memory for forward+backward at ``seqlen`` tokens: bf16 q, k, v,
+    dout, out, the spare kv and the calls' outputs; float32 dq, the dK/dV sums (two sets), the merge
+    states and merge_states' stacked copies; and 1 GiB of slack."""
+    row_q, row_kv = seqlen * heads * HEAD_DIM, seqlen * kv_heads * HEAD_DIM
+    return int(2 * (5 * row_q + 7 * row_kv) + 4 * (5 * row_q + 4 * row_kv)) + (1 << 30)
+
+
+def single_gpu(cupy, cuflash, q, k, v, dout, args):
+    """Median ms of one GPU's forward and forward+backward over all of q's tokens (causal)."""
+    fwd = timed_ms(cupy, lambda: cuflash.attention_forward(q, k, v, causal=True), args.repeats, args.warmup)
+
+    def both():
+        out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
+        cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+    return {"fwd": fwd, "fwd+bwd": timed_ms(cupy, both, args.repeats, args.warmup)}
+
+
+# ----------------------------------------------------------------------------- ring mode: one process per GPU
+
+def rank_main(rank, world, unique_id, args, results):
+    """One rank: for each T, its ring times and its single-GPU time t1 (ms), put on ``results``."""
+    import cupy
+    from cupy.cuda import nccl
+
+    import cuflash
+    from cuflash import distributed as cd
+
+    cupy.cuda.Device(rank).use()
+    comm = nccl.NcclCommunicator(world, unique_id, rank)
+    flag = cupy.zeros(1, cupy.float32)
+
+    def barrier():
+        comm.allReduce(flag.data.ptr, flag.data.ptr, 1, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                       cupy.cuda.get_current_stream().ptr)
+        cupy.cuda.get_current_stream().synchronize()
+
+    def agree(ok):   # every rank runs a point, or none does (a lone rank would wait for ever)
+        flag.fill(0.0 if ok else 1.0)
+        barrier()
+        return float(flag.get()[0]) == 0.0
+
+    for tokens in args.tokens:
+        seqlen = tokens // world
+        free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+        if not agree(tokens % (2 * world) == 0 and free >= bytes_needed(seqlen, args.heads, args.kv_heads)):
+            results.put((rank, tokens, None))
+            continue
+        try:
+            q, k, v, dout = make_inputs(cupy, seqlen, args.heads, args.kv_heads)
+
+            def forward():
+                return cd.ring_attention(q, k, v, group=comm, causal=True)
+
+            def both():
+                out, lse = forward()
+                cd.ring_attention_backward(dout, q, k, v, out, lse, group=comm, causal=True)
+
+            ring = {"fwd": timed_ms(cupy, forward, args.repeats, args.warmup, barrier),
+                    "fwd+bwd": timed_ms(cupy, both, args.repeats, args.warmup, barrier)}
+            single = single_gpu(cupy, cuflash, q, k, v, dout, args)
+            results.put((rank, tokens, (ring, single)))
+        finally:
+            q = k = v = dout = None
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def run_ring(args, world):
+    import multiprocessing
+
+    from cupy.cuda import nccl
+
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    unique_id = nccl.get_unique_id()   # drawn here, handed to every rank
+    ranks = [spawn.Process(target=rank_main, args=(r, world, unique_id, args, results)) for r in range(world)]
+    for p in ranks:
+        p.start()
+    got, pending = {}, world * len(args.tokens)
+    try:
+        while pending:
+            try:
+                rank, tokens, times = results.get(timeout=10)
+            except queue.Empty:   # a rank that died leaves the others waiting in NCCL for ever
+                dead = [r for r, p in enumerate(ranks) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"world {world}: rank(s) {dead} failed (see their output above)") from None
+                continue
+            pending -= 1
+            got.setdefault(tokens, {})[rank] = times
+            if len(got[tokens]) == world:
+                log(f"world {world}, T = {tokens}: done")
+    finally:
+        for p in ranks:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    rows = []
+    for tokens in args.tokens:
+        per_rank = got.get(tokens, {})
+        for name in PASSES:
+            times = list(per_rank.values())
+            ok = len(times) == world and all(t is not None for t in times)
+            ring = max(t[0][name] for t in times) if ok else None
+            single = statistics.median(t[1][name] for t in times) if ok else None
+            rows.append(row("nccl", world, tokens, tokens // world, name, ring, single, world * single if ok else None))
+    return rows
+
+
+def row(mode, world, tokens, per_rank, name, ring_ms, single_ms, ideal_ms):
+    r = {"mode": mode, "world": world, "tokens": tokens, "per_rank": per_rank, "pass": name, "ring_ms": ring_ms,
+         "single_ms": single_ms}
+    if ring_ms and ideal_ms:
+        r.update({"tokens/s": tokens / (ring_ms * 1e-3), "ideal tokens/s": tokens / (ideal_ms * 1e-3),
+                  "fraction": ideal_ms / ring_ms})
+    return r
+
+
+# ----------------------------------------------------------------------------- virtual mode: one GPU
+
+def run_virtual(args, worlds):
+    import cupy
+
+    import cuflash
+    from cuflash import distributed as cd
+
+    rows = []
+    for tokens in args.tokens:
+        try:
+            q, k, v, dout = make_inputs(cupy, tokens, args.heads, args.kv_heads)
+            single = single_gpu(cupy, cuflash, q, k, v, dout, args)
+        except cupy.cuda.memory.OutOfMemoryError:
+            log(f"T = {tokens}: out of memory on one GPU")
+            single = None
+        for world in worlds:
+            times = None
+            if single is not None and tokens % (2 * world) == 0:
+                try:
+                    def forward(world=world):
+                        return cd.ring_attention_virtual(q, k, v, world=world, causal=True)
+
+                    def both(world=world):
+                        out, lse = forward()
+                        cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=world, causal=True)
+
+                    times = {"fwd": timed_ms(cupy, forward, args.repeats, args.warmup),
+                             "fwd+bwd": timed_ms(cupy, both, args.repeats, args.warmup)}
+                except cupy.cuda.memory.OutOfMemoryError:
+                    log(f"T = {tokens}, world {world}: out of memory")
+                cupy.get_default_memory_pool().free_all_blocks()
+            for name in PASSES:
+                ring = times[name] if times else None
+                base = single[name] if single else None
+                rows.append(row("virtual", world, tokens, tokens // world, name, ring, base, base))
+            log(f"virtual world {world}, T = {tokens}: done")
+        q = k = v = dout = None
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+def write_plot(rows, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not importable: no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for world in sorted({r["world"] for r in rows}):
+        for name, style in zip(PASSES, ("--", "-")):
+            sel = [r for r in rows if r["world"] == world and r["pass"] == name and r.get("fraction")]
+            if sel:
+                ax.plot([r["tokens"] for r in sel], [r["fraction"] for r in sel], style, marker="o",
+                        label=f"{world} {'virtual ranks' if sel[0]['mode'] == 'virtual' else 'GPUs'}, {name}")
+    for bar in (0.85, 0.9):
+        ax.axhline(bar, color="gray", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("total tokens T")
+    ax.set_ylabel("fraction of ideal")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    log(f"plot written to {path}")
+
+
+def gpu_tag(name):
+    match = re.search(r"[A-Z]\d{2,3}", name)
+    return match.group(0).lower() if match else "gpu"
+
+
+CELLS = {"ring_ms": lambda v: f"{v:.2f}", "single_ms": lambda v: f"{v:.2f}", "tokens/s": lambda v: f"{v:,.0f}",
+         "ideal tokens/s": lambda v: f"{v:,.0f}", "fraction": lambda v: f"{v:.3f}"}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import cupy
+
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        count = 0
+    if count == 0:
+        print("no CUDA GPU found: nothing to benchmark", file=sys.stderr)
+        return 1
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    if args.virtual:
+        worlds = args.worlds or [2, 4, 8]
+        rows = run_virtual(args, worlds)
+        what = "one GPU, virtual ranks; ideal = one call over all T tokens"
+    else:
+        from cupy.cuda import nccl
+        if not nccl.available:
+            print("cupy.cuda.nccl is not available (no NCCL library): use --virtual on one GPU", file=sys.stderr)
+            return 1
+        worlds = args.worlds or [w for w in (2, 4, 8) if w <= count]
+        if not worlds or max(worlds) > count:
+            print(f"{count} GPU(s) present: the ring needs 2 or more (or --virtual)", file=sys.stderr)
+            return 1
+        rows = []
+        for world in worlds:
+            try:
+                rows += run_ring(args, world)
+            except RuntimeError as error:   # one broken world size should not hide the others
+                log(str(error))
+        what = "NCCL ring, one process per GPU; ideal = world x one GPU at T / world tokens"
+    header = (f"**{device_name}** x {count} (cupy {cupy.__version__}). Causal ring attention, bf16, D = {HEAD_DIM}, "
+              f"B = 1, Hq = {args.heads}, Hk = {args.kv_heads}; {what}; median of {args.repeats} runs, the slowest "
+              f"rank's; ms per call (fwd+bwd: both calls).")
+    table = markdown_table(rows, header, COLUMNS, CELLS)
+    stem = os.path.join(RESULTS, f"context_parallel{'_virtual' if args.virtual else ''}_{gpu_tag(device_name)}")
+    os.makedirs(RESULTS, exist_ok=True)
+    write_results(rows, table, COLUMNS, args.csv or stem + ".csv", args.md or stem + ".md")
+    write_plot(rows, args.plot or stem + ".png", header.replace("**", "")[:120])
+    print()
+    print(table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"\n(bench_context_parallel took {time.time() - t0:.0f} s)", file=sys.stderr)
+    sys.exit(rc)
+
