@@ -385,7 +385,9 @@ def build_cases() -> list[Case]:
     cases += [backward_case("bwd_sm90", "fp16", 64, 2, 77, 200, 4, 2, causal=True),
               backward_case("bwd_sm90", "bf16", 128, 2, 200, 77, 4, 2, deterministic=True),
               backward_case("bwd_sm90", "bf16", 64, 1, 150, 150, 4, 4, causal=True, deterministic=True),
-              backward_case("bwd_sm90", "fp16", 128, 1, 77, 200, 4, 1)]
+              backward_case("bwd_sm90", "fp16", 128, 1, 77, 200, 4, 1),
+              backward_case("bwd_sm90", "bf16", 256, 2, 77, 200, 4, 2, causal=True),
+              backward_case("bwd_sm90", "fp16", 256, 1, 200, 77, 4, 1, deterministic=True)]
     for family, a, b in (("bwd_sm80", "fp16", "bf16"), ("bwd_simt", "fp32", "fp32")):
         cases += [backward_case(family, a, 64, 2, 77, 200, 4, 2, causal=True),
                   backward_case(family, b, 128, 1, 200, 77, 4, 2, deterministic=True),
@@ -394,6 +396,7 @@ def build_cases() -> list[Case]:
                   backward_case(family, a, 64, 1, 140, 100, 4, 2, bias=True, return_dbias=True, deterministic=True)]
     cases += [varlen_case("bwd_sm90", "bf16", 64, 4, 2, backward=True, causal=True),
               varlen_case("bwd_sm90", "fp16", 128, 4, 2, backward=True, deterministic=True),
+              varlen_case("bwd_sm90", "bf16", 256, 4, 2, backward=True, causal=True),
               varlen_case("bwd_sm80", "fp16", 64, 4, 2, backward=True, causal=True, alibi="heads"),
               varlen_case("bwd_sm80", "bf16", 128, 4, 1, backward=True, deterministic=True, window=(32, 8)),
               varlen_case("bwd_simt", "fp32", 64, 4, 2, backward=True, causal=True, softcap=30.0)]

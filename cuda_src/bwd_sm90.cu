@@ -103,9 +103,6 @@ struct BwdSm90Config {
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || (!kScoreMods && !kDropout), "D = 256 runs no score modifiers nor dropout yet");
     static_assert(!kSplitDims || !kOrdered, "D = 256 adds dQ in no fixed order (its dQ pass does)");
-    // Arrivals that free a stage: every consumer thread, or at D = 256 each consumer's thread 0 once
-    // the bulk reduction of its dQ share, staged in the stage's buffers, has read them.
-    static constexpr int kEmptyArrivals = kSplitDims ? kConsumers : 128 * kConsumers;
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
                                       kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
@@ -544,7 +541,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 // The consumer's share of dQ (64 x 128 float32) leaves through the step's own Q (consumer 0) or dO
 // (consumer 1) buffer, once both consumers' products have read it, as one 32 KB bulk reduction into
 // dq_accum. The stage goes back to the producer when that reduction has read it: thread 0 checks
-// at the next step, after issuing its products.
+// at the next step, after issuing its products, and the warpgroup then frees the stage.
 template <class C>
 __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
                                                    const BwdSm90Tiles& tiles) {
@@ -568,7 +565,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
         zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
 
-    int stage = 0, phase = 0, pending = -1;   // pending: the stage thread 0 still has to give back
+    int stage = 0, phase = 0, pending = -1;   // pending: the stage whose dQ reduction may still read it
     for (;;) {
         mbar_wait(sh.full(stage), phase);
         const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
@@ -592,8 +589,9 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         wgmma_commit();
         gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
         wgmma_commit();
-        if (wg_thread == 0 && pending >= 0) {   // the previous step's dQ reduction has read its stage
-            bulk_wait_read();
+        if (pending >= 0) {   // the previous step's dQ reduction has read its stage (thread 0 issued it)
+            if (wg_thread == 0) bulk_wait_read();
+            named_barrier_sync(2 + consumer, 128);
             mbar_arrive(sh.empty(pending));
         }
         wgmma_wait<1>();
@@ -702,9 +700,9 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
                                  (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
                 bulk_reduce_add(dq_tile + consumer * 2 * (C::kDqShareBytes / 4), share, 2 * C::kDqShareBytes);
                 bulk_commit();
-                pending = stage;
             }
-        } else if (wg_thread == 0) {
+            pending = stage;
+        } else {
             mbar_arrive(sh.empty(stage));
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
@@ -763,7 +761,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         mbar_init(sh.kv_full(), 1);
         for (int stage = 0; stage < C::kStages; ++stage) {
             mbar_init(sh.full(stage), 1);
-            mbar_init(sh.empty(stage), C::kEmptyArrivals);
+            mbar_init(sh.empty(stage), 128 * C::kConsumers);   // every consumer thread frees a stage
         }
         if constexpr (C::kOrdered) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
