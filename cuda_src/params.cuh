@@ -51,6 +51,11 @@ struct FwdParams {
     float scale_log2;                  // scale * log2(e), for the path without score modifiers
     float softcap;                     // 0: none
     float dropout_rescale;             // 1 / (1 - p)
+    // Position of the call's element (0, 0) in a larger attention matrix whose dropout mask it draws:
+    // the Philox counter takes row i + dropout_row0 and column j + dropout_col0 (philox.cuh). A ring
+    // step's chunk pair draws the single-GPU call's mask this way. dropout_col0 % 4 == 0 (the host
+    // checks): the kernels take a call's keys in Philox blocks of 4 starting at its column 0.
+    int dropout_row0, dropout_col0;
     int pad_;
 };
 

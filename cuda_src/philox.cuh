@@ -6,6 +6,7 @@
 //
 //   key       = (seed & 0xFFFFFFFF, seed >> 32)
 //   counter   = (j / 4, i, b * num_heads_q + h, offset & 0xFFFFFFFF)      (each mod 2^32)
+//               i, j at the call's origin: i + dropout_row0, j + dropout_col0 (params.cuh)
 //   word      = philox4x32_10(counter, key)[j % 4]
 //   threshold = min(round(p * 2^32), 2^32 - 1)        computed on the host (dropout_threshold)
 //   keep      = word >= threshold;  kept values are scaled by 1 / (1 - p)
@@ -72,19 +73,24 @@ __device__ __forceinline__ uint4 dropout_words(unsigned long long seed, unsigned
 // from device memory, where the call's rng_state kernel (cuda_src/rng_state.cu) has written this
 // replay's state; a backward given the forward's device rng_state reads that. The words are written
 // before the launch and constant during it, so they come through the read-only cache.
+// With the call's origin (params.cuh, dropout_row0 / dropout_col0): the call's (i, j) draws the
+// counter of (i + row0, j + col0), so a block of a larger matrix draws that matrix's mask.
 struct DropoutKey {
   unsigned long long seed;
   unsigned int offset;   // the low 32 bits of the generator offset
+  int row0, col4;        // the origin: first row, first Philox block (dropout_col0 / 4)
 };
 
 template <class Params>
 __device__ __forceinline__ DropoutKey dropout_key(const Params& p) {
-  if (p.dropout_state == nullptr) return {p.dropout_seed, p.dropout_offset};
-  return {__ldg(p.dropout_state), static_cast<unsigned int>(__ldg(p.dropout_state + 1))};
+  const int col4 = p.dropout_col0 >> 2;
+  if (p.dropout_state == nullptr) return {p.dropout_seed, p.dropout_offset, p.dropout_row0, col4};
+  return {__ldg(p.dropout_state), static_cast<unsigned int>(__ldg(p.dropout_state + 1)), p.dropout_row0, col4};
 }
 
+// i and j4 inside the call; the counter takes them at the call's origin.
 __device__ __forceinline__ uint4 dropout_words(DropoutKey key, int b, int h, int i, int j4, int num_heads_q) {
-  return dropout_words(key.seed, key.offset, b, h, i, j4, num_heads_q);
+  return dropout_words(key.seed, key.offset, b, h, i + key.row0, j4 + key.col4, num_heads_q);
 }
 
 // True if a score whose word is `word` survives dropout with the host-computed threshold.

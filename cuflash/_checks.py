@@ -267,6 +267,26 @@ def check_dropout(dropout_p) -> float:
     return dropout_p
 
 
+def check_dropout_origin(origin, seqlens) -> dict:
+    """The FwdParams fields of a call's dropout origin ``(row0, col0)``: the call draws the dropout mask
+    of rows ``row0 ..`` and columns ``col0 ..`` of a larger call (ring attention's chunk pairs).
+    ``col0`` must be a multiple of 4: the kernels draw a call's keys in Philox blocks of 4 from its
+    first column (cuda_src/philox.cuh)."""
+    try:
+        row0, col0 = origin
+    except (TypeError, ValueError):
+        raise TypeError(f"_dropout_origin must be a (row0, col0) pair of ints, got {origin!r}") from None
+    for name, x, n in (("row0", row0, seqlens[0]), ("col0", col0, seqlens[1])):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"_dropout_origin's {name} must be an int, got {type(x).__name__}")
+        if not 0 <= int(x) <= INT32_MAX - n:
+            raise ValueError(f"_dropout_origin's {name} = {int(x)} must be in [0, 2**31 - 1 - {n}]")
+    if col0 % 4:
+        raise ValueError(f"_dropout_origin's col0 = {int(col0)} must be a multiple of 4 (the kernels draw "
+                         f"dropout in Philox blocks of 4 keys aligned to the call's first key)")
+    return {"dropout_row0": int(row0), "dropout_col0": int(col0)}
+
+
 def check_generator(generator):
     from .random import Generator, default_generator
 

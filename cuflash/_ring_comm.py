@@ -436,14 +436,31 @@ def _merge_state(merge_states, dst, acc, part):
     merge_states([acc[0], part[0]], [acc[1], part[1]], out=dst[0], lse=dst[1])
 
 
-def _forward_call(attention_forward, q, k, v, causal, scale, part):
-    attention_forward(q, k, v, causal=causal, scale=scale, out=part[0], lse=part[1])
+def _dropout_options(dropout, call, c, backward=False):
+    """The keywords of a call under dropout (``dropout``: (p, (seed, offset)) or None): every call
+    draws with the ring's one state, at the global position of its (one) chunk pair."""
+    if dropout is None:
+        return {}
+    from .random import Generator
+
+    p, state = dropout
+    origin = (call.chunks[0] * c, call.chunks[1] * c)
+    if backward:
+        return dict(dropout_p=p, rng_state=state, _dropout_origin=origin)
+    generator = Generator(0)   # a private one whose next draw is the ring's state
+    generator.set_state(state)
+    return dict(dropout_p=p, generator=generator, _dropout_origin=origin)
 
 
-def forward_rank(comm, dev, calls, q, k, v, *, scale):
+def _forward_call(attention_forward, q, k, v, causal, scale, part, options):
+    attention_forward(q, k, v, causal=causal, scale=scale, out=part[0], lse=part[1], **options)
+
+
+def forward_rank(comm, dev, calls, q, k, v, *, scale, dropout=None):
     """One rank's ring forward over its shard (a generator, see the section); returns (out, lse).
 
-    ``calls[s]``: the :class:`cuflash.distributed.RingCall` s of this rank's step ``s``.
+    ``calls[s]``: the :class:`cuflash.distributed.RingCall` s of this rank's step ``s`` (one per
+    chunk pair, with its ``chunks``, under ``dropout`` = (p, (seed, offset))).
     """
     from .attention import attention_forward
 
@@ -458,7 +475,8 @@ def forward_rank(comm, dev, calls, q, k, v, *, scale):
         for call in calls[step]:
             part = states.part(call)
             dev.launch(ring.compute, _forward_call, attention_forward, rows(q, call.q_slots, c),
-                       rows(k_in, call.k_slots, c), rows(v_in, call.k_slots, c), call.causal, scale, part)
+                       rows(k_in, call.k_slots, c), rows(v_in, call.k_slots, c), call.causal, scale, part,
+                       _dropout_options(dropout, call, c))
             states.merge(call.q_slots, part)
         ring.reads_done = dev.record(ring.compute)
         if not last:
@@ -466,9 +484,9 @@ def forward_rank(comm, dev, calls, q, k, v, *, scale):
     return states.result()
 
 
-def _backward_call(attention_backward, operands, causal, scale, grads, dq_rows):
+def _backward_call(attention_backward, operands, causal, scale, grads, dq_rows, options):
     dq, dk, dv = grads
-    attention_backward(*operands, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv)
+    attention_backward(*operands, causal=causal, scale=scale, dq=dq, dk=dk, dv=dv, **options)
     _add_into(dq_rows, dq)
 
 
@@ -478,13 +496,14 @@ def _add_kv_grads(sums, parts):
         _add_into(k_rows(sums[1]), dv)
 
 
-def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale):
+def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale, dropout=None):
     """One rank's ring backward over its shard (a generator, see the section); returns (dq, dk, dv).
 
     Each call gets the final ``out`` and ``lse`` rows of its queries, so the probabilities it
     recomputes, ``exp(s - lse)``, are those of the whole row, and ``rowsum(dout * out)`` is the
     whole row's: the calls' gradients add up exactly. dq adds up here; the dK/dV sums of the kv in
-    hand arrive from the previous rank, get this rank's part, and move on with the kv.
+    hand arrive from the previous rank, get this rank's part, and move on with the kv. Under
+    ``dropout`` each call regenerates its chunk pair's part of the forward's mask (as forward_rank).
     """
     from .backward import attention_backward
 
@@ -518,7 +537,7 @@ def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale):
             operands = (rows(dout, call.q_slots, c), rows(q, call.q_slots, c), rows(k_in, call.k_slots, c),
                         rows(v_in, call.k_slots, c), rows(out, call.q_slots, c), lse_rows(call.q_slots))
             dev.launch(compute, _backward_call, attention_backward, operands, call.causal, scale, grads,
-                       rows(dq_sum, call.q_slots, c))
+                       rows(dq_sum, call.q_slots, c), _dropout_options(dropout, call, c, backward=True))
             parts.append((lambda x, slots=call.k_slots: rows(x, slots, c), grads[1], grads[2]))
         ring.reads_done = dev.record(compute)
         # The calls above ran while the sums were on their way; only adding to them waits.

@@ -100,13 +100,14 @@ def _is_hopper() -> bool:
 
 
 def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_fields, row_layout, opts,
-                 score_fields, grid_rows, batch, heads_q, check=None, lse_output=True):
+                 score_fields, grid_rows, batch, heads_q, check=None, lse_output=True, dropout_origin=None):
     """Choose the kernel and build the plan of one forward call.
 
     ``operands`` are the entry point's (q, k, v, out, lse, then the score and index arrays); ``q``,
     ``k``, ``v``, ``o`` the kernel-ready arrays whose layouts the plan encodes. ``score_fields``
     maps FwdParams fields to values, or, for pointers, to ``("operand", index)``. ``check`` is the
-    index-check step's fields (varlen on the GPU), or None.
+    index-check step's fields (varlen on the GPU), or None. ``dropout_origin``: the FwdParams fields
+    of :func:`_checks.check_dropout_origin`, or None (origin (0, 0)).
     """
     family = _choose_family(dtype_name, q, k, v)
     dropout = opts.dropout_p > 0
@@ -146,7 +147,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
         else:
             fields[name] = value
     if dropout:
-        fields.update(dropout_threshold=dropout_threshold(opts.dropout_p), dropout_rescale=1.0 / (1.0 - opts.dropout_p))
+        fields.update(dropout_threshold=dropout_threshold(opts.dropout_p), dropout_rescale=1.0 / (1.0 - opts.dropout_p),
+                      **(dropout_origin or {}))
         slots.update(dropout_state=plan.index("dropout_state"), dropout_seed=plan.index("seed"),
                      dropout_offset=plan.index("offset"))
     device_id = _pipeline.device_id()
@@ -175,7 +177,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
                       mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
-                      generator=None, out=None, lse=None):
+                      generator=None, out=None, lse=None, _dropout_origin=(0, 0)):
     """Exact attention forward that also returns what the backward pass needs.
 
     Parameters
@@ -232,23 +234,27 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     RuntimeError
         When no CUDA GPU is usable.
     """
+    # _dropout_origin (private; ring attention's chunk pairs): the (row0, col0) of this call's
+    # element (0, 0) in the larger call whose dropout mask it draws (_checks.check_dropout_origin).
     return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal=causal, scale=scale,
                     window=window, softcap=softcap, block_size=block_size, dropout_p=dropout_p, generator=generator,
-                    lse_output=True, rng_output=True)
+                    lse_output=True, rng_output=True,
+                    dropout_origin=tuple(_dropout_origin) if isinstance(_dropout_origin, list) else _dropout_origin)
 
 
 def _forward(operands, *, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
-             rng_output=False):
+             rng_output=False, dropout_origin=(0, 0)):
     """attention_forward, and attention (whose lse, unless returned, is a temporary of the call, and
     whose dropout state is not returned)."""
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
-               lse_output)
+               lse_output, dropout_origin)
     plan, ptrs = _pipeline.lookup("attention", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
                                              softcap=softcap, block_size=block_size, dropout_p=dropout_p,
-                                             generator=generator, lse_output=lse_output)
+                                             generator=generator, lse_output=lse_output,
+                                             dropout_origin=dropout_origin)
         if plan is None:
             return finish
     results, _, rng_state = plan.run(operands, ptrs, generator=generator, rng_output=rng_output)
@@ -257,7 +263,7 @@ def _forward(operands, *, causal, scale, window, softcap, block_size, dropout_p,
 
 
 def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size, dropout_p, generator,
-                    lse_output=True):
+                    lse_output=True, dropout_origin=(0, 0)):
     """The full path of :func:`attention_forward`: check, plan (remembered under ``key`` when the
     operands are used in place). Returns (plan, pointers, finish): ``finish`` copies the kernel's
     output into the caller's when a private one was needed; (None, None, result) for a call that
@@ -273,6 +279,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     _checks.check_problem_size(q, k, batch=b, seqlen_q=sq, seqlen_k=sk, varlen=False)
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
                                  dropout_p=dropout_p, generator=generator, seqlens=(sq, sk))
+    origin_fields = _checks.check_dropout_origin(dropout_origin, (sq, sk))
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=5)
     out_user = out
@@ -308,7 +315,8 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays)
     plan = forward_plan("attention", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
                         seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
-                        score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq, lse_output=lse_output)
+                        score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq, lse_output=lse_output,
+                        dropout_origin=origin_fields)
     ptrs = _pipeline.pointers(kernel_operands)
     in_place = _pipeline.in_place(operands, kernel_operands)
     if not in_place:

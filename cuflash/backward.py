@@ -392,7 +392,7 @@ def _reduce_dbias(dbias_full, bias):
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, mask=None, bias=None, block_mask=None,
                        block_size=(128, 128), dropout_p=0.0, deterministic=False, return_dbias=False,
-                       dq=None, dk=None, dv=None):
+                       dq=None, dk=None, dv=None, _dropout_origin=(0, 0)):
     """Gradients of :func:`cuflash.attention` with respect to q, k and v (and bias).
 
     Pass the forward's inputs, options, ``out`` and ``lse`` (and, with dropout, its
@@ -452,16 +452,19 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     row does not see can still reach the gradients of its tile through 0 * NaN in the matrix
     products (as in the forward's P V); visible NaNs propagate.
     """
+    # _dropout_origin (private): as in attention_forward, the forward call's origin in a larger call.
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
+    if isinstance(_dropout_origin, list):
+        _dropout_origin = tuple(_dropout_origin)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get())
+               _forced_family.get(), _dropout_origin)
     plan, ptrs = _pipeline.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
-                                            return_dbias=return_dbias)
+                                            return_dbias=return_dbias, dropout_origin=_dropout_origin)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -505,7 +508,7 @@ def _finisher(users, results, targets, d, reduce_dbias=None):
 
 
 def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, block_size, dropout_p,
-                   deterministic, return_dbias):
+                   deterministic, return_dbias, dropout_origin=(0, 0)):
     """The full path of :func:`attention_backward`: (plan, pointers, finish), or (None, None, result)
     for a call that launches nothing."""
     import cupy
@@ -523,6 +526,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
         rng_state=rng_state, deterministic=deterministic, seqlens=(sq, sk))
+    origin_fields = _checks.check_dropout_origin(dropout_origin, (sq, sk))
     return_dbias = _check_flag(return_dbias, "return_dbias")
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
@@ -553,7 +557,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
     lse_k = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
     fwd_fields = dict(seqlen_q=sq, seqlen_k=sk, window_left=window[0], window_right=window[1], scale=scale,
-                      scale_log2=scale * math.log2(math.e), softcap=softcap)
+                      scale_log2=scale * math.log2(math.e), softcap=softcap, **origin_fields)
     plan = _backward_plan("attention_backward", len(operands), family=family, dtype_name=dtype_name,
                           varlen=False, batch=b, max_q=sq, max_k=sk, heads_q=hq, heads_k=hk, d=d, d_pad=d_pad,
                           layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel[:4] + [kernel[4]]),

@@ -29,10 +29,10 @@ receive of step ``s``; a receive into one of the two spare kv buffers waits unti
 read that buffer (two steps earlier) is done; a send of dK/dV sums waits for the compute that added
 to them. Only the kv heads travel (GQA), in the inputs' dtype; the dK/dV sums travel in float32.
 
-Dropout is not supported: the kernels draw a score's dropout decision from its row and column
-*inside the call* (Philox counter ``(j // 4, i, b * Hq + h, offset)``, ``cuda_src/philox.cuh``),
-so a chunk pair's call would draw the mask of the wrong global positions; matching the single-GPU
-mask needs a query/key position offset in the kernels' params (see the NotImplementedError).
+Dropout draws the single-GPU call's mask: the kernels draw a score's dropout decision from its row
+and column (Philox counter ``(j // 4, i, b * Hq + h, offset)``, ``cuda_src/philox.cuh``), so under
+dropout every (query chunk, key chunk) pair is its own call, told the pair's global position (its
+dropout origin: ``FwdParams::dropout_row0 / dropout_col0``), and every rank uses one ``rng_state``.
 """
 
 from __future__ import annotations
@@ -254,6 +254,7 @@ class RingCall(NamedTuple):
     q_slots: tuple
     k_slots: tuple
     causal: bool
+    chunks: tuple | None = None   # (query chunk, key chunk) of a one-pair call under dropout: its origin
 
 
 def _call_mask(a, b, nq, nk, causal):
@@ -269,7 +270,7 @@ def _call_mask(a, b, nq, nk, causal):
     return FULL if b < diagonal else CAUSAL if b == diagonal else SKIP
 
 
-def step_calls(pairs, world):
+def step_calls(pairs, world, *, per_pair=False):
     """The kernel calls that compute one rank's ring step.
 
     When the step's live (non-skipped) pairs fill a rectangle of chunk slots that one call masks
@@ -283,6 +284,9 @@ def step_calls(pairs, world):
         ``ring_schedule(world, causal=...)[rank][step]``.
     world : int
         Number of ranks.
+    per_pair : bool
+        One call per live pair, each with its ``chunks`` (dropout: a call draws the mask of the
+        global positions of one pair, whose rows and columns are contiguous).
 
     Returns
     -------
@@ -294,6 +298,13 @@ def step_calls(pairs, world):
     def slots(p):
         return (zigzag_chunks(p.rank, world).index(p.q_chunk), zigzag_chunks(p.kv_rank, world).index(p.k_chunk))
 
+    if per_pair:
+        calls = []
+        for p in pairs:
+            if p.mask != SKIP:
+                a, b = slots(p)
+                calls.append(RingCall((a, a + 1), (b, b + 1), p.mask == CAUSAL, (p.q_chunk, p.k_chunk)))
+        return tuple(calls)
     masks = {slots(p): p.mask for p in pairs}
     live = [slots(p) for p in pairs if p.mask != SKIP]
     if not live:
@@ -308,22 +319,30 @@ def step_calls(pairs, world):
     return tuple(RingCall((a, a + 1), (b, b + 1), masks[a, b] == CAUSAL) for a, b in live)
 
 
-def _rank_calls(world, rank, causal):
+def _rank_calls(world, rank, causal, per_pair=False):
     """``step_calls`` of every step of ``rank``."""
-    return [step_calls(pairs, world) for pairs in ring_schedule(world, causal=causal)[rank]]
+    return [step_calls(pairs, world, per_pair=per_pair) for pairs in ring_schedule(world, causal=causal)[rank]]
 
 
 # ----------------------------------------------------------------------------- argument checks
 
-_DROPOUT = ("dropout_p > 0 is not supported by ring attention: the kernels draw a score's dropout decision from "
-            "its row i and column j inside the call (Philox counter (j // 4, i, b * Hq + h, offset), "
-            "cuda_src/philox.cuh), so a chunk pair would draw the mask of other positions than the single-GPU "
-            "call; matching it needs query/key position offsets for the counter in the kernels' params")
+def _check_dropout(dropout_p, rng_state):
+    """(dropout_p, (seed, offset)) under dropout, None without."""
+    from .random import as_rng_state
+
+    dropout_p = _checks.check_dropout(dropout_p)
+    if not dropout_p:
+        return None
+    if rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state=(seed, offset), the same on every rank (e.g. "
+                         "cuflash.Generator.next_state() drawn once and shared)")
+    return dropout_p, as_rng_state(rng_state)
 
 
-def _check_dropout(dropout_p):
-    if _checks.check_dropout(dropout_p):
-        raise NotImplementedError(_DROPOUT)
+def _check_dropout_chunk(dropout, c):
+    if dropout is not None and c % 4:
+        raise ValueError(f"under dropout the chunk length (S / (2 * world) = {c}) must be a multiple of 4: the "
+                         f"kernels draw dropout in Philox blocks of 4 keys aligned to a call's first key")
 
 
 def _check_causal(causal):
@@ -402,7 +421,7 @@ def _empty_results(xp, shapes, dtypes):
     return tuple(xp.empty(s, d) for s, d in zip(shapes, dtypes))
 
 
-def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0):
+def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0, rng_state=None):
     """Ring attention forward: this rank's part of attention over a sequence sharded across ranks.
 
     Every rank of ``group`` calls it at once with its zigzag shard (:func:`shard`: chunks ``rank``
@@ -428,7 +447,11 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0):
     scale : float, optional
         Multiplies q.k; default ``1 / sqrt(D)``.
     dropout_p : float
-        Must be 0 (see Raises).
+        Dropout as in :func:`cuflash.attention_forward`; the chunk length ``S / 2`` must then be a
+        multiple of 4.
+    rng_state : array_like of int (2,) = (seed, offset), optional
+        Required when ``dropout_p > 0``, the same on every rank: the dropout mask is that of one
+        :func:`cuflash.attention_forward` over the whole sequence that drew this state.
 
     Returns
     -------
@@ -441,8 +464,6 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0):
     ------
     TypeError, ValueError
         For a bad argument (naming it), before any launch or communication.
-    NotImplementedError
-        If ``dropout_p > 0``: the kernels' dropout counter takes positions inside a call.
 
     Notes
     -----
@@ -451,11 +472,12 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0):
     World 1 is one attention call (no communication).
     """
     ring = _ring_group(group)
-    _check_dropout(dropout_p)
+    dropout = _check_dropout(dropout_p, rng_state)
     causal = _check_causal(causal)
     q, k, v = _as_arrays((("q", q), ("k", k), ("v", v)), host=False)
     _check_qkv(q, k, v, host=False)
     _check_local_length(q)
+    _check_dropout_chunk(dropout, q.shape[1] // 2)
     scale = _checks.check_scale(scale, q.shape[3])
     import cupy
 
@@ -463,11 +485,12 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0):
     if b * s * hq == 0:
         return _empty_results(cupy, ((b, s, hq, d), (b, hq, s)), (q.dtype, np.float32))
     k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
-    calls = _rank_calls(ring.world, ring.rank, causal)
-    return _ring_comm.run(_ring_comm.forward_rank(ring, device_for(q), calls, q, k, v, scale=scale))
+    calls = _rank_calls(ring.world, ring.rank, causal, per_pair=dropout is not None)
+    return _ring_comm.run(_ring_comm.forward_rank(ring, device_for(q), calls, q, k, v, scale=scale, dropout=dropout))
 
 
-def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, scale=None, dropout_p=0.0):
+def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, scale=None, dropout_p=0.0,
+                            rng_state=None):
     """Ring attention backward: this rank's dq, dk, dv of :func:`ring_attention`.
 
     The keys and values travel the ring again; the dK/dV each rank computes for the slice in hand
@@ -482,7 +505,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, sca
     out : CUDA array (B, S, Hq, D)
     lse : CUDA float32 array (B, Hq, S)
         What :func:`ring_attention` returned on this rank.
-    group, causal, scale, dropout_p
+    group, causal, scale, dropout_p, rng_state
         As in :func:`ring_attention` (the same values).
 
     Returns
@@ -496,39 +519,38 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, sca
     ------
     TypeError, ValueError
         For a bad argument (naming it), before any launch or communication.
-    NotImplementedError
-        If ``dropout_p > 0``.
     """
     ring = _ring_group(group)
-    _check_dropout(dropout_p)
+    dropout = _check_dropout(dropout_p, rng_state)
     causal = _check_causal(causal)
     dout, q, k, v, out, lse = _as_arrays((("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
                                          ("lse", lse)), host=False)
     _check_qkv(q, k, v, host=False)
     _check_saved(q, dout, out, lse, host=False)
     _check_local_length(q)
+    _check_dropout_chunk(dropout, q.shape[1] // 2)
     scale = _checks.check_scale(scale, q.shape[3])
     import cupy
 
     if q.shape[0] * q.shape[1] * q.shape[2] == 0:
         return _empty_results(cupy, (q.shape, k.shape, v.shape), (q.dtype,) * 3)
     k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
-    calls = _rank_calls(ring.world, ring.rank, causal)
+    calls = _rank_calls(ring.world, ring.rank, causal, per_pair=dropout is not None)
     return _ring_comm.run(_ring_comm.backward_rank(ring, device_for(q), calls, dout, q, k, v, out, lse,
-                                                  scale=scale))
+                                                  scale=scale, dropout=dropout))
 
 
-def _virtual_operands(named, world, dropout_p, causal):
-    """The virtual functions' checks: (world, causal, arrays, whether they are NumPy stand-ins)."""
+def _virtual_operands(named, world, dropout_p, rng_state, causal):
+    """The virtual functions' checks: (world, causal, dropout, arrays, whether they are NumPy stand-ins)."""
     world = _check_world(world)
-    _check_dropout(dropout_p)
+    dropout = _check_dropout(dropout_p, rng_state)
     causal = _check_causal(causal)
     host = isinstance(dict(named)["q"], np.ndarray)
     arrays = _as_arrays(named, host)
-    return world, causal, arrays, host
+    return world, causal, dropout, arrays, host
 
 
-def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_p=0.0):
+def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_p=0.0, rng_state=None):
     """Ring attention forward with ``world`` virtual ranks on one GPU.
 
     The inputs are sharded with :func:`shard`, and the driver of :func:`ring_attention` runs for
@@ -550,37 +572,40 @@ def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_
     scale : float, optional
         Multiplies q.k; default ``1 / sqrt(D)``.
     dropout_p : float
-        Must be 0 (see Raises).
+    rng_state : array_like of int (2,) = (seed, offset), optional
+        As in :func:`ring_attention` (``S / (2 * world)`` a multiple of 4 under dropout).
 
     Returns
     -------
     out : CuPy array (B, S, Hq, D), the dtype of q
     lse : CuPy float32 array (B, Hq, S)
-        Equal, up to rounding, to one ``cuflash.attention_forward(q, k, v, causal=causal)``.
+        Equal, up to rounding, to one ``cuflash.attention_forward(q, k, v, causal=causal)`` (under
+        dropout: one whose generator drew ``rng_state``).
 
     Raises
     ------
     TypeError, ValueError
         If ``world < 1``, the shapes are not (B, S, H, D) with one ``S``, or ``S`` is not
         divisible by ``2 * world``, or another argument is bad; before any launch.
-    NotImplementedError
-        If ``dropout_p > 0``.
     """
-    world, causal, (q, k, v), host = _virtual_operands((("q", q), ("k", k), ("v", v)), world, dropout_p, causal)
+    world, causal, dropout, (q, k, v), host = _virtual_operands((("q", q), ("k", k), ("v", v)), world, dropout_p,
+                                                                rng_state, causal)
     _check_qkv(q, k, v, host)
     _check_global_length(q, world)
+    _check_dropout_chunk(dropout, q.shape[1] // (2 * world))
     scale = _checks.check_scale(scale, q.shape[3])
     dev = device_for(q)
     loop = LoopbackRing(world, dev)
     shards = [shard(x, world) for x in (q, k, v)]
-    results = _ring_comm.lockstep([_ring_comm.forward_rank(loop.ranks[r], dev, _rank_calls(world, r, causal),
-                                                           *(s[r] for s in shards), scale=scale)
+    results = _ring_comm.lockstep([_ring_comm.forward_rank(loop.ranks[r], dev,
+                                                           _rank_calls(world, r, causal, dropout is not None),
+                                                           *(s[r] for s in shards), scale=scale, dropout=dropout)
                                    for r in range(world)])
     return unshard([o for o, _ in results], axis=1), unshard([lse for _, lse in results], axis=2)
 
 
 def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=False, scale=None,
-                                    dropout_p=0.0):
+                                    dropout_p=0.0, rng_state=None):
     """Ring attention backward with ``world`` virtual ranks on one GPU.
 
     The driver of :func:`ring_attention_backward` for every rank, joined as in
@@ -598,7 +623,7 @@ def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=Fa
     out : CuPy array (B, S, Hq, D)
     lse : CuPy float32 array (B, Hq, S)
         What :func:`ring_attention_virtual` (or one :func:`cuflash.attention_forward`) returned.
-    world, causal, scale, dropout_p
+    world, causal, scale, dropout_p, rng_state
         As in :func:`ring_attention_virtual`.
 
     Returns
@@ -611,19 +636,20 @@ def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=Fa
     ------
     TypeError, ValueError
         As :func:`ring_attention_virtual`, or if ``lse`` is not (B, Hq, S).
-    NotImplementedError
-        If ``dropout_p > 0``.
     """
     named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
-    world, causal, (dout, q, k, v, out, lse), host = _virtual_operands(named, world, dropout_p, causal)
+    world, causal, dropout, (dout, q, k, v, out, lse), host = _virtual_operands(named, world, dropout_p, rng_state,
+                                                                                causal)
     _check_qkv(q, k, v, host)
     _check_saved(q, dout, out, lse, host)
     _check_global_length(q, world)
+    _check_dropout_chunk(dropout, q.shape[1] // (2 * world))
     scale = _checks.check_scale(scale, q.shape[3])
     dev = device_for(q)
     loop = LoopbackRing(world, dev)
     shards = [shard(x, world) for x in (dout, q, k, v, out)] + [shard(lse, world, axis=2)]
-    results = _ring_comm.lockstep([_ring_comm.backward_rank(loop.ranks[r], dev, _rank_calls(world, r, causal),
-                                                            *(s[r] for s in shards), scale=scale)
+    results = _ring_comm.lockstep([_ring_comm.backward_rank(loop.ranks[r], dev,
+                                                            _rank_calls(world, r, causal, dropout is not None),
+                                                            *(s[r] for s in shards), scale=scale, dropout=dropout)
                                    for r in range(world)])
     return tuple(unshard([grads[i] for grads in results]) for i in range(3))

@@ -74,6 +74,28 @@ def test_param_structs_pack():
     assert c["rows"] == 3 and c["num_partials"] == 1 and c["scale"] == 2.0
 
 
+def test_dropout_origin_fields():
+    # replace FwdParams' old pad_: 8-byte fields, then 4-byte ones, an explicit pad_ to the 8-byte size
+    offsets = _params.FWD.offsets
+    assert offsets["dropout_row0"] == offsets["dropout_rescale"] + 4
+    assert offsets["dropout_col0"] == offsets["dropout_row0"] + 4
+    assert offsets["pad_"] == offsets["dropout_col0"] + 4 and _params.FWD.size == offsets["pad_"] + 4
+    assert _params.FWD.size % 8 == 0
+    p = _params.FWD.unpack(_params.FWD.pack({"dropout_row0": 12, "dropout_col0": 8}))
+    assert (p["dropout_row0"], p["dropout_col0"]) == (12, 8)
+    assert _params.FWD.unpack(_params.FWD.pack({}))["dropout_col0"] == 0
+    from cuflash import _checks
+    assert _checks.check_dropout_origin((5, 8), (10, 10)) == {"dropout_row0": 5, "dropout_col0": 8}
+    with pytest.raises(ValueError, match="col0 = 6 must be a multiple of 4"):
+        _checks.check_dropout_origin((0, 6), (10, 10))
+    with pytest.raises(ValueError, match="row0 = -1"):
+        _checks.check_dropout_origin((-1, 0), (10, 10))
+    with pytest.raises(TypeError, match="pair"):
+        _checks.check_dropout_origin(3, (10, 10))
+    with pytest.raises(TypeError, match="col0 must be an int"):
+        _checks.check_dropout_origin((0, 4.0), (10, 10))
+
+
 def test_precompile_list():
     variants = precompile_backward_variants()
     families = {v.family for v in variants}

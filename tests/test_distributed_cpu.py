@@ -129,11 +129,15 @@ def test_ring_argument_errors_before_any_launch():
         cd.ring_attention_virtual(q, q[:, :6], q[:, :6], world=1)
     with pytest.raises(ValueError, match="k must have shape"):
         cd.ring_attention_virtual(q, q[0], q, world=1)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="dropout_p > 0 needs rng_state"):
         cd.ring_attention_virtual(q, q, q, world=2, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"chunk length \(S / \(2 \* world\) = 3\) must be a multiple of 4"):
+        cd.ring_attention_virtual(q, q, q, world=2, dropout_p=0.1, rng_state=(1, 2))
     lse = np.zeros((1, 2, 12), np.float32)
-    with pytest.raises(NotImplementedError, match="dropout"):
+    with pytest.raises(ValueError, match="dropout_p > 0 needs rng_state"):
         cd.ring_attention_backward_virtual(q, q, q, q, q, lse, world=2, dropout_p=0.1)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cd.ring_attention_backward_virtual(q, q, q, q, q, lse, world=2, dropout_p=0.1, rng_state=(1, 2))
     with pytest.raises(ValueError, match=r"lse must have shape \(B, Hq, S\)"):
         cd.ring_attention_backward_virtual(q, q, q, q, q, lse[:, :, :6], world=2)
     with pytest.raises(ValueError, match=r"q.shape\[1\]"):
@@ -147,8 +151,22 @@ def test_ring_argument_errors_before_any_launch():
 # contract, so the ring must equal the float64 reference of the whole problem: to 1e-10 forward,
 # to float32 rounding backward (the gradients are summed in float32).
 
-def _numpy_backward_from_lse(dout, q, k, v, out, lse, *, causal=False, scale=None):
-    """What cuflash.attention_backward computes, in float64: P = exp(s - lse), D = rowsum(dO * O)."""
+def _keep_scale(shape, dropout_p, state, origin):
+    """keep / (1 - p) of a (B, Hq, Sq, Sk) block at ``origin`` of the single-GPU call's mask
+    (cuda_src/philox.cuh, through cuflash.random's NumPy twin); 1.0 without dropout."""
+    from cuflash.random import dropout_keep
+    if not dropout_p:
+        return 1.0
+    b, h, sq, sk = shape
+    keep = dropout_keep(int(state[0]), int(state[1]), dropout_p, np.arange(b).reshape(-1, 1, 1, 1),
+                        np.arange(h).reshape(1, -1, 1, 1), origin[0] + np.arange(sq).reshape(1, 1, -1, 1),
+                        origin[1] + np.arange(sk).reshape(1, 1, 1, -1), h)
+    return np.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+
+def _numpy_backward_from_lse(dout, q, k, v, out, lse, *, causal=False, scale=None, keep_scale=1.0):
+    """What cuflash.attention_backward computes, in float64: P = exp(s - lse), D = rowsum(dO * O);
+    under dropout ``keep_scale`` (:func:`_keep_scale`) scales P in dV and dP."""
     from cuflash import reference
     if scale is None:
         scale = 1.0 / np.sqrt(q.shape[-1])
@@ -156,12 +174,12 @@ def _numpy_backward_from_lse(dout, q, k, v, out, lse, *, causal=False, scale=Non
     kq, vq = (np.repeat(x.astype(np.float64), group, axis=2) for x in (k, v))
     s = reference.attention_scores(q, k, causal=causal, scale=scale)  # (B, H, Sq, Sk), -inf masked
     p = np.exp(s - lse[..., None])
-    dp = np.einsum("bihd,bjhd->bhij", dout, vq)
+    dp = np.einsum("bihd,bjhd->bhij", dout, vq) * keep_scale
     d = np.einsum("bihd,bihd->bhi", dout, out)
     ds = p * (dp - d[..., None])
     dq = scale * np.einsum("bhij,bjhd->bihd", ds, kq)
     dk = scale * np.einsum("bhij,bihd->bjhd", ds, q)
-    dv = np.einsum("bhij,bihd->bjhd", p, dout)
+    dv = np.einsum("bhij,bihd->bjhd", p * keep_scale, dout)
     fold = lambda g: g.reshape(g.shape[:2] + (k.shape[2], group) + g.shape[3:]).sum(axis=3)  # noqa: E731
     return dq, fold(dk), fold(dv)
 
@@ -180,14 +198,24 @@ def _stand_ins():
 
     from cuflash import reference
 
-    def forward(q, k, v, *, causal=False, scale=None, out=None, lse=None):
-        return _into(reference.attention_forward(q, k, v, causal=causal, scale=scale), (out, lse)) + (None,)
+    def forward(q, k, v, *, causal=False, scale=None, out=None, lse=None, dropout_p=0.0, generator=None,
+                _dropout_origin=(0, 0)):
+        if not dropout_p:
+            return _into(reference.attention_forward(q, k, v, causal=causal, scale=scale), (out, lse)) + (None,)
+        state = generator.next_state()
+        s = reference.attention_scores(q, k, causal=causal, scale=scale)
+        row_lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+        p = np.exp(s - row_lse[..., None]) * _keep_scale(s.shape, dropout_p, state, _dropout_origin)
+        o = np.einsum("bhij,bjhd->bihd", p, np.repeat(v, q.shape[2] // v.shape[2], axis=2))
+        return _into((o, row_lse), (out, lse)) + (state,)
 
     def merge(outs, lses, *, out=None, lse=None):
         return _into(reference.merge_states(outs, lses), (out, lse))
 
-    def backward(dout, q, k, v, out, lse, *, causal=False, scale=None, dq=None, dk=None, dv=None):
-        grads = _numpy_backward_from_lse(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    def backward(dout, q, k, v, out, lse, *, causal=False, scale=None, dq=None, dk=None, dv=None, dropout_p=0.0,
+                 rng_state=None, _dropout_origin=(0, 0)):
+        keep_scale = _keep_scale(lse.shape + (k.shape[1],), dropout_p, rng_state, _dropout_origin)
+        grads = _numpy_backward_from_lse(dout, q, k, v, out, lse, causal=causal, scale=scale, keep_scale=keep_scale)
         return _into(grads, (dq, dk, dv))
 
     # sys.modules: the package re-exports a function named ``attention`` over the module's name
@@ -223,6 +251,45 @@ def test_virtual_ring_bookkeeping_on_numpy(numpy_kernels, world, causal, heads):
         assert g.shape == w.shape
         # the gradients are summed in float32 (as they travel a real ring): float32 rounding
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_virtual_ring_dropout_on_numpy(numpy_kernels, world, causal):
+    """Under dropout every chunk pair is its own call at its global origin, so the ring draws the
+    single-GPU call's mask: it equals the float64 reference of the whole problem with that mask."""
+    from cuflash import _reference_backward, reference
+    rng = np.random.default_rng(10 + world)
+    B, S, D, state, p = 2, 2 * world * 8, 8, (1234, 5), 0.3
+    q = rng.standard_normal((B, S, 4, D))
+    k, v = (rng.standard_normal((B, S, 2, D)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    want_out, want_lse = reference.attention_forward(q, k, v, causal=causal, scale=0.7, dropout_p=p, rng_state=state)
+    out, lse = cd.ring_attention_virtual(q, k, v, world=world, causal=causal, scale=0.7, dropout_p=p,
+                                         rng_state=state)
+    np.testing.assert_allclose(out, want_out, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-10, atol=1e-12)
+    got = cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=world, causal=causal, scale=0.7,
+                                             dropout_p=p, rng_state=state)
+    want = _reference_backward.attention_backward(dout, q, k, v, causal=causal, scale=0.7, dropout_p=p,
+                                                  rng_state=state)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_step_calls_per_pair_carry_their_chunks(world, causal):
+    for rank, steps in enumerate(cd.ring_schedule(world, causal=causal)):
+        for pairs in steps:
+            calls = cd.step_calls(pairs, world, per_pair=True)
+            live = [p for p in pairs if p.mask != "skip"]
+            assert [c.chunks for c in calls] == [(p.q_chunk, p.k_chunk) for p in live]
+            for call, p in zip(calls, live):
+                assert call.q_slots[1] - call.q_slots[0] == 1 and call.k_slots[1] - call.k_slots[0] == 1
+                assert cd.zigzag_chunks(rank, world)[call.q_slots[0]] == p.q_chunk
+                assert cd.zigzag_chunks(p.kv_rank, world)[call.k_slots[0]] == p.k_chunk
+                assert call.causal == (p.mask == "causal")
 
 
 # ----------------------------------------------------------------------------- one call per step
@@ -501,7 +568,7 @@ def test_real_ring_argument_errors_before_any_communication():
         cd.ring_attention(q, q, q, group=group)
     with pytest.raises(TypeError, match="group must be"):
         cd.ring_attention(q, q, q, group="nccl")
-    with pytest.raises(NotImplementedError, match="dropout.*position offsets"):
+    with pytest.raises(ValueError, match="dropout_p > 0 needs rng_state"):
         cd.ring_attention(q, q, q, group=group, dropout_p=0.1)
     with pytest.raises(ValueError, match="dropout_p"):
         cd.ring_attention(q, q, q, group=group, dropout_p=1.5)

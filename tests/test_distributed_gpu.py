@@ -102,6 +102,61 @@ def test_ring_forward_backward_chain_with_scale(xp_gpu, causal):
         _assert_close(g, w, "float32", name, 1e-4)
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_ring_dropout_matches_single_call(xp_gpu, world, causal, dtype):
+    # every chunk pair is its own call at its global origin: the single call's mask, one rng_state
+    q, k, v, dout = _problem(xp_gpu, 256, (8, 2), dtype, seed=300 + world)
+    state = cuflash.Generator(77).next_state()
+    want_out, want_lse, rng_state = cuflash.attention_forward(q, k, v, causal=causal, dropout_p=0.1,
+                                                              generator=cuflash.Generator(77))
+    assert [int(x) for x in rng_state] == [int(x) for x in state]
+    out, lse = cd.ring_attention_virtual(q, k, v, world=world, causal=causal, dropout_p=0.1, rng_state=state)
+    _assert_close(out, want_out, dtype, "out", 1e-5)
+    np.testing.assert_allclose(_host(lse), _host(want_lse), rtol=1e-5, atol=1e-4, err_msg="lse")
+    want = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, causal=causal, dropout_p=0.1,
+                                      rng_state=state)
+    got = cd.ring_attention_backward_virtual(dout, q, k, v, want_out, want_lse, world=world, causal=causal,
+                                             dropout_p=0.1, rng_state=state)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        _assert_close(g, w, dtype, name, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])   # fwd_sm90/sm80 and fwd_simt
+def test_dropout_origin_draws_a_block_of_the_full_mask(xp_gpu, dtype):
+    # attention_forward on q[:, r0:r1], k[:, c0:c1] with _dropout_origin=(r0, c0) draws exactly that
+    # block of the full call's mask: compare with the float64 reference of the block with it sliced
+    from cuflash.random import dropout_keep
+
+    q, k, v, _ = _problem(xp_gpu, 200, (4, 2), dtype, seed=5)
+    r0, r1, c0, c1 = 37, 150, 44, 196
+    state, p = (123, 9), 0.25
+    qb, kb, vb = q[:, r0:r1], k[:, c0:c1], v[:, c0:c1]
+    generator = cuflash.Generator(0)
+    generator.set_state(state)
+    out, lse, _ = cuflash.attention_forward(qb, kb, vb, dropout_p=p, generator=generator, _dropout_origin=(r0, c0))
+    qh, kh, vh = (_host(x) for x in (qb, kb, vb))
+    hq = qh.shape[2]
+    s = np.einsum("bihd,bjhd->bhij", qh, np.repeat(kh, 2, axis=2)) / np.sqrt(qh.shape[3])
+    prob = np.exp(s - s.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    keep = dropout_keep(state[0], state[1], p, np.arange(2).reshape(-1, 1, 1, 1), np.arange(hq).reshape(1, -1, 1, 1),
+                        np.arange(200).reshape(1, 1, -1, 1), np.arange(200).reshape(1, 1, 1, -1), hq)
+    block = keep[:, :, r0:r1, c0:c1]
+    want = np.einsum("bhij,bjhd->bihd", np.where(block, prob / (1 - p), 0.0), np.repeat(vh, 2, axis=2))
+    _assert_close(out, want, dtype, "out", 1e-5)
+    unshifted = np.einsum("bhij,bjhd->bihd", np.where(keep[:, :, :r1 - r0, :c1 - c0], prob / (1 - p), 0.0),
+                          np.repeat(vh, 2, axis=2))
+    assert np.abs(_host(out) - unshifted).max() > 1e-3   # the origin moved the mask
+
+
+def test_dropout_origin_column_must_be_a_multiple_of_4(xp_gpu):
+    q, k, v, _ = _problem(xp_gpu, 64, (4, 4), "float16", seed=1)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cuflash.attention_forward(q, k, v, dropout_p=0.1, _dropout_origin=(3, 6))
+
+
 def test_shard_unshard_on_gpu(xp_gpu):
     cp = xp_gpu
     q, _, _, _ = _problem(cp, 64, (2, 2), "bfloat16", seed=3)

@@ -133,7 +133,8 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, dropout_p=0
     group : torch.distributed ProcessGroup, optional
         NCCL backend; default: the default process group.
     causal, scale, dropout_p
-        As in :func:`cuflash.distributed.ring_attention` (``dropout_p > 0`` is NotImplementedError).
+        As in :func:`cuflash.distributed.ring_attention` (``dropout_p > 0`` needs its ``rng_state``, which
+        this function does not take yet: ValueError).
     return_lse : bool
         Also return lse (float32 (B, Hq, S), not differentiable).
 
