@@ -443,6 +443,7 @@ struct Params {   // the fields dropout_key reads, as FwdParams has them
     const unsigned long long* dropout_state;
     unsigned long long dropout_seed;
     unsigned int dropout_offset;
+    int dropout_row0, dropout_col0;
 };
 
 extern "C" __global__ void dropout_key_harness(Params p, int rows, unsigned int* out) {
