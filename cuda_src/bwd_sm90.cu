@@ -162,6 +162,60 @@ __device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
 }
 
 
+// Sets to -inf the scores outside the causal/sliding window or past the keys' end, unless the
+// whole tile (queries m_lo.., the CTA's keys n_lo..) is inside. Element (mi, e) of acc_s is key keys[e / 2], query m_lo + col + 8 mi + e % 2
+// (col: the thread's first query column in the tile). The queries that see key j are
+// [j - diag - right, j - diag + left] (in_window turned around), none for a key past the end: two
+// bounds per key row, one compare per element.
+template <class C>
+__device__ __forceinline__ void mask_outside_window(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
+                                                    const int (&keys)[2], int col, float (&acc_s)[C::kMTiles][4]) {
+    if (tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int lo, hi;
+        visible_queries(p, s, keys[r], keys[r] + 1, &lo, &hi);
+        if (keys[r] >= s.seqlen_k) hi = lo;
+        lo -= m_lo + col;   // bounds on the column offset 8 mi + e % 2 of this thread's elements
+        hi -= m_lo + col;
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                const int x = mi * 8 + e % 2;
+                if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
+            }
+    }
+}
+
+// dK (scaled) and dV of a consumer's keys (rows key_row0 and key_row0 + 8 of the CTA's block),
+// columns col0 + 8 di + 2 t (+1), once at the end of the walk. The sequence is looked up again rather
+// than kept in registers through the walk (two values of the prologue held there spilled), and so is
+// the group's shape.
+template <class C>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_row0, int col0,
+                                            const float (&acc_dk)[C::kDTiles][4], const float (&acc_dv)[C::kDTiles][4]) {
+    const FwdParams& p = bp.fwd;
+    const int t = threadIdx.x % 4;
+    int cta_y = blockIdx.y;
+    asm volatile("" : "+r"(cta_y));
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
+    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
+        if (r >= se.seqlen_k) continue;
+        const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
+#pragma unroll
+        for (int di = 0; di < C::kDTiles; ++di) {
+            const int col = col0 + di * 8 + 2 * t;
+            if (col < p.head_dim)
+                dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
+                           acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
+        }
+    }
+}
+
 // Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ warp 1 is the
 // dQ writer. Returns when its part is done.
 template <class C>
@@ -323,24 +377,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
             modify_scores<C::kMods>(p, s, queries, keys,
                                     [&](int x, int r) -> float& { return score2[x / 2][2 * r + x % 2]; });
-        } else if (!tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) {
-            // The queries that see key j are [j - diag - right, j - diag + left] (in_window turned
-            // around), none for a key past the end: two bounds per key row, one compare per element.
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                int lo, hi;
-                visible_queries(p, s, keys[r], keys[r] + 1, &lo, &hi);
-                if (keys[r] >= s.seqlen_k) hi = lo;
-                lo -= m_lo + 2 * t;   // bounds on the column offset 8 mi + e % 2 of this thread's elements
-                hi -= m_lo + 2 * t;
-#pragma unroll
-                for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const int x = mi * 8 + e % 2;
-                        if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
-                    }
-            }
+        } else {
+            mask_outside_window<C>(p, s, m_lo, n_lo, keys, 2 * t, acc_s);
         }
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
 #pragma unroll
@@ -509,26 +547,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         }
     }
 
-    // dK (scaled) and dV of this consumer's keys, once. The sequence is looked up again rather than
-    // kept in registers through the walk (two values of the prologue held there spilled).
-    // (The group's shape is read again too: held through the walk, it spilled.)
-    int cta_y = blockIdx.y;
-    asm volatile("" : "+r"(cta_y));
-    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
-    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
-        if (r >= se.seqlen_k) continue;
-        const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
-#pragma unroll
-        for (int di = 0; di < C::kDTiles; ++di) {
-            const int col = di * 8 + 2 * t;
-            if (col < p.head_dim)
-                dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
-                           acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
-        }
-    }
+    store_dk_dv<C>(bp, b, key_row0, 0, acc_dk, acc_dv);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
@@ -601,24 +620,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         // query m_lo + col0 + 8 mi + 2 t + e % 2.
         const int n_lo = cta_key_block<C>() * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
-        if (!tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) {
-            // As in consume_key_halves: two bounds per key row, one compare per element.
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                int lo, hi;
-                visible_queries(p, s, keys[r], keys[r] + 1, &lo, &hi);
-                if (keys[r] >= s.seqlen_k) hi = lo;
-                lo -= m_lo + col0 + 2 * t;
-                hi -= m_lo + col0 + 2 * t;
-#pragma unroll
-                for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                        const int x = mi * 8 + e % 2;
-                        if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
-                    }
-            }
-        }
+        mask_outside_window<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, acc_s);
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
             const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][col0 + mi * 8 + 2 * t]);
@@ -709,24 +711,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     }
     if (C::kDq && wg_thread == 0) bulk_wait();   // this warpgroup's dQ reductions have landed
 
-    // dK (scaled) and dV of the block's keys, this consumer's columns.
-    int cta_y = blockIdx.y;
-    asm volatile("" : "+r"(cta_y));
-    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
-    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
-        if (r >= se.seqlen_k) continue;
-        const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
-#pragma unroll
-        for (int di = 0; di < C::kDTiles; ++di) {
-            const int col = consumer * C::kDimCols + di * 8 + 2 * t;
-            if (col < p.head_dim)
-                dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
-                           acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
-        }
-    }
+    store_dk_dv<C>(bp, b, key_row0, consumer * C::kDimCols, acc_dk, acc_dv);
 }
 
 template <class C>
