@@ -63,13 +63,17 @@ __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqIn
 //   word    the element's Philox word (dropout_word), used only when kDropout
 //
 // element_prob: P_ij; with dropout its sign carries the keep bit (-P: dropped), so that the second
-// half needs no Philox word.
+// half needs no Philox word. element_prob_kept takes the keep bit itself (dropout_keep_bits).
 template <int kMods, bool kDropout>
-__device__ __forceinline__ float element_prob(const FwdParams& p, float qk, float score2, float lse2, unsigned word) {
+__device__ __forceinline__ float element_prob_kept(const FwdParams& p, float qk, float score2, float lse2, bool kept) {
     const float prob = kMods != 0 ? fast_exp2(score2 - lse2)
                                   : fast_exp2(fmaf(qk, p.scale_log2, -lse2));   // -inf (masked) -> 0
-    if constexpr (kDropout) return dropout_keeps(word, p.dropout_threshold) ? prob : -prob;
+    if constexpr (kDropout) return kept ? prob : -prob;
     return prob;
+}
+template <int kMods, bool kDropout>
+__device__ __forceinline__ float element_prob(const FwdParams& p, float qk, float score2, float lse2, unsigned word) {
+    return element_prob_kept<kMods, kDropout>(p, qk, score2, lse2, kDropout && dropout_keeps(word, p.dropout_threshold));
 }
 
 // Pdrop, what multiplied v_j in the forward, from element_prob's value.
@@ -160,6 +164,25 @@ __device__ __forceinline__ void dropout_words_cols(const FwdParams& p, const Seq
     for (int e = 0; e < 4; ++e) {   // element e lies in block e (query + e % 2, keys + 8 (e / 2))
         const int x = r ^ e;
         word[e] = (x & 2) ? ((x & 1) ? got[3] : got[2]) : ((x & 1) ? got[1] : got[0]);
+    }
+}
+
+// The keep bits of a thread's kTiles accumulator tiles in pass 0's layout (dropout_words_cols; tile
+// mi at queries i0 + 8 mi): element e of tile mi is bit 4 (mi % 8) + e of keep[mi / 8]. One
+// register per 8 tiles instead of a Philox word per element, so that the words can be drawn early
+// (while a product runs) and used late.
+template <int kTiles>
+__device__ __forceinline__ void dropout_keep_bits_cols(const FwdParams& p, const SeqInfo& s, int i0, int j0, int lane,
+                                                       unsigned (&keep)[(kTiles + 7) / 8]) {
+#pragma unroll
+    for (int w = 0; w < (kTiles + 7) / 8; ++w) keep[w] = 0u;
+#pragma unroll
+    for (int mi = 0; mi < kTiles; ++mi) {
+        unsigned word[4];
+        dropout_words_cols(p, s, i0 + 8 * mi, j0, lane, word);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            keep[mi / 8] |= static_cast<unsigned>(dropout_keeps(word[e], p.dropout_threshold)) << (4 * (mi % 8) + e);
     }
 }
 

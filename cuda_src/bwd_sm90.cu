@@ -70,14 +70,25 @@ struct BwdSm90Config {
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static_assert(!(kOrdered && kBlockMask), "ordered dQ needs every CTA to visit every tile of its range");
+    // Score modifiers and dropout (kFeatured) keep the raw scores beside the modified ones and draw
+    // Philox words: with dK, dV of 64 keys x 128 columns (128 registers) beside S^T and dP^T, the
+    // consumers spilled 50-350 B at D = 128 and 64, so those variants take smaller accumulators
+    // (_heuristics.py picks the tiles): D = 128 splits the columns as D = 256 does, D = 64 takes
+    // 64 query rows per step.
+    static constexpr bool kFeatured = kScoreMods || kDropout;
     // How the two consumers share a CTA's work: by keys (64 each, dK/dV of all columns) up to
     // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
-    // of every column would take 256 registers per thread.
-    static constexpr bool kSplitDims = kHeadDim == 256;
+    // of every column would take 256 registers per thread, and at D = 128 when featured.
+    static constexpr bool kSplitDims = kHeadDim == 256 || (kHeadDim == 128 && kFeatured);
+    // With score modifiers or dropout a consumer computes dP^T after P^T rather than beside it when split by
+    // keys: the modifiers' loads and the Philox rounds then have dP^T's registers.
+    static constexpr bool kSerialScores = kFeatured && !kSplitDims;
     static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
-    // The producer's walk and copies need 40 registers (with 24 they spilled); the consumers get
-    // the rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills.
-    static constexpr int kProducerRegs = 40, kConsumerRegs = 232, kProducerUnroll = kHeadDim == 64 ? 2 : 1;
+    // The producer's walk and copies need 40 registers (with 24 they spilled), 56 with the block
+    // mask's vote (8 B spilled at 40); the consumers get the rest, which holds dK, dV, S^T, dP^T of
+    // 64 keys (192 at D = 128) without spills.
+    static constexpr int kProducerRegs = kBlockMask ? 56 : 40, kConsumerRegs = kBlockMask ? 224 : 232;
+    static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
     // A consumer's S^T is 64 keys x kQueryCols, its dK/dV 64 keys x kDimCols.
@@ -86,11 +97,13 @@ struct BwdSm90Config {
     // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
     // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
     static constexpr bool kEarlyDv = kBlockM == 64;
-    // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64 (two
-    // per consumer at D = 256).
-    static constexpr bool kDqSplitRows = kBlockM == 128;
-    static_assert(kDqSplitRows ? kHeadDim == 64 : kBlockM == 64 && (kHeadDim == 128 || kHeadDim == 256),
-                  "each consumer's share of dQ is made of 64 x 64 products (wgmma_ss_n64_tt)");
+    // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64
+    // (kDqShares per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each consumer's
+    // product over its own 64 keys, both added into the tile's one share (kDqByKeys).
+    static constexpr bool kDqSplitRows = kBlockM == 128, kDqByKeys = kHeadDim == 64 && kBlockM == 64;
+    static constexpr int kDqShares = kSplitDims ? kDimCols / 64 : 1;
+    static_assert(kDqSplitRows ? kHeadDim == 64 : kBlockM == 64, "each consumer's share of dQ is made of 64 x 64 "
+                                                                 "products (wgmma_ss_n64_tt)");
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
     // consumers meet after every step's products).
@@ -101,8 +114,8 @@ struct BwdSm90Config {
     static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 ? 2 : 1;
     static_assert(!kOrdered || kDqBuffers == 2, "the dQ writer takes turns with double-buffered shares");
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
-    static_assert(!kSplitDims || (!kScoreMods && !kDropout), "D = 256 runs no score modifiers nor dropout yet");
-    static_assert(!kSplitDims || !kOrdered, "D = 256 adds dQ in no fixed order (its dQ pass does)");
+    static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
+    static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
                                       kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
@@ -153,6 +166,7 @@ __device__ __forceinline__ int cta_key_block() {
     return n - 1 - x;
 }
 
+
 // Where a consumer keeps P^T: in score2 with score modifiers (acc_s keeps the raw scores), in acc_s
 // without.
 template <bool kScoreMods, class S, class S2>
@@ -160,7 +174,6 @@ __device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
     if constexpr (kScoreMods) return score2;
     else return acc_s;
 }
-
 
 // Sets to -inf the scores outside the causal/sliding window or past the keys' end, unless the
 // whole tile (queries m_lo.., the CTA's keys n_lo..) is inside. Element (mi, e) of acc_s is key keys[e / 2], query m_lo + col + 8 mi + e % 2
@@ -349,23 +362,38 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         }
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, in two groups: P^T is taken
-        // from S^T while dP^T is still being computed.
+        // from S^T while dP^T is still being computed; with score modifiers or dropout, dP^T starts
+        // only once P^T is in (C::kSerialScores).
         float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
         float(&s_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_dp[0][0]);
+        auto issue_dp = [&] {
+            gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v + consumer * 64 * 128,
+                                                                        do_tile);
+            wgmma_commit();
+        };
         wgmma_fence();
         gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k + consumer * 64 * 128, q_tile);
         wgmma_commit();
-        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v + consumer * 64 * 128, do_tile);
-        wgmma_commit();
-        wgmma_wait<1>();
+        if constexpr (!C::kSerialScores) issue_dp();
+
+        // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + 8 mi + 2 t
+        // + e % 2. Dropout's keep bits are drawn while S^T is computed.
+        const int n_lo = cta_key_block<C>() * C::kBlockN;
+        int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
+        if constexpr (C::kSerialScores) {
+            // Recomputed every step: what depends only on the keys (index parts, window bounds)
+            // hoisted out of the walk spilled.
+            asm volatile("" : "+r"(keys[0]), "+r"(keys[1]));
+        }
+        unsigned keep[C::kDropout ? (C::kMTiles + 7) / 8 : 1];
+        if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + 2 * t, keys[0], lane, keep);
+        wgmma_wait<C::kSerialScores ? 0 : 1>();
         fence_registers(s_flat);
 
-        // P^T element by element: element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2),
-        // query m_lo + 8 mi + 2 t + e % 2. With score modifiers P goes to score2 and acc_s keeps
-        // the raw scores (the softcap's derivative needs them); without, P replaces S in acc_s.
-        const int n_lo = cta_key_block<C>() * C::kBlockN;
-        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
+        // P^T element by element. With score modifiers the scores in log2 units go to score2
+        // (modify_scores, key-major) and acc_s keeps the raw ones (the softcap's derivative needs
+        // them); without, the window alone, and P^T replaces S^T in acc_s.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         if constexpr (C::kScoreMods) {
             int queries[2 * C::kMTiles];
@@ -375,8 +403,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
-            modify_scores<C::kMods>(p, s, queries, keys,
-                                    [&](int x, int r) -> float& { return score2[x / 2][2 * r + x % 2]; });
+            modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
+                p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
         } else {
             mask_outside_window<C>(p, s, m_lo, n_lo, keys, 2 * t, acc_s);
         }
@@ -384,12 +412,11 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
             const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][mi * 8 + 2 * t]);
-            unsigned words[4] = {0u, 0u, 0u, 0u};
-            if constexpr (C::kDropout) dropout_words_cols(p, s, m_lo + mi * 8 + 2 * t, keys[0], lane, words);
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                prob[mi][e] = element_prob<C::kMods, C::kDropout>(p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f,
-                                                                  e % 2 ? col_lse2.y : col_lse2.x, words[e]);
+                prob[mi][e] = element_prob_kept<C::kMods, C::kDropout>(
+                    p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
+                    C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
         }
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {
@@ -409,6 +436,10 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         // when the registers allow P^T to stay in float32 beside its packed copy (C::kEarlyDv).
         float(&dv_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dv[0][0]);
         float(&dk_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dk[0][0]);
+        if constexpr (C::kSerialScores) {
+            wgmma_fence();
+            issue_dp();
+        }
         if constexpr (C::kEarlyDv) {
             pack_pdrop();
             wgmma_fence();
@@ -454,6 +485,14 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if constexpr (!C::kEarlyDv) gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
         gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dk_flat, ds_frag, q_tile);
         wgmma_commit();
+        if constexpr (C::kSerialScores) {
+            // dQ's accumulators did not fit beside dK's and dV's in-flight operands either.
+            wgmma_wait<0>();
+            fence_registers(dv_flat);
+            fence_registers(dk_flat);
+            fence_registers(p_frag);
+            fence_registers(ds_frag);
+        }
 
         float acc_dq[8][4];
         float(&dq_flat)[32] = *reinterpret_cast<float(*)[32]>(&acc_dq[0][0]);
@@ -476,9 +515,13 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' dS^T are in
             // This consumer's 64 x 64 share of dQ = dS K over all kBlockN keys: A = dS^T read
             // transposed, B = K read transposed (both tiles have the keys as rows).
-            const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
-            const unsigned b_tile = tiles.k + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
-            gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
+            if constexpr (C::kDqByKeys) {   // over this consumer's 64 keys (rows of dS^T and K)
+                gemm_atb_ss_n64<64>(dq_flat, ds_tile + consumer * 64 * 128, tiles.k + consumer * 64 * 128);
+            } else {
+                const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
+                const unsigned b_tile = tiles.k + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
+                gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
+            }
             wgmma_commit();
             ds_buf ^= 1;
         }
@@ -528,7 +571,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 } else {
                     float* tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
                                   (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
-                    bulk_reduce_add(tile + consumer * (C::kDqShareBytes / 4), share, C::kDqShareBytes);
+                    bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share,
+                                    C::kDqShareBytes);
                     bulk_commit();
                 }
             }
@@ -598,51 +642,84 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
             zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(do_tile, s.seqlen_q - m_lo);
         }
 
+        // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + col0 +
+        // 8 mi + 2 t + e % 2. Dropout's keep bits are drawn before the products (beside their
+        // accumulators, with score modifiers, the Philox rounds spilled at D = 256).
+        const int n_lo = cta_key_block<C>() * C::kBlockN;
+        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
+        unsigned keep[C::kDropout ? (C::kMTiles + 7) / 8 : 1];
+        if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + col0 + 2 * t, keys[0], lane, keep);
+
         // S^T = K Q^T and dP^T = V dO^T for this consumer's query columns (B starts col0 rows into
         // the Q / dO tiles: a multiple of the swizzle's 8 rows).
         float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
         float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
+        auto issue_dp = [&] {
+            gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
+            wgmma_commit();
+        };
         wgmma_fence();
         gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
         wgmma_commit();
-        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
-        wgmma_commit();
+        if constexpr (!C::kSerialScores) issue_dp();
         if (pending >= 0) {   // the previous step's dQ reduction has read its stage (thread 0 issued it)
             if (wg_thread == 0) bulk_wait_read();
             named_barrier_sync(2 + consumer, 128);
             mbar_arrive(sh.empty(pending));
         }
-        wgmma_wait<1>();
+        wgmma_wait<C::kSerialScores ? 0 : 1>();
         fence_registers(s_flat);
 
-        // P^T element by element: element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2),
-        // query m_lo + col0 + 8 mi + 2 t + e % 2.
-        const int n_lo = cta_key_block<C>() * C::kBlockN;
-        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
-        mask_outside_window<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, acc_s);
+        // P^T element by element (as consume_key_halves: score2 holds the modified scores).
+        float score2[C::kScoreMods ? C::kMTiles : 1][4];
+        if constexpr (C::kScoreMods) {
+            int queries[2 * C::kMTiles];
+#pragma unroll
+            for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + col0 + (x / 2) * 8 + 2 * t + x % 2;
+#pragma unroll
+            for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
+            modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
+                p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
+        } else {
+            mask_outside_window<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, acc_s);
+        }
+        float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
             const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][col0 + mi * 8 + 2 * t]);
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                acc_s[mi][e] = element_prob<C::kMods, C::kDropout>(p, acc_s[mi][e], 0.f,
-                                                                   e % 2 ? col_lse2.y : col_lse2.x, 0u);
+                prob[mi][e] = element_prob_kept<C::kMods, C::kDropout>(
+                    p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
+                    C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
+        }
+        if constexpr (C::kSerialScores) {
+            wgmma_fence();
+            issue_dp();
         }
         wgmma_wait<0>();
         fence_registers(dp_flat);
-        // dS^T element by element, into acc_dp.
+        // dS^T element by element, into acc_dp (prob keeps P, for Pdrop below).
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi) {
             const float2 col_dsum = *reinterpret_cast<const float2*>(&sh.dsum[stage][col0 + mi * 8 + 2 * t]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float ds;
-                acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(p, acc_s[mi][e], acc_s[mi][e], acc_dp[mi][e],
+                acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(p, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
                                                                     e % 2 ? col_dsum.y : col_dsum.x, &ds);
+                if constexpr ((C::kMods & kModBias) != 0) {
+                    const int i = m_lo + col0 + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
+                    if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
+                        bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
+                                 j] = ds;
+                }
             }
         }
-        // P^T and dS^T into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
+        // Pdrop^T and dS^T into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
         // col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a warp's 8 rows x 4 pairs hit 32 banks).
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi)
@@ -651,7 +728,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
                 const int row = key_row0 + 8 * half;
                 const unsigned off = row * 128 + (((col0 / 8 + mi) ^ g) * 16) + t * 4;
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(pt_tile + off),
-                             "r"(pack2<elem_t>(acc_s[mi][2 * half], acc_s[mi][2 * half + 1]))
+                             "r"(pack2<elem_t>(element_pdrop<C::kDropout>(p, prob[mi][2 * half]),
+                                               element_pdrop<C::kDropout>(p, prob[mi][2 * half + 1])))
                              : "memory");
                 asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ds_tile + off),
                              "r"(pack2<elem_t>(acc_dp[mi][2 * half], acc_dp[mi][2 * half + 1]))
@@ -660,34 +738,35 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         fence_proxy_async();
         named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
 
-        // dQ's two 64 x 64 shares (A = dS^T read transposed, B = K's column blocks 2c, 2c + 1), then
-        // dV and dK over the whole tile (B = this consumer's two column blocks of dO / Q).
+        // dQ's 64 x 64 shares (A = dS^T read transposed, B = K's column blocks kDqShares c ..), then
+        // dV and dK over the whole tile (B = this consumer's column blocks of dO / Q).
         float(&dv_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dv[0][0]);
         float(&dk_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dk[0][0]);
         const unsigned cols = consumer * (C::kDimCols / 64) * C::kBlockM * 128;
-        float acc_dq[2][32];
+        float acc_dq[C::kDqShares][32];
         wgmma_fence();
         if constexpr (C::kDq) {
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
-                gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile, tiles.k + (2 * consumer + j) * C::kBlockN * 128);
+            for (int j = 0; j < C::kDqShares; ++j)
+                gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile,
+                                            tiles.k + (C::kDqShares * consumer + j) * C::kBlockN * 128);
         }
-        gemm_ab_ss_n128<C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols);
-        gemm_ab_ss_n128<C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
+        gemm_ab_ss<C::kDimCols, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols);
+        gemm_ab_ss<C::kDimCols, C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(dv_flat);
         fence_registers(dk_flat);
-        fence_registers(acc_dq[0]);
-        fence_registers(acc_dq[1]);
+#pragma unroll
+        for (int j = 0; j < C::kDqShares; ++j) fence_registers(acc_dq[j]);
         // Both consumers are done with this stage's Q and dO, and with P^T and dS^T.
         named_barrier_sync(1, 128 * C::kConsumers);
 
         if constexpr (C::kDq) {
-            // In dq_tile_offset's order: share j of this consumer is the tile's share 2c + j.
+            // In dq_tile_offset's order: share j of this consumer is the tile's share kDqShares c + j.
             const unsigned share = consumer == 0 ? q_tile : do_tile;
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
+            for (int j = 0; j < C::kDqShares; ++j)
 #pragma unroll
                 for (int nj = 0; nj < 8; ++nj)
                     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
@@ -700,7 +779,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
             if (wg_thread == 0) {
                 float* dq_tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
                                  (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
-                bulk_reduce_add(dq_tile + consumer * 2 * (C::kDqShareBytes / 4), share, 2 * C::kDqShareBytes);
+                bulk_reduce_add(dq_tile + consumer * C::kDqShares * (C::kDqShareBytes / 4), share,
+                                C::kDqShares * C::kDqShareBytes);
                 bulk_commit();
             }
             pending = stage;

@@ -70,15 +70,18 @@ __device__ __forceinline__ void gemm_ab_rs(float (&acc)[N / 2], const unsigned (
     for (int kk = 0; kk < kK / 16; ++kk) wgmma_rs<N>(acc, a[kk], b + (mnmajor_step(kk) >> 4));
 }
 
-// acc (64 x 128) += A B: A = the 64 rows of a K-major tile (kK columns: one column block), B the
-// first 128 columns of an MN-major tile of kBRows rows (>= kK) at b_tile.
-template <int kK, int kBRows>
-__device__ __forceinline__ void gemm_ab_ss_n128(float (&acc)[64], unsigned a_tile, unsigned b_tile) {
+// acc (64 x N) += A B: A = the 64 rows of a K-major tile (kK columns: one column block), B the
+// first N (64 or 128) columns of an MN-major tile of kBRows rows (>= kK) at b_tile.
+template <int N, int kK, int kBRows>
+__device__ __forceinline__ void gemm_ab_ss(float (&acc)[N / 2], unsigned a_tile, unsigned b_tile) {
     static_assert(kK <= 64, "A is one column block");
+    static_assert(N == 64 || N == 128, "wgmma n of 64 or 128");
     const unsigned long long a = smem_desc(a_tile, 16, 1024), b = smem_desc(b_tile, kBRows * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kK / 16; ++kk)
-        wgmma_ss_n128_tb(acc, a + (kmajor_step<64>(kk) >> 4), b + (mnmajor_step(kk) >> 4));
+    for (int kk = 0; kk < kK / 16; ++kk) {
+        if constexpr (N == 64) wgmma_ss_n64_tb(acc, a + (kmajor_step<64>(kk) >> 4), b + (mnmajor_step(kk) >> 4));
+        else wgmma_ss_n128_tb(acc, a + (kmajor_step<64>(kk) >> 4), b + (mnmajor_step(kk) >> 4));
+    }
 }
 
 // acc (64 x 64) = A B over kK: A^T is 64 columns of an MN-major tile (rows = K) at a_tile, B the

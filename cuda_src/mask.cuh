@@ -53,6 +53,18 @@ __device__ __forceinline__ void visible_keys(const FwdParams& p, const SeqInfo& 
     *last = max(hi, lo);
 }
 
+// Query rows [first, last) that the window leaves some key of [n_lo, n_hi) visible to: the
+// mirror of visible_keys, for a CTA that owns keys and walks over queries.
+__device__ __forceinline__ void visible_queries(const FwdParams& p, const SeqInfo& s, int n_lo, int n_hi,
+                                                int* first, int* last) {
+    int lo = 0, hi = s.seqlen_q;
+    // j <= i + diag + right  <=>  i >= j - diag - right;  j >= i + diag - left  <=>  i <= j - diag + left.
+    if (p.window_right >= 0) lo = max(lo, n_lo - s.diag - p.window_right);
+    if (p.window_left >= 0) hi = min(hi, n_hi - 1 - s.diag + p.window_left + 1);
+    *first = lo;
+    *last = max(hi, lo);
+}
+
 __device__ __forceinline__ bool in_window(const FwdParams& p, const SeqInfo& s, int i, int j) {
     const int center = i + s.diag;
     return j < s.seqlen_k && (p.window_left < 0 || j >= center - p.window_left) &&
@@ -97,24 +109,35 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
     return x;
 }
 
-// modified_score for a thread's grid of kRows rows x kCols keys at once (rows[r], cols[c]; x(r, c) is
-// the element's raw q.k in, its score in log2 units out, -inf where hidden, rows past the sequence's
-// end included). Same arithmetic as modified_score, element for element, but one modifier at a time
-// over the whole grid: each run-time test (softcap > 0, a pointer) is one branch per tile rather than
-// one per element, the bias dtype two passes rather than a switch per element, the row part of every
-// index is computed once per row, and the loads are predicated on visibility instead of branched
-// around. Fully unrolled, the per-element form was a maze of branches that took ptxas 30-45 s per
-// fwd_sm90 variant (and spilled at D = 128 and 256).
-template <int kMods, int kRows, int kCols, class At>
+// modified_score for a thread's grid of kRows rows x kCols columns at once (rows[r], cols[c]; x(r, c)
+// is the element's raw q.k in, its score in log2 units out, -inf where hidden, positions past the
+// sequence's end included). The rows are queries and the columns keys, or the other way round when
+// kKeysAreRows (a backward CTA that keeps keys: each row's bounds are then the queries that see its
+// key). Same arithmetic as modified_score, element for element, but one modifier at a time over the
+// whole grid: each run-time test (softcap > 0, a pointer) is one branch per tile rather than one per
+// element, the bias dtype two passes rather than a switch per element, the row part of every index
+// is computed once per row, and the loads are predicated on visibility instead of branched around.
+// Fully unrolled, the per-element form was a maze of branches that took ptxas 30-45 s per fwd_sm90
+// variant (and spilled at D = 128 and 256).
+template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, class At>
 __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
                                               const int (&cols)[kCols], At&& x) {
-    // Visible keys of each row: [first, last) (window and sequence end), none past the last row.
+    // Visible columns of each row: [first, last) (window and sequence ends), none past the last row.
     int first[kRows], last[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-        visible_keys(p, s, rows[r], rows[r] + 1, &first[r], &last[r]);
-        if (rows[r] >= s.seqlen_q) last[r] = first[r];
+        if constexpr (kKeysAreRows) {
+            visible_queries(p, s, rows[r], rows[r] + 1, &first[r], &last[r]);
+            if (rows[r] >= s.seqlen_k) last[r] = first[r];
+        } else {
+            visible_keys(p, s, rows[r], rows[r] + 1, &first[r], &last[r]);
+            if (rows[r] >= s.seqlen_q) last[r] = first[r];
+        }
     }
+    // Index strides of a row and of a column in a [query][key] argument (bias, mask, block_mask).
+    auto strides = [](long long query_stride, long long key_stride) {
+        return kKeysAreRows ? make_longlong2(key_stride, query_stride) : make_longlong2(query_stride, key_stride);
+    };
     auto visible = [&](int r, int c) { return cols[c] >= first[r] && cols[c] < last[r]; };
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
@@ -134,21 +157,25 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
 #pragma unroll
-                for (int c = 0; c < kCols; ++c) x(r, c) -= slope * fabsf(float(rows[r] + s.diag - cols[c]));
+                for (int c = 0; c < kCols; ++c) {
+                    const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
+                    x(r, c) -= slope * fabsf(float(i + s.diag - j));
+                }
         }
     }
     if constexpr ((kMods & kModBias) != 0) {
         if (p.bias != nullptr) {
+            const longlong2 stride = strides(p.bias_row_stride, p.bias_col_stride);
             long long row_off[kRows];
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
-                row_off[r] = s.b * p.bias_batch_stride + s.h * p.bias_head_stride + rows[r] * p.bias_row_stride;
+                row_off[r] = s.b * p.bias_batch_stride + s.h * p.bias_head_stride + rows[r] * stride.x;
             // float32 in one pass, float16 and bfloat16 in another (one 16-bit load, two conversions).
             if (p.bias_dtype == 0) {
                 const float* bias = static_cast<const float*>(p.bias);
 #pragma unroll
                 for (int c = 0; c < kCols; ++c) {
-                    const long long col_off = cols[c] * p.bias_col_stride;
+                    const long long col_off = cols[c] * stride.y;
 #pragma unroll
                     for (int r = 0; r < kRows; ++r)
                         if (visible(r, c)) x(r, c) += bias[row_off[r] + col_off];
@@ -158,7 +185,7 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
                 const bool is_half = p.bias_dtype == 1;
 #pragma unroll
                 for (int c = 0; c < kCols; ++c) {
-                    const long long col_off = cols[c] * p.bias_col_stride;
+                    const long long col_off = cols[c] * stride.y;
 #pragma unroll
                     for (int r = 0; r < kRows; ++r)
                         if (visible(r, c)) {
@@ -172,13 +199,14 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
     // The masks (read only where visible) set -inf; so do the window and the sequence ends.
     if constexpr ((kMods & kModMask) != 0) {
         if (p.mask != nullptr) {
+            const longlong2 stride = strides(p.mask_row_stride, p.mask_col_stride);
             long long row_off[kRows];
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
-                row_off[r] = s.b * p.mask_batch_stride + s.h * p.mask_head_stride + rows[r] * p.mask_row_stride;
+                row_off[r] = s.b * p.mask_batch_stride + s.h * p.mask_head_stride + rows[r] * stride.x;
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
-                const long long col_off = cols[c] * p.mask_col_stride;
+                const long long col_off = cols[c] * stride.y;
 #pragma unroll
                 for (int r = 0; r < kRows; ++r)
                     if (visible(r, c) && !p.mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
@@ -187,14 +215,16 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
     }
     if constexpr ((kMods & kModBlockMask) != 0) {
         if (p.block_mask != nullptr) {
+            const longlong2 stride = strides(p.block_mask_row_stride, p.block_mask_col_stride);
+            const int row_block = kKeysAreRows ? p.block_k : p.block_q, col_block = kKeysAreRows ? p.block_q : p.block_k;
             long long row_off[kRows];
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
                 row_off[r] = s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
-                             (rows[r] / p.block_q) * p.block_mask_row_stride;
+                             (rows[r] / row_block) * stride.x;
 #pragma unroll
             for (int c = 0; c < kCols; ++c) {
-                const long long col_off = (cols[c] / p.block_k) * p.block_mask_col_stride;
+                const long long col_off = (cols[c] / col_block) * stride.y;
 #pragma unroll
                 for (int r = 0; r < kRows; ++r)
                     if (visible(r, c) && !p.block_mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
@@ -240,18 +270,6 @@ __device__ __forceinline__ bool block_mask_tile_visible_warp(const FwdParams& p,
 }
 
 // ---- Backward helpers (appended for the backward kernels; the pipeline above is unchanged).
-
-// Query rows [first, last) that the window leaves some key of [n_lo, n_hi) visible to: the
-// mirror of visible_keys, for a CTA that owns keys and walks over queries.
-__device__ __forceinline__ void visible_queries(const FwdParams& p, const SeqInfo& s, int n_lo, int n_hi,
-                                                int* first, int* last) {
-    int lo = 0, hi = s.seqlen_q;
-    // j <= i + diag + right  <=>  i >= j - diag - right;  j >= i + diag - left  <=>  i <= j - diag + left.
-    if (p.window_right >= 0) lo = max(lo, n_lo - s.diag - p.window_right);
-    if (p.window_left >= 0) hi = min(hi, n_hi - 1 - s.diag + p.window_left + 1);
-    *first = lo;
-    *last = max(hi, lo);
-}
 
 // d s / d x of the score pipeline at x = scale * qk, for a visible element: only the softcap bends
 // it (s = c tanh(x / c) gives 1 - tanh^2(x / c)); ALiBi and bias are additive constants. The tanh

@@ -380,7 +380,7 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                 for mods in score_mod_sets():
                     for dropout in (False, True):
                         for det in (False, True, "pass"):
-                            if det is True and not bwd_sm90_orders_dq(d):
+                            if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
                                 continue
                             if bwd_sm90_obstacle(d, mods, dropout) is None:
                                 out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
@@ -723,29 +723,47 @@ BWD_SM80_DQ_TILES_MODS = {
 # split by columns). At D = 256, 64 keys per CTA whose dK/dV columns the consumers split (64 rows per
 # step, two 64 x 64 shares of dQ each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and
 # dS^T) tiles, the dQ staging of both consumers (at D = 256 in the step's Q and dO buffers).
+# With score modifiers or dropout ("featured") the consumers need smaller accumulators
+# (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
+# takes 64 query rows per step (each consumer adds dQ over its own keys).
 BWD_SM90_HEAD_DIMS = (64, 128, 256)
 BWD_SM90_THREADS = 384
 BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
+BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
+BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
 BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
-#: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh);
-#: at D = 64 the order's bookkeeping made the consumers spill, and bwd_sm80's dQ pass computes dQ.
+#: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh),
+#: without score modifiers and dropout; at D = 64 the order's bookkeeping made the consumers spill,
+#: and bwd_sm80's dQ pass computes dQ.
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
-def bwd_sm90_smem_bytes(head_dim: int) -> int:
+def bwd_sm90_tiles(head_dim: int, featured: bool = False) -> tuple[int, int]:
+    """(keys per CTA, query rows per step) of bwd_sm90 at a compiled head dim; featured: with score
+    modifiers or dropout."""
+    if featured:
+        return BWD_SM90_FEATURED_BLOCK_N[head_dim], BWD_SM90_FEATURED_BLOCK_M[head_dim]
+    return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim]
+
+
+def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included)."""
-    block_n, block_m, stages = BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim], BWD_SM90_STAGES[head_dim]
+    block_n, block_m = bwd_sm90_tiles(head_dim, featured)
+    stages = BWD_SM90_STAGES[head_dim]
     kv, q_do, ds = 2 * block_n * head_dim, 2 * block_m * head_dim, 2 * block_n * block_m
-    dq_buffers = {64: 1, 128: 2, 256: 0}[head_dim]   # a 64 x 64 float32 share of dQ per consumer and buffer
+    split_dims = head_dim == 256 or (head_dim == 128 and featured)
+    # a 64 x 64 float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers)
+    dq_buffers = 0 if split_dims else 2 if head_dim == 128 else 1
     dq_staging = 2 * dq_buffers * 64 * 64 * 4
     return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
 
 
-def bwd_sm90_orders_dq(head_dim: int) -> bool:
+def bwd_sm90_orders_dq(head_dim: int, featured: bool = False) -> bool:
     """Whether bwd_sm90 adds dQ in a fixed order under deterministic=True at this (padded) head dim
-    (else bwd_sm80's dQ pass computes dQ after it)."""
-    return head_dim <= max(BWD_SM90_HEAD_DIMS) and _round_up(head_dim, BWD_SM90_HEAD_DIMS) in BWD_SM90_ORDERED_HEAD_DIMS
+    (else bwd_sm80's dQ pass computes dQ after it); featured: with score modifiers or dropout."""
+    return (not featured and head_dim <= max(BWD_SM90_HEAD_DIMS)
+            and _round_up(head_dim, BWD_SM90_HEAD_DIMS) in BWD_SM90_ORDERED_HEAD_DIMS)
 
 
 def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> str | None:
@@ -754,10 +772,9 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> st
     layouts: cuflash/backward.py checks those.)"""
     if head_dim > max(BWD_SM90_HEAD_DIMS):
         return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {head_dim}"
-    if score_mod_bits(score_mods):
-        return "bwd_sm90 does not run score modifiers (softcap, ALiBi, mask, bias, block_mask) yet"
-    if dropout:
-        return "bwd_sm90 does not run dropout yet"
+    if dropout and head_dim > 128 and bin(score_mod_bits(score_mods)).count("1") > 1:
+        # The every-modifier variant with dropout spills 28-36 B at D = 256 (BwdSm90Config).
+        return "bwd_sm90 does not run several score modifiers with dropout at head dims above 128 yet"
     return None
 
 
@@ -839,25 +856,28 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             raise ValueError("bwd_sm90 has no dQ pass (deterministic dQ runs bwd_sm80's)")
         if deterministic not in (False, True, "pass"):
             raise ValueError("bwd_sm90 needs deterministic=True, False or 'pass' (how dQ is added)")
-        if deterministic is True and not bwd_sm90_orders_dq(head_dim):
-            raise ValueError(f"bwd_sm90 adds dQ in a fixed order only at head dims {BWD_SM90_ORDERED_HEAD_DIMS}")
+        featured = bool(mods or dropout)
+        if deterministic is True and not bwd_sm90_orders_dq(head_dim, featured):
+            raise ValueError(f"bwd_sm90 adds dQ in a fixed order only at head dims {BWD_SM90_ORDERED_HEAD_DIMS}, "
+                             "without score modifiers and dropout")
         obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout)
         if obstacle is not None:
             raise ValueError(obstacle)
         kdim = _round_up(head_dim, BWD_SM90_HEAD_DIMS)
+        block_n, block_m = bwd_sm90_tiles(kdim, featured)
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
             "CUFLASH_HEAD_DIM": kdim,
-            "CUFLASH_BLOCK_M": BWD_SM90_BLOCK_M[kdim],
+            "CUFLASH_BLOCK_M": block_m,
             "CUFLASH_STAGES": BWD_SM90_STAGES[kdim],
             "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
-            "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim),
+            "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured),
             **_bwd_size_defines(),
         }
-        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), BWD_SM90_BLOCK_N[kdim], BWD_SM90_THREADS,
-                          bwd_sm90_smem_bytes(kdim), kdim)
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
+                          bwd_sm90_smem_bytes(kdim, featured), kdim)
     elif family == "bwd_simt":
         if dtype_name != "float32":
             raise ValueError(f"bwd_simt runs float32, not {dtype_name}")
@@ -939,7 +959,7 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
                 for mods, dropout, det in (((), False, False), ((), False, True), ((), False, "pass"),
                                            (SCORE_MODS, True, False)):
                     if bwd_sm90_obstacle(d, mods, dropout) is None:
-                        if det is True and not bwd_sm90_orders_dq(d):
+                        if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
                             continue
                         plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
                                              dropout=dropout, deterministic=det)

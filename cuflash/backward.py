@@ -233,7 +233,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     device_id = _pipeline.device_id()
     # Deterministic bwd_sm90 adds dQ in a fixed order (cuda_src/dq_order.cuh) where it can; else, and
     # on the other families, a dQ pass computes dQ after the dK/dV pass (bwd_sm90 has none: bwd_sm80's).
-    ordered = family == "bwd_sm90" and bool(deterministic) and _heuristics.bwd_sm90_orders_dq(d_pad)
+    ordered = (family == "bwd_sm90" and bool(deterministic)
+               and _heuristics.bwd_sm90_orders_dq(d_pad, bool(score_mods or dropout)))
     dq_pass = bool(deterministic) and not ordered
     sm90_mode = (True if ordered else "pass" if deterministic else False) if family == "bwd_sm90" else None
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,

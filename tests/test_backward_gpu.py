@@ -868,19 +868,21 @@ def test_sm90_is_the_default_for_bf16(head_dim):
 
 
 @_sm90_only
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_sm90_forced_on_a_call_it_cannot_run_raises(head_dim):
-    # A score modifier (softcap) that bwd_sm90 does not run yet: a ValueError naming why, before
-    # anything is written.
-    reason = _heuristics.bwd_sm90_obstacle(head_dim, ("softcap",), False)
+def test_sm90_forced_on_a_call_it_cannot_run_raises():
+    # Several score modifiers with dropout at D = 256, which bwd_sm90 does not run yet: a ValueError
+    # naming why, before anything is written.
+    head_dim = 256
+    reason = _heuristics.bwd_sm90_obstacle(head_dim, ("softcap", "alibi"), True)
     if reason is None:
-        pytest.skip("bwd_sm90 runs softcap")
+        pytest.skip("bwd_sm90 runs several modifiers with dropout at D = 256")
     q, k, v = tt.random_qkv(_shape(1, 33, 40, 4, 2, head_dim), "bfloat16", 180, xp=cupy)
     lse = cupy.zeros((1, 4, 33), dtype=cupy.float32)
+    slopes = cupy.full((4,), 0.25, dtype=cupy.float32)
     dq = cupy.full(q.shape, NAN, dtype=q.dtype)
     with bw.force_kernel("bwd_sm90"):
         with pytest.raises(ValueError, match=re.escape(reason)):
-            bw.attention_backward(q, q, k, v, q, lse, softcap=5.0, dq=dq)
+            bw.attention_backward(q, q, k, v, q, lse, softcap=5.0, alibi_slopes=slopes, dropout_p=0.1,
+                                  rng_state=np.array([1, 2], dtype=np.uint64), dq=dq)
     assert bool(cupy.isnan(dq.astype(cupy.float32)).all()), "dq was written before the error"
 
 
