@@ -38,9 +38,10 @@
 // CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
 // CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128 and 256, so that dQ is made of
 // 64 x 64 shares), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
-// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE. The modifier and dropout variants
-// of D = 64/128 compile but still spill, so the planner does not choose them yet
-// (_heuristics.bwd_sm90_obstacle); D = 256 does not compile them.
+// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE. Score modifiers and dropout take
+// smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64
+// takes 64 query rows per step. Several modifiers with dropout at D = 256 still spill and run on
+// bwd_sm80 (_heuristics.bwd_sm90_obstacle).
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
