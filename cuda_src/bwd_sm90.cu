@@ -81,8 +81,8 @@ struct BwdSm90Config {
     // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
     // of every column would take 256 registers per thread, and at D = 128 when featured.
     static constexpr bool kSplitDims = kHeadDim == 256 || (kHeadDim == 128 && kFeatured);
-    // With score modifiers or dropout a consumer computes dP^T after P^T rather than beside it when split by
-    // keys: the modifiers' loads and the Philox rounds then have dP^T's registers.
+    // With score modifiers or dropout, split by keys, a consumer computes dP^T after P^T rather than
+    // beside it: the modifiers' loads and the Philox rounds then have dP^T's registers.
     static constexpr bool kSerialScores = kFeatured && !kSplitDims;
     static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
     // The producer's walk and copies need 40 registers (with 24 they spilled), 56 with the block
@@ -381,12 +381,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + 8 mi + 2 t
         // + e % 2. Dropout's keep bits are drawn while S^T is computed.
         const int n_lo = cta_key_block<C>() * C::kBlockN;
-        int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
-        if constexpr (C::kSerialScores) {
-            // Recomputed every step: what depends only on the keys (index parts, window bounds)
-            // hoisted out of the walk spilled.
-            asm volatile("" : "+r"(keys[0]), "+r"(keys[1]));
-        }
+        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         unsigned keep[C::kDropout ? (C::kMTiles + 7) / 8 : 1];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + 2 * t, keys[0], lane, keep);
         wgmma_wait<C::kSerialScores ? 0 : 1>();
