@@ -46,6 +46,13 @@ __device__ __forceinline__ int dq_tile_offset(int r, int c, int tile_rows) {
     return share * 4096 + ((cc / 8) * 128 + thread) * 4 + e;
 }
 
+// dbias[b, h, i, j] = ds for element (i, j) of the sequence/head in s, when the call asked for dbias
+// and (i, j) lies inside the sequence.
+__device__ __forceinline__ void store_dbias(const BwdParams& bp, const SeqInfo& s, int i, int j, float ds) {
+    if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
+        bp.dbias[s.b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride + j] = ds;
+}
+
 // The Philox word of element (i, j) of the sequence/head in s (cuda_src/philox.cuh's formula).
 __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqInfo& s, int i, int j) {
     const uint4 w = dropout_words(dropout_key(p), s.b, s.h, i, j >> 2, p.heads_q);

@@ -267,9 +267,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
                 score_grad<C::kMods, C::kDropout>(p, acc_s[x][y], C::kScoreMods ? score2[x][y] : 0.f, acc_dp[x][y],
                                                   lse2, dsum, word, &pd, &ds, &dx);
                 if constexpr ((C::kMods & kModBias) && !C::kPassDq) {
-                    if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
-                        bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
-                                 j] = ds;
+                    store_dbias(bp, s, i, j, ds);
                 }
                 ds_smem[rr * kWStride + cc] = dx;
                 if constexpr (!C::kPassDq) p_smem[rr * kWStride + cc] = pd;

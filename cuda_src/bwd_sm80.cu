@@ -342,9 +342,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
                     score_grad<C::kMods, C::kDropout>(p, acc_s[ni][e], C::kScoreMods ? score2[ni][e] : 0.f,
                                                       acc_dp[ni][e], lse2, dsum, words[e], &pd, &ds, &dx);
                     if constexpr ((C::kMods & kModBias) && !C::kPassDq) {
-                        if (bp.dbias != nullptr && dsplit == 0 && i < s.seqlen_q && j < s.seqlen_k)
-                            bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
-                                     j] = ds;
+                        if (dsplit == 0) store_dbias(bp, s, i, j, ds);
                     }
                     acc_s[ni][e] = pd;
                     acc_dp[ni][e] = dx;

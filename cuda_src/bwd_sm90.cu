@@ -95,6 +95,7 @@ struct BwdSm90Config {
     // A consumer's S^T is 64 keys x kQueryCols, its dK/dV 64 keys x kDimCols.
     static constexpr int kQueryCols = kSplitDims ? kBlockM / 2 : kBlockM, kDimCols = kSplitDims ? kHeadDim / 2 : kHeadDim;
     static constexpr int kMTiles = kQueryCols / 8, kDTiles = kDimCols / 8;   // 8-column n-tiles of S^T and dK/dV
+    static constexpr int kKeepWords = kDropout ? (kMTiles + 7) / 8 : 1;   // dropout_keep_bits_cols' registers
     // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
     // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
     static constexpr bool kEarlyDv = kBlockM == 64;
@@ -199,6 +200,43 @@ __device__ __forceinline__ void mask_outside_window(const FwdParams& p, const Se
                 const int x = mi * 8 + e % 2;
                 if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
             }
+    }
+}
+
+// P^T of a consumer's elements from its raw scores acc_s: element (mi, e) is key keys[e / 2] and
+// query m_lo + col + 8 mi + e % 2 (col: the thread's first query column in the tile); lse2 holds the
+// tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
+// key-major) and acc_s keeps the raw ones (the softcap's derivative needs them); without, the window
+// alone, and P^T replaces S^T in acc_s (probabilities() says where P^T is). With dropout the keep
+// bits come from dropout_keep_bits_cols.
+template <class C>
+__device__ __forceinline__ void take_probabilities(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
+                                                   const int (&keys)[2], int col, const float* lse2,
+                                                   const unsigned (&keep)[C::kKeepWords],
+                                                   float (&acc_s)[C::kMTiles][4],
+                                                   float (&score2)[C::kScoreMods ? C::kMTiles : 1][4]) {
+    if constexpr (C::kScoreMods) {
+        int queries[2 * C::kMTiles];
+#pragma unroll
+        for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + col + (x / 2) * 8 + x % 2;
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
+        modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
+            p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
+    } else {
+        mask_outside_window<C>(p, s, m_lo, n_lo, keys, col, acc_s);
+    }
+    float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
+#pragma unroll
+    for (int mi = 0; mi < C::kMTiles; ++mi) {
+        const float2 col_lse2 = *reinterpret_cast<const float2*>(&lse2[col + mi * 8]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            prob[mi][e] = element_prob_kept<C::kMods, C::kDropout>(
+                p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
+                C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
     }
 }
 
@@ -382,38 +420,15 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         // + e % 2. Dropout's keep bits are drawn while S^T is computed.
         const int n_lo = cta_key_block<C>() * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
-        unsigned keep[C::kDropout ? (C::kMTiles + 7) / 8 : 1];
+        unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + 2 * t, keys[0], lane, keep);
         wgmma_wait<C::kSerialScores ? 0 : 1>();
         fence_registers(s_flat);
 
-        // P^T element by element. With score modifiers the scores in log2 units go to score2
-        // (modify_scores, key-major) and acc_s keeps the raw ones (the softcap's derivative needs
-        // them); without, the window alone, and P^T replaces S^T in acc_s.
+        // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
-        if constexpr (C::kScoreMods) {
-            int queries[2 * C::kMTiles];
-#pragma unroll
-            for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + (x / 2) * 8 + 2 * t + x % 2;
-#pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
-            modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
-                p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
-        } else {
-            mask_outside_window<C>(p, s, m_lo, n_lo, keys, 2 * t, acc_s);
-        }
+        take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
-#pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi) {
-            const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][mi * 8 + 2 * t]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                prob[mi][e] = element_prob_kept<C::kMods, C::kDropout>(
-                    p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
-                    C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
-        }
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {
 #pragma unroll
@@ -460,9 +475,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                                                                     e % 2 ? col_dsum.y : col_dsum.x, &ds);
                 if constexpr ((C::kMods & kModBias) != 0) {
                     const int i = m_lo + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
-                    if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
-                        bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
-                                 j] = ds;
+                    store_dbias(bp, s, i, j, ds);
                 }
             }
         }
@@ -643,7 +656,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         // accumulators, with score modifiers, the Philox rounds spilled at D = 256).
         const int n_lo = cta_key_block<C>() * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
-        unsigned keep[C::kDropout ? (C::kMTiles + 7) / 8 : 1];
+        unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + col0 + 2 * t, keys[0], lane, keep);
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's query columns (B starts col0 rows into
@@ -651,51 +664,23 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
         float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
-        auto issue_dp = [&] {
-            gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
-            wgmma_commit();
-        };
         wgmma_fence();
         gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
         wgmma_commit();
-        if constexpr (!C::kSerialScores) issue_dp();
+        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
+        wgmma_commit();
         if (pending >= 0) {   // the previous step's dQ reduction has read its stage (thread 0 issued it)
             if (wg_thread == 0) bulk_wait_read();
             named_barrier_sync(2 + consumer, 128);
             mbar_arrive(sh.empty(pending));
         }
-        wgmma_wait<C::kSerialScores ? 0 : 1>();
+        wgmma_wait<1>();
         fence_registers(s_flat);
 
-        // P^T element by element (as consume_key_halves: score2 holds the modified scores).
+        // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
-        if constexpr (C::kScoreMods) {
-            int queries[2 * C::kMTiles];
-#pragma unroll
-            for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + col0 + (x / 2) * 8 + 2 * t + x % 2;
-#pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
-            modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
-                p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
-        } else {
-            mask_outside_window<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, acc_s);
-        }
+        take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
-#pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi) {
-            const float2 col_lse2 = *reinterpret_cast<const float2*>(&sh.lse2[stage][col0 + mi * 8 + 2 * t]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                prob[mi][e] = element_prob_kept<C::kMods, C::kDropout>(
-                    p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
-                    C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
-        }
-        if constexpr (C::kSerialScores) {
-            wgmma_fence();
-            issue_dp();
-        }
         wgmma_wait<0>();
         fence_registers(dp_flat);
         // dS^T element by element, into acc_dp (prob keeps P, for Pdrop below).
@@ -709,9 +694,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
                                                                     e % 2 ? col_dsum.y : col_dsum.x, &ds);
                 if constexpr ((C::kMods & kModBias) != 0) {
                     const int i = m_lo + col0 + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
-                    if (bp.dbias != nullptr && i < s.seqlen_q && j < s.seqlen_k)
-                        bp.dbias[b * bp.dbias_batch_stride + s.h * bp.dbias_head_stride + i * bp.dbias_row_stride +
-                                 j] = ds;
+                    store_dbias(bp, s, i, j, ds);
                 }
             }
         }
