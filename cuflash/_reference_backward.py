@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflash import reference as _ref
 from cuflash.random import as_rng_state, dropout_keep
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
@@ -173,3 +172,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
                    causal=causal, window=window, alibi_slopes=seq_slopes)
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
+
+
+# Imported last: cuflash/reference.py imports this module at its end, so either may come first
+# (imported at the top, importing this module first failed as a circular import).
+from cuflash import reference as _ref  # noqa: E402

@@ -183,20 +183,21 @@ def _layout_fields(prefix: str, x, varlen: bool) -> dict:
 
 # ----------------------------------------------------------------------------- launch sequence
 
-def _convert_launch(plan, dtype_name, device_id, grid, fields, slots):
+def _convert_launch(plan, dtype_name, device_id, grid, fields, slots, smem=0):
     """A bwd_convert step: its ConvertParams ``fields`` and operand ``slots`` (value indices), and
     the call's index-check verdict when the plan has one."""
     if plan.checked:
         slots = {**slots, "error": plan.index("error")}
     params = Template(CONVERT, fields, slots)
-    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), 0, device_id)
-    return _pipeline.Step(func, grid, 256, 0, (("struct", params),))
+    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), smem, device_id)
+    return _pipeline.Step(func, grid, 256, smem, (("struct", params),))
 
 
 def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_rows, dq, varlen, rows, batch, heads,
                         head_dim, cu_seqlens, scale):
     """bwd_convert of bwd_sm90's tiled dq_accum ``src`` (value index; ``tiles`` its shape) into dQ
-    ``dst``: a warp per row of each sequence (``rows``: the longest), heads and sequences in y, z."""
+    ``dst``: a CTA per tile of each sequence (``rows``: the longest), heads and sequences in y, z; the
+    tile passes through shared memory in row-major order (columns padded by 8 elements)."""
     strides = _checks.element_strides(tiles)
     d = _rows(dq, varlen)
     slots = {"src": src, "dst": dst}
@@ -205,7 +206,9 @@ def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_ro
     fields = dict(src_row_stride=strides[-2], src_head_stride=strides[-3], src_batch_stride=0 if varlen else strides[0],
                   dst_row_stride=d["row"], dst_head_stride=d["head"], dst_batch_stride=d["batch"], rows=rows,
                   heads=heads, head_dim=head_dim, scale=scale, tile_rows=tile_rows)
-    return _convert_launch(plan, dtype_name, device_id, (math.ceil(rows / 8), heads, batch), fields, slots)
+    smem = tile_rows * (strides[-2] + 8) * 2
+    return _convert_launch(plan, dtype_name, device_id, (math.ceil(rows / tile_rows), heads, batch), fields, slots,
+                           smem)
 
 
 def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_dim, src_row_stride,

@@ -9,6 +9,9 @@ element) but cover every option and their combination, GQA/MQA, Sq != Sk, rows t
 and dropout with a fixed rng_state (the forward is then a deterministic, smooth function).
 """
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -204,3 +207,14 @@ def test_argument_errors():
         attention_backward(dout, q, k, v, dropout_p=0.5)
     with pytest.raises(ValueError, match="dout"):
         attention_backward(dout[:, :2], q, k, v)
+
+
+@pytest.mark.parametrize("first", ["cuflash._reference_backward", "cuflash.reference"])
+def test_either_reference_module_imports_first(first):
+    # reference.py imports _reference_backward at its end and _reference_backward builds on it: in a
+    # fresh interpreter either may be imported first (a test file importing _reference_backward
+    # first failed to collect as a circular import).
+    code = f"import {first}; from cuflash.reference import attention_backward; print(attention_backward.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "attention_backward"
