@@ -364,6 +364,32 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     }
 }
 
+// Varlen: the CTA's keys past the sequence's end are the next sequence's; the dQ product reads every
+// K row of the block, so they become zeros (their dS is 0 anyway).
+template <class C>
+__device__ __forceinline__ void zero_keys_past_sequence(const SeqInfo& s, const BwdSm90Tiles& tiles, bool varlen) {
+    if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
+        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
+}
+
+// A consumer's next query tile from the stage ring: waits for the stage, sets s.h and the tile's
+// first row m_lo; false at the end of the walk. Under varlen the tile's rows past the sequence are
+// the next sequence's queries, made zeros in its Q and dO as the keys above.
+template <class C>
+__device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles, int stage, int phase,
+                                                bool varlen, SeqInfo& s, int& m_lo) {
+    mbar_wait(sh.full(stage), phase);
+    const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
+    if (tile < 0) return false;
+    s.h = tile >> 16;
+    m_lo = (tile & 0xffff) * C::kBlockM;
+    if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
+        zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.q + stage * C::kQBytes, s.seqlen_q - m_lo);
+        zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.dout + stage * C::kQBytes, s.seqlen_q - m_lo);
+    }
+    return true;
+}
+
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
 template <class C>
 __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
@@ -381,24 +407,13 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
 
     mbar_wait(sh.kv_full(), 0);
-    // Varlen: keys of the block past the sequence's end are the next sequence's; the dQ product
-    // reads every K row of the block, so they become zeros (their dS is 0 anyway).
-    if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
-        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
+    zero_keys_past_sequence<C>(s, tiles, varlen);
 
     int stage = 0, phase = 0, ds_buf = 0;
     for (;;) {
-        mbar_wait(sh.full(stage), phase);
-        const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
-        if (tile < 0) break;
-        s.h = tile >> 16;
-        const int m_lo = (tile & 0xffff) * C::kBlockM;
+        int m_lo;
+        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo)) break;
         const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
-        if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
-            // As for K above: this tile's rows past the sequence are the next sequence's queries.
-            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(q_tile, s.seqlen_q - m_lo);
-            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(do_tile, s.seqlen_q - m_lo);
-        }
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, in two groups: P^T is taken
         // from S^T while dP^T is still being computed; with score modifiers or dropout, dP^T starts
@@ -632,24 +647,13 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
 
     mbar_wait(sh.kv_full(), 0);
-    // Varlen: keys of the block past the sequence's end are the next sequence's; the dQ product
-    // reads every K row of the block, so they become zeros (their dS is 0 anyway).
-    if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
-        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
+    zero_keys_past_sequence<C>(s, tiles, varlen);
 
     int stage = 0, phase = 0, pending = -1;   // pending: the stage whose dQ reduction may still read it
     for (;;) {
-        mbar_wait(sh.full(stage), phase);
-        const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
-        if (tile < 0) break;
-        s.h = tile >> 16;
-        const int m_lo = (tile & 0xffff) * C::kBlockM;
+        int m_lo;
+        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo)) break;
         const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
-        if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
-            // This tile's rows past the sequence are the next sequence's queries.
-            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(q_tile, s.seqlen_q - m_lo);
-            zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(do_tile, s.seqlen_q - m_lo);
-        }
 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + col0 +
         // 8 mi + 2 t + e % 2. Dropout's keep bits are drawn before the products (beside their

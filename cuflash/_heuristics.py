@@ -773,7 +773,7 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> st
     if head_dim > max(BWD_SM90_HEAD_DIMS):
         return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {head_dim}"
     if dropout and head_dim > 128 and bin(score_mod_bits(score_mods)).count("1") > 1:
-        # The every-modifier variant with dropout spills 28-36 B at D = 256 (BwdSm90Config).
+        # The every-modifier variant with dropout spills 28-40 B at D = 256 (BwdSm90Config).
         return "bwd_sm90 does not run several score modifiers with dropout at head dims above 128 yet"
     return None
 
