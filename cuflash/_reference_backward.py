@@ -9,7 +9,7 @@ references share one score pipeline). Per batch ``b``, query head ``h``, row ``i
     Pdrop_ij = P_ij * keep_ij / (1 - p)               (P without dropout)
     dV_j     = sum_i Pdrop_ij dO_i
     dP_ij    = dO_i . V_j * keep_ij / (1 - p)
-    D_i      = sum_j P_ij dP_ij                       (= dO_i . O_i)
+    D_i      = sum_j P_ij dP_ij                       (= dO_i . O_i; dO_i . out_i for a given out)
     dS_ij    = P_ij (dP_ij - D_i)                     (dL/ds: also dL/dbias_ij)
     dX_ij    = dS_ij * (1 - tanh(x_ij / c)^2)         (softcap c; x = scale * q_i . k_j), else dS_ij
     dQ_i     = scale * sum_j dX_ij K_j,    dK_j = scale * sum_i dX_ij Q_i
@@ -28,9 +28,10 @@ from cuflash.random import as_rng_state, dropout_keep
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
-def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias, scale, softcap,
+def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias, scale, softcap, out=None,
            **score_options):
-    """Gradients on float64 (B, S, H, D) arrays; ``batch_ids`` label the batches for dropout."""
+    """Gradients on float64 (B, S, H, D) arrays; ``batch_ids`` label the batches for dropout; D_i from
+    ``out`` (B, Sq, Hq, Dv) when given."""
     B, Sq, Hq, D = q.shape
     Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq = np.zeros(q.shape)
@@ -55,7 +56,10 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
         pdrop = p * keep_scale
         # dP at the seen keys only: np.where drops what a NaN/Inf of an unseen key made of it.
         dp = np.where(seen, np.einsum("bihd,bjhd->bhij", dout, vq) * keep_scale, 0.0)
-        dsum = np.sum(np.where(seen, p * dp, 0.0), axis=-1, keepdims=True)
+        if out is None:
+            dsum = np.sum(np.where(seen, p * dp, 0.0), axis=-1, keepdims=True)
+        else:
+            dsum = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
         ds = np.where(seen, p * (dp - dsum), 0.0)
         dx = ds
         if softcap > 0:
@@ -71,6 +75,15 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
     return dq, dk, dv, ds
 
 
+def _stored_output(out, shape):
+    if out is None:
+        return None
+    out = _ref._to_float64(out, "out")
+    if out.shape != shape:
+        raise ValueError(f"out must have the shape of dout, {shape}, got {out.shape}")
+    return out
+
+
 def _reduce_to(full, shape):
     """``full`` (B, Hq, Sq, Sk) summed over the axes along which ``shape`` broadcasts to it."""
     padded = (1,) * (4 - len(shape)) + tuple(shape)
@@ -81,7 +94,7 @@ def _reduce_to(full, shape):
 
 def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
-                       dropout_p=0.0, rng_state=None, return_dbias=False):
+                       dropout_p=0.0, rng_state=None, return_dbias=False, out=None):
     """Float64 gradients of :func:`cuflash.reference.attention_forward`.
 
     Parameters
@@ -96,6 +109,10 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
         As in :func:`cuflash.reference.attention_forward`.
     return_dbias : bool
         Also return dL/dbias (``bias`` required), in the shape of ``bias``.
+    out : array, shape (B, Sq, Hq, Dv), optional
+        A stored forward output. When given, ``D_i = dO_i . out_i`` as a FlashAttention kernel
+        computes it, so that the rounding of the stored output is part of the result (tests take
+        the difference to the exact gradients as the part of a kernel's error it cannot avoid).
 
     Returns
     -------
@@ -116,12 +133,13 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     if dout.shape != q.shape[:3] + (v.shape[3],):
         raise ValueError(f"dout must have shape {q.shape[:3] + (v.shape[3],)}, got {dout.shape}")
     dropout_p = _ref._check_dropout(dropout_p, rng_state)
+    out = _stored_output(out, dout.shape)
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
     dq, dk, dv, ds = _grads(dout, q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p, rng_state=rng_state,
                             return_dbias=return_dbias, bias=bias, scale=scale, softcap=softcap, causal=causal,
                             window=window, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask,
-                            block_size=block_size)
+                            block_size=block_size, out=out)
     if return_dbias:
         return dq, dk, dv, _reduce_to(ds, _ref._host(bias).shape)
     return dq, dk, dv
@@ -129,7 +147,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, scale=None, window=None, softcap=0.0,
-                              alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                              alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None):
     """Float64 gradients of :func:`cuflash.reference.attention_varlen`.
 
     Parameters
@@ -143,6 +161,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         index b (dropout, (B, Hq) alibi_slopes).
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, rng_state
         As in :func:`cuflash.reference.attention_varlen`.
+    out : array, shape (total_q, Hq, Dv), optional
+        As in :func:`attention_backward`.
 
     Returns
     -------
@@ -157,6 +177,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
                          f"{k.shape}, {v.shape}")
     _ref._check_qkv(q[None], k[None], v[None])
     dropout_p = _ref._check_dropout(dropout_p, rng_state)
+    out = _stored_output(out, dout.shape)
     cu_q = _ref._check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
     cu_k = _ref._check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
     if cu_q.shape != cu_k.shape:
@@ -169,7 +190,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         seq_slopes = slopes[b] if slopes is not None and slopes.ndim == 2 else slopes
         g = _grads(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], [b], dropout_p=dropout_p,
                    rng_state=rng_state, return_dbias=False, bias=None, scale=scale, softcap=softcap,
-                   causal=causal, window=window, alibi_slopes=seq_slopes)
+                   causal=causal, window=window, alibi_slopes=seq_slopes,
+                   out=None if out is None else out[None, rows])
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 

@@ -23,6 +23,10 @@ The accuracy rule (DESIGN.md §5 carried over to gradients). For each of dq, dk,
   emulated in float32, DESIGN.md §7). ``atol`` is cuflash.testing.DEFAULT_ATOL of the dtype
   (about a quarter ulp), times the largest |reference gradient| of dq, dk, dv (gradients are not
   O(1)).
+- both rules add ``max|g_out - ref|``, ``g_out`` the float64 gradient with D_i = dO_i . out_i from
+  the stored (rounded) output, as every FlashAttention backward computes it. Where a row sees one
+  key, P = 1 and the exact dS is 0: the rounding of ``out`` is then all of a kernel's dq (fp16,
+  D = 32, dropout: 2.8e-3, where the baseline's own roundings happened to cancel to 4.2e-4).
 - float32: ``||g - ref||_F <= 1e-4 ||ref||_F + 1e-5 * M * sqrt(n)``, M the largest |reference
   gradient| of dq, dk, dv: negligible, except where a reference gradient is exactly 0 (Sk = 1 gives
   P = 1 and dS = 0) and float32 rounding noise is all there is. That noise is the difference of two
@@ -255,18 +259,22 @@ def _magnitude(*arrays):
     return max((float(f.max()) for f in finite if f.size), default=0.0)
 
 
-def assert_grad_close(got, ref, base, dtype, name, float32_rtol=FLOAT32_GRAD_RTOL, magnitude=None):
+def assert_grad_close(got, ref, base, dtype, name, float32_rtol=FLOAT32_GRAD_RTOL, magnitude=None,
+                      stored_out=None):
     """The accuracy rule of the module docstring for one gradient. ``magnitude`` (default max|ref|)
     scales the absolute slack: pass the largest of dq, dk, dv so that a gradient that is exactly 0
-    in the reference (Sk = 1: P = 1, dS = 0) is held to rounding noise of the others' size."""
+    in the reference (Sk = 1: P = 1, dS = 0) is held to rounding noise of the others' size.
+    ``stored_out`` is the reference gradient with D from the stored output; its distance to ``ref``
+    is added to the slack."""
     ref = np.asarray(ref, dtype=np.float64)
     magnitude = _magnitude(ref) if magnitude is None else magnitude
+    unavoidable = 0.0 if stored_out is None else _magnitude(np.asarray(stored_out) - ref)
     if dtype == "float32":
         tt.assert_attention_close(got, ref, dtype="float32", rtol=float32_rtol,
-                                  atol=max(1e-5 * magnitude, 1e-12), name=name)
+                                  atol=max(1e-5 * magnitude, 1e-12) + unavoidable, name=name)
     else:
         tt.assert_attention_close(got, ref, base, dtype=dtype,
-                                  atol=max(tt.DEFAULT_ATOL[dtype] * magnitude, 1e-7), name=name)
+                                  atol=max(tt.DEFAULT_ATOL[dtype] * magnitude, 1e-7) + unavoidable, name=name)
 
 
 # ----------------------------------------------------------------------------- running a problem
@@ -317,10 +325,11 @@ def check_gradients(dout, q, k, v, out, options, grads, *, dtype, rng_state=None
         ref_opts["rng_state"] = rng_state
     want_dbias = len(grads) == 4
     ref = reference_backward(dout, q, k, v, return_dbias=want_dbias, **ref_opts)
+    stored = reference_backward(dout, q, k, v, out=out, **ref_opts)
     base = baseline_backward(dout, q, k, v, out, **ref_opts) if dtype != "float32" else (None,) * 4
     magnitude = _magnitude(*ref[:3])
-    for name, got, r, bl in zip(("dq", "dk", "dv"), grads[:3], ref[:3], base[:3]):
-        assert_grad_close(got, r, bl, dtype, name, float32_rtol, magnitude)
+    for name, got, r, bl, st_ in zip(("dq", "dk", "dv"), grads[:3], ref[:3], base[:3], stored):
+        assert_grad_close(got, r, bl, dtype, name, float32_rtol, magnitude, stored_out=st_)
     if want_dbias:
         bias = options["bias"]
         base_db = None
@@ -673,12 +682,13 @@ def _varlen_solve(family, dtype, cu_q, cu_k, shape, options, seed, deterministic
                                            rng_state=rng_state, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
                                            **opts)
     ref = reference_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_opts)
+    stored = reference_varlen_backward(dout, q, k, v, cu_q, cu_k, out=out, **ref_opts)
     base = (baseline_varlen_backward(dout, q, k, v, out, cu_q, cu_k, **ref_opts) if dtype != "float32"
             else (None,) * 3)
     magnitude = _magnitude(*ref)
-    for name, g, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+    for name, g, r, bl, st_ in zip(("dq", "dk", "dv"), got, ref, base, stored):
         assert g.data.ptr == (dq, dk, dv)[("dq", "dk", "dv").index(name)].data.ptr or g.size == 0
-        assert_grad_close(g, r, bl, dtype, name, magnitude=magnitude)
+        assert_grad_close(g, r, bl, dtype, name, magnitude=magnitude, stored_out=st_)
     return got
 
 
@@ -702,6 +712,26 @@ def test_varlen_empty_sequences_and_neighbours(family, dtype, head_dim):
                                    140, deterministic)
         assert not bool(dq[70:150].astype(cupy.float32).any())
         assert not bool(dk[129:200].astype(cupy.float32).any()) and not bool(dv[129:200].astype(cupy.float32).any())
+
+
+@pytest.mark.parametrize("family, dtype", KERNELS)
+def test_one_visible_key_gives_the_stored_output_rounding(family, dtype):
+    # Query row 0 of head 2 sees key 1 only; every other row sees nothing. The exact dq is 0 and a
+    # kernel's dq is the rounding of the stored output carried through D (hypothesis found it, fp16
+    # bwd_sm90, at 6.6x the baseline's error). Against the gradient with D from the stored output,
+    # no extra slack: the kernel's dq must be that gradient.
+    if dtype == "float32":
+        pytest.skip("the stored output is float32: its rounding is below the float32 rule")
+    shape = _shape(1, 2, 2, 8, 1, 32)
+    mask = np.zeros((1, 8, 2, 2), dtype=bool)
+    mask[0, 2, 0, 1] = True
+    grads, _, (dout, q, k, v, out, _, opts, rng_state) = solve(
+        family, dtype, shape, {"mask": mask, "dropout_p": 0.375}, 1294671)
+    stored = reference_backward(dout, q, k, v, out=out, rng_state=rng_state, **opts)
+    base = baseline_backward(dout, q, k, v, out, rng_state=rng_state, **opts)
+    magnitude = _magnitude(*stored)
+    for name, got, want, bl in zip(("dq", "dk", "dv"), grads, stored, base[:3]):
+        assert_grad_close(got, want, bl, dtype, name, magnitude=magnitude)
 
 
 # ----------------------------------------------------------------------------- API surface

@@ -188,6 +188,26 @@ def test_varlen_against_finite_differences():
     np.testing.assert_allclose(dv, _finite_difference(lambda x: loss(vv=x), v), rtol=RTOL, atol=ATOL)
 
 
+def test_stored_output_moves_only_d():
+    # D from the exact output is the exact D; D from a perturbed output shifts dS by -P * dD, which
+    # moves dq and dk and leaves dv alone.
+    q, k, v, dout = _data(2, 5, 7, 4, 2, 3, seed=18)
+    opts = dict(causal=True, dropout_p=0.25, rng_state=(7, 8))
+    exact = attention_backward(dout, q, k, v, **opts)
+    out, _ = reference.attention_forward(q, k, v, **opts)
+    for a, b in zip(exact, attention_backward(dout, q, k, v, out=out, **opts)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    nudged = attention_backward(dout, q, k, v, out=out + 1e-3, **opts)
+    np.testing.assert_array_equal(nudged[2], exact[2])
+    assert np.abs(nudged[0] - exact[0]).max() > 1e-6 and np.abs(nudged[1] - exact[1]).max() > 1e-6
+    rows = slice(0, 5)
+    varlen = attention_varlen_backward(dout[0], q[0], k[0], v[0], np.array([0, 5]), np.array([0, 7]),
+                                       out=out[0] + 1e-3, **opts)
+    np.testing.assert_allclose(varlen[0], nudged[0][0, rows], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="out must have the shape"):
+        attention_backward(dout, q, k, v, out=out[:, :2], **opts)
+
+
 def test_low_precision_inputs_are_upcast():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     q, k, v, dout = _data(1, 3, 4, 2, 1, 8, seed=16)
