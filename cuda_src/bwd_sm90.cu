@@ -118,6 +118,8 @@ struct BwdSm90Config {
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
     static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
+    static_assert(kConsumers * 2 * 64 * kDimCols * 2 <= 2 * kStages * kQBytes,
+                  "dK and dV of both consumers fit the stage ring's Q and dO buffers (store_dk_dv_chunks)");
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
                                       kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
@@ -265,6 +267,68 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_
                 dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
                            acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
         }
+    }
+}
+
+// The same through shared memory, as 16-byte row chunks: a consumer's 64 keys x kDimCols columns of
+// dK (scaled) and dV go to `staging` (row-major, 16-byte chunks XOR-swizzled by row: conflict-free
+// both ways), then each thread stores whole chunks of consecutive columns. store_dk_dv's 4-byte
+// stores, half a 32-byte sector each, took ~5 us of a 30-50 us CTA at D = 128. `key0` is the
+// consumer's first key inside the CTA's block. Every thread of the consumer calls it, once its
+// staging area is no longer read; where 16-byte chunks cannot be used (float32 partial sums,
+// head_dim % 8, unaligned pointers or strides) it falls back to store_dk_dv.
+template <class C>
+__device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, unsigned staging,
+                                                   const float (&acc_dk)[C::kDTiles][4],
+                                                   const float (&acc_dv)[C::kDTiles][4]) {
+    const FwdParams& p = bp.fwd;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
+    const int g = lane / 4, t = lane % 4;
+    const long long strides = bp.dk_batch_stride | bp.dk_head_stride | bp.dk_row_stride | bp.dv_batch_stride |
+                              bp.dv_head_stride | bp.dv_row_stride;
+    const bool chunks = bp.dkv_partial == 0 && p.head_dim % 8 == 0 && strides % 8 == 0 &&
+                        ((reinterpret_cast<unsigned long long>(bp.dk) | reinterpret_cast<unsigned long long>(bp.dv)) &
+                         15) == 0;
+    if (!chunks) {
+        store_dk_dv<C>(bp, b, key0 + warp * 16 + g, col0, acc_dk, acc_dv);
+        return;
+    }
+    constexpr int kRowBytes = C::kDimCols * 2, kChunks = C::kDimCols / 8, kTileBytes = 64 * kRowBytes;
+    // Fragment (di, e): row warp * 16 + g + 8 (e / 2), chunk di; rows % 8 = g, the swizzle's phase.
+#pragma unroll
+    for (int di = 0; di < C::kDTiles; ++di)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const unsigned off = (warp * 16 + g + 8 * half) * kRowBytes + ((di ^ g) * 16) + t * 4;
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + off),
+                         "r"(pack2<elem_t>(acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale))
+                         : "memory");
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + kTileBytes + off),
+                         "r"(pack2<elem_t>(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]))
+                         : "memory");
+        }
+    named_barrier_sync(2 + threadIdx.x / 128 - 1, 128);
+
+    int cta_y = blockIdx.y;
+    asm volatile("" : "+r"(cta_y));
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
+    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
+    const int r0 = cta_key_block<C>() * C::kBlockN + key0;   // the consumer's first key in the sequence
+    elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + se.h_kv * bp.dk_head_stride;
+    elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride;
+#pragma unroll 4
+    for (int i = wg_thread; i < 64 * kChunks; i += 128) {
+        const int row = i / kChunks, chunk = i % kChunks, col = col0 + chunk * 8;
+        if (r0 + row >= se.seqlen_k || col >= p.head_dim) continue;
+        const unsigned off = row * kRowBytes + ((chunk ^ (row % 8)) * 16);
+        const long long r = se.k_row0 + r0 + row;
+        uint4 k4, v4;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(k4.x), "=r"(k4.y), "=r"(k4.z), "=r"(k4.w) : "r"(staging + off));
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w) : "r"(staging + kTileBytes + off));
+        *reinterpret_cast<uint4*>(dk + r * bp.dk_row_stride + col) = k4;
+        *reinterpret_cast<uint4*>(dv + r * bp.dv_row_stride + col) = v4;
     }
 }
 
@@ -604,18 +668,19 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
 
-    if (C::kDq && threadIdx.x % 128 == 0) {
-        if constexpr (C::kOrdered) {   // the end of the walk, to the writer
-            const int buf = ds_buf ^ 1;
-            mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);
-            sh.dq_tile_of[consumer][buf] = -1;
-            mbar_arrive(sh.dq_full(consumer, buf));
-        } else {
-            bulk_wait();   // this warpgroup's dQ reductions have landed
-        }
+    if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to the writer
+        const int buf = ds_buf ^ 1;
+        mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);
+        sh.dq_tile_of[consumer][buf] = -1;
+        mbar_arrive(sh.dq_full(consumer, buf));
     }
 
-    store_dk_dv<C>(bp, b, key_row0, 0, acc_dk, acc_dv);
+    // Before the CTA leaves, its dQ reductions must have read their shared memory; their adds land
+    // by the end of the kernel.
+    if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
+    // The stage ring's Q and dO buffers are free once both consumers have left the walk.
+    named_barrier_sync(1, 128 * C::kConsumers);
+    store_dk_dv_chunks<C>(bp, b, consumer * 64, 0, tiles.q + consumer * 2 * 64 * C::kDimCols * 2, acc_dk, acc_dv);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
@@ -772,9 +837,12 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
-    if (C::kDq && wg_thread == 0) bulk_wait();   // this warpgroup's dQ reductions have landed
-
-    store_dk_dv<C>(bp, b, key_row0, consumer * C::kDimCols, acc_dk, acc_dv);
+    // The stage ring's Q and dO buffers (the last dQ shares passed through them) are free once both
+    // consumers' reductions have read them.
+    if (C::kDq && wg_thread == 0) bulk_wait_read();
+    named_barrier_sync(1, 128 * C::kConsumers);
+    store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, tiles.q + consumer * 2 * 64 * C::kDimCols * 2, acc_dk,
+                          acc_dv);
 }
 
 template <class C>

@@ -330,7 +330,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         mbar_wait(q_full(slot), q_phase);
         const int item = *static_cast<volatile int*>(&item_of_slot[slot]);
         if (item < 0) {
-            if (threadIdx.x % 128 == 0) bulk_wait();   // output stores still read shared memory
+            if (threadIdx.x % 128 == 0) bulk_wait_read();   // output stores still read shared memory
             return;
         }
         const int num_tiles = *static_cast<volatile int*>(&tiles_of_slot[slot]);

@@ -84,7 +84,9 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, unsigned src, unsign
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk stores have finished reading shared memory (it may be reused).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
-// Waits until this thread's bulk stores are complete (before the CTA exits).
+// Waits until this thread's bulk stores and reductions are complete: their writes visible (before
+// another CTA may add onto them in a fixed order). A CTA about to exit needs only bulk_wait_read:
+// what it wrote lands before the kernel ends.
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 }  // namespace cuflash
