@@ -99,6 +99,11 @@ struct BwdSm90Config {
     // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
     // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
     static constexpr bool kEarlyDv = kBlockM == 64;
+    // k-steps of dK issued after dQ's product (consume_key_halves), so that the consumer stores its
+    // dQ share while they run: half of them at D = 64 (H100, 4k tokens: 0.97 -> 1.035x cuDNN per
+    // call). At D = 128, 2 or 4 of its 4 moved the step by less than 1% (dQ's way out then took as
+    // much longer as it overlapped): none. (Not with kSerialScores, which waits for dK before dQ.)
+    static constexpr int kDkTail = (kDq && !kSerialScores && kHeadDim == 64) ? kBlockM / 32 : 0;
     // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64
     // (kDqShares per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each consumer's
     // product over its own 64 keys, both added into the tile's one share (kDqByKeys).
@@ -567,11 +572,12 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         }
 
         // dK += dS^T Q (and dV here when it could not go first: P^T packed only now, as each float32
-        // value of it is read for the last time).
+        // value of it is read for the last time). With dQ here, the last k-steps of dK go after dQ's
+        // product (C::kDkTail), so that dQ's way out through shared memory overlaps them.
         if constexpr (!C::kEarlyDv) pack_pdrop();
         wgmma_fence();
         if constexpr (!C::kEarlyDv) gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
-        gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dk_flat, ds_frag, q_tile);
+        gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM, 0, C::kBlockM / 16 - C::kDkTail>(dk_flat, ds_frag, q_tile);
         wgmma_commit();
         if constexpr (C::kSerialScores) {
             // dQ's accumulators did not fit beside dK's and dV's in-flight operands either.
@@ -611,14 +617,22 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
             }
             wgmma_commit();
+            if constexpr (C::kDkTail > 0) {
+                gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM, C::kBlockM / 16 - C::kDkTail>(dk_flat, ds_frag, q_tile);
+                wgmma_commit();
+            }
             ds_buf ^= 1;
         }
-        wgmma_wait<0>();
+        // Everything but dK's tail is in (products complete in the order they were issued).
+        wgmma_wait<(C::kDkTail > 0 ? 1 : 0)>();
         fence_registers(dv_flat);
-        fence_registers(dk_flat);
         fence_registers(p_frag);
-        fence_registers(ds_frag);
-        mbar_arrive(sh.empty(stage));   // Q, dO, lse2 and D of this stage are no longer read
+        auto release_stage = [&] {
+            fence_registers(dk_flat);
+            fence_registers(ds_frag);
+            mbar_arrive(sh.empty(stage));   // Q, dO, lse2 and D of this stage are no longer read
+        };
+        if constexpr (C::kDkTail == 0) release_stage();
 
         if constexpr (C::kDq) {
             // The 64 x 64 share of dQ leaves through shared memory in dq_tile_offset's order (16-byte
@@ -664,6 +678,10 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                     bulk_commit();
                 }
             }
+        }
+        if constexpr (C::kDkTail > 0) {
+            wgmma_wait<0>();
+            release_stage();
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }

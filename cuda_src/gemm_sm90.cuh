@@ -62,12 +62,13 @@ __device__ __forceinline__ void gemm_abt_ss(float (&acc)[N / 2], unsigned a_tile
 }
 
 // acc (64 x N) += A B: A (64 x kK) in registers as kK / 16 A fragments, B the first N columns of an
-// MN-major tile of kBRows rows (>= kK) at b_tile.
-template <int N, int kK, int kBRows>
+// MN-major tile of kBRows rows (>= kK) at b_tile. Only k-steps kFrom .. kTo - 1 (16 contraction
+// elements each): a product may be issued in two parts, around other work.
+template <int N, int kK, int kBRows, int kFrom = 0, int kTo = kK / 16>
 __device__ __forceinline__ void gemm_ab_rs(float (&acc)[N / 2], const unsigned (&a)[kK / 16][4], unsigned b_tile) {
     const unsigned long long b = smem_desc(b_tile, kBRows * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < kK / 16; ++kk) wgmma_rs<N>(acc, a[kk], b + (mnmajor_step(kk) >> 4));
+    for (int kk = kFrom; kk < kTo; ++kk) wgmma_rs<N>(acc, a[kk], b + (mnmajor_step(kk) >> 4));
 }
 
 // acc (64 x N) += A B: A = the 64 rows of a K-major tile (kK columns: one column block), B the
