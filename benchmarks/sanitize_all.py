@@ -381,13 +381,19 @@ def build_cases() -> list[Case]:
               varlen_case("fwd_sm80", "fp16", 64, 4, 2, window=(32, 8), softcap=30.0),
               varlen_case("fwd_sm80", "bf16", 128, 4, 1, causal=True, dropout_p=0.1),
               varlen_case("fwd_simt", "fp32", 64, 4, 2, causal=True, alibi="heads")]
-    # Backward: bwd_sm90 runs no modifiers or dropout (yet); deterministic dQ is bwd_sm80's pass.
+    # Backward: bwd_sm90 plain (ordered dQ at D = 128; at D = 64 and 256 deterministic dQ is bwd_sm80's
+    # pass) and featured (score modifiers, dropout: the smaller tiles of BwdSm90Config::kFeatured).
     cases += [backward_case("bwd_sm90", "fp16", 64, 2, 77, 200, 4, 2, causal=True),
               backward_case("bwd_sm90", "bf16", 128, 2, 200, 77, 4, 2, deterministic=True),
               backward_case("bwd_sm90", "bf16", 64, 1, 150, 150, 4, 4, causal=True, deterministic=True),
               backward_case("bwd_sm90", "fp16", 128, 1, 77, 200, 4, 1),
               backward_case("bwd_sm90", "bf16", 256, 2, 77, 200, 4, 2, causal=True),
-              backward_case("bwd_sm90", "fp16", 256, 1, 200, 77, 4, 1, deterministic=True)]
+              backward_case("bwd_sm90", "fp16", 256, 1, 200, 77, 4, 1, deterministic=True),
+              backward_case("bwd_sm90", "fp16", 64, 1, 77, 200, 4, 2, window=(32, 16), softcap=30.0, dropout_p=0.1),
+              backward_case("bwd_sm90", "bf16", 128, 1, 100, 140, 4, 2, alibi="batch", mask=True, block_mask=True),
+              backward_case("bwd_sm90", "fp16", 128, 1, 140, 100, 4, 2, bias=True, return_dbias=True, dropout_p=0.1,
+                            deterministic=True),
+              backward_case("bwd_sm90", "bf16", 256, 1, 77, 200, 4, 2, causal=True, softcap=30.0, dropout_p=0.1)]
     for family, a, b in (("bwd_sm80", "fp16", "bf16"), ("bwd_simt", "fp32", "fp32")):
         cases += [backward_case(family, a, 64, 2, 77, 200, 4, 2, causal=True),
                   backward_case(family, b, 128, 1, 200, 77, 4, 2, deterministic=True),
@@ -397,6 +403,7 @@ def build_cases() -> list[Case]:
     cases += [varlen_case("bwd_sm90", "bf16", 64, 4, 2, backward=True, causal=True),
               varlen_case("bwd_sm90", "fp16", 128, 4, 2, backward=True, deterministic=True),
               varlen_case("bwd_sm90", "bf16", 256, 4, 2, backward=True, causal=True),
+              varlen_case("bwd_sm90", "fp16", 128, 4, 2, backward=True, causal=True, alibi="heads", softcap=30.0),
               varlen_case("bwd_sm80", "fp16", 64, 4, 2, backward=True, causal=True, alibi="heads"),
               varlen_case("bwd_sm80", "bf16", 128, 4, 1, backward=True, deterministic=True, window=(32, 8)),
               varlen_case("bwd_simt", "fp32", 64, 4, 2, backward=True, causal=True, softcap=30.0)]
