@@ -18,7 +18,8 @@
 //       dQ += dS K                             (dS^T of both consumers through shared memory, each
 //                                              consumer a 64 x 64 share of dQ, added into its
 //                                              share of dq_accum's tile by one bulk reduction)
-//   dK, dV stay in registers across the walk and are written once at the end.
+//   dK, dV stay in registers across the walk and are written once at the end (through shared memory,
+//   as 16-byte row chunks).
 // At D = 256 the dK and dV of 64 keys over all columns would take 256 registers per thread, so the
 // consumers split the columns instead (consume_dim_halves, below): S^T and dP^T by query halves,
 // P^T and dS^T through shared memory, every other product from shared memory.
