@@ -43,7 +43,7 @@ import time
 
 from _harness import N_INPUT_SETS, Timer, log, markdown_table, missing, open_gpu, write_results
 
-FULL_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+FULL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)   # as bench_forward.py
 QUICK_SEQLENS = (2048, 8192)
 COLUMNS = ["dtype", "head_dim", "causal", "batch", "heads", "seqlen", "family", "cuflash", "cuflash_det",
            "cuflash_torch", "flash", "cudnn", "cuflash/flash", "cuflash/cudnn", "det/cudnn", "torch-path/cudnn",
