@@ -248,6 +248,26 @@ __device__ __forceinline__ void take_probabilities(const FwdParams& p, const Seq
     }
 }
 
+// dS^T (as dL/dx) of a consumer's elements, in place of dP^T in acc_dp: the elements as in
+// take_probabilities, prob their P^T, acc_s the raw scores, dsum the tile's rows of D. With a bias,
+// each element's dS also goes to dbias.
+template <class C>
+__device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInfo& s, int m_lo, const int (&keys)[2],
+                                               int col, const float* dsum, const float (&prob)[C::kMTiles][4],
+                                               const float (&acc_s)[C::kMTiles][4], float (&acc_dp)[C::kMTiles][4]) {
+#pragma unroll
+    for (int mi = 0; mi < C::kMTiles; ++mi) {
+        const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum[col + mi * 8]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float ds;
+            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
+                                                                e % 2 ? col_dsum.y : col_dsum.x, &ds);
+            if constexpr ((C::kMods & kModBias) != 0) store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
+        }
+    }
+}
+
 // dK (scaled) and dV of a consumer's keys (rows key_row0 and key_row0 + 8 of the CTA's block),
 // columns col0 + 8 di + 2 t (+1), once at the end of the walk. The sequence is looked up again rather
 // than kept in registers through the walk (two values of the prologue held there spilled), and so is
@@ -550,20 +570,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         fence_registers(dp_flat);
 
         // dS^T element by element, into acc_dp as dL/dx.
-#pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi) {
-            const float2 col_dsum = *reinterpret_cast<const float2*>(&sh.dsum[stage][mi * 8 + 2 * t]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float ds;
-                acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(p, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
-                                                                    e % 2 ? col_dsum.y : col_dsum.x, &ds);
-                if constexpr ((C::kMods & kModBias) != 0) {
-                    const int i = m_lo + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
-                    store_dbias(bp, s, i, j, ds);
-                }
-            }
-        }
+        take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], prob, acc_s, acc_dp);
 #pragma unroll
         for (int kk = 0; kk < C::kBlockM / 16; ++kk) {
             ds_frag[kk][0] = pack2<elem_t>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
@@ -772,20 +779,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         wgmma_wait<0>();
         fence_registers(dp_flat);
         // dS^T element by element, into acc_dp (prob keeps P, for Pdrop below).
-#pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi) {
-            const float2 col_dsum = *reinterpret_cast<const float2*>(&sh.dsum[stage][col0 + mi * 8 + 2 * t]);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float ds;
-                acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(p, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
-                                                                    e % 2 ? col_dsum.y : col_dsum.x, &ds);
-                if constexpr ((C::kMods & kModBias) != 0) {
-                    const int i = m_lo + col0 + mi * 8 + 2 * t + e % 2, j = keys[e / 2];
-                    store_dbias(bp, s, i, j, ds);
-                }
-            }
-        }
+        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp);
         // Pdrop^T and dS^T into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
         // col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a warp's 8 rows x 4 pairs hit 32 banks).
 #pragma unroll
