@@ -268,19 +268,24 @@ __device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInf
     }
 }
 
+// The CTA's sequence and kv head, looked up again at the end of the walk rather than kept in
+// registers through it (two values of the prologue held there spilled), and so is the group's shape.
+__device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int b) {
+    const FwdParams& p = bp.fwd;
+    int cta_y = blockIdx.y;
+    asm volatile("" : "+r"(cta_y));
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
+    return make_seq_info(p, b, kv_head * group_e);
+}
+
 // dK (scaled) and dV of a consumer's keys (rows key_row0 and key_row0 + 8 of the CTA's block),
-// columns col0 + 8 di + 2 t (+1), once at the end of the walk. The sequence is looked up again rather
-// than kept in registers through the walk (two values of the prologue held there spilled), and so is
-// the group's shape.
+// columns col0 + 8 di + 2 t (+1), once at the end of the walk.
 template <class C>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_row0, int col0,
                                             const float (&acc_dk)[C::kDTiles][4], const float (&acc_dv)[C::kDTiles][4]) {
     const FwdParams& p = bp.fwd;
     const int t = threadIdx.x % 4;
-    int cta_y = blockIdx.y;
-    asm volatile("" : "+r"(cta_y));
-    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
-    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
+    const SeqInfo se = end_of_walk_seq_info(bp, b);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
@@ -335,10 +340,7 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
         }
     named_barrier_sync(2 + threadIdx.x / 128 - 1, 128);
 
-    int cta_y = blockIdx.y;
-    asm volatile("" : "+r"(cta_y));
-    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
-    const SeqInfo se = make_seq_info(p, b, kv_head * group_e);
+    const SeqInfo se = end_of_walk_seq_info(bp, b);
     const int r0 = cta_key_block<C>() * C::kBlockN + key0;   // the consumer's first key in the sequence
     elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + se.h_kv * bp.dk_head_stride;
     elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride;
