@@ -374,66 +374,79 @@ class _KvRing:
         self.dev.wait(self.compute, self._arrival)
 
 
-class _RowStates:
-    """The running (out, lse) of a rank's two query chunks, merged after each call in float32, in
-    two states per chunk (merge_states may not write over its inputs), and the calls' outputs."""
+class _RowParts:
+    """The (out, lse) of every call of a rank's forward, side by side until one merge at the end.
 
-    def __init__(self, dev, q, c):
+    Slot ``i``'s ``j``-th part is its rows in ``outs[j]`` (B, 2c, Hq, D), in q's dtype, and in
+    ``lses[j]`` (B, Hq, 2c). A call spanning both slots takes the next number of both (they are
+    equal in the zigzag schedules); a number a slot skips or never reaches holds lse = -inf, which the
+    merge skips without reading its out. Every part is written once by its call and read once by
+    the one :func:`cuflash.merge_states` over the stack that gives the shard's result: 4 bytes an
+    output element a step in bf16, where a running float32 state merged after each call moves ~10.
+    Memory: a q-sized part per step (zigzag: ``world`` parts).
+    """
+
+    def __init__(self, dev, q, c, calls):
         b, _, hq, d = q.shape
-        self.dev, self.compute, self.c, self.dtype = dev, dev.current_stream(), c, q.dtype
-        self.shape = (b, hq, d)
-        self.acc = accumulator(q.dtype)
-        self.states = [[(dev.empty((b, c, hq, d), self.acc), dev.empty((b, hq, c), self.acc)) for _ in range(2)]
-                       for _ in range(2)]
-        self.current = [None, None]   # which state holds chunk slot i's result so far (None: no call yet)
-        self.parts = {}
+        self.dev, self.compute, self.c = dev, dev.current_stream(), c
+        self.number, empty, count = [], [], [0, 0]
+        for call in (call for step in calls for call in step):
+            slots = range(*call.q_slots)
+            j = max(count[i] for i in slots)
+            empty += [(n, i) for i in slots for n in range(count[i], j)]
+            for i in slots:
+                count[i] = j + 1
+            self.number.append(j)
+        n = max(count)
+        empty += [(m, i) for i in range(2) for m in range(count[i], n)]
+        self.outs = dev.empty((n, b, 2 * c, hq, d), q.dtype)
+        self.lses = dev.empty((n, b, hq, 2 * c), accumulator(q.dtype))
+        for m, i in empty:
+            dev.launch(self.compute, _fill, rows(self.lses[m], (i, i + 1), c, axis=2), -np.inf)
+        self.scratch = {}
+        self.calls = 0
 
-    def part(self, call):
-        """Buffers for a call's (out, lse), one pair per number of query chunks, reused every step
-        (the compute stream merges a call's output before the next call overwrites it)."""
-        nq = call.q_slots[1] - call.q_slots[0]
-        if nq not in self.parts:
-            b, hq, d = self.shape
-            self.parts[nq] = (self.dev.empty((b, nq * self.c, hq, d), self.dtype),
-                              self.dev.empty((b, hq, nq * self.c), self.acc))
-        return self.parts[nq]
+    def into(self, call):
+        """Where the next call (in the driver's order) writes (out, lse): its rows of its part, or
+        contiguous scratch for a view that is not (one slot of B > 1 rows, or of lse), moved into
+        place by :meth:`settle`."""
+        j = self.number[self.calls]
+        self.calls += 1
+        place = (rows(self.outs[j], call.q_slots, self.c), rows(self.lses[j], call.q_slots, self.c, axis=2))
+        target = tuple(x if x.flags.c_contiguous else self._scratch(x) for x in place)
+        return place, target
 
-    def merge(self, q_slots, part):
-        """Queue the merge of a call's output into its query chunks' states."""
-        from .merge import merge_states
+    def _scratch(self, x):
+        key = (tuple(x.shape), x.dtype.str)
+        if key not in self.scratch:
+            self.scratch[key] = self.dev.empty(x.shape, x.dtype)
+        return self.scratch[key]
 
-        out, lse = part
-        for slot in range(*q_slots):
-            span = (slot - q_slots[0], slot - q_slots[0] + 1)
-            o, l = rows(out, span, self.c), rows(lse, span, self.c, axis=2)
-            now = self.current[slot]
-            if now is None:
-                self.dev.launch(self.compute, _copy_state, self.states[slot][0], (o, l))
-                self.current[slot] = 0
-            else:
-                self.dev.launch(self.compute, _merge_state, merge_states, self.states[slot][1 - now],
-                                self.states[slot][now], (o, l))
-                self.current[slot] = 1 - now
+    def settle(self, place, target):
+        """Queue the moves of a call's scratch output into its part (the next call with the same
+        scratch runs after them on the compute stream)."""
+        for dst, src in zip(place, target):
+            if dst is not src:
+                self.dev.launch(self.compute, _copy_into, dst, src)
 
     def result(self):
-        """Queue the chunks' states into one (out, lse) of the shard, in q's dtype and float32."""
-        b, hq, d = self.shape
-        out = self.dev.empty((b, 2 * self.c, hq, d), self.dtype)
-        lse = self.dev.empty((b, hq, 2 * self.c), self.acc)
-        for slot, now in enumerate(self.current):  # every query chunk meets its own diagonal at step 0
-            o, l = self.states[slot][now]
-            self.dev.launch(self.compute, _copy_state, (rows(out, (slot, slot + 1), self.c),
-                                                        rows(lse, (slot, slot + 1), self.c, axis=2)), (o, l))
+        """The shard's (out, lse): one merge of all parts (the part itself when there is one)."""
+        if self.outs.shape[0] == 1:
+            return self.outs[0], self.lses[0]
+        from .merge import merge_states
+
+        out = self.dev.empty(self.outs.shape[1:], self.outs.dtype)
+        lse = self.dev.empty(self.lses.shape[1:], self.lses.dtype)
+        self.dev.launch(self.compute, _merge_into, merge_states, self.outs, self.lses, out, lse)
         return out, lse
 
 
-def _copy_state(dst, src):
-    _copy_into(dst[0], src[0])
-    _copy_into(dst[1], src[1])
+def _fill(x, value):
+    x.fill(value)
 
 
-def _merge_state(merge_states, dst, acc, part):
-    merge_states([acc[0], part[0]], [acc[1], part[1]], out=dst[0], lse=dst[1])
+def _merge_into(merge_states, outs, lses, out, lse):
+    merge_states(outs, lses, out=out, lse=lse)
 
 
 def _dropout_options(dropout, call, c, backward=False):
@@ -466,22 +479,22 @@ def forward_rank(comm, dev, calls, q, k, v, *, scale, dropout=None):
 
     world, c = comm.world, q.shape[1] // 2
     ring = _KvRing(comm, dev, k, v)
-    states = _RowStates(dev, q, c)
+    parts = _RowParts(dev, q, c, calls)
     for step in range(world):
         last = step == world - 1
         if not last:
             yield from ring.pass_on(step)
         k_in, v_in = ring.in_hand
         for call in calls[step]:
-            part = states.part(call)
+            place, target = parts.into(call)
             dev.launch(ring.compute, _forward_call, attention_forward, rows(q, call.q_slots, c),
-                       rows(k_in, call.k_slots, c), rows(v_in, call.k_slots, c), call.causal, scale, part,
+                       rows(k_in, call.k_slots, c), rows(v_in, call.k_slots, c), call.causal, scale, target,
                        _dropout_options(dropout, call, c))
-            states.merge(call.q_slots, part)
+            parts.settle(place, target)
         ring.reads_done = dev.record(ring.compute)
         if not last:
             ring.take_incoming()
-    return states.result()
+    return parts.result()
 
 
 def _backward_call(attention_backward, operands, causal, scale, grads, dq_rows, options):
@@ -551,9 +564,10 @@ def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale, dropout=N
             sums, spare = spare, sums
         if not last:
             ring.take_incoming()
-    dev.wait(compute, arrival)
     grads = tuple(dev.empty(x.shape, q.dtype) for x in (q, k, v))
-    for dst, src in zip(grads, (dq_sum, *sums)):
+    dev.launch(compute, _copy_into, grads[0], dq_sum)   # complete: converted while dK/dV come home
+    dev.wait(compute, arrival)
+    for dst, src in zip(grads[1:], sums):
         dev.launch(compute, _copy_into, dst, src)
     return grads
 
