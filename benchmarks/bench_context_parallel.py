@@ -112,12 +112,13 @@ def make_inputs(cupy, seqlen, heads, kv_heads):
     return normal(heads), normal(kv_heads), normal(kv_heads), normal(heads)
 
 
-def bytes_needed(seqlen, heads, kv_heads):
-    """A generous bound of one rank's memory for forward+backward at ``seqlen`` tokens: bf16 q, k, v,
-    dout, out, the spare kv and the calls' outputs; float32 dq, the dK/dV sums (two sets), the merge
-    states and merge_states' stacked copies; and 1 GiB of slack."""
+def bytes_needed(seqlen, heads, kv_heads, world):
+    """A generous bound of one rank's memory for forward+backward at ``seqlen`` tokens: bf16 q, dout,
+    out, dq, the forward's ``world`` parts, k, v, their two spare buffers, dk, dv and the calls' dk,
+    dv; float32 dq (the sum and the kernel's accumulator), the dK/dV sums (two sets); and 1 GiB of
+    slack."""
     row_q, row_kv = seqlen * heads * HEAD_DIM, seqlen * kv_heads * HEAD_DIM
-    return int(2 * (5 * row_q + 7 * row_kv) + 4 * (5 * row_q + 4 * row_kv)) + (1 << 30)
+    return int(2 * ((4 + world) * row_q + 10 * row_kv) + 4 * (2 * row_q + 4 * row_kv)) + (1 << 30)
 
 
 def single_gpu(cupy, cuflash, q, k, v, dout, args):
@@ -158,7 +159,7 @@ def rank_main(rank, world, unique_id, args, results):
     for tokens in args.tokens:
         seqlen = tokens // world
         free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
-        if not agree(tokens % (2 * world) == 0 and free >= bytes_needed(seqlen, args.heads, args.kv_heads)):
+        if not agree(tokens % (2 * world) == 0 and free >= bytes_needed(seqlen, args.heads, args.kv_heads, world)):
             results.put((rank, tokens, None))
             continue
         try:

@@ -6,10 +6,12 @@
 // Parts with lse_i = -inf saw no key and are skipped (their o_i is never read into the result, even if
 // it is garbage); when every part is -inf the row is out = 0, lse = -inf. A NaN lse_i propagates.
 //
-// One thread block per (b, s, h) row, threads over the head dim. Used by cuflash.merge_states and by
-// the split-KV decode (cuda_src/decode.cu writes float32 partials in exactly this layout).
+// One warp per (b, s, h) row, its lanes over the head dim, CUFLASH_MERGE_ROWS rows a block: a block
+// of its own per row is launch-bound (1M rows of D = 128, a ring shard of 64k tokens x 16 heads, then
+// take ~8x the time their bytes need on an H200). Used by cuflash.merge_states.
 //
-// Compile-time configuration: CUFLASH_IN_DTYPE and CUFLASH_OUT_DTYPE (0 fp16, 1 bf16, 2 fp32, 3 fp64).
+// Compile-time configuration: CUFLASH_IN_DTYPE and CUFLASH_OUT_DTYPE (0 fp16, 1 bf16, 2 fp32, 3 fp64),
+// CUFLASH_MERGE_ROWS (rows, that is warps, per block).
 #include "common.cuh"
 #include "fault.cuh"
 
@@ -57,7 +59,9 @@ __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 
-__device__ __forceinline__ void merge_row(const MergeParams& p, long long row) {
+constexpr int kMergeRowsPerBlock = CUFLASH_MERGE_ROWS;
+
+__device__ __forceinline__ void merge_row(const MergeParams& p, long long row, int lane) {
     const int h = static_cast<int>(row % p.heads);
     const long long bs = row / p.heads;
     const int s = static_cast<int>(bs % p.seqlen), b = static_cast<int>(bs / p.seqlen);
@@ -74,14 +78,14 @@ __device__ __forceinline__ void merge_row(const MergeParams& p, long long row) {
     }
     const bool empty = sum == acc_t(0);
     const acc_t inv_sum = empty ? acc_t(0) : acc_t(1) / sum;
-    if (threadIdx.x == 0)
+    if (lane == 0)
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + s * p.lse_row_stride] =
             empty ? -CUFLASH_INF : static_cast<float>(m_safe + log_acc(sum));
 
     const in_t* src = static_cast<const in_t*>(p.outs) + b * p.outs_batch_stride + s * p.outs_row_stride +
                       h * p.outs_head_stride;
     out_t* dst = static_cast<out_t*>(p.out) + b * p.out_batch_stride + s * p.out_row_stride + h * p.out_head_stride;
-    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) {
+    for (int c = lane; c < p.head_dim; c += 32) {
         acc_t acc = 0;
         for (int i = 0; i < p.num_parts; ++i) {
             const float x = lse_in[i * p.lses_part_stride];
@@ -94,8 +98,10 @@ __device__ __forceinline__ void merge_row(const MergeParams& p, long long row) {
 
 }  // namespace cuflash
 
-extern "C" __global__ void __launch_bounds__(256) cuflash_merge(const cuflash::MergeParams p) {
-    cuflash::wait_for_prior_kernel();   // decode's partials (a programmatic dependent launch on sm_90)
+extern "C" __global__ void __launch_bounds__(32 * cuflash::kMergeRowsPerBlock) cuflash_merge(const cuflash::MergeParams p) {
+    cuflash::wait_for_prior_kernel();   // the partials' kernel (a programmatic dependent launch on sm_90)
     if (cuflash::call_faulted(p.error)) return;
-    cuflash::merge_row(p, blockIdx.x);
+    const long long row = static_cast<long long>(blockIdx.x) * cuflash::kMergeRowsPerBlock + threadIdx.x / 32;
+    if (row >= static_cast<long long>(p.batch) * p.seqlen * p.heads) return;
+    cuflash::merge_row(p, row, threadIdx.x % 32);
 }

@@ -590,18 +590,22 @@ def decode_wave_efficiency(ctas: int, slots: int) -> float:
 
 
 MERGE_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
-MERGE_THREADS_MAX = 256
+MERGE_ROWS_PER_BLOCK = 8   # a warp a row (cuda_src/merge.cu)
 
 
 @dataclass(frozen=True)
 class MergePlan:
     variant: Variant
-    threads: int
+    threads: int          # per block: a warp for each of its rows
+    rows_per_block: int
+
+    def grid(self, rows: int) -> int:
+        return -(-rows // self.rows_per_block)
 
 
-def merge_plan(in_dtype_name: str, out_dtype_name: str, head_dim: int = 128) -> MergePlan:
-    """The merge variant (partials in ``in_dtype_name``, result in ``out_dtype_name``) and the
-    threads per row (one per column up to 256, at least one warp)."""
+def merge_plan(in_dtype_name: str, out_dtype_name: str) -> MergePlan:
+    """The merge variant (partials in ``in_dtype_name``, result in ``out_dtype_name``) and its
+    launch shape: a warp a row, :data:`MERGE_ROWS_PER_BLOCK` rows a block, for every head dim."""
     for name in (in_dtype_name, out_dtype_name):
         if name not in MERGE_DTYPE_CODES:
             raise ValueError(f"merge runs float16, bfloat16, float32 or float64, not {name}")
@@ -609,9 +613,9 @@ def merge_plan(in_dtype_name: str, out_dtype_name: str, head_dim: int = 128) -> 
         "CUFLASH_IN_DTYPE": MERGE_DTYPE_CODES[in_dtype_name],
         "CUFLASH_OUT_DTYPE": MERGE_DTYPE_CODES[out_dtype_name],
         "CUFLASH_MERGE_PARAMS_SIZE": MERGE_PARAMS.itemsize,
+        "CUFLASH_MERGE_ROWS": MERGE_ROWS_PER_BLOCK,
     }
-    threads = min(MERGE_THREADS_MAX, max(32, -(-head_dim // 32) * 32))
-    return MergePlan(Variant("merge", tuple(sorted(defines.items()))), threads)
+    return MergePlan(Variant("merge", tuple(sorted(defines.items()))), 32 * MERGE_ROWS_PER_BLOCK, MERGE_ROWS_PER_BLOCK)
 
 
 def decode_precompile_variants(dtypes=None, head_dims=None,

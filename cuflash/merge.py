@@ -161,12 +161,12 @@ def _plan_merge(operands, key):
     plan = _pipeline.Plan("merge_states", len(operands),
                           outputs={2: _pipeline.Buffer(out_layout.shape, out_dtype),
                                    3: _pipeline.Buffer(lse_layout.shape, np.float32)})
-    merge = _heuristics.merge_plan(_merge_dtype_name(stacked, "outs"), _merge_dtype_name(out_layout, "out"), d)
+    merge = _heuristics.merge_plan(_merge_dtype_name(stacked, "outs"), _merge_dtype_name(out_layout, "out"))
     device_id = _pipeline.device_id()
     func = _launch.prepare_kernel(get_kernel(merge.variant), 0, device_id)
     params = Template(MERGE, merge_fields(stacked, lse_stack, out_layout, lse_layout),
                       {"outs": 0, "lses": 1, "out": 2, "lse": 3})
-    plan.steps.append(_pipeline.Step(func, (b * s * h, 1, 1), merge.threads, 0, (("struct", params),)))
+    plan.steps.append(_pipeline.Step(func, (merge.grid(b * s * h), 1, 1), merge.threads, 0, (("struct", params),)))
     kernel_operands = (stacked, lse_stack, out_k, lse_k)
     in_place = _pipeline.in_place(operands, kernel_operands)
     if not in_place:

@@ -133,12 +133,13 @@ def test_decode_plan_rejects():
 
 
 def test_merge_plan():
-    plan = H.merge_plan("float32", "bfloat16", 128)
-    assert plan.variant.family == "merge" and plan.threads == 128
+    plan = H.merge_plan("float32", "bfloat16")
+    assert plan.variant.family == "merge" and plan.threads == 32 * plan.rows_per_block
     assert dict(plan.variant.defines)["CUFLASH_IN_DTYPE"] == 2
     assert dict(plan.variant.defines)["CUFLASH_OUT_DTYPE"] == 1
-    assert H.merge_plan("float64", "float64", 5).threads == 32
-    assert H.merge_plan("float16", "float16", 1000).threads == H.MERGE_THREADS_MAX
+    # a warp a row: every row is covered once, the last block partly
+    assert [plan.grid(rows) * plan.rows_per_block - rows for rows in (1, 8, 9, 1 << 20)] == [7, 0, 7, 0]
+    assert plan.rows_per_block == H.MERGE_ROWS_PER_BLOCK
     with pytest.raises(ValueError):
         H.merge_plan("int32", "float32")
 

@@ -264,7 +264,7 @@ def test_shared_memory_limit_is_raised_on_each_device(two_fake_gpus):
     assert kernel.limits == {}
 
 
-MERGE = cuflash._heuristics.merge_plan("float32", "float32", 64).variant
+MERGE = cuflash._heuristics.merge_plan("float32", "float32").variant
 
 
 def test_kernels_are_loaded_per_device(tmp_path, monkeypatch):
