@@ -271,5 +271,21 @@ def test_torch_ring_attention_on_one_rank(xp_gpu, tmp_path):
         want_grads = torch.autograd.grad(want, (q, k, v), dout)
         for name, g, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *want_grads)):
             _assert_close(xp_gpu.from_dlpack(g.detach()), xp_gpu.from_dlpack(w.detach()), "bfloat16", name, None)
+
+        # dropout: the ring draws the single call's mask from the shared rng_state
+        state = cuflash.Generator(31).next_state()
+        out = ct.ring_attention(q, k, v, causal=True, dropout_p=0.2, rng_state=state)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        want_out, want_lse, drawn = cuflash.attention_forward(*(xp_gpu.from_dlpack(x.detach()) for x in (q, k, v)),
+                                                              causal=True, dropout_p=0.2,
+                                                              generator=cuflash.Generator(31))
+        assert [int(x) for x in drawn] == [int(x) for x in state]
+        want_grads = cuflash.attention_backward(xp_gpu.from_dlpack(dout), *(xp_gpu.from_dlpack(x.detach())
+                                                for x in (q, k, v)), want_out, want_lse, causal=True,
+                                                dropout_p=0.2, rng_state=state)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (want_out, *want_grads)):
+            _assert_close(xp_gpu.from_dlpack(g.detach()), w, "bfloat16", f"dropout {name}", None)
+        with pytest.raises(ValueError, match="rng_state"):
+            ct.ring_attention(q, k, v, causal=True, dropout_p=0.2)
     finally:
         dist.destroy_process_group()

@@ -118,7 +118,8 @@ class _RingAttention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, scale=None, dropout_p=0.0, return_lse=False):
+def ring_attention(q, k, v, *, group=None, causal=False, scale=None, dropout_p=0.0, rng_state=None,
+                   return_lse=False):
     """Differentiable :func:`cuflash.distributed.ring_attention` for torch tensors.
 
     Every rank of ``group`` calls it with its zigzag shard (:func:`cuflash.distributed.shard`, which
@@ -132,9 +133,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, dropout_p=0
         This rank's shard (chunks ``rank`` and ``2 * world - 1 - rank`` of the sequence); S even.
     group : torch.distributed ProcessGroup, optional
         NCCL backend; default: the default process group.
-    causal, scale, dropout_p
-        As in :func:`cuflash.distributed.ring_attention` (``dropout_p > 0`` needs its ``rng_state``, which
-        this function does not take yet: ValueError).
+    causal, scale, dropout_p, rng_state
+        As in :func:`cuflash.distributed.ring_attention`: ``dropout_p > 0`` needs ``rng_state`` =
+        (seed, offset), the same on every rank (e.g. ``cuflash.Generator(seed).next_state()``); the
+        backward regenerates the mask from it.
     return_lse : bool
         Also return lse (float32 (B, Hq, S), not differentiable).
 
@@ -149,5 +151,6 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, dropout_p=0
         if not t.is_cuda:
             raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
     ring = TorchRing(group, q.device)
-    out, lse = _RingAttention.apply(q, k, v, ring, dict(causal=causal, scale=scale, dropout_p=dropout_p))
+    options = dict(causal=causal, scale=scale, dropout_p=dropout_p, rng_state=rng_state)
+    out, lse = _RingAttention.apply(q, k, v, ring, options)
     return (out, lse) if return_lse else out
