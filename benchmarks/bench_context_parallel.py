@@ -9,15 +9,20 @@ Ring mode (default): one process per GPU, spawned from Python, joined by CuPy's 
 ``ring_attention`` + ``ring_attention_backward`` (forward+backward). A timed run is one call (two
 for forward+backward) with CUDA events around each public call, host work included, after an NCCL
 barrier; the median of ``--repeats`` runs on each rank, and of those the slowest rank's (the ring is
-done when its last rank is). Beside it, in the same run, every rank times one
-``cuflash.attention_forward`` (and ``attention_backward``) over its own T / world tokens, causal:
-one GPU's time t1 at the per-rank length (median over runs, then over ranks).
+done when its last rank is). Beside it, in turns with the ring's runs (each repeat runs both, so
+that the GPU's clock drift falls on both alike), every rank times one ``cuflash.attention_forward``
+(and ``attention_backward``) over its own T / world tokens, causal: one GPU's time t1 at the per-rank
+length (median over runs, then over ranks).
 
 Fraction of ideal. Ideal is world x one GPU's throughput (FLOP/s) at the per-rank length: the ring
 computes world^2 times the work of that single call (causal attention is quadratic), spread over
 world GPUs, so its ideal time is world * t1, and
 
     tokens/s = T / t_ring,   ideal tokens/s = T / (world * t1),   fraction = world * t1 / t_ring.
+
+``--comm torch``: the same, as torch users call it: torch tensors, ``cuflash.interop.torch.ring_attention``
+and ``backward()`` (autograd) over a ``torch.distributed`` NCCL group; t1 from
+``cuflash.interop.torch.attention``.
 
 ``--virtual``: one GPU runs ``ring_attention_virtual`` with ``world`` virtual ranks over T tokens
 (the same driver, joined by device copies); its ideal is one single-GPU call over all T tokens (the
@@ -60,6 +65,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="cuflash ring attention (context parallelism) against one GPU.")
     p.add_argument("--virtual", action="store_true", help="one GPU, virtual ranks (ring_attention_virtual)")
+    p.add_argument("--comm", choices=("cupy", "torch"), default="cupy",
+                   help="ring mode's communicator and arrays: CuPy arrays over cupy.cuda.nccl (default), or torch "
+                        "tensors through cuflash.interop.torch.ring_attention (autograd) over torch.distributed")
     p.add_argument("--worlds", default=None, help="comma-separated world sizes (default: those of 2, 4, 8 "
                                                   "that fit the GPUs present; --virtual: 2, 4, 8)")
     p.add_argument("--tokens", default=None, help=f"comma-separated total tokens T (default {FULL_TOKENS})")
@@ -82,24 +90,39 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- timing
 
-def timed_ms(cupy, fn, repeats, warmup, before=None):
-    """Median milliseconds of ``fn()``, CUDA events around each call on the current stream;
-    ``before()`` (a barrier) runs ahead of every call, outside the events."""
-    for _ in range(warmup):
-        if before:
-            before()
-        fn()
-    times = []
-    for _ in range(repeats):
-        if before:
-            before()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+def timed_in_turns(fns, args, event, elapsed, before=None):
+    """Median milliseconds of each of ``fns`` (name -> callable), timed in turns: every repeat runs
+    each once, so that the GPU's clock drift over a run (it slows as it heats) falls on all alike.
+    CUDA events (``event()``; ``elapsed(start, end)`` in ms) around each call on the current stream;
+    ``before()`` (a barrier) ahead of every call, outside the events."""
+    for _ in range(args.warmup):
+        for fn in fns.values():
+            if before:
+                before()
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(args.repeats):
+        for name, fn in fns.items():
+            if before:
+                before()
+            start, end = event(), event()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(elapsed(start, end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def ring_and_single(ring_fwd, ring_both, single_fwd, single_both, args, event, elapsed, before=None):
+    """({pass: ms} of the ring, {pass: ms} of the single call), each pass's two timed in turns."""
+    fwd = timed_in_turns({"ring": ring_fwd, "single": single_fwd}, args, event, elapsed, before)
+    both = timed_in_turns({"ring": ring_both, "single": single_both}, args, event, elapsed, before)
+    return ({"fwd": fwd["ring"], "fwd+bwd": both["ring"]}, {"fwd": fwd["single"], "fwd+bwd": both["single"]})
+
+
+def cupy_events(cupy):
+    return cupy.cuda.Event, cupy.cuda.get_elapsed_time
 
 
 def make_inputs(cupy, seqlen, heads, kv_heads):
@@ -121,15 +144,16 @@ def bytes_needed(seqlen, heads, kv_heads, world):
     return int(2 * ((4 + world) * row_q + 10 * row_kv) + 4 * (2 * row_q + 4 * row_kv)) + (1 << 30)
 
 
-def single_gpu(cupy, cuflash, q, k, v, dout, args):
-    """Median ms of one GPU's forward and forward+backward over all of q's tokens (causal)."""
-    fwd = timed_ms(cupy, lambda: cuflash.attention_forward(q, k, v, causal=True), args.repeats, args.warmup)
+def single_calls(cuflash, q, k, v, dout):
+    """One GPU's forward and forward+backward over all of q's tokens (causal), as callables."""
+    def fwd():
+        return cuflash.attention_forward(q, k, v, causal=True)
 
     def both():
-        out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
+        out, lse, _ = fwd()
         cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
 
-    return {"fwd": fwd, "fwd+bwd": timed_ms(cupy, both, args.repeats, args.warmup)}
+    return fwd, both
 
 
 # ----------------------------------------------------------------------------- ring mode: one process per GPU
@@ -172,24 +196,89 @@ def rank_main(rank, world, unique_id, args, results):
                 out, lse = forward()
                 cd.ring_attention_backward(dout, q, k, v, out, lse, group=comm, causal=True)
 
-            ring = {"fwd": timed_ms(cupy, forward, args.repeats, args.warmup, barrier),
-                    "fwd+bwd": timed_ms(cupy, both, args.repeats, args.warmup, barrier)}
-            single = single_gpu(cupy, cuflash, q, k, v, dout, args)
-            results.put((rank, tokens, (ring, single)))
+            times = ring_and_single(forward, both, *single_calls(cuflash, q, k, v, dout), args, *cupy_events(cupy),
+                                    barrier)
+            results.put((rank, tokens, times))
         finally:
             q = k = v = dout = None
             cupy.get_default_memory_pool().free_all_blocks()
 
 
+def torch_rank_main(rank, world, store, args, results):
+    """One rank as torch users call: torch tensors, ``cuflash.interop.torch.ring_attention`` and
+    ``backward()`` over a torch.distributed NCCL group; t1 from ``cuflash.interop.torch.attention``."""
+    import torch
+    import torch.distributed as dist
+
+    import cuflash.interop.torch as ct
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    flag = torch.zeros(1, device="cuda")
+
+    def barrier():
+        dist.all_reduce(flag)
+        torch.cuda.synchronize()
+
+    def agree(ok):
+        flag.fill_(0.0 if ok else 1.0)
+        barrier()
+        return float(flag.item()) == 0.0
+
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    def elapsed(start, end):
+        return start.elapsed_time(end)
+
+    try:
+        for tokens in args.tokens:
+            seqlen = tokens // world
+            free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            if not agree(tokens % (2 * world) == 0 and free >= bytes_needed(seqlen, args.heads, args.kv_heads, world)):
+                results.put((rank, tokens, None))
+                continue
+
+            def normal(h):
+                return torch.randn(1, seqlen, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+
+            q, k, v = (normal(h).requires_grad_(True) for h in (args.heads, args.kv_heads, args.kv_heads))
+            dout = normal(args.heads)
+
+            def forward(attend):
+                def run():
+                    with torch.no_grad():
+                        return attend(q, k, v, causal=True)
+                return run
+
+            def both(attend):
+                def run():
+                    attend(q, k, v, causal=True).backward(dout)
+                return run
+
+            times = ring_and_single(forward(ct.ring_attention), both(ct.ring_attention), forward(ct.attention),
+                                    both(ct.attention), args, event, elapsed, barrier)
+            results.put((rank, tokens, times))
+            q = k = v = dout = None
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
 def run_ring(args, world):
     import multiprocessing
+    import tempfile
 
     from cupy.cuda import nccl
 
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    unique_id = nccl.get_unique_id()   # drawn here, handed to every rank
-    ranks = [spawn.Process(target=rank_main, args=(r, world, unique_id, args, results)) for r in range(world)]
+    if args.comm == "torch":
+        store = tempfile.mktemp(prefix="cuflash-cp-store-")   # a FileStore's file, made by the ranks
+        target, shared = torch_rank_main, store
+    else:
+        target, shared = rank_main, nccl.get_unique_id()   # drawn here, handed to every rank
+    ranks = [spawn.Process(target=target, args=(r, world, shared, args, results)) for r in range(world)]
     for p in ranks:
         p.start()
     got, pending = {}, world * len(args.tokens)
@@ -219,7 +308,7 @@ def run_ring(args, world):
             ok = len(times) == world and all(t is not None for t in times)
             ring = max(t[0][name] for t in times) if ok else None
             single = statistics.median(t[1][name] for t in times) if ok else None
-            rows.append(row("nccl", world, tokens, tokens // world, name, ring, single, world * single if ok else None))
+            rows.append(row(f"nccl ({args.comm})", world, tokens, tokens // world, name, ring, single, world * single if ok else None))
     return rows
 
 
@@ -244,7 +333,7 @@ def run_virtual(args, worlds):
     for tokens in args.tokens:
         try:
             q, k, v, dout = make_inputs(cupy, tokens, args.heads, args.kv_heads)
-            single = single_gpu(cupy, cuflash, q, k, v, dout, args)
+            single = single_calls(cuflash, q, k, v, dout)
         except cupy.cuda.memory.OutOfMemoryError:
             log(f"T = {tokens}: out of memory on one GPU")
             single = None
@@ -259,14 +348,12 @@ def run_virtual(args, worlds):
                         out, lse = forward()
                         cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=world, causal=True)
 
-                    times = {"fwd": timed_ms(cupy, forward, args.repeats, args.warmup),
-                             "fwd+bwd": timed_ms(cupy, both, args.repeats, args.warmup)}
+                    times = ring_and_single(forward, both, *single, args, *cupy_events(cupy))
                 except cupy.cuda.memory.OutOfMemoryError:
                     log(f"T = {tokens}, world {world}: out of memory")
                 cupy.get_default_memory_pool().free_all_blocks()
             for name in PASSES:
-                ring = times[name] if times else None
-                base = single[name] if single else None
+                ring, base = (times[0][name], times[1][name]) if times else (None, None)
                 rows.append(row("virtual", world, tokens, tokens // world, name, ring, base, base))
             log(f"virtual world {world}, T = {tokens}: done")
         q = k = v = dout = None
@@ -335,8 +422,9 @@ def main(argv=None):
         what = "one GPU, virtual ranks; ideal = one call over all T tokens"
     else:
         from cupy.cuda import nccl
-        if not nccl.available:
-            print("cupy.cuda.nccl is not available (no NCCL library): use --virtual on one GPU", file=sys.stderr)
+        if args.comm == "cupy" and not nccl.available:
+            print("cupy.cuda.nccl is not available (no NCCL library): use --comm torch, or --virtual on one GPU",
+                  file=sys.stderr)
             return 1
         worlds = args.worlds or [w for w in (2, 4, 8) if w <= count]
         if not worlds or max(worlds) > count:
@@ -348,12 +436,15 @@ def main(argv=None):
                 rows += run_ring(args, world)
             except RuntimeError as error:   # one broken world size should not hide the others
                 log(str(error))
-        what = "NCCL ring, one process per GPU; ideal = world x one GPU at T / world tokens"
+        what = ("NCCL ring, one process per GPU, " + ("CuPy arrays over cupy.cuda.nccl" if args.comm == "cupy" else
+                "torch tensors through cuflash.interop.torch (autograd) over torch.distributed") +
+                "; ideal = world x one GPU at T / world tokens")
     header = (f"**{device_name}** x {count} (cupy {cupy.__version__}). Causal ring attention, bf16, D = {HEAD_DIM}, "
               f"B = 1, Hq = {args.heads}, Hk = {args.kv_heads}; {what}; median of {args.repeats} runs, the slowest "
               f"rank's; ms per call (fwd+bwd: both calls).")
     table = markdown_table(rows, header, COLUMNS, CELLS)
-    stem = os.path.join(RESULTS, f"context_parallel{'_virtual' if args.virtual else ''}_{gpu_tag(device_name)}")
+    mode = "_virtual" if args.virtual else "_torch" if args.comm == "torch" else ""
+    stem = os.path.join(RESULTS, f"context_parallel{mode}_{gpu_tag(device_name)}")
     os.makedirs(RESULTS, exist_ok=True)
     write_results(rows, table, COLUMNS, args.csv or stem + ".csv", args.md or stem + ".md")
     write_plot(rows, args.plot or stem + ".png", header.replace("**", "")[:120])
