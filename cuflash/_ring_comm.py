@@ -580,7 +580,7 @@ def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale, dropout=N
         if step > 0:
             yield from pass_sums()
         ring.reads_done = dev.record(compute)
-        # The calls above ran while the sums were on their way; only adding to them waits.
+        # The calls above run while the sums are on their way; only adding to them waits.
         dev.wait(compute, arrival)
         dev.launch(compute, _add_kv_grads, sums, parts)
         added = dev.record(compute)
