@@ -34,8 +34,8 @@ import operator
 
 import numpy as np
 
-__all__ = ["CudaDevice", "HostDevice", "LoopbackRing", "NcclRing", "as_ring", "backward_rank", "device_for",
-           "forward_rank", "lockstep", "rows", "run"]
+__all__ = ["CudaDevice", "HostDevice", "LoopbackRing", "NcclRing", "array_module", "as_ring", "backward_rank",
+           "device_for", "forward_rank", "lockstep", "rows", "run"]
 
 
 # ----------------------------------------------------------------------------- devices
@@ -329,12 +329,15 @@ def _zero(*arrays):
         x.fill(0)
 
 
-def _array_module(x):
+def array_module(x):
+    """The array module of ``x``: CuPy for a CuPy array, else NumPy (no GPU, nor CuPy, needed)."""
     if isinstance(x, np.ndarray):
         return np
-    import cupy
-
-    return cupy
+    try:
+        import cupy
+    except ImportError:
+        return np
+    return cupy.get_array_module(x)
 
 
 def _copy_into(dst, src):
@@ -344,12 +347,12 @@ def _copy_into(dst, src):
     if dst.dtype == src.dtype and dst.dtype.itemsize == 2:
         dst.view(np.uint16)[...] = src.view(np.uint16)
     else:
-        _array_module(dst).copyto(dst, src, casting="unsafe")
+        array_module(dst).copyto(dst, src, casting="unsafe")
 
 
 def _add_into(dst, src):
     """dst += src, src cast to dst's dtype on the fly (one pass, as _copy_into)."""
-    _array_module(dst).add(dst, src, out=dst)
+    array_module(dst).add(dst, src, out=dst)
 
 
 class _KvRing:

@@ -66,15 +66,6 @@ def _check_world(world) -> int:
     return world
 
 
-def _xp_of(x):
-    """The array module of ``x``: CuPy for a CuPy array, else NumPy (no GPU needed)."""
-    try:
-        import cupy
-    except ImportError:
-        return np
-    return cupy.get_array_module(x)
-
-
 def zigzag_chunks(rank, world):
     """The two chunk indices rank ``rank`` holds in the zigzag layout.
 
@@ -125,7 +116,7 @@ def shard(x, world, *, axis=1):
         If ``world < 1`` or the sequence length is not divisible by ``2 * world``.
     """
     world = _check_world(world)
-    xp = _xp_of(x)
+    xp = _ring_comm.array_module(x)
     length = x.shape[axis]
     if length % (2 * world):
         raise ValueError(f"x.shape[{axis}] (the sequence length, {length}) must be divisible by "
@@ -166,7 +157,7 @@ def unshard(shards, *, axis=1):
         raise ValueError(f"shards must have an even length along axis {axis} (two equal chunks), "
                          f"got {shape[axis]}")
     world = len(shards)
-    xp = _xp_of(shards[0])
+    xp = _ring_comm.array_module(shards[0])
     chunks = [None] * (2 * world)
     for r, s in enumerate(shards):
         first, second = xp.split(s, 2, axis=axis)
