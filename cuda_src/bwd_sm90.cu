@@ -176,7 +176,6 @@ __device__ __forceinline__ int cta_key_block() {
     return n - 1 - x;
 }
 
-
 // Where a consumer keeps P^T: in score2 with score modifiers (acc_s keeps the raw scores), in acc_s
 // without.
 template <bool kScoreMods, class S, class S2>
@@ -302,18 +301,19 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_
 }
 
 // The same through shared memory, as 16-byte row chunks: a consumer's 64 keys x kDimCols columns of
-// dK (scaled) and dV go to `staging` (row-major, 16-byte chunks XOR-swizzled by row: conflict-free
-// both ways), then each thread stores whole chunks of consecutive columns. store_dk_dv's 4-byte
-// stores, half a 32-byte sector each, took ~5 us of a 30-50 us CTA at D = 128. `key0` is the
-// consumer's first key inside the CTA's block. Every thread of the consumer calls it, once its
-// staging area is no longer read; where 16-byte chunks cannot be used (float32 partial sums,
-// head_dim % 8, unaligned pointers or strides) it falls back to store_dk_dv.
+// dK (scaled) and dV go to its staging area in the stage ring's Q/dO buffers at `ring` (row-major,
+// 16-byte chunks XOR-swizzled by row: conflict-free both ways), then each thread stores whole chunks
+// of consecutive columns. store_dk_dv's 4-byte stores, half a 32-byte sector each, took ~5 us of a
+// 30-50 us CTA at D = 128. `key0` is the consumer's first key inside the CTA's block. Every thread of
+// the consumer calls it, once the ring is no longer read; where 16-byte chunks cannot be used
+// (float32 partial sums, head_dim % 8, unaligned pointers or strides) it falls back to store_dk_dv.
 template <class C>
-__device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, unsigned staging,
+__device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, unsigned ring,
                                                    const float (&acc_dk)[C::kDTiles][4],
                                                    const float (&acc_dv)[C::kDTiles][4]) {
     const FwdParams& p = bp.fwd;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
+    const int consumer = threadIdx.x / 128 - 1;
     const int g = lane / 4, t = lane % 4;
     const long long strides = bp.dk_batch_stride | bp.dk_head_stride | bp.dk_row_stride | bp.dv_batch_stride |
                               bp.dv_head_stride | bp.dv_row_stride;
@@ -325,6 +325,7 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
         return;
     }
     constexpr int kRowBytes = C::kDimCols * 2, kChunks = C::kDimCols / 8, kTileBytes = 64 * kRowBytes;
+    const unsigned staging = ring + consumer * 2 * kTileBytes;   // this consumer's dK tile, then its dV tile
     // Fragment (di, e): row warp * 16 + g + 8 (e / 2), chunk di; rows % 8 = g, the swizzle's phase.
 #pragma unroll
     for (int di = 0; di < C::kDTiles; ++di)
@@ -338,7 +339,7 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
                          "r"(pack2<elem_t>(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]))
                          : "memory");
         }
-    named_barrier_sync(2 + threadIdx.x / 128 - 1, 128);
+    named_barrier_sync(2 + consumer, 128);
 
     const SeqInfo se = end_of_walk_seq_info(bp, b);
     const int r0 = cta_key_block<C>() * C::kBlockN + key0;   // the consumer's first key in the sequence
@@ -708,7 +709,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, b, consumer * 64, 0, tiles.q + consumer * 2 * 64 * C::kDimCols * 2, acc_dk, acc_dv);
+    store_dk_dv_chunks<C>(bp, b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
@@ -856,8 +857,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     // consumers' reductions have read them.
     if (C::kDq && wg_thread == 0) bulk_wait_read();
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, tiles.q + consumer * 2 * 64 * C::kDimCols * 2, acc_dk,
-                          acc_dv);
+    store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, tiles.q, acc_dk, acc_dv);
 }
 
 template <class C>
