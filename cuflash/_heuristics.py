@@ -8,7 +8,6 @@ disagree silently. Nothing here touches a GPU, so it is tested on the CPU.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -434,10 +433,13 @@ class DecodeTiles:
 
 # Per (path, compiled head dim), best first; decode_plan takes the first that fits the device's
 # shared memory. Decode is bandwidth bound: what matters is bytes in flight per SM, (stages - 1)
-# stages of 32-64 KiB per CTA with 1-3 CTAs per SM, and four warps to issue the copies and math.
+# stages of 32-64 KiB per CTA with 1-3 CTAs per SM, and the warps to issue the copies and math.
+# D = 128 (H100, bf16 Hq 32 / Hk 8, in turns beside SDPA flash): eight warps of 16 keys, 3 stages
+# (200 KiB, one CTA per SM) stream faster than four (two CTAs per SM): contiguous (8, 8k) 1.18 ->
+# 1.26x flash (one split), (1, 32k) 1.31 -> 1.46x (8 splits); paged 1.10 -> 1.14x, 1.19 -> 1.28x.
 _DECODE_TILE_CHOICES = {
     ("mma", 64): (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
-    ("mma", 128): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
+    ("mma", 128): (DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
     ("mma", 192): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
     ("mma", 256): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
     ("simt", 128): (DecodeTiles(4, 8, 3), DecodeTiles(4, 8, 2), DecodeTiles(2, 8, 2)),
@@ -456,6 +458,7 @@ class DecodePlan:
     smem_bytes: int    # dynamic shared memory
     head_dim: int      # compiled head dim (>= the run-time one)
     ctas_per_sm: int   # resident CTAs per SM that shared memory allows (for the split heuristic)
+    in_flight_bytes: int   # K and V bytes a CTA's copies keep in flight (stages - 1 of its ring)
 
 
 def _decode_path(dtype_name: str) -> str:
@@ -528,23 +531,31 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
         "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS.itemsize,
     }
+    block_n = tiles.warps * tiles.keys_per_warp
+    in_flight = (tiles.stages - 1) * 2 * block_n * kdim * (2 if path == "mma" else 4)
     return DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
-                      tiles.warps * tiles.keys_per_warp, 32 * tiles.warps, smem, kdim, ctas_per_sm)
+                      block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
+
+
+#: K/V bytes in flight that keep an H100's memory busy: its decode CTAs stream at the full rate from
+#: 64 CTAs of 128 KiB each (eight warps, 3 stages of 128 keys at D = 128: (8, 8k) one split 1.26x
+#: SDPA flash, two 1.20x; (1, 32k) 8 splits 1.46x, 16 splits 1.38x). Little's law: 3 TB/s x ~2.5 us.
+DECODE_SATURATING_BYTES = 8 << 20
 
 
 def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, row_blocks: int = 1,
-                      block_n: int = 64, ctas_per_sm: int = 2, max_splits: int = DECODE_MAX_SPLITS,
-                      min_tiles_per_split: int = 4) -> int:
+                      block_n: int = 64, ctas_per_sm: int = 2, saturating_ctas: int | None = None,
+                      max_splits: int = DECODE_MAX_SPLITS, min_tiles_per_split: int = 4) -> int:
     """How many key ranges (splits) each (sequence, kv head, row block) is cut into.
 
     Decode reads every K/V byte once and does little arithmetic per byte: it is bandwidth bound
-    and needs every SM streaming until the end. Without splits, batch * heads_k CTAs (8 for one
-    sequence of a GQA model) leave most SMs idle; and a last wave that is only partly full runs at
-    a fraction of the bandwidth (a lone CTA per SM cannot keep enough bytes in flight). So the count
-    is chosen by wave efficiency, ``waves / ceil(waves)`` with ``waves = CTAs / (ctas_per_sm *
-    num_sms)``: the smallest split count within 95% of the best efficiency reachable, each split
-    keeping at least ``min_tiles_per_split`` tiles of ``block_n`` keys (the pipeline's fill and the
-    merge stay small against the streaming). Four or more waves without splitting need none.
+    and needs enough CTAs streaming until the end. Without splits, batch * heads_k CTAs (8 for one
+    sequence of a GQA model) keep too few bytes in flight; every split adds a partial result to
+    write and merge. So the count is chosen by :func:`decode_bandwidth_efficiency` (waves of
+    ``ctas_per_sm * num_sms`` CTAs, each at the memory's full rate from ``saturating_ctas`` CTAs):
+    the smallest split count within 95% of the best efficiency reachable, each split keeping at
+    least ``min_tiles_per_split`` tiles of ``block_n`` keys (the pipeline's fill and the merge stay
+    small against the streaming). Four or more waves without splitting need none.
 
     Parameters
     ----------
@@ -560,6 +571,9 @@ def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, 
         Keys per pipeline stage.
     ctas_per_sm : int
         Resident decode CTAs per SM.
+    saturating_ctas : int, optional
+        CTAs whose copies in flight keep the memory busy (default: a whole wave,
+        ``ctas_per_sm * num_sms``; see :data:`DECODE_SATURATING_BYTES`).
     max_splits : int
         Upper bound (partial results cost num_splits * B * Sq * Hq * D float32).
     min_tiles_per_split : int
@@ -577,16 +591,27 @@ def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, 
     slots = max(1, ctas_per_sm) * num_sms
     if ctas >= 4 * slots:
         return 1
+    saturating = slots if saturating_ctas is None else max(1, min(saturating_ctas, slots))
     limit = max(1, min(tiles // max(1, min_tiles_per_split), max_splits))
-    eff = [0.0] + [decode_wave_efficiency(ctas * s, slots) for s in range(1, limit + 1)]
+    eff = [0.0] + [decode_bandwidth_efficiency(ctas * s, slots, saturating) for s in range(1, limit + 1)]
     best = max(eff)
     return next(s for s in range(1, limit + 1) if eff[s] >= 0.95 * best)
 
 
+def decode_bandwidth_efficiency(ctas: int, slots: int, saturating: int) -> float:
+    """Fraction of the memory's rate a launch of ``ctas`` equal CTAs gets: it runs in waves of up to
+    ``slots`` CTAs, and a wave of n CTAs streams at min(1, n / ``saturating``) of the rate."""
+    if ctas <= 0:
+        return 0.0
+    full, last = divmod(ctas, slots)
+    cost = full * max(slots, saturating) + (max(last, saturating) if last else 0)
+    return ctas / cost
+
+
 def decode_wave_efficiency(ctas: int, slots: int) -> float:
-    """Fraction of the CTA slots busy over the waves a launch of ``ctas`` CTAs takes."""
-    waves = ctas / slots
-    return waves / math.ceil(waves) if ctas > 0 else 0.0
+    """Fraction of the CTA slots busy over the waves a launch of ``ctas`` CTAs takes (the bandwidth
+    efficiency when only a full wave saturates the memory)."""
+    return decode_bandwidth_efficiency(ctas, slots, slots)
 
 
 MERGE_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}

@@ -277,15 +277,16 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         keys = min(keys, capacity)
         if left >= 0 and right >= 0:
             keys = min(keys, left + right + seqlen_q)
-        # Contiguous caches: one long split per SM streams as fast as two shorter ones and halves the
-        # partials to merge (H100, bf16 Hq 32 / Hk 8: (1, 32k) 16 splits 60 us, 33 splits 64; (1, 128k)
-        # 184 vs 194 us), so waves count SMs. Paged caches wait on page lookups and need the second
-        # CTA per SM ((8, 8k) page 16: 4 splits 104 us, 2 splits 113), but not at the price of splits
-        # under 2048 keys, whose page-table start-up no longer hides ((1, 32k): 16 splits 66 us, 32
-        # splits 69).
+        # Contiguous caches: one split per SM at most, and no more splits than it takes to keep the
+        # memory busy (DECODE_SATURATING_BYTES in flight: 64 CTAs of eight warps at D = 128), since
+        # each split adds a partial to write and merge. Paged caches wait on page lookups and need
+        # every SM ((8, 8k) page 16, eight warps: 2 splits 1.14x flash, 1 split 1.03x), but not at
+        # the price of splits under 2048 keys, whose page-table start-up no longer hides.
+        slots = plan_k.ctas_per_sm * sms if paged else sms
         num_splits = _heuristics.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
+            saturating_ctas=slots if paged else -(-_heuristics.DECODE_SATURATING_BYTES // plan_k.in_flight_bytes),
             min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits >= 2**31:

@@ -75,14 +75,47 @@ def test_wave_efficiency():
     assert H.decode_wave_efficiency(0, 264) == 0.0
 
 
+def test_bandwidth_efficiency():
+    # A wave of at least the saturating count streams at the full rate; fewer, in proportion.
+    assert H.decode_bandwidth_efficiency(64, 132, 64) == 1.0
+    assert H.decode_bandwidth_efficiency(32, 132, 64) == 0.5
+    assert H.decode_bandwidth_efficiency(132 + 64, 132, 64) == 1.0
+    assert H.decode_bandwidth_efficiency(132 + 8, 132, 64) == pytest.approx(140 / (132 + 64))
+    assert H.decode_bandwidth_efficiency(0, 132, 64) == 0.0
+
+
+@given(batches, heads, seqlens, sm_counts, row_blocks, st.integers(1, 300))
+def test_num_splits_saturating(batch, heads_k, seqlen, sms, rb, saturating):
+    """With CTAs that saturate the memory sooner, the choice is never more splits; and it reaches
+    the saturating count (or the most CTAs the keys allow) unless it already streams at 95%."""
+    full = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=1)
+    s = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=1, saturating_ctas=saturating)
+    assert 1 <= s <= full
+    ctas, limit = batch * heads_k * rb, max(1, min(-(-seqlen // 64) // 4, H.DECODE_MAX_SPLITS))
+    sat = min(saturating, sms)
+    if seqlen > 0 and ctas < 4 * sms:
+        assert ctas * s >= 0.95 * min(sat, ctas * limit) or ctas * s >= sms * 0.95
+
+
 def test_num_splits_benchmark_shapes():
-    """The issue's benchmark shapes on an H200 (132 SMs, two 100 KiB CTAs per SM at D = 128)."""
+    """The issue's benchmark shapes on an H100/H200 (132 SMs) with the D = 128 plan: one 200 KiB CTA
+    of eight warps per SM, 128 KiB of K/V in flight each."""
     plan = H.decode_plan("bfloat16", 128, paged=False, score_mods=False)
-    assert plan.ctas_per_sm == 2 and plan.block_n == 64 and plan.block_m == 16
-    # One full wave of 2 CTAs per SM (256 or 264 of 264 slots), or no split when the batch fills it.
-    expect = {(1, 32768): 32, (8, 8192): 4, (32, 4096): 1, (1, 131072): 32}
+    assert plan.ctas_per_sm == 1 and plan.block_n == 128 and plan.block_m == 16 and plan.threads == 256
+    assert plan.in_flight_bytes == 2 * 2 * 128 * 128 * 2
+    saturating = -(-H.DECODE_SATURATING_BYTES // plan.in_flight_bytes)
+    assert saturating == 64
+    # Contiguous: 64 CTAs keep the memory busy, so (8, 8k) needs no split and one sequence 8 of them.
+    expect = {(1, 32768): 8, (8, 8192): 1, (32, 4096): 1, (1, 131072): 8, (4, 16384): 2}
     for (batch, seqlen), want in expect.items():
-        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=plan.ctas_per_sm)
+        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
+                                  saturating_ctas=saturating)
+        assert got == want, (batch, seqlen, got)
+    # Paged: every SM, splits of at least 2048 keys.
+    expect = {(1, 32768): 16, (8, 8192): 2, (32, 4096): 1, (1, 131072): 16}
+    for (batch, seqlen), want in expect.items():
+        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
+                                  min_tiles_per_split=2048 // plan.block_n)
         assert got == want, (batch, seqlen, got)
     assert H.decode_num_splits(512, 8, 4096, 132) == 1          # the batch alone fills the GPU
     assert H.decode_num_splits(1, 8, 100, 132) == 1             # too few keys to split
