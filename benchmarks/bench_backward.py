@@ -15,7 +15,8 @@ requires_grad), then ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=Tr
 
 TFLOP/s = 2.5 * forward FLOPs / time, forward FLOPs = 4 * B * H * Sq * Sk * D (half when causal).
 Timing: CUDA events around N calls after warm-up, median of ``--repeats`` runs, rotating over 3
-input sets so that L2 cannot hold them; everything on torch's current stream. ``maxdiff`` is
+input sets so that L2 cannot hold them; the contenders take turns (each repeat times each of them
+once, starting one later each time); everything on torch's current stream. ``maxdiff`` is
 max|dq_cuflash - dq_flash| (cuDNN's when flash is unavailable) on the first input set: a guard
 against a fast but wrong kernel.
 
@@ -197,15 +198,6 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
             return cuflash.attention_backward(*views[i], causal=causal, dq=grads_t[0], dk=grads_t[1], dv=grads_t[2])
 
         contenders["cuflash_torch"] = run_cuflash_torch
-    for name, fn in contenders.items():
-        try:
-            with forcing(cuflash, args.family):
-                row[name] = tflops(timer.median_ms(fn))
-        except Exception as e:  # report and go on: one broken shape should not hide the others
-            log(f"{name} failed at {where}: {type(e).__name__}: {e}")
-
-    reference_dq = None
-    if torch is not None:
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
                 graphs = []
@@ -215,18 +207,34 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
                     with sdpa_kernel(backend):
                         out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
                     graphs.append((out, leaves, torch.from_dlpack(dout).transpose(1, 2)))
-
-                def run_torch(i):
-                    out, leaves, dout = graphs[i]
-                    return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
-                row[name] = tflops(timer.median_ms(run_torch))
-                if reference_dq is None:
-                    reference_dq = cupy.from_dlpack(run_torch(0)[0].transpose(1, 2).contiguous())
-                del graphs
             except Exception as e:
                 log(f"torch {name} failed at {where}: {type(e).__name__}: {e}")
-            torch.cuda.empty_cache()
+                continue
+
+            def run_torch(i, graphs=graphs):
+                out, leaves, dout = graphs[i]
+                return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+            contenders[name] = run_torch
+
+    # One call each first: a contender that cannot run this shape is reported and left out (one
+    # broken shape should not hide the others); the rest are timed in turns (Timer.median_ms_each),
+    # so that the GPU's clocks, which fall as it warms, weigh on all of them alike.
+    reference_dq = None
+    with forcing(cuflash, args.family):
+        for name, fn in list(contenders.items()):
+            try:
+                result = fn(0)
+                if name in ("flash", "cudnn") and reference_dq is None:
+                    reference_dq = cupy.from_dlpack(result[0].transpose(1, 2).contiguous())
+            except Exception as e:
+                log(f"{name} failed at {where}: {type(e).__name__}: {e}")
+                del contenders[name]
+        for name, ms in timer.median_ms_each(contenders).items():
+            row[name] = tflops(ms)
+    del contenders
+    if torch is not None:
+        torch.cuda.empty_cache()
 
     if reference_dq is not None and not math.isnan(row["cuflash"]):
         with forcing(cuflash, args.family):
