@@ -43,13 +43,17 @@ from cuflash import _compile, _heuristics  # noqa: E402
 
 def sm90_plan(dtype_name: str, head_dim: int, overrides=None):
     """The launch plan of the benchmarked variant, with ``overrides`` ({name: value} of
-    ``cuflash._heuristics`` constants, e.g. ``{"SM90_STAGES": {64: 4, 128: 2, 256: 2}}``) in force."""
-    saved = {name: getattr(_heuristics, name) for name in overrides or {}}
+    ``cuflash._heuristics`` constants, e.g. ``{"SM90_STAGES": {64: 4, 128: 2, 256: 2}}``) in force;
+    the name ``consumers`` is forward_plan's argument instead (3: three consumer warpgroups)."""
+    overrides = dict(overrides or {})
+    consumers = overrides.pop("consumers", 2)
+    saved = {name: getattr(_heuristics, name) for name in overrides}
     try:
-        for name, value in (overrides or {}).items():
+        for name, value in overrides.items():
             setattr(_heuristics, name, value)
         _heuristics.forward_plan.cache_clear()
-        return _heuristics.forward_plan("fwd_sm90", dtype_name, head_dim, score_mods=False, dropout=False)
+        return _heuristics.forward_plan("fwd_sm90", dtype_name, head_dim, score_mods=False, dropout=False,
+                                        consumers=consumers)
     finally:
         for name, value in saved.items():
             setattr(_heuristics, name, value)

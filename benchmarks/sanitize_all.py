@@ -376,6 +376,9 @@ def build_cases() -> list[Case]:
             forward_case(family, b, 128, 1, 77, 200, 4, 2, causal=True, window=(64, 0), softcap=20.0, alibi="heads",
                          mask=True, bias=True, block_mask=True, dropout_p=0.2),
         ]
+    # fwd_sm90 with three consumer warpgroups (full attention at D = 64 over >= 2048 query rows), a
+    # last m-block of 28 rows.
+    cases += [forward_case("fwd_sm90", "bf16", 64, 1, 2140, 300, 2, 1)]
     cases += [varlen_case("fwd_sm90", "bf16", 64, 4, 2, causal=True),
               varlen_case("fwd_sm90", "fp16", 128, 4, 4, dropout_p=0.1, alibi="batch"),
               varlen_case("fwd_sm80", "fp16", 64, 4, 2, window=(32, 8), softcap=30.0),

@@ -1,13 +1,16 @@
 // Forward attention for Hopper (sm_90a), fp16/bf16: TMA loads on mbarriers, wgmma, warp specialisation.
 //
-// A CTA of three warpgroups computes kBlockM = 128 query rows of one (batch, head) at a time:
+// A CTA of kConsumers + 1 warpgroups computes kBlockM = 64 kConsumers query rows of one (batch,
+// head) at a time:
 //   warpgroup 0, the producer: one thread issues TMA copies of Q (into one of kQSlots buffers) and
 //     of K/V tiles into a kStages-deep ring of 128B-swizzled shared buffers (full barriers count the
 //     bytes in, empty barriers count the consumers out); the warpgroup gives its registers away.
-//   warpgroups 1 and 2, the consumers: 64 rows each.  S = Q K^T (wgmma, both operands in shared
-//     memory) -> scores/masks (fragments.cuh) -> online softmax (base 2; after a row's first tile
-//     speculatively, against its current maximum) -> O += P V (wgmma with P from registers, V
-//     transposed by its descriptor).
+//   warpgroups 1 .. kConsumers, the consumers: 64 rows each (two; three at D = 64 for full
+//     attention over long rows, where a third warpgroup's products overlap the others'
+//     exponentials). S = Q K^T (wgmma, both operands in shared memory) -> scores/masks
+//     (fragments.cuh) -> online softmax (base 2; after a row's first tile speculatively, against
+//     its current maximum) -> O += P V (wgmma with P from registers, V transposed by its
+//     descriptor).
 // Key tiles run from the first to the last (fwd_sm80 goes down): an item's first tile, whose
 // softmax nothing overlaps, is then a causal problem's unmasked one, not its diagonal; and the
 // CTAs on one head's m-blocks read each K/V tile closer together in time (going down, a causal
@@ -22,7 +25,8 @@
 // K (benchmarks/NOTES.md, session 8).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,
+// CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "fault.cuh"
@@ -36,23 +40,27 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_, bool kDropout_>
 struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
-    static constexpr int kBlockM = 128, kConsumers = 2;
+    // 64 query rows per consumer warpgroup.
+    static constexpr int kConsumers = kConsumers_, kBlockM = 64 * kConsumers;
+    static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
     // Exponentials before the tile's maximum is known (OnlineSoftmax::update_if_held); not with
-    // score modifiers or dropout, whose variants have no registers for a second P buffer.
-    static constexpr bool kSpeculative = !kScoreMods && !kDropout;
+    // score modifiers or dropout, whose variants have no registers for a second P buffer, nor with
+    // three consumers (160 registers each: ptxas then serialized the wgmmas).
+    static constexpr bool kSpeculative = !kScoreMods && !kDropout && kConsumers == 2;
     // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim, and with
     // the speculative softmax below it at every head dim (waiting first cost D = 64 0.08 of cuDNN).
     static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDim == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
-    // test block masks; the consumers get the rest.
+    // test block masks; the consumers get the rest (160 each when there are three).
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
-    static constexpr int kProducerRegs = kBlockMask ? 40 : 24, kConsumerRegs = kBlockMask ? 232 : 240;
+    static constexpr int kProducerRegs = kBlockMask ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask ? 232 : 240;
     // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
     // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
     // Asking for more than that hangs the kernel, so it is checked here.
@@ -556,7 +564,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 }  // namespace cuflash
 
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
-                                      CUFLASH_SCORE_MODS,
+                                      CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

@@ -63,7 +63,9 @@ SIMT_TILES = {32: Tiles(64, 32, 4), 64: Tiles(64, 32, 4), 96: Tiles(64, 32, 4), 
 # D = 256 (faster from 8k keys, but they spill), 176/192-key tiles at D = 128/64, three consumers
 # at D = 64.
 SM90_HEAD_DIMS = (64, 128, 256)
-SM90_BLOCK_M, SM90_THREADS = 128, 384
+# Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
+SM90_WIDE_HEAD_DIMS = (64,)
+SM90_WIDE_MIN_ROWS = 2048
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 # K/V ring depth. D = 64 has room for 4: with the speculative softmax, a stage's V is released only
@@ -156,17 +158,38 @@ def simt_smem_bytes(tiles: Tiles, head_dim: int) -> int:
     return (tiles.block_m * head_dim + 2 * tiles.block_n * head_dim + tiles.block_m * tiles.block_n) * 4
 
 
-def sm90_smem_bytes(head_dim: int) -> int:
+def sm90_consumers(head_dim: int, *, featured: bool, full: bool, seqlen_q: int) -> int:
+    """Consumer warpgroups of fwd_sm90 for a problem (its CTA computes 64 query rows per consumer):
+    ``head_dim`` the run-time one, ``featured`` with score modifiers or dropout, ``full`` without a
+    causal or window mask.
+
+    Three at D = 64 without score modifiers or dropout, for attention without a causal or
+    window mask over at least SM90_WIDE_MIN_ROWS query rows; two otherwise. At D = 64 a tile's
+    exponentials cost about as much as its products, and a third warpgroup keeps the tensor cores
+    busy while the others take theirs (H100, bf16, ratio to cuDNN, two / three: 2k 1.01 / 1.05,
+    8k 1.03 / 1.11, 16k 1.01 / 1.10). Causal rows and short sequences lose on 192-row tiles (the
+    diagonal's masked half, a last m-block of 64 rows at 1k): causal 1k 0.94 / 0.76, 4k 1.00 / 0.94,
+    full 1k 0.99 / 0.96. The three-warpgroup variant has 160 registers per consumer thread, too few
+    for the score modifiers (140 B of spills) and for the speculative softmax's second P.
+    """
+    wide = (_round_up(head_dim, SM90_HEAD_DIMS) in SM90_WIDE_HEAD_DIMS and not featured and full
+            and seqlen_q >= SM90_WIDE_MIN_ROWS)
+    return 3 if wide else 2
+
+
+def sm90_smem_bytes(head_dim: int, consumers: int = 2) -> int:
     """1 KB of slack to align the swizzled tiles, the Q slots, kStages of K and V, and the staged
     output (16-bit elements), for a compiled head dim of SM90_HEAD_DIMS."""
-    q_bytes = SM90_Q_SLOTS[head_dim] * SM90_BLOCK_M * head_dim * 2
-    out_bytes = SM90_BLOCK_M * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
+    block_m = 64 * consumers
+    q_bytes = SM90_Q_SLOTS[head_dim] * block_m * head_dim * 2
+    out_bytes = block_m * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
     return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
 
 
 # typed: score_mods=True (every modifier) and score_mods=1 (the softcap alone) are equal as keys otherwise.
 @functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
-def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool) -> LaunchPlan:
+def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool,
+                 consumers: int = 2) -> LaunchPlan:
     """The forward variant for a problem.
 
     Parameters
@@ -179,6 +202,9 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
         The score modifiers the call uses (softcap, alibi, bias, mask, block_mask: the per-element
         pipeline); True: all of them. See :func:`score_mod_bits` (hashable values only: cached).
     dropout : bool
+    consumers : int
+        fwd_sm90's consumer warpgroups, 2 or 3 (:func:`sm90_consumers`; three only at D = 64 without
+        score modifiers or dropout).
     """
     mods = score_mod_bits(score_mods)
     if family == "fwd_sm80":
@@ -191,19 +217,23 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
         if dtype_name not in ("float16", "bfloat16"):
             raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
         kdim = _round_up(head_dim, SM90_HEAD_DIMS)
+        if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout):
+            raise ValueError(f"fwd_sm90 runs 2 consumer warpgroups, or 3 at head dims {SM90_WIDE_HEAD_DIMS} without "
+                             f"score modifiers or dropout; got {consumers} at head dim {kdim}")
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
             "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
             "CUFLASH_STAGES": SM90_STAGES[kdim],
+            "CUFLASH_CONSUMERS": consumers,
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
-            "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim),
+            "CUFLASH_SMEM_BYTES": sm90_smem_bytes(kdim, consumers),
             "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
         }
-        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), SM90_BLOCK_M, SM90_THREADS,
-                          sm90_smem_bytes(kdim), kdim)
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
+                          sm90_smem_bytes(kdim, consumers), kdim)
     elif family == "fwd_simt":
         if dtype_name != "float32":
             raise ValueError(f"fwd_simt runs float32, not {dtype_name}")
@@ -266,6 +296,10 @@ def forward_precompile_variants(dtypes=None, head_dims=None, families=None, arch
                     plan = forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout)
                     if plan.variant not in out:
                         out.append(plan.variant)
+                if family == "fwd_sm90" and _round_up(d, SM90_HEAD_DIMS) in SM90_WIDE_HEAD_DIMS:
+                    wide = forward_plan(family, dtype_name, d, score_mods=False, dropout=False, consumers=3)
+                    if wide.variant not in out:
+                        out.append(wide.variant)
     return out
 
 
@@ -365,6 +399,9 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                 for mods in score_mod_sets():
                     for dropout in (False, True):
                         out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout).variant)
+                if family == "fwd_sm90" and d in SM90_WIDE_HEAD_DIMS:
+                    out.setdefault(forward_plan(family, dtype_name, d, score_mods=False, dropout=False,
+                                                consumers=3).variant)
         family = default_backward_family(dtype_name)
         out.setdefault(bwd_preprocess_variant(dtype_name))
         out.setdefault(bwd_convert_variant(dtype_name))

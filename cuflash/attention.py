@@ -111,12 +111,14 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
     """
     family = _choose_family(dtype_name, q, k, v)
     dropout = opts.dropout_p > 0
-    plan_k = _heuristics.forward_plan(
-        family, dtype_name, head_dim,
-        score_mods=tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
-        + (("softcap",) if opts.softcap > 0 else ()),
-        dropout=dropout,
-    )
+    score_mods = (tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
+                  + (("softcap",) if opts.softcap > 0 else ()))
+    consumers = 2
+    if family == "fwd_sm90" and entry == "attention":
+        consumers = _heuristics.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
+                                               full=opts.window == (-1, -1), seqlen_q=q.shape[1])
+    plan_k = _heuristics.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
+                                      consumers=consumers)
     b, hq = batch, heads_q
     if family == "fwd_sm90" and entry == "attention_varlen":
         # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks
@@ -172,6 +174,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
         args = (("struct", params),)
     plan.steps.append(_pipeline.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
     plan.info["family"] = family
+    if family == "fwd_sm90":
+        plan.info["consumers"] = consumers
     return plan
 
 

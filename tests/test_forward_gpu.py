@@ -578,6 +578,26 @@ def test_automatic_kernel_choice(dtype, head_dim):
         _solve(None, dtype, shape, options, seed=90 + head_dim)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_sm90_three_consumer_warpgroups(dtype, head_dim):
+    # Full attention at D = 64 over >= 2048 query rows runs fwd_sm90 with three consumer warpgroups
+    # (192 rows a CTA; _heuristics.sm90_consumers): chosen for this shape (a last m-block of 180
+    # rows, Sq != Sk, GQA) and right, out and lse; the causal call of the same shape keeps two.
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("fwd_sm90 needs an sm_90 GPU (H100/H200)")
+    from cuflash import _heuristics
+    shape = _shape(2, 2100, 2222, 4, 2, head_dim)
+    assert shape["Sq"] % 192 and _heuristics.SM90_WIDE_MIN_ROWS <= shape["Sq"]
+    q, k, v = _qkv(shape, dtype, 96 + head_dim)
+    for causal, consumers in ((False, 3), (True, 2)):
+        with forced("fwd_sm90"):
+            planned = cuflash.plan(cuflash.attention, q, k, v, causal=causal)
+        assert planned.plan.info["consumers"] == consumers
+        out, lse, state = run_forward(None, q, k, v, {"causal": causal})
+        check_close(q, k, v, {"causal": causal}, out, lse, state, dtype=dtype)
+
+
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_runs_on_the_current_stream(family, dtype):
     shape = _shape(2, 129, 129, 4, 4, 64)

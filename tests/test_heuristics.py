@@ -264,8 +264,9 @@ def test_reachable_variants():
     assert {v.family for v in sm90} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "bwd_sm80", "bwd_simt", "decode",
                                         "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
     assert "fwd_sm90" not in {v.family for v in H.reachable_variants("sm_80")}
-    # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off.
-    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2
+    # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off, and the three-warpgroup
+    # plain variant at D = 64 for each dtype.
+    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2 + 2
     small = H.reachable_variants("sm_90a", ("bfloat16",), (100,))
     assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
 
@@ -357,3 +358,22 @@ def test_bwd_sm90_deterministic_variants():
     for d, det in ((128, False), (128, True), (128, "pass"), (64, False), (64, "pass")):
         assert H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
                                deterministic=det).variant in variants
+
+
+def test_sm90_consumers():
+    """Three consumer warpgroups only at D = 64 (any head dim that compiles to it), plain, full
+    attention over at least SM90_WIDE_MIN_ROWS query rows; their variant exists only there."""
+    wide = dict(featured=False, full=True, seqlen_q=H.SM90_WIDE_MIN_ROWS)
+    assert H.sm90_consumers(64, **wide) == 3 and H.sm90_consumers(40, **wide) == 3
+    assert H.sm90_consumers(128, **wide) == 2 and H.sm90_consumers(256, **wide) == 2
+    assert H.sm90_consumers(64, **{**wide, "featured": True}) == 2
+    assert H.sm90_consumers(64, **{**wide, "full": False}) == 2
+    assert H.sm90_consumers(64, **{**wide, "seqlen_q": H.SM90_WIDE_MIN_ROWS - 1}) == 2
+    plan = H.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=False, dropout=False, consumers=3)
+    assert (plan.block_m, plan.threads) == (192, 512)
+    assert dict(plan.variant.defines)["CUFLASH_CONSUMERS"] == 3
+    assert plan.smem_bytes == dict(plan.variant.defines)["CUFLASH_SMEM_BYTES"] <= 227 * 1024
+    for kwargs in (dict(head_dim=128, score_mods=False, dropout=False), dict(head_dim=64, score_mods=True, dropout=False),
+                   dict(head_dim=64, score_mods=False, dropout=True)):
+        with pytest.raises(ValueError, match="consumer warpgroups"):
+            H.forward_plan("fwd_sm90", "bfloat16", kwargs.pop("head_dim"), consumers=3, **kwargs)
