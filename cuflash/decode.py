@@ -282,11 +282,10 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # each split adds a partial to write and merge. Paged caches wait on page lookups and need
         # every SM ((8, 8k) page 16, eight warps: 2 splits 1.14x flash, 1 split 1.03x), but not at
         # the price of splits under 2048 keys, whose page-table start-up no longer hides.
-        slots = plan_k.ctas_per_sm * sms if paged else sms
         num_splits = _heuristics.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
-            saturating_ctas=slots if paged else -(-_heuristics.DECODE_SATURATING_BYTES // plan_k.in_flight_bytes),
+            saturating_ctas=None if paged else -(-_heuristics.DECODE_SATURATING_BYTES // plan_k.in_flight_bytes),
             min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits >= 2**31:
