@@ -13,11 +13,11 @@ namespace cuflash {
 __device__ __forceinline__ bool call_faulted(const int* error) { return error != nullptr && *error != 0; }
 
 // Kernels that cuflash launches right behind another kernel of the same call may be launched as
-// programmatic dependents (sm_90): they start while the kernel ahead (the index check, the split-KV
-// pass) is still running, read and compute with their own bounds checks, and wait for it (and see
-// its writes) here, before their first global write or their first read of what it wrote. The
-// launch that gains is decode's: its tiny index check then costs the stream nothing. Launched
-// without the attribute, or below sm_90, the wait returns at once.
+// programmatic dependents (sm_90): they start while the kernel ahead is still running, read and
+// compute with their own bounds checks, and wait for it (and see its writes) here, before their
+// first global write or their first read of what it wrote. The one such launch is decode's behind
+// its index check, which then costs the stream nothing. Launched without the attribute, or below
+// sm_90, the wait returns at once.
 //
 // A kernel ahead lets its dependents start before it ends only by saying so (otherwise they start
 // at its end, which saves just the launch): the index check does at its first instruction, since

@@ -13,7 +13,6 @@
 // Compile-time configuration: CUFLASH_IN_DTYPE and CUFLASH_OUT_DTYPE (0 fp16, 1 bf16, 2 fp32, 3 fp64),
 // CUFLASH_MERGE_ROWS (rows, that is warps, per block).
 #include "common.cuh"
-#include "fault.cuh"
 
 namespace cuflash {
 
@@ -22,7 +21,6 @@ struct MergeParams {
     const float* lses;     // (n, B, H, S)
     void* out;             // (B, S, H, D), the out dtype
     float* lse;            // (B, H, S)
-    const int* error;      // the call's check_indices verdict (see FwdParams::error); nullptr: no check
     long long outs_part_stride, outs_batch_stride, outs_row_stride, outs_head_stride, outs_col_stride;
     long long lses_part_stride, lses_batch_stride, lses_head_stride, lses_row_stride;
     long long out_batch_stride, out_row_stride, out_head_stride, out_col_stride;
@@ -99,8 +97,6 @@ __device__ __forceinline__ void merge_row(const MergeParams& p, long long row, i
 }  // namespace cuflash
 
 extern "C" __global__ void __launch_bounds__(32 * cuflash::kMergeRowsPerBlock) cuflash_merge(const cuflash::MergeParams p) {
-    cuflash::wait_for_prior_kernel();   // the partials' kernel (a programmatic dependent launch on sm_90)
-    if (cuflash::call_faulted(p.error)) return;
     const long long row = static_cast<long long>(blockIdx.x) * cuflash::kMergeRowsPerBlock + threadIdx.x / 32;
     if (row >= static_cast<long long>(p.batch) * p.seqlen * p.heads) return;
     cuflash::merge_row(p, row, threadIdx.x % 32);

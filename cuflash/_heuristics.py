@@ -658,8 +658,12 @@ MERGE_ROWS_PER_BLOCK = 8   # a warp a row (cuda_src/merge.cu)
 @dataclass(frozen=True)
 class MergePlan:
     variant: Variant
-    threads: int          # per block: a warp for each of its rows
     rows_per_block: int
+
+    @property
+    def threads(self) -> int:
+        """Per block: a warp for each of its rows."""
+        return 32 * self.rows_per_block
 
     def grid(self, rows: int) -> int:
         return -(-rows // self.rows_per_block)
@@ -677,7 +681,7 @@ def merge_plan(in_dtype_name: str, out_dtype_name: str) -> MergePlan:
         "CUFLASH_MERGE_PARAMS_SIZE": MERGE_PARAMS.itemsize,
         "CUFLASH_MERGE_ROWS": MERGE_ROWS_PER_BLOCK,
     }
-    return MergePlan(Variant("merge", tuple(sorted(defines.items()))), 32 * MERGE_ROWS_PER_BLOCK, MERGE_ROWS_PER_BLOCK)
+    return MergePlan(Variant("merge", tuple(sorted(defines.items()))), MERGE_ROWS_PER_BLOCK)
 
 
 def decode_precompile_variants(dtypes=None, head_dims=None,

@@ -95,7 +95,7 @@ DECODE_PARAMS = np.dtype(
 
 # ----------------------------------------------------------------------------- cuda_src/merge.cu
 MERGE_PARAMS = np.dtype(
-    _fields(np.uint64, ("outs", "lses", "out", "lse", "error"))
+    _fields(np.uint64, ("outs", "lses", "out", "lse"))
     + _fields(np.int64, (
         "outs_part_stride", "outs_batch_stride", "outs_row_stride", "outs_head_stride", "outs_col_stride",
         "lses_part_stride", "lses_batch_stride", "lses_head_stride", "lses_row_stride",
