@@ -576,8 +576,23 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
 
 #: K/V bytes in flight that keep an H100's memory busy: its decode CTAs stream at the full rate from
 #: 64 CTAs of 128 KiB each (eight warps, 3 stages of 128 keys at D = 128: (8, 8k) one split 1.26x
-#: SDPA flash, two 1.20x; (1, 32k) 8 splits 1.46x, 16 splits 1.38x). Little's law: 3 TB/s x ~2.5 us.
+#: SDPA flash, two 1.20x; (1, 32k) 8 splits 1.46x, 16 splits 1.38x). Little's law: 3.35 TB/s x
+#: ~2.5 us. DECODE_REFERENCE_RATE is the memory rate this figure holds up to.
 DECODE_SATURATING_BYTES = 8 << 20
+DECODE_REFERENCE_RATE = 3.4e12
+
+
+def decode_saturating_bytes(memory_rate: float) -> int:
+    """K/V bytes in flight that keep a device's memory busy, from its peak rate (bytes/s; 0 when
+    unknown): DECODE_SATURATING_BYTES up to the H100's rate, then growing with the rate's square.
+
+    A fit of two devices, not a law: a faster memory needs more in flight, and more than in
+    proportion (the latency under load grows too). An H200 (4.8 TB/s) streams best from a whole
+    wave of 132 CTAs, 16.5 MiB: (1, 128k) 16 splits 1.18x flash, 11 splits (the rate in proportion,
+    11.5 MiB) 1.16x, 8 splits 1.13x; (4, 16k) 4 / 3 / 2 splits 1.40 / 1.34 / 1.33x.
+    """
+    scale = max(1.0, memory_rate / DECODE_REFERENCE_RATE)
+    return int(DECODE_SATURATING_BYTES * scale * scale)
 
 
 def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, row_blocks: int = 1,

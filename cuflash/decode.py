@@ -21,14 +21,19 @@ __all__ = ["decode"]
 
 
 @functools.lru_cache(maxsize=None)
-def _device_limits(device_id: int) -> tuple[int, int, int]:
-    """(SM count, opt-in shared memory per block, shared memory per SM) of a device."""
+def _device_limits(device_id: int) -> tuple[int, int, int, float]:
+    """(SM count, opt-in shared memory per block, shared memory per SM, peak memory rate in bytes/s,
+    0.0 where the runtime does not report it) of a device."""
     import cupy
 
     rt = cupy.cuda.runtime
+    try:   # memory clock (kHz) x bus width (bits), double data rate
+        rate = 2e3 * rt.deviceGetAttribute(36, device_id) * rt.deviceGetAttribute(37, device_id) / 8
+    except Exception:   # attributes 36, 37 (cudaDevAttrMemoryClockRate, ...BusWidth) unknown to the runtime
+        rate = 0.0
     return (rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id),
             rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id),
-            rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id))
+            rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id), rate)
 
 
 def _aligned(x, d_pad: int, chunk: int) -> bool:
@@ -262,7 +267,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                          "cache_seqlens (and block_table) on the host: pass NumPy arrays, or align the cache")
 
     device_id = _pipeline.device_id()
-    sms, smem_block, smem_sm = _device_limits(device_id)
+    sms, smem_block, smem_sm, memory_rate = _device_limits(device_id)
     score_mods = tuple(name for name, used in (("softcap", opts.softcap > 0), ("alibi", alibi_slopes is not None),
                                                 ("mask", mask is not None)) if used)
     plan_k = _heuristics.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
@@ -278,14 +283,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         if left >= 0 and right >= 0:
             keys = min(keys, left + right + seqlen_q)
         # Contiguous caches: one split per SM at most, and no more splits than it takes to keep the
-        # memory busy (DECODE_SATURATING_BYTES in flight: 64 CTAs of eight warps at D = 128), since
-        # each split adds a partial to write and merge. Paged caches wait on page lookups and need
-        # every SM ((8, 8k) page 16, eight warps: 2 splits 1.14x flash, 1 split 1.03x), but not at
+        # memory busy (decode_saturating_bytes in flight: on an H100 64 CTAs of eight warps at
+        # D = 128, on an H200 all 132), since each split adds a partial to write and merge. Paged
+        # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits 1.14x flash, 1 split 1.03x), but not at
         # the price of splits under 2048 keys, whose page-table start-up no longer hides.
         num_splits = _heuristics.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
-            saturating_ctas=None if paged else -(-_heuristics.DECODE_SATURATING_BYTES // plan_k.in_flight_bytes),
+            saturating_ctas=None if paged else -(-_heuristics.decode_saturating_bytes(memory_rate) //
+                                                 plan_k.in_flight_bytes),
             min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits >= 2**31:

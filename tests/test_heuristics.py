@@ -97,6 +97,26 @@ def test_num_splits_saturating(batch, heads_k, seqlen, sms, rb, saturating):
         assert ctas * s >= 0.95 * min(sat, ctas * limit) or ctas * s >= sms * 0.95
 
 
+def test_saturating_bytes_follow_memory_rate():
+    """The H100's 8 MiB up to its rate (and when the rate is unknown), then more than in proportion:
+    the rates the runtime reports for an H100 SXM (3.352 TB/s) and an H200 (4.814 TB/s)."""
+    plan = H.decode_plan("bfloat16", 128, paged=False, score_mods=False)
+    assert H.decode_saturating_bytes(0.0) == H.DECODE_SATURATING_BYTES
+    assert H.decode_saturating_bytes(3.352e12) == H.DECODE_SATURATING_BYTES
+    h200 = H.decode_saturating_bytes(4.814e12)
+    assert h200 > H.DECODE_SATURATING_BYTES * 4.814 / 3.352
+    rates = [2e12, 3.352e12, 4e12, 4.814e12, 8e12]
+    sizes = [H.decode_saturating_bytes(r) for r in rates]
+    assert sizes == sorted(sizes)
+    # On an H200 every SM streams: the split counts its sweep found best (session 21).
+    saturating = -(-h200 // plan.in_flight_bytes)
+    expect = {(8, 8192): 2, (1, 32768): 16, (1, 131072): 16, (4, 16384): 4, (2, 65536): 8}
+    for (batch, seqlen), want in expect.items():
+        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
+                                  saturating_ctas=saturating)
+        assert got == want, (batch, seqlen, got)
+
+
 def test_num_splits_benchmark_shapes():
     """The issue's benchmark shapes on an H100/H200 (132 SMs) with the D = 128 plan: one 200 KiB CTA
     of eight warps per SM, 128 KiB of K/V in flight each."""
