@@ -28,8 +28,9 @@ def _device_limits(device_id: int) -> tuple[int, int, int, float]:
 
     rt = cupy.cuda.runtime
     try:   # memory clock (kHz) x bus width (bits), double data rate
-        rate = 2e3 * rt.deviceGetAttribute(36, device_id) * rt.deviceGetAttribute(37, device_id) / 8
-    except Exception:   # attributes 36, 37 (cudaDevAttrMemoryClockRate, ...BusWidth) unknown to the runtime
+        rate = 2e3 * (rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, device_id) *
+                      rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, device_id)) / 8
+    except rt.CUDARuntimeError:   # a runtime that no longer reports them
         rate = 0.0
     return (rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device_id),
             rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id),

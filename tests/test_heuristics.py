@@ -117,6 +117,32 @@ def test_saturating_bytes_follow_memory_rate():
         assert got == want, (batch, seqlen, got)
 
 
+def test_device_memory_rate(monkeypatch):
+    """decode reads the memory rate from the clock (kHz, double data rate) and the bus width (bits),
+    and takes 0 (the H100's bytes in flight) where the runtime does not report them."""
+    import importlib
+
+    import cupy
+
+    decode_module = importlib.import_module("cuflash.decode")
+    rt = cupy.cuda.runtime
+    reported = {rt.cudaDevAttrMultiProcessorCount: 132, rt.cudaDevAttrMaxSharedMemoryPerBlockOptin: 232448,
+                rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor: 233472,
+                rt.cudaDevAttrMemoryClockRate: 2619000, rt.cudaDevAttrGlobalMemoryBusWidth: 5120}
+
+    def attribute(attr, device_id):
+        if attr not in reported:
+            raise rt.CUDARuntimeError(1)
+        return reported[attr]
+
+    monkeypatch.setattr(rt, "deviceGetAttribute", attribute)
+    limits = decode_module._device_limits.__wrapped__(0)
+    assert limits[:3] == (132, 232448, 233472)
+    assert limits[3] == pytest.approx(3.352e12, rel=1e-3)   # an H100 SXM
+    del reported[rt.cudaDevAttrMemoryClockRate]
+    assert decode_module._device_limits.__wrapped__(0)[3] == 0.0
+
+
 def test_num_splits_benchmark_shapes():
     """The issue's benchmark shapes on an H100/H200 (132 SMs) with the D = 128 plan: one 200 KiB CTA
     of eight warps per SM, 128 KiB of K/V in flight each."""
