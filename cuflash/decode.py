@@ -286,8 +286,9 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # Contiguous caches: one split per SM at most, and no more splits than it takes to keep the
         # memory busy (decode_saturating_bytes in flight: on an H100 64 CTAs of eight warps at
         # D = 128, on an H200 all 132), since each split adds a partial to write and merge. Paged
-        # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits 1.14x flash, 1 split 1.03x), but not at
-        # the price of splits under 2048 keys, whose page-table start-up no longer hides.
+        # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits
+        # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys, whose
+        # page-table start-up no longer hides.
         num_splits = _heuristics.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
