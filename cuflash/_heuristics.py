@@ -497,6 +497,11 @@ class DecodePlan:
     ctas_per_sm: int   # resident CTAs per SM that shared memory allows (for the split heuristic)
     in_flight_bytes: int   # K and V bytes a CTA's copies keep in flight (stages - 1 of its ring)
 
+    def saturating_ctas(self, memory_rate: float) -> int:
+        """How many of these CTAs keep a device's memory busy (:func:`decode_saturating_bytes`; the
+        memory rate in bytes/s, 0 when unknown)."""
+        return -(-decode_saturating_bytes(memory_rate) // self.in_flight_bytes)
+
 
 def _decode_path(dtype_name: str) -> str:
     if dtype_name in ("float16", "bfloat16"):
@@ -625,7 +630,7 @@ def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, 
         Resident decode CTAs per SM.
     saturating_ctas : int, optional
         CTAs whose copies in flight keep the memory busy (default: a whole wave,
-        ``ctas_per_sm * num_sms``; see :data:`DECODE_SATURATING_BYTES`).
+        ``ctas_per_sm * num_sms``; see :meth:`DecodePlan.saturating_ctas`).
     max_splits : int
         Upper bound (partial results cost num_splits * B * Sq * Hq * D float32).
     min_tiles_per_split : int
@@ -658,12 +663,6 @@ def decode_bandwidth_efficiency(ctas: int, slots: int, saturating: int) -> float
     full, last = divmod(ctas, slots)
     cost = full * max(slots, saturating) + (max(last, saturating) if last else 0)
     return ctas / cost
-
-
-def decode_wave_efficiency(ctas: int, slots: int) -> float:
-    """Fraction of the CTA slots busy over the waves a launch of ``ctas`` CTAs takes (the bandwidth
-    efficiency when only a full wave saturates the memory)."""
-    return decode_bandwidth_efficiency(ctas, slots, slots)
 
 
 MERGE_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}

@@ -45,7 +45,7 @@ def test_num_splits_wave_efficiency(batch, heads_k, seqlen, sms, rb, per_sm):
     if s == 1 and (ctas >= 4 * slots or seqlen < 8 * 64):
         return
     limit = max(1, min(-(-seqlen // 64) // 4, H.DECODE_MAX_SPLITS))
-    effs = {n: H.decode_wave_efficiency(ctas * n, slots) for n in range(1, limit + 1)}
+    effs = {n: H.decode_bandwidth_efficiency(ctas * n, slots, slots) for n in range(1, limit + 1)}
     best = max(effs.values())
     assert effs[s] >= 0.95 * best
     assert all(effs[n] < 0.95 * best for n in range(1, s))
@@ -69,10 +69,11 @@ def test_num_splits_fills_the_gpu_for_one_sequence(heads_k, seqlen, sms):
 
 
 def test_wave_efficiency():
-    assert H.decode_wave_efficiency(264, 264) == 1.0
-    assert H.decode_wave_efficiency(265, 264) == pytest.approx(265 / 528)
-    assert H.decode_wave_efficiency(132, 264) == 0.5
-    assert H.decode_wave_efficiency(0, 264) == 0.0
+    """Saturating only with a whole wave: the fraction of CTA slots busy over the waves."""
+    assert H.decode_bandwidth_efficiency(264, 264, 264) == 1.0
+    assert H.decode_bandwidth_efficiency(265, 264, 264) == pytest.approx(265 / 528)
+    assert H.decode_bandwidth_efficiency(132, 264, 264) == 0.5
+    assert H.decode_bandwidth_efficiency(0, 264, 264) == 0.0
 
 
 def test_bandwidth_efficiency():
@@ -109,7 +110,8 @@ def test_saturating_bytes_follow_memory_rate():
     sizes = [H.decode_saturating_bytes(r) for r in rates]
     assert sizes == sorted(sizes)
     # On an H200 every SM streams: the split counts its sweep found best (session 21).
-    saturating = -(-h200 // plan.in_flight_bytes)
+    saturating = plan.saturating_ctas(4.814e12)
+    assert saturating == -(-h200 // plan.in_flight_bytes)
     expect = {(8, 8192): 2, (1, 32768): 16, (1, 131072): 16, (4, 16384): 4, (2, 65536): 8}
     for (batch, seqlen), want in expect.items():
         got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
@@ -149,7 +151,7 @@ def test_num_splits_benchmark_shapes():
     plan = H.decode_plan("bfloat16", 128, paged=False, score_mods=False)
     assert plan.ctas_per_sm == 1 and plan.block_n == 128 and plan.block_m == 16 and plan.threads == 256
     assert plan.in_flight_bytes == 2 * 2 * 128 * 128 * 2
-    saturating = -(-H.DECODE_SATURATING_BYTES // plan.in_flight_bytes)
+    saturating = plan.saturating_ctas(0.0)
     assert saturating == 64
     # Contiguous: 64 CTAs keep the memory busy, so (8, 8k) needs no split and one sequence 8 of them.
     expect = {(1, 32768): 8, (8, 8192): 1, (32, 4096): 1, (1, 131072): 8, (4, 16384): 2}
