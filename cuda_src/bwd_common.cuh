@@ -26,9 +26,10 @@ __device__ __forceinline__ long long bwd_row_index(const BwdParams& bp, int b, i
 
 // bwd_sm90's dq_accum (BwdParams::dqa_tile_rows > 0): per (b, h) a row space of whole tiles of
 // tile_rows query rows x the compiled head dim (dqa_row_stride floats), each tile one contiguous
-// block of two 64 x 64 shares (split by rows when a tile has 128 rows, by columns when 64). A share
-// is stored in the order a warpgroup's wgmma accumulators leave registers: float4 number
-// n-tile * 128 + thread, element e of the m64n64 accumulator fragment (wgmma_sm90.cuh). That order
+// block of two shares: 64 x 64 (split by rows when a tile has 128 rows, by columns when 64), or with
+// 80 rows the 64 columns x 80 rows of dQ^T that each consumer computes. A share is stored in the
+// order a warpgroup's wgmma accumulators leave registers: float4 number n-tile * 128 + thread,
+// element e of the m64nN accumulator fragment (wgmma_sm90.cuh). That order
 // lets bwd_sm90 write it to shared memory with conflict-free 16-byte stores and add it in one bulk
 // reduction; bwd_convert and bwd_preprocess read it back through these two functions.
 //
@@ -40,6 +41,10 @@ __device__ __forceinline__ int dq_tile_row0(int q_row0, int b, int tile_rows, bo
 }
 // Offset of element (r, c) inside its tile.
 __device__ __forceinline__ int dq_tile_offset(int r, int c, int tile_rows) {
+    if (tile_rows == 80) {   // transposed: accumulator row c % 64, column r
+        const int m = c % 64, thread = (m / 16) * 32 + (m % 8) * 4 + (r % 8) / 2, e = ((m % 16) / 8) * 2 + r % 2;
+        return (c / 64) * 5120 + ((r / 8) * 128 + thread) * 4 + e;
+    }
     const bool by_rows = tile_rows == 128;
     const int share = by_rows ? r / 64 : c / 64, rr = by_rows ? r % 64 : r, cc = by_rows ? c : c % 64;
     const int thread = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2, e = ((rr % 16) / 8) * 2 + cc % 2;

@@ -51,7 +51,19 @@ __device__ __forceinline__ void bwd_convert_tiles(const ConvertParams& cp) {
         cp.src + b * cp.src_batch_stride + h * cp.src_head_stride +
         (dq_tile_row0(row0, b, rows, varlen) + tile * rows) * cp.src_row_stride);
     elem_t* rowmajor = reinterpret_cast<elem_t*>(convert_smem);
-    for (int f = threadIdx.x; f < rows * width / 4; f += blockDim.x) {
+    if (rows == 80) {
+        // Shares of dQ^T: float4 f holds elements (r, c), (r + 1, c), (r, c + 8), (r + 1, c + 8).
+        for (int f = threadIdx.x; f < rows * width / 4; f += blockDim.x) {
+            const int share = f / 1280, row8 = (f % 1280) / 128, thread = f % 128;
+            const int c = share * 64 + (thread / 32) * 16 + (thread % 32) / 4, r = row8 * 8 + 2 * (thread % 4);
+            const float4 v = src[f];
+            rowmajor[r * pitch + c] = from_float<elem_t>(v.x * cp.scale);
+            rowmajor[(r + 1) * pitch + c] = from_float<elem_t>(v.y * cp.scale);
+            rowmajor[r * pitch + c + 8] = from_float<elem_t>(v.z * cp.scale);
+            rowmajor[(r + 1) * pitch + c + 8] = from_float<elem_t>(v.w * cp.scale);
+        }
+    }
+    for (int f = threadIdx.x; rows != 80 && f < rows * width / 4; f += blockDim.x) {
         // float4 f holds elements (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1): invert dq_tile_offset.
         const int share = f / 1024, col8 = (f % 1024) / 128, thread = f % 128;
         const int rr = (thread / 32) * 16 + (thread % 32) / 4, cc = col8 * 8 + 2 * (thread % 4);

@@ -89,7 +89,8 @@ struct BwdSm90Config {
     // The producer's walk and copies need 40 registers (with 24 they spilled), 56 with the block
     // mask's vote (8 B spilled at 40); the consumers get the rest, which holds dK, dV, S^T, dP^T of
     // 64 keys (192 at D = 128) without spills.
-    static constexpr int kProducerRegs = kBlockMask ? 56 : 40, kConsumerRegs = kBlockMask ? 224 : 232;
+    static constexpr int kProducerRegs = kBlockMask ? 56 : kBlockM == 80 ? 24 : 40;
+    static constexpr int kConsumerRegs = kBlockMask ? 224 : kBlockM == 80 ? 240 : 232;
     static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
@@ -107,19 +108,32 @@ struct BwdSm90Config {
     static constexpr int kDkTail = (kDq && !kSerialScores && kHeadDim == 64) ? kBlockM / 32 : 0;
     // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64
     // (kDqShares per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each consumer's
-    // product over its own 64 keys, both added into the tile's one share (kDqByKeys).
+    // product over its own 64 keys, both added into the tile's one share (kDqByKeys). With 80 rows
+    // (D = 128 without a window: per step 25% more work for the same K, V and 10% fewer operand bytes
+    // read per product than with 64) a consumer computes its 64 columns of dQ transposed,
+    // dQ^T = K^T dS^T (wgmma n = 80: m is 64), with dS stored transposed (kDqTransposed).
     static constexpr bool kDqSplitRows = kBlockM == 128, kDqByKeys = kHeadDim == 64 && kBlockM == 64;
+    static constexpr bool kDqTransposed = kBlockM == 80;
     static constexpr int kDqShares = kSplitDims ? kDimCols / 64 : 1;
-    static_assert(kDqSplitRows ? kHeadDim == 64 : kBlockM == 64, "each consumer's share of dQ is made of 64 x 64 "
-                                                                 "products (wgmma_ss_n64_tt)");
+    static_assert(kDqSplitRows ? kHeadDim == 64
+                               : kDqTransposed ? kHeadDim == 128 && !kSplitDims && !kOrdered : kBlockM == 64,
+                  "each consumer's share of dQ is made of 64 x 64 products (wgmma_ss_n64_tt), or of 64 x 80 "
+                  "ones at D = 128 split by keys (gemm_atbt_ss)");
+    static constexpr int kDqRegs = kDqTransposed ? kBlockM / 2 : 32;   // a consumer's dQ (dQ^T) accumulators
+    // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
+    // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
+    static constexpr bool kWindowed = !kDqTransposed;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
-    // consumers meet after every step's products).
+    // consumers meet after every step's products). kDqTransposed stores dS instead: [kBlockN / 64 key
+    // blocks][kBlockM queries][64 keys], a K-major B operand for dQ^T.
     static constexpr int kDsBytes = kBlockN * kBlockM * 2, kDsTiles = 2;
-    // Each consumer's float32 share of dQ on its way to dq_accum (64 x 64), double buffered where
-    // shared memory allows (D = 128: 227 KB in all; D = 64's dS^T tiles are twice as large). At D = 256
-    // the shares pass through the step's own Q and dO buffers, which are free by then.
-    static constexpr int kDqShareBytes = 64 * 64 * 4, kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 ? 2 : 1;
+    // Each consumer's float32 share of dQ on its way to dq_accum (64 x 64; 64 x 80 transposed), double
+    // buffered where shared memory allows (D = 128 with 64 rows: 227 KB in all; D = 64's dS^T tiles
+    // are twice as large, and with 80 rows so are the shares). At D = 256 the shares pass through the
+    // step's own Q and dO buffers, which are free by then.
+    static constexpr int kDqShareBytes = kDqRegs * 128 * 4;
+    static constexpr int kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 && !kDqTransposed ? 2 : 1;
     static_assert(!kOrdered || kDqBuffers == 2, "the dQ writer takes turns with double-buffered shares");
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
@@ -176,6 +190,25 @@ __device__ __forceinline__ int cta_key_block() {
     return n - 1 - x;
 }
 
+// The CTA's sequence (blockIdx.z), read again where it is needed: values derived from it and held
+// through the walk spilled in the 80-row steps, whose registers are all taken.
+__device__ __forceinline__ int cta_batch() {
+    int b;
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(b));
+    return b;
+}
+
+// The dq_accum tile of query head h whose first row is m_lo in the CTA's sequence (under varlen the
+// sequence's first row is read again from cu_seqlens_q, for the same reason as cta_batch).
+template <class C>
+__device__ __forceinline__ float* dq_accum_tile(const BwdParams& bp, int h, int m_lo) {
+    const int b = cta_batch();
+    const bool varlen = bp.fwd.cu_seqlens_q != nullptr;
+    const int q_row0 = varlen ? bp.fwd.cu_seqlens_q[b] : 0;
+    return bp.dq_accum + b * bp.dqa_batch_stride + h * bp.dqa_head_stride +
+           (dq_tile_row0(q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+}
+
 // Where a consumer keeps P^T: in score2 with score modifiers (acc_s keeps the raw scores), in acc_s
 // without.
 template <bool kScoreMods, class S, class S2>
@@ -192,6 +225,15 @@ __device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
 template <class C>
 __device__ __forceinline__ void mask_outside_window(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
                                                     const int (&keys)[2], int col, float (&acc_s)[C::kMTiles][4]) {
+    if constexpr (!C::kWindowed) {   // the keys' end only (rows past the queries' end have lse2 = +inf)
+        if (n_lo + C::kBlockN <= s.seqlen_k) return;
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (keys[e / 2] >= s.seqlen_k) acc_s[mi][e] = -CUFLASH_INF;
+        return;
+    }
     if (tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) return;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -425,9 +467,6 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
 #pragma unroll 1
     for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
         s.h = h0 + hh;
-        // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
-        const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
-        const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
 #pragma unroll C::kProducerUnroll
         for (int c = c_begin; c < c_end; ++c) {
             const int m_lo = c * C::kBlockM;
@@ -444,8 +483,12 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                     tma_load_4d(tiles.q + off, &q_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
                     tma_load_4d(tiles.dout + off, &do_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
                 }
-                bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
-                bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
+                // lse2 and D are padded to a multiple of every block size: whole rows, no bounds. (Their
+                // addresses are made here: two 64-bit pointers held through the walk spilled with the
+                // producer's 24 registers of the 80-row steps.)
+                const long long row = bwd_row_index(bp, b, s.h, m_lo);
+                bulk_load(smem_addr(&sh.lse2[stage][0]), bp.lse2 + row, C::kBlockM * 4, sh.full(stage));
+                bulk_load(smem_addr(&sh.dsum[stage][0]), bp.dsum + row, C::kBlockM * 4, sh.full(stage));
             }
             if (++stage == C::kStages) { stage = 0; phase ^= 1; }
         }
@@ -485,7 +528,7 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
 
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
 template <class C>
-__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
+__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, BwdSm90Shared<C>& sh,
                                                    const BwdSm90Tiles& tiles) {
     const FwdParams& p = bp.fwd;
     const bool varlen = p.cu_seqlens_q != nullptr;
@@ -567,7 +610,11 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             wgmma_wait<1>();   // dP^T (the older group) is in; dV runs on
         } else {
             // (ptxas waits for dP^T here before the exponentials anyway: with 128 query columns
-            // they can only be written in place, over accumulator registers.)
+            // they can only be written in place, over accumulator registers. With 80 columns P^T
+            // is made complete first, so that its exponentials run beside dP^T's product rather
+            // than after it, where they also raised the registers' peak.)
+            if constexpr (C::kDqTransposed)
+                fence_registers(*reinterpret_cast<float(*)[C::kBlockM / 2]>(&prob[0][0]));
             wgmma_wait<0>();
         }
         fence_registers(dp_flat);
@@ -599,28 +646,40 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             fence_registers(ds_frag);
         }
 
-        float acc_dq[8][4];
-        float(&dq_flat)[32] = *reinterpret_cast<float(*)[32]>(&acc_dq[0][0]);
+        float acc_dq[C::kDqRegs / 4][4];
+        float(&dq_flat)[C::kDqRegs] = *reinterpret_cast<float(*)[C::kDqRegs]>(&acc_dq[0][0]);
         if constexpr (C::kDq) {
             // dS^T of this consumer's keys into the shared tile [kBlockM / 64][kBlockN keys][64 queries],
             // 16-byte chunks XOR-swizzled by key (conflict-free: a warp's 8 keys x 4 pairs hit 32 banks).
             const unsigned ds_tile = tiles.ds + ds_buf * C::kDsBytes;
-            // Row key_row0 (+ 8: the same swizzle phase), chunk mi % 8 of block mi / 8: the tile is
-            // 1024-byte aligned, so the chunk's XOR is one with the chunk index on the row's address.
-            const unsigned ds_row = (ds_tile + key_row0 * 128 + ((key_row0 % 8) * 16)) + t * 4;
+            if constexpr (C::kDqTransposed) {
+                // dS (the tile's queries x this consumer's keys) into key block `consumer` of the tile.
+                store_transposed<C::kBlockM>(ds_tile + consumer * C::kBlockM * 128, ds_frag);
+            } else {
+                // Row key_row0 (+ 8: the same swizzle phase), chunk mi % 8 of block mi / 8: the tile is
+                // 1024-byte aligned, so the chunk's XOR is one with the chunk index on the row's address.
+                const unsigned ds_row = (ds_tile + key_row0 * 128 + ((key_row0 % 8) * 16)) + t * 4;
 #pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
+                for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const unsigned addr = (ds_row ^ ((mi % 8) * 16)) + (mi / 8) * C::kBlockN * 128 + half * 8 * 128;
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(ds_frag[mi / 2][(mi % 2) * 2 + half])
-                                 : "memory");
-                }
+                    for (int half = 0; half < 2; ++half) {
+                        const unsigned addr =
+                            (ds_row ^ ((mi % 8) * 16)) + (mi / 8) * C::kBlockN * 128 + half * 8 * 128;
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr),
+                                     "r"(ds_frag[mi / 2][(mi % 2) * 2 + half])
+                                     : "memory");
+                    }
+            }
             fence_proxy_async();
             named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' dS^T are in
             // This consumer's 64 x 64 share of dQ = dS K over all kBlockN keys: A = dS^T read
             // transposed, B = K read transposed (both tiles have the keys as rows).
-            if constexpr (C::kDqByKeys) {   // over this consumer's 64 keys (rows of dS^T and K)
+            if constexpr (C::kDqTransposed) {
+                // Its 64 columns of dQ^T = K^T dS^T over all kBlockN keys: A = the consumer's column
+                // block of K read transposed, B = dS (both tiles hold kBlockN keys).
+                gemm_atbt_ss<C::kBlockM, C::kBlockN, C::kBlockM>(dq_flat, tiles.k + consumer * C::kBlockN * 128,
+                                                                 ds_tile);
+            } else if constexpr (C::kDqByKeys) {   // over this consumer's 64 keys (rows of dS^T and K)
                 gemm_atb_ss_n64<64>(dq_flat, ds_tile + consumer * 64 * 128, tiles.k + consumer * 64 * 128);
             } else {
                 const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
@@ -646,29 +705,29 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if constexpr (C::kDkTail == 0) release_stage();
 
         if constexpr (C::kDq) {
-            // The 64 x 64 share of dQ leaves through shared memory in dq_tile_offset's order (16-byte
-            // stores, no bank conflicts) and is added to the tile's share of dq_accum, 16 KB in one
-            // place, by one bulk reduction that thread 0 of the warpgroup issues. Per call the shares
+            // The 64 x 64 share of dQ (64 x 80 of dQ^T) leaves through shared memory in dq_tile_offset's
+            // order (16-byte stores, no bank conflicts) and is added to the tile's share of dq_accum,
+            // 16 KB (20 KB) in one place, by one bulk reduction that thread 0 of the warpgroup issues. Per call the shares
             // of all CTAs add up to (key blocks) x the size of dQ in float32: atomics or row-wise
             // reductions from every warp kept the consumers waiting on them (benchmarks/NOTES.md).
             fence_registers(dq_flat);
             const int wg_thread = threadIdx.x % 128;
+            // (Double buffered, the buffers alternate with dS^T's: ds_buf.)
+            const int dq_buf = C::kDqBuffers == 2 ? ds_buf : 0;
             if constexpr (C::kDqBuffers == 1) {
                 if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
                 named_barrier_sync(2 + consumer, 128);
             }
             if constexpr (C::kOrdered) {
                 if (wg_thread == 0) {   // the writer has read this buffer's previous share
-                    mbar_wait(sh.dq_empty(consumer, ds_buf), ((sh.dq_empty_parity[consumer] >> ds_buf) & 1) ^ 1);
-                    sh.dq_empty_parity[consumer] ^= 1 << ds_buf;
+                    mbar_wait(sh.dq_empty(consumer, dq_buf), ((sh.dq_empty_parity[consumer] >> dq_buf) & 1) ^ 1);
+                    sh.dq_empty_parity[consumer] ^= 1 << dq_buf;
                 }
                 named_barrier_sync(2 + consumer, 128);
             }
-            // (Double buffered, the buffers alternate with dS^T's: ds_buf.)
-            const unsigned share = tiles.dq + (consumer * C::kDqBuffers + (C::kDqBuffers == 2 ? ds_buf : 0)) *
-                                                 C::kDqShareBytes;
+            const unsigned share = tiles.dq + (consumer * C::kDqBuffers + dq_buf) * C::kDqShareBytes;
 #pragma unroll
-            for (int nj = 0; nj < 8; ++nj)
+            for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
                              "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
                              : "memory");
@@ -679,13 +738,12 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
                 if constexpr (C::kOrdered) {   // to the writer
-                    sh.dq_tile_of[consumer][ds_buf] = (s.h << 16) | (m_lo / C::kBlockM);
-                    mbar_arrive(sh.dq_full(consumer, ds_buf));
+                    sh.dq_tile_of[consumer][dq_buf] = (s.h << 16) | (m_lo / C::kBlockM);
+                    mbar_arrive(sh.dq_full(consumer, dq_buf));
                 } else {
-                    float* tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                  (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
-                    bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share,
-                                    C::kDqShareBytes);
+                    bulk_reduce_add(dq_accum_tile<C>(bp, s.h, m_lo) +
+                                        (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)),
+                                    share, C::kDqShareBytes);
                     bulk_commit();
                 }
             }
@@ -709,7 +767,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C>(bp, cta_batch(), consumer * 64, 0, tiles.q, acc_dk, acc_dv);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
@@ -841,10 +899,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
-                float* dq_tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                 (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
-                bulk_reduce_add(dq_tile + consumer * C::kDqShares * (C::kDqShareBytes / 4), share,
-                                C::kDqShares * C::kDqShareBytes);
+                bulk_reduce_add(dq_accum_tile<C>(bp, s.h, m_lo) + consumer * C::kDqShares * (C::kDqShareBytes / 4),
+                                share, C::kDqShares * C::kDqShareBytes);
                 bulk_commit();
             }
             pending = stage;
@@ -911,7 +967,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     if constexpr (C::kSplitDims) consume_dim_halves<C>(bp, s, b, sh, tiles);
-    else consume_key_halves<C>(bp, s, b, sh, tiles);
+    else consume_key_halves<C>(bp, s, sh, tiles);
 }
 
 

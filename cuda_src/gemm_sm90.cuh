@@ -30,16 +30,18 @@ __device__ __forceinline__ constexpr unsigned mnmajor_step(int kk) { return kk *
 
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 128, "wgmma n of 32, 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma n of 32, 64, 80 or 128");
     if constexpr (N == 32) wgmma_ss_n32(d, a, b, scale_d);
     else if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
+    else if constexpr (N == 80) wgmma_ss_n80(d, a, b, scale_d);
     else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
 }
 template <int N>
 __device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
-    static_assert(N == 32 || N == 64 || N == 128, "wgmma n of 32, 64 or 128");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma n of 32, 64, 80 or 128");
     if constexpr (N == 32) wgmma_ss_n32_first(d, a, b);
     else if constexpr (N == 64) wgmma_ss_n64_first(d, a, b, elem_t{});
+    else if constexpr (N == 80) wgmma_ss_n80_first(d, a, b);
     else wgmma_ss_n128_first(d, a, b, elem_t{});
 }
 template <int N>
@@ -94,6 +96,44 @@ __device__ __forceinline__ void gemm_atb_ss_n64(float (&acc)[32], unsigned a_til
 #pragma unroll
     for (int kk = 1; kk < kK / 16; ++kk)
         wgmma_ss_n64_tt(acc, a + (mnmajor_step(kk) >> 4), b + (mnmajor_step(kk) >> 4), 1, elem_t{});
+}
+
+// acc (64 x N) = A B over kK: A^T is an MN-major tile of kK rows at a_tile (its one column block of
+// 64 is A's 64 rows), B the N rows of a K-major tile of kBRows rows at b_tile (N = 80: the query
+// rows of a dQ^T = K^T dS^T step). acc is only written.
+template <int N, int kK, int kBRows>
+__device__ __forceinline__ void gemm_atbt_ss(float (&acc)[N / 2], unsigned a_tile, unsigned b_tile) {
+    static_assert(N == 80, "wgmma n of 80");
+    const unsigned long long a = smem_desc(a_tile, kK * 128, 1024), b = smem_desc(b_tile, 16, 1024);
+    wgmma_ss_n80_ta_first(acc, a, b);
+#pragma unroll
+    for (int kk = 1; kk < kK / 16; ++kk)
+        wgmma_ss_n80_ta(acc, a + (mnmajor_step(kk) >> 4), b + (kmajor_step<kBRows>(kk) >> 4), 1);
+}
+
+// Four 8 x 8 matrices of 16-bit elements from registers to shared memory, transposed: register i
+// holds matrix i in the mma fragment layout (row lane / 4, columns 2 (lane % 4) + {0, 1}), and
+// lanes 8i .. 8i + 7 give the addresses of the 8 stored rows of matrix i (16 bytes each), stored
+// row j being the fragment's column j.
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
+// A warpgroup's 64 x kCols operand in A fragments (frags[kk]: columns 16 kk .. 16 kk + 15 of the
+// warp's 16 rows, the layout of wgmma's accumulators and register A operand) stored transposed into
+// a K-major tile of kCols rows x 64 columns (one column block, 128B-swizzled, 1024-byte aligned):
+// the tile's row c is the operand's column c. Fragment j of a k-step is the 8 x 8 block of rows
+// 16 warp + 8 (j % 2) and columns 16 kk + 8 (j / 2), which lands in 16-byte chunk 2 warp + j % 2 of
+// 8 tile rows (chunks XOR-swizzled by row: 8 rows x 16 bytes hit all 32 banks).
+template <int kCols>
+__device__ __forceinline__ void store_transposed(unsigned tile, const unsigned (&frags)[kCols / 16][4]) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int j = lane / 8, r = lane % 8;
+    const unsigned row = tile + (8 * (j / 2) + r) * 128 + (((2 * warp + j % 2) ^ r) * 16);
+#pragma unroll
+    for (int kk = 0; kk < kCols / 16; ++kk) stmatrix_x4_trans(row + kk * 16 * 128, frags[kk]);
 }
 
 // Zeroes rows first_row .. kRows - 1 of a tile of kColBlocks column blocks, split over the

@@ -419,9 +419,10 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                             if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
                                 continue
                             if bwd_sm90_obstacle(d, mods, dropout) is None:
-                                out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
-                                                             score_mods=mods, dropout=dropout,
-                                                             deterministic=det).variant)
+                                for windowed in (True, False):
+                                    out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
+                                                                 score_mods=mods, dropout=dropout,
+                                                                 deterministic=det, windowed=windowed).variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):
@@ -804,7 +805,7 @@ BWD_SM80_DQ_TILES_MODS = {
 
 # bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
 # such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
-# split by columns). At D = 256, 64 keys per CTA whose dK/dV columns the consumers split (64 rows per
+# split by columns, or without a window 80 rows, each consumer 64 columns of dQ^T). At D = 256, 64 keys per CTA whose dK/dV columns the consumers split (64 rows per
 # step, two 64 x 64 shares of dQ each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and
 # dS^T) tiles, the dQ staging of both consumers (at D = 256 in the step's Q and dO buffers).
 # With score modifiers or dropout ("featured") the consumers need smaller accumulators
@@ -814,6 +815,11 @@ BWD_SM90_HEAD_DIMS = (64, 128, 256)
 BWD_SM90_THREADS = 384
 BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
+#: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ:
+#: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer then computes dQ transposed). The
+#: ordered dQ of deterministic=True keeps 64: its writer needs double-buffered shares, for which
+#: 80 rows leave no shared memory (and its consumers spilled in a single-buffered trial).
+BWD_SM90_WIDE_BLOCK_M = {128: 80}
 BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
 BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
 BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
@@ -823,23 +829,27 @@ BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
-def bwd_sm90_tiles(head_dim: int, featured: bool = False) -> tuple[int, int]:
+def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False) -> tuple[int, int]:
     """(keys per CTA, query rows per step) of bwd_sm90 at a compiled head dim; featured: with score
-    modifiers or dropout."""
+    modifiers or dropout; wide: a call that may take BWD_SM90_WIDE_BLOCK_M's rows (no window, score
+    modifier, dropout nor ordered dQ)."""
     if featured:
         return BWD_SM90_FEATURED_BLOCK_N[head_dim], BWD_SM90_FEATURED_BLOCK_M[head_dim]
+    if wide and head_dim in BWD_SM90_WIDE_BLOCK_M:
+        return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_WIDE_BLOCK_M[head_dim]
     return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim]
 
 
-def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False) -> int:
+def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included)."""
-    block_n, block_m = bwd_sm90_tiles(head_dim, featured)
+    block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide)
     stages = BWD_SM90_STAGES[head_dim]
     kv, q_do, ds = 2 * block_n * head_dim, 2 * block_m * head_dim, 2 * block_n * block_m
     split_dims = head_dim == 256 or (head_dim == 128 and featured)
-    # a 64 x 64 float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers)
-    dq_buffers = 0 if split_dims else 2 if head_dim == 128 else 1
-    dq_staging = 2 * dq_buffers * 64 * 64 * 4
+    transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
+    # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers)
+    dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed else 1
+    dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
     return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
 
 
@@ -899,7 +909,7 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 
 
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
-                  dropout: bool, deterministic: bool | None = None) -> LaunchPlan:
+                  dropout: bool, deterministic: bool | None = None, windowed: bool = True) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -915,6 +925,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     deterministic : bool or "pass", optional
         bwd_sm90 only (required there): False, the dK/dV pass adds dQ in any order; True, it adds
         dQ in a fixed order (cuda_src/dq_order.cuh); "pass", dQ comes from bwd_sm80's dQ pass.
+    windowed : bool
+        bwd_sm90 only: whether the call has a causal mask or a sliding window (False: the query
+        tiles may take BWD_SM90_WIDE_BLOCK_M's rows).
 
     Returns
     -------
@@ -948,7 +961,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         if obstacle is not None:
             raise ValueError(obstacle)
         kdim = _round_up(head_dim, BWD_SM90_HEAD_DIMS)
-        block_n, block_m = bwd_sm90_tiles(kdim, featured)
+        wide = not windowed and deterministic is False
+        block_n, block_m = bwd_sm90_tiles(kdim, featured, wide)
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
             "CUFLASH_HEAD_DIM": kdim,
@@ -957,11 +971,11 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
-            "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured),
+            "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured, wide),
             **_bwd_size_defines(),
         }
         return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
-                          bwd_sm90_smem_bytes(kdim, featured), kdim)
+                          bwd_sm90_smem_bytes(kdim, featured, wide), kdim)
     elif family == "bwd_simt":
         if dtype_name != "float32":
             raise ValueError(f"bwd_simt runs float32, not {dtype_name}")
@@ -1045,8 +1059,9 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
                     if bwd_sm90_obstacle(d, mods, dropout) is None:
                         if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
                             continue
-                        plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
-                                             dropout=dropout, deterministic=det)
-                        if plan.variant not in out:
-                            out.append(plan.variant)
+                        for windowed in (True, False):
+                            plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
+                                                 dropout=dropout, deterministic=det, windowed=windowed)
+                            if plan.variant not in out:
+                                out.append(plan.variant)
     return out

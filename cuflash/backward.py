@@ -240,8 +240,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                and _heuristics.bwd_sm90_orders_dq(d_pad, bool(score_mods or dropout)))
     dq_pass = bool(deterministic) and not ordered
     sm90_mode = (True if ordered else "pass" if deterministic else False) if family == "bwd_sm90" else None
+    windowed = (fwd_fields["window_left"], fwd_fields["window_right"]) != (-1, -1)
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
-                                      dropout=dropout, deterministic=sm90_mode)
+                                      dropout=dropout, deterministic=sm90_mode, windowed=windowed)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (_heuristics.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout) if dq_pass else None)
@@ -254,14 +255,17 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     key_blocks = math.ceil(max_k / plan0.block_m)
     heads_per_cta = _heuristics.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
     splits = group // heads_per_cta
-    rows_pad = _heuristics.BWD_ROW_PAD * max(1, math.ceil(max_q / _heuristics.BWD_ROW_PAD))
+    dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
+    # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
+    # query tiles too).
+    row_pad = math.lcm(_heuristics.BWD_ROW_PAD, dq_tile or 1)
+    rows_pad = row_pad * max(1, math.ceil(max_q / row_pad))
     dq_t, dk_t, dv_t = layouts["dq"], layouts["dk"], layouts["dv"]
     temps = [_pipeline.Buffer((batch, heads_q, rows_pad), np.float32),     # lse2
              _pipeline.Buffer((batch, heads_q, rows_pad), np.float32)]     # dsum
     names = ["lse2", "dsum"]
     # bwd_sm90 adds dQ into whole tiles (cuda_src/bwd_common.cuh, dq_tile_offset): per head a row
     # space of tiles of the compiled head dim; under varlen each sequence's tiles start a tile apart.
-    dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
     if dq_tile:
         total_q = dq_t.shape[0]
         shape = ((heads_q, -(-(total_q + batch * dq_tile) // dq_tile) * dq_tile, plan0.head_dim) if varlen
