@@ -467,6 +467,9 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
 #pragma unroll 1
     for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
         s.h = h0 + hh;
+        // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
+        const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
+        const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
 #pragma unroll C::kProducerUnroll
         for (int c = c_begin; c < c_end; ++c) {
             const int m_lo = c * C::kBlockM;
@@ -483,12 +486,8 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                     tma_load_4d(tiles.q + off, &q_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
                     tma_load_4d(tiles.dout + off, &do_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
                 }
-                // lse2 and D are padded to a multiple of every block size: whole rows, no bounds. (Their
-                // addresses are made here: two 64-bit pointers held through the walk spilled with the
-                // producer's 24 registers of the 80-row steps.)
-                const long long row = bwd_row_index(bp, b, s.h, m_lo);
-                bulk_load(smem_addr(&sh.lse2[stage][0]), bp.lse2 + row, C::kBlockM * 4, sh.full(stage));
-                bulk_load(smem_addr(&sh.dsum[stage][0]), bp.dsum + row, C::kBlockM * 4, sh.full(stage));
+                bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
+                bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
             }
             if (++stage == C::kStages) { stage = 0; phase ^= 1; }
         }
