@@ -190,16 +190,17 @@ __device__ __forceinline__ int cta_key_block() {
     return n - 1 - x;
 }
 
-// The CTA's sequence (blockIdx.z), read again where it is needed: values derived from it and held
-// through the walk spilled in the 80-row steps, whose registers are all taken.
+// The CTA's sequence (blockIdx.z), read again where the 80-row steps need it: values derived from it
+// and held through their walk spilled, their registers being all taken. (The other steps keep theirs:
+// read again there, the 64-row steps ran ~2% slower.)
 __device__ __forceinline__ int cta_batch() {
     int b;
     asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(b));
     return b;
 }
 
-// The dq_accum tile of query head h whose first row is m_lo in the CTA's sequence (under varlen the
-// sequence's first row is read again from cu_seqlens_q, for the same reason as cta_batch).
+// The dq_accum tile of query head h whose first row is m_lo in the CTA's sequence, for the 80-row
+// steps (under varlen the sequence's first row is read again from cu_seqlens_q, as cta_batch).
 template <class C>
 __device__ __forceinline__ float* dq_accum_tile(const BwdParams& bp, int h, int m_lo) {
     const int b = cta_batch();
@@ -527,7 +528,7 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
 
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
 template <class C>
-__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, BwdSm90Shared<C>& sh,
+__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
                                                    const BwdSm90Tiles& tiles) {
     const FwdParams& p = bp.fwd;
     const bool varlen = p.cu_seqlens_q != nullptr;
@@ -740,9 +741,12 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                     sh.dq_tile_of[consumer][dq_buf] = (s.h << 16) | (m_lo / C::kBlockM);
                     mbar_arrive(sh.dq_full(consumer, dq_buf));
                 } else {
-                    bulk_reduce_add(dq_accum_tile<C>(bp, s.h, m_lo) +
-                                        (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)),
-                                    share, C::kDqShareBytes);
+                    float* tile = C::kDqTransposed
+                                      ? dq_accum_tile<C>(bp, s.h, m_lo)
+                                      : bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                            (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                    bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share,
+                                    C::kDqShareBytes);
                     bulk_commit();
                 }
             }
@@ -766,7 +770,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, cta_batch(), consumer * 64, 0, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C>(bp, C::kDqTransposed ? cta_batch() : b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
@@ -898,8 +902,10 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
-                bulk_reduce_add(dq_accum_tile<C>(bp, s.h, m_lo) + consumer * C::kDqShares * (C::kDqShareBytes / 4),
-                                share, C::kDqShares * C::kDqShareBytes);
+                float* dq_tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
+                                 (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                bulk_reduce_add(dq_tile + consumer * C::kDqShares * (C::kDqShareBytes / 4), share,
+                                C::kDqShares * C::kDqShareBytes);
                 bulk_commit();
             }
             pending = stage;
@@ -966,7 +972,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     if constexpr (C::kSplitDims) consume_dim_halves<C>(bp, s, b, sh, tiles);
-    else consume_key_halves<C>(bp, s, sh, tiles);
+    else consume_key_halves<C>(bp, s, b, sh, tiles);
 }
 
 

@@ -422,7 +422,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                                 for windowed in (True, False):
                                     out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
                                                                  score_mods=mods, dropout=dropout,
-                                                                 deterministic=det, windowed=windowed).variant)
+                                                                 deterministic=det, windowed=windowed,
+                                                                 seqlen_q=BWD_SM90_WIDE_MIN_ROWS).variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):
@@ -815,11 +816,14 @@ BWD_SM90_HEAD_DIMS = (64, 128, 256)
 BWD_SM90_THREADS = 384
 BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
-#: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ:
-#: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer then computes dQ transposed). The
-#: ordered dQ of deterministic=True keeps 64: its writer needs double-buffered shares, for which
-#: 80 rows leave no shared memory (and its consumers spilled in a single-buffered trial).
+#: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ,
+#: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
+#: then computes dQ transposed). H100, against 64 rows: 2-3% faster at 8k and 16k rows, within +-2% at
+#: 2k and 4k, where the last tile's padding (up to 2.5% of the rows) weighs more. The ordered dQ of
+#: deterministic=True keeps 64: its writer needs double-buffered shares, for which 80 rows leave no
+#: shared memory (and its consumers spilled in a single-buffered trial).
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
+BWD_SM90_WIDE_MIN_ROWS = 8192
 BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
 BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
 BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
@@ -909,7 +913,8 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 
 
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
-                  dropout: bool, deterministic: bool | None = None, windowed: bool = True) -> LaunchPlan:
+                  dropout: bool, deterministic: bool | None = None, windowed: bool = True,
+                  seqlen_q: int = 0) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -925,9 +930,10 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     deterministic : bool or "pass", optional
         bwd_sm90 only (required there): False, the dK/dV pass adds dQ in any order; True, it adds
         dQ in a fixed order (cuda_src/dq_order.cuh); "pass", dQ comes from bwd_sm80's dQ pass.
-    windowed : bool
-        bwd_sm90 only: whether the call has a causal mask or a sliding window (False: the query
-        tiles may take BWD_SM90_WIDE_BLOCK_M's rows).
+    windowed, seqlen_q
+        bwd_sm90 only: whether the call has a causal mask or a sliding window, and its (longest)
+        query length; without a window from BWD_SM90_WIDE_MIN_ROWS rows the query tiles may take
+        BWD_SM90_WIDE_BLOCK_M's rows.
 
     Returns
     -------
@@ -961,7 +967,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         if obstacle is not None:
             raise ValueError(obstacle)
         kdim = _round_up(head_dim, BWD_SM90_HEAD_DIMS)
-        wide = not windowed and deterministic is False
+        wide = not windowed and deterministic is False and seqlen_q >= BWD_SM90_WIDE_MIN_ROWS
         block_n, block_m = bwd_sm90_tiles(kdim, featured, wide)
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
@@ -1061,7 +1067,8 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
                             continue
                         for windowed in (True, False):
                             plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
-                                                 dropout=dropout, deterministic=det, windowed=windowed)
+                                                 dropout=dropout, deterministic=det, windowed=windowed,
+                                                 seqlen_q=BWD_SM90_WIDE_MIN_ROWS)
                             if plan.variant not in out:
                                 out.append(plan.variant)
     return out

@@ -242,7 +242,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     sm90_mode = (True if ordered else "pass" if deterministic else False) if family == "bwd_sm90" else None
     windowed = (fwd_fields["window_left"], fwd_fields["window_right"]) != (-1, -1)
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
-                                      dropout=dropout, deterministic=sm90_mode, windowed=windowed)
+                                      dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (_heuristics.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout) if dq_pass else None)
@@ -382,7 +382,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             src_head_stride=splits * pr["head"], dst_row_stride=tr["row"],
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))
-    plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic")
+    plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
+                     query_tile=dq_tile or None)
     return plan
 
 

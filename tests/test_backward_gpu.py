@@ -91,9 +91,27 @@ KERNELS = [
     pytest.param("bwd_simt", "float32", id="simt-fp32"),
     pytest.param("bwd_sm90", "float16", id="sm90-fp16", marks=SM90_MARKS),
     pytest.param("bwd_sm90", "bfloat16", id="sm90-bf16", marks=SM90_MARKS),
+    # bwd_sm90 with 80-row query tiles wherever a call may take them (_wide_query_tiles, below)
+    pytest.param("bwd_sm90", "float16", id="sm90wide-fp16", marks=SM90_MARKS),
+    pytest.param("bwd_sm90", "bfloat16", id="sm90wide-bf16", marks=SM90_MARKS),
 ]
 NAN = float("nan")
 FLOAT32_GRAD_RTOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _wide_query_tiles(request, monkeypatch):
+    """For the sm90wide-* kernels: calls without a window, score modifiers, dropout or fixed dQ
+    order take bwd_sm90's 80-row query tiles at every length (BWD_SM90_WIDE_MIN_ROWS lowered to 1),
+    not only from the 8k rows the planner waits for; plans remembered before are forgotten."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or "sm90wide" not in callspec.id:
+        yield
+        return
+    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1)
+    _pipeline.clear_memo()
+    yield
+    _pipeline.clear_memo()
 
 
 def _capped(n):
@@ -895,6 +913,23 @@ def test_sm90_is_the_default_for_bf16(head_dim):
         # cuflash.plan plans the call without launching; the plan records the family it chose.
         planned = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **options)
         assert planned.plan.info["family"] == "bwd_sm90", f"default backward with {options}"
+
+
+@_sm90_only
+def test_sm90_takes_80_row_query_tiles_from_8k_rows():
+    # D = 128 without a window: 80 query rows per step from BWD_SM90_WIDE_MIN_ROWS query rows, 64
+    # below and with a causal mask or deterministic=True (nothing is launched: planning only).
+    def query_tile(sq, **options):
+        shape = _shape(1, sq, 256, 2, 2, 128)
+        q, k, v = tt.random_qkv(shape, "bfloat16", 173, xp=cupy)
+        dout, out = _random_like(q, 174), _random_like(q, 175)
+        lse = cupy.zeros((1, 2, sq), dtype=cupy.float32)
+        with bw.force_kernel("bwd_sm90"):
+            return cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **options).plan.info["query_tile"]
+
+    long = _heuristics.BWD_SM90_WIDE_MIN_ROWS
+    assert query_tile(long) == 80 and query_tile(long - 1) == 64
+    assert query_tile(long, causal=True) == query_tile(long, deterministic=True) == 64
 
 
 @_sm90_only

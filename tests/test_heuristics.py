@@ -384,12 +384,12 @@ def test_bwd_sm90_plans_head_dim_256_by_columns():
 
 
 def test_bwd_sm90_wide_query_tiles():
-    # 80 query rows per step (dQ computed transposed) only at D = 128 without a window, score
-    # modifier, dropout or fixed dQ order; every other plan keeps its rows. Shared memory stays
-    # within the 227 KiB an H100 block may use, and the variant is precompiled.
-    def rows(d, windowed=False, det=False, mods=(), dropout=False):
+    # 80 query rows per step (dQ computed transposed) only at D = 128 from 8k query rows without a
+    # window, score modifier, dropout or fixed dQ order; every other plan keeps its rows. Shared
+    # memory stays within the 227 KiB an H100 block may use, and the variant is precompiled.
+    def rows(d, windowed=False, det=False, mods=(), dropout=False, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS):
         plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=dropout,
-                               deterministic=det, windowed=windowed)
+                               deterministic=det, windowed=windowed, seqlen_q=seqlen_q)
         defines = dict(plan.variant.defines)
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
         return defines["CUFLASH_BLOCK_M"]
@@ -397,8 +397,9 @@ def test_bwd_sm90_wide_query_tiles():
     assert [rows(d) for d in (64, 72, 128, 256)] == [128, 80, 80, 64]
     assert rows(128, windowed=True) == rows(128, det=True) == rows(128, det="pass") == 64
     assert rows(128, mods=("softcap",)) == rows(128, dropout=True) == 64
+    assert rows(128, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS - 1) == 64 and rows(128, seqlen_q=10 ** 6) == 80
     wide = H.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
-                           deterministic=False, windowed=False)
+                           deterministic=False, windowed=False, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS)
     assert wide.block_m == 128 and wide.smem_bytes > 220 * 1024   # 128 keys; single-buffered dQ staging
     assert wide.variant in H.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(128,), arch="sm_90a")
     assert wide.variant in H.reachable_variants("sm_90a", ("bfloat16",), (128,))
