@@ -88,7 +88,8 @@ struct BwdSm90Config {
     static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
     // The producer's walk and copies need 40 registers (with 24 they spilled), 56 with the block
     // mask's vote (8 B spilled at 40); the consumers get the rest, which holds dK, dV, S^T, dP^T of
-    // 64 keys (192 at D = 128) without spills.
+    // 64 keys (192 at D = 128) without spills. With 80 query rows (224 of them) the consumers need
+    // 240, and the producer's walk at D = 128 (not unrolled) fits in 24.
     static constexpr int kProducerRegs = kBlockMask ? 56 : kBlockM == 80 ? 24 : 40;
     static constexpr int kConsumerRegs = kBlockMask ? 224 : kBlockM == 80 ? 240 : 232;
     static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
@@ -705,11 +706,12 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if constexpr (C::kDkTail == 0) release_stage();
 
         if constexpr (C::kDq) {
-            // The 64 x 64 share of dQ (64 x 80 of dQ^T) leaves through shared memory in dq_tile_offset's
-            // order (16-byte stores, no bank conflicts) and is added to the tile's share of dq_accum,
-            // 16 KB (20 KB) in one place, by one bulk reduction that thread 0 of the warpgroup issues. Per call the shares
-            // of all CTAs add up to (key blocks) x the size of dQ in float32: atomics or row-wise
-            // reductions from every warp kept the consumers waiting on them (benchmarks/NOTES.md).
+            // The 64 x 64 share of dQ (64 x 80 of dQ^T) leaves through shared memory in
+            // dq_tile_offset's order (16-byte stores, no bank conflicts) and is added to the tile's
+            // share of dq_accum, 16 KB (20 KB) in one place, by one bulk reduction that thread 0 of
+            // the warpgroup issues. Per call the shares of all CTAs add up to (key blocks) x the size
+            // of dQ in float32: atomics or row-wise reductions from every warp kept the consumers
+            // waiting on them (benchmarks/NOTES.md).
             fence_registers(dq_flat);
             const int wg_thread = threadIdx.x % 128;
             // (Double buffered, the buffers alternate with dS^T's: ds_buf.)

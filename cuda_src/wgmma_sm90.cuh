@@ -280,7 +280,8 @@ __device__ __forceinline__ void wgmma_ss_n128_tb(float (&d)[64], unsigned long l
 }
 
 // D (64 x 80) += A (64 x 16, shared) * B (80 x 16, shared, K-major); scale_d = 0 overwrites D.
-__device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], unsigned long long a_desc, unsigned long long b_desc, int scale_d) {
+__device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], unsigned long long a_desc, unsigned long long b_desc,
+                                             int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32." CUFLASH_WGMMA_AB " "
@@ -290,7 +291,8 @@ __device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], unsigned long long 
 }
 
 // D (64 x 80) = A B, the first k-step (as wgmma_ss_n64_first).
-__device__ __forceinline__ void wgmma_ss_n80_first(float (&d)[40], unsigned long long a_desc, unsigned long long b_desc) {
+__device__ __forceinline__ void wgmma_ss_n80_first(float (&d)[40], unsigned long long a_desc,
+                                                   unsigned long long b_desc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32." CUFLASH_WGMMA_AB " "
@@ -301,7 +303,8 @@ __device__ __forceinline__ void wgmma_ss_n80_first(float (&d)[40], unsigned long
 
 // D (64 x 80) += A (64 x 16, shared, MN-major: transposed by the descriptor) * B (80 x 16, shared,
 // K-major); scale_d = 0 overwrites D.
-__device__ __forceinline__ void wgmma_ss_n80_ta(float (&d)[40], unsigned long long a_desc, unsigned long long b_desc, int scale_d) {
+__device__ __forceinline__ void wgmma_ss_n80_ta(float (&d)[40], unsigned long long a_desc, unsigned long long b_desc,
+                                                int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32." CUFLASH_WGMMA_AB " "
@@ -311,7 +314,8 @@ __device__ __forceinline__ void wgmma_ss_n80_ta(float (&d)[40], unsigned long lo
 }
 
 // D (64 x 80) = A B, the first k-step with A MN-major (as wgmma_ss_n80_ta).
-__device__ __forceinline__ void wgmma_ss_n80_ta_first(float (&d)[40], unsigned long long a_desc, unsigned long long b_desc) {
+__device__ __forceinline__ void wgmma_ss_n80_ta_first(float (&d)[40], unsigned long long a_desc,
+                                                      unsigned long long b_desc) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n80k16.f32." CUFLASH_WGMMA_AB " "

@@ -806,8 +806,9 @@ BWD_SM80_DQ_TILES_MODS = {
 
 # bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
 # such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
-# split by columns, or without a window 80 rows, each consumer 64 columns of dQ^T). At D = 256, 64 keys per CTA whose dK/dV columns the consumers split (64 rows per
-# step, two 64 x 64 shares of dQ each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and
+# split by columns, or without a window 80 rows, each consumer 64 columns of dQ^T). At D = 256, 64
+# keys per CTA whose dK/dV columns the consumers split (64 rows per step, two 64 x 64 shares of dQ
+# each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and
 # dS^T) tiles, the dQ staging of both consumers (at D = 256 in the step's Q and dO buffers).
 # With score modifiers or dropout ("featured") the consumers need smaller accumulators
 # (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
