@@ -808,8 +808,8 @@ BWD_SM80_DQ_TILES_MODS = {
 # such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
 # split by columns, or without a window 80 rows, each consumer 64 columns of dQ^T). At D = 256, 64
 # keys per CTA whose dK/dV columns the consumers split (64 rows per step, two 64 x 64 shares of dQ
-# each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and
-# dS^T) tiles, the dQ staging of both consumers (at D = 256 in the step's Q and dO buffers).
+# each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and dS^T) tiles, the dQ staging
+# of both consumers (at D = 256 in the step's Q and dO buffers).
 # With score modifiers or dropout ("featured") the consumers need smaller accumulators
 # (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
 # takes 64 query rows per step (each consumer adds dQ over its own keys).
@@ -819,8 +819,8 @@ BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ,
 #: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
-#: then computes dQ transposed). H100, against 64 rows: 2-3% faster at 8k and 16k rows, within +-2% at
-#: 2k and 4k, where the last tile's padding (up to 2.5% of the rows) weighs more. The ordered dQ of
+#: then computes dQ transposed). H100, against 64 rows: 2-3% faster at 16k rows, 0-3% at 8k, within
+#: +-2% at 2k and 4k, where the last tile's padding (up to 2.5% of the rows) weighs more. The ordered dQ of
 #: deterministic=True keeps 64: its writer needs double-buffered shares, for which 80 rows leave no
 #: shared memory (and its consumers spilled in a single-buffered trial).
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
