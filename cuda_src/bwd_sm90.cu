@@ -200,15 +200,21 @@ __device__ __forceinline__ int cta_batch() {
     return b;
 }
 
-// The dq_accum tile of query head h whose first row is m_lo in the CTA's sequence, for the 80-row
-// steps (under varlen the sequence's first row is read again from cu_seqlens_q, as cta_batch).
+// Where in dq_accum (floats) the tile of query head h whose first row is m_lo lies, in sequence b
+// (whose first row is q_row0 under varlen).
+template <class C>
+__device__ __forceinline__ long long dq_accum_offset(const BwdParams& bp, int b, int q_row0, int h, int m_lo,
+                                                     bool varlen) {
+    return b * bp.dqa_batch_stride + h * bp.dqa_head_stride +
+           (dq_tile_row0(q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+}
+
+// The same tile for the 80-row steps, the CTA's sequence and its first row read again (cta_batch).
 template <class C>
 __device__ __forceinline__ float* dq_accum_tile(const BwdParams& bp, int h, int m_lo) {
     const int b = cta_batch();
     const bool varlen = bp.fwd.cu_seqlens_q != nullptr;
-    const int q_row0 = varlen ? bp.fwd.cu_seqlens_q[b] : 0;
-    return bp.dq_accum + b * bp.dqa_batch_stride + h * bp.dqa_head_stride +
-           (dq_tile_row0(q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+    return bp.dq_accum + dq_accum_offset<C>(bp, b, varlen ? bp.fwd.cu_seqlens_q[b] : 0, h, m_lo, varlen);
 }
 
 // Where a consumer keeps P^T: in score2 with score modifiers (acc_s keeps the raw scores), in acc_s
@@ -427,9 +433,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 if (tile < 0) return;   // both consumers end together; every reduction has landed
                 s.h = tile >> 16;
                 const int c = tile & 0xffff;
-                const long long offset = b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                         (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + c * C::kBlockM) *
-                                             bp.dqa_row_stride;
+                const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, s.h, c * C::kBlockM, varlen);
                 // One counter per tile (kBlockM rows of kHeadDim floats) and share.
                 const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
                 const int rank = dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c);
@@ -745,8 +749,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 } else {
                     float* tile = C::kDqTransposed
                                       ? dq_accum_tile<C>(bp, s.h, m_lo)
-                                      : bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                            (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                                      : bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, s.h, m_lo, varlen);
                     bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share,
                                     C::kDqShareBytes);
                     bulk_commit();
@@ -904,8 +907,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
             fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
-                float* dq_tile = bp.dq_accum + b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
-                                 (dq_tile_row0(s.q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
+                float* dq_tile = bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, s.h, m_lo, varlen);
                 bulk_reduce_add(dq_tile + consumer * C::kDqShares * (C::kDqShareBytes / 4), share,
                                 C::kDqShares * C::kDqShareBytes);
                 bulk_commit();
