@@ -180,25 +180,41 @@ struct BwdSm90Tiles {
     unsigned k, v, q, dout, ds, dq;
 };
 
-// The CTA's block of kBlockN keys. Ordered dQ dispatches the highest key block first
-// (dq_order.cuh). Read again where it is needed: kept in a register through the walk, it spilled.
+// Where a CTA's work lies on the grid (key blocks, heads_k * splits, batch): its block of kBlockN keys
+// (x), its slot (y: kv head * splits + split) and its sequence (z). CTAs start in the order of their
+// linear index, x fastest, i.e. head by head. Under a causal mask a key block's walk shrinks with its
+// index, so the heads started last would leave their heaviest blocks running alone at the end: the
+// last bp.tail_pairs (slot, sequence) pairs are read key-block-major instead (all their first key
+// blocks, then all their second ones, ...), their light blocks last. Only those few pairs, not the
+// whole grid: CTAs of ~130 different heads running at once each read their own head's Q and dO, which
+// L2 then cannot hold (key-block-major throughout ran 0.6x as fast, benchmarks/NOTES.md session 20).
+// Ordered dQ dispatches the highest key block first (dq_order.cuh).
+// Made once (cta_place) and kept in shared memory (bwd_cta_place), read again where it is needed:
+// kept in registers through the walk, such values spilled.
+__shared__ int4 bwd_cta_place;
+
 template <class C>
-__device__ __forceinline__ int cta_key_block() {
-    int x, n;
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
-    if constexpr (!C::kOrdered) return x;
-    asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(n));
-    return n - 1 - x;
+__device__ __forceinline__ int4 cta_place(const BwdParams& bp) {
+    const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x, ny = gridDim.y;
+    if constexpr (C::kOrdered) return make_int4(nx - 1 - x, y, z, 0);
+    const int head_major = ny * gridDim.z - bp.tail_pairs;   // pairs taken head by head
+    const int linear = x + nx * (y + ny * z);
+    if (linear < nx * head_major) return make_int4(x, y, z, 0);
+    const int r = linear - nx * head_major, pair = head_major + r % bp.tail_pairs;
+    return make_int4(r / bp.tail_pairs, pair % ny, pair / ny, 0);
 }
 
-// The CTA's sequence (blockIdx.z), read again where the 80-row steps need it: values derived from it
-// and held through their walk spilled, their registers being all taken. (The other steps keep theirs:
-// read again there, the 64-row steps ran ~2% slower.)
-__device__ __forceinline__ int cta_batch() {
-    int b;
-    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(b));
-    return b;
+__device__ __forceinline__ int read_cta_place(const int& field) {
+    int v;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(&field)));
+    return v;
 }
+// The CTA's block of kBlockN keys, its slot and its sequence. (The 64-row steps keep the sequence in
+// a register from the start; the 80-row ones, whose registers are all taken, read it again.)
+template <class C>
+__device__ __forceinline__ int cta_key_block() { return read_cta_place(bwd_cta_place.x); }
+__device__ __forceinline__ int cta_slot() { return read_cta_place(bwd_cta_place.y); }
+__device__ __forceinline__ int cta_batch() { return read_cta_place(bwd_cta_place.z); }
 
 // Where in dq_accum (floats) the tile of query head h whose first row is m_lo lies, in sequence b
 // (whose first row is q_row0 under varlen).
@@ -321,9 +337,7 @@ __device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInf
 // registers through it (two values of the prologue held there spilled), and so is the group's shape.
 __device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int b) {
     const FwdParams& p = bp.fwd;
-    int cta_y = blockIdx.y;
-    asm volatile("" : "+r"(cta_y));
-    const int group_e = p.heads_q / p.heads_k, kv_head = cta_y / (group_e / bp.heads_per_cta);
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_slot() / (group_e / bp.heads_per_cta);
     return make_seq_info(p, b, kv_head * group_e);
 }
 
@@ -339,7 +353,7 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_
     for (int half = 0; half < 2; ++half) {
         const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
         if (r >= se.seqlen_k) continue;
-        const DkDvRow<elem_t> dkdv(bp, se, blockIdx.y, r);
+        const DkDvRow<elem_t> dkdv(bp, se, cta_slot(), r);
 #pragma unroll
         for (int di = 0; di < C::kDTiles; ++di) {
             const int col = col0 + di * 8 + 2 * t;
@@ -465,7 +479,8 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
         }
     }
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
-    const int h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
+    const int slot = cta_slot();
+    const int h0 = (slot / splits) * group + (slot % splits) * bp.heads_per_cta;
     int stage = 0, phase = 0;
     // Unrolled as far as ptxas then needs no spills in any warpgroup (kProducerUnroll; NVRTC
     // 13.0: D = 128 spilled in the producer unrolled 4 times, D = 64 in the consumers not unrolled
@@ -939,13 +954,14 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     tiles.ds = tiles.dout + C::kStages * C::kQBytes;
     tiles.dq = tiles.ds + C::kDsTiles * C::kDsBytes;
 
-    // Which keys, which heads: blockIdx.y = kv head * splits + split; the CTA sums the query heads
+    // Which keys, which heads: slot = kv head * splits + split; the CTA sums the query heads
     // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
     // The consumers learn each tile's head from the producer.
-    const int b = blockIdx.z;
+    const int4 place = cta_place<C>(bp);
+    const int b = place.z;
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
-    SeqInfo s = make_seq_info(p, b, (blockIdx.y / splits) * group);
-    const int n_lo = cta_key_block<C>() * C::kBlockN;
+    SeqInfo s = make_seq_info(p, b, (place.y / splits) * group);
+    const int n_lo = place.x * C::kBlockN;
     if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
     const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
     int q_first, q_last;
@@ -954,6 +970,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (threadIdx.x == 0) {
+        bwd_cta_place = place;
         mbar_init(sh.kv_full(), 1);
         for (int stage = 0; stage < C::kStages; ++stage) {
             mbar_init(sh.full(stage), 1);

@@ -323,7 +323,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dv_target = shaped["dv_part"] if splits > 1 else dv_t
     slots["dk"] = temp["dk_part"] if splits > 1 else 7
     slots["dv"] = temp["dv_part"] if splits > 1 else 8
-    bwd = dict(seqlen_q_pad=rows_pad, heads_per_cta=heads_per_cta, dkv_partial=int(splits > 1),
+    shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0   # causal: walks shrink
+    tail_pairs = (_heuristics.bwd_tail_pairs(key_blocks, heads_k * splits * batch, _num_sms(device_id),
+                                             shrinking=shrinking, ordered=ordered) if family == "bwd_sm90" else 0)
+    bwd = dict(seqlen_q_pad=rows_pad, heads_per_cta=heads_per_cta, dkv_partial=int(splits > 1), tail_pairs=tail_pairs,
                **_layout_fields("do", layouts["dout"], varlen), **_layout_fields("dk", dk_target, varlen),
                **_layout_fields("dv", dv_target, varlen), **_layout_fields("dq", dq_t, varlen))
     if dq_tile:
@@ -383,7 +386,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))
     plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
-                     query_tile=dq_tile or None)
+                     query_tile=dq_tile or None, tail_pairs=tail_pairs)
     return plan
 
 

@@ -933,6 +933,30 @@ def test_sm90_takes_80_row_query_tiles_from_8k_rows():
 
 
 @_sm90_only
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_causal_tail_pairs_key_block_major(head_dim, monkeypatch):
+    # A causal grid whose last pairs (slot, sequence) start key block by key block (cta_place): with
+    # 4 SMs and 3 key blocks, 3 of the 12 pairs (tail_pairs); then none, then all of them. Each CTA
+    # must still take exactly one (key block, slot, sequence): against the reference, and dK/dV
+    # (no atomics) bitwise the same in every order.
+    monkeypatch.setattr(bw, "_num_sms", lambda device_id: 4)
+    block_n = _heuristics.BWD_SM90_BLOCK_N[head_dim]
+    shape = _shape(3, 3 * block_n - 20, 3 * block_n - 20, 8, 4, head_dim)
+    grads, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {"causal": True}, 195)
+    with bw.force_kernel("bwd_sm90"):
+        info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
+    assert info["family"] == "bwd_sm90" and info["splits"] == 1 and info["tail_pairs"] == 3
+    for waves in (0, 100):
+        monkeypatch.setattr(_heuristics, "BWD_TAIL_WAVES", waves)
+        _pipeline.clear_memo()
+        again = run_backward("bwd_sm90", dout, q, k, v, out, lse, opts)
+        for a, b in zip(grads[1:], again[1:]):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), f"dK/dV changed with {waves} waves"
+        check_gradients(dout, q, k, v, out, opts, again, dtype="bfloat16")
+    _pipeline.clear_memo()
+
+
+@_sm90_only
 def test_sm90_forced_on_a_call_it_cannot_run_raises():
     # Several score modifiers with dropout at D = 256, which bwd_sm90 does not run yet: a ValueError
     # naming why, before anything is written.

@@ -405,6 +405,16 @@ def test_bwd_sm90_wide_query_tiles():
     assert wide.variant in H.reachable_variants("sm_90a", ("bfloat16",), (128,))
 
 
+def test_bwd_tail_pairs_only_for_shrinking_walks():
+    # The last BWD_TAIL_WAVES waves' worth of (slot, sequence) pairs of a causal grid go key block by
+    # key block; none without a causal mask or with ordered dQ, never more than the grid has.
+    assert H.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=False) == -(-H.BWD_TAIL_WAVES * 132 // 8)
+    assert H.bwd_tail_pairs(64, 32, 132, shrinking=True, ordered=False) == -(-H.BWD_TAIL_WAVES * 132 // 64)
+    assert H.bwd_tail_pairs(8, 10, 132, shrinking=True, ordered=False) == 10
+    assert H.bwd_tail_pairs(8, 256, 132, shrinking=False, ordered=False) == 0
+    assert H.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=True) == 0
+
+
 def test_bwd_sm90_orders_dq_at_d128_only():
     # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
     # at D = 64 bwd_sm80's dQ pass computes dQ.
