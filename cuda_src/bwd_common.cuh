@@ -51,6 +51,24 @@ __device__ __forceinline__ int dq_tile_offset(int r, int c, int tile_rows) {
     return share * 4096 + ((cc / 8) * 128 + thread) * 4 + e;
 }
 
+// Where a CTA's work lies on a backward pass's grid (row blocks, head slots, sequences): (x, y, z).
+// CTAs start in the order of their linear index, x fastest, i.e. head slot by head slot; each pass
+// numbers its row blocks so that x = 0 is the heaviest under a causal mask (the dK/dV pass: the
+// first keys, which the most queries see; the dQ pass: the last queries). Taken head by head, the
+// slots started last would then leave their heaviest blocks running alone at the end of the call,
+// so the last `tail_pairs` (slot, sequence) pairs of the grid are read block-major instead (all
+// their blocks x = 0, then all their blocks x = 1, ...), their light blocks last. Only those few:
+// CTAs of ~130 different heads at once each read their own head's rows, which L2 then cannot hold
+// (the whole grid block-major ran 0.6x as fast; benchmarks/NOTES.md, sessions 20 and 23).
+__device__ __forceinline__ int4 bwd_grid_place(int tail_pairs) {
+    const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x, ny = gridDim.y;
+    const int head_major = ny * gridDim.z - tail_pairs;   // pairs taken slot by slot
+    const int linear = x + nx * (y + ny * z);
+    if (linear < nx * head_major) return make_int4(x, y, z, 0);
+    const int r = linear - nx * head_major, pair = head_major + r % tail_pairs;
+    return make_int4(r / tail_pairs, pair % ny, pair / ny, 0);
+}
+
 // dbias[b, h, i, j] = ds for element (i, j) of the sequence/head in s, when the call asked for dbias
 // and (i, j) lies inside the sequence.
 __device__ __forceinline__ void store_dbias(const BwdParams& bp, const SeqInfo& s, int i, int j, float ds) {

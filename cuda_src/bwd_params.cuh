@@ -38,9 +38,9 @@ struct BwdParams {
     int heads_per_cta;       // query heads whose dK/dV one CTA sums (divides Hq / Hk)
     int dkv_partial;         // 1: dk/dv hold float32 partial sums, head index = query head / heads_per_cta
     int dqa_tile_rows;       // 0: dq_accum rows are dQ's rows; else bwd_sm90's tiles (bwd_common.cuh)
-    int tail_pairs;          // bwd_sm90: the last (slot, sequence) pairs of its grid, taken key block by key
-                             // block rather than head by head (cta_place in bwd_sm90.cu); 0: none
-    int pad_;                // to the 8-byte size, explicitly (NumPy pads the same)
+    int tail_pairs;          // the last (slot, sequence) pairs of bwd_sm90's grid, taken block by block rather
+                             // than head by head (bwd_grid_place, bwd_common.cuh); 0: none
+    int dq_tail_pairs;       // the same for the dQ pass's grid (deterministic mode, bwd_sm80 / bwd_simt)
 };
 
 // Elementwise float32 -> element type conversion with a scale and a fixed-order sum over partial

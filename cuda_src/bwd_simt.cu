@@ -80,19 +80,24 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
     float* lse2_smem = p_smem + (C::kPassDq ? 0 : C::kBlockR * C::kWStride);   // [kBlockC] (pass 0)
     float* dsum_smem = lse2_smem + C::kBlockC;
 
-    const int b = blockIdx.z;
+    // Pass 1 reads its grid's last pairs block by block (bwd_grid_place, bwd_common.cuh); pass 0 keeps
+    // the grid's order (the computed place is held through the walk where blockIdx is read again: at
+    // D = 128 that cost bwd_sm80 20-28 B of spills).
+    const int4 place = C::kPassDq ? bwd_grid_place(bp.dq_tail_pairs)
+                                  : make_int4(blockIdx.x, blockIdx.y, blockIdx.z, 0);
+    const int b = place.z;
     int h0, heads;
     if constexpr (C::kPassDq) {
-        h0 = blockIdx.y;
+        h0 = place.y;
         heads = 1;
     } else {
         const int group = p.heads_q / p.heads_k;
         const int splits = group / bp.heads_per_cta;
-        h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
+        h0 = (place.y / splits) * group + (place.y % splits) * bp.heads_per_cta;
         heads = bp.heads_per_cta;
     }
     SeqInfo s = make_seq_info(p, b, h0);
-    const int r_block = C::kPassDq ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int r_block = C::kPassDq ? gridDim.x - 1 - place.x : place.x;
     const int r_len = C::kPassDq ? s.seqlen_q : s.seqlen_k;
     const int c_len = C::kPassDq ? s.seqlen_k : s.seqlen_q;
     const int r_lo = r_block * C::kBlockR;

@@ -133,22 +133,27 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     float* lse2_smem = reinterpret_cast<float*>(ds_smem + (C::kPassDq ? 0 : C::kBlockR * C::kBlockC));  // [2][kBlockC]
     float* dsum_smem = lse2_smem + 2 * C::kBlockC;                                                      // [2][kBlockC]
 
-    // Which rows, which heads. Pass 0: blockIdx.y = kv head * splits + split, the CTA sums the
+    // Which rows, which heads. Pass 0: place.y = kv head * splits + split, the CTA sums the
     // query heads h0 .. h0 + heads - 1 of that kv head's group.
-    const int b = blockIdx.z;
+    // Pass 1 reads its grid's last pairs block by block (bwd_grid_place, bwd_common.cuh); pass 0 keeps
+    // the grid's order (the computed place is held through the walk where blockIdx is read again: at
+    // D = 128 that cost bwd_sm80 20-28 B of spills).
+    const int4 place = C::kPassDq ? bwd_grid_place(bp.dq_tail_pairs)
+                                  : make_int4(blockIdx.x, blockIdx.y, blockIdx.z, 0);
+    const int b = place.z;
     int h0, heads;
     if constexpr (C::kPassDq) {
-        h0 = blockIdx.y;
+        h0 = place.y;
         heads = 1;
     } else {
         const int group = p.heads_q / p.heads_k;
         const int splits = group / bp.heads_per_cta;
-        h0 = (blockIdx.y / splits) * group + (blockIdx.y % splits) * bp.heads_per_cta;
+        h0 = (place.y / splits) * group + (place.y % splits) * bp.heads_per_cta;
         heads = bp.heads_per_cta;
     }
     SeqInfo s = make_seq_info(p, b, h0);
     // Pass 1 takes the longest causal rows first, pass 0 the keys that the most queries see.
-    const int r_block = C::kPassDq ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int r_block = C::kPassDq ? gridDim.x - 1 - place.x : place.x;
     const int r_len = C::kPassDq ? s.seqlen_q : s.seqlen_k;
     const int c_len = C::kPassDq ? s.seqlen_k : s.seqlen_q;
     const int r_lo = r_block * C::kBlockR;

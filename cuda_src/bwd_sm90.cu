@@ -180,28 +180,17 @@ struct BwdSm90Tiles {
     unsigned k, v, q, dout, ds, dq;
 };
 
-// Where a CTA's work lies on the grid (key blocks, heads_k * splits, batch): its block of kBlockN keys
-// (x), its slot (y: kv head * splits + split) and its sequence (z). CTAs start in the order of their
-// linear index, x fastest, i.e. head by head. Under a causal mask a key block's walk shrinks with its
-// index, so the heads started last would leave their heaviest blocks running alone at the end: the
-// last bp.tail_pairs (slot, sequence) pairs are read key-block-major instead (all their first key
-// blocks, then all their second ones, ...), their light blocks last. Only those few pairs, not the
-// whole grid: CTAs of ~130 different heads running at once each read their own head's Q and dO, which
-// L2 then cannot hold (key-block-major throughout ran 0.6x as fast, benchmarks/NOTES.md session 20).
-// Ordered dQ dispatches the highest key block first (dq_order.cuh).
-// Made once (cta_place) and kept in shared memory (bwd_cta_place), read again where it is needed:
-// kept in registers through the walk, such values spilled.
+// Where a CTA's work lies: its block of kBlockN keys (x), its slot (y: kv head * splits + split) and
+// its sequence (z), the causal grid's last pairs read key-block-major (bwd_grid_place,
+// bwd_common.cuh). Ordered dQ dispatches the highest key block first (dq_order.cuh). Made once
+// (cta_place) and kept in shared memory (bwd_cta_place), read again where it is needed: kept in
+// registers through the walk, such values spilled.
 __shared__ int4 bwd_cta_place;
 
 template <class C>
 __device__ __forceinline__ int4 cta_place(const BwdParams& bp) {
-    const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x, ny = gridDim.y;
-    if constexpr (C::kOrdered) return make_int4(nx - 1 - x, y, z, 0);
-    const int head_major = ny * gridDim.z - bp.tail_pairs;   // pairs taken head by head
-    const int linear = x + nx * (y + ny * z);
-    if (linear < nx * head_major) return make_int4(x, y, z, 0);
-    const int r = linear - nx * head_major, pair = head_major + r % bp.tail_pairs;
-    return make_int4(r / bp.tail_pairs, pair % ny, pair / ny, 0);
+    if constexpr (C::kOrdered) return make_int4(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z, 0);
+    return bwd_grid_place(bp.tail_pairs);
 }
 
 __device__ __forceinline__ int read_cta_place(const int& field) {

@@ -1038,22 +1038,24 @@ def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int
 BWD_TAIL_WAVES = 2
 
 
-def bwd_tail_pairs(key_blocks: int, pairs: int, num_sms: int, *, shrinking: bool, ordered: bool) -> int:
-    """How many of the last (slot, sequence) pairs of bwd_sm90's grid start key block by key block
-    (cuda_src/bwd_sm90.cu, cta_place) instead of head by head; 0 for none.
+def bwd_tail_pairs(blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool, ordered: bool) -> int:
+    """How many of the last (slot, sequence) pairs of a backward pass's grid (``blocks`` row blocks
+    by ``pairs``) start block by block (cuda_src/bwd_common.cuh, bwd_grid_place) instead of head by
+    head; 0 for none. ``wave_ctas``: CTAs the GPU runs at once (SMs x CTAs per SM).
 
-    ``shrinking``: each key block's walk is shorter than the one before (a causal mask: the window
-    bounded on the right only). Taken head by head, the heads started last then leave their first,
-    heaviest blocks running alone at the end of the call: a model of the dispatch (CTAs start in
-    order as SMs free up, each lasting a fixed cost plus its steps) puts D = 128 causal at 0.94-0.95
-    of the ideal from 1k to 8k tokens, and at 0.98-0.99 with the last BWD_TAIL_WAVES waves' worth of
-    pairs taken key block by key block. Only those: every head in flight reads its own Q and dO, and
-    key-block-major throughout keeps ~130 heads in flight, more than L2 holds (0.6x as fast). Ordered
-    dQ (``ordered``) dispatches by its own order (cuda_src/dq_order.cuh).
+    ``shrinking``: each block's walk is shorter than the one dispatched before it (a causal mask:
+    the window bounded on the right only). Taken head by head, the heads started last then leave
+    their first, heaviest blocks running alone at the end of the call: a model of the dispatch
+    (benchmarks/experiments/bwd_dispatch_model.py) puts bwd_sm90 at D = 128 causal at 0.94-0.95 of
+    the ideal from 1k to 8k tokens, and at 0.98-0.99 with the last BWD_TAIL_WAVES waves' worth of
+    pairs taken block by block (measured on an H100: 3-6% faster at D = 128 and 256). Only those:
+    every head in flight reads its own Q and dO, and block-major throughout keeps ~130 heads in
+    flight, more than L2 holds (0.6x as fast). Ordered dQ (``ordered``) dispatches by its own order
+    (cuda_src/dq_order.cuh).
     """
     if not shrinking or ordered:
         return 0
-    return min(pairs, -(-BWD_TAIL_WAVES * num_sms // max(1, key_blocks)))
+    return min(pairs, -(-BWD_TAIL_WAVES * wave_ctas // max(1, blocks)))
 
 
 def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list[Variant]:

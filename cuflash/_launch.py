@@ -20,7 +20,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["launch", "address", "sm_count", "max_smem_per_block", "prepare_kernel", "stream_state", "make_stream_state",
+__all__ = ["launch", "address", "sm_count", "max_smem_per_block", "ctas_per_sm", "prepare_kernel", "stream_state",
+           "make_stream_state",
            "StreamState", "current_stream_ptr", "forcing", "REPORT_SLOTS"]
 
 PER_THREAD_STREAM = 2   # cudaStreamPerThread
@@ -44,6 +45,14 @@ def max_smem_per_block(device_id: int) -> int:
     """Opt-in shared memory per block of a device (bytes)."""
     runtime = _cupy().cuda.runtime
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id))
+
+
+@functools.lru_cache(maxsize=None)
+def ctas_per_sm(func: int, threads: int, smem_bytes: int) -> int:
+    """CTAs of kernel ``func`` (a function pointer of the current device) that one multiprocessor
+    holds at once with this launch shape: the driver's occupancy calculator, at least 1."""
+    occupancy = _cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(func, threads, smem_bytes)
+    return max(1, int(occupancy))
 
 
 _prepared: dict = {}   # (kernel function pointer, device) -> dynamic shared memory allowed

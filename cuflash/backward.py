@@ -323,10 +323,19 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dv_target = shaped["dv_part"] if splits > 1 else dv_t
     slots["dk"] = temp["dk_part"] if splits > 1 else 7
     slots["dv"] = temp["dv_part"] if splits > 1 else 8
-    shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0   # causal: walks shrink
-    tail_pairs = (_heuristics.bwd_tail_pairs(key_blocks, heads_k * splits * batch, _num_sms(device_id),
-                                             shrinking=shrinking, ordered=ordered) if family == "bwd_sm90" else 0)
+    # Causal (the window bounded on the right only): each pass's later blocks walk less.
+    shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
+
+    def tail_pairs_of(launch_plan, blocks, pairs, ordered_dq=False):
+        func = _launch.prepare_kernel(get_kernel(launch_plan.variant), launch_plan.smem_bytes, device_id)
+        wave = _num_sms(device_id) * _launch.ctas_per_sm(func, launch_plan.threads, launch_plan.smem_bytes)
+        return _heuristics.bwd_tail_pairs(blocks, pairs, wave, shrinking=shrinking, ordered=ordered_dq)
+
+    # (bwd_sm80's and bwd_simt's dK/dV pass keep head by head: cuda_src/bwd_sm80.cu says why.)
+    tail_pairs = tail_pairs_of(plan0, key_blocks, heads_k * splits * batch, ordered) if family == "bwd_sm90" else 0
+    dq_tail_pairs = tail_pairs_of(plan1, math.ceil(max_q / plan1.block_m), heads_q * batch) if dq_pass else 0
     bwd = dict(seqlen_q_pad=rows_pad, heads_per_cta=heads_per_cta, dkv_partial=int(splits > 1), tail_pairs=tail_pairs,
+               dq_tail_pairs=dq_tail_pairs,
                **_layout_fields("do", layouts["dout"], varlen), **_layout_fields("dk", dk_target, varlen),
                **_layout_fields("dv", dv_target, varlen), **_layout_fields("dq", dq_t, varlen))
     if dq_tile:
@@ -386,7 +395,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))
     plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
-                     query_tile=dq_tile or None, tail_pairs=tail_pairs)
+                     query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs)
     return plan
 
 

@@ -66,11 +66,11 @@ def test_heads_per_cta(batch, heads_k, group, key_blocks, sms):
 def test_param_structs_pack():
     assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 9 * 8 + 18 * 8 + 6 * 4
     raw = _params.BWD.pack({"fwd.q": 1, "fwd.scale": 0.5, "fwd.heads_q": 8, "dout": 2, "seqlen_q_pad": 256,
-                            "heads_per_cta": 4, "tail_pairs": 5})
+                            "heads_per_cta": 4, "tail_pairs": 5, "dq_tail_pairs": 6})
     p = np.frombuffer(raw, dtype=_params.BWD_PARAMS)[0]
     assert p["fwd"]["q"] == 1 and p["fwd"]["scale"] == np.float32(0.5) and p["fwd"]["heads_q"] == 8
     assert p["fwd"]["dropout_rescale"] == 1.0 and p["dout"] == 2 and p["heads_per_cta"] == 4
-    assert p["tail_pairs"] == 5 and p["dqa_tile_rows"] == 0
+    assert p["tail_pairs"] == 5 and p["dq_tail_pairs"] == 6 and p["dqa_tile_rows"] == 0
     c = np.frombuffer(_params.CONVERT.pack({"rows": 3, "scale": 2.0}), dtype=_params.CONVERT_PARAMS)[0]
     assert c["rows"] == 3 and c["num_partials"] == 1 and c["scale"] == 2.0
 

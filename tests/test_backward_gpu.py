@@ -932,6 +932,35 @@ def test_sm90_takes_80_row_query_tiles_from_8k_rows():
     assert query_tile(long, causal=True) == query_tile(long, deterministic=True) == 64
 
 
+@pytest.mark.parametrize("family, dtype", KERNELS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_causal_tail_pairs_block_major(family, dtype, deterministic, monkeypatch):
+    # Causal passes read their grid's last pairs block by block (bwd_grid_place): bwd_sm90's dK/dV
+    # pass and every family's dQ pass (deterministic mode); with one SM, ceil(2 x CTAs per SM /
+    # blocks) of the 12 (24) pairs. Against the reference, and the same with no tail and with every
+    # pair in it: dK/dV (and deterministic dQ) bitwise equal whatever the order.
+    monkeypatch.setattr(bw, "_num_sms", lambda device_id: 1)
+    shape = _shape(3, 200, 200, 8, 4, 64)
+    grads, _, (dout, q, k, v, out, lse, opts, _) = solve(family, dtype, shape, {"causal": True}, 196,
+                                                         deterministic=deterministic)
+    with bw.force_kernel(family):
+        info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
+                            **opts).plan.info
+    assert info["splits"] == 1 and info["tail_pairs"] < 12 and info["dq_tail_pairs"] < 24
+    assert (info["tail_pairs"] > 0) == (info["family"] == "bwd_sm90")
+    assert (info["dq_tail_pairs"] > 0) == (info["dq"] == "pass")
+    for waves in (0, 100):
+        monkeypatch.setattr(_heuristics, "BWD_TAIL_WAVES", waves)
+        _pipeline.clear_memo()
+        again = run_backward(family, dout, q, k, v, out, lse, opts, deterministic=deterministic)
+        for name, a, b in zip(("dq", "dk", "dv"), grads, again):
+            if name != "dq" or deterministic:
+                same = (a.view(cupy.uint8) == b.view(cupy.uint8)).all()
+                assert bool(same), f"{name} changed with {waves} waves"
+        check_gradients(dout, q, k, v, out, opts, again, dtype=dtype)
+    _pipeline.clear_memo()
+
+
 @_sm90_only
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_sm90_causal_tail_pairs_key_block_major(head_dim, monkeypatch):

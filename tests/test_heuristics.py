@@ -406,8 +406,9 @@ def test_bwd_sm90_wide_query_tiles():
 
 
 def test_bwd_tail_pairs_only_for_shrinking_walks():
-    # The last BWD_TAIL_WAVES waves' worth of (slot, sequence) pairs of a causal grid go key block by
-    # key block; none without a causal mask or with ordered dQ, never more than the grid has.
+    # The last BWD_TAIL_WAVES waves' worth of (slot, sequence) pairs of a causal grid go block by
+    # block (a wave: 132 CTAs here); none without a causal mask or with ordered dQ, never more than
+    # the grid has.
     assert H.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=False) == -(-H.BWD_TAIL_WAVES * 132 // 8)
     assert H.bwd_tail_pairs(64, 32, 132, shrinking=True, ordered=False) == -(-H.BWD_TAIL_WAVES * 132 // 64)
     assert H.bwd_tail_pairs(8, 10, 132, shrinking=True, ordered=False) == 10
