@@ -1033,8 +1033,8 @@ def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int
     return 1
 
 
-# Waves of CTAs whose (slot, sequence) pairs bwd_sm90 takes key block by key block at the end of a
-# causal call (bwd_tail_pairs).
+# Waves of CTAs whose (slot, sequence) pairs a causal backward pass takes block by block at the end
+# of its grid (bwd_tail_pairs).
 BWD_TAIL_WAVES = 2
 
 

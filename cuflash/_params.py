@@ -58,7 +58,8 @@ BWD_PARAMS = np.dtype(
         "dk_batch_stride", "dk_row_stride", "dk_head_stride",
         "dv_batch_stride", "dv_row_stride", "dv_head_stride",
         "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride"))
-    + _fields(np.int32, ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "dqa_tile_rows", "tail_pairs", "dq_tail_pairs")),
+    + _fields(np.int32, ("seqlen_q_pad", "heads_per_cta", "dkv_partial", "dqa_tile_rows", "tail_pairs",
+                         "dq_tail_pairs")),
     align=True,
 )
 
