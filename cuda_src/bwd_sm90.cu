@@ -200,7 +200,6 @@ __device__ __forceinline__ int read_cta_place(const int& field) {
 }
 // The CTA's block of kBlockN keys, its slot and its sequence. (The 64-row steps keep the sequence in
 // a register from the start; the 80-row ones, whose registers are all taken, read it again.)
-template <class C>
 __device__ __forceinline__ int cta_key_block() { return read_cta_place(bwd_cta_place.x); }
 __device__ __forceinline__ int cta_slot() { return read_cta_place(bwd_cta_place.y); }
 __device__ __forceinline__ int cta_batch() { return read_cta_place(bwd_cta_place.z); }
@@ -340,7 +339,7 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_
     const SeqInfo se = end_of_walk_seq_info(bp, b);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int r = cta_key_block<C>() * C::kBlockN + key_row0 + 8 * half;
+        const int r = cta_key_block() * C::kBlockN + key_row0 + 8 * half;
         if (r >= se.seqlen_k) continue;
         const DkDvRow<elem_t> dkdv(bp, se, cta_slot(), r);
 #pragma unroll
@@ -395,7 +394,7 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
     named_barrier_sync(2 + consumer, 128);
 
     const SeqInfo se = end_of_walk_seq_info(bp, b);
-    const int r0 = cta_key_block<C>() * C::kBlockN + key0;   // the consumer's first key in the sequence
+    const int r0 = cta_key_block() * C::kBlockN + key0;   // the consumer's first key in the sequence
     elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + se.h_kv * bp.dk_head_stride;
     elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride;
 #pragma unroll 4
@@ -513,8 +512,8 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
 // K row of the block, so they become zeros (their dS is 0 anyway).
 template <class C>
 __device__ __forceinline__ void zero_keys_past_sequence(const SeqInfo& s, const BwdSm90Tiles& tiles, bool varlen) {
-    if (C::kDq && varlen && (cta_key_block<C>() + 1) * C::kBlockN > s.seqlen_k)
-        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block<C>() * C::kBlockN);
+    if (C::kDq && varlen && (cta_key_block() + 1) * C::kBlockN > s.seqlen_k)
+        zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block() * C::kBlockN);
 }
 
 // A consumer's next query tile from the stage ring: waits for the stage, sets s.h and the tile's
@@ -578,7 +577,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + 8 mi + 2 t
         // + e % 2. Dropout's keep bits are drawn while S^T is computed.
-        const int n_lo = cta_key_block<C>() * C::kBlockN;
+        const int n_lo = cta_key_block() * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + 2 * t, keys[0], lane, keep);
@@ -822,7 +821,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + col0 +
         // 8 mi + 2 t + e % 2. Dropout's keep bits are drawn before the products (beside their
         // accumulators, with score modifiers, the Philox rounds spilled at D = 256).
-        const int n_lo = cta_key_block<C>() * C::kBlockN;
+        const int n_lo = cta_key_block() * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + col0 + 2 * t, keys[0], lane, keep);

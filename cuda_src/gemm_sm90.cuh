@@ -33,7 +33,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a
     static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma n of 32, 64, 80 or 128");
     if constexpr (N == 32) wgmma_ss_n32(d, a, b, scale_d);
     else if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
-    else if constexpr (N == 80) wgmma_ss_n80(d, a, b, scale_d);
+    else if constexpr (N == 80) wgmma_ss_n80<0>(d, a, b, scale_d);
     else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
 }
 template <int N>
@@ -41,7 +41,7 @@ __device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 2], unsigned long 
     static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma n of 32, 64, 80 or 128");
     if constexpr (N == 32) wgmma_ss_n32_first(d, a, b);
     else if constexpr (N == 64) wgmma_ss_n64_first(d, a, b, elem_t{});
-    else if constexpr (N == 80) wgmma_ss_n80_first(d, a, b);
+    else if constexpr (N == 80) wgmma_ss_n80_first<0>(d, a, b);
     else wgmma_ss_n128_first(d, a, b, elem_t{});
 }
 template <int N>
@@ -105,10 +105,10 @@ template <int N, int kK, int kBRows>
 __device__ __forceinline__ void gemm_atbt_ss(float (&acc)[N / 2], unsigned a_tile, unsigned b_tile) {
     static_assert(N == 80, "wgmma n of 80");
     const unsigned long long a = smem_desc(a_tile, kK * 128, 1024), b = smem_desc(b_tile, 16, 1024);
-    wgmma_ss_n80_ta_first(acc, a, b);
+    wgmma_ss_n80_first<1>(acc, a, b);
 #pragma unroll
     for (int kk = 1; kk < kK / 16; ++kk)
-        wgmma_ss_n80_ta(acc, a + (mnmajor_step(kk) >> 4), b + (kmajor_step<kBRows>(kk) >> 4), 1);
+        wgmma_ss_n80<1>(acc, a + (mnmajor_step(kk) >> 4), b + (kmajor_step<kBRows>(kk) >> 4), 1);
 }
 
 // Four 8 x 8 matrices of 16-bit elements from registers to shared memory, transposed: register i
