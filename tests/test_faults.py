@@ -82,13 +82,16 @@ def test_window_is_cut_to_the_same_attention_within_int32(sq, sk, causal, left, 
     for i in {0, sq - 1, int(row * (sq - 1))}:
         assert _visible(i, sq, sk, *cut) == _visible(i, sq, sk, *plain), f"row {i} sees other keys"
     # What cuda_src/mask.cuh computes in int (visible_keys, and the backward's visible rows) stays in
-    # int32 when sq + sk does.
+    # int32 when sq + sk does, which every call's shape check requires (_checks: "positions are int32
+    # in the kernels"); sq = sk = 2**30 is refused there and would overflow here.
     diag, l, r = sk - sq, *cut
+    _params.FWD.pack({"window_left": l, "window_right": r})
+    if sq + sk > INT32_MAX:
+        return
     if l >= 0:
         assert -2**31 <= 0 + diag - l and sq + diag - 1 + l + 1 <= INT32_MAX
     if r >= 0:
         assert sq - 1 + diag + r + 1 <= INT32_MAX and -2**31 <= 0 - diag - r
-    _params.FWD.pack({"window_left": l, "window_right": r})
 
 
 def test_window_cut_keeps_causal_and_unbounded():
