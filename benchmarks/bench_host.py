@@ -141,15 +141,16 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- timing
 
 def host_us_each(env, contenders):
-    """{name: (host us per call, GPU-event us per call)} for ``{name: (fn, ctx or None)}``: medians
-    over ``env.args.runs`` loops of ``env.args.calls`` back-to-back calls, each loop starting on an
-    idle device after two untimed calls (the host's caches warm again after the wait). The
-    contenders take turns, each run starting one later: host times drift along a sequence too
-    (the same merge_states call measured 9.1 us first and 14.1 us third in a fixed order)."""
-    cp, calls = env.cp, env.args.calls
-    device = cp.cuda.Device()
+    """{name: host us per call} for ``{name: (fn, ctx or None)}``: medians over ``env.args.runs``
+    loops of ``env.args.calls`` back-to-back calls, each loop starting on an idle device after two
+    untimed calls (the host's caches warm again after the wait). The contenders take turns, each
+    run starting one later: host times drift along a sequence too (the same merge_states call
+    measured 9.1 us first and 14.1 us third in a fixed order). (The GPU's own time per call is
+    :func:`gpu_us_per_call`'s: events around this loop would time the host's pace where it is the
+    slower.)"""
+    calls = env.args.calls
+    device = env.cp.cuda.Device()
     host = {name: [] for name in contenders}
-    gpu = {name: [] for name in contenders}
     names = list(contenders)
     for name, (fn, ctx) in contenders.items():
         with ctx() if ctx is not None else contextlib.nullcontext():
@@ -162,17 +163,13 @@ def host_us_each(env, contenders):
                 device.synchronize()
                 fn()
                 fn()
-                begin, end = cp.cuda.Event(), cp.cuda.Event()
-                begin.record()
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn()
                 t1 = time.perf_counter()
-                end.record()
-                end.synchronize()
+                device.synchronize()
             host[name].append((t1 - t0) / calls * 1e6)
-            gpu[name].append(cp.cuda.get_elapsed_time(begin, end) / calls * 1e3)
-    return {name: (statistics.median(host[name]), statistics.median(gpu[name])) for name in names}
+    return {name: statistics.median(host[name]) for name in names}
 
 
 def gpu_us_per_call(env, fn, host_us):
@@ -616,7 +613,7 @@ def bench_host(env):
         contenders = {frontend: (fn, None) for frontend, fn in calls.items() if fn is not None}
         contenders.update({name: (fn, ctx) for name, (fn, ctx, _) in case.peers.items()})
         timed = host_us_each(env, contenders)
-        for name, (host, _) in timed.items():
+        for name, host in timed.items():
             row[f"{name} us"] = host
         for name, (_, _, mark) in case.peers.items():
             if mark:
