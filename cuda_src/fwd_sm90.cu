@@ -156,6 +156,10 @@ __device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::k
 
 // Work items are (m-block, head, batch), numbered so that one head's m-blocks are neighbours
 // (longest causal rows first): CTAs that run at the same time then share that head's K/V in L2.
+// Under a causal mask that order leaves the heads taken last running their longest m-blocks alone
+// at the end of the call, so the last p.tail_heads (head, batch) pairs are numbered m-block-major
+// instead (all their longest m-blocks, then all their second longest, ...; _heuristics.py,
+// fwd_tail_heads, says how many).
 // Each CTA starts at item blockIdx.x and takes the next from a global counter when it starts an
 // item (dynamic scheduling balances causal and varlen work, whose items differ in length).
 // The counter is handed out exactly `items` times per launch (one failed take per CTA ends it), so
@@ -176,8 +180,16 @@ struct WorkItem {
     // No constructor, so that it can live in shared memory (the producer hands it to the consumers).
     static __device__ __forceinline__ WorkItem of(const FwdParams& p, int item, int num_m_blocks) {
         WorkItem w;
-        const int m_block = num_m_blocks - 1 - item % num_m_blocks;
-        const int hb = item / num_m_blocks;
+        const int pairs = p.heads_q * p.batch, head_major = (pairs - p.tail_heads) * num_m_blocks;
+        int m_block, hb;
+        if (item < head_major) {
+            m_block = num_m_blocks - 1 - item % num_m_blocks;
+            hb = item / num_m_blocks;
+        } else {
+            const int r = item - head_major;
+            m_block = num_m_blocks - 1 - r / p.tail_heads;
+            hb = pairs - p.tail_heads + r % p.tail_heads;
+        }
         w.s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
         w.m_lo = m_block * C::kBlockM;
         w.m_hi = min(w.m_lo + C::kBlockM, w.s.seqlen_q);

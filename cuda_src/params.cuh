@@ -56,7 +56,9 @@ struct FwdParams {
     // step's chunk pair draws the single-GPU call's mask this way. dropout_col0 % 4 == 0 (the host
     // checks): the kernels take a call's keys in Philox blocks of 4 starting at its column 0.
     int dropout_row0, dropout_col0;
-    int pad_;
+    // fwd_sm90: how many of the last (head, sequence) pairs of the item order have their m-blocks
+    // numbered m-block-major (fwd_sm90.cu, WorkItem::of); 0: none. Other kernels ignore it.
+    int tail_heads;
 };
 
 #ifdef CUFLASH_PARAMS_SIZE

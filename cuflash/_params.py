@@ -43,7 +43,7 @@ FWD_PARAMS = np.dtype(
                          "window_right", "block_q", "block_k", "bias_dtype"))
     + _fields(np.uint32, ("dropout_offset", "dropout_threshold"))
     + _fields(np.float32, ("scale", "scale_log2", "softcap", "dropout_rescale"))
-    + _fields(np.int32, ("dropout_row0", "dropout_col0", "pad_")),
+    + _fields(np.int32, ("dropout_row0", "dropout_col0", "tail_heads")),
     align=True,
 )
 

@@ -14,6 +14,7 @@ from .random import dropout_threshold
 
 _forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
+_num_sms = _launch.sm_count  # a module name, so tests can pretend to other SM counts
 
 
 def force_kernel(family: str):
@@ -157,6 +158,9 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
     if check is not None:
         plan.steps.append(_pipeline.check_step(plan, check, device_id))
         slots["error"] = plan.index("error")
+    if family == "fwd_sm90":
+        fields["tail_heads"] = _heuristics.fwd_tail_heads(math.ceil(grid_rows / plan_k.block_m), hq * b,
+                                                          _num_sms(device_id), shrinking=right >= 0 and left < 0)
     params = Template(FWD, fields, slots)
     kernel = get_kernel(plan_k.variant)
     func = _launch.prepare_kernel(kernel, plan_k.smem_bytes, device_id)
@@ -164,7 +168,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
     if family == "fwd_sm90":
         # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from the
         # stream's counter, which the kernel leaves at 0 when it ends.
-        grid = (min(grid[0] * hq * b, _launch.sm_count(device_id)), 1, 1)
+        grid = (min(grid[0] * hq * b, _num_sms(device_id)), 1, 1)
         block_n = dict(plan_k.variant.defines)["CUFLASH_BLOCK_N"]
         # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
         boxes = (plan_k.block_m, block_n, block_n, 64)
@@ -175,7 +179,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
     plan.steps.append(_pipeline.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
     plan.info["family"] = family
     if family == "fwd_sm90":
-        plan.info["consumers"] = consumers
+        plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"])
     return plan
 
 

@@ -76,11 +76,11 @@ def test_param_structs_pack():
 
 
 def test_dropout_origin_fields():
-    # replace FwdParams' old pad_: 8-byte fields, then 4-byte ones, an explicit pad_ to the 8-byte size
+    # replace FwdParams' old pad_: 8-byte fields, then 4-byte ones (tail_heads ends it at an 8-byte size)
     offsets = _params.FWD.offsets
     assert offsets["dropout_row0"] == offsets["dropout_rescale"] + 4
     assert offsets["dropout_col0"] == offsets["dropout_row0"] + 4
-    assert offsets["pad_"] == offsets["dropout_col0"] + 4 and _params.FWD.size == offsets["pad_"] + 4
+    assert offsets["tail_heads"] == offsets["dropout_col0"] + 4 and _params.FWD.size == offsets["tail_heads"] + 4
     assert _params.FWD.size % 8 == 0
     p = _params.FWD.unpack(_params.FWD.pack({"dropout_row0": 12, "dropout_col0": 8}))
     assert (p["dropout_row0"], p["dropout_col0"]) == (12, 8)

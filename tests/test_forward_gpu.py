@@ -864,3 +864,29 @@ def test_repeated_plain_call_replays_its_launch(family, dtype, monkeypatch):
     with forced(family):
         got, lse = cuflash.attention(q_off, k, v, causal=True, out=out, return_lse=True)
     check_close(q, k, v, {"causal": True}, got, lse, None, dtype=dtype)
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_causal_tail_heads_m_block_major(head_dim, monkeypatch):
+    # fwd_sm90's causal work items with the last (head, sequence) pairs numbered m-block-major
+    # (WorkItem::of): with 4 persistent CTAs and 3 m-blocks per head, 3 of the 24 pairs
+    # (tail_heads); then none, then all of them. Each item must still be taken exactly once:
+    # against the reference, and out/lse bitwise the same in every order (an item is one CTA's
+    # work wherever it falls).
+    import sys
+
+    from cuflash import _heuristics, _pipeline
+
+    monkeypatch.setattr(sys.modules["cuflash.attention"], "_num_sms", lambda device_id: 4)
+    _pipeline.clear_memo()
+    shape = _shape(3, 3 * 128 - 20, 3 * 128 - 20, 8, 4, head_dim)
+    (ref_out, ref_lse), (q, k, v, out, lse) = _solve("fwd_sm90", "bfloat16", shape, {"causal": True}, 311)
+    with forced("fwd_sm90"):
+        info = cuflash.plan(cuflash.attention_forward, q, k, v, causal=True).plan.info
+    assert info["family"] == "fwd_sm90" and info["tail_heads"] == 3
+    for waves in (0, 100):
+        monkeypatch.setattr(_heuristics, "FWD_TAIL_WAVES", waves)
+        _pipeline.clear_memo()
+        again_out, again_lse, _ = run_forward("fwd_sm90", q, k, v, {"causal": True})
+        assert bool((again_out.view(cupy.uint8) == out.view(cupy.uint8)).all()), f"out changed with {waves} waves"
+        assert bool((again_lse.view(cupy.uint8) == lse.view(cupy.uint8)).all()), f"lse changed with {waves} waves"
+    _pipeline.clear_memo()
