@@ -189,9 +189,12 @@ def fwd_tail_heads(m_blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool
     ``shrinking``: a head's m-blocks are taken longest first and each is shorter than the one
     before (a causal mask: the window bounded on the right only). Each CTA claims its next item as
     it starts one, so the heads taken last leave their longest m-blocks running alone at the end
-    of the call: a model of that dispatch puts causal 1k at 0.95-0.97 of the ideal makespan and
-    causal 4k-16k at 0.90-0.92, and at 0.97-0.99 with the last FWD_TAIL_WAVES waves' worth of
-    pairs m-block-major. Only those: each of them reads its head's K/V at its own pace.
+    of the call: a model of that dispatch (benchmarks/experiments/fwd_dispatch_model.py) puts
+    causal calls from 1k to 16k at 0.90-0.95 of the ideal makespan, and at 0.97-0.98 with the last
+    FWD_TAIL_WAVES waves' worth of pairs m-block-major (measured on an H100, two waves: D = 64
+    causal 1k +6%, D = 128 4k-8k +8%, D = 256 2k-8k +12-14%). Only those: each of them reads its
+    head's K/V at its own pace (at D = 256 16k, three waves' worth of heads already ran slower than
+    one).
     """
     if not shrinking or m_blocks <= 1:
         return 0
