@@ -8,6 +8,9 @@
 //
 // Grid: (ceil(rows * heads / 8)), 256 threads: 8 (row, head) pairs per CTA, a warp each; for
 // bwd_sm90's tiled dQ (tile_rows > 0) (tiles per sequence, heads, batch), a CTA per tile.
+// bwd_sm90's dQ conversion may be launched as its programmatic dependent (ConvertParams::done): its
+// CTAs then start on the SMs that bwd_sm90's last wave leaves idle and convert each head as soon as
+// bwd_sm90's counts say that the head's reductions have all landed, instead of after the whole grid.
 // Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32) of dst.
 #include "common.cuh"
 #include "bwd_params.cuh"
@@ -15,6 +18,16 @@
 #include "bwd_common.cuh"
 
 namespace cuflash {
+
+// Spins until *counter >= target (acquire: what was released with the counts is then visible).
+__device__ __forceinline__ void acquire_wait(const int* counter, int target) {
+    for (;;) {
+        int seen;
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+        if (seen >= target) return;
+        __nanosleep(500);
+    }
+}
 
 __device__ __forceinline__ void bwd_convert(const ConvertParams& cp) {
     const int pair = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -45,6 +58,11 @@ __device__ __forceinline__ void bwd_convert_tiles(const ConvertParams& cp) {
     const int row0 = varlen ? cp.cu_seqlens[b] : 0;
     const int seqlen = varlen ? cp.cu_seqlens[b + 1] - row0 : cp.rows;
     if (tile * rows >= seqlen) return;
+    if (cp.done != nullptr) {   // launched behind bwd_sm90, which may still run: wait for this head's adds
+        const int slot = h / cp.heads_per_slot;
+        if (threadIdx.x == 0) acquire_wait(cp.done + b * (cp.heads / cp.heads_per_slot) + slot, cp.done_expected);
+        __syncthreads();
+    }
     // Rows padded by 16 bytes: a warp's stores (8 rows x 4 column pairs) hit 32 banks.
     const int width = static_cast<int>(cp.src_row_stride), pitch = width + 8;
     const float4* src = reinterpret_cast<const float4*>(
@@ -56,7 +74,7 @@ __device__ __forceinline__ void bwd_convert_tiles(const ConvertParams& cp) {
         for (int f = threadIdx.x; f < rows * width / 4; f += blockDim.x) {
             const int share = f / 1280, row8 = (f % 1280) / 128, thread = f % 128;
             const int c = share * 64 + (thread / 32) * 16 + (thread % 32) / 4, r = row8 * 8 + 2 * (thread % 4);
-            const float4 v = src[f];
+            const float4 v = __ldcg(src + f);   // L2: other SMs' reductions wrote it (cp.done)
             rowmajor[r * pitch + c] = from_float<elem_t>(v.x * cp.scale);
             rowmajor[(r + 1) * pitch + c] = from_float<elem_t>(v.y * cp.scale);
             rowmajor[r * pitch + c + 8] = from_float<elem_t>(v.z * cp.scale);
@@ -68,7 +86,7 @@ __device__ __forceinline__ void bwd_convert_tiles(const ConvertParams& cp) {
         const int share = f / 1024, col8 = (f % 1024) / 128, thread = f % 128;
         const int rr = (thread / 32) * 16 + (thread % 32) / 4, cc = col8 * 8 + 2 * (thread % 4);
         const int r = rows == 128 ? share * 64 + rr : rr, c = rows == 128 ? cc : share * 64 + cc;
-        const float4 v = src[f];
+        const float4 v = __ldcg(src + f);
         *reinterpret_cast<unsigned*>(&rowmajor[r * pitch + c]) = pack2<elem_t>(v.x * cp.scale, v.y * cp.scale);
         *reinterpret_cast<unsigned*>(&rowmajor[(r + 8) * pitch + c]) = pack2<elem_t>(v.z * cp.scale, v.w * cp.scale);
     }
@@ -97,12 +115,15 @@ __device__ __forceinline__ void bwd_convert_tiles(const ConvertParams& cp) {
 }  // namespace cuflash
 
 extern "C" __global__ void __launch_bounds__(256) cuflash_bwd_convert(const cuflash::ConvertParams p) {
-    if (cuflash::call_faulted(p.error)) return;
+    const bool faulted = cuflash::call_faulted(p.error);
 #if CUFLASH_DTYPE != 2
     if (p.tile_rows) {
-        cuflash::bwd_convert_tiles(p);
+        if (!faulted) cuflash::bwd_convert_tiles(p);
+        // Launched behind bwd_sm90 (p.done), this grid must not end before bwd_sm90 has: what follows
+        // in the stream may read dK and dV, which bwd_sm90 writes after its counts. One CTA waits.
+        if (p.done != nullptr && blockIdx.x + blockIdx.y + blockIdx.z == 0) cuflash::wait_for_prior_kernel();
         return;
     }
 #endif
-    cuflash::bwd_convert(p);
+    if (!faulted) cuflash::bwd_convert(p);
 }

@@ -27,6 +27,9 @@ struct BwdParams {
     float* dbias;            // float32 dL/ds (B, Hq, Sq, Sk) when the caller wants dbias, else nullptr
     int* dq_semaphore;       // bwd_sm90, deterministic: a counter per dq_accum tile and consumer share,
                              // zeroed per call (cuda_src/dq_order.cuh); else nullptr
+    int* dq_done;            // bwd_sm90 with its dQ conversion launched behind it: per (sequence, slot) the
+                             // consumers whose dQ reductions have landed, zeroed by bwd_preprocess
+                             // (ConvertParams::done); else nullptr
     long long do_batch_stride, do_row_stride, do_head_stride;
     long long dqa_batch_stride, dqa_row_stride, dqa_head_stride;
     long long dq_batch_stride, dq_row_stride, dq_head_stride;
@@ -55,12 +58,17 @@ struct ConvertParams {
     void* dst;
     const int* error;        // the call's check_indices verdict (see FwdParams::error); nullptr: no check
     const int* cu_seqlens;   // tiled source under varlen; else nullptr
+    const int* done;         // tiled source: BwdParams::dq_done when the conversion runs as bwd_sm90's
+                             // programmatic dependent; a tile of head h of sequence b is read once
+                             // done[b * (heads / heads_per_slot) + h / heads_per_slot] reaches
+                             // done_expected. nullptr: bwd_sm90 has ended (stream order)
     long long partial_stride;
     long long src_row_stride, src_head_stride, src_batch_stride;
     long long dst_row_stride, dst_head_stride, dst_batch_stride;
     int rows, heads, head_dim, num_partials;   // tiled: rows per sequence (varlen: the longest)
     float scale;
     int tile_rows;           // 0: rows as above; else the tiles' rows (their columns: src_row_stride)
+    int done_expected, heads_per_slot;
 };
 
 #ifdef CUFLASH_BWD_PARAMS_SIZE

@@ -4,9 +4,10 @@
 // in a layout padded to seqlen_q_pad rows per (sequence, head), so that the passes read whole tiles
 // without bounds checks. A row that sees no key (lse = -inf) and every pad row get lse2 = +inf,
 // which makes their P exactly 0 (2^(s - inf)) instead of NaN; pad rows get D = 0.
-// It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics), which saves
-// the call a memset (~1-2 us of host time). Rows outside every varlen sequence are not rows of any
-// CTA here: cuflash/backward.py zeroes varlen accumulators with a memset as well.
+// It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics) and bwd_sm90's
+// dq_done counters, which saves the call a memset (~1-2 us of host time). Rows outside every varlen
+// sequence are not rows of any CTA here: cuflash/backward.py zeroes varlen accumulators with a
+// memset as well.
 //
 // Grid: (seqlen_q_pad / 16, Hq, B), 128 threads. Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32).
 #include "common.cuh"
@@ -72,6 +73,9 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
         if (zero)
             for (int c = lane8; c < width / 4; c += 8) dqa[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    // bwd_sm90's count of landed dQ reductions per (sequence, slot of heads_per_cta query heads).
+    if (bp.dq_done != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && s.h % bp.heads_per_cta == 0)
+        bp.dq_done[s.b * (p.heads_q / bp.heads_per_cta) + s.h / bp.heads_per_cta] = 0;
 #pragma unroll
     for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (lane8 == 0) {

@@ -534,6 +534,20 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
     return true;
 }
 
+// With bwd_convert launched behind this kernel as its programmatic dependent (bp.dq_done), each
+// consumer counts itself once its dQ reductions have landed (after the dK/dV store, by which time
+// they have): the conversion of a (sequence, slot)'s query heads starts as soon as every consumer of
+// the slot's CTAs has counted, while the kernel's last CTAs still run (bwd_convert.cu).
+template <class C>
+__device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
+    if constexpr (C::kDq && !C::kOrdered) {
+        if (threadIdx.x % 128 == 0 && bp.dq_done != nullptr) {
+            bulk_wait();
+            release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);
+        }
+    }
+}
+
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
 template <class C>
 __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
@@ -779,6 +793,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
     store_dk_dv_chunks<C>(bp, C::kDqTransposed ? cta_batch() : b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
+    count_dq_landed<C>(bp);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
@@ -926,6 +941,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && wg_thread == 0) bulk_wait_read();
     named_barrier_sync(1, 128 * C::kConsumers);
     store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, tiles.q, acc_dk, acc_dv);
+    count_dq_landed<C>(bp);
 }
 
 template <class C>
@@ -945,12 +961,19 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // Which keys, which heads: slot = kv head * splits + split; the CTA sums the query heads
     // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
     // The consumers learn each tile's head from the producer.
+    // bwd_convert, when launched behind this kernel, may start once every CTA here has: it waits
+    // for its heads' counts (count_dq_landed) on SMs this grid no longer needs.
+    let_dependents_start();
     const int4 place = cta_place<C>(bp);
     const int b = place.z;
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
     SeqInfo s = make_seq_info(p, b, (place.y / splits) * group);
     const int n_lo = place.x * C::kBlockN;
-    if (n_lo >= s.seqlen_k) return;   // a short sequence of a varlen batch (the whole CTA leaves)
+    if (n_lo >= s.seqlen_k) {   // a short sequence of a varlen batch (the whole CTA leaves)
+        if (C::kDq && !C::kOrdered && threadIdx.x == 0 && bp.dq_done != nullptr)
+            release_count(bp.dq_done + b * gridDim.y + place.y, C::kConsumers);
+        return;
+    }
     const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
     int q_first, q_last;
     visible_queries(p, s, n_lo, n_hi, &q_first, &q_last);

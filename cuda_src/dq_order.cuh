@@ -21,6 +21,7 @@
 #include "params.cuh"
 #include "bwd_params.cuh"
 #include "mask.cuh"
+#include "tma_sm90.cuh"
 
 namespace cuflash {
 
@@ -49,9 +50,6 @@ __device__ __forceinline__ void dq_wait_turn(const int* counter, int rank) {
 
 // Counts this CTA's addition, once the thread that issued it has waited for it to complete
 // (bulk_wait): the next in order then adds onto a sum that includes it.
-__device__ __forceinline__ void dq_pass_turn(int* counter) {
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
-}
+__device__ __forceinline__ void dq_pass_turn(int* counter) { release_count(counter, 1); }
 
 }  // namespace cuflash

@@ -89,4 +89,12 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // what it wrote lands before the kernel ends.
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// Adds n to a global counter once this thread's bulk stores and reductions have completed
+// (bulk_wait): the proxy fence orders their writes, made by the async proxy, before the release, so
+// whoever acquires the count sees them.
+__device__ __forceinline__ void release_count(int* counter, int n) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(n) : "memory");
+}
+
 }  // namespace cuflash

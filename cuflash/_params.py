@@ -50,7 +50,7 @@ FWD_PARAMS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/bwd_params.cuh
 BWD_PARAMS = np.dtype(
     [("fwd", FWD_PARAMS)]
-    + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias", "dq_semaphore"))
+    + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias", "dq_semaphore", "dq_done"))
     + _fields(np.int64, (
         "do_batch_stride", "do_row_stride", "do_head_stride",
         "dqa_batch_stride", "dqa_row_stride", "dqa_head_stride",
@@ -64,11 +64,11 @@ BWD_PARAMS = np.dtype(
 )
 
 CONVERT_PARAMS = np.dtype(
-    _fields(np.uint64, ("src", "dst", "error", "cu_seqlens"))
+    _fields(np.uint64, ("src", "dst", "error", "cu_seqlens", "done"))
     + _fields(np.int64, ("partial_stride", "src_row_stride", "src_head_stride", "src_batch_stride", "dst_row_stride",
                          "dst_head_stride", "dst_batch_stride"))
     + _fields(np.int32, ("rows", "heads", "head_dim", "num_partials"))
-    + [("scale", np.float32), ("tile_rows", np.int32)],
+    + [("scale", np.float32), ("tile_rows", np.int32), ("done_expected", np.int32), ("heads_per_slot", np.int32)],
     align=True,
 )
 

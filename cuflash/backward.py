@@ -183,32 +183,39 @@ def _layout_fields(prefix: str, x, varlen: bool) -> dict:
 
 # ----------------------------------------------------------------------------- launch sequence
 
-def _convert_launch(plan, dtype_name, device_id, grid, fields, slots, smem=0):
+def _convert_launch(plan, dtype_name, device_id, grid, fields, slots, smem=0, dependent=False):
     """A bwd_convert step: its ConvertParams ``fields`` and operand ``slots`` (value indices), and
     the call's index-check verdict when the plan has one."""
     if plan.checked:
         slots = {**slots, "error": plan.index("error")}
     params = Template(CONVERT, fields, slots)
     func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), smem, device_id)
-    return _pipeline.Step(func, grid, 256, smem, (("struct", params),))
+    return _pipeline.Step(func, grid, 256, smem, (("struct", params),), dependent=dependent)
 
 
 def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_rows, dq, varlen, rows, batch, heads,
-                        head_dim, cu_seqlens, scale):
+                        head_dim, cu_seqlens, scale, done=None, done_expected=0, heads_per_slot=1):
     """bwd_convert of bwd_sm90's tiled dq_accum ``src`` (value index; ``tiles`` its shape) into dQ
     ``dst``: a CTA per tile of each sequence (``rows``: the longest), heads and sequences in y, z; the
-    tile passes through shared memory in row-major order (columns padded by 8 elements)."""
+    tile passes through shared memory in row-major order (columns padded by 8 elements).
+
+    ``done`` (value index of bwd_sm90's dq_done): launched as bwd_sm90's programmatic dependent, each
+    CTA waits until its (sequence, slot of ``heads_per_slot`` heads) has counted ``done_expected``
+    landed consumers (cuda_src/bwd_convert.cu)."""
     strides = _checks.element_strides(tiles)
     d = _rows(dq, varlen)
     slots = {"src": src, "dst": dst}
     if cu_seqlens is not None:
         slots["cu_seqlens"] = cu_seqlens[1]
+    if done is not None:
+        slots["done"] = done
     fields = dict(src_row_stride=strides[-2], src_head_stride=strides[-3], src_batch_stride=0 if varlen else strides[0],
                   dst_row_stride=d["row"], dst_head_stride=d["head"], dst_batch_stride=d["batch"], rows=rows,
-                  heads=heads, head_dim=head_dim, scale=scale, tile_rows=tile_rows)
+                  heads=heads, head_dim=head_dim, scale=scale, tile_rows=tile_rows, done_expected=done_expected,
+                  heads_per_slot=heads_per_slot)
     smem = tile_rows * (strides[-2] + 8) * 2
     return _convert_launch(plan, dtype_name, device_id, (math.ceil(rows / tile_rows), heads, batch), fields, slots,
-                           smem)
+                           smem, dependent=done is not None)
 
 
 def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_dim, src_row_stride,
@@ -258,6 +265,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
     # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
     # query tiles too).
+    # Causal (the window bounded on the right only): each pass's later blocks walk less.
+    shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
     row_pad = math.lcm(_heuristics.BWD_ROW_PAD, dq_tile or 1)
     rows_pad = row_pad * max(1, math.ceil(max_q / row_pad))
     dq_t, dk_t, dv_t = layouts["dq"], layouts["dk"], layouts["dv"]
@@ -278,6 +287,11 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
             tiles = math.prod(shape) // (dq_tile * plan0.head_dim)
             temps.append(_pipeline.Buffer((tiles * 2,), np.int32, zero=True))
             names.append("dq_semaphore")
+        elif _heuristics.bwd_convert_behind(shrinking=shrinking):
+            # Landed consumers per (sequence, slot), zeroed by the preprocess: the conversion runs
+            # behind bwd_sm90 as its programmatic dependent.
+            temps.append(_pipeline.Buffer((batch * heads_k * splits,), np.int32))
+            names.append("dq_done")
     elif not deterministic:
         # Zeroed by the preprocess kernel row by row; varlen rows outside every sequence need a memset.
         temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
@@ -323,8 +337,6 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dv_target = shaped["dv_part"] if splits > 1 else dv_t
     slots["dk"] = temp["dk_part"] if splits > 1 else 7
     slots["dv"] = temp["dv_part"] if splits > 1 else 8
-    # Causal (the window bounded on the right only): each pass's later blocks walk less.
-    shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
 
     def tail_pairs_of(launch_plan, blocks, pairs, ordered_dq=False):
         func = _launch.prepare_kernel(get_kernel(launch_plan.variant), launch_plan.smem_bytes, device_id)
@@ -345,6 +357,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                    dqa_row_stride=strides[-2], dqa_tile_rows=dq_tile)
         if ordered:
             slots["dq_semaphore"] = temp["dq_semaphore"]
+        if "dq_done" in temp:
+            slots["dq_done"] = temp["dq_done"]
     elif not deterministic:
         slots["dq_accum"] = temp["dq_accum"]
         bwd.update(_layout_fields("dqa", shaped["dq_accum"], varlen))
@@ -377,7 +391,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         plan.steps.append(_convert_tiles_step(plan, dtype_name, device_id, src=temp["dq_accum"], dst=6,
                                               tiles=shaped["dq_accum"], tile_rows=dq_tile, dq=dq_t, varlen=varlen,
                                               rows=max_q, batch=batch, heads=heads_q, head_dim=d,
-                                              cu_seqlens=score_fields.get("cu_seqlens_q"), scale=fwd_fields["scale"]))
+                                              cu_seqlens=score_fields.get("cu_seqlens_q"), scale=fwd_fields["scale"],
+                                              done=temp.get("dq_done"), done_expected=2 * key_blocks,
+                                              heads_per_slot=heads_per_cta))
     else:
         rows_q = dq_t.shape[0] if varlen else dq_t.shape[0] * dq_t.shape[1]
         qa, qt = _rows(shaped["dq_accum"], varlen), _rows(dq_t, varlen)
@@ -395,7 +411,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))
     plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
-                     query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs)
+                     query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
+                     convert_behind="dq_done" in temp)
     return plan
 
 

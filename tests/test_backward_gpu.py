@@ -1002,6 +1002,31 @@ def test_sm90_causal_tail_pairs_key_block_major(head_dim, monkeypatch):
 
 
 @_sm90_only
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
+    # The dQ conversion runs as bwd_sm90's programmatic dependent: each of its CTAs waits for the
+    # counted reductions of its (sequence, slot), not for the grid. More CTAs than SMs, the GQA
+    # group split over CTAs (slots of one query head), against the reference with it and without.
+    monkeypatch.setattr(bw, "_num_sms", lambda device_id: 10_000)
+    shape = _shape(2, 600, 1100, 8, 2, head_dim)
+    for behind in (True, False):
+        monkeypatch.setattr(_heuristics, "BWD_CONVERT_BEHIND", behind)
+        _pipeline.clear_memo()
+        _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 205 + behind)
+        with bw.force_kernel("bwd_sm90"):
+            info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
+        assert info["convert_behind"] is behind and info["splits"] == 4
+        # deterministic=True: the ordered dQ (D = 128) and the dQ pass convert after the kernel.
+        # deterministic=True (the ordered dQ at D = 128, the dQ pass otherwise) and causal calls:
+        # the conversion starts after the kernel.
+        for others in ({"deterministic": True}, {"causal": True}):
+            with bw.force_kernel("bwd_sm90"):
+                info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **others, **opts).plan.info
+            assert info["convert_behind"] is False, others
+    _pipeline.clear_memo()
+
+
+@_sm90_only
 def test_sm90_forced_on_a_call_it_cannot_run_raises():
     # Several score modifiers with dropout at D = 256, which bwd_sm90 does not run yet: a ValueError
     # naming why, before anything is written.
