@@ -958,12 +958,12 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     tiles.ds = tiles.dout + C::kStages * C::kQBytes;
     tiles.dq = tiles.ds + C::kDsTiles * C::kDsBytes;
 
-    // Which keys, which heads: slot = kv head * splits + split; the CTA sums the query heads
-    // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
-    // The consumers learn each tile's head from the producer.
     // bwd_convert, when launched behind this kernel, may start once every CTA here has: it waits
     // for its heads' counts (count_dq_landed) on SMs this grid no longer needs.
     let_dependents_start();
+    // Which keys, which heads: slot = kv head * splits + split; the CTA sums the query heads
+    // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
+    // The consumers learn each tile's head from the producer.
     const int4 place = cta_place<C>(bp);
     const int b = place.z;
     const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;

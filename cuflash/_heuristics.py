@@ -1059,8 +1059,9 @@ def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int
 
 # Waves of CTAs whose (slot, sequence) pairs a causal backward pass takes block by block at the end
 # of its grid (bwd_tail_pairs).
-BWD_CONVERT_BEHIND = True
 BWD_TAIL_WAVES = 2
+# Whether bwd_sm90's dQ conversion may run behind it (bwd_convert_behind; False: always after it).
+BWD_CONVERT_BEHIND = True
 
 
 def bwd_convert_behind(*, shrinking: bool) -> bool:

@@ -263,10 +263,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     heads_per_cta = _heuristics.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
     splits = group // heads_per_cta
     dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
-    # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
-    # query tiles too).
     # Causal (the window bounded on the right only): each pass's later blocks walk less.
     shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
+    # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
+    # query tiles too).
     row_pad = math.lcm(_heuristics.BWD_ROW_PAD, dq_tile or 1)
     rows_pad = row_pad * max(1, math.ceil(max_q / row_pad))
     dq_t, dk_t, dv_t = layouts["dq"], layouts["dk"], layouts["dv"]

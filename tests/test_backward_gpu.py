@@ -1016,7 +1016,6 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
         with bw.force_kernel("bwd_sm90"):
             info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
         assert info["convert_behind"] is behind and info["splits"] == 4
-        # deterministic=True: the ordered dQ (D = 128) and the dQ pass convert after the kernel.
         # deterministic=True (the ordered dQ at D = 128, the dQ pass otherwise) and causal calls:
         # the conversion starts after the kernel.
         for others in ({"deterministic": True}, {"causal": True}):
