@@ -416,6 +416,27 @@ def test_bwd_tail_pairs_only_for_shrinking_walks():
     assert H.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=True) == 0
 
 
+def test_fwd_tail_heads_only_for_causal_calls():
+    # The last FWD_TAIL_WAVES waves' worth of (head, sequence) pairs of a causal forward number
+    # their m-blocks m-block-major (a wave: 132 persistent CTAs here); enough pairs that their
+    # items fill those waves, never more than the call has, none without a causal mask or with a
+    # single m-block per head (nothing to reorder).
+    for m_blocks, pairs in ((8, 512), (64, 32), (128, 16), (8, 10)):
+        tail = H.fwd_tail_heads(m_blocks, pairs, 132, shrinking=True)
+        assert tail == min(pairs, -(-H.FWD_TAIL_WAVES * 132 // m_blocks))
+        assert tail == pairs or tail * m_blocks >= H.FWD_TAIL_WAVES * 132 > (tail - 1) * m_blocks
+    assert H.fwd_tail_heads(8, 512, 132, shrinking=False) == 0
+    assert H.fwd_tail_heads(1, 512, 132, shrinking=True) == 0
+
+
+def test_bwd_convert_behind_only_without_a_causal_mask(monkeypatch):
+    # bwd_sm90's dQ conversion runs as its programmatic dependent where the grid's last wave leaves
+    # SMs idle (no causal mask); never when switched off.
+    assert H.bwd_convert_behind(shrinking=False) and not H.bwd_convert_behind(shrinking=True)
+    monkeypatch.setattr(H, "BWD_CONVERT_BEHIND", False)
+    assert not H.bwd_convert_behind(shrinking=False)
+
+
 def test_bwd_sm90_orders_dq_at_d128_only():
     # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
     # at D = 64 bwd_sm80's dQ pass computes dQ.
