@@ -20,6 +20,8 @@
 namespace cuflash {
 
 // Spins until *counter >= target (acquire: what was released with the counts is then visible).
+// A CTA waits at most as long as bwd_sm90's last wave (tens to hundreds of us); sleeping 0.5 us
+// between reads keeps the polls of up to 8 waiting CTAs per SM off L2 and adds at most that.
 __device__ __forceinline__ void acquire_wait(const int* counter, int target) {
     for (;;) {
         int seen;
