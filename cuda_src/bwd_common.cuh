@@ -51,6 +51,13 @@ __device__ __forceinline__ int dq_tile_offset(int r, int c, int tile_rows) {
     return share * 4096 + ((cc / 8) * 128 + thread) * 4 + e;
 }
 
+// bwd_sm90's dq_done counter of query head h of sequence b (BwdParams::dq_done): one per (sequence,
+// slot), a slot being heads_per_slot consecutive query heads of `heads` (BwdParams::heads_per_cta,
+// bwd_sm90's grid y). bwd_preprocess zeroes it, bwd_sm90 counts into it, bwd_convert waits on it.
+__device__ __forceinline__ int dq_done_index(int b, int h, int heads, int heads_per_slot) {
+    return b * (heads / heads_per_slot) + h / heads_per_slot;
+}
+
 // Where a CTA's work lies on a backward pass's grid (row blocks, head slots, sequences): (x, y, z).
 // CTAs start in the order of their linear index, x fastest, i.e. head slot by head slot; each pass
 // numbers its row blocks so that x = 0 is the heaviest under a causal mask (the dK/dV pass: the

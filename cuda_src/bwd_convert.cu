@@ -61,8 +61,8 @@ __device__ __forceinline__ void bwd_convert_tiles(const ConvertParams& cp) {
     const int seqlen = varlen ? cp.cu_seqlens[b + 1] - row0 : cp.rows;
     if (tile * rows >= seqlen) return;
     if (cp.done != nullptr) {   // launched behind bwd_sm90, which may still run: wait for this head's adds
-        const int slot = h / cp.heads_per_slot;
-        if (threadIdx.x == 0) acquire_wait(cp.done + b * (cp.heads / cp.heads_per_slot) + slot, cp.done_expected);
+        if (threadIdx.x == 0)
+            acquire_wait(cp.done + dq_done_index(b, h, cp.heads, cp.heads_per_slot), cp.done_expected);
         __syncthreads();
     }
     // Rows padded by 16 bytes: a warp's stores (8 rows x 4 column pairs) hit 32 banks.

@@ -75,7 +75,7 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
     }
     // bwd_sm90's count of landed dQ reductions per (sequence, slot of heads_per_cta query heads).
     if (bp.dq_done != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && s.h % bp.heads_per_cta == 0)
-        bp.dq_done[s.b * (p.heads_q / bp.heads_per_cta) + s.h / bp.heads_per_cta] = 0;
+        bp.dq_done[dq_done_index(s.b, s.h, p.heads_q, bp.heads_per_cta)] = 0;
 #pragma unroll
     for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (lane8 == 0) {

@@ -543,7 +543,7 @@ __device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
     if constexpr (C::kDq && !C::kOrdered) {
         if (threadIdx.x % 128 == 0 && bp.dq_done != nullptr) {
             bulk_wait();
-            release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);
+            release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);   // dq_done_index's word
         }
     }
 }
