@@ -120,8 +120,11 @@ __device__ __forceinline__ float element_pdrop(const FwdParams& p, float prob) {
     return prob;
 }
 
-// dx = dL/dx from element_prob's value; ds = dL/ds (for dbias).
-template <int kMods, bool kDropout>
+// dx = dL/dx from element_prob's value; ds = dL/ds (for dbias). kGuard: an element with P = 0 gets
+// dS = 0 even where dP is not finite (a key the row does not see may hold NaN or inf in V, dO); a
+// call whose rows see every key of the tiles they meet (kGuard false) lets it through as the product
+// would.
+template <int kMods, bool kDropout, bool kGuard = true>
 __device__ __forceinline__ float element_grad(const FwdParams& p, float prob, float qk, float dp, float dsum,
                                               float* ds) {
     float dp_kept = dp;
@@ -129,7 +132,7 @@ __device__ __forceinline__ float element_grad(const FwdParams& p, float prob, fl
         dp_kept = prob > 0.f ? dp * p.dropout_rescale : 0.f;
         prob = fabsf(prob);
     }
-    const float grad = prob == 0.f ? 0.f : prob * (dp_kept - dsum);
+    const float grad = kGuard && prob == 0.f ? 0.f : prob * (dp_kept - dsum);
     *ds = grad;
     return (kMods & kModSoftcap) ? grad * softcap_grad(p, qk) : grad;
 }

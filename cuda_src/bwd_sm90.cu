@@ -39,7 +39,8 @@
 // CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
 // CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128 and 256, so that dQ is made of
 // 64 x 64 shares), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
-// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE. Score modifiers and dropout take
+// CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE, CUFLASH_ALL_KEYS_SEEN (1: every row
+// sees every key of its tiles, BwdSm90Config::kAllKeysSeen). Score modifiers and dropout take
 // smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64
 // takes 64 query rows per step. Several modifiers with dropout at D = 256 still spill and run on
 // bwd_sm80 (_heuristics.bwd_sm90_obstacle).
@@ -57,6 +58,9 @@
 
 #if CUFLASH_DTYPE == 2
 #error "bwd_sm90 computes float16/bfloat16 (CUFLASH_DTYPE 0 or 1)"
+#endif
+#ifndef CUFLASH_ALL_KEYS_SEEN
+#define CUFLASH_ALL_KEYS_SEEN 0
 #endif
 
 namespace cuflash {
@@ -78,6 +82,10 @@ struct BwdSm90Config {
     // (_heuristics.py picks the tiles): D = 128 splits the columns as D = 256 does, D = 64 takes
     // 64 query rows per step.
     static constexpr bool kFeatured = kScoreMods || kDropout;
+    // Every key of every tile a row meets is a key the row sees (no mask, window, varlen or score
+    // modifier; keys past the end come in as zeros): dS needs no guard for P = 0 (element_grad),
+    // two of its ~10 instructions per element.
+    static constexpr bool kAllKeysSeen = CUFLASH_ALL_KEYS_SEEN != 0 && !kFeatured;
     // How the two consumers share a CTA's work: by keys (64 each, dK/dV of all columns) up to
     // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
     // of every column would take 256 registers per thread, and at D = 128 when featured.
@@ -314,7 +322,7 @@ __device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInf
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float ds;
-            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout>(bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
+            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout, !C::kAllKeysSeen>(bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
                                                                 e % 2 ? col_dsum.y : col_dsum.x, &ds);
             if constexpr ((C::kMods & kModBias) != 0) store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
         }

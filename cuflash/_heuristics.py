@@ -443,11 +443,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                             if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
                                 continue
                             if bwd_sm90_obstacle(d, mods, dropout) is None:
-                                for windowed in (True, False):
-                                    out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False,
-                                                                 score_mods=mods, dropout=dropout,
-                                                                 deterministic=det, windowed=windowed,
-                                                                 seqlen_q=BWD_SM90_WIDE_MIN_ROWS).variant)
+                                for plan in _bwd_sm90_plans(dtype_name, d, mods, dropout, det):
+                                    out.setdefault(plan.variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):
@@ -939,7 +936,7 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
                   dropout: bool, deterministic: bool | None = None, windowed: bool = True,
-                  seqlen_q: int = 0) -> LaunchPlan:
+                  seqlen_q: int = 0, all_keys_seen: bool = False) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -959,6 +956,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         bwd_sm90 only: whether the call has a causal mask or a sliding window, and its (longest)
         query length; without a window from BWD_SM90_WIDE_MIN_ROWS rows the query tiles may take
         BWD_SM90_WIDE_BLOCK_M's rows.
+    all_keys_seen : bool
+        bwd_sm90 only: every row sees every key of the tiles it meets (:func:`bwd_all_keys_seen`):
+        the variant without dS's guard for P = 0, at BWD_SM90_UNGUARDED_HEAD_DIMS.
 
     Returns
     -------
@@ -1005,6 +1005,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured, wide),
             **_bwd_size_defines(),
         }
+        if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
+            defines["CUFLASH_ALL_KEYS_SEEN"] = 1
         return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
                           bwd_sm90_smem_bytes(kdim, featured, wide), kdim)
     elif family == "bwd_simt":
@@ -1060,6 +1062,23 @@ def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int
 # Waves of CTAs whose (slot, sequence) pairs a causal backward pass takes block by block at the end
 # of its grid (bwd_tail_pairs).
 BWD_TAIL_WAVES = 2
+# Whether bwd_sm90 may take its variant without dS's guard for P = 0 (bwd_all_keys_seen), and the
+# head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN (two rounds):
+# D = 64 2k and 8k 2-4% faster; D = 128 and 256 between 1% slower and 2% faster by length, and at
+# D = 128 with 64 query rows it spilled 4 B (benchmarks/NOTES.md).
+BWD_ALL_KEYS_SEEN = True
+BWD_SM90_UNGUARDED_HEAD_DIMS = (64,)
+
+
+def bwd_all_keys_seen(*, windowed: bool, varlen: bool, featured: bool) -> bool:
+    """Whether every row of a backward call sees every key of the tiles it meets: no causal mask nor
+    window, no varlen batch (whose tiles reach into the next sequence), no score modifier (mask,
+    bias, block mask, ALiBi, softcap) nor dropout. Keys past the end come in as zeros. Then an
+    element's P is 0 only by underflow, and dS = P (dP - D) needs no guard against a non-finite dP
+    of an unseen key (cuda_src/bwd_common.cuh, element_grad)."""
+    return BWD_ALL_KEYS_SEEN and not windowed and not varlen and not featured
+
+
 # Whether bwd_sm90's dQ conversion may run behind it (bwd_convert_behind; False: always after it).
 BWD_CONVERT_BEHIND = True
 
@@ -1097,6 +1116,19 @@ def bwd_tail_pairs(blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool, 
     return min(pairs, -(-BWD_TAIL_WAVES * wave_ctas // max(1, blocks)))
 
 
+def _bwd_sm90_plans(dtype_name: str, head_dim: int, mods, dropout: bool, deterministic) -> list[LaunchPlan]:
+    """bwd_sm90's launch plans for one feature set: with a window, and without one (short and long
+    queries; with and without every key seen)."""
+    plans = [backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
+                           deterministic=deterministic)]
+    for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS):
+        for all_keys_seen in (False, True):
+            plans.append(backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods,
+                                       dropout=dropout, deterministic=deterministic, windowed=False,
+                                       seqlen_q=seqlen_q, all_keys_seen=all_keys_seen))
+    return plans
+
+
 def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list[Variant]:
     """Backward variants worth compiling ahead of time: for each dtype and head dim, both passes,
     plain and with every feature, plus the preprocess and convert kernels; and bwd_sm90's (for
@@ -1130,10 +1162,7 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
                     if bwd_sm90_obstacle(d, mods, dropout) is None:
                         if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
                             continue
-                        for windowed in (True, False):
-                            plan = backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
-                                                 dropout=dropout, deterministic=det, windowed=windowed,
-                                                 seqlen_q=BWD_SM90_WIDE_MIN_ROWS)
+                        for plan in _bwd_sm90_plans(dtype_name, d, mods, dropout, det):
                             if plan.variant not in out:
                                 out.append(plan.variant)
     return out

@@ -248,8 +248,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dq_pass = bool(deterministic) and not ordered
     sm90_mode = (True if ordered else "pass" if deterministic else False) if family == "bwd_sm90" else None
     windowed = (fwd_fields["window_left"], fwd_fields["window_right"]) != (-1, -1)
+    all_seen = _heuristics.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
-                                      dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q)
+                                      dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
+                                      all_keys_seen=all_seen)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (_heuristics.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout) if dq_pass else None)
@@ -412,7 +414,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             partial_stride=pr["head"]))
     plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
-                     convert_behind="dq_done" in temp)
+                     convert_behind="dq_done" in temp,
+                     all_keys_seen=dict(plan0.variant.defines).get("CUFLASH_ALL_KEYS_SEEN", 0) == 1)
     return plan
 
 

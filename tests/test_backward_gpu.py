@@ -1026,6 +1026,41 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
 
 
 @_sm90_only
+def test_sm90_variant_without_the_unseen_key_guard(monkeypatch):
+    # Full attention at D = 64 takes the variant whose dS has no guard for P = 0; against the
+    # reference with it and without, and calls with keys a row does not see keep the guard.
+    shape = _shape(2, 300, 700, 8, 2, 64)
+    for unguarded in (True, False):
+        monkeypatch.setattr(_heuristics, "BWD_ALL_KEYS_SEEN", unguarded)
+        _pipeline.clear_memo()
+        _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 215 + unguarded)
+        with bw.force_kernel("bwd_sm90"):
+            info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
+        assert info["all_keys_seen"] is unguarded
+        for others in ({"causal": True}, {"window": (64, 64)}, {"softcap": 20.0}):
+            with bw.force_kernel("bwd_sm90"):
+                info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **others, **opts).plan.info
+            assert info["all_keys_seen"] is False, others
+    _pipeline.clear_memo()
+
+
+@_sm90_only
+def test_sm90_nan_in_a_key_no_row_before_it_sees():
+    # Causal: a NaN in the last key's V reaches dQ only through the row that sees it; the rows of the
+    # same tiles before it keep a finite dQ (dS = 0 exactly where P = 0, whatever dP is), and dV has
+    # no NaN anywhere. (dK has: the last row's D is NaN, and every key it sees gets its dS.)
+    shape = _shape(1, 200, 200, 4, 4, 64)
+    q, k, v = tt.random_qkv(shape, "bfloat16", 225, xp=cupy)
+    v[:, -1, :, 3] = NAN
+    dout = _random_like(q, 226)
+    out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
+    grads = run_backward("bwd_sm90", dout, q, k, v, out, lse, {"causal": True})
+    dq, _, dv = (g.astype(cupy.float32) for g in grads)
+    assert bool(cupy.isfinite(dq[:, :-1]).all()) and bool(cupy.isfinite(dv).all())
+    assert bool(cupy.isnan(dq[:, -1]).any())
+
+
+@_sm90_only
 def test_sm90_forced_on_a_call_it_cannot_run_raises():
     # Several score modifiers with dropout at D = 256, which bwd_sm90 does not run yet: a ValueError
     # naming why, before anything is written.

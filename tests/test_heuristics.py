@@ -437,6 +437,32 @@ def test_bwd_convert_behind_only_without_a_causal_mask(monkeypatch):
     assert not H.bwd_convert_behind(shrinking=False)
 
 
+def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
+    # dS's guard for P = 0 is left out only where every key of a row's tiles is one it sees, and
+    # only at the head dims listed; the define is the only difference between the two variants.
+    assert H.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
+    for unseen in ({"windowed": True}, {"varlen": True}, {"featured": True}):
+        assert not H.bwd_all_keys_seen(**{"windowed": False, "varlen": False, "featured": False, **unseen})
+
+    def defines(d, **kw):
+        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
+                               dropout=False, deterministic=False, seqlen_q=4096, **kw)
+        return dict(plan.variant.defines)
+
+    for d in (64, 128, 256):
+        guarded, unguarded = defines(d, windowed=False), defines(d, windowed=False, all_keys_seen=True)
+        if d in H.BWD_SM90_UNGUARDED_HEAD_DIMS:
+            assert unguarded.pop("CUFLASH_ALL_KEYS_SEEN") == 1
+        assert unguarded == guarded
+        # a window or a score modifier keeps the guard whatever the caller says
+        assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=True, all_keys_seen=True)
+        assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=False, all_keys_seen=True, mods=("softcap",))
+    reachable = [v for v in H.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
+    assert any(dict(v.defines).get("CUFLASH_ALL_KEYS_SEEN") == 1 for v in reachable)
+    monkeypatch.setattr(H, "BWD_ALL_KEYS_SEEN", False)
+    assert not H.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
+
+
 def test_bwd_sm90_orders_dq_at_d128_only():
     # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
     # at D = 64 bwd_sm80's dQ pass computes dQ.
