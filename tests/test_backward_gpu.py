@@ -1046,18 +1046,20 @@ def test_sm90_variant_without_the_unseen_key_guard(monkeypatch):
 
 @_sm90_only
 def test_sm90_nan_in_a_key_no_row_before_it_sees():
-    # Causal: a NaN in the last key's V reaches dQ only through the row that sees it; the rows of the
-    # same tiles before it keep a finite dQ (dS = 0 exactly where P = 0, whatever dP is), and dV has
-    # no NaN anywhere. (dK has: the last row's D is NaN, and every key it sees gets its dS.)
+    # Causal: a NaN in the last key's V reaches the gradients only through the row that sees it; the
+    # rows of the same tiles before it keep finite dQ (dS = 0 exactly where P = 0, whatever dP is),
+    # and the other keys finite dK. out and lse come from the clean V (the forward's P V would carry
+    # 0 * NaN into the rows of the key's tile: documented), then V is poisoned for the backward.
     shape = _shape(1, 200, 200, 4, 4, 64)
     q, k, v = tt.random_qkv(shape, "bfloat16", 225, xp=cupy)
-    v[:, -1, :, 3] = NAN
     dout = _random_like(q, 226)
     out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
+    v[:, -1, :, 3] = NAN
     grads = run_backward("bwd_sm90", dout, q, k, v, out, lse, {"causal": True})
-    dq, _, dv = (g.astype(cupy.float32) for g in grads)
-    assert bool(cupy.isfinite(dq[:, :-1]).all()) and bool(cupy.isfinite(dv).all())
-    assert bool(cupy.isnan(dq[:, -1]).any())
+    dq, dk, dv = (g.astype(cupy.float32) for g in grads)
+    assert bool(cupy.isfinite(dq[:, :-1]).all()) and bool(cupy.isfinite(dk[:, :-1]).all())
+    assert bool(cupy.isfinite(dv).all())
+    assert bool(cupy.isnan(dq[:, -1]).any()) and bool(cupy.isnan(dk[:, -1]).any())
 
 
 @_sm90_only
