@@ -1005,7 +1005,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured, wide),
             **_bwd_size_defines(),
         }
-        if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
+        # (D = 128 with 64 query rows spilled 4 B without the guard, NVRTC 13.0: it keeps it.)
+        if (all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS
+                and (kdim, block_m) != (128, 64)):
             defines["CUFLASH_ALL_KEYS_SEEN"] = 1
         return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
                           bwd_sm90_smem_bytes(kdim, featured, wide), kdim)
@@ -1063,11 +1065,12 @@ def backward_heads_per_cta(batch: int, heads_k: int, group: int, key_blocks: int
 # of its grid (bwd_tail_pairs).
 BWD_TAIL_WAVES = 2
 # Whether bwd_sm90 may take its variant without dS's guard for P = 0 (bwd_all_keys_seen), and the
-# head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN (two rounds):
-# D = 64 2k and 8k 2-4% faster; D = 128 and 256 between 1% slower and 2% faster by length, and at
-# D = 128 with 64 query rows it spilled 4 B (benchmarks/NOTES.md).
+# head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN: D = 64 2k and
+# 8k 2-4% faster, D = 128 8k and 16k (80 query rows) 1.4% (four rounds each); D = 256 +2% at 4k and
+# -0.5% from 8k, so it keeps the guard (benchmarks/NOTES.md). D = 128 with 64 query rows spilled 4 B
+# without it (backward_plan keeps the guard there).
 BWD_ALL_KEYS_SEEN = True
-BWD_SM90_UNGUARDED_HEAD_DIMS = (64,)
+BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128)
 
 
 def bwd_all_keys_seen(*, windowed: bool, varlen: bool, featured: bool) -> bool:

@@ -1026,17 +1026,20 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
 
 
 @_sm90_only
-def test_sm90_variant_without_the_unseen_key_guard(monkeypatch):
-    # Full attention at D = 64 takes the variant whose dS has no guard for P = 0; against the
-    # reference with it and without, and calls with keys a row does not see keep the guard.
-    shape = _shape(2, 300, 700, 8, 2, 64)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_variant_without_the_unseen_key_guard(head_dim, monkeypatch):
+    # Full attention at D = 64, and at D = 128 with 80-row query tiles (taken here at every length),
+    # takes the variant whose dS has no guard for P = 0; against the reference with it and without,
+    # and calls with keys a row does not see keep the guard.
+    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1)
+    shape = _shape(2, 300, 700, 8, 2, head_dim)
     for unguarded in (True, False):
         monkeypatch.setattr(_heuristics, "BWD_ALL_KEYS_SEEN", unguarded)
         _pipeline.clear_memo()
         _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 215 + unguarded)
         with bw.force_kernel("bwd_sm90"):
             info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
-        assert info["all_keys_seen"] is unguarded
+        assert info["all_keys_seen"] is unguarded and info["query_tile"] == (80 if head_dim == 128 else 128)
         for others in ({"causal": True}, {"window": (64, 64)}, {"softcap": 20.0}):
             with bw.force_kernel("bwd_sm90"):
                 info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **others, **opts).plan.info
