@@ -84,7 +84,7 @@ struct BwdSm90Config {
     static constexpr bool kFeatured = kScoreMods || kDropout;
     // Every key of every tile a row meets is a key the row sees (no mask, window, varlen or score
     // modifier; keys past the end come in as zeros): dS needs no guard for P = 0 (element_grad),
-    // two of its ~10 instructions per element.
+    // an FSETP and an FSEL of the ~8 instructions per score element.
     static constexpr bool kAllKeysSeen = CUFLASH_ALL_KEYS_SEEN != 0 && !kFeatured;
     // How the two consumers share a CTA's work: by keys (64 each, dK/dV of all columns) up to
     // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
@@ -322,8 +322,8 @@ __device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInf
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float ds;
-            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout, !C::kAllKeysSeen>(bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e],
-                                                                e % 2 ? col_dsum.y : col_dsum.x, &ds);
+            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout, !C::kAllKeysSeen>(
+                bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e], e % 2 ? col_dsum.y : col_dsum.x, &ds);
             if constexpr ((C::kMods & kModBias) != 0) store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
         }
     }
