@@ -26,11 +26,13 @@ import threading
 
 import numpy as np
 
-from . import _compile, _heuristics, _launch, _params, _tma
+from . import _compile, _graph, _heuristics, _launch, _params, _tma
 
 __all__ = ["Plan", "Step", "lookup", "remember", "planned", "PlanningDone"]
 
 _MEMO_ENTRIES = 512
+# Plans of at least this many kernels launch them as one CUDA graph (cuflash/_graph.py); 0: never.
+GRAPH_MIN_STEPS = 2
 _memo: dict = {}
 _cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA library at import)
 _random = None   # cuflash.random, bound at the first call that draws dropout
@@ -110,6 +112,19 @@ class Step:
 
     def launch(self, values, stream: int) -> None:
         """Launch with the call's ``values`` (see :class:`Plan`) on ``stream``."""
+        base = self.write(values)
+        _launch.launch(self.func, self.grid, self.threads, self.smem, base, stream, self.dependent)
+
+    def argv(self) -> int:
+        """The address of the calling thread's argument pointer array (fixed for the thread)."""
+        try:
+            return self._local.block[2]
+        except AttributeError:
+            return self._thread_block()[2]
+
+    def write(self, values) -> int:
+        """Write the call's ``values`` into the calling thread's block; returns its argument pointer
+        array's address."""
         try:
             block, words, base = self._local.block
         except AttributeError:
@@ -123,7 +138,7 @@ class Step:
                 packer.pack_into(block, offset, *get(values))
         for offset, key, spec in self.maps:
             block[offset:offset + 128] = _tma.encode_at(values[key], spec)
-        _launch.launch(self.func, self.grid, self.threads, self.smem, base, stream, self.dependent)
+        return base
 
 
 class Buffer:
@@ -209,6 +224,7 @@ class Plan:
         self._output_indices = tuple(self.outputs)
         self._output_layouts = {}
         self._report = self.index("report")
+        self._graphs = threading.local()   # per thread: (device, stream) -> _graph.KernelGraph
 
     def _output_layout(self, missing):
         """(index, shape, dtype, offset) of each missing output in one allocation, and its size."""
@@ -354,9 +370,26 @@ class Plan:
                 cupy.cuda.runtime.streamSynchronize(stream)
                 _raise_fault(state, self.slot)
                 steps = steps[1:]
-        for step in steps:
-            step.launch(values, stream)
+        if len(steps) >= GRAPH_MIN_STEPS > 0 and draw is None and not (
+                capturing if capturing is not None else cupy.cuda.runtime.streamIsCapturing(stream)):
+            for step in steps:
+                step.write(values)
+            self._graph(device_id, stream, steps).launch(stream)
+        else:
+            for step in steps:
+                step.launch(values, stream)
         return [made.get(i, operands[i]) for i in self.results], temps, drawn
+
+    def _graph(self, device_id: int, stream: int, steps):
+        """The calling thread's graph of ``steps`` for this stream (made at its first use)."""
+        graphs = getattr(self._graphs, "by_stream", None)
+        if graphs is None:
+            graphs = self._graphs.by_stream = {}
+        key = (device_id, stream, len(steps))
+        graph = graphs.get(key)
+        if graph is None:
+            graph = graphs[key] = _graph.KernelGraph(steps, [step.argv() for step in steps])
+        return graph
 
 
 class _RngScratch:

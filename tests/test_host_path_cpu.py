@@ -373,6 +373,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(_pipeline, "_cp", cupy)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: state)
+    # Kernel by kernel (test_run_launches_several_kernels_as_one_graph covers the graph path).
+    monkeypatch.setattr(_pipeline, "GRAPH_MIN_STEPS", 0)
     return SimpleNamespace(state=state, allocations=allocations)
 
 
@@ -419,6 +421,55 @@ def test_run_with_check_waits_for_the_index_check(fake_cuda):
     assert [name for name, _, _ in log] == ["check"], "a kernel ran after the index check found a fault"
     plan.run((None,) * 8, ptrs, check=True)   # the fault was taken: the next call runs
     assert [name for name, _, _ in log] == ["check", "check", "fwd"]
+
+
+class _GraphStep(_Recorder):
+    """A step of a graphed plan: records the values written into its block."""
+
+    def write(self, values):
+        self.log.append((self.name, list(values), None))
+
+    def argv(self):
+        return id(self)
+
+
+def test_run_launches_several_kernels_as_one_graph(fake_cuda, monkeypatch):
+    # Plans of GRAPH_MIN_STEPS kernels or more write every step's arguments, then launch one graph,
+    # made once per thread and (device, stream) on the thread's blocks; under capture, and for
+    # shorter plans, kernel by kernel.
+    monkeypatch.setattr(_pipeline, "GRAPH_MIN_STEPS", 2)
+    made, log = [], []
+
+    class FakeGraph:
+        def __init__(self, steps, argvs):
+            made.append((tuple(s.name for s in steps), tuple(argvs)))
+
+        def launch(self, stream):
+            log.append(("graph", None, stream))
+
+    monkeypatch.setattr(_pipeline._graph, "KernelGraph", FakeGraph)
+    steps = [_GraphStep("check", log), _GraphStep("fwd", log)]
+    plan = _pipeline.Plan("attention_varlen", 8, steps=steps, checked=True, info=VARLEN_INFO)
+    ptrs = [0x100 * (i + 1) for i in range(8)]
+    for _ in range(2):
+        plan.run((None,) * 8, ptrs)
+    assert [name for name, _, _ in log] == ["check", "fwd", "graph"] * 2 and log[2][2] == 0x1234
+    assert made == [(("check", "fwd"), (id(steps[0]), id(steps[1])))], "one graph for the thread and stream"
+    assert log[0][1][:8] == ptrs
+    other = []
+    thread = threading.Thread(target=lambda: other.append(plan.run((None,) * 8, ptrs)))
+    thread.start()
+    thread.join()
+    assert other and len(made) == 2, "another thread builds its own graph"
+    log.clear()
+    monkeypatch.setattr(_pipeline._cp.cuda.runtime, "streamIsCapturing", lambda stream: True)
+    plan.run((None,) * 8, ptrs)   # under capture: launched one by one, as the capture records them
+    assert [(name, stream) for name, _, stream in log] == [("check", 0x1234), ("fwd", 0x1234)]
+    log.clear()
+    monkeypatch.setattr(_pipeline._cp.cuda.runtime, "streamIsCapturing", lambda stream: False)
+    plan.steps = steps[1:]   # fewer kernels than GRAPH_MIN_STEPS
+    plan.run((None,) * 8, ptrs)
+    assert [(name, stream) for name, _, stream in log] == [("fwd", 0x1234)] and len(made) == 2
 
 
 def test_run_passes_dropouts_seed_and_offset(fake_cuda):

@@ -12,8 +12,9 @@ and CUDA graphs, and concurrency (threads and streams).
 2. Concurrency: threads on their own non-blocking streams, four streams from one thread, and
    threads on CuPy's per-thread default streams (in a subprocess, since
    ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM`` must be set before CuPy starts), each making 200 calls
-   of ``attention`` (fwd_sm90 forced on sm_90) and split-KV paged ``decode`` with index arrays on
-   the GPU; every result must be bitwise equal to a single-threaded call on the same inputs.
+   of ``attention`` (fwd_sm90 forced on sm_90), split-KV paged ``decode`` and ``attention_varlen``
+   (its index check and kernel launched as one CUDA graph per thread and stream) with index arrays
+   on the GPU; every result must be bitwise equal to a single-threaded call on the same inputs.
 3. The memo: a repeat call with new arrays of the same layout (CuPy arrays, or torch tensors on
    torch's current stream when it is CuPy's) runs with the planner monkeypatched to fail, and is
    right; a base one element off, and torch tensors on another torch stream, take the full path.
@@ -892,11 +893,18 @@ CONC_DECODE = dict(paged=True, append=False, dtype="float16", B=2, Hq=8, Hk=2, D
 SETS_PER_WORKER = 2
 
 
+CONC_VARLEN = ((0, 300, 512), 256)   # cu_seqlens (queries = keys), max_seqlen
+
+
 def _conc_inputs(index):
-    """Input set ``index``: attention q, k, v (fp16) and a paged decode case on the GPU."""
+    """Input set ``index``: attention q, k, v (fp16), a paged decode case and a varlen batch (its
+    index check and kernel: two launches, one graph) on the GPU."""
     q, k, v = tt.random_qkv(CONC_ATTENTION, "float16", 1000 + index, xp=cupy)
     d = tt.decode_on(_decode_case(2000 + index, **CONC_DECODE), cupy)
-    return dict(attention=(q, k, v), decode=d)
+    cu, _ = CONC_VARLEN
+    packed = tt.random_qkv(dict(B=1, Sq=cu[-1], Sk=cu[-1], Hq=4, Hk=4, D=64), "float16", 3000 + index, xp=cupy)
+    varlen = tuple(x[0] for x in packed) + (cupy.asarray(cu, dtype=cupy.int32),)
+    return dict(attention=(q, k, v), decode=d, varlen=varlen)
 
 
 def _conc_step(inputs):
@@ -906,7 +914,10 @@ def _conc_step(inputs):
     d = inputs["decode"]
     o = cuflash.decode(d["q"], d["k_cache"], d["v_cache"], cache_seqlens=d["lens"], block_table=d["table"],
                        num_splits=4)
-    return a, o
+    vq, vk, vv, cu = inputs["varlen"]
+    n = CONC_VARLEN[1]
+    vo = cuflash.attention_varlen(vq, vk, vv, cu, cu, max_seqlen_q=n, max_seqlen_k=n, causal=True)
+    return a, o, vo
 
 
 def _conc_setup(workers):
@@ -920,16 +931,14 @@ def _conc_setup(workers):
 
 
 def _conc_mismatches(results, expected):
-    """results[w] = list of (input set, attention out, decode out) of worker w."""
+    """results[w] = list of (input set, attention out, decode out, varlen out) of worker w."""
     bad = []
     for w, outs in enumerate(results):
         assert outs is not None and len(outs) == CALLS, f"worker {w} did not finish"
-        for i, (index, a, o) in enumerate(outs):
-            want_a, want_o = expected[index]
-            if not _same_bits(a, want_a):
-                bad.append(f"worker {w} call {i}: attention")
-            if not _same_bits(o, want_o):
-                bad.append(f"worker {w} call {i}: decode")
+        for i, (index, *got) in enumerate(outs):
+            for name, x, want in zip(("attention", "decode", "attention_varlen"), got, expected[index]):
+                if not _same_bits(x, want):
+                    bad.append(f"worker {w} call {i}: {name}")
     return bad
 
 
@@ -1033,3 +1042,38 @@ def test_threads_on_per_thread_default_streams(workers):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                                   f"--- stderr\n{proc.stderr[-4000:]}")
+
+
+# ----------------------------------------------------------------------------- 5. plans as graphs
+
+def test_plans_of_several_kernels_launch_as_one_graph(monkeypatch):
+    # A backward (preprocess, main pass, dQ conversion: a programmatic edge on sm_90) and a varlen
+    # call (index check, kernel) run as one CUDA graph per thread and stream; the same calls launched
+    # kernel by kernel give bitwise equal dK, dV, out and lse (dQ's atomic order aside: close), on
+    # new data at every call (the graph takes each call's arguments).
+    shape = dict(B=2, Sq=300, Sk=300, Hq=4, Hk=2, D=128)
+
+    def calls(seed):
+        q, k, v = tt.random_qkv(shape, "bfloat16", seed, xp=cupy)
+        dout = cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(q.dtype)
+        out, lse, _ = cuflash.attention_forward(q, k, v)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse)
+        cu = cupy.asarray([0, 170, 300], dtype=cupy.int32)
+        varlen = cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=170, max_seqlen_k=170,
+                                          return_lse=True)
+        return grads, varlen
+
+    for seed in (61, 62):
+        graphed = calls(seed)
+        with monkeypatch.context() as m:
+            m.setattr(_pipeline, "GRAPH_MIN_STEPS", 0)
+            plain = calls(seed)
+        (dq, dk, dv), (out, lse) = graphed
+        assert _same_bits(dk, plain[0][1]) and _same_bits(dv, plain[0][2])
+        assert _same_bits(out, plain[1][0]) and _same_bits(lse, plain[1][1])
+        assert bool(cupy.allclose(dq.astype(cupy.float32), plain[0][0].astype(cupy.float32), rtol=1e-2, atol=1e-2))
+    entries = {plan.entry: plan for plan in _pipeline._memo.values()}
+    for entry in ("attention_backward", "attention_varlen"):
+        plan = entries[entry]
+        assert len(plan.steps) >= 2 and getattr(plan._graphs, "by_stream", None), f"{entry} ran no graph"
+
