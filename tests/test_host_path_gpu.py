@@ -893,7 +893,7 @@ CONC_DECODE = dict(paged=True, append=False, dtype="float16", B=2, Hq=8, Hk=2, D
 SETS_PER_WORKER = 2
 
 
-CONC_VARLEN = ((0, 300, 512), 256)   # cu_seqlens (queries = keys), max_seqlen
+CONC_VARLEN = ((0, 300, 512), 320)   # cu_seqlens (queries = keys), max_seqlen
 
 
 def _conc_inputs(index):
