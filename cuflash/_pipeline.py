@@ -8,7 +8,8 @@ and the planning looked at except the data pointers: each operand's type, shape,
 device, the options, the forced kernel family and the current device. A repeat call with the same
 key, from CuPy arrays or torch tensors, does only what depends on the pointers: their 16-byte
 alignment, the outputs' allocation, writing the new pointers (into the packed structs and the
-tensor maps, each step's argument block kept per thread at a fixed address), the launches.
+tensor maps, each step's argument block kept per thread at a fixed address), the launches (a plan
+of GRAPH_MIN_STEPS kernels or more: one launch of a CUDA graph of them, :mod:`cuflash._graph`).
 
 torch tensors are read directly (``data_ptr()``, ``stride()``; torch is never imported here) when
 torch's current stream is CuPy's current stream, which is all that DLPack's stream handshake would
