@@ -225,7 +225,7 @@ class Plan:
         self._output_indices = tuple(self.outputs)
         self._output_layouts = {}
         self._report = self.index("report")
-        self._graphs = threading.local()   # per thread: (device, stream) -> _graph.KernelGraph
+        self._graphs = threading.local()   # per thread: (device, stream, kernels) -> _graph.KernelGraph
 
     def _output_layout(self, missing):
         """(index, shape, dtype, offset) of each missing output in one allocation, and its size."""
