@@ -6,7 +6,8 @@ and kernel) is instantiated once as a graph of kernel nodes, in the plan's order
 edge where a step is its predecessor's programmatic dependent. Each call then writes its arguments
 into the steps' argument blocks as before, hands each node its block (cuGraphExecKernelNodeSetParams
 copies the bytes, 1.5 us a node on a slow host) and launches the graph once (cuGraphLaunch, 3 us
-there): the backward's three launches cost 8.3 us instead of 14.6 (benchmarks/NOTES.md).
+there): the backward's three launches cost 8.3 us instead of 14.6, a whole backward call 8-9 us
+less (benchmarks/NOTES.md).
 
 An executable graph holds its nodes' arguments and runs its launches one after another, so each
 thread keeps its own per (device, stream), built on the thread's argument blocks (whose addresses
@@ -21,11 +22,10 @@ import functools
 
 __all__ = ["KernelGraph"]
 
-# CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h 13.0): the function, grid and block sizes, dynamic shared
-# memory, the argument pointer array, extra, kernel and context (NULL: the function's).
-
-
 class _KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS_v2 (cuda.h 13.0): the function, grid and block sizes, dynamic shared
+    memory, the argument pointer array, extra, kernel and context (NULL: the function's)."""
+
     _fields_ = ([("func", ctypes.c_void_p)]
                 + [(name, ctypes.c_uint) for name in ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z",
                                                       "smem")]
