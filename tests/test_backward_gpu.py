@@ -335,6 +335,13 @@ def run_backward(family, dout, q, k, v, out, lse, options, *, rng_state=None, de
     return res
 
 
+def planned_info(family, dout, q, k, v, out, lse, **options):
+    """The ``info`` of the plan attention_backward makes for these operands with ``family`` forced
+    (nothing is launched)."""
+    with bw.force_kernel(family):
+        return cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **options).plan.info
+
+
 def check_gradients(dout, q, k, v, out, options, grads, *, dtype, rng_state=None,
                     float32_rtol=FLOAT32_GRAD_RTOL):
     """dq, dk, dv (and dbias when grads has it) against the reference under the rule."""
@@ -927,8 +934,7 @@ def test_sm90_takes_80_row_query_tiles_from_8k_rows():
         q, k, v = tt.random_qkv(shape, "bfloat16", 173, xp=cupy)
         dout, out = _random_like(q, 174), _random_like(q, 175)
         lse = cupy.zeros((1, 2, sq), dtype=cupy.float32)
-        with bw.force_kernel("bwd_sm90"):
-            return cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **options).plan.info["query_tile"]
+        return planned_info("bwd_sm90", dout, q, k, v, out, lse, **options)["query_tile"]
 
     long = _heuristics.BWD_SM90_WIDE_MIN_ROWS
     assert query_tile(long) == 80 and query_tile(long - 1) == 64
@@ -957,9 +963,7 @@ def test_causal_tail_pairs_block_major(family, dtype, deterministic, monkeypatch
     shape = _shape(3, 200, 200, 8, 4, 64)
     grads, _, (dout, q, k, v, out, lse, opts, _) = solve(family, dtype, shape, {"causal": True}, 196,
                                                          deterministic=deterministic)
-    with bw.force_kernel(family):
-        info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, deterministic=deterministic,
-                            **opts).plan.info
+    info = planned_info(family, dout, q, k, v, out, lse, deterministic=deterministic, **opts)
     assert info["splits"] == 1 and info["tail_pairs"] < 12 and info["dq_tail_pairs"] < 24
     assert (info["tail_pairs"] > 0) == (info["family"] == "bwd_sm90")
     assert (info["dq_tail_pairs"] > 0) == (info["dq"] == "pass")
@@ -994,8 +998,7 @@ def test_sm90_causal_tail_pairs_key_block_major(head_dim, monkeypatch):
     block_n = _heuristics.BWD_SM90_BLOCK_N[head_dim]
     shape = _shape(3, 3 * block_n - 20, 3 * block_n - 20, 8, 4, head_dim)
     grads, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {"causal": True}, 195)
-    with bw.force_kernel("bwd_sm90"):
-        info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
+    info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
     assert info["family"] == "bwd_sm90" and info["splits"] == 1 and info["tail_pairs"] == 3
     _same_with_no_tail_and_all_tail("bwd_sm90", "bfloat16", grads, (dout, q, k, v, out, lse, opts), False,
                                     monkeypatch)
@@ -1013,14 +1016,12 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
         monkeypatch.setattr(_heuristics, "BWD_CONVERT_BEHIND", behind)
         _pipeline.clear_memo()
         _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 205 + behind)
-        with bw.force_kernel("bwd_sm90"):
-            info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
+        info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
         assert info["convert_behind"] is behind and info["splits"] == 4
         # deterministic=True (the ordered dQ at D = 128, the dQ pass otherwise) and causal calls:
         # the conversion starts after the kernel.
         for others in ({"deterministic": True}, {"causal": True}):
-            with bw.force_kernel("bwd_sm90"):
-                info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **others, **opts).plan.info
+            info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **others, **opts)
             assert info["convert_behind"] is False, others
     _pipeline.clear_memo()
 
@@ -1037,12 +1038,10 @@ def test_sm90_variant_without_the_unseen_key_guard(head_dim, monkeypatch):
         monkeypatch.setattr(_heuristics, "BWD_ALL_KEYS_SEEN", unguarded)
         _pipeline.clear_memo()
         _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 215 + unguarded)
-        with bw.force_kernel("bwd_sm90"):
-            info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **opts).plan.info
+        info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
         assert info["all_keys_seen"] is unguarded and info["query_tile"] == (80 if head_dim == 128 else 128)
         for others in ({"causal": True}, {"window": (64, 64)}, {"softcap": 20.0}):
-            with bw.force_kernel("bwd_sm90"):
-                info = cuflash.plan(bw.attention_backward, dout, q, k, v, out, lse, **others, **opts).plan.info
+            info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **others, **opts)
             assert info["all_keys_seen"] is False, others
     _pipeline.clear_memo()
 
