@@ -6,7 +6,7 @@
 // backward recomputing P from lse, in FlashAttention-3's arrangement):
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
 //     copies) of each query tile into a kStages-deep ring; it gives its registers away. With
-//     ordered dQ another warp of it is the dQ writer (below).
+//     ordered dQ two other warps of it are the dQ writers (below).
 //   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
 //       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory; two groups)
 //       P^T element by element                (element_prob, bwd_common.cuh; masks of mask.cuh),
@@ -24,10 +24,10 @@
 // consumers split the columns instead (consume_dim_halves, below): S^T and dP^T by query halves,
 // P^T and dS^T through shared memory, every other product from shared memory.
 // With deterministic=True the additions into each dq_accum tile take turns in a fixed order at
-// D = 128 (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ writer
-// (warp 1 of warpgroup 0) through mbarriers instead of reducing them themselves; the writer waits for
-// each tile's turn, reduces, and passes the turn on once the reduction has landed, so that neither
-// the turns nor the reductions' latency stall the tensor cores. At D = 64 there is no dQ product
+// D = 128 (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ
+// writers (warps 1 and 2 of warpgroup 0, one per share buffer) through mbarriers instead of reducing
+// them themselves; a writer waits for each tile's turn, reduces, and passes the turn on once the
+// reduction has landed, so that neither the turns nor the reductions' latency stall the tensor cores. At D = 64 there is no dQ product
 // here (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ; so at D = 256.
 //
 // Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
@@ -143,7 +143,12 @@ struct BwdSm90Config {
     // step's own Q and dO buffers, which are free by then.
     static constexpr int kDqShareBytes = kDqRegs * 128 * 4;
     static constexpr int kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 && !kDqTransposed ? 2 : 1;
-    static_assert(!kOrdered || kDqBuffers == 2, "the dQ writer takes turns with double-buffered shares");
+    static_assert(!kOrdered || kDqBuffers == 2, "the dQ writers take turns with double-buffered shares");
+    // Ordered dQ: one writer per share buffer. A writer's step is a chain (its tile's turn, the
+    // reductions, their landing, the turn passed on) that took longer than the consumers' step: with
+    // one writer for both buffers deterministic=True ran 0.89-0.91x the default at D = 128 8k, with
+    // two 0.99-1.01x (H100, benchmarks/NOTES.md, session 27).
+    static constexpr int kDqWriters = 2;
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
     static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
@@ -421,8 +426,8 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
     }
 }
 
-// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ warp 1 is the
-// dQ writer. Returns when its part is done.
+// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ warps 1 and 2 are
+// the dQ writers. Returns when its part is done.
 template <class C>
 __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                         const TmaMap& do_map, const BwdParams& bp, SeqInfo s, int b, bool varlen, int n_lo,
@@ -432,13 +437,14 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     setmaxnreg_dec<C::kProducerRegs>();
     if constexpr (C::kOrdered) {
-        if (warp == 1 && lane == 0) {
-            // The dQ writer. The consumers' shares alternate between two buffers, the first
-            // step's in buffer 1 (ds_buf's order); both consumers' shares of a step belong to
-            // the same tile, whose counters are consecutive.
-            int full_parity = 0;   // bit buf
-            for (int buf = 1;; buf ^= 1) {
-                mbar_wait(sh.dq_full(0, buf), (full_parity >> buf) & 1);
+        if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
+            // A dQ writer. The consumers' shares alternate between two buffers, the first step's
+            // in buffer 1 (ds_buf's order); warp 1 writes buffer 1's, warp 2 buffer 0's. Both
+            // consumers' shares of a step belong to the same tile, whose counters are consecutive.
+            static_assert(C::kDqWriters == 2, "a writer per share buffer");
+            const int buf = 2 - warp;
+            for (int full_parity = 0;; full_parity ^= 1) {
+                mbar_wait(sh.dq_full(0, buf), full_parity);
                 const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
                 if (tile < 0) return;   // both consumers end together; every reduction has landed
                 s.h = tile >> 16;
@@ -448,13 +454,12 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
                 const int rank = dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c);
                 for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
-                    if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), (full_parity >> buf) & 1);
+                    if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), full_parity);
                     dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
                     bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
                                     tiles.dq + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
                     bulk_commit();
                 }
-                full_parity ^= 1 << buf;
                 bulk_wait_read();
                 for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
                 bulk_wait();
@@ -788,11 +793,13 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
 
-    if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to the writer
-        const int buf = ds_buf ^ 1;
-        mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);
-        sh.dq_tile_of[consumer][buf] = -1;
-        mbar_arrive(sh.dq_full(consumer, buf));
+    if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
+        for (int w = 0; w < C::kDqWriters; ++w) {
+            const int buf = ds_buf ^ 1 ^ w;   // the next buffer first, then the last step's
+            mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);
+            sh.dq_tile_of[consumer][buf] = -1;
+            mbar_arrive(sh.dq_full(consumer, buf));
+        }
     }
 
     // Before the CTA leaves, its dQ reductions must have read their shared memory; their adds land

@@ -1005,9 +1005,11 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured, wide),
             **_bwd_size_defines(),
         }
-        # (D = 128 with 64 query rows spilled 4 B without the guard, NVRTC 13.0: it keeps it.)
+        # (D = 128 with 64 query rows spilled 4 B without the guard, NVRTC 13.0: it keeps it; the
+        # ordered dQ's variant, whose writers took the dQ reductions out of the consumers, does not
+        # spill, and runs 3% faster without it: benchmarks/NOTES.md, session 27.)
         if (all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS
-                and (kdim, block_m) != (128, 64)):
+                and ((kdim, block_m) != (128, 64) or deterministic is True)):
             defines["CUFLASH_ALL_KEYS_SEEN"] = 1
         return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
                           bwd_sm90_smem_bytes(kdim, featured, wide), kdim)

@@ -444,9 +444,9 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
     for unseen in ({"windowed": True}, {"varlen": True}, {"featured": True}):
         assert not H.bwd_all_keys_seen(**{"windowed": False, "varlen": False, "featured": False, **unseen})
 
-    def defines(d, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS, **kw):
+    def defines(d, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS, deterministic=False, **kw):
         plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
-                               dropout=False, deterministic=False, seqlen_q=seqlen_q, **kw)
+                               dropout=False, deterministic=deterministic, seqlen_q=seqlen_q, **kw)
         return dict(plan.variant.defines)
 
     for d in (64, 128, 256):
@@ -457,8 +457,14 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
         # a window or a score modifier keeps the guard whatever the caller says
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=True, all_keys_seen=True)
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=False, all_keys_seen=True, mods=("softcap",))
-    # D = 128 with 64 query rows (shorter sequences) spilled without the guard: it keeps it
+    # D = 128 with 64 query rows (shorter sequences) spilled without the guard: it keeps it; the
+    # ordered dQ (deterministic=True, 64 rows at every length) does not spill and leaves it out
     assert "CUFLASH_ALL_KEYS_SEEN" not in defines(128, seqlen_q=1024, windowed=False, all_keys_seen=True)
+    for seqlen_q in (1024, H.BWD_SM90_WIDE_MIN_ROWS):
+        ordered = defines(128, seqlen_q=seqlen_q, windowed=False, all_keys_seen=True, deterministic=True)
+        assert ordered["CUFLASH_BLOCK_M"] == 64 and ordered["CUFLASH_ALL_KEYS_SEEN"] == 1
+        assert "CUFLASH_ALL_KEYS_SEEN" not in defines(128, seqlen_q=seqlen_q, windowed=True, all_keys_seen=True,
+                                                      deterministic=True)
     reachable = [v for v in H.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
     assert any(dict(v.defines).get("CUFLASH_ALL_KEYS_SEEN") == 1 for v in reachable)
     monkeypatch.setattr(H, "BWD_ALL_KEYS_SEEN", False)
