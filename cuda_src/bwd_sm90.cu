@@ -27,8 +27,9 @@
 // D = 128 (CUFLASH_BWD_DQ=2, cuda_src/dq_order.cuh): the consumers hand their shares to the dQ
 // writers (warps 1 and 2 of warpgroup 0, one per share buffer) through mbarriers instead of reducing
 // them themselves; a writer waits for each tile's turn, reduces, and passes the turn on once the
-// reduction has landed, so that neither the turns nor the reductions' latency stall the tensor cores. At D = 64 there is no dQ product
-// here (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ; so at D = 256.
+// reduction has landed, so that neither the turns nor the reductions' latency stall the tensor cores.
+// At D = 64 there is no dQ product here (CUFLASH_BWD_DQ=0): bwd_sm80's dQ pass writes dQ; so at
+// D = 256.
 //
 // Rows past the tensor's end come in as zeros (TMA). Under varlen, a tile's rows past its sequence
 // belong to the next one: the consumers zero them in shared memory (queries: Q and dO rows of the

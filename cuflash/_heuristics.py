@@ -842,7 +842,7 @@ BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
 #: then computes dQ transposed). H100, against 64 rows: 2-3% faster at 16k rows, 0-3% at 8k, within
 #: +-2% at 2k and 4k, where the last tile's padding (up to 2.5% of the rows) weighs more. The ordered dQ of
-#: deterministic=True keeps 64: its writer needs double-buffered shares, for which 80 rows leave no
+#: deterministic=True keeps 64: its writers need double-buffered shares, for which 80 rows leave no
 #: shared memory (and its consumers spilled in a single-buffered trial).
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
 BWD_SM90_WIDE_MIN_ROWS = 8192
@@ -1070,7 +1070,7 @@ BWD_TAIL_WAVES = 2
 # head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN: D = 64 2k and
 # 8k 2-4% faster, D = 128 8k and 16k (80 query rows) 1.4% (four rounds each); D = 256 +2% at 4k and
 # -0.5% from 8k, so it keeps the guard (benchmarks/NOTES.md). D = 128 with 64 query rows spilled 4 B
-# without it (backward_plan keeps the guard there).
+# without it (backward_plan keeps the guard there, but for the ordered dQ's variant, which does not).
 BWD_ALL_KEYS_SEEN = True
 BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128)
 
