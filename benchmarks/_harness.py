@@ -63,12 +63,12 @@ class Timer:
     Each call gets the index of the input set to use, so successive calls rotate over
     ``N_INPUT_SETS`` sets. A timed run is N back-to-back calls, N sized so that a run takes about
     ``target_ms`` (at least ``N_INPUT_SETS``, at most ``max_calls``); the median of ``repeats``
-    runs is reported.
+    runs is reported. ``settle``: see :meth:`median_ms_each`.
     """
 
-    def __init__(self, cupy, repeats, warmup, target_ms, max_calls=200):
+    def __init__(self, cupy, repeats, warmup, target_ms, max_calls=200, settle=True):
         self.cp, self.repeats, self.warmup, self.target_ms = cupy, repeats, warmup, target_ms
-        self.max_calls = max_calls
+        self.max_calls, self.settle = max_calls, settle
 
     def _run(self, fn, n, start=0):
         begin, end = self.cp.cuda.Event(), self.cp.cuda.Event()
@@ -93,15 +93,19 @@ class Timer:
 
     def median_ms_each(self, fns):
         """``{name: median ms per call}`` for ``{name: fn}``, timed in turns: each repeat runs
-        every contender once, so clock and power drift over the measurement fall on all of them
-        alike (timed one after another, whoever ran first on a cool GPU came out ahead). Each
-        repeat starts one contender later, since the calls slow down along a turn too (H100, D = 128
-        8k forward: the same call 1674 us first in a turn, 1695 third, 1721 sixth)."""
+        every contender once, so drift over the measurement falls on all of them alike. Each timed
+        run follows an untimed run of the same contender and length (``settle``): a heavy kernel
+        runs at the power limit, where the clock a run gets depends on what ran just before it.
+        In turns without it, whoever followed the most power-hungry contender lost (H200, bf16
+        backward D = 128 8k: the same cuflash call 3.7% slower after cuDNN than after itself,
+        cuDNN 3% faster after cuflash than after itself; `benchmarks/NOTES.md`, session 28)."""
         counts = {name: self._calls_per_run(fn) for name, fn in fns.items()}
         times = {name: [] for name in fns}
         names = list(fns)
         for r in range(self.repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
+                if self.settle:
+                    self._run(fns[name], counts[name], r)
                 times[name].append(self._run(fns[name], counts[name], r))
         return {name: statistics.median(t) for name, t in times.items()}
 

@@ -42,9 +42,10 @@ peers measured in the same run. Three parts:
 
 End-to-end time: CUDA events around N back-to-back calls (host work included, so a host-bound call
 shows), N sized to about ``--target-ms``, contenders timed in turns (each repeat runs every
-contender once), median of ``--repeats``. Ratios ``vs flash`` / ``vs cudnn`` are peer time /
-cuflash time (> 1: cuflash is faster). Bars: decode >= 1.0x flash contiguous, >= 0.9x paged;
-forward >= 0.95x cuDNN at every shape, >= 1.0x at D = 128 8k.
+contender once, each timed run after an untimed one of the same contender), median of
+``--repeats``. Ratios ``vs flash`` / ``vs cudnn`` are peer time / cuflash time (> 1: cuflash
+is faster). Bars: decode >= 1.0x flash contiguous, >= 0.9x paged; forward >= 0.95x cuDNN at every
+shape, >= 1.0x at D = 128 8k.
 
 Before timing, every cuflash call is checked once against the peer's output (or a float32 CuPy
 computation when there is no peer): ``maxdiff`` is the largest |difference| over the call's
@@ -223,12 +224,13 @@ def e2e_ms_each(env, contenders):
     times = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(env.args.repeats):
-        # Each repeat starts one contender later: back-to-back heavy kernels slow down along a turn
-        # (H100, D = 128 8k forward: the same call 1674 us first, 1695 third, 1721 sixth), so a
-        # fixed order would favour whoever goes first.
+        # Each repeat starts one contender later, and each timed run follows an untimed one of the
+        # same contender: at the power limit a run's clock depends on what ran just before it
+        # (_harness.Timer.median_ms_each).
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, ctx = contenders[name]
             with ctx() if ctx is not None else contextlib.nullcontext():
+                run(fn, counts[name], r)
                 times[name].append(run(fn, counts[name], r))
     return {name: statistics.median(t) for name, t in times.items()}
 
