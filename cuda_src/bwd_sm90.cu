@@ -41,10 +41,11 @@
 // CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128 and 256, so that dQ is made of
 // 64 x 64 shares), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
 // CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE, CUFLASH_ALL_KEYS_SEEN (1: every row
-// sees every key of its tiles, BwdSm90Config::kAllKeysSeen). Score modifiers and dropout take
-// smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64
-// takes 64 query rows per step. Several modifiers with dropout at D = 256 still spill and run on
-// bwd_sm80 (_heuristics.bwd_sm90_obstacle).
+// sees every key of its tiles, BwdSm90Config::kAllKeysSeen), CUFLASH_TILE_GUARD (1: otherwise the
+// same tile by tile, kTileGuard). Score modifiers and dropout take smaller accumulators
+// (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64 takes 64 query rows
+// per step. Several modifiers with dropout at D = 256 still spill and run on bwd_sm80
+// (_heuristics.bwd_sm90_obstacle).
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
@@ -62,6 +63,9 @@
 #endif
 #ifndef CUFLASH_ALL_KEYS_SEEN
 #define CUFLASH_ALL_KEYS_SEEN 0
+#endif
+#ifndef CUFLASH_TILE_GUARD
+#define CUFLASH_TILE_GUARD 0
 #endif
 
 namespace cuflash {
@@ -87,6 +91,9 @@ struct BwdSm90Config {
     // modifier; keys past the end come in as zeros): dS needs no guard for P = 0 (element_grad),
     // an FSETP and an FSEL of the ~8 instructions per score element.
     static constexpr bool kAllKeysSeen = CUFLASH_ALL_KEYS_SEEN != 0 && !kFeatured;
+    // Otherwise, without score modifiers or dropout, the same holds tile by tile: a tile with no
+    // element masked and no row past the queries' end skips the guard at run time.
+    static constexpr bool kTileGuard = CUFLASH_TILE_GUARD != 0 && !kFeatured && !kAllKeysSeen;
     // How the two consumers share a CTA's work: by keys (64 each, dK/dV of all columns) up to
     // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
     // of every column would take 256 registers per thread, and at D = 128 when featured.
@@ -249,18 +256,18 @@ __device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
 // [j - diag - right, j - diag + left] (in_window turned around), none for a key past the end: two
 // bounds per key row, one compare per element.
 template <class C>
-__device__ __forceinline__ void mask_outside_window(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
+__device__ __forceinline__ bool mask_outside_window(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
                                                     const int (&keys)[2], int col, float (&acc_s)[C::kMTiles][4]) {
     if constexpr (!C::kWindowed) {   // the keys' end only (rows past the queries' end have lse2 = +inf)
-        if (n_lo + C::kBlockN <= s.seqlen_k) return;
+        if (n_lo + C::kBlockN <= s.seqlen_k) return true;
 #pragma unroll
         for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 if (keys[e / 2] >= s.seqlen_k) acc_s[mi][e] = -CUFLASH_INF;
-        return;
+        return false;
     }
-    if (tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) return;
+    if (tile_inside_window(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, n_lo + C::kBlockN)) return true;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         int lo, hi;
@@ -276,6 +283,7 @@ __device__ __forceinline__ void mask_outside_window(const FwdParams& p, const Se
                 if (x < lo || x >= hi) acc_s[mi][e] = -CUFLASH_INF;
             }
     }
+    return false;
 }
 
 // P^T of a consumer's elements from its raw scores acc_s: element (mi, e) is key keys[e / 2] and
@@ -283,9 +291,10 @@ __device__ __forceinline__ void mask_outside_window(const FwdParams& p, const Se
 // tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
 // key-major) and acc_s keeps the raw ones (the softcap's derivative needs them); without, the window
 // alone, and P^T replaces S^T in acc_s (probabilities() says where P^T is). With dropout the keep
-// bits come from dropout_keep_bits_cols.
+// bits come from dropout_keep_bits_cols. Returns whether every element of the tile is a key its row
+// sees and no row is past the queries' end (then dS needs no guard: C::kTileGuard).
 template <class C>
-__device__ __forceinline__ void take_probabilities(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
+__device__ __forceinline__ bool take_probabilities(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
                                                    const int (&keys)[2], int col, const float* lse2,
                                                    const unsigned (&keep)[C::kKeepWords],
                                                    float (&acc_s)[C::kMTiles][4],
@@ -300,9 +309,10 @@ __device__ __forceinline__ void take_probabilities(const FwdParams& p, const Seq
             for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
         modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
             p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
-    } else {
-        mask_outside_window<C>(p, s, m_lo, n_lo, keys, col, acc_s);
     }
+    bool whole = false;
+    if constexpr (!C::kScoreMods)
+        whole = mask_outside_window<C>(p, s, m_lo, n_lo, keys, col, acc_s) && m_lo + C::kBlockM <= s.seqlen_q;
     float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
 #pragma unroll
     for (int mi = 0; mi < C::kMTiles; ++mi) {
@@ -313,26 +323,40 @@ __device__ __forceinline__ void take_probabilities(const FwdParams& p, const Seq
                 p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
                 C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
     }
+    return whole;
 }
 
 // dS^T (as dL/dx) of a consumer's elements, in place of dP^T in acc_dp: the elements as in
 // take_probabilities, prob their P^T, acc_s the raw scores, dsum the tile's rows of D. With a bias,
 // each element's dS also goes to dbias.
-template <class C>
-__device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInfo& s, int m_lo, const int (&keys)[2],
-                                               int col, const float* dsum, const float (&prob)[C::kMTiles][4],
-                                               const float (&acc_s)[C::kMTiles][4], float (&acc_dp)[C::kMTiles][4]) {
+template <class C, bool kGuard>
+__device__ __forceinline__ void take_gradients_as(const BwdParams& bp, const SeqInfo& s, int m_lo,
+                                                  const int (&keys)[2], int col, const float* dsum,
+                                                  const float (&prob)[C::kMTiles][4],
+                                                  const float (&acc_s)[C::kMTiles][4], float (&acc_dp)[C::kMTiles][4]) {
 #pragma unroll
     for (int mi = 0; mi < C::kMTiles; ++mi) {
         const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum[col + mi * 8]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float ds;
-            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout, !C::kAllKeysSeen>(
+            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout, kGuard>(
                 bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e], e % 2 ? col_dsum.y : col_dsum.x, &ds);
             if constexpr ((C::kMods & kModBias) != 0) store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
         }
     }
+}
+
+// ``whole``: take_probabilities' verdict on the tile.
+template <class C>
+__device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInfo& s, int m_lo, const int (&keys)[2],
+                                               int col, const float* dsum, const float (&prob)[C::kMTiles][4],
+                                               const float (&acc_s)[C::kMTiles][4], float (&acc_dp)[C::kMTiles][4],
+                                               bool whole) {
+    if (C::kTileGuard && whole)
+        take_gradients_as<C, false>(bp, s, m_lo, keys, col, dsum, prob, acc_s, acc_dp);
+    else
+        take_gradients_as<C, !C::kAllKeysSeen>(bp, s, m_lo, keys, col, dsum, prob, acc_s, acc_dp);
 }
 
 // The CTA's sequence and kv head, looked up again at the end of the walk rather than kept in
@@ -614,7 +638,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
-        take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2);
+        const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {
@@ -656,7 +680,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         fence_registers(dp_flat);
 
         // dS^T element by element, into acc_dp as dL/dx.
-        take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], prob, acc_s, acc_dp);
+        take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
 #pragma unroll
         for (int kk = 0; kk < C::kBlockM / 16; ++kk) {
             ds_frag[kk][0] = pack2<elem_t>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
@@ -877,12 +901,13 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
-        take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2);
+        const bool whole =
+            take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         wgmma_wait<0>();
         fence_registers(dp_flat);
         // dS^T element by element, into acc_dp (prob keeps P, for Pdrop below).
-        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp);
+        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
         // Pdrop^T and dS^T into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
         // col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a warp's 8 rows x 4 pairs hit 32 banks).
 #pragma unroll

@@ -415,7 +415,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
                      convert_behind="dq_done" in temp,
-                     all_keys_seen=dict(plan0.variant.defines).get("CUFLASH_ALL_KEYS_SEEN", 0) == 1)
+                     all_keys_seen=dict(plan0.variant.defines).get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
+                     tile_guard=dict(plan0.variant.defines).get("CUFLASH_TILE_GUARD", 0) == 1)
     return plan
 
 

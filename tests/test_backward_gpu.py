@@ -1047,6 +1047,27 @@ def test_sm90_variant_without_the_unseen_key_guard(head_dim, monkeypatch):
 
 
 @_sm90_only
+@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (128, True)])
+def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monkeypatch):
+    # Under a causal mask or window, D = 64 and D = 128's ordered dQ decide dS's guard for P = 0
+    # tile by tile (tiles with a masked element, or rows past the end, keep it): against the
+    # reference with it and without, several tiles per row and ragged ends, and score modifiers
+    # keep the guard everywhere.
+    shape = _shape(2, 300, 700, 8, 2, head_dim)
+    for tile_guard in (True, False):
+        monkeypatch.setattr(_heuristics, "BWD_SM90_TILE_GUARD", tile_guard)
+        _pipeline.clear_memo()
+        for opts, seed in (({"causal": True}, 231), ({"window": (150, 40)}, 233)):
+            _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", "bfloat16", shape, opts,
+                                                                 seed + tile_guard, deterministic=deterministic)
+            info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, **run_opts)
+            assert info["tile_guard"] is tile_guard and info["all_keys_seen"] is False, opts
+        info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, softcap=20.0, **run_opts)
+        assert info["tile_guard"] is False
+    _pipeline.clear_memo()
+
+
+@_sm90_only
 def test_sm90_nan_in_a_key_no_row_before_it_sees():
     # Causal: a NaN in the last key's V reaches the gradients only through the row that sees it; the
     # rows of the same tiles before it keep finite dQ (dS = 0 exactly where P = 0, whatever dP is),

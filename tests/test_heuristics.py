@@ -471,6 +471,31 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
     assert not H.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
 
 
+def test_bwd_tile_guard_only_where_measured(monkeypatch):
+    # Windowed calls without score modifiers or dropout decide dS's guard tile by tile at D = 64 and
+    # at D = 128's ordered dQ alone; the define is the only difference, and never beside
+    # CUFLASH_ALL_KEYS_SEEN.
+    def defines(d, deterministic=False, **kw):
+        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
+                               dropout=kw.pop("dropout", False), deterministic=deterministic, seqlen_q=8192, **kw)
+        return dict(plan.variant.defines)
+
+    takes = [(64, False), (64, "pass"), (128, True)]
+    for d, deterministic in takes + [(128, False), (128, "pass"), (256, False), (256, "pass")]:
+        with_it = defines(d, deterministic, windowed=True)
+        assert with_it.pop("CUFLASH_TILE_GUARD", 0) == ((d, deterministic) in takes)
+        monkeypatch.setattr(H, "BWD_SM90_TILE_GUARD", False)
+        assert defines(d, deterministic, windowed=True) == with_it
+        monkeypatch.setattr(H, "BWD_SM90_TILE_GUARD", True)
+        assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=False)
+        assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=False, all_keys_seen=True)
+        if deterministic is not True:   # (the ordered dQ runs without modifiers and dropout)
+            assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, mods=("softcap",))
+            assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, dropout=True)
+    reachable = [v for v in H.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
+    assert any(dict(v.defines).get("CUFLASH_TILE_GUARD") == 1 for v in reachable)
+
+
 def test_bwd_sm90_orders_dq_at_d128_only():
     # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
     # at D = 64 bwd_sm80's dQ pass computes dQ.
