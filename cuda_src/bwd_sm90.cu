@@ -131,6 +131,10 @@ struct BwdSm90Config {
     // dQ^T = K^T dS^T (wgmma n = 80: m is 64), with dS stored transposed (kDqTransposed).
     static constexpr bool kDqSplitRows = kBlockM == 128, kDqByKeys = kHeadDim == 64 && kBlockM == 64;
     static constexpr bool kDqTransposed = kBlockM == 80;
+    // Split by keys at D = 128, the consumers read their sequence again where they need it (dQ's
+    // tile, the dK/dV store): held through the walk it spilled, with 80 rows, and with 64 beside
+    // dS's guard tile by tile (112 B). At D = 64 reading it again spilled 16-80 B instead.
+    static constexpr bool kRereadBatch = kHeadDim == 128;
     static constexpr int kDqShares = kSplitDims ? kDimCols / 64 : 1;
     static_assert(kDqSplitRows ? kHeadDim == 64
                                : kDqTransposed ? kHeadDim == 128 && !kSplitDims && !kOrdered : kBlockM == 64,
@@ -219,8 +223,8 @@ __device__ __forceinline__ int read_cta_place(const int& field) {
     asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr(&field)));
     return v;
 }
-// The CTA's block of kBlockN keys, its slot and its sequence. (The 64-row steps keep the sequence in
-// a register from the start; the 80-row ones, whose registers are all taken, read it again.)
+// The CTA's block of kBlockN keys, its slot and its sequence (BwdSm90Config::kRereadBatch says where
+// the consumers read the sequence again rather than hold it).
 __device__ __forceinline__ int cta_key_block() { return read_cta_place(bwd_cta_place.x); }
 __device__ __forceinline__ int cta_slot() { return read_cta_place(bwd_cta_place.y); }
 __device__ __forceinline__ int cta_batch() { return read_cta_place(bwd_cta_place.z); }
@@ -234,7 +238,7 @@ __device__ __forceinline__ long long dq_accum_offset(const BwdParams& bp, int b,
            (dq_tile_row0(q_row0, b, C::kBlockM, varlen) + m_lo) * bp.dqa_row_stride;
 }
 
-// The same tile for the 80-row steps, the CTA's sequence and its first row read again (cta_batch).
+// The same, the CTA's sequence and its first row read again (cta_batch).
 template <class C>
 __device__ __forceinline__ float* dq_accum_tile(const BwdParams& bp, int h, int m_lo) {
     const int b = cta_batch();
@@ -802,7 +806,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                     sh.dq_tile_of[consumer][dq_buf] = (s.h << 16) | (m_lo / C::kBlockM);
                     mbar_arrive(sh.dq_full(consumer, dq_buf));
                 } else {
-                    float* tile = C::kDqTransposed
+                    float* tile = C::kRereadBatch
                                       ? dq_accum_tile<C>(bp, s.h, m_lo)
                                       : bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, s.h, m_lo, varlen);
                     bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share,
@@ -832,7 +836,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, C::kDqTransposed ? cta_batch() : b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C>(bp, C::kRereadBatch ? cta_batch() : b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
     count_dq_landed<C>(bp);
 }
 

@@ -1005,13 +1005,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured, wide),
             **_bwd_size_defines(),
         }
-        # (D = 128 with 64 query rows spilled 4 B without the guard, NVRTC 13.0: it keeps it; the
-        # ordered dQ's variant, whose writers took the dQ reductions out of the consumers, does not
-        # spill, and runs 3% faster without it: benchmarks/NOTES.md, session 27.)
-        if (all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS
-                and ((kdim, block_m) != (128, 64) or deterministic is True)):
+        if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
             defines["CUFLASH_ALL_KEYS_SEEN"] = 1
-        elif windowed and not featured and bwd_sm90_tile_guard(kdim, deterministic):
+        elif windowed and not featured and bwd_sm90_tile_guard(kdim):
             defines["CUFLASH_TILE_GUARD"] = 1
         return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
                           bwd_sm90_smem_bytes(kdim, featured, wide), kdim)
@@ -1071,23 +1067,23 @@ BWD_TAIL_WAVES = 2
 # Whether bwd_sm90 may take its variant without dS's guard for P = 0 (bwd_all_keys_seen), and the
 # head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN: D = 64 2k and
 # 8k 2-4% faster, D = 128 8k and 16k (80 query rows) 1.4% (four rounds each); H200, settled turns
-# (two rounds): D = 256 +1% at 2k, +2.5-3% at 4k, +0.1-0.4% at 8k and 16k (benchmarks/NOTES.md,
-# sessions 25 and 28). D = 128 with 64 query rows spilled 4 B without it (backward_plan keeps the
-# guard there, but for the ordered dQ's variant, which does not).
+# (two rounds): D = 256 +1% at 2k, +2.5-3% at 4k, +0.1-0.4% at 8k and 16k; D = 128 with 64 query
+# rows (2k, 4k) 0 to +0.4% (benchmarks/NOTES.md, sessions 25 and 28).
 BWD_ALL_KEYS_SEEN = True
 BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 256)
 # Under a causal mask or window, without score modifiers or dropout, the guard tile by tile: a tile
 # with no masked element and no row past the queries' end skips it (CUFLASH_TILE_GUARD). H200,
-# settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%, D = 128 ordered dQ (64 rows)
-# causal 8k +6%; D = 256 causal 2k-16k 5-7% slower (the branch around its 16 elements a thread),
-# and D = 128's default 64-row variant spills 112 B with it: neither takes it.
+# settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%; D = 128 causal +1.5% at 2k, +1-4%
+# at 4k, +3-4% at 8k, +5.5% at 16k, its ordered dQ at 8k +2-6%; D = 256 causal 2k-16k 5-7% slower
+# (the branch around its 16 elements a thread): it keeps the guard.
 BWD_SM90_TILE_GUARD = True
+BWD_SM90_TILE_GUARD_HEAD_DIMS = (64, 128)
 
 
-def bwd_sm90_tile_guard(head_dim: int, deterministic) -> bool:
+def bwd_sm90_tile_guard(head_dim: int) -> bool:
     """Whether a windowed bwd_sm90 call without score modifiers or dropout at this (padded) head dim
-    and dQ mode decides dS's guard tile by tile (BWD_SM90_TILE_GUARD)."""
-    return BWD_SM90_TILE_GUARD and (head_dim == 64 or (head_dim == 128 and deterministic is True))
+    decides dS's guard tile by tile (BWD_SM90_TILE_GUARD)."""
+    return BWD_SM90_TILE_GUARD and head_dim in BWD_SM90_TILE_GUARD_HEAD_DIMS
 
 
 def bwd_all_keys_seen(*, windowed: bool, varlen: bool, featured: bool) -> bool:

@@ -1027,19 +1027,19 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
 
 
 @_sm90_only
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_sm90_variant_without_the_unseen_key_guard(head_dim, monkeypatch):
-    # Full attention at D = 64, and at D = 128 with 80-row query tiles (taken here at every length),
-    # takes the variant whose dS has no guard for P = 0; against the reference with it and without,
-    # and calls with keys a row does not see keep the guard.
-    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1)
+@pytest.mark.parametrize("head_dim, query_tile", [(64, 128), (128, 80), (128, 64), (256, 64)])
+def test_sm90_variant_without_the_unseen_key_guard(head_dim, query_tile, monkeypatch):
+    # Full attention at D = 64, 128 (80-row query tiles, here at every length, and 64-row ones) and
+    # 256 takes the variant whose dS has no guard for P = 0; against the reference with it and
+    # without, and calls with keys a row does not see keep the guard.
+    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1 if query_tile == 80 else 1 << 30)
     shape = _shape(2, 300, 700, 8, 2, head_dim)
     for unguarded in (True, False):
         monkeypatch.setattr(_heuristics, "BWD_ALL_KEYS_SEEN", unguarded)
         _pipeline.clear_memo()
         _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 215 + unguarded)
         info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
-        assert info["all_keys_seen"] is unguarded and info["query_tile"] == (80 if head_dim == 128 else 128)
+        assert info["all_keys_seen"] is unguarded and info["query_tile"] == query_tile
         for others in ({"causal": True}, {"window": (64, 64)}, {"softcap": 20.0}):
             info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **others, **opts)
             assert info["all_keys_seen"] is False, others
@@ -1047,10 +1047,10 @@ def test_sm90_variant_without_the_unseen_key_guard(head_dim, monkeypatch):
 
 
 @_sm90_only
-@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (128, True)])
+@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (128, False), (128, True)])
 def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monkeypatch):
-    # Under a causal mask or window, D = 64 and D = 128's ordered dQ decide dS's guard for P = 0
-    # tile by tile (tiles with a masked element, or rows past the end, keep it): against the
+    # Under a causal mask or window, D = 64 and D = 128 (dQ in any order and ordered) decide dS's
+    # guard for P = 0 tile by tile (tiles with a masked element, or rows past the end, keep it): against the
     # reference with it and without, several tiles per row and ragged ends, and score modifiers
     # keep the guard everywhere.
     shape = _shape(2, 300, 700, 8, 2, head_dim)

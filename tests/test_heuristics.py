@@ -457,12 +457,11 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
         # a window or a score modifier keeps the guard whatever the caller says
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=True, all_keys_seen=True)
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=False, all_keys_seen=True, mods=("softcap",))
-    # D = 128 with 64 query rows (shorter sequences) spilled without the guard: it keeps it; the
-    # ordered dQ (deterministic=True, 64 rows at every length) does not spill and leaves it out
-    assert "CUFLASH_ALL_KEYS_SEEN" not in defines(128, seqlen_q=1024, windowed=False, all_keys_seen=True)
+    # D = 128 with 64 query rows (shorter sequences, and the ordered dQ at every length) too
+    for seqlen_q, deterministic in ((1024, False), (1024, True), (H.BWD_SM90_WIDE_MIN_ROWS, True)):
+        rows64 = defines(128, seqlen_q=seqlen_q, windowed=False, all_keys_seen=True, deterministic=deterministic)
+        assert rows64["CUFLASH_BLOCK_M"] == 64 and rows64["CUFLASH_ALL_KEYS_SEEN"] == 1
     for seqlen_q in (1024, H.BWD_SM90_WIDE_MIN_ROWS):
-        ordered = defines(128, seqlen_q=seqlen_q, windowed=False, all_keys_seen=True, deterministic=True)
-        assert ordered["CUFLASH_BLOCK_M"] == 64 and ordered["CUFLASH_ALL_KEYS_SEEN"] == 1
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(128, seqlen_q=seqlen_q, windowed=True, all_keys_seen=True,
                                                       deterministic=True)
     reachable = [v for v in H.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
@@ -473,15 +472,15 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
 
 def test_bwd_tile_guard_only_where_measured(monkeypatch):
     # Windowed calls without score modifiers or dropout decide dS's guard tile by tile at D = 64 and
-    # at D = 128's ordered dQ alone; the define is the only difference, and never beside
+    # D = 128, not at D = 256; the define is the only difference, and never beside
     # CUFLASH_ALL_KEYS_SEEN.
     def defines(d, deterministic=False, **kw):
         plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
                                dropout=kw.pop("dropout", False), deterministic=deterministic, seqlen_q=8192, **kw)
         return dict(plan.variant.defines)
 
-    takes = [(64, False), (64, "pass"), (128, True)]
-    for d, deterministic in takes + [(128, False), (128, "pass"), (256, False), (256, "pass")]:
+    takes = [(64, False), (64, "pass"), (128, False), (128, True)]
+    for d, deterministic in takes + [(256, False), (256, "pass")]:
         with_it = defines(d, deterministic, windowed=True)
         assert with_it.pop("CUFLASH_TILE_GUARD", 0) == ((d, deterministic) in takes)
         monkeypatch.setattr(H, "BWD_SM90_TILE_GUARD", False)
