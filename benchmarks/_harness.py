@@ -63,12 +63,12 @@ class Timer:
     Each call gets the index of the input set to use, so successive calls rotate over
     ``N_INPUT_SETS`` sets. A timed run is N back-to-back calls, N sized so that a run takes about
     ``target_ms`` (at least ``N_INPUT_SETS``, at most ``max_calls``); the median of ``repeats``
-    runs is reported. ``settle``: see :meth:`median_ms_each`.
+    runs is reported.
     """
 
-    def __init__(self, cupy, repeats, warmup, target_ms, max_calls=200, settle=True):
+    def __init__(self, cupy, repeats, warmup, target_ms, max_calls=200):
         self.cp, self.repeats, self.warmup, self.target_ms = cupy, repeats, warmup, target_ms
-        self.max_calls, self.settle = max_calls, settle
+        self.max_calls = max_calls
 
     def _run(self, fn, n, start=0):
         begin, end = self.cp.cuda.Event(), self.cp.cuda.Event()
@@ -94,7 +94,7 @@ class Timer:
     def median_ms_each(self, fns):
         """``{name: median ms per call}`` for ``{name: fn}``, timed in turns: each repeat runs
         every contender once, so drift over the measurement falls on all of them alike. Each timed
-        run follows an untimed run of the same contender and length (``settle``): a heavy kernel
+        run follows an untimed run of the same contender and length (settled): a heavy kernel
         runs at the power limit, where the clock a run gets depends on what ran just before it.
         In turns without it, whoever followed the most power-hungry contender lost (H200, bf16
         backward D = 128 8k: the same cuflash call 3.7% slower after cuDNN than after itself,
@@ -104,8 +104,7 @@ class Timer:
         names = list(fns)
         for r in range(self.repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                if self.settle:
-                    self._run(fns[name], counts[name], r)
+                self._run(fns[name], counts[name], r)
                 times[name].append(self._run(fns[name], counts[name], r))
         return {name: statistics.median(t) for name, t in times.items()}
 

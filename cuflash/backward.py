@@ -264,7 +264,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     key_blocks = math.ceil(max_k / plan0.block_m)
     heads_per_cta = _heuristics.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
     splits = group // heads_per_cta
-    dq_tile = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
+    defines0 = dict(plan0.variant.defines)
+    dq_tile = defines0["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
     # Causal (the window bounded on the right only): each pass's later blocks walk less.
     shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
     # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
@@ -378,7 +379,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     grid0 = (key_blocks, heads_k * splits, batch)
     if family == "bwd_sm90":
         # Q and dO arrive in boxes of a step's query rows, K and V in boxes of the CTA's keys.
-        block_m = dict(plan0.variant.defines)["CUFLASH_BLOCK_M"]
+        block_m = defines0["CUFLASH_BLOCK_M"]
         maps = [("map", index, _tma.TensorMapSpec(layouts[name], rows, dtype_name))
                 for index, name, rows in ((1, "q", block_m), (2, "k", plan0.block_m), (3, "v", plan0.block_m),
                                           (0, "dout", block_m))]
@@ -415,8 +416,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
                      convert_behind="dq_done" in temp,
-                     all_keys_seen=dict(plan0.variant.defines).get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
-                     tile_guard=dict(plan0.variant.defines).get("CUFLASH_TILE_GUARD", 0) == 1)
+                     all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
+                     tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1)
     return plan
 
 
