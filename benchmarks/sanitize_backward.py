@@ -1,8 +1,9 @@
 """The bwd_sm90 backward (forced) on small problems with tails, for compute-sanitizer on an sm_90 GPU:
   compute-sanitizer --tool memcheck python benchmarks/sanitize_backward.py
   compute-sanitizer --tool racecheck python benchmarks/sanitize_backward.py
-bf16 and fp16, D 64 and 128, GQA 4/2, Sq != Sk (77 / 200: partial tiles on both sides), causal and not, varlen
-(attention_varlen_backward), deterministic on and off. Each call's gradients must be finite; the largest
+bf16 and fp16, D 64, 128 and 256, GQA 4/2, Sq != Sk (77 / 200: partial tiles on both sides), causal and not,
+Sq = Sk = 300 causal (whole tiles below the diagonal: dS unguarded tile by tile), D = 128's 80-row tiles (non-causal,
+forced at every length), varlen (attention_varlen_backward), deterministic on and off. Each call's gradients must be finite; the largest
 difference from bwd_sm80 on the same inputs is printed (relative to max|g|), not judged (--no-compare: no bwd_sm80
 calls, half the time under the sanitizer). Exit status 1 on a failure.
 Inputs (out, lse) come from cuflash's forward, without modifiers or dropout (what every bwd_sm90 build runs)."""
@@ -12,6 +13,7 @@ from cuflash import backward as bw
 DTYPES = {"bf16": cp.dtype(ml_dtypes.bfloat16), "fp16": cp.dtype(np.float16)}
 Hq, Hk = 4, 2
 COMPARE = "--no-compare" not in sys.argv[1:]
+WIDE_MIN_ROWS = bw._heuristics.BWD_SM90_WIDE_MIN_ROWS
 def rnd(dt, *s): return cp.random.standard_normal(s, dtype=cp.float32).astype(dt)
 def grads(family, fn, *args, **kw):
     with bw.force_kernel(family):
@@ -30,8 +32,14 @@ def report(label, got, other):
 n_ok = n = 0
 cp.random.seed(0)
 for name, dt in DTYPES.items():
-    for D in (64, 128):
-        for Sq, Sk, causal in ((77, 200, True), (200, 77, False)):
+    for D in (64, 128, 256):
+        for Sq, Sk, causal, wide in ((77, 200, True, False), (200, 77, False, False), (300, 300, True, False),
+                                     (200, 77, False, True)):
+            if wide and D != 128:
+                continue
+            # 80 query rows per step at every length (bwd_sm90 takes them from BWD_SM90_WIDE_MIN_ROWS rows)
+            bw._heuristics.BWD_SM90_WIDE_MIN_ROWS = 0 if wide else WIDE_MIN_ROWS
+            cuflash._pipeline.clear_memo()
             q, k, v = rnd(dt, 2, Sq, Hq, D), rnd(dt, 2, Sk, Hk, D), rnd(dt, 2, Sk, Hk, D)
             dout = rnd(dt, 2, Sq, Hq, D)
             out, lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
@@ -39,8 +47,11 @@ for name, dt in DTYPES.items():
                 args, kw = (dout, q, k, v, out, lse), dict(causal=causal, deterministic=det)
                 got, other = run(cuflash.attention_backward, *args, **kw)
                 n += 1
-                n_ok += report(f"bwd_sm90 {name} D{D} B2 Sq{Sq} Sk{Sk} H{Hq}/{Hk} causal={causal} det={det}",
+                n_ok += report(f"bwd_sm90 {name} D{D} B2 Sq{Sq} Sk{Sk} H{Hq}/{Hk} causal={causal} det={det}"
+                               + (" (80-row tiles)" if wide else ""),
                                got, other)
+        bw._heuristics.BWD_SM90_WIDE_MIN_ROWS = WIDE_MIN_ROWS
+        cuflash._pipeline.clear_memo()
         # varlen: sequences (77 queries, 200 keys), (200, 77), (1, 5)
         cu_q, cu_k = cp.array([0, 77, 277, 278], cp.int32), cp.array([0, 200, 277, 282], cp.int32)
         q, k, v = rnd(dt, 278, Hq, D), rnd(dt, 282, Hk, D), rnd(dt, 282, Hk, D)
