@@ -1074,8 +1074,10 @@ BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 256)
 # Under a causal mask or window, without score modifiers or dropout, the guard tile by tile: a tile
 # with no masked element and no row past the queries' end skips it (CUFLASH_TILE_GUARD). H200,
 # settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%; D = 128 causal +1.5% at 2k, +1-4%
-# at 4k, +3-4% at 8k, +5.5% at 16k, its ordered dQ at 8k +2-6%; D = 256 causal 2k-16k 5-7% slower
-# (the branch around its 16 elements a thread): it keeps the guard.
+# at 4k, +3-4% at 8k, +5.5% at 16k, its ordered dQ at 8k +2-6%; D = 256 causal 2k-16k 5-7% slower,
+# 7-12% with its P^T and dS^T stored tile after tile (session 29): there the branch splits the one
+# block after dP^T's wait in which ptxas interleaves the 16 exponentials a thread with the rest of
+# the elementwise work, and they then run back to back. D = 256 keeps the guard.
 BWD_SM90_TILE_GUARD = True
 BWD_SM90_TILE_GUARD_HEAD_DIMS = (64, 128)
 
