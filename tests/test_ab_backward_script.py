@@ -1,0 +1,77 @@
+"""benchmarks/ab_backward.py without a GPU: how it reads contenders and shapes, that a contender's
+settings reach the plans the backward asks for (and leave with it), and that ``build`` compiles
+each contender's variant, a source tree's into the output folder."""
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash import _compile, _heuristics
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def ab():
+    sys.path.insert(0, str(BENCH))   # the script imports _harness from beside it
+    try:
+        spec = importlib.util.spec_from_file_location("ab_backward", BENCH / "ab_backward.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module   # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("ab_backward", None)
+
+
+def test_contenders_and_shapes(ab):
+    c = ab.parse_contender("tg;CUFLASH_TILE_GUARD=1;CUFLASH_ALL_KEYS_SEEN=-;BWD_SM90_WIDE_MIN_ROWS=0")
+    assert (c.name, c.src) == ("tg", None)
+    assert c.defines == {"CUFLASH_TILE_GUARD": 1, "CUFLASH_ALL_KEYS_SEEN": None}
+    assert c.constants == {"BWD_SM90_WIDE_MIN_ROWS": 0}
+    tree = ab.parse_contender("new=/tmp/src")
+    assert tree.name == "new" and tree.src == Path("/tmp/src").resolve() and not tree.defines
+    for bad in ("x;CUFLASH_TILE_GUARD", "x;NOT_A_CONSTANT=1"):
+        with pytest.raises(ValueError, match="x;"):
+            ab.parse_contender(bad)
+    assert ab.parse_shape("128/8192") == (128, 8192, False, False)
+    assert ab.parse_shape("256/2048cd") == (256, 2048, True, True)
+    assert ab.parse_shape("64/512d") == (64, 512, False, True)
+
+
+def test_settings_reach_the_plan_and_leave_with_it(ab):
+    planned = _heuristics.backward_plan
+    wide = _heuristics.BWD_SM90_WIDE_MIN_ROWS
+    seen = []
+    c = ab.parse_contender("c;CUFLASH_TILE_GUARD=1;CUFLASH_ALL_KEYS_SEEN=-;BWD_SM90_WIDE_MIN_ROWS=0")
+    with ab.Installed(c, seen.append):
+        lp = _heuristics.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
+                                       deterministic=False, windowed=False, seqlen_q=2048, all_keys_seen=True)
+        defines = dict(lp.variant.defines)
+        assert defines["CUFLASH_TILE_GUARD"] == 1 and "CUFLASH_ALL_KEYS_SEEN" not in defines
+        assert defines["CUFLASH_BLOCK_M"] == 80   # the constant: 80 rows at every length
+        assert seen == [lp.variant]
+        sm80 = _heuristics.backward_plan("bwd_sm80", "bfloat16", 128, dq_pass=True, score_mods=(), dropout=False)
+        assert "CUFLASH_TILE_GUARD" not in dict(sm80.variant.defines)   # bwd_sm90's variants only
+    assert _heuristics.backward_plan is planned and _heuristics.BWD_SM90_WIDE_MIN_ROWS == wide
+    base = ab.shape_variant(ab.parse_contender("base"), "bfloat16", "128/2048")
+    assert dict(base.defines)["CUFLASH_BLOCK_M"] == 64
+
+
+def test_build_compiles_each_contender(ab, tmp_path, capsys):
+    src = tmp_path / "src"
+    shutil.copytree(_compile._find_cuda_src(), src)
+    out = tmp_path / "out"
+    assert ab.main(["build", "base", "tg;CUFLASH_TILE_GUARD=1", f"tree={src}", "--shapes", "64/2048c",
+                    "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == ["base", "tg", "tree"]
+    assert all("spills 0/0 B" in line for line in lines if not line.startswith(" "))
+    tree = ab.parse_contender(f"tree={src}")
+    cubin = ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "64/2048c"))
+    assert cubin.exists() and cubin.stat().st_size > 0
+    assert not (out / "base").exists()   # the installed tree's cubins come from cuflash's own cache
