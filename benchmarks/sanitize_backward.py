@@ -2,10 +2,11 @@
   compute-sanitizer --tool memcheck python benchmarks/sanitize_backward.py
   compute-sanitizer --tool racecheck python benchmarks/sanitize_backward.py
 bf16 and fp16, D 64, 128 and 256, GQA 4/2, Sq != Sk (77 / 200: partial tiles on both sides), causal and not,
-Sq = Sk = 300 causal (whole tiles below the diagonal: dS unguarded tile by tile), D = 128's 80-row tiles (non-causal,
-forced at every length), varlen (attention_varlen_backward), deterministic on and off. Each call's gradients must be finite; the largest
-difference from bwd_sm80 on the same inputs is printed (relative to max|g|), not judged (--no-compare: no bwd_sm80
-calls, half the time under the sanitizer). Exit status 1 on a failure.
+Sq = Sk = 300 causal (whole tiles below the diagonal: dS unguarded tile by tile), D = 128's 80-row tiles
+(non-causal, forced at every length), varlen (attention_varlen_backward), deterministic on and off. Each call's
+gradients must be finite; the largest difference from bwd_sm80 on the same inputs is printed (relative to
+max|g|), not judged (--no-compare: no bwd_sm80 calls, half the time under the sanitizer). Exit status 1 on a
+failure.
 Inputs (out, lse) come from cuflash's forward, without modifiers or dropout (what every bwd_sm90 build runs)."""
 import sys
 import cupy as cp, ml_dtypes, numpy as np, cuflash

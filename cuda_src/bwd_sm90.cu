@@ -255,8 +255,9 @@ __device__ __forceinline__ S& probabilities(S& acc_s, S2& score2) {
 }
 
 // Sets to -inf the scores outside the causal/sliding window or past the keys' end, unless the
-// whole tile (queries m_lo.., the CTA's keys n_lo..) is inside; returns whether it was. Element (mi, e) of acc_s is key keys[e / 2], query m_lo + col + 8 mi + e % 2
-// (col: the thread's first query column in the tile). The queries that see key j are
+// whole tile (queries m_lo.., the CTA's keys n_lo..) is inside; returns whether it was. Element
+// (mi, e) of acc_s is key keys[e / 2], query m_lo + col + 8 mi + e % 2 (col: the thread's first
+// query column in the tile). The queries that see key j are
 // [j - diag - right, j - diag + left] (in_window turned around), none for a key past the end: two
 // bounds per key row, one compare per element.
 template <class C>
