@@ -115,8 +115,7 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
     """The bwd_sm90 variant the contender plans for a call of ``shape`` (as cuflash/backward.py asks)."""
     head_dim, seqlen, causal, det = parse_shape(shape)
     with Installed(contender):
-        ordered = det and _heuristics.bwd_sm90_orders_dq(head_dim, False)
-        mode = True if ordered else "pass" if det else False
+        mode = _heuristics.bwd_sm90_dq_mode(head_dim, False, det)
         seen = _heuristics.bwd_all_keys_seen(windowed=causal, varlen=False, featured=False)
         return _heuristics.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=(), dropout=False,
                                          deterministic=mode, windowed=causal, seqlen_q=seqlen,

@@ -886,6 +886,14 @@ def bwd_sm90_orders_dq(head_dim: int, featured: bool = False) -> bool:
             and _round_up(head_dim, BWD_SM90_HEAD_DIMS) in BWD_SM90_ORDERED_HEAD_DIMS)
 
 
+def bwd_sm90_dq_mode(head_dim: int, featured: bool, deterministic: bool):
+    """How bwd_sm90 adds dQ for a call (backward_plan's ``deterministic``): False, in any order;
+    True, in a fixed order (bwd_sm90_orders_dq); "pass", not at all (bwd_sm80's dQ pass after it)."""
+    if not deterministic:
+        return False
+    return True if bwd_sm90_orders_dq(head_dim, featured) else "pass"
+
+
 def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> str | None:
     """Why bwd_sm90 cannot run a backward with this (padded, multiple of 8) head dim, score
     modifiers and dropout, or None when it can. (The caller also needs sm_90a and TMA-compatible

@@ -243,10 +243,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     device_id = _pipeline.device_id()
     # Deterministic bwd_sm90 adds dQ in a fixed order (cuda_src/dq_order.cuh) where it can; else, and
     # on the other families, a dQ pass computes dQ after the dK/dV pass (bwd_sm90 has none: bwd_sm80's).
-    ordered = (family == "bwd_sm90" and bool(deterministic)
-               and _heuristics.bwd_sm90_orders_dq(d_pad, bool(score_mods or dropout)))
+    sm90_mode = (_heuristics.bwd_sm90_dq_mode(d_pad, bool(score_mods or dropout), bool(deterministic))
+                 if family == "bwd_sm90" else None)
+    ordered = sm90_mode is True
     dq_pass = bool(deterministic) and not ordered
-    sm90_mode = (True if ordered else "pass" if deterministic else False) if family == "bwd_sm90" else None
     windowed = (fwd_fields["window_left"], fwd_fields["window_right"]) != (-1, -1)
     all_seen = _heuristics.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
     plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,

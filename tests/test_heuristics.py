@@ -499,6 +499,9 @@ def test_bwd_sm90_orders_dq_at_d128_only():
     # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
     # at D = 64 bwd_sm80's dQ pass computes dQ.
     assert [H.bwd_sm90_orders_dq(d) for d in (40, 64, 72, 128, 136, 256)] == [False, False, True, True, False, False]
+    # the call's mode: any order without deterministic=True, else the fixed order or bwd_sm80's pass
+    assert [H.bwd_sm90_dq_mode(d, False, True) for d in (64, 128, 256)] == ["pass", True, "pass"]
+    assert H.bwd_sm90_dq_mode(128, True, True) == "pass" and H.bwd_sm90_dq_mode(128, False, False) is False
 
 
 def test_bwd_sm90_deterministic_variants():
