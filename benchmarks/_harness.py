@@ -49,8 +49,11 @@ def open_gpu(cupy, use_torch: bool):
                 gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend = torch, F, sdpa_kernel, SDPBackend
             else:
                 log("torch has no CUDA: no torch columns")
-    gpu.stream = (cupy.cuda.ExternalStream(gpu.torch.cuda.current_stream().cuda_stream)
-                  if gpu.torch is not None else cupy.cuda.get_current_stream())
+    if gpu.torch is not None:
+        from cuflash.interop._cupy_stream import cupy_stream
+        gpu.stream = cupy_stream(gpu.torch.cuda.current_stream().cuda_stream)
+    else:
+        gpu.stream = cupy.cuda.get_current_stream()
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     gpu.device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     gpu.versions = f"cupy {cupy.__version__}" + (f", torch {gpu.torch.__version__}" if gpu.torch else "")

@@ -120,8 +120,10 @@ def test_torch_tensors_in_and_out(dtype):
     q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=tdtype, generator=g)
     k = torch.randn(B, Sk, Hk, D, device="cuda", dtype=tdtype, generator=g)
     v = torch.randn(B, Sk, Hk, D, device="cuda", dtype=tdtype, generator=g)
+    from cuflash.interop._cupy_stream import cupy_stream
+
     # cuflash on torch's current stream, so no synchronisation is needed on either side.
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with cupy_stream(torch.cuda.current_stream().cuda_stream):
         out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     t_out = torch.from_dlpack(out)
     t_lse = torch.from_dlpack(lse)

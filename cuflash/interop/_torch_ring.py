@@ -19,6 +19,7 @@ import torch.distributed as dist
 import cupy
 
 from ..distributed import ring_attention as _ring_forward, ring_attention_backward as _ring_backward
+from ._cupy_stream import cupy_stream
 from ._torch_stream import on_torch_stream
 
 __all__ = ["TorchRing", "ring_attention"]
@@ -29,7 +30,7 @@ def _comm_streams(index: int):
     """The communication stream of the torch rings on GPU ``index``, for torch and as a CuPy stream."""
     with torch.cuda.device(index):
         stream = torch.cuda.Stream()
-    return stream, cupy.cuda.ExternalStream(stream.cuda_stream, index)
+    return stream, cupy_stream(stream.cuda_stream)
 
 
 class TorchRing:

@@ -35,10 +35,11 @@ import torch
 import cupy
 
 from .. import _launch
+from ._cupy_stream import cupy_stream
 
 __all__ = ["as_torch", "on_torch_stream", "torch_call"]
 
-_streams: dict = {}   # (device, torch's raw stream) -> the CuPy ExternalStream over it
+_streams: dict = {}   # (device, torch's raw stream) -> the CuPy stream over it
 _ready: set = set()   # (device, raw stream) whose cuflash stream state exists
 
 
@@ -56,7 +57,7 @@ def _raw_stream(index: int) -> int:
 def _external_stream(index: int, raw: int):
     stream = _streams.get((index, raw))
     if stream is None:
-        stream = _streams[(index, raw)] = cupy.cuda.ExternalStream(raw, index)
+        stream = _streams[(index, raw)] = cupy_stream(raw)
     return stream
 
 

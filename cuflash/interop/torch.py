@@ -18,9 +18,9 @@ BSHD layouts, torch's BHSD tensors can be passed as ``x.transpose(1, 2)`` views)
   custom-op layer, the output allocations; not measured here).
 
 Both run cuflash's kernels on torch's current stream of the inputs' device
-(``cupy.cuda.ExternalStream``), so they order with the surrounding torch work exactly as a torch
-operator would, and both save q, k, v, out, lse and the dropout ``rng_state`` (two integers) for the
-backward, never the probabilities. Importing this module imports torch and registers the ops.
+(``cupy.cuda.Stream.from_external``), so they order with the surrounding torch work exactly as a
+torch operator would, and both save q, k, v, out, lse and the dropout ``rng_state`` (two integers)
+for the backward, never the probabilities. Importing this module imports torch and registers the ops.
 
 Example
 -------

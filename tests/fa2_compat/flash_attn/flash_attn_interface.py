@@ -89,8 +89,10 @@ def _torch_stream(device):
     """CuPy's current device and stream become torch's (for the calls made outside the adapter)."""
     import cupy
 
+    from cuflash.interop._cupy_stream import cupy_stream
+
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index):
+    with cupy.cuda.Device(index), cupy_stream(torch.cuda.current_stream(index).cuda_stream):
         yield
 
 
