@@ -14,9 +14,12 @@ variant; ``=-`` removes the define) or ``<CONSTANT>=LITERAL`` (a ``cuflash._heur
 force while the contender plans). A shape is ``D/S`` (batch = tokens / S, heads = hidden / D, Sq = Sk)
 with ``c`` for a causal mask and ``d`` for deterministic=True.
 
-``build`` (no GPU) compiles each contender's bwd_sm90 variant of each shape, from its SRC_DIR, and
-prints registers, spills and ptxas's warnings; the cubins of contenders with a SRC_DIR go to
-``--out``, where ``run`` finds them (it compiles what is missing). ``run`` (H100/H200, torch) first
+``build`` (no GPU) compiles each contender's bwd_sm90 variant of each shape, from its SRC_DIR (the
+installed ``cuda_src/`` without one), prints registers, spills and ptxas's warnings, and writes every
+cubin to ``--out``, where ``run`` finds them (it compiles what is missing). Every contender's kernels
+thus come from one compiler: the same source compiled by pip's NVRTC 13.5 ran 1% faster at D = 128
+and 2% at D = 256 than by the device's NVRTC 13.0 (``benchmarks/NOTES.md``, session 30), which would
+otherwise pass for the change under test. ``run`` (H100/H200, torch) first
 checks every contender's gradients against the first contender's (bitwise under deterministic=True),
 then prints per round each contender's speed as a ratio to cuDNN's (higher is faster) and cuDNN's
 TFLOP/s. Each timed run follows an untimed run of the same contender (``_harness.Timer``: settled
@@ -138,10 +141,9 @@ def build(args) -> int:
                 print(f"{c.name}: FAILED {dict(variant.defines)}\n{e}")
                 ok = False
                 continue
-            if c.src is not None:
-                path = cubin_path(args.out, c, variant)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(result.cubin)
+            path = cubin_path(args.out, c, variant)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(result.cubin)
             settings = {k[len("CUFLASH_"):]: v for k, v in dict(variant.defines).items()
                         if k != "CUFLASH_DTYPE" and not k.endswith(("_SIZE", "SMEM_BYTES"))}
             print(f"{c.name}: {result.registers} registers, spills {result.spill_stores}/{result.spill_loads} B; "
@@ -168,9 +170,10 @@ def run(args) -> int:
     log(f"{gpu.device_name} ({gpu.versions}), {dtype_name}, {args.tokens} tokens, hidden {args.hidden}; "
         f"per round: speed / cuDNN's for {', '.join(c.name for c in contenders)} (cuDNN's TFLOP/s)")
 
-    def load_tree_kernel(c: Contender, variant: Variant):
-        """Puts the contender's cubin where get_kernel finds the variant's kernel (its own key: the
-        variant carries the marker define CUFLASH_AB_TREE, which no source reads)."""
+    def load_kernel(c: Contender, variant: Variant):
+        """Puts the contender's cubin (``build``'s, else compiled now) where get_kernel finds the
+        variant's kernel (its own key: the variant carries the marker define CUFLASH_AB_TREE, which
+        no source reads)."""
         plain = with_defines(variant, {"CUFLASH_AB_TREE": None})
         path = cubin_path(args.out, c, plain)
         if not path.exists():
@@ -191,10 +194,9 @@ def run(args) -> int:
             grads = tuple(cupy.empty_like(x) for x in inputs[0][:3])
 
             def contender_call(i, c: Contender):
-                # A tree's variants carry the marker define CUFLASH_AB_TREE (no source reads it), so
-                # that its kernels have keys of their own in get_kernel's memo.
-                marked = dataclasses.replace(c, defines={**c.defines, "CUFLASH_AB_TREE": i}) if c.src else c
-                on_variant = (lambda variant: load_tree_kernel(c, variant)) if c.src else None
+                # A contender's variants carry the marker define CUFLASH_AB_TREE (no source reads it),
+                # so that its kernels have keys of their own in get_kernel's memo.
+                marked = dataclasses.replace(c, defines={**c.defines, "CUFLASH_AB_TREE": i})
                 memo = {}   # each contender its own plans: a plan holds its kernels
 
                 def call(j):
@@ -202,7 +204,8 @@ def run(args) -> int:
                     out, lse = saved[j]
                     installed, _pipeline._memo = _pipeline._memo, memo
                     try:
-                        with Installed(marked, on_variant), backward.force_kernel("bwd_sm90"):
+                        with Installed(marked, lambda variant: load_kernel(c, variant)), \
+                                backward.force_kernel("bwd_sm90"):
                             return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
                                                               deterministic=det, dq=grads[0], dk=grads[1],
                                                               dv=grads[2])
