@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import random
 import statistics
 import sys
 from types import SimpleNamespace
@@ -101,12 +102,15 @@ class Timer:
         runs at the power limit, where the clock a run gets depends on what ran just before it.
         In turns without it, whoever followed the most power-hungry contender lost (H200, bf16
         backward D = 128 8k: the same cuflash call 3.7% slower after cuDNN than after itself,
-        cuDNN 3% faster after cuflash than after itself; `benchmarks/NOTES.md`, session 28)."""
+        cuDNN 3% faster after cuflash than after itself; `benchmarks/NOTES.md`, session 28). Settling
+        does not remove all of it, so each repeat takes the contenders in a new random order: in a
+        fixed cycle the first one always follows the last (cuDNN, in the scripts), and byte-identical
+        kernels measured ~1% apart by their place in it (session 30)."""
         counts = {name: self._calls_per_run(fn) for name, fn in fns.items()}
         times = {name: [] for name in fns}
-        names = list(fns)
+        order = random.Random(len(fns) * 1000 + self.repeats)   # the same orders for every run of a script
         for r in range(self.repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in order.sample(list(fns), len(fns)):
                 self._run(fns[name], counts[name], r)
                 times[name].append(self._run(fns[name], counts[name], r))
         return {name: statistics.median(t) for name, t in times.items()}

@@ -17,13 +17,16 @@ with ``c`` for a causal mask and ``d`` for deterministic=True.
 ``build`` (no GPU) compiles each contender's bwd_sm90 variant of each shape, from its SRC_DIR (the
 installed ``cuda_src/`` without one), prints registers, spills and ptxas's warnings, and writes every
 cubin to ``--out``, where ``run`` finds them (it compiles what is missing). Every contender's kernels
-thus come from one compiler: the same source compiled by pip's NVRTC 13.5 ran 1% faster at D = 128
-and 2% at D = 256 than by the device's NVRTC 13.0 (``benchmarks/NOTES.md``, session 30), which would
-otherwise pass for the change under test. ``run`` (H100/H200, torch) first
-checks every contender's gradients against the first contender's (bitwise under deterministic=True),
-then prints per round each contender's speed as a ratio to cuDNN's (higher is faster) and cuDNN's
-TFLOP/s. Each timed run follows an untimed run of the same contender (``_harness.Timer``: settled
-turns). Only the ratios of one run compare: between runs a shape moves by ~0.02-0.04.
+thus come from one build and one load path. Give a control (``ctl=<a copy of cuda_src>``) beside
+the candidates, and trust no difference under ~2%: in session 30 (``benchmarks/NOTES.md``) the same
+source built on the device and here measured up to 2.5% apart, and byte-identical kernels up to 1.4%
+apart by their place in a fixed order of turns (the turns are now in a random order).
+
+``run`` (H100/H200, torch) first checks every contender's gradients against the first contender's
+(bitwise under deterministic=True), then prints per round each contender's speed as a ratio to
+cuDNN's (higher is faster) and cuDNN's TFLOP/s. Each timed run follows an untimed run of the same
+contender (``_harness.Timer``: settled turns). Only the ratios of one run compare: between runs a
+shape moves by ~0.02-0.04.
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""benchmarks/_harness.py's turns without a GPU: every contender timed once per repeat, each timed
+run after an untimed run of its own, and no contender always following the same one (in a fixed
+cycle the first always followed the last, cuDNN in the scripts, and measured ~1% slow)."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _harness
+        yield _harness
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("_harness", None)
+
+
+def test_turns(harness):
+    names = [f"c{i}" for i in range(random.randint(3, 6))]
+    repeats = random.randint(5, 9)   # the orders are seeded by these two; each (count, repeats) drawn here passes
+    ran = []
+
+    class Recorded(harness.Timer):
+        def _calls_per_run(self, fn):
+            return 1
+
+        def _run(self, fn, n, start=0):
+            ran.append(fn)
+            return float(len(ran))
+
+    ms = Recorded(None, repeats, warmup=0, target_ms=1.0).median_ms_each({n: n for n in names})
+    assert sorted(ms) == sorted(names)
+    assert len(ran) == 2 * repeats * len(names)
+    untimed, timed = ran[0::2], ran[1::2]
+    assert untimed == timed   # each timed run right after an untimed run of the same contender
+    for r in range(repeats):
+        assert sorted(timed[r * len(names):(r + 1) * len(names)]) == sorted(names)   # all, once a repeat
+    # not one cycle taken from different starts: that gives each contender the same predecessor
+    # within every repeat (len(names) pairs in all)
+    pairs = {(timed[i - 1], timed[i]) for i in range(len(timed)) if i % len(names)}
+    assert len(pairs) > len(names), pairs
