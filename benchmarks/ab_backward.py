@@ -129,7 +129,9 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
 
 
 def cubin_path(out: str, contender: Contender, variant: Variant) -> Path:
-    digest = hashlib.sha1(repr(sorted(variant.defines)).encode()).hexdigest()[:16]
+    """Named by the variant and the contender's sources: a tree edited after ``build`` is compiled again."""
+    key = repr((sorted(variant.defines), _compile.source_hash(contender.src)))
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return Path(out) / contender.name / f"{variant.family}-{digest}.cubin"
 
 

@@ -76,3 +76,9 @@ def test_build_compiles_each_contender(ab, tmp_path, capsys):
         c = ab.parse_contender(spec)
         cubin = ab.cubin_path(str(out), c, ab.shape_variant(c, "bfloat16", "64/2048c"))
         assert cubin.read_bytes().startswith(b"\x7fELF"), spec
+    # an edit of the tree after build names other cubins (run compiles them instead of using stale ones)
+    tree = ab.parse_contender(f"tree={src}")
+    before = ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "64/2048c"))
+    with open(src / "bwd_sm90.cu", "a") as f:
+        f.write("\n// edited\n")
+    assert ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "64/2048c")) != before
