@@ -108,12 +108,18 @@ class Timer:
         kernels measured ~1% apart by their place in it (session 30)."""
         counts = {name: self._calls_per_run(fn) for name, fn in fns.items()}
         times = {name: [] for name in fns}
-        order = random.Random(len(fns) * 1000 + self.repeats)   # the same orders for every run of a script
-        for r in range(self.repeats):
-            for name in order.sample(list(fns), len(fns)):
+        for r, order in enumerate(turn_orders(list(fns), self.repeats)):
+            for name in order:
                 self._run(fns[name], counts[name], r)
                 times[name].append(self._run(fns[name], counts[name], r))
         return {name: statistics.median(t) for name, t in times.items()}
+
+
+def turn_orders(names, repeats):
+    """The order of the contenders in each repeat of a timing in turns: a new random one each time
+    (Timer.median_ms_each says why), the same sequence of orders for every run of a script."""
+    rng = random.Random(len(names) * 1000 + repeats)
+    return [rng.sample(names, len(names)) for _ in range(repeats)]
 
 
 def gemm_rate(cupy, torch, timer):

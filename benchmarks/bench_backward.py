@@ -16,7 +16,7 @@ requires_grad), then ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=Tr
 TFLOP/s = 2.5 * forward FLOPs / time, forward FLOPs = 4 * B * H * Sq * Sk * D (half when causal).
 Timing: CUDA events around N calls after warm-up, median of ``--repeats`` runs, rotating over 3
 input sets so that L2 cannot hold them; the contenders take turns (each repeat times each of them
-once, starting one later each time, each timed run after an untimed run of the same contender, so
+once, in a new random order each time, each timed run after an untimed run of the same contender, so
 that every contender is timed at its own pace at the power limit); everything on torch's current
 stream. ``maxdiff`` is
 max|dq_cuflash - dq_flash| (cuDNN's when flash is unavailable) on the first input set: a guard

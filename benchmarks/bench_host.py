@@ -42,9 +42,9 @@ peers measured in the same run. Three parts:
 
 End-to-end time: CUDA events around N back-to-back calls (host work included, so a host-bound call
 shows), N sized to about ``--target-ms``, contenders timed in turns (each repeat runs every
-contender once, each timed run after an untimed one of the same contender), median of
-``--repeats``. Ratios ``vs flash`` / ``vs cudnn`` are peer time / cuflash time (> 1: cuflash
-is faster). Bars: decode >= 1.0x flash contiguous, >= 0.9x paged; forward >= 0.95x cuDNN at every
+contender once, in a new random order, each timed run after an untimed one of the same
+contender), median of ``--repeats``. Ratios ``vs flash`` / ``vs cudnn`` are peer time / cuflash
+time (> 1: cuflash is faster). Bars: decode >= 1.0x flash contiguous, >= 0.9x paged; forward >= 0.95x cuDNN at every
 shape, >= 1.0x at D = 128 8k.
 
 Before timing, every cuflash call is checked once against the peer's output (or a float32 CuPy
@@ -76,7 +76,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-from _harness import N_INPUT_SETS, fmt, log, markdown_table, missing, open_gpu
+from _harness import N_INPUT_SETS, fmt, log, markdown_table, missing, open_gpu, turn_orders
 
 DECODE_SHAPES = ((8, 8192), (1, 131072), (32, 4096), (1, 32768))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
@@ -222,12 +222,11 @@ def e2e_ms_each(env, contenders):
             single = run(fn, 1, 0)
         counts[name] = int(min(1000, max(N_INPUT_SETS, math.ceil(env.args.target_ms / max(single, 1e-3)))))
     times = {name: [] for name in contenders}
-    names = list(contenders)
-    for r in range(env.args.repeats):
-        # Each repeat starts one contender later, and each timed run follows an untimed one of the
-        # same contender: at the power limit a run's clock depends on what ran just before it
+    for r, order in enumerate(turn_orders(list(contenders), env.args.repeats)):
+        # Each repeat in a new order, and each timed run after an untimed one of the same contender:
+        # at the power limit a run's clock depends on what ran just before it
         # (_harness.Timer.median_ms_each).
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in order:
             fn, ctx = contenders[name]
             with ctx() if ctx is not None else contextlib.nullcontext():
                 run(fn, counts[name], r)
