@@ -100,8 +100,10 @@ def _score_options(opts, B, Sq, Sk, Hq):
     if opts.get("bias"):
         kw["bias"] = _rnd("fp32", 1, Hq, Sq, Sk)
     if opts.get("block_mask"):
-        kw["block_size"] = (64, 64)
-        kw["block_mask"] = cp.random.random((B, 1, math.ceil(Sq / 64), math.ceil(Sk / 64))) < 0.7
+        # "small": blocks of 3 x 5, dozens in a tile (bwd_sm90's producer walks them by lanes).
+        bq, bk = (3, 5) if opts["block_mask"] == "small" else (64, 64)
+        kw["block_size"] = (bq, bk)
+        kw["block_mask"] = cp.random.random((B, 1, math.ceil(Sq / bq), math.ceil(Sk / bk))) < 0.7
     return kw
 
 
@@ -396,7 +398,9 @@ def build_cases() -> list[Case]:
               backward_case("bwd_sm90", "bf16", 128, 1, 100, 140, 4, 2, alibi="batch", mask=True, block_mask=True),
               backward_case("bwd_sm90", "fp16", 128, 1, 140, 100, 4, 2, bias=True, return_dbias=True, dropout_p=0.1,
                             deterministic=True),
-              backward_case("bwd_sm90", "bf16", 256, 1, 77, 200, 4, 2, causal=True, softcap=30.0, dropout_p=0.1)]
+              backward_case("bwd_sm90", "bf16", 256, 1, 77, 200, 4, 2, causal=True, softcap=30.0, dropout_p=0.1),
+              backward_case("bwd_sm90", "fp16", 256, 1, 140, 100, 4, 2, softcap=30.0, alibi="heads", mask=True,
+                            bias=True, block_mask="small", dropout_p=0.1)]
     for family, a, b in (("bwd_sm80", "fp16", "bf16"), ("bwd_simt", "fp32", "fp32")):
         cases += [backward_case(family, a, 64, 2, 77, 200, 4, 2, causal=True),
                   backward_case(family, b, 128, 1, 200, 77, 4, 2, deterministic=True),

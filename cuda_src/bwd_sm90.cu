@@ -44,8 +44,7 @@
 // sees every key of its tiles, BwdSm90Config::kAllKeysSeen), CUFLASH_TILE_GUARD (1: otherwise the
 // same tile by tile, kTileGuard). Score modifiers and dropout take smaller accumulators
 // (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64 takes 64 query rows
-// per step. Several modifiers with dropout at D = 256 still spill and run on bwd_sm80
-// (_heuristics.bwd_sm90_obstacle).
+// per step.
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
@@ -102,12 +101,13 @@ struct BwdSm90Config {
     // beside it: the modifiers' loads and the Philox rounds then have dP^T's registers.
     static constexpr bool kSerialScores = kFeatured && !kSplitDims;
     static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
-    // The producer's walk and copies need 40 registers (with 24 they spilled), 56 with the block
-    // mask's vote (8 B spilled at 40); the consumers get the rest, which holds dK, dV, S^T, dP^T of
-    // 64 keys (192 at D = 128) without spills. With 80 query rows (224 of them) the consumers need
-    // 240, and the producer's walk at D = 128 (not unrolled) fits in 24.
-    static constexpr int kProducerRegs = kBlockMask ? 56 : kBlockM == 80 ? 24 : 40;
-    static constexpr int kConsumerRegs = kBlockMask ? 224 : kBlockM == 80 ? 240 : 232;
+    // The producer's walk and copies need 40 registers (with 24 they spilled), the block mask's
+    // vote included (mask.cuh walks its blocks without a division per block); the consumers get the
+    // rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills (every
+    // modifier with dropout at D = 256 spilled 40 B with 224). With 80 query rows (224 of them) the
+    // consumers need 240, and the producer's walk at D = 128 (not unrolled) fits in 24.
+    static constexpr int kProducerRegs = kBlockM == 80 ? 24 : 40;
+    static constexpr int kConsumerRegs = kBlockM == 80 ? 240 : 232;
     static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");

@@ -261,12 +261,31 @@ __device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, cons
     return __syncthreads_or(block_mask_share_visible(p, s, m_lo, m_hi, n_lo, n_hi, threadIdx.x, blockDim.x)) != 0;
 }
 
-// The same test for warps that decide on their own (fwd_sm90's producer and consumer warps never
-// meet at a CTA barrier): every lane of the warp must call it.
+// The same test for a warp that decides on its own (bwd_sm90's producer, which meets the consumers
+// at no CTA barrier): every lane of the warp must call it. Lane l takes blocks t = l, l + 32, .. of
+// the rows x cols overlapping the tile, (bq0 + t / cols, bk0 + t % cols), stepping by whole rows and
+// leftover columns rather than dividing per block: with a division per block the producer needed
+// 56 registers, which left the consumers too few for every modifier with dropout at D = 256.
+// (block_mask_share_visible keeps the division: walking, bwd_sm80's dQ pass spilled 8 B there.)
 __device__ __forceinline__ bool block_mask_tile_visible_warp(const FwdParams& p, const SeqInfo& s, int m_lo,
                                                              int m_hi, int n_lo, int n_hi) {
     if (p.block_mask == nullptr) return true;
-    return __any_sync(0xffffffffu, block_mask_share_visible(p, s, m_lo, m_hi, n_lo, n_hi, threadIdx.x % 32, 32)) != 0;
+    const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
+    const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
+    const int cols = bk1 - bk0 + 1, lane = threadIdx.x % 32;
+    const int row_step = 32 / cols, col_step = 32 % cols;
+    const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
+    bool any = false;
+    for (int bi = bq0 + lane / cols, bj = bk0 + lane % cols; bi <= bq1;) {
+        any |= mask[bi * p.block_mask_row_stride + bj * p.block_mask_col_stride] != 0;
+        bi += row_step;
+        bj += col_step;
+        if (bj > bk1) {   // col_step < cols: one wrap at most
+            bj -= cols;
+            ++bi;
+        }
+    }
+    return __any_sync(0xffffffffu, any) != 0;
 }
 
 // ---- Backward helpers (appended for the backward kernels; the pipeline above is unchanged).

@@ -469,6 +469,14 @@ EACH_OPTION = [
      {"causal": True, "window": (50, -1), "softcap": 20.0, "alibi_slopes": _slopes(HQ_),
       "mask": _mask((1, 1, SQ_, SK_), 0.9, 14), "bias": _bias((B_, 1, SQ_, SK_), 15, 0.5),
       "block_mask": _mask((1, HQ_, 4, 3), 0.8, 16), "block_size": (32, 64), "dropout_p": 0.2}),
+    # Every modifier with dropout at D = 256 (bwd_sm90's largest featured variant).
+    ("everything_d256", _shape(1, SQ_, SK_, HQ_, HK_, 256),
+     {"softcap": 20.0, "alibi_slopes": _slopes(HQ_), "mask": _mask((1, 1, SQ_, SK_), 0.9, 17),
+      "bias": _bias((1, 1, SQ_, SK_), 18, 0.5), "block_mask": _mask((1, HQ_, 4, 3), 0.8, 19),
+      "block_size": (32, 64), "dropout_p": 0.2}),
+    # Blocks smaller than a tile's share of the vote (a tile meets up to 22 x 27 of them).
+    ("block_mask_small_blocks", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"block_mask": _mask((1, HQ_, 38, 26), 0.05, 20), "block_size": (3, 5)}),
 ]
 
 
@@ -1083,25 +1091,6 @@ def test_sm90_nan_in_a_key_no_row_before_it_sees():
     assert bool(cupy.isfinite(dq[:, :-1]).all()) and bool(cupy.isfinite(dk[:, :-1]).all())
     assert bool(cupy.isfinite(dv).all())
     assert bool(cupy.isnan(dq[:, -1]).any()) and bool(cupy.isnan(dk[:, -1]).any())
-
-
-@_sm90_only
-def test_sm90_forced_on_a_call_it_cannot_run_raises():
-    # Several score modifiers with dropout at D = 256, which bwd_sm90 does not run yet: a ValueError
-    # naming why, before anything is written.
-    head_dim = 256
-    reason = _heuristics.bwd_sm90_obstacle(head_dim, ("softcap", "alibi"), True)
-    if reason is None:
-        pytest.skip("bwd_sm90 runs several modifiers with dropout at D = 256")
-    q, k, v = tt.random_qkv(_shape(1, 33, 40, 4, 2, head_dim), "bfloat16", 180, xp=cupy)
-    lse = cupy.zeros((1, 4, 33), dtype=cupy.float32)
-    slopes = cupy.full((4,), 0.25, dtype=cupy.float32)
-    dq = cupy.full(q.shape, NAN, dtype=q.dtype)
-    with bw.force_kernel("bwd_sm90"):
-        with pytest.raises(ValueError, match=re.escape(reason)):
-            bw.attention_backward(q, q, k, v, q, lse, softcap=5.0, alibi_slopes=slopes, dropout_p=0.1,
-                                  rng_state=np.array([1, 2], dtype=np.uint64), dq=dq)
-    assert bool(cupy.isnan(dq.astype(cupy.float32)).all()), "dq was written before the error"
 
 
 @pytest.mark.skipif(IS_SM90, reason="this GPU is sm_90")

@@ -292,6 +292,9 @@ EACH_OPTION = [
      {"block_mask": _mask((B_, 1, 2, 5), 0.5, 12), "block_size": (64, 32)}),
     ("block_mask_odd_blocks", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
      {"block_mask": _mask((1, HQ_, 7, 3), 0.6, 13), "block_size": (17, 45)}),
+    # Blocks smaller than a tile's share of the vote (a tile meets up to 43 x 27 of them).
+    ("block_mask_small_blocks", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
+     {"block_mask": _mask((1, HQ_, 38, 26), 0.05, 21), "block_size": (3, 5)}),
     ("dropout_01", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"dropout_p": 0.1}),
     ("dropout_05_causal", _shape(B_, SQ_, SK_, HQ_, HK_, D_), {"dropout_p": 0.5, "causal": True}),
     ("everything", _shape(B_, SQ_, SK_, HQ_, HK_, D_),
