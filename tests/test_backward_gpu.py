@@ -43,7 +43,6 @@ precompile_backward_variants()).
 """
 
 import math
-import re
 import zlib
 
 import numpy as np
