@@ -408,6 +408,7 @@ def build_cases() -> list[Case]:
                   backward_case(family, b, 64, 1, 100, 140, 4, 2, alibi="batch", mask=True, block_mask=True),
                   backward_case(family, a, 64, 1, 140, 100, 4, 2, bias=True, return_dbias=True, deterministic=True)]
     cases += [varlen_case("bwd_sm90", "bf16", 64, 4, 2, backward=True, causal=True),
+              varlen_case("bwd_sm90", "bf16", 128, 4, 2, backward=True, causal=True),
               varlen_case("bwd_sm90", "fp16", 128, 4, 2, backward=True, deterministic=True),
               varlen_case("bwd_sm90", "bf16", 256, 4, 2, backward=True, causal=True),
               varlen_case("bwd_sm90", "fp16", 128, 4, 2, backward=True, causal=True, alibi="heads", softcap=30.0),

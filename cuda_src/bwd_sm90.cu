@@ -17,7 +17,9 @@
 //       dS^T element by element, dK += dS^T Q  (element_grad; wgmma from registers)
 //       dQ += dS K                             (dS^T of both consumers through shared memory, each
 //                                              consumer a 64 x 64 share of dQ, added into its
-//                                              share of dq_accum's tile by one bulk reduction)
+//                                              share of dq_accum's tile by one bulk reduction; at
+//                                              D = 128 with 64 rows the previous tile's, so that
+//                                              the consumers need not meet: kDeferDq)
 //   dK, dV stay in registers across the walk and are written once at the end (through shared memory,
 //   as 16-byte row chunks).
 // At D = 256 the dK and dV of 64 keys over all columns would take 256 registers per thread, so the
@@ -65,6 +67,9 @@
 #endif
 #ifndef CUFLASH_TILE_GUARD
 #define CUFLASH_TILE_GUARD 0
+#endif
+#ifndef CUFLASH_BWD_DEFER_DQ
+#define CUFLASH_BWD_DEFER_DQ 1
 #endif
 
 namespace cuflash {
@@ -141,6 +146,17 @@ struct BwdSm90Config {
                   "each consumer's share of dQ is made of 64 x 64 products (wgmma_ss_n64_tt), or of 64 x 80 "
                   "ones at D = 128 split by keys (gemm_atbt_ss)");
     static constexpr int kDqRegs = kDqTransposed ? kBlockM / 2 : 32;   // a consumer's dQ (dQ^T) accumulators
+    // Split by keys, a consumer's dQ product of a step needs both consumers' dS^T. Made in the same
+    // step, that wait (a named barrier) holds the consumers in lockstep: both take their element-wise
+    // parts at once, while the tensor cores idle. At D = 128 with 64 rows, each step makes the
+    // previous step's dQ instead (kDeferDq): the dS^T tiles (double buffered) pass between the
+    // consumers by mbarriers (ds_full, ds_empty), the other consumer's half has long been in, and
+    // consumer 1 starts its walk once consumer 0 has its first dP^T, a lag that nothing but the stage
+    // ring takes back. The stage goes back to the producer before the dQ product is in. H200, bf16,
+    // 16k tokens: +3-4% at 2k and 4k rows, +1-2% at 2k causal, none from 8k causal (NOTES, session
+    // 32); with 80 rows, -1%.
+    static constexpr bool kDeferDq =
+        CUFLASH_BWD_DEFER_DQ != 0 && kDq && !kOrdered && !kSplitDims && kHeadDim == 128 && !kDqTransposed;
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
     // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
     static constexpr bool kWindowed = !kDqTransposed;
@@ -184,6 +200,7 @@ struct BwdSm90Shared {
     alignas(16) float dsum[C::kStages][C::kBlockM];
     unsigned long long barriers[1 + 2 * C::kStages];
     unsigned long long dq_barriers[C::kOrdered ? 2 * C::kConsumers * 2 : 1];
+    unsigned long long ds_barriers[C::kDeferDq ? 4 : 1];
     int tile_of_stage[C::kStages];
     int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
 
@@ -196,6 +213,10 @@ struct BwdSm90Shared {
     __device__ __forceinline__ unsigned dq_empty(int consumer, int buf) {
         return smem_addr(&dq_barriers[2 * C::kConsumers + consumer * 2 + buf]);
     }
+    // kDeferDq: dS^T tile buf holds both consumers' halves / both consumers' dQ products have read it
+    // (each warp of both consumers arrives).
+    __device__ __forceinline__ unsigned ds_full(int buf) { return smem_addr(&ds_barriers[buf]); }
+    __device__ __forceinline__ unsigned ds_empty(int buf) { return smem_addr(&ds_barriers[2 + buf]); }
 };
 
 // Shared-memory addresses of the CTA's tiles (column blocks of 64 elements, 128B-swizzled):
@@ -591,6 +612,76 @@ __device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
     }
 }
 
+// A consumer's share of dQ = dS K over the CTA's keys from the dS^T tile ds_tile (one wgmma group).
+template <class C>
+__device__ __forceinline__ void issue_dq_product(float (&dq_flat)[C::kDqRegs], unsigned ds_tile, const BwdSm90Tiles& tiles,
+                                                 int consumer) {
+    if constexpr (C::kDqTransposed) {
+        // Its 64 columns of dQ^T = K^T dS^T over all kBlockN keys: A = the consumer's column block of
+        // K read transposed, B = dS (both tiles hold kBlockN keys).
+        gemm_atbt_ss<C::kBlockM, C::kBlockN, C::kBlockM>(dq_flat, tiles.k + consumer * C::kBlockN * 128, ds_tile);
+    } else if constexpr (C::kDqByKeys) {   // over this consumer's 64 keys (rows of dS^T and K)
+        gemm_atb_ss_n64<64>(dq_flat, ds_tile + consumer * 64 * 128, tiles.k + consumer * 64 * 128);
+    } else {
+        // Its 64 x 64 share over all kBlockN keys: A = dS^T read transposed, B = K read transposed
+        // (both tiles have the keys as rows).
+        const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
+        const unsigned b_tile = tiles.k + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
+        gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
+    }
+    wgmma_commit();
+}
+
+// The consumer's share of dQ for query head h, rows m_lo .. (64 x 64; 64 x 80 of dQ^T) leaves through
+// shared memory (buffer buf) in dq_tile_offset's order (16-byte stores, no bank conflicts) and is
+// added to the tile's share of dq_accum, 16 KB (20 KB) in one place, by one bulk reduction that
+// thread 0 of the warpgroup issues (ordered dQ: hands it to the writer). Per call the shares of all
+// CTAs add up to (key blocks) x the size of dQ in float32: atomics or row-wise reductions from every
+// warp kept the consumers waiting on them (benchmarks/NOTES.md). Consecutive shares take the two
+// buffers in turn.
+template <class C>
+__device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles,
+                                              float (&acc_dq)[C::kDqRegs / 4][4], int consumer, int h, int m_lo,
+                                              int b, const SeqInfo& s, int buf) {
+    fence_registers(*reinterpret_cast<float(*)[C::kDqRegs]>(&acc_dq[0][0]));
+    const int wg_thread = threadIdx.x % 128;
+    const int dq_buf = C::kDqBuffers == 2 ? buf : 0;
+    if constexpr (C::kDqBuffers == 1) {
+        if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
+        named_barrier_sync(2 + consumer, 128);
+    }
+    if constexpr (C::kOrdered) {
+        if (wg_thread == 0) {   // the writer has read this buffer's previous share
+            mbar_wait(sh.dq_empty(consumer, dq_buf), ((sh.dq_empty_parity[consumer] >> dq_buf) & 1) ^ 1);
+            sh.dq_empty_parity[consumer] ^= 1 << dq_buf;
+        }
+        named_barrier_sync(2 + consumer, 128);
+    }
+    const unsigned share = tiles.dq + (consumer * C::kDqBuffers + dq_buf) * C::kDqShareBytes;
+#pragma unroll
+    for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
+                     "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
+                     : "memory");
+    fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
+    // Two buffers: the previous share's reduction (the other buffer) must have read it before the
+    // next share is written there; the barrier below tells every thread.
+    if (!C::kOrdered && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
+    named_barrier_sync(2 + consumer, 128);
+    if (wg_thread == 0) {
+        if constexpr (C::kOrdered) {   // to the writer
+            sh.dq_tile_of[consumer][dq_buf] = (h << 16) | (m_lo / C::kBlockM);
+            mbar_arrive(sh.dq_full(consumer, dq_buf));
+        } else {
+            const bool varlen = bp.fwd.cu_seqlens_q != nullptr;
+            float* tile = C::kRereadBatch ? dq_accum_tile<C>(bp, h, m_lo)
+                                          : bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, h, m_lo, varlen);
+            bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share, C::kDqShareBytes);
+            bulk_commit();
+        }
+    }
+}
+
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
 template <class C>
 __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
@@ -610,10 +701,12 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     mbar_wait(sh.kv_full(), 0);
     zero_keys_past_sequence<C>(s, tiles, varlen);
 
-    int stage = 0, phase = 0, ds_buf = 0;
+    // step: the walk's step; prev_tile ((query head << 16) | query tile): kDeferDq's previous tile.
+    int stage = 0, phase = 0, ds_buf = 0, step = 0, prev_tile = 0;
     for (;;) {
         int m_lo;
         if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo)) break;
+        if (C::kDeferDq && consumer == 1 && step == 0) named_barrier_sync(4, 128 * C::kConsumers);   // the lag
         const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, in two groups: P^T is taken
@@ -683,6 +776,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             wgmma_wait<0>();
         }
         fence_registers(dp_flat);
+        if (C::kDeferDq && consumer == 0 && step == 0) named_barrier_arrive(4, 128 * C::kConsumers);   // the lag
 
         // dS^T element by element, into acc_dp as dL/dx.
         take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
@@ -717,6 +811,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             // dS^T of this consumer's keys into the shared tile [kBlockM / 64][kBlockN keys][64 queries],
             // 16-byte chunks XOR-swizzled by key (conflict-free: a warp's 8 keys x 4 pairs hit 32 banks).
             const unsigned ds_tile = tiles.ds + ds_buf * C::kDsBytes;
+            // kDeferDq: both consumers' products of step - 2 (at step - 1) have read this tile.
+            if (C::kDeferDq && step >= 2) mbar_wait(sh.ds_empty(ds_buf), ((step >> 1) & 1) ^ 1);
             if constexpr (C::kDqTransposed) {
                 // dS (the tile's queries x this consumer's keys) into key block `consumer` of the tile.
                 store_transposed<C::kBlockM>(ds_tile + consumer * C::kBlockM * 128, ds_frag);
@@ -736,30 +832,28 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                     }
             }
             fence_proxy_async();
-            named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' dS^T are in
-            // This consumer's 64 x 64 share of dQ = dS K over all kBlockN keys: A = dS^T read
-            // transposed, B = K read transposed (both tiles have the keys as rows).
-            if constexpr (C::kDqTransposed) {
-                // Its 64 columns of dQ^T = K^T dS^T over all kBlockN keys: A = the consumer's column
-                // block of K read transposed, B = dS (both tiles hold kBlockN keys).
-                gemm_atbt_ss<C::kBlockM, C::kBlockN, C::kBlockM>(dq_flat, tiles.k + consumer * C::kBlockN * 128,
-                                                                 ds_tile);
-            } else if constexpr (C::kDqByKeys) {   // over this consumer's 64 keys (rows of dS^T and K)
-                gemm_atb_ss_n64<64>(dq_flat, ds_tile + consumer * 64 * 128, tiles.k + consumer * 64 * 128);
+            unsigned dq_ds_tile = ds_tile;
+            if constexpr (C::kDeferDq) {
+                __syncwarp();   // the warp's stores (and fences) before its lane 0 tells the other consumer
+                if (lane == 0) mbar_arrive(sh.ds_full(ds_buf));
+                // The previous step's dQ, from its dS^T (both halves in). At the first step the product
+                // reads a tile that holds nothing yet and is not sent: a wgmma issued under a run-time
+                // condition made ptxas serialize every wgmma of the kernel (C7512).
+                if (step > 0) mbar_wait(sh.ds_full(ds_buf ^ 1), ((step - 1) >> 1) & 1);
+                dq_ds_tile = tiles.ds + (ds_buf ^ 1) * C::kDsBytes;
             } else {
-                const unsigned a_tile = ds_tile + (C::kDqSplitRows ? consumer : 0) * C::kBlockN * 128;
-                const unsigned b_tile = tiles.k + (C::kDqSplitRows ? 0 : consumer) * C::kBlockN * 128;
-                gemm_atb_ss_n64<C::kBlockN>(dq_flat, a_tile, b_tile);
+                named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' dS^T are in
             }
-            wgmma_commit();
+            issue_dq_product<C>(dq_flat, dq_ds_tile, tiles, consumer);
             if constexpr (C::kDkTail > 0) {
                 gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM, C::kBlockM / 16 - C::kDkTail>(dk_flat, ds_frag, q_tile);
                 wgmma_commit();
             }
             ds_buf ^= 1;
         }
-        // Everything but dK's tail is in (products complete in the order they were issued).
-        wgmma_wait<(C::kDkTail > 0 ? 1 : 0)>();
+        // Everything but dK's tail (kDeferDq: the previous step's dQ) is in (products complete in
+        // the order they were issued).
+        wgmma_wait<(C::kDkTail > 0 || C::kDeferDq ? 1 : 0)>();
         fence_registers(dv_flat);
         fence_registers(p_frag);
         auto release_stage = [&] {
@@ -769,58 +863,36 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         };
         if constexpr (C::kDkTail == 0) release_stage();
 
-        if constexpr (C::kDq) {
-            // The 64 x 64 share of dQ (64 x 80 of dQ^T) leaves through shared memory in
-            // dq_tile_offset's order (16-byte stores, no bank conflicts) and is added to the tile's
-            // share of dq_accum, 16 KB (20 KB) in one place, by one bulk reduction that thread 0 of
-            // the warpgroup issues. Per call the shares of all CTAs add up to (key blocks) x the size
-            // of dQ in float32: atomics or row-wise reductions from every warp kept the consumers
-            // waiting on them (benchmarks/NOTES.md).
-            fence_registers(dq_flat);
-            const int wg_thread = threadIdx.x % 128;
-            // (Double buffered, the buffers alternate with dS^T's: ds_buf.)
-            const int dq_buf = C::kDqBuffers == 2 ? ds_buf : 0;
-            if constexpr (C::kDqBuffers == 1) {
-                if (wg_thread == 0) bulk_wait_read();   // the previous step's reduction has read the buffer
-                named_barrier_sync(2 + consumer, 128);
+        if constexpr (C::kDeferDq) {
+            wgmma_wait<0>();
+            __syncwarp();
+            if (step > 0) {
+                if (lane == 0) mbar_arrive(sh.ds_empty(ds_buf));   // (flipped above: the previous step's tile)
+                send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM,
+                                 b, s, step & 1);
             }
-            if constexpr (C::kOrdered) {
-                if (wg_thread == 0) {   // the writer has read this buffer's previous share
-                    mbar_wait(sh.dq_empty(consumer, dq_buf), ((sh.dq_empty_parity[consumer] >> dq_buf) & 1) ^ 1);
-                    sh.dq_empty_parity[consumer] ^= 1 << dq_buf;
-                }
-                named_barrier_sync(2 + consumer, 128);
-            }
-            const unsigned share = tiles.dq + (consumer * C::kDqBuffers + dq_buf) * C::kDqShareBytes;
-#pragma unroll
-            for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
-                             "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
-                             : "memory");
-            fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
-            // Two buffers: the previous step's reduction (the other buffer) must have read it before
-            // the next step writes there; the barrier below tells every thread.
-            if (!C::kOrdered && C::kDqBuffers == 2 && wg_thread == 0) bulk_wait_read();
-            named_barrier_sync(2 + consumer, 128);
-            if (wg_thread == 0) {
-                if constexpr (C::kOrdered) {   // to the writer
-                    sh.dq_tile_of[consumer][dq_buf] = (s.h << 16) | (m_lo / C::kBlockM);
-                    mbar_arrive(sh.dq_full(consumer, dq_buf));
-                } else {
-                    float* tile = C::kRereadBatch
-                                      ? dq_accum_tile<C>(bp, s.h, m_lo)
-                                      : bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, s.h, m_lo, varlen);
-                    bulk_reduce_add(tile + (C::kDqByKeys ? 0 : consumer * (C::kDqShareBytes / 4)), share,
-                                    C::kDqShareBytes);
-                    bulk_commit();
-                }
-            }
+            prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
+        } else if constexpr (C::kDq) {
+            send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, s.h, m_lo, b, s, C::kDqBuffers == 2 ? ds_buf : 0);
         }
         if constexpr (C::kDkTail > 0) {
             wgmma_wait<0>();
             release_stage();
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+        ++step;
+    }
+
+    if constexpr (C::kDeferDq) {   // the last step's dQ (read from the tile that holds nothing, with no step)
+        float acc_dq[C::kDqRegs / 4][4];
+        float(&dq_flat)[C::kDqRegs] = *reinterpret_cast<float(*)[C::kDqRegs]>(&acc_dq[0][0]);
+        if (step > 0) mbar_wait(sh.ds_full(ds_buf ^ 1), ((step - 1) >> 1) & 1);
+        wgmma_fence();
+        issue_dq_product<C>(dq_flat, tiles.ds + (ds_buf ^ 1) * C::kDsBytes, tiles, consumer);
+        wgmma_wait<0>();
+        if (step > 0)
+            send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM, b, s,
+                             step & 1);
     }
 
     if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
@@ -1044,6 +1116,8 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             }
             for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;
         }
+        if constexpr (C::kDeferDq)
+            for (int i = 0; i < 4; ++i) mbar_init(smem_addr(&sh.ds_barriers[i]), 4 * C::kConsumers);
         fence_barrier_init();
     }
     __syncthreads();
