@@ -151,10 +151,11 @@ struct BwdSm90Config {
     // parts at once, while the tensor cores idle. At D = 128 with 64 rows, each step makes the
     // previous step's dQ instead (kDeferDq): the dS^T tiles (double buffered) pass between the
     // consumers by mbarriers (ds_full, ds_empty), the other consumer's half has long been in, and
-    // consumer 1 starts its walk once consumer 0 has its first dP^T, a lag that nothing but the stage
-    // ring takes back. The stage goes back to the producer before the dQ product is in. H200, bf16,
-    // 16k tokens: +3-4% at 2k and 4k rows, +1-2% at 2k causal, none from 8k causal (NOTES, session
-    // 32); with 80 rows, -1%.
+    // consumer 1 starts its walk once consumer 0 has its first dP^T: a lag of 0.35-0.42 of a step
+    // that holds through full walks (on long causal walks it shrinks to 0.13 by step 64). The stage
+    // goes back to the producer before the dQ product is in. H200, bf16 and fp16, 16k tokens: +4-5%
+    // at 2k and 4k rows, +1-3% causal up to 4k, none from 8k causal (NOTES, session 32); with 80
+    // rows, -1%.
     static constexpr bool kDeferDq =
         CUFLASH_BWD_DEFER_DQ != 0 && kDq && !kOrdered && !kSplitDims && kHeadDim == 128 && !kDqTransposed;
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
