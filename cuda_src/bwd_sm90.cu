@@ -6,7 +6,8 @@
 // backward recomputing P from lse, in FlashAttention-3's arrangement):
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
 //     copies) of each query tile into a kStages-deep ring; it gives its registers away. With
-//     ordered dQ two other warps of it are the dQ writers (below).
+//     ordered dQ, and at D = 128 with 64 rows (kDqAsync), two other warps of it are the dQ
+//     writers, which add the consumers' shares of dQ into dq_accum (below).
 //   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
 //       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory; two groups)
 //       P^T element by element                (element_prob, bwd_common.cuh; masks of mask.cuh),
@@ -19,7 +20,8 @@
 //                                              consumer a 64 x 64 share of dQ, added into its
 //                                              share of dq_accum's tile by one bulk reduction; at
 //                                              D = 128 with 64 rows the previous tile's, so that
-//                                              the consumers need not meet: kDeferDq)
+//                                              the consumers need not meet, and the reduction
+//                                              the writers': kDeferDq, kDqAsync)
 //   dK, dV stay in registers across the walk and are written once at the end (through shared memory,
 //   as 16-byte row chunks).
 // At D = 256 the dK and dV of 64 keys over all columns would take 256 registers per thread, so the
@@ -45,7 +47,8 @@
 // CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE, CUFLASH_ALL_KEYS_SEEN (1: every row
 // sees every key of its tiles, BwdSm90Config::kAllKeysSeen), CUFLASH_TILE_GUARD (1: otherwise the
 // same tile by tile, kTileGuard), CUFLASH_BWD_DEFER_DQ (default 1: kDeferDq where it applies; 0
-// for an A/B against the lockstep). Score modifiers and dropout take smaller accumulators
+// for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
+// an A/B against the consumers' own reductions). Score modifiers and dropout take smaller accumulators
 // (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64 takes 64 query rows
 // per step.
 #include "common.cuh"
@@ -71,6 +74,9 @@
 #endif
 #ifndef CUFLASH_BWD_DEFER_DQ
 #define CUFLASH_BWD_DEFER_DQ 1
+#endif
+#ifndef CUFLASH_BWD_DQ_ASYNC
+#define CUFLASH_BWD_DQ_ASYNC 1
 #endif
 
 namespace cuflash {
@@ -159,6 +165,16 @@ struct BwdSm90Config {
     // rows, -1%.
     static constexpr bool kDeferDq =
         CUFLASH_BWD_DEFER_DQ != 0 && kDq && !kOrdered && !kSplitDims && kHeadDim == 128 && !kDqTransposed;
+    // With kDeferDq the consumers hand their shares over rather than add them themselves: they store
+    // them and arrive on the buffer's dq_full, and the dQ writers of the producer's warpgroup (one per
+    // buffer, as for ordered dQ) make the stores visible to the bulk copy (the proxy fence) and issue
+    // the reductions. With the fence and the reduction its own, a consumer's thread 0 waited 130
+    // (consumer 0) to 440 (consumer 1) cycles of a ~4300-cycle step in the fence alone, its stores
+    // landing behind the other consumer's products, then for the previous reduction's read and the
+    // warpgroup's barrier; handed over, H200 bf16 +1-4% (NOTES, session 33). (st.async, which needs
+    // no proxy fence, needs a cluster launch and ran 20% slower.)
+    static constexpr bool kDqAsync = kDeferDq && CUFLASH_BWD_DQ_ASYNC != 0;
+    static constexpr bool kDqByWriters = kOrdered || kDqAsync;
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
     // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
     static constexpr bool kWindowed = !kDqTransposed;
@@ -179,6 +195,7 @@ struct BwdSm90Config {
     // one writer for both buffers deterministic=True ran 0.89-0.91x the default at D = 128 8k, with
     // two 0.99-1.01x (H100, benchmarks/NOTES.md, session 27).
     static constexpr int kDqWriters = 2;
+    static_assert(!kDqAsync || kDqWriters == kConsumers, "bwd_convert waits for kConsumers counts per CTA");
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
     static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
@@ -191,17 +208,17 @@ struct BwdSm90Config {
 
 // The CTA's static shared memory: the stage ring's barriers (K/V loaded, stage full, stage empty),
 // each stage's lse2 and D rows and its tile ((query head << 16) | query tile; -1: the walk is over).
-// Ordered dQ: per consumer and share buffer, a share is ready (dq_full) / free again (dq_empty),
-// and which tile it belongs to ((query head << 16) | query tile; -1: the walk is over); the
-// parities the consumers' thread 0 waits for next (bit buffer; in shared memory: a register held
-// through the walk made ptxas spill).
+// The dQ writers' (ordered dQ, kDqAsync): per consumer and share buffer, a share is ready (dq_full) /
+// free again (dq_empty), and which tile it belongs to ((query head << 16) | query tile; -1: the walk
+// is over); ordered dQ: the parities the consumers' thread 0 waits for next (bit buffer; in shared
+// memory: a register held through the walk made ptxas spill).
 // (lse2 and dsum first: bulk copies land there, 16-byte aligned.)
 template <class C>
 struct BwdSm90Shared {
     alignas(16) float lse2[C::kStages][C::kBlockM];
     alignas(16) float dsum[C::kStages][C::kBlockM];
     unsigned long long barriers[1 + 2 * C::kStages];
-    unsigned long long dq_barriers[C::kOrdered ? 2 * C::kConsumers * 2 : 1];
+    unsigned long long dq_barriers[C::kDqByWriters ? 2 * C::kConsumers * 2 : 1];
     unsigned long long ds_barriers[C::kDeferDq ? 4 : 1];
     int tile_of_stage[C::kStages];
     int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
@@ -479,8 +496,8 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
     }
 }
 
-// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ warps 1 and 2 are
-// the dQ writers. Returns when its part is done.
+// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warps
+// 1 and 2 are the dQ writers. Returns when its part is done.
 template <class C>
 __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                         const TmaMap& do_map, const BwdParams& bp, SeqInfo s, int b, bool varlen, int n_lo,
@@ -489,36 +506,51 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     const int batch_coord = varlen ? 0 : b;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     setmaxnreg_dec<C::kProducerRegs>();
-    if constexpr (C::kOrdered) {
+    if constexpr (C::kDqByWriters) {
         if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
             // A dQ writer. The consumers' shares alternate between two buffers, the first step's
-            // in buffer 1 (ds_buf's order); warp 1 writes buffer 1's, warp 2 buffer 0's. Both
-            // consumers' shares of a step belong to the same tile, whose counters are consecutive.
+            // in buffer 1 (ds_buf's order; kDeferDq: the first share's step); warp 1 writes buffer
+            // 1's, warp 2 buffer 0's. Both consumers' shares of a step belong to the same tile, whose
+            // counters (ordered dQ) are consecutive.
             static_assert(C::kDqWriters == 2, "a writer per share buffer");
             const int buf = 2 - warp;
             for (int full_parity = 0;; full_parity ^= 1) {
                 mbar_wait(sh.dq_full(0, buf), full_parity);
                 const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
-                if (tile < 0) return;   // both consumers end together; every reduction has landed
+                if (tile < 0) break;   // both consumers end together
                 s.h = tile >> 16;
                 const int c = tile & 0xffff;
                 const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, s.h, c * C::kBlockM, varlen);
                 // One counter per tile (kBlockM rows of kHeadDim floats) and share.
                 const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
-                const int rank = dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c);
+                const int rank = C::kOrdered ? dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c) : 0;
                 for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
                     if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), full_parity);
-                    dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
+                    // kDqAsync: the consumers' plain stores, acquired through dq_full, made visible to
+                    // the bulk copy here rather than by a fence in every consumer thread.
+                    if constexpr (C::kDqAsync) fence_proxy_async();
+                    if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
                     bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
                                     tiles.dq + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
                     bulk_commit();
                 }
                 bulk_wait_read();
                 for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
-                bulk_wait();
-                for (int consumer = 0; consumer < C::kConsumers; ++consumer)
-                    dq_pass_turn(bp.dq_semaphore + counter + consumer);
+                if constexpr (C::kOrdered) {
+                    bulk_wait();
+                    for (int consumer = 0; consumer < C::kConsumers; ++consumer)
+                        dq_pass_turn(bp.dq_semaphore + counter + consumer);
+                }
             }
+            // Ordered: every reduction has landed. Otherwise the writers count for the consumers
+            // (count_dq_landed): one each, once their reductions have landed.
+            if constexpr (C::kDqAsync) {
+                if (bp.dq_done != nullptr) {
+                    bulk_wait();
+                    release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);
+                }
+            }
+            return;
         }
     }
     if (warp != 0) return;
@@ -602,11 +634,11 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
 
 // With bwd_convert launched behind this kernel as its programmatic dependent (bp.dq_done), each
 // consumer counts itself once its dQ reductions have landed (after the dK/dV store, by which time
-// they have): the conversion of a (sequence, slot)'s query heads starts as soon as every consumer of
+// they have; with kDqAsync each of the two dQ writers counts instead, once its own have): the conversion of a (sequence, slot)'s query heads starts as soon as every consumer of
 // the slot's CTAs has counted, while the kernel's last CTAs still run (bwd_convert.cu).
 template <class C>
 __device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
-    if constexpr (C::kDq && !C::kOrdered) {
+    if constexpr (C::kDq && !C::kDqByWriters) {
         if (threadIdx.x % 128 == 0 && bp.dq_done != nullptr) {
             bulk_wait();
             release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);   // dq_done_index's word
@@ -682,6 +714,28 @@ __device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared
             bulk_commit();
         }
     }
+}
+
+// kDqAsync: the consumer's share of dQ for tile ((query head << 16) | query tile) to buffer buf's
+// writer, whose use-th share it is: once the writer has read the one before (dq_empty), the threads
+// store their parts (dq_tile_offset's order) and each warp arrives on dq_full; the writer, not the
+// consumer, then waits for the stores to be visible to the bulk copy (its proxy fence).
+template <class C>
+__device__ __forceinline__ void hand_dq_share(BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles,
+                                              float (&acc_dq)[C::kDqRegs / 4][4], int consumer, int tile, int buf,
+                                              int use) {
+    fence_registers(*reinterpret_cast<float(*)[C::kDqRegs]>(&acc_dq[0][0]));
+    const int wg_thread = threadIdx.x % 128;
+    mbar_wait(sh.dq_empty(consumer, buf), (use & 1) ^ 1);   // a fresh barrier passes parity 1 at once
+    if (wg_thread == 0) sh.dq_tile_of[consumer][buf] = tile;
+    const unsigned share = tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes;
+#pragma unroll
+    for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
+                     "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
+                     : "memory");
+    __syncwarp();   // the warp's stores before its lane 0's arrival releases them
+    if (threadIdx.x % 32 == 0) mbar_arrive(sh.dq_full(consumer, buf));
 }
 
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
@@ -870,8 +924,11 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             __syncwarp();
             if (step > 0) {
                 if (lane == 0) mbar_arrive(sh.ds_empty(ds_buf));   // (flipped above: the previous step's tile)
-                send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM,
-                                 b, s, step & 1);
+                if constexpr (C::kDqAsync)
+                    hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, step & 1, (step - 1) >> 1);
+                else
+                    send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16,
+                                     (prev_tile & 0xffff) * C::kBlockM, b, s, step & 1);
             }
             prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
         } else if constexpr (C::kDq) {
@@ -892,9 +949,23 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         wgmma_fence();
         issue_dq_product<C>(dq_flat, tiles.ds + (ds_buf ^ 1) * C::kDsBytes, tiles, consumer);
         wgmma_wait<0>();
-        if (step > 0)
-            send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM, b, s,
-                             step & 1);
+        if (step > 0) {
+            if constexpr (C::kDqAsync)
+                hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, step & 1, (step - 1) >> 1);
+            else
+                send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM,
+                                 b, s, step & 1);
+        }
+        if constexpr (C::kDqAsync) {   // the end of the walk, to both writers (the next two steps' buffers)
+            for (int next = step + 1; next <= step + 2; ++next) {
+                const int buf = next & 1;
+                if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
+                    mbar_wait(sh.dq_empty(consumer, buf), (((next - 1) >> 1) & 1) ^ 1);
+                    if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][buf] = -1;
+                    mbar_arrive(sh.dq_full(consumer, buf));
+                }
+            }
+        }
     }
 
     if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
@@ -1111,9 +1182,9 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(sh.full(stage), 1);
             mbar_init(sh.empty(stage), 128 * C::kConsumers);   // every consumer thread frees a stage
         }
-        if constexpr (C::kOrdered) {
+        if constexpr (C::kDqByWriters) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
-                mbar_init(smem_addr(&sh.dq_barriers[i]), 1);
+                mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // kDqAsync: each warp arrives
                 mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
             }
             for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;
