@@ -1,8 +1,15 @@
-"""Session 33: where a consumer's time goes in its dQ share's way out and its dS^T stores (thread 0's
-clock64, bwd_sm90 D = 128 64-row steps, fp16; .devrun/s33/st/cuda_src: the stamps patch plus
-bwd_stamps_send). Columns in cycles, medians over the first 264 CTAs and steps 4..: stores issue
-(0->1), fence (1->2), wait for the previous reduction's read (2->3, thread 0), barrier (3->4),
-dS^T stores + fence (5->6), and the period."""
+"""Where a consumer's time goes in its dQ share's way out and its dS^T stores (NOTES, session 33):
+thread 0's clock64 in bwd_sm90 at D = 128 with 64-row steps, fp16. Columns in cycles, medians over
+the first 264 CTAs and steps 4..: the share's stores issued (stamps 0->1), the proxy fence (1->2),
+the wait for the previous reduction's read (2->3, thread 0), the warpgroup's barrier (3->4), the
+dS^T stores with their fence (5->6), and the step. ``bwd_sm90_send_stamps.patch`` applies to
+bwd_sm90.cu as of commit 80527fd (the consumers' own reductions; CUFLASH_BWD_DQ_ASYNC=0 today runs
+that way out, but the patch's context is the older file)::
+
+    git show 80527fd:cuda_src/bwd_sm90.cu > cuda_src/bwd_sm90.cu
+    patch -p1 < benchmarks/experiments/bwd_sm90_send_stamps.patch
+    python benchmarks/experiments/bwd_sm90_send_stamps.py "st;CUFLASH_BWD_STAMPS=1"
+"""
 import sys
 sys.path.insert(0, "benchmarks")
 import numpy as np, cupy, cuflash
