@@ -666,6 +666,18 @@ __device__ __forceinline__ void issue_dq_product(float (&dq_flat)[C::kDqRegs], u
     wgmma_commit();
 }
 
+// A consumer's share of dQ into shared memory at share, in dq_tile_offset's order: thread t's
+// accumulators nj at (nj * 128 + t) * 16 bytes (16-byte stores, no bank conflicts).
+template <class C>
+__device__ __forceinline__ void store_dq_share(unsigned share, const float (&acc_dq)[C::kDqRegs / 4][4]) {
+    const int wg_thread = threadIdx.x % 128;
+#pragma unroll
+    for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
+                     "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
+                     : "memory");
+}
+
 // The consumer's share of dQ for query head h, rows m_lo .. (64 x 64; 64 x 80 of dQ^T) leaves through
 // shared memory (buffer buf) in dq_tile_offset's order (16-byte stores, no bank conflicts) and is
 // added to the tile's share of dq_accum, 16 KB (20 KB) in one place, by one bulk reduction that
@@ -692,11 +704,7 @@ __device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared
         named_barrier_sync(2 + consumer, 128);
     }
     const unsigned share = tiles.dq + (consumer * C::kDqBuffers + dq_buf) * C::kDqShareBytes;
-#pragma unroll
-    for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
-                     "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
-                     : "memory");
+    store_dq_share<C>(share, acc_dq);
     fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
     // Two buffers: the previous share's reduction (the other buffer) must have read it before the
     // next share is written there; the barrier below tells every thread.
@@ -729,11 +737,7 @@ __device__ __forceinline__ void hand_dq_share(BwdSm90Shared<C>& sh, const BwdSm9
     mbar_wait(sh.dq_empty(consumer, buf), (use & 1) ^ 1);   // a fresh barrier passes parity 1 at once
     if (wg_thread == 0) sh.dq_tile_of[consumer][buf] = tile;
     const unsigned share = tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes;
-#pragma unroll
-    for (int nj = 0; nj < C::kDqRegs / 4; ++nj)
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(share + (nj * 128 + wg_thread) * 16),
-                     "f"(acc_dq[nj][0]), "f"(acc_dq[nj][1]), "f"(acc_dq[nj][2]), "f"(acc_dq[nj][3])
-                     : "memory");
+    store_dq_share<C>(share, acc_dq);
     __syncwarp();   // the warp's stores before its lane 0's arrival releases them
     if (threadIdx.x % 32 == 0) mbar_arrive(sh.dq_full(consumer, buf));
 }
