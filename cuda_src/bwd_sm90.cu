@@ -188,14 +188,15 @@ struct BwdSm90Config {
     // are twice as large, and with 80 rows so are the shares). At D = 256 the shares pass through the
     // step's own Q and dO buffers, which are free by then.
     static constexpr int kDqShareBytes = kDqRegs * 128 * 4;
-    static constexpr int kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 && !kDqTransposed ? 2 : 1;
+    // (With a third stage, D = 128 with 64 rows has room for one buffer: _heuristics.py's
+    // BWD_SM90_DEFER_STAGES.)
+    static constexpr int kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 && !kDqTransposed && kStages == 2 ? 2 : 1;
     static_assert(!kOrdered || kDqBuffers == 2, "the dQ writers take turns with double-buffered shares");
     // Ordered dQ: one writer per share buffer. A writer's step is a chain (its tile's turn, the
     // reductions, their landing, the turn passed on) that took longer than the consumers' step: with
     // one writer for both buffers deterministic=True ran 0.89-0.91x the default at D = 128 8k, with
     // two 0.99-1.01x (H100, benchmarks/NOTES.md, session 27).
-    static constexpr int kDqWriters = 2;
-    static_assert(!kDqAsync || kDqWriters == kConsumers, "bwd_convert waits for kConsumers counts per CTA");
+    static constexpr int kDqWriters = kDqBuffers;
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
     static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
@@ -508,12 +509,11 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     setmaxnreg_dec<C::kProducerRegs>();
     if constexpr (C::kDqByWriters) {
         if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
-            // A dQ writer. The consumers' shares alternate between two buffers, the first step's
-            // in buffer 1 (ds_buf's order; kDeferDq: the first share's step); warp 1 writes buffer
-            // 1's, warp 2 buffer 0's. Both consumers' shares of a step belong to the same tile, whose
-            // counters (ordered dQ) are consecutive.
-            static_assert(C::kDqWriters == 2, "a writer per share buffer");
-            const int buf = 2 - warp;
+            // A dQ writer, one per share buffer. With two the consumers' shares alternate between
+            // them, the first in buffer 1 (ds_buf's order; kDeferDq: dq_share_slot); warp 1 writes
+            // buffer 1's, warp 2 buffer 0's. Both consumers' shares of a step belong to the same tile,
+            // whose counters (ordered dQ) are consecutive.
+            const int buf = C::kDqWriters == 2 ? 2 - warp : 0;
             for (int full_parity = 0;; full_parity ^= 1) {
                 mbar_wait(sh.dq_full(0, buf), full_parity);
                 const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
@@ -531,7 +531,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                     if constexpr (C::kDqAsync) fence_proxy_async();
                     if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
                     bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
-                                    tiles.dq + (consumer * 2 + buf) * C::kDqShareBytes, C::kDqShareBytes);
+                                    tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes, C::kDqShareBytes);
                     bulk_commit();
                 }
                 bulk_wait_read();
@@ -543,11 +543,12 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 }
             }
             // Ordered: every reduction has landed. Otherwise the writers count for the consumers
-            // (count_dq_landed): one each, once their reductions have landed.
+            // (count_dq_landed: kConsumers counts a CTA), once their reductions have landed.
             if constexpr (C::kDqAsync) {
+                static_assert(C::kConsumers % C::kDqWriters == 0, "the writers count for every consumer");
                 if (bp.dq_done != nullptr) {
                     bulk_wait();
-                    release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);
+                    release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), C::kConsumers / C::kDqWriters);
                 }
             }
             return;
@@ -723,6 +724,14 @@ __device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared
         }
     }
 }
+
+// kDeferDq with kDqAsync: the buffer of the share of dQ that step `step` (>= 1) sends (the
+// previous step's), and which use of that buffer it is: two buffers take turns, the first share in
+// buffer 1.
+template <class C>
+__device__ __forceinline__ int dq_share_buffer(int step) { return C::kDqBuffers == 2 ? step & 1 : 0; }
+template <class C>
+__device__ __forceinline__ int dq_share_use(int step) { return C::kDqBuffers == 2 ? (step - 1) >> 1 : step - 1; }
 
 // kDqAsync: the consumer's share of dQ for tile ((query head << 16) | query tile) to buffer buf's
 // writer, whose use-th share it is: once the writer has read the one before (dq_empty), the threads
@@ -929,7 +938,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             if (step > 0) {
                 if (lane == 0) mbar_arrive(sh.ds_empty(ds_buf));   // (flipped above: the previous step's tile)
                 if constexpr (C::kDqAsync)
-                    hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, step & 1, (step - 1) >> 1);
+                    hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, dq_share_buffer<C>(step),
+                                     dq_share_use<C>(step));
                 else
                     send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16,
                                      (prev_tile & 0xffff) * C::kBlockM, b, s, step & 1);
@@ -955,16 +965,17 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         wgmma_wait<0>();
         if (step > 0) {
             if constexpr (C::kDqAsync)
-                hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, step & 1, (step - 1) >> 1);
+                hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, dq_share_buffer<C>(step),
+                                 dq_share_use<C>(step));
             else
                 send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM,
                                  b, s, step & 1);
         }
-        if constexpr (C::kDqAsync) {   // the end of the walk, to both writers (the next two steps' buffers)
-            for (int next = step + 1; next <= step + 2; ++next) {
-                const int buf = next & 1;
+        if constexpr (C::kDqAsync) {   // the end of the walk, to each writer (the next steps' buffers)
+            for (int next = step + 1; next <= step + C::kDqWriters; ++next) {
+                const int buf = dq_share_buffer<C>(next);
                 if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
-                    mbar_wait(sh.dq_empty(consumer, buf), (((next - 1) >> 1) & 1) ^ 1);
+                    mbar_wait(sh.dq_empty(consumer, buf), (dq_share_use<C>(next) & 1) ^ 1);
                     if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][buf] = -1;
                     mbar_arrive(sh.dq_full(consumer, buf));
                 }

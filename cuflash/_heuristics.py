@@ -383,7 +383,23 @@ def ci_variants() -> list[tuple[Variant, str]]:
                    if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
         variants += [v for v in singles if v not in variants]
         pairs += [(v, arch) for v in variants]
+    # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
+    # that the alternative stays compilable and free of spills.
+    third = [_with_stages(v, 3) for v, arch in pairs if arch == "sm_90a" and _defers_dq(v)]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(third) if (v, "sm_90a") not in pairs]
     return pairs
+
+
+def _defers_dq(variant: Variant) -> bool:
+    d = dict(variant.defines)
+    return (variant.family == "bwd_sm90" and d["CUFLASH_HEAD_DIM"] == 128 and d["CUFLASH_BLOCK_M"] == 64
+            and d["CUFLASH_BWD_DQ"] == 1 and not d["CUFLASH_SCORE_MODS"] and not d["CUFLASH_DROPOUT"])
+
+
+def _with_stages(variant: Variant, stages: int) -> Variant:
+    d = dict(variant.defines)
+    d.update(CUFLASH_STAGES=stages, CUFLASH_SMEM_BYTES=bwd_sm90_smem_bytes(d["CUFLASH_HEAD_DIM"], stages=stages))
+    return Variant(variant.family, tuple(sorted(d.items())))
 
 
 def _one_score_mod(variant: Variant) -> bool:
@@ -849,6 +865,12 @@ BWD_SM90_WIDE_MIN_ROWS = 8192
 BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
 BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
 BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
+#: Stages of the D = 128 variants with 64-row steps that add dQ in any order (BwdSm90Config::kDeferDq,
+#: kDqAsync), not featured: 3 leaves shared memory for one dQ share buffer per consumer instead of
+#: two. With the lag between the consumers a stage comes back ~0.45 of a step later, and the copy of
+#: the stage after next then arrives late (consumers wait ~4.5% of a step more than in lockstep;
+#: benchmarks/NOTES.md, session 33). 2 until a same-run A/B says otherwise.
+BWD_SM90_DEFER_STAGES = 2
 #: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh),
 #: without score modifiers and dropout; at D = 64 the order's bookkeeping made the consumers spill,
 #: and bwd_sm80's dQ pass computes dQ.
@@ -866,15 +888,25 @@ def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False) ->
     return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim]
 
 
-def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False) -> int:
-    """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included)."""
+def bwd_sm90_stages(head_dim: int, featured: bool = False, wide: bool = False, deterministic=False) -> int:
+    """Stages of bwd_sm90's Q/dO ring at a compiled head dim (``deterministic`` as in backward_plan)."""
+    block_m = bwd_sm90_tiles(head_dim, featured, wide)[1]
+    if head_dim == 128 and block_m == 64 and not featured and deterministic is False:
+        return BWD_SM90_DEFER_STAGES
+    return BWD_SM90_STAGES[head_dim]
+
+
+def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False, stages: int | None = None) -> int:
+    """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included); ``stages``
+    defaults to BWD_SM90_STAGES's."""
     block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide)
-    stages = BWD_SM90_STAGES[head_dim]
+    stages = BWD_SM90_STAGES[head_dim] if stages is None else stages
     kv, q_do, ds = 2 * block_n * head_dim, 2 * block_m * head_dim, 2 * block_n * block_m
     split_dims = head_dim == 256 or (head_dim == 128 and featured)
     transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
-    # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers)
-    dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed else 1
+    # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers; a third
+    # stage at D = 128 leaves room for one buffer)
+    dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 else 1
     dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
     return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
 
@@ -1000,23 +1032,24 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         kdim = _round_up(head_dim, BWD_SM90_HEAD_DIMS)
         wide = not windowed and deterministic is False and seqlen_q >= BWD_SM90_WIDE_MIN_ROWS
         block_n, block_m = bwd_sm90_tiles(kdim, featured, wide)
+        stages = bwd_sm90_stages(kdim, featured, wide, deterministic)
+        smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages)
         defines = {
             "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
             "CUFLASH_HEAD_DIM": kdim,
             "CUFLASH_BLOCK_M": block_m,
-            "CUFLASH_STAGES": BWD_SM90_STAGES[kdim],
+            "CUFLASH_STAGES": stages,
             "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
             "CUFLASH_SCORE_MODS": mods,
             "CUFLASH_DROPOUT": int(dropout),
-            "CUFLASH_SMEM_BYTES": bwd_sm90_smem_bytes(kdim, featured, wide),
+            "CUFLASH_SMEM_BYTES": smem,
             **_bwd_size_defines(),
         }
         if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
             defines["CUFLASH_ALL_KEYS_SEEN"] = 1
         elif windowed and not featured and bwd_sm90_tile_guard(kdim):
             defines["CUFLASH_TILE_GUARD"] = 1
-        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS,
-                          bwd_sm90_smem_bytes(kdim, featured, wide), kdim)
+        return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
     elif family == "bwd_simt":
         if dtype_name != "float32":
             raise ValueError(f"bwd_simt runs float32, not {dtype_name}")

@@ -406,6 +406,29 @@ def test_bwd_sm90_wide_query_tiles():
     assert wide.variant in H.reachable_variants("sm_90a", ("bfloat16",), (128,))
 
 
+def test_bwd_sm90_third_stage_option(monkeypatch):
+    # BWD_SM90_DEFER_STAGES = 3 gives the D = 128 64-row plans that add dQ in any order a third Q/dO
+    # stage in the room of their second dQ share buffer (same shared memory); deterministic, wide,
+    # featured and other head dims keep BWD_SM90_STAGES. The CPU compile sweep builds those variants.
+    def plan(d=128, det=False, windowed=True, mods=(), seqlen_q=1024):
+        p = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=False,
+                            deterministic=det, windowed=windowed, seqlen_q=seqlen_q)
+        defines = dict(p.variant.defines)
+        assert p.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
+        return p, defines["CUFLASH_STAGES"]
+
+    default, two = plan()
+    assert two == H.BWD_SM90_DEFER_STAGES == 2
+    ci = H.ci_variants()   # with the default
+    monkeypatch.setattr(H, "BWD_SM90_DEFER_STAGES", 3)
+    third, three = plan()
+    assert three == 3 and third.smem_bytes == default.smem_bytes
+    assert plan(windowed=False)[1] == 3
+    assert plan(det=True)[1] == plan(windowed=False, seqlen_q=10 ** 6)[1] == plan(mods=("softcap",))[1] == 2
+    assert plan(d=64)[1] == plan(d=256)[1] == 2
+    assert (third.variant, "sm_90a") in ci
+
+
 def test_bwd_tail_pairs_only_for_shrinking_walks():
     # The last BWD_TAIL_WAVES waves' worth of (slot, sequence) pairs of a causal grid go block by
     # block (a wave: 132 CTAs here); none without a causal mask or with ordered dQ, never more than
