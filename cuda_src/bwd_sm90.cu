@@ -510,7 +510,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     if constexpr (C::kDqByWriters) {
         if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
             // A dQ writer, one per share buffer. With two the consumers' shares alternate between
-            // them, the first in buffer 1 (ds_buf's order; kDeferDq: dq_share_slot); warp 1 writes
+            // them, the first in buffer 1 (ds_buf's order; kDeferDq: dq_share_buffer); warp 1 writes
             // buffer 1's, warp 2 buffer 0's. Both consumers' shares of a step belong to the same tile,
             // whose counters (ordered dQ) are consecutive.
             const int buf = C::kDqWriters == 2 ? 2 - warp : 0;
