@@ -6,8 +6,8 @@
 // backward recomputing P from lse, in FlashAttention-3's arrangement):
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
 //     copies) of each query tile into a kStages-deep ring; it gives its registers away. With
-//     ordered dQ, and at D = 128 with 64 rows (kDqAsync), two other warps of it are the dQ
-//     writers, which add the consumers' shares of dQ into dq_accum (below).
+//     ordered dQ, and at D = 128 with 64 rows (kDqAsync), other warps of it, one per dQ share
+//     buffer, are the dQ writers, which add the consumers' shares of dQ into dq_accum (below).
 //   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
 //       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory; two groups)
 //       P^T element by element                (element_prob, bwd_common.cuh; masks of mask.cuh),
