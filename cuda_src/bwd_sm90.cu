@@ -497,8 +497,8 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
     }
 }
 
-// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warps
-// 1 and 2 are the dQ writers. Returns when its part is done.
+// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warp
+// 1 (and 2, with two share buffers) are the dQ writers. Returns when its part is done.
 template <class C>
 __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                         const TmaMap& do_map, const BwdParams& bp, SeqInfo s, int b, bool varlen, int n_lo,
@@ -635,8 +635,8 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
 
 // With bwd_convert launched behind this kernel as its programmatic dependent (bp.dq_done), each
 // consumer counts itself once its dQ reductions have landed (after the dK/dV store, by which time
-// they have; with kDqAsync each of the two dQ writers counts instead, once its own have): the conversion of a (sequence, slot)'s query heads starts as soon as every consumer of
-// the slot's CTAs has counted, while the kernel's last CTAs still run (bwd_convert.cu).
+// they have; with kDqAsync the dQ writers count for them, once their own have): the conversion of a
+// (sequence, slot)'s query heads starts as soon as every consumer of the slot's CTAs has counted, while the kernel's last CTAs still run (bwd_convert.cu).
 template <class C>
 __device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
     if constexpr (C::kDq && !C::kDqByWriters) {
@@ -749,6 +749,19 @@ __device__ __forceinline__ void hand_dq_share(BwdSm90Shared<C>& sh, const BwdSm9
     store_dq_share<C>(share, acc_dq);
     __syncwarp();   // the warp's stores before its lane 0's arrival releases them
     if (threadIdx.x % 32 == 0) mbar_arrive(sh.dq_full(consumer, buf));
+}
+
+// kDeferDq: at step `step` (>= 1), the share of dQ made from the previous step's tile prev_tile
+// ((query head << 16) | query tile) leaves: to the dQ writers (kDqAsync), or reduced by the consumer.
+template <class C>
+__device__ __forceinline__ void send_previous_dq_share(const BwdParams& bp, BwdSm90Shared<C>& sh,
+                                                       const BwdSm90Tiles& tiles, float (&acc_dq)[C::kDqRegs / 4][4],
+                                                       int consumer, int prev_tile, int b, const SeqInfo& s, int step) {
+    if constexpr (C::kDqAsync)
+        hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, dq_share_buffer<C>(step), dq_share_use<C>(step));
+    else
+        send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM, b, s,
+                         step & 1);
 }
 
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
@@ -937,12 +950,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             __syncwarp();
             if (step > 0) {
                 if (lane == 0) mbar_arrive(sh.ds_empty(ds_buf));   // (flipped above: the previous step's tile)
-                if constexpr (C::kDqAsync)
-                    hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, dq_share_buffer<C>(step),
-                                     dq_share_use<C>(step));
-                else
-                    send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16,
-                                     (prev_tile & 0xffff) * C::kBlockM, b, s, step & 1);
+                send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
             }
             prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
         } else if constexpr (C::kDq) {
@@ -963,14 +971,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         wgmma_fence();
         issue_dq_product<C>(dq_flat, tiles.ds + (ds_buf ^ 1) * C::kDsBytes, tiles, consumer);
         wgmma_wait<0>();
-        if (step > 0) {
-            if constexpr (C::kDqAsync)
-                hand_dq_share<C>(sh, tiles, acc_dq, consumer, prev_tile, dq_share_buffer<C>(step),
-                                 dq_share_use<C>(step));
-            else
-                send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile >> 16, (prev_tile & 0xffff) * C::kBlockM,
-                                 b, s, step & 1);
-        }
+        if (step > 0) send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
         if constexpr (C::kDqAsync) {   // the end of the walk, to each writer (the next steps' buffers)
             for (int next = step + 1; next <= step + C::kDqWriters; ++next) {
                 const int buf = dq_share_buffer<C>(next);
