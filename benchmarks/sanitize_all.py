@@ -145,22 +145,33 @@ def forward_case(family, dt, D, B, Sq, Sk, Hq, Hk, entry="attention_forward", **
     return Case(entry, family, _words(dt, D, B, Sq, Sk, Hq, Hk, opts), run, "sm_90a" if family.endswith("sm90") else "")
 
 
-def backward_case(family, dt, D, B, Sq, Sk, Hq, Hk, deterministic=False, return_dbias=False, **opts):
+def backward_case(family, dt, D, B, Sq, Sk, Hq, Hk, deterministic=False, return_dbias=False, wide=False, **opts):
+    """wide: bwd_sm90's 80-row query tiles at any length (BWD_SM90_WIDE_MIN_ROWS lowered to 1)."""
     def run():
         import cuflash
+        from cuflash import _heuristics, _pipeline
         from cuflash import backward as bw
 
         q, k, v = _rnd(dt, B, Sq, Hq, D), _rnd(dt, B, Sk, Hk, D), _rnd(dt, B, Sk, Hk, D)
         dout = _rnd(dt, B, Sq, Hq, D)
         kw = _score_options(opts, B, Sq, Sk, Hq)
         out, lse, rng_state = cuflash.attention_forward(q, k, v, **kw)   # the default family
-        with bw.force_kernel(family):
-            grads = cuflash.attention_backward(dout, q, k, v, out, lse, rng_state=rng_state,
-                                               deterministic=deterministic, return_dbias=return_dbias, **kw)
+        min_rows = _heuristics.BWD_SM90_WIDE_MIN_ROWS
+        _heuristics.BWD_SM90_WIDE_MIN_ROWS = 1 if wide else min_rows
+        _pipeline.clear_memo()
+        try:
+            with bw.force_kernel(family):
+                grads = cuflash.attention_backward(dout, q, k, v, out, lse, rng_state=rng_state,
+                                                   deterministic=deterministic, return_dbias=return_dbias, **kw)
+        finally:
+            _heuristics.BWD_SM90_WIDE_MIN_ROWS = min_rows
+            _pipeline.clear_memo()
         _finite(*grads, what="gradient")
         return ""
 
     flags = dict(opts)
+    if wide:
+        flags["wide"] = True
     if deterministic:
         flags["deterministic"] = True
     if return_dbias:
@@ -392,6 +403,7 @@ def build_cases() -> list[Case]:
               backward_case("bwd_sm90", "bf16", 128, 2, 200, 77, 4, 2, deterministic=True),
               backward_case("bwd_sm90", "bf16", 64, 1, 150, 150, 4, 4, causal=True, deterministic=True),
               backward_case("bwd_sm90", "fp16", 128, 1, 77, 200, 4, 1),
+              backward_case("bwd_sm90", "bf16", 128, 2, 200, 77, 4, 2, wide=True),
               backward_case("bwd_sm90", "bf16", 256, 2, 77, 200, 4, 2, causal=True),
               backward_case("bwd_sm90", "fp16", 256, 1, 200, 77, 4, 1, deterministic=True),
               backward_case("bwd_sm90", "fp16", 64, 1, 77, 200, 4, 2, window=(32, 16), softcap=30.0, dropout_p=0.1),

@@ -48,7 +48,8 @@
 // sees every key of its tiles, BwdSm90Config::kAllKeysSeen), CUFLASH_TILE_GUARD (1: otherwise the
 // same tile by tile, kTileGuard), CUFLASH_BWD_DEFER_DQ (default 1: kDeferDq where it applies; 0
 // for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
-// an A/B against the consumers' own reductions). Score modifiers and dropout take smaller accumulators
+// an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
+// 80-row steps; 0 likewise). Score modifiers and dropout take smaller accumulators
 // (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64 takes 64 query rows
 // per step.
 #include "common.cuh"
@@ -77,6 +78,9 @@
 #endif
 #ifndef CUFLASH_BWD_DQ_ASYNC
 #define CUFLASH_BWD_DQ_ASYNC 1
+#endif
+#ifndef CUFLASH_BWD_DQ_HANDOVER
+#define CUFLASH_BWD_DQ_HANDOVER 1
 #endif
 
 namespace cuflash {
@@ -174,7 +178,13 @@ struct BwdSm90Config {
     // warpgroup's barrier; handed over, H200 bf16 +1-4% (NOTES, session 33). (st.async, which needs
     // no proxy fence, needs a cluster launch and ran 20% slower.)
     static constexpr bool kDqAsync = kDeferDq && CUFLASH_BWD_DQ_ASYNC != 0;
-    static constexpr bool kDqByWriters = kOrdered || kDqAsync;
+    // 80-row steps hand their one share buffer over too (hand_dq_share, its use the step), each
+    // consumer to a writer of its own (write_dq_shares_handed_over): H200 bf16 +2-4% at 8k and 16k
+    // (benchmarks/NOTES.md, session 34). Only where every row sees every key of its tiles: the
+    // guarded variant (varlen) spilled 12 B at 240 registers.
+    static constexpr bool kDqHandOver =
+        kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
+    static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
     // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
     static constexpr bool kWindowed = !kDqTransposed;
@@ -497,8 +507,42 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
     }
 }
 
+// The first of the query heads whose tiles a CTA walks (heads_per_cta of its kv head's group).
+__device__ __forceinline__ int first_query_head(const BwdParams& bp) {
+    const int group = bp.fwd.heads_q / bp.fwd.heads_k, splits = group / bp.heads_per_cta;
+    const int slot = cta_slot();
+    return (slot / splits) * group + (slot % splits) * bp.heads_per_cta;
+}
+
+// kDqHandOver's writer of consumer `consumer`'s shares (lane 0 of a warp of the producer's
+// warpgroup): once the share is in (dq_full, hand_dq_share), the proxy fence and its bulk
+// reduction into dq_accum; once that has read it, the buffer is free again (dq_empty).
+template <class C>
+__device__ __forceinline__ void write_dq_shares_handed_over(const BwdParams& bp, BwdSm90Shared<C>& sh,
+                                                            const BwdSm90Tiles& tiles, const SeqInfo& s, int b,
+                                                            bool varlen, int consumer) {
+    for (int full_parity = 0;; full_parity ^= 1) {
+        mbar_wait(sh.dq_full(consumer, 0), full_parity);
+        const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[consumer][0]);
+        if (tile < 0) break;
+        const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, tile >> 16, (tile & 0xffff) * C::kBlockM, varlen);
+        fence_proxy_async();   // the consumer's plain stores, acquired through dq_full
+        bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
+                        tiles.dq + consumer * C::kDqShareBytes, C::kDqShareBytes);
+        bulk_commit();
+        bulk_wait_read();
+        mbar_arrive(sh.dq_empty(consumer, 0));
+    }
+    // (count_dq_landed for its consumer, once the reductions have landed)
+    if (bp.dq_done != nullptr) {
+        bulk_wait();
+        release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);
+    }
+}
+
 // Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warp
-// 1 (and 2, with two share buffers) are the dQ writers. Returns when its part is done.
+// 1 (and 2, with two share buffers) are the dQ writers, with kDqHandOver warps 1 and 2 (one per
+// consumer). Returns when its part is done.
 template <class C>
 __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                         const TmaMap& do_map, const BwdParams& bp, SeqInfo s, int b, bool varlen, int n_lo,
@@ -507,7 +551,12 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     const int batch_coord = varlen ? 0 : b;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     setmaxnreg_dec<C::kProducerRegs>();
-    if constexpr (C::kDqByWriters) {
+    if constexpr (C::kDqHandOver) {
+        if (warp >= 1 && warp <= C::kConsumers && lane == 0) {
+            write_dq_shares_handed_over<C>(bp, sh, tiles, s, b, varlen, warp - 1);
+            return;
+        }
+    } else if constexpr (C::kDqByWriters) {
         if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
             // A dQ writer, one per share buffer. With two the consumers' shares alternate between
             // them, the first in buffer 1 (ds_buf's order; kDeferDq: dq_share_buffer); warp 1 writes
@@ -565,9 +614,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                         sh.kv_full());
         }
     }
-    const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
-    const int slot = cta_slot();
-    const int h0 = (slot / splits) * group + (slot % splits) * bp.heads_per_cta;
+    const int h0 = first_query_head(bp);
     int stage = 0, phase = 0;
     // Unrolled as far as ptxas then needs no spills in any warpgroup (kProducerUnroll; NVRTC
     // 13.0: D = 128 spilled in the producer unrolled 4 times, D = 64 in the consumers not unrolled
@@ -580,6 +627,10 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
         const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
 #pragma unroll C::kProducerUnroll
         for (int c = c_begin; c < c_end; ++c) {
+            // kDqHandOver: c made opaque, so that ptxas makes each tile's addresses from it rather
+            // than carrying them from tile to tile (with the writer's code beside the walk, at 24
+            // registers, those carried addresses spilled 16 B).
+            if constexpr (C::kDqHandOver) asm volatile("" : "+r"(c));
             const int m_lo = c * C::kBlockM;
             if constexpr (C::kBlockMask) {
                 if (!block_mask_tile_visible_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, min(n_lo + C::kBlockN, s.seqlen_k)))
@@ -953,6 +1004,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
             }
             prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
+        } else if constexpr (C::kDqHandOver) {
+            hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), 0, step);
         } else if constexpr (C::kDq) {
             send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, s.h, m_lo, b, s, C::kDqBuffers == 2 ? ds_buf : 0);
         }
@@ -984,6 +1037,13 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         }
     }
 
+    if constexpr (C::kDqHandOver) {   // the end of the walk, to the writer (the buffer's step-th use)
+        if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
+            mbar_wait(sh.dq_empty(consumer, 0), (step & 1) ^ 1);
+            if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][0] = -1;
+            mbar_arrive(sh.dq_full(consumer, 0));
+        }
+    }
     if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
         for (int w = 0; w < C::kDqWriters; ++w) {
             const int buf = ds_buf ^ 1 ^ w;   // the next buffer first, then the last step's
@@ -1200,7 +1260,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         }
         if constexpr (C::kDqByWriters) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
-                mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // kDqAsync: each warp arrives
+                mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync || C::kDqHandOver ? 4 : 1);   // each warp arrives
                 mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
             }
             for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;

@@ -856,12 +856,17 @@ BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ,
 #: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
-#: then computes dQ transposed). H100, against 64 rows: 2-3% faster at 16k rows, 0-3% at 8k, within
-#: +-2% at 2k and 4k, where the last tile's padding (up to 2.5% of the rows) weighs more. The ordered dQ of
-#: deterministic=True keeps 64: its writers need double-buffered shares, for which 80 rows leave no
-#: shared memory (and its consumers spilled in a single-buffered trial).
+#: then computes dQ transposed and hands it to a writer warp, BwdSm90Config::kDqHandOver). H200 bf16,
+#: against the 80-row steps whose consumers added dQ themselves: 8k +2-4%, 16k +1.5-4%; against
+#: 64-row steps (which hand their dQ over one step late) at 2k: level. 512 rows stay at 64 (a trial
+#: of 80 there lost 2.5%: the last tile's padding is 9% of the rows). Calls whose tiles keep dS's
+#: guard (varlen: kDqHandOver spilled there, the consumers add dQ themselves) wait for
+#: BWD_SM90_WIDE_MIN_ROWS_GUARDED rows, where such 80-row steps were level with 64 (benchmarks/NOTES.md,
+#: sessions 33 and 34). The ordered dQ of deterministic=True keeps 64: its writers need double-buffered
+#: shares, for which 80 rows leave no shared memory (and its consumers spilled in a single-buffered trial).
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
-BWD_SM90_WIDE_MIN_ROWS = 8192
+BWD_SM90_WIDE_MIN_ROWS = 1024
+BWD_SM90_WIDE_MIN_ROWS_GUARDED = 8192
 BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
 BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
 BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
@@ -992,8 +997,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         dQ in a fixed order (cuda_src/dq_order.cuh); "pass", dQ comes from bwd_sm80's dQ pass.
     windowed, seqlen_q
         bwd_sm90 only: whether the call has a causal mask or a sliding window, and its (longest)
-        query length; without a window from BWD_SM90_WIDE_MIN_ROWS rows the query tiles may take
-        BWD_SM90_WIDE_BLOCK_M's rows.
+        query length; without a window from BWD_SM90_WIDE_MIN_ROWS rows (BWD_SM90_WIDE_MIN_ROWS_GUARDED
+        without ``all_keys_seen``) the query tiles may take BWD_SM90_WIDE_BLOCK_M's rows.
     all_keys_seen : bool
         bwd_sm90 only: every row sees every key of the tiles it meets (:func:`bwd_all_keys_seen`):
         the variant without dS's guard for P = 0, at BWD_SM90_UNGUARDED_HEAD_DIMS.
@@ -1030,7 +1035,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         if obstacle is not None:
             raise ValueError(obstacle)
         kdim = _round_up(head_dim, BWD_SM90_HEAD_DIMS)
-        wide = not windowed and deterministic is False and seqlen_q >= BWD_SM90_WIDE_MIN_ROWS
+        min_rows = BWD_SM90_WIDE_MIN_ROWS if all_keys_seen else BWD_SM90_WIDE_MIN_ROWS_GUARDED
+        wide = not windowed and deterministic is False and seqlen_q >= min_rows
         block_n, block_m = bwd_sm90_tiles(kdim, featured, wide)
         stages = bwd_sm90_stages(kdim, featured, wide, deterministic)
         smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages)
@@ -1178,7 +1184,7 @@ def _bwd_sm90_plans(dtype_name: str, head_dim: int, mods, dropout: bool, determi
     queries; with and without every key seen)."""
     plans = [backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
                            deterministic=deterministic)]
-    for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS):
+    for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED):
         for all_keys_seen in (False, True):
             plans.append(backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods,
                                        dropout=dropout, deterministic=deterministic, windowed=False,

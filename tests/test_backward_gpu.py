@@ -101,13 +101,15 @@ FLOAT32_GRAD_RTOL = 1e-4
 @pytest.fixture(autouse=True)
 def _wide_query_tiles(request, monkeypatch):
     """For the sm90wide-* kernels: calls without a window, score modifiers, dropout or fixed dQ
-    order take bwd_sm90's 80-row query tiles at every length (BWD_SM90_WIDE_MIN_ROWS lowered to 1),
-    not only from the 8k rows the planner waits for; plans remembered before are forgotten."""
+    order take bwd_sm90's 80-row query tiles at every length (BWD_SM90_WIDE_MIN_ROWS and its guarded
+    twin lowered to 1), not only from the rows the planner waits for; plans remembered before are
+    forgotten."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is None or "sm90wide" not in callspec.id:
         yield
         return
     monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1)
+    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS_GUARDED", 1)
     _pipeline.clear_memo()
     yield
     _pipeline.clear_memo()
@@ -933,7 +935,7 @@ def test_sm90_is_the_default_for_bf16(head_dim):
 
 
 @_sm90_only
-def test_sm90_takes_80_row_query_tiles_from_8k_rows():
+def test_sm90_takes_80_row_query_tiles_on_long_rows():
     # D = 128 without a window: 80 query rows per step from BWD_SM90_WIDE_MIN_ROWS query rows, 64
     # below and with a causal mask or deterministic=True (nothing is launched: planning only).
     def query_tile(sq, **options):
@@ -1039,7 +1041,8 @@ def test_sm90_variant_without_the_unseen_key_guard(head_dim, query_tile, monkeyp
     # Full attention at D = 64, 128 (80-row query tiles, here at every length, and 64-row ones) and
     # 256 takes the variant whose dS has no guard for P = 0; against the reference with it and
     # without, and calls with keys a row does not see keep the guard.
-    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1 if query_tile == 80 else 1 << 30)
+    for name in ("BWD_SM90_WIDE_MIN_ROWS", "BWD_SM90_WIDE_MIN_ROWS_GUARDED"):
+        monkeypatch.setattr(_heuristics, name, 1 if query_tile == 80 else 1 << 30)
     shape = _shape(2, 300, 700, 8, 2, head_dim)
     for unguarded in (True, False):
         monkeypatch.setattr(_heuristics, "BWD_ALL_KEYS_SEEN", unguarded)

@@ -385,25 +385,32 @@ def test_bwd_sm90_plans_head_dim_256_by_columns():
 
 
 def test_bwd_sm90_wide_query_tiles():
-    # 80 query rows per step (dQ computed transposed) only at D = 128 from 8k query rows without a
-    # window, score modifier, dropout or fixed dQ order; every other plan keeps its rows. Shared
-    # memory stays within the 227 KiB an H100 block may use, and the variant is precompiled.
-    def rows(d, windowed=False, det=False, mods=(), dropout=False, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS):
+    # 80 query rows per step (dQ computed transposed) only at D = 128 without a window, score
+    # modifier, dropout or fixed dQ order, from BWD_SM90_WIDE_MIN_ROWS query rows when every row sees
+    # every key of its tiles and from BWD_SM90_WIDE_MIN_ROWS_GUARDED otherwise; every other plan keeps
+    # its rows. Shared memory stays within the 227 KiB an H100 block may use, and both variants are
+    # precompiled.
+    def rows(d, windowed=False, det=False, mods=(), dropout=False, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS,
+             all_keys_seen=True):
         plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=dropout,
-                               deterministic=det, windowed=windowed, seqlen_q=seqlen_q)
+                               deterministic=det, windowed=windowed, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen)
         defines = dict(plan.variant.defines)
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
         return defines["CUFLASH_BLOCK_M"]
 
+    assert H.BWD_SM90_WIDE_MIN_ROWS < H.BWD_SM90_WIDE_MIN_ROWS_GUARDED
     assert [rows(d) for d in (64, 72, 128, 256)] == [128, 80, 80, 64]
     assert rows(128, windowed=True) == rows(128, det=True) == rows(128, det="pass") == 64
     assert rows(128, mods=("softcap",)) == rows(128, dropout=True) == 64
     assert rows(128, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS - 1) == 64 and rows(128, seqlen_q=10 ** 6) == 80
-    wide = H.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
-                           deterministic=False, windowed=False, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS)
-    assert wide.block_m == 128 and wide.smem_bytes > 220 * 1024   # 128 keys; single-buffered dQ staging
-    assert wide.variant in H.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(128,), arch="sm_90a")
-    assert wide.variant in H.reachable_variants("sm_90a", ("bfloat16",), (128,))
+    guarded = H.BWD_SM90_WIDE_MIN_ROWS_GUARDED
+    assert rows(128, all_keys_seen=False, seqlen_q=guarded - 1) == 64 and rows(128, all_keys_seen=False, seqlen_q=guarded) == 80
+    for all_keys_seen, seqlen_q in ((True, H.BWD_SM90_WIDE_MIN_ROWS), (False, guarded)):
+        wide = H.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
+                               deterministic=False, windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen)
+        assert wide.block_m == 128 and wide.smem_bytes > 220 * 1024   # 128 keys; single-buffered dQ staging
+        assert wide.variant in H.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(128,), arch="sm_90a")
+        assert wide.variant in H.reachable_variants("sm_90a", ("bfloat16",), (128,))
 
 
 def test_bwd_sm90_third_stage_option(monkeypatch):
@@ -474,7 +481,10 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
         return dict(plan.variant.defines)
 
     for d in (64, 128, 256):
-        guarded, unguarded = defines(d, windowed=False), defines(d, windowed=False, all_keys_seen=True)
+        # (at rows where both take 80-row steps at D = 128: test_bwd_sm90_wide_query_tiles)
+        long = H.BWD_SM90_WIDE_MIN_ROWS_GUARDED
+        guarded = defines(d, windowed=False, seqlen_q=long)
+        unguarded = defines(d, windowed=False, all_keys_seen=True, seqlen_q=long)
         if d in H.BWD_SM90_UNGUARDED_HEAD_DIMS:
             assert unguarded.pop("CUFLASH_ALL_KEYS_SEEN") == 1
         assert unguarded == guarded
@@ -482,7 +492,7 @@ def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=True, all_keys_seen=True)
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=False, all_keys_seen=True, mods=("softcap",))
     # D = 128 with 64 query rows (shorter sequences, and the ordered dQ at every length) too
-    for seqlen_q, deterministic in ((1024, False), (1024, True), (H.BWD_SM90_WIDE_MIN_ROWS, True)):
+    for seqlen_q, deterministic in ((H.BWD_SM90_WIDE_MIN_ROWS - 1, False), (1024, True), (H.BWD_SM90_WIDE_MIN_ROWS, True)):
         rows64 = defines(128, seqlen_q=seqlen_q, windowed=False, all_keys_seen=True, deterministic=deterministic)
         assert rows64["CUFLASH_BLOCK_M"] == 64 and rows64["CUFLASH_ALL_KEYS_SEEN"] == 1
     for seqlen_q in (1024, H.BWD_SM90_WIDE_MIN_ROWS):
