@@ -874,7 +874,8 @@ BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
 #: kDqAsync), not featured: 3 leaves shared memory for one dQ share buffer per consumer instead of
 #: two. With the lag between the consumers a stage comes back ~0.45 of a step later, and the copy of
 #: the stage after next then arrives late (consumers wait ~4.5% of a step more than in lockstep;
-#: benchmarks/NOTES.md, session 33). 2 until a same-run A/B says otherwise.
+#: benchmarks/NOTES.md, session 33). Measured with 3 (H200 bf16, session 34): 8k causal +1.2%, every
+#: other shape from 1k to 16k within the controls' spread; so 2.
 BWD_SM90_DEFER_STAGES = 2
 #: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh),
 #: without score modifiers and dropout; at D = 64 the order's bookkeeping made the consumers spill,
