@@ -49,7 +49,7 @@
 // same tile by tile, kTileGuard), CUFLASH_BWD_DEFER_DQ (default 1: kDeferDq where it applies; 0
 // for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
 // an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
-// 80-row steps; 0 likewise). Score modifiers and dropout take smaller accumulators
+// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 0: kDqAsync for ordered dQ too). Score modifiers and dropout take smaller accumulators
 // (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64 takes 64 query rows
 // per step.
 #include "common.cuh"
@@ -81,6 +81,9 @@
 #endif
 #ifndef CUFLASH_BWD_DQ_HANDOVER
 #define CUFLASH_BWD_DQ_HANDOVER 1
+#endif
+#ifndef CUFLASH_BWD_ORDERED_DQ_ASYNC
+#define CUFLASH_BWD_ORDERED_DQ_ASYNC 0
 #endif
 
 namespace cuflash {
@@ -177,7 +180,11 @@ struct BwdSm90Config {
     // landing behind the other consumer's products, then for the previous reduction's read and the
     // warpgroup's barrier; handed over, H200 bf16 +1-4% (NOTES, session 33). (st.async, which needs
     // no proxy fence, needs a cluster launch and ran 20% slower.)
-    static constexpr bool kDqAsync = kDeferDq && CUFLASH_BWD_DQ_ASYNC != 0;
+    // Ordered dQ (deterministic=True) may hand its shares over the same way, its writers then making
+    // the fence before they wait for the tile's turn: CUFLASH_BWD_ORDERED_DQ_ASYNC, default 0 until
+    // an A/B (prepared in session 34, when deterministic=True ran 0.90x the default at D = 128 8k).
+    static constexpr bool kDqAsync =
+        CUFLASH_BWD_DQ_ASYNC != 0 && (kDeferDq || (kOrdered && CUFLASH_BWD_ORDERED_DQ_ASYNC != 0));
     // 80-row steps hand their one share buffer over too (hand_dq_share, its use the step), each
     // consumer to a writer of its own (write_dq_shares_handed_over): H200 bf16 +2-4% at 8k and 16k
     // (benchmarks/NOTES.md, session 34). Only where every row sees every key of its tiles: the
@@ -1006,6 +1013,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
         } else if constexpr (C::kDqHandOver) {
             hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), 0, step);
+        } else if constexpr (C::kOrdered && C::kDqAsync) {   // step's share in buffer ds_buf (flipped above)
+            hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), ds_buf, step >> 1);
         } else if constexpr (C::kDq) {
             send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, s.h, m_lo, b, s, C::kDqBuffers == 2 ? ds_buf : 0);
         }
@@ -1044,7 +1053,16 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             mbar_arrive(sh.dq_full(consumer, 0));
         }
     }
-    if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
+    if constexpr (C::kOrdered && C::kDqAsync) {   // the end of the walk, to both writers (the next shares)
+        for (int next = step; next < step + C::kDqWriters; ++next) {
+            const int buf = (next & 1) ^ 1;
+            if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
+                mbar_wait(sh.dq_empty(consumer, buf), ((next >> 1) & 1) ^ 1);
+                if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][buf] = -1;
+                mbar_arrive(sh.dq_full(consumer, buf));
+            }
+        }
+    } else if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
         for (int w = 0; w < C::kDqWriters; ++w) {
             const int buf = ds_buf ^ 1 ^ w;   // the next buffer first, then the last step's
             mbar_wait(sh.dq_empty(consumer, buf), ((sh.dq_empty_parity[consumer] >> buf) & 1) ^ 1);

@@ -387,6 +387,11 @@ def ci_variants() -> list[tuple[Variant, str]]:
     # that the alternative stays compilable and free of spills.
     third = [_with_stages(v, 3) for v, arch in pairs if arch == "sm_90a" and _defers_dq(v)]
     pairs += [(v, "sm_90a") for v in dict.fromkeys(third) if (v, "sm_90a") not in pairs]
+    # And what CUFLASH_BWD_ORDERED_DQ_ASYNC = 1 would compile (bwd_sm90's ordered dQ handed to its
+    # writers; an option until an A/B, cuda_src/bwd_sm90.cu).
+    ordered = [_with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 1) for v, arch in pairs
+               if arch == "sm_90a" and v.family == "bwd_sm90" and dict(v.defines)["CUFLASH_BWD_DQ"] == 2]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(ordered)]
     return pairs
 
 
@@ -400,6 +405,10 @@ def _with_stages(variant: Variant, stages: int) -> Variant:
     d = dict(variant.defines)
     d.update(CUFLASH_STAGES=stages, CUFLASH_SMEM_BYTES=bwd_sm90_smem_bytes(d["CUFLASH_HEAD_DIM"], stages=stages))
     return Variant(variant.family, tuple(sorted(d.items())))
+
+
+def _with_define(variant: Variant, name: str, value: int) -> Variant:
+    return Variant(variant.family, tuple(sorted({**dict(variant.defines), name: value}.items())))
 
 
 def _one_score_mod(variant: Variant) -> bool:
