@@ -7,7 +7,8 @@
 //   warpgroup 0, the producer: one thread streams Q, dO (TMA) and the rows' lse2 and D (bulk
 //     copies) of each query tile into a kStages-deep ring; it gives its registers away. With
 //     ordered dQ, and at D = 128 with 64 rows (kDqAsync), other warps of it, one per dQ share
-//     buffer, are the dQ writers, which add the consumers' shares of dQ into dq_accum (below).
+//     buffer, are the dQ writers, which add the consumers' shares of dQ into dq_accum (below); with
+//     80 rows (kDqHandOver) one per consumer.
 //   warpgroups 1 and 2, the consumers, 64 keys each. Per query tile (kBlockM rows):
 //       S^T = K Q^T,  dP^T = V dO^T          (wgmma, both operands in shared memory; two groups)
 //       P^T element by element                (element_prob, bwd_common.cuh; masks of mask.cuh),
@@ -21,7 +22,8 @@
 //                                              share of dq_accum's tile by one bulk reduction; at
 //                                              D = 128 with 64 rows the previous tile's, so that
 //                                              the consumers need not meet, and the reduction
-//                                              the writers': kDeferDq, kDqAsync)
+//                                              the writers': kDeferDq, kDqAsync; with 80 rows
+//                                              the step's own, the writers' too: kDqHandOver)
 //   dK, dV stay in registers across the walk and are written once at the end (through shared memory,
 //   as 16-byte row chunks).
 // At D = 256 the dK and dV of 64 keys over all columns would take 256 registers per thread, so the
@@ -49,9 +51,9 @@
 // same tile by tile, kTileGuard), CUFLASH_BWD_DEFER_DQ (default 1: kDeferDq where it applies; 0
 // for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
 // an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
-// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 0: kDqAsync for ordered dQ too). Score modifiers and dropout take smaller accumulators
-// (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does, D = 64 takes 64 query rows
-// per step.
+// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 0: kDqAsync for ordered dQ too).
+// Score modifiers and dropout take smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits
+// the columns as D = 256 does, D = 64 takes 64 query rows per step.
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
