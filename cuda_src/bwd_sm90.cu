@@ -549,6 +549,53 @@ __device__ __forceinline__ void write_dq_shares_handed_over(const BwdParams& bp,
     }
 }
 
+// The dQ writer of share buffer buf (ordered dQ, kDqAsync; lane 0 of a warp of the producer's
+// warpgroup). With two buffers the consumers' shares alternate between them, the first in buffer 1
+// (ds_buf's order; kDeferDq: dq_share_buffer). Both consumers' shares of a step belong to the same
+// tile, whose counters (ordered dQ) are consecutive.
+template <class C>
+__device__ __forceinline__ void write_dq_shares(const BwdParams& bp, BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles,
+                                                SeqInfo s, int b, bool varlen, int n_lo, int buf) {
+    const FwdParams& p = bp.fwd;
+    for (int full_parity = 0;; full_parity ^= 1) {
+        mbar_wait(sh.dq_full(0, buf), full_parity);
+        const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
+        if (tile < 0) break;   // both consumers end together
+        s.h = tile >> 16;
+        const int c = tile & 0xffff;
+        const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, s.h, c * C::kBlockM, varlen);
+        // One counter per tile (kBlockM rows of kHeadDim floats) and share.
+        const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
+        const int rank = C::kOrdered ? dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c) : 0;
+        for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
+            if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), full_parity);
+            // kDqAsync: the consumers' plain stores, acquired through dq_full, made visible to the
+            // bulk copy here rather than by a fence in every consumer thread.
+            if constexpr (C::kDqAsync) fence_proxy_async();
+            if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
+            bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
+                            tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes, C::kDqShareBytes);
+            bulk_commit();
+        }
+        bulk_wait_read();
+        for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
+        if constexpr (C::kOrdered) {
+            bulk_wait();
+            for (int consumer = 0; consumer < C::kConsumers; ++consumer)
+                dq_pass_turn(bp.dq_semaphore + counter + consumer);
+        }
+    }
+    // Ordered: every reduction has landed. Otherwise the writers count for the consumers
+    // (count_dq_landed: kConsumers counts a CTA), once their reductions have landed.
+    if constexpr (C::kDqAsync) {
+        static_assert(C::kConsumers % C::kDqWriters == 0, "the writers count for every consumer");
+        if (bp.dq_done != nullptr) {
+            bulk_wait();
+            release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), C::kConsumers / C::kDqWriters);
+        }
+    }
+}
+
 // Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warp
 // 1 (and 2, with two share buffers) are the dQ writers, with kDqHandOver warps 1 and 2 (one per
 // consumer). Returns when its part is done.
@@ -567,48 +614,8 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
         }
     } else if constexpr (C::kDqByWriters) {
         if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
-            // A dQ writer, one per share buffer. With two the consumers' shares alternate between
-            // them, the first in buffer 1 (ds_buf's order; kDeferDq: dq_share_buffer); warp 1 writes
-            // buffer 1's, warp 2 buffer 0's. Both consumers' shares of a step belong to the same tile,
-            // whose counters (ordered dQ) are consecutive.
-            const int buf = C::kDqWriters == 2 ? 2 - warp : 0;
-            for (int full_parity = 0;; full_parity ^= 1) {
-                mbar_wait(sh.dq_full(0, buf), full_parity);
-                const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[0][buf]);
-                if (tile < 0) break;   // both consumers end together
-                s.h = tile >> 16;
-                const int c = tile & 0xffff;
-                const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, s.h, c * C::kBlockM, varlen);
-                // One counter per tile (kBlockM rows of kHeadDim floats) and share.
-                const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
-                const int rank = C::kOrdered ? dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c) : 0;
-                for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
-                    if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), full_parity);
-                    // kDqAsync: the consumers' plain stores, acquired through dq_full, made visible to
-                    // the bulk copy here rather than by a fence in every consumer thread.
-                    if constexpr (C::kDqAsync) fence_proxy_async();
-                    if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
-                    bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
-                                    tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes, C::kDqShareBytes);
-                    bulk_commit();
-                }
-                bulk_wait_read();
-                for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
-                if constexpr (C::kOrdered) {
-                    bulk_wait();
-                    for (int consumer = 0; consumer < C::kConsumers; ++consumer)
-                        dq_pass_turn(bp.dq_semaphore + counter + consumer);
-                }
-            }
-            // Ordered: every reduction has landed. Otherwise the writers count for the consumers
-            // (count_dq_landed: kConsumers counts a CTA), once their reductions have landed.
-            if constexpr (C::kDqAsync) {
-                static_assert(C::kConsumers % C::kDqWriters == 0, "the writers count for every consumer");
-                if (bp.dq_done != nullptr) {
-                    bulk_wait();
-                    release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), C::kConsumers / C::kDqWriters);
-                }
-            }
+            const int buf = C::kDqWriters == 2 ? 2 - warp : 0;   // warp 1 writes buffer 1's shares
+            write_dq_shares<C>(bp, sh, tiles, s, b, varlen, n_lo, buf);
             return;
         }
     }
