@@ -228,7 +228,7 @@ struct BwdSm90Config {
 
 // The CTA's static shared memory: the stage ring's barriers (K/V loaded, stage full, stage empty),
 // each stage's lse2 and D rows and its tile ((query head << 16) | query tile; -1: the walk is over).
-// The dQ writers' (ordered dQ, kDqAsync): per consumer and share buffer, a share is ready (dq_full) /
+// The dQ writers' (ordered dQ, kDqAsync, kDqHandOver): per consumer and share buffer, a share is ready (dq_full) /
 // free again (dq_empty), and which tile it belongs to ((query head << 16) | query tile; -1: the walk
 // is over); ordered dQ: the parities the consumers' thread 0 waits for next (bit buffer; in shared
 // memory: a register held through the walk made ptxas spill).
@@ -702,8 +702,9 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
 
 // With bwd_convert launched behind this kernel as its programmatic dependent (bp.dq_done), each
 // consumer counts itself once its dQ reductions have landed (after the dK/dV store, by which time
-// they have; with kDqAsync the dQ writers count for them, once their own have): the conversion of a
-// (sequence, slot)'s query heads starts as soon as every consumer of the slot's CTAs has counted, while the kernel's last CTAs still run (bwd_convert.cu).
+// they have; with kDqAsync or kDqHandOver the dQ writers count for them, once their own have): the
+// conversion of a (sequence, slot)'s query heads starts as soon as every consumer of the slot's CTAs
+// has counted, while the kernel's last CTAs still run (bwd_convert.cu).
 template <class C>
 __device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
     if constexpr (C::kDq && !C::kDqByWriters) {
@@ -792,13 +793,13 @@ __device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared
     }
 }
 
-// kDeferDq with kDqAsync: the buffer of the share of dQ that step `step` (>= 1) sends (the
-// previous step's), and which use of that buffer it is: two buffers take turns, the first share in
-// buffer 1.
+// Shares handed to the dQ writers (kDqAsync, kDqHandOver): the buffer of a consumer's share number
+// n - 1 (n >= 1: with kDeferDq the share step n sends, the previous step's; otherwise step n - 1's),
+// and which use of that buffer it is. Two buffers take turns, the first share in buffer 1.
 template <class C>
-__device__ __forceinline__ int dq_share_buffer(int step) { return C::kDqBuffers == 2 ? step & 1 : 0; }
+__device__ __forceinline__ int dq_share_buffer(int n) { return C::kDqBuffers == 2 ? n & 1 : 0; }
 template <class C>
-__device__ __forceinline__ int dq_share_use(int step) { return C::kDqBuffers == 2 ? (step - 1) >> 1 : step - 1; }
+__device__ __forceinline__ int dq_share_use(int n) { return C::kDqBuffers == 2 ? (n - 1) >> 1 : n - 1; }
 
 // kDqAsync: the consumer's share of dQ for tile ((query head << 16) | query tile) to buffer buf's
 // writer, whose use-th share it is: once the writer has read the one before (dq_empty), the threads
@@ -816,6 +817,17 @@ __device__ __forceinline__ void hand_dq_share(BwdSm90Shared<C>& sh, const BwdSm9
     store_dq_share<C>(share, acc_dq);
     __syncwarp();   // the warp's stores before its lane 0's arrival releases them
     if (threadIdx.x % 32 == 0) mbar_arrive(sh.dq_full(consumer, buf));
+}
+
+// The end of a consumer's walk for buffer buf's writer: its use-th share is the tile -1 (lane 0 of
+// each warp arrives, as for a share; warp 0's after the write).
+template <class C>
+__device__ __forceinline__ void end_dq_shares(BwdSm90Shared<C>& sh, int consumer, int buf, int use) {
+    if (threadIdx.x % 32 == 0) {
+        mbar_wait(sh.dq_empty(consumer, buf), (use & 1) ^ 1);
+        if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][buf] = -1;
+        mbar_arrive(sh.dq_full(consumer, buf));
+    }
 }
 
 // kDeferDq: at step `step` (>= 1), the share of dQ made from the previous step's tile prev_tile
@@ -1020,10 +1032,9 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
             }
             prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
-        } else if constexpr (C::kDqHandOver) {
-            hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), 0, step);
-        } else if constexpr (C::kOrdered && C::kDqAsync) {   // step's share in buffer ds_buf (flipped above)
-            hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), ds_buf, step >> 1);
+        } else if constexpr (C::kDqHandOver || C::kDqAsync) {   // this step's share (kDqAsync: ordered dQ)
+            hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), dq_share_buffer<C>(step + 1),
+                             dq_share_use<C>(step + 1));
         } else if constexpr (C::kDq) {
             send_dq_share<C>(bp, sh, tiles, acc_dq, consumer, s.h, m_lo, b, s, C::kDqBuffers == 2 ? ds_buf : 0);
         }
@@ -1043,34 +1054,15 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         issue_dq_product<C>(dq_flat, tiles.ds + (ds_buf ^ 1) * C::kDsBytes, tiles, consumer);
         wgmma_wait<0>();
         if (step > 0) send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
-        if constexpr (C::kDqAsync) {   // the end of the walk, to each writer (the next steps' buffers)
-            for (int next = step + 1; next <= step + C::kDqWriters; ++next) {
-                const int buf = dq_share_buffer<C>(next);
-                if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
-                    mbar_wait(sh.dq_empty(consumer, buf), (dq_share_use<C>(next) & 1) ^ 1);
-                    if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][buf] = -1;
-                    mbar_arrive(sh.dq_full(consumer, buf));
-                }
-            }
-        }
     }
 
-    if constexpr (C::kDqHandOver) {   // the end of the walk, to the writer (the buffer's step-th use)
-        if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
-            mbar_wait(sh.dq_empty(consumer, 0), (step & 1) ^ 1);
-            if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][0] = -1;
-            mbar_arrive(sh.dq_full(consumer, 0));
-        }
-    }
-    if constexpr (C::kOrdered && C::kDqAsync) {   // the end of the walk, to both writers (the next shares)
-        for (int next = step; next < step + C::kDqWriters; ++next) {
-            const int buf = (next & 1) ^ 1;
-            if (threadIdx.x % 32 == 0) {   // lane 0 of each warp (warp 0's after the write)
-                mbar_wait(sh.dq_empty(consumer, buf), ((next >> 1) & 1) ^ 1);
-                if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][buf] = -1;
-                mbar_arrive(sh.dq_full(consumer, buf));
-            }
-        }
+    // The end of the walk: each writer's next share (step shares have gone, either way). (With one
+    // writer as a loop of one turn, ptxas scheduled the whole 80-row kernel differently.)
+    if constexpr (C::kDqHandOver) {
+        end_dq_shares<C>(sh, consumer, 0, step);
+    } else if constexpr (C::kDqAsync) {
+        for (int next = step + 1; next <= step + C::kDqWriters; ++next)
+            end_dq_shares<C>(sh, consumer, dq_share_buffer<C>(next), dq_share_use<C>(next));
     } else if (C::kDq && C::kOrdered && threadIdx.x % 128 == 0) {   // the end of the walk, to both writers
         for (int w = 0; w < C::kDqWriters; ++w) {
             const int buf = ds_buf ^ 1 ^ w;   // the next buffer first, then the last step's
