@@ -51,7 +51,7 @@
 // same tile by tile, kTileGuard), CUFLASH_BWD_DEFER_DQ (default 1: kDeferDq where it applies; 0
 // for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
 // an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
-// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 0: kDqAsync for ordered dQ too).
+// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 1: kDqAsync for ordered dQ too; 0 likewise).
 // Score modifiers and dropout take smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits
 // the columns as D = 256 does, D = 64 takes 64 query rows per step.
 #include "common.cuh"
@@ -85,7 +85,7 @@
 #define CUFLASH_BWD_DQ_HANDOVER 1
 #endif
 #ifndef CUFLASH_BWD_ORDERED_DQ_ASYNC
-#define CUFLASH_BWD_ORDERED_DQ_ASYNC 0
+#define CUFLASH_BWD_ORDERED_DQ_ASYNC 1
 #endif
 
 namespace cuflash {
@@ -182,15 +182,16 @@ struct BwdSm90Config {
     // landing behind the other consumer's products, then for the previous reduction's read and the
     // warpgroup's barrier; handed over, H200 bf16 +1-4% (NOTES, session 33). (st.async, which needs
     // no proxy fence, needs a cluster launch and ran 20% slower.)
-    // Ordered dQ (deterministic=True) may hand its shares over the same way, its writers then making
-    // the fence before they wait for the tile's turn: CUFLASH_BWD_ORDERED_DQ_ASYNC, default 0 until
-    // an A/B (prepared in session 34, when deterministic=True ran 0.90x the default at D = 128 8k).
+    // Ordered dQ (deterministic=True) hands its shares over the same way, its writers then making
+    // the fence before they wait for the tile's turn: H200 bf16 D = 128 +3-6% from 2k to 16k
+    // (NOTES, session 35). CUFLASH_BWD_ORDERED_DQ_ASYNC=0 for an A/B against thread 0's hand-over.
     static constexpr bool kDqAsync =
         CUFLASH_BWD_DQ_ASYNC != 0 && (kDeferDq || (kOrdered && CUFLASH_BWD_ORDERED_DQ_ASYNC != 0));
-    // 80-row steps hand their one share buffer over too (hand_dq_share, its use the step), each
-    // consumer to a writer of its own (write_dq_shares_handed_over): H200 bf16 +2-4% at 8k and 16k
-    // (benchmarks/NOTES.md, session 34). Only where every row sees every key of its tiles: the
-    // guarded variant (varlen) spilled 12 B at 240 registers.
+    // 80-row steps hand their one share buffer over too, each consumer to a writer warp of its own,
+    // meeting it at named barriers (hand_dq_share_at_barriers, write_dq_shares_handed_over): H200
+    // bf16 +2-4% at 8k and 16k over the consumers' own reductions with mbarriers for the hand-over,
+    // and +2-4% again with named barriers (NOTES, sessions 34 and 35). Only where every row sees every key of its tiles: the guarded variant
+    // (varlen) spilled 12 B at 240 registers.
     static constexpr bool kDqHandOver =
         kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
     static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
@@ -226,11 +227,16 @@ struct BwdSm90Config {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
 };
 
+// kDqHandOver's named barriers, per consumer and its writer warp, both sides at bar.sync: the
+// share is in the buffer / the buffer is free again. Ids 1-4 are the
+// consumers' own (1: both consumers, 2 + consumer: one warpgroup, 4: kDeferDq's lag).
+constexpr int kDqFullBarrier = 5, kDqEmptyBarrier = 7, kDqBarrierThreads = 128 + 32;
+
 // The CTA's static shared memory: the stage ring's barriers (K/V loaded, stage full, stage empty),
 // each stage's lse2 and D rows and its tile ((query head << 16) | query tile; -1: the walk is over).
-// The dQ writers' (ordered dQ, kDqAsync, kDqHandOver): per consumer and share buffer, a share is ready (dq_full) /
+// The dQ writers' (ordered dQ, kDqAsync): per consumer and share buffer, a share is ready (dq_full) /
 // free again (dq_empty), and which tile it belongs to ((query head << 16) | query tile; -1: the walk
-// is over); ordered dQ: the parities the consumers' thread 0 waits for next (bit buffer; in shared
+// is over; kDqHandOver writes it and nobody reads it, hand_dq_share_at_barriers); ordered dQ: the parities the consumers' thread 0 waits for next (bit buffer; in shared
 // memory: a register held through the walk made ptxas spill).
 // (lse2 and dsum first: bulk copies land there, 16-byte aligned.)
 template <class C>
@@ -523,27 +529,38 @@ __device__ __forceinline__ int first_query_head(const BwdParams& bp) {
     return (slot / splits) * group + (slot % splits) * bp.heads_per_cta;
 }
 
-// kDqHandOver's writer of consumer `consumer`'s shares (lane 0 of a warp of the producer's
-// warpgroup): once the share is in (dq_full, hand_dq_share), the proxy fence and its bulk
-// reduction into dq_accum; once that has read it, the buffer is free again (dq_empty).
+// kDqHandOver's writer of consumer `consumer`'s shares (a whole warp of the producer's warpgroup,
+// for the named barriers; lane 0 issues). It walks the tiles as the producer does (these variants
+// skip none: no block mask), so no tile index crosses threads. Writer and consumer meet twice a
+// share, both at bar.sync: at kDqFullBarrier once the consumer has stored its share, at
+// kDqEmptyBarrier once the bulk reduction has read it; and once more at kDqFullBarrier at the end
+// of the walk.
 template <class C>
-__device__ __forceinline__ void write_dq_shares_handed_over(const BwdParams& bp, BwdSm90Shared<C>& sh,
-                                                            const BwdSm90Tiles& tiles, const SeqInfo& s, int b,
-                                                            bool varlen, int consumer) {
-    for (int full_parity = 0;; full_parity ^= 1) {
-        mbar_wait(sh.dq_full(consumer, 0), full_parity);
-        const int tile = *static_cast<volatile int*>(&sh.dq_tile_of[consumer][0]);
-        if (tile < 0) break;
-        const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, tile >> 16, (tile & 0xffff) * C::kBlockM, varlen);
-        fence_proxy_async();   // the consumer's plain stores, acquired through dq_full
-        bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
-                        tiles.dq + consumer * C::kDqShareBytes, C::kDqShareBytes);
-        bulk_commit();
-        bulk_wait_read();
-        mbar_arrive(sh.dq_empty(consumer, 0));
+__device__ __forceinline__ void write_dq_shares_handed_over(const BwdParams& bp, const BwdSm90Tiles& tiles,
+                                                            const SeqInfo& s, int b, bool varlen, int c_begin,
+                                                            int c_end, int consumer) {
+    static_assert(!C::kBlockMask, "the producer's walk skips no tile");
+    const int lane = threadIdx.x % 32, h0 = first_query_head(bp);
+#pragma unroll 1
+    for (int h = h0; h < h0 + bp.heads_per_cta; ++h) {
+#pragma unroll 1
+        for (int c = c_begin; c < c_end; ++c) {
+            named_barrier_sync(kDqFullBarrier + consumer, kDqBarrierThreads);
+            if (lane == 0) {
+                const long long offset = dq_accum_offset<C>(bp, b, s.q_row0, h, c * C::kBlockM, varlen);
+                fence_proxy_async();   // the consumer's plain stores, ordered before by the barrier
+                bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
+                                tiles.dq + consumer * C::kDqShareBytes, C::kDqShareBytes);
+                bulk_commit();
+                bulk_wait_read();
+            }
+            __syncwarp();
+            named_barrier_sync(kDqEmptyBarrier + consumer, kDqBarrierThreads);
+        }
     }
+    named_barrier_sync(kDqFullBarrier + consumer, kDqBarrierThreads);   // the consumer's end of the walk
     // (count_dq_landed for its consumer, once the reductions have landed)
-    if (bp.dq_done != nullptr) {
+    if (lane == 0 && bp.dq_done != nullptr) {
         bulk_wait();
         release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);
     }
@@ -608,8 +625,8 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     setmaxnreg_dec<C::kProducerRegs>();
     if constexpr (C::kDqHandOver) {
-        if (warp >= 1 && warp <= C::kConsumers && lane == 0) {
-            write_dq_shares_handed_over<C>(bp, sh, tiles, s, b, varlen, warp - 1);
+        if (warp >= 1 && warp <= C::kConsumers) {
+            write_dq_shares_handed_over<C>(bp, tiles, s, b, varlen, c_begin, c_end, warp - 1);
             return;
         }
     } else if constexpr (C::kDqByWriters) {
@@ -817,6 +834,23 @@ __device__ __forceinline__ void hand_dq_share(BwdSm90Shared<C>& sh, const BwdSm9
     store_dq_share<C>(share, acc_dq);
     __syncwarp();   // the warp's stores before its lane 0's arrival releases them
     if (threadIdx.x % 32 == 0) mbar_arrive(sh.dq_full(consumer, buf));
+}
+
+// kDqHandOver: the consumer's share of dQ to its writer, at the named barriers
+// (write_dq_shares_handed_over): once the writer has had the previous one read (not the first
+// time), the threads store their parts and meet the writer again. The tile ((query head << 16) |
+// query tile) is still written to dq_tile_of, though the writer walks the tiles itself and reads
+// nothing there: with that store ptxas schedules the consumer so that 80-row steps run 3% faster
+// (H200 bf16 8k-16k; NOTES, session 34, v2 against v5).
+template <class C>
+__device__ __forceinline__ void hand_dq_share_at_barriers(BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles,
+                                                          float (&acc_dq)[C::kDqRegs / 4][4], int consumer, int tile,
+                                                          bool first) {
+    fence_registers(*reinterpret_cast<float(*)[C::kDqRegs]>(&acc_dq[0][0]));
+    if (!first) named_barrier_sync(kDqEmptyBarrier + consumer, kDqBarrierThreads);
+    if (threadIdx.x % 128 == 0) sh.dq_tile_of[consumer][0] = tile;
+    store_dq_share<C>(tiles.dq + consumer * C::kDqShareBytes, acc_dq);
+    named_barrier_sync(kDqFullBarrier + consumer, kDqBarrierThreads);
 }
 
 // The end of a consumer's walk for buffer buf's writer: its use-th share is the tile -1 (lane 0 of
@@ -1032,7 +1066,9 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
                 send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
             }
             prev_tile = (s.h << 16) | (m_lo / C::kBlockM);
-        } else if constexpr (C::kDqHandOver || C::kDqAsync) {   // this step's share (kDqAsync: ordered dQ)
+        } else if constexpr (C::kDqHandOver) {
+            hand_dq_share_at_barriers<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), step == 0);
+        } else if constexpr (C::kDqAsync) {   // this step's share (ordered dQ)
             hand_dq_share<C>(sh, tiles, acc_dq, consumer, (s.h << 16) | (m_lo / C::kBlockM), dq_share_buffer<C>(step + 1),
                              dq_share_use<C>(step + 1));
         } else if constexpr (C::kDq) {
@@ -1057,9 +1093,11 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     }
 
     // The end of the walk: each writer's next share (step shares have gone, either way). (With one
-    // writer as a loop of one turn, ptxas scheduled the whole 80-row kernel differently.)
+    // writer as a loop of one turn, ptxas scheduled the whole 80-row kernel differently.) kDqHandOver:
+    // the writer's last read, then the meeting that ends its walk (write_dq_shares_handed_over).
     if constexpr (C::kDqHandOver) {
-        end_dq_shares<C>(sh, consumer, 0, step);
+        if (step > 0) named_barrier_sync(kDqEmptyBarrier + consumer, kDqBarrierThreads);
+        named_barrier_sync(kDqFullBarrier + consumer, kDqBarrierThreads);
     } else if constexpr (C::kDqAsync) {
         for (int next = step + 1; next <= step + C::kDqWriters; ++next)
             end_dq_shares<C>(sh, consumer, dq_share_buffer<C>(next), dq_share_use<C>(next));
@@ -1279,7 +1317,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         }
         if constexpr (C::kDqByWriters) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
-                mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync || C::kDqHandOver ? 4 : 1);   // each warp arrives
+                mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // each warp arrives
                 mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
             }
             for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;

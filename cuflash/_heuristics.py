@@ -387,9 +387,9 @@ def ci_variants() -> list[tuple[Variant, str]]:
     # that the alternative stays compilable and free of spills.
     third = [_with_stages(v, 3) for v, arch in pairs if arch == "sm_90a" and _defers_dq(v)]
     pairs += [(v, "sm_90a") for v in dict.fromkeys(third) if (v, "sm_90a") not in pairs]
-    # And what CUFLASH_BWD_ORDERED_DQ_ASYNC = 1 would compile (bwd_sm90's ordered dQ handed to its
-    # writers; an option until an A/B, cuda_src/bwd_sm90.cu).
-    ordered = [_with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 1) for v, arch in pairs
+    # And what CUFLASH_BWD_ORDERED_DQ_ASYNC = 0 would compile (bwd_sm90's ordered dQ handed over by
+    # the consumers' thread 0, the A/B's other side; cuda_src/bwd_sm90.cu).
+    ordered = [_with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) for v, arch in pairs
                if arch == "sm_90a" and v.family == "bwd_sm90" and dict(v.defines)["CUFLASH_BWD_DQ"] == 2]
     pairs += [(v, "sm_90a") for v in dict.fromkeys(ordered)]
     return pairs

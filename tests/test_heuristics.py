@@ -442,15 +442,15 @@ def test_bwd_sm90_third_stage_option(monkeypatch):
 
 
 def test_bwd_sm90_ordered_dq_async_option_in_the_sweep():
-    # CUFLASH_BWD_ORDERED_DQ_ASYNC (ordered dQ handed to its writers; an option until an A/B): the
-    # CPU compile sweep builds it beside every ordered bwd_sm90 variant it builds, so that it stays
-    # compilable and free of spills.
+    # CUFLASH_BWD_ORDERED_DQ_ASYNC = 0 (ordered dQ handed over by the consumers' thread 0, kept for
+    # A/Bs): the CPU compile sweep builds it beside every ordered bwd_sm90 variant it builds, so
+    # that it stays compilable and free of spills.
     ci = [v for v, arch in H.ci_variants() if arch == "sm_90a" and v.family == "bwd_sm90"]
     ordered = [v for v in ci if dict(v.defines)["CUFLASH_BWD_DQ"] == 2
                and "CUFLASH_BWD_ORDERED_DQ_ASYNC" not in dict(v.defines)]
     assert ordered
     for v in ordered:
-        assert H._with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 1) in ci
+        assert H._with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) in ci
 
 
 def test_bwd_tail_pairs_only_for_shrinking_walks():
