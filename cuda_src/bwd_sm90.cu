@@ -236,15 +236,16 @@ constexpr int kDqFullBarrier = 5, kDqEmptyBarrier = 7, kDqBarrierThreads = 128 +
 // each stage's lse2 and D rows and its tile ((query head << 16) | query tile; -1: the walk is over).
 // The dQ writers' (ordered dQ, kDqAsync): per consumer and share buffer, a share is ready (dq_full) /
 // free again (dq_empty), and which tile it belongs to ((query head << 16) | query tile; -1: the walk
-// is over; kDqHandOver writes it and nobody reads it, hand_dq_share_at_barriers); ordered dQ: the parities the consumers' thread 0 waits for next (bit buffer; in shared
-// memory: a register held through the walk made ptxas spill).
+// is over; kDqHandOver writes it and nobody reads it, hand_dq_share_at_barriers; its barriers are
+// named ones); ordered dQ: the parities the consumers' thread 0 waits for next (bit buffer; in
+// shared memory: a register held through the walk made ptxas spill).
 // (lse2 and dsum first: bulk copies land there, 16-byte aligned.)
 template <class C>
 struct BwdSm90Shared {
     alignas(16) float lse2[C::kStages][C::kBlockM];
     alignas(16) float dsum[C::kStages][C::kBlockM];
     unsigned long long barriers[1 + 2 * C::kStages];
-    unsigned long long dq_barriers[C::kDqByWriters ? 2 * C::kConsumers * 2 : 1];
+    unsigned long long dq_barriers[C::kOrdered || C::kDqAsync ? 2 * C::kConsumers * 2 : 1];
     unsigned long long ds_barriers[C::kDeferDq ? 4 : 1];
     int tile_of_stage[C::kStages];
     int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
@@ -1315,7 +1316,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(sh.full(stage), 1);
             mbar_init(sh.empty(stage), 128 * C::kConsumers);   // every consumer thread frees a stage
         }
-        if constexpr (C::kDqByWriters) {
+        if constexpr (C::kOrdered || C::kDqAsync) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
                 mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // each warp arrives
                 mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
