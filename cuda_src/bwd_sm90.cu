@@ -51,7 +51,8 @@
 // same tile by tile, kTileGuard), CUFLASH_BWD_DEFER_DQ (default 1: kDeferDq where it applies; 0
 // for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
 // an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
-// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 1: kDqAsync for ordered dQ too; 0 likewise).
+// 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 1: kDqAsync for ordered dQ
+// too; 0 likewise).
 // Score modifiers and dropout take smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits
 // the columns as D = 256 does, D = 64 takes 64 query rows per step.
 #include "common.cuh"
@@ -189,9 +190,9 @@ struct BwdSm90Config {
         CUFLASH_BWD_DQ_ASYNC != 0 && (kDeferDq || (kOrdered && CUFLASH_BWD_ORDERED_DQ_ASYNC != 0));
     // 80-row steps hand their one share buffer over too, each consumer to a writer warp of its own,
     // meeting it at named barriers (hand_dq_share_at_barriers, write_dq_shares_handed_over): H200
-    // bf16 +2-4% at 8k and 16k over the consumers' own reductions with mbarriers for the hand-over,
-    // and +2-4% again with named barriers (NOTES, sessions 34 and 35). Only where every row sees every key of its tiles: the guarded variant
-    // (varlen) spilled 12 B at 240 registers.
+    // bf16 +5-7% at 8k and 16k over the consumers' own reductions (through mbarriers the same
+    // hand-over gained half that; NOTES, sessions 34 and 35). Only where every row sees every key
+    // of its tiles: the guarded variant (varlen) spilled 12 B at 240 registers.
     static constexpr bool kDqHandOver =
         kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
     static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
@@ -228,8 +229,8 @@ struct BwdSm90Config {
 };
 
 // kDqHandOver's named barriers, per consumer and its writer warp, both sides at bar.sync: the
-// share is in the buffer / the buffer is free again. Ids 1-4 are the
-// consumers' own (1: both consumers, 2 + consumer: one warpgroup, 4: kDeferDq's lag).
+// share is in the buffer / the buffer is free again. Ids 1-4 are the consumers' own (1: both
+// consumers, 2 + consumer: one warpgroup, 4: kDeferDq's lag).
 constexpr int kDqFullBarrier = 5, kDqEmptyBarrier = 7, kDqBarrierThreads = 128 + 32;
 
 // The CTA's static shared memory: the stage ring's barriers (K/V loaded, stage full, stage empty),
