@@ -812,7 +812,7 @@ __device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared
     }
 }
 
-// Shares handed to the dQ writers (kDqAsync, kDqHandOver): the buffer of a consumer's share number
+// Shares handed to the dQ writers through mbarriers (kDqAsync): the buffer of a consumer's share number
 // n - 1 (n >= 1: with kDeferDq the share step n sends, the previous step's; otherwise step n - 1's),
 // and which use of that buffer it is. Two buffers take turns, the first share in buffer 1.
 template <class C>

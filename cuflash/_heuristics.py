@@ -866,12 +866,12 @@ BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ,
 #: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
 #: then computes dQ transposed and hands it to a writer warp, BwdSm90Config::kDqHandOver). H200 bf16,
-#: against the 80-row steps whose consumers added dQ themselves: 8k +2-4%, 16k +1.5-4%; against
-#: 64-row steps (which hand their dQ over one step late) at 2k: level. 512 rows stay at 64 (a trial
+#: against the 80-row steps whose consumers added dQ themselves: 8k and 16k +5-7%; against 64-row
+#: steps (which hand their dQ over one step late) at 1k-4k: 0 to +4%. 512 rows stay at 64 (a trial
 #: of 80 there lost 2.5%: the last tile's padding is 9% of the rows). Calls whose tiles keep dS's
 #: guard (varlen: kDqHandOver spilled there, the consumers add dQ themselves) wait for
 #: BWD_SM90_WIDE_MIN_ROWS_GUARDED rows, where such 80-row steps were level with 64 (benchmarks/NOTES.md,
-#: sessions 33 and 34). The ordered dQ of deterministic=True keeps 64: its writers need double-buffered
+#: sessions 33 to 35). The ordered dQ of deterministic=True keeps 64: its writers need double-buffered
 #: shares, for which 80 rows leave no shared memory (and its consumers spilled in a single-buffered trial).
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
 BWD_SM90_WIDE_MIN_ROWS = 1024
