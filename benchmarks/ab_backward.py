@@ -12,7 +12,8 @@ or the kernel's source (a changed copy of ``cuda_src/``)::
 A contender is ``NAME[=SRC_DIR][;SETTING...]``. A setting is ``CUFLASH_<DEFINE>=VALUE`` (added to the
 variant; ``=-`` removes the define) or ``<CONSTANT>=LITERAL`` (a ``cuflash._heuristics`` constant, in
 force while the contender plans). A shape is ``D/S`` (batch = tokens / S, heads = hidden / D, Sq = Sk)
-with ``c`` for a causal mask and ``d`` for deterministic=True.
+with ``c`` for a causal mask, ``d`` for deterministic=True and ``s`` for a softcap of 30 (a featured
+variant; cuDNN, which has none, then runs without it).
 
 ``build`` (no GPU) compiles each contender's bwd_sm90 variant of each shape, from its SRC_DIR (the
 installed ``cuda_src/`` without one), prints registers, spills and ptxas's warnings, and writes every
@@ -76,10 +77,18 @@ def parse_contender(spec: str) -> Contender:
 
 
 def parse_shape(shape: str) -> tuple[int, int, bool, bool]:
-    """``D/S[c][d]`` -> (head_dim, seqlen, causal, deterministic)."""
-    flags = shape[len(shape.rstrip("cd")):]
-    head_dim, seqlen = (int(x) for x in shape.rstrip("cd").split("/"))
+    """``D/S[c][d][s]`` -> (head_dim, seqlen, causal, deterministic); the softcap: shape_softcap."""
+    flags = shape[len(shape.rstrip("cds")):]
+    head_dim, seqlen = (int(x) for x in shape.rstrip("cds").split("/"))
     return head_dim, seqlen, "c" in flags, "d" in flags
+
+
+SOFTCAP = 30.0
+
+
+def shape_softcap(shape: str) -> float:
+    """The softcap of a shape's cuflash calls: SOFTCAP with the ``s`` flag, else 0 (none)."""
+    return SOFTCAP if "s" in shape[len(shape.rstrip("cds")):] else 0.0
 
 
 def with_defines(variant: Variant, defines: dict) -> Variant:
@@ -120,10 +129,11 @@ class Installed:
 def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
     """The bwd_sm90 variant the contender plans for a call of ``shape`` (as cuflash/backward.py asks)."""
     head_dim, seqlen, causal, det = parse_shape(shape)
+    mods = ("softcap",) if shape_softcap(shape) else ()
     with Installed(contender):
-        mode = _heuristics.bwd_sm90_dq_mode(head_dim, False, det)
-        seen = _heuristics.bwd_all_keys_seen(windowed=causal, varlen=False, featured=False)
-        return _heuristics.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=(), dropout=False,
+        mode = _heuristics.bwd_sm90_dq_mode(head_dim, bool(mods), det)
+        seen = _heuristics.bwd_all_keys_seen(windowed=causal, varlen=False, featured=bool(mods))
+        return _heuristics.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=False,
                                          deterministic=mode, windowed=causal, seqlen_q=seqlen,
                                          all_keys_seen=seen).variant
 
@@ -191,11 +201,12 @@ def run(args) -> int:
     with gpu.stream:
         for shape in args.shapes.split(","):
             head_dim, seqlen, causal, det = parse_shape(shape)
+            softcap = shape_softcap(shape)
             batch, heads = args.tokens // seqlen, args.hidden // head_dim
             sets = [tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch_dtype)
                           for _ in range(4)) for _ in range(N_INPUT_SETS)]
             inputs = [tuple(cupy.from_dlpack(x) for x in s) for s in sets]
-            saved = [cuflash.attention_forward(q, k, v, causal=causal)[:2] for q, k, v, _ in inputs]
+            saved = [cuflash.attention_forward(q, k, v, causal=causal, softcap=softcap)[:2] for q, k, v, _ in inputs]
             grads = tuple(cupy.empty_like(x) for x in inputs[0][:3])
 
             def contender_call(i, c: Contender):
@@ -212,8 +223,8 @@ def run(args) -> int:
                         with Installed(marked, lambda variant: load_kernel(c, variant)), \
                                 backward.force_kernel("bwd_sm90"):
                             return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                                              deterministic=det, dq=grads[0], dk=grads[1],
-                                                              dv=grads[2])
+                                                              softcap=softcap, deterministic=det, dq=grads[0],
+                                                              dk=grads[1], dv=grads[2])
                     finally:
                         _pipeline._memo = installed
                 return call

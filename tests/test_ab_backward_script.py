@@ -41,6 +41,8 @@ def test_contenders_and_shapes(ab):
     assert ab.parse_shape("128/8192") == (128, 8192, False, False)
     assert ab.parse_shape("256/2048cd") == (256, 2048, True, True)
     assert ab.parse_shape("64/512d") == (64, 512, False, True)
+    assert ab.parse_shape("64/8192cs") == (64, 8192, True, False)
+    assert ab.shape_softcap("64/8192cs") == ab.SOFTCAP > 0 and ab.shape_softcap("64/8192c") == 0
 
 
 def test_settings_reach_the_plan_and_leave_with_it(ab):
