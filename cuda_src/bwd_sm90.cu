@@ -52,7 +52,8 @@
 // for an A/B against the lockstep), CUFLASH_BWD_DQ_ASYNC (default 1: kDqAsync with kDeferDq; 0 for
 // an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
 // 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 1: kDqAsync for ordered dQ
-// too; 0 likewise).
+// too; 0 likewise), CUFLASH_BWD_RELAG (default 2: kDeferDq's lag made again every 2 steps; 0: at the
+// first step only, for an A/B).
 // Score modifiers and dropout take smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits
 // the columns as D = 256 does, D = 64 takes 64 query rows per step.
 #include "common.cuh"
@@ -87,6 +88,9 @@
 #endif
 #ifndef CUFLASH_BWD_ORDERED_DQ_ASYNC
 #define CUFLASH_BWD_ORDERED_DQ_ASYNC 1
+#endif
+#ifndef CUFLASH_BWD_RELAG
+#define CUFLASH_BWD_RELAG 2
 #endif
 
 namespace cuflash {
@@ -168,13 +172,18 @@ struct BwdSm90Config {
     // parts at once, while the tensor cores idle. At D = 128 with 64 rows, each step makes the
     // previous step's dQ instead (kDeferDq): the dS^T tiles (double buffered) pass between the
     // consumers by mbarriers (ds_full, ds_empty), the other consumer's half has long been in, and
-    // consumer 1 starts its walk once consumer 0 has its first dP^T: a lag of 0.35-0.42 of a step
-    // that holds through full walks (on long causal walks it shrinks to 0.13 by step 64). The stage
-    // goes back to the producer before the dQ product is in. H200, bf16 and fp16, 16k tokens: +4-5%
-    // at 2k and 4k rows, +1-3% causal up to 4k, none from 8k causal (NOTES, session 32); with 80
-    // rows, -1%.
+    // consumer 1 starts its walk once consumer 0 has its first dP^T (and again every kLagSteps
+    // steps, below): a lag of 0.35-0.42 of a step. The stage goes back to the producer before the
+    // dQ product is in. H200, bf16 and fp16, 16k tokens: +4-5% at 2k and 4k rows, +1-3% causal up
+    // to 4k, none from 8k causal (NOTES, session 32); with 80 rows, -1%.
     static constexpr bool kDeferDq =
         CUFLASH_BWD_DEFER_DQ != 0 && kDq && !kOrdered && !kSplitDims && kHeadDim == 128 && !kDqTransposed;
+    // The lag is made again every kLagSteps steps (lag_step): made at the first step alone it wore
+    // away along long walks, the stage waits taking it back (16k causal: 0.20 of a step at steps
+    // 1-3, 0.04 by step 64, none from step 128), and the step grew 2-3%. Every 2 steps: H200 bf16
+    // causal 16k +4-5%, 8k +2-3%, 1k-4k and 512 rows full within the controls' spread (NOTES,
+    // session 36).
+    static constexpr int kLagSteps = CUFLASH_BWD_RELAG > 0 ? CUFLASH_BWD_RELAG : 1 << 30;
     // With kDeferDq the consumers hand their shares over rather than add them themselves: they store
     // them and arrive on the buffer's dq_full, and the dQ writers of the producer's warpgroup (one per
     // buffer, as for ordered dQ) make the stores visible to the bulk copy (the proxy fence) and issue
@@ -229,9 +238,17 @@ struct BwdSm90Config {
 };
 
 // kDqHandOver's named barriers, per consumer and its writer warp, both sides at bar.sync: the
-// share is in the buffer / the buffer is free again. Ids 1-4 are the consumers' own (1: both
-// consumers, 2 + consumer: one warpgroup, 4: kDeferDq's lag).
+// share is in the buffer / the buffer is free again. Ids 1-4 and 9 are the consumers' own (1: both
+// consumers, 2 + consumer: one warpgroup, 4 and 9: kDeferDq's lag).
 constexpr int kDqFullBarrier = 5, kDqEmptyBarrier = 7, kDqBarrierThreads = 128 + 32;
+
+// kDeferDq's lag: whether consumer 1 starts this step only once consumer 0 has its dP^T (every
+// C::kLagSteps steps), and where they meet: ids 4 and 9 in turn, so that consumer 0, at most two
+// steps ahead (the stage ring), never arrives twice at one before consumer 1 has waited there.
+template <class C>
+__device__ __forceinline__ bool lag_step(int step) { return step % C::kLagSteps == 0; }
+template <class C>
+__device__ __forceinline__ int lag_barrier(int step) { return (step / C::kLagSteps) % 2 ? 9 : 4; }
 
 // The CTA's static shared memory: the stage ring's barriers (K/V loaded, stage full, stage empty),
 // each stage's lse2 and D rows and its tile ((query head << 16) | query tile; -1: the walk is over).
@@ -903,7 +920,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     for (;;) {
         int m_lo;
         if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo)) break;
-        if (C::kDeferDq && consumer == 1 && step == 0) named_barrier_sync(4, 128 * C::kConsumers);   // the lag
+        if (C::kDeferDq && consumer == 1 && lag_step<C>(step))   // the lag
+            named_barrier_sync(lag_barrier<C>(step), 128 * C::kConsumers);
         const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, in two groups: P^T is taken
@@ -973,7 +991,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             wgmma_wait<0>();
         }
         fence_registers(dp_flat);
-        if (C::kDeferDq && consumer == 0 && step == 0) named_barrier_arrive(4, 128 * C::kConsumers);   // the lag
+        if (C::kDeferDq && consumer == 0 && lag_step<C>(step))   // the lag
+            named_barrier_arrive(lag_barrier<C>(step), 128 * C::kConsumers);
 
         // dS^T element by element, into acc_dp as dL/dx.
         take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
