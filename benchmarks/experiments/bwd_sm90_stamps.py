@@ -11,14 +11,23 @@ by default the deferred dQ with the staggered start (on) and lockstep (off)::
 
     patch -p1 < benchmarks/experiments/bwd_sm90_stamps.patch
     python benchmarks/experiments/bwd_sm90_stamps.py ["on;CUFLASH_BWD_STAMPS=1" ...]
+
+The patch goes into the installed tree (the kernels are loaded from it, not from a contender's
+source directory). Walks longer than the patch's 128 steps: raise its kStampSteps and set
+STAMP_STEPS to the same; other shapes: STAMP_SHAPES, e.g. ``2/8192c,1/16384c`` (batch/seqlen, c:
+causal).
 """
+import os
 import sys
 
 import numpy as np
 
-CTAS, STEPS = 264, 128   # the patch's kStampCtas, kStampSteps
+CTAS, STEPS = 264, int(os.environ.get("STAMP_STEPS", 128))   # the patch's kStampCtas, kStampSteps
 SHAPES = [(4, 4096, False), (8, 2048, False), (2, 8192, True)]   # (batch, seqlen, causal), 16 heads of 128
-BUCKETS = [(0, 1), (1, 4), (4, 16), (16, 32), (32, 64), (64, 128)]
+if os.environ.get("STAMP_SHAPES"):
+    SHAPES = [(int(b), int(s.rstrip("c")), s.endswith("c"))
+              for b, s in (x.split("/") for x in os.environ["STAMP_SHAPES"].split(","))]
+BUCKETS = [(0, 1), (1, 4), (4, 16), (16, 32), (32, 64), (64, 128), (128, 192), (192, 256)]
 COLUMNS = ("lag", "|lag|", "wait0", "wait1", "out0", "prodwait", "ahead")
 
 
