@@ -243,8 +243,9 @@ struct BwdSm90Config {
 constexpr int kDqFullBarrier = 5, kDqEmptyBarrier = 7, kDqBarrierThreads = 128 + 32;
 
 // kDeferDq's lag: whether consumer 1 starts this step only once consumer 0 has its dP^T (every
-// C::kLagSteps steps), and where they meet: ids 4 and 9 in turn, so that consumer 0, at most two
-// steps ahead (the stage ring), never arrives twice at one before consumer 1 has waited there.
+// C::kLagSteps steps), and where they meet: ids 4 and 9 in turn. Consumer 0 cannot finish step
+// k + 1 before consumer 1 has passed the top of step k (it waits for consumer 1's dS^T of step k),
+// so it never arrives twice at one id before consumer 1 has waited there.
 template <class C>
 __device__ __forceinline__ bool lag_step(int step) { return step % C::kLagSteps == 0; }
 template <class C>

@@ -392,6 +392,11 @@ def ci_variants() -> list[tuple[Variant, str]]:
     ordered = [_with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) for v, arch in pairs
                if arch == "sm_90a" and v.family == "bwd_sm90" and dict(v.defines)["CUFLASH_BWD_DQ"] == 2]
     pairs += [(v, "sm_90a") for v in dict.fromkeys(ordered)]
+    # And CUFLASH_BWD_RELAG = 0 (the consumers' lag made at the first step only, the A/B's other
+    # side; cuda_src/bwd_sm90.cu), beside the variants that defer dQ with two stages.
+    lag = [_with_define(v, "CUFLASH_BWD_RELAG", 0) for v, arch in pairs
+           if arch == "sm_90a" and _defers_dq(v) and dict(v.defines)["CUFLASH_STAGES"] == 2]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(lag)]
     return pairs
 
 

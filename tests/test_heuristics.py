@@ -453,6 +453,17 @@ def test_bwd_sm90_ordered_dq_async_option_in_the_sweep():
         assert H._with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) in ci
 
 
+def test_bwd_sm90_first_step_lag_option_in_the_sweep():
+    # CUFLASH_BWD_RELAG = 0 (the consumers' lag made at the first step only, kept for A/Bs): the CPU
+    # compile sweep builds it beside every two-stage bwd_sm90 variant that defers dQ.
+    ci = [v for v, arch in H.ci_variants() if arch == "sm_90a" and v.family == "bwd_sm90"]
+    deferring = [v for v in ci if H._defers_dq(v) and dict(v.defines)["CUFLASH_STAGES"] == 2
+                 and "CUFLASH_BWD_RELAG" not in dict(v.defines)]
+    assert deferring
+    for v in deferring:
+        assert H._with_define(v, "CUFLASH_BWD_RELAG", 0) in ci
+
+
 def test_bwd_tail_pairs_only_for_shrinking_walks():
     # The last BWD_TAIL_WAVES waves' worth of (slot, sequence) pairs of a causal grid go block by
     # block (a wave: 132 CTAs here); none without a causal mask or with ordered dQ, never more than
