@@ -76,9 +76,13 @@ def parse_contender(spec: str) -> Contender:
     return Contender(name, Path(src).resolve() if src else None, defines, constants)
 
 
+def _flags(shape: str) -> str:
+    return shape[len(shape.rstrip("cds")):]
+
+
 def parse_shape(shape: str) -> tuple[int, int, bool, bool]:
     """``D/S[c][d][s]`` -> (head_dim, seqlen, causal, deterministic); the softcap: shape_softcap."""
-    flags = shape[len(shape.rstrip("cds")):]
+    flags = _flags(shape)
     head_dim, seqlen = (int(x) for x in shape.rstrip("cds").split("/"))
     return head_dim, seqlen, "c" in flags, "d" in flags
 
@@ -88,7 +92,7 @@ SOFTCAP = 30.0
 
 def shape_softcap(shape: str) -> float:
     """The softcap of a shape's cuflash calls: SOFTCAP with the ``s`` flag, else 0 (none)."""
-    return SOFTCAP if "s" in shape[len(shape.rstrip("cds")):] else 0.0
+    return SOFTCAP if "s" in _flags(shape) else 0.0
 
 
 def with_defines(variant: Variant, defines: dict) -> Variant:

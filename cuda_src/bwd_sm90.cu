@@ -205,6 +205,9 @@ struct BwdSm90Config {
     static constexpr bool kDqHandOver =
         kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
     static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
+    // Shares that pass to the writers through mbarriers (dq_full, dq_empty; kDqHandOver's meet at
+    // named barriers instead).
+    static constexpr bool kDqMbarriers = kOrdered || kDqAsync;
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
     // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
     static constexpr bool kWindowed = !kDqTransposed;
@@ -264,7 +267,7 @@ struct BwdSm90Shared {
     alignas(16) float lse2[C::kStages][C::kBlockM];
     alignas(16) float dsum[C::kStages][C::kBlockM];
     unsigned long long barriers[1 + 2 * C::kStages];
-    unsigned long long dq_barriers[C::kOrdered || C::kDqAsync ? 2 * C::kConsumers * 2 : 1];
+    unsigned long long dq_barriers[C::kDqMbarriers ? 2 * C::kConsumers * 2 : 1];
     unsigned long long ds_barriers[C::kDeferDq ? 4 : 1];
     int tile_of_stage[C::kStages];
     int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
@@ -1337,7 +1340,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(sh.full(stage), 1);
             mbar_init(sh.empty(stage), 128 * C::kConsumers);   // every consumer thread frees a stage
         }
-        if constexpr (C::kOrdered || C::kDqAsync) {
+        if constexpr (C::kDqMbarriers) {
             for (int i = 0; i < 2 * C::kConsumers; ++i) {
                 mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // each warp arrives
                 mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
