@@ -152,6 +152,11 @@ def current_stream_ptr(device_id: int = -1) -> int:
 # synchronising (a fault shows at a later call, the way CUDA reports asynchronous errors).
 REPORT_SLOTS = {"decode": 0, "attention_varlen": 1, "attention_varlen_backward": 2}
 
+# Calls whose temporaries take at most this many bytes take them from their stream's arena instead
+# of CuPy's pool (~1 us of host time a call): their kernels are short, so the host time is what the
+# user waits for. Larger temporaries belong to kernels that run far longer than an allocation.
+ARENA_BYTES = 2 << 20   # a power of two (StreamState.arena)
+
 
 class StreamState:
     """The device words and fault reports of one real stream on one device.
@@ -160,7 +165,9 @@ class StreamState:
     0); ``error``: the verdict of the call's index check; ``scratch``: the check kernel's two words;
     :meth:`split_counters`: zeroed counters of finished splits (split-KV decode, left at 0).
     ``reports``: the host-mapped fault slots, and ``plans``: the plan of the last checked call of
-    each slot (its shapes word the error message).
+    each slot (its shapes word the error message). :meth:`arena`: the small temporaries of calls on
+    this stream, and ``tails``: plan -> what its calls here pass after their operands (the
+    temporaries' pointers and the stream's words, see :meth:`cuflash._pipeline.Plan.run`), made once.
     """
 
     def __init__(self, device_id: int):
@@ -182,6 +189,8 @@ class StreamState:
         with cupy.cuda.Device(device_id):
             self._counters = cupy.zeros(1024, dtype=np.int32)
         self._old_counters = []
+        self._arena, self._arena_bytes, self._old_arenas = None, 0, []
+        self.tails = {}
 
     def split_counters(self, n: int) -> int:
         """The address of at least ``n`` zeroed int32 counters (kernels leave them at zero). A larger
@@ -198,7 +207,24 @@ class StreamState:
             with cupy.cuda.Device(self._device_id):
                 self._old_counters.append(self._counters)
                 self._counters = cupy.zeros(size, dtype=np.int32)
+            self.tails.clear()
         return self._counters.data.ptr
+
+    def arena(self, nbytes: int):
+        """A MemoryPointer to at least ``nbytes`` (<= ARENA_BYTES) bytes for the temporaries of one
+        call at a time on this stream: the stream runs its calls one after the other, so each may
+        use it whole. A larger request replaces it by one of the next power of two; the old one is
+        kept (a captured graph may still use it), so all of them together stay under 2 * ARENA_BYTES."""
+        if nbytes > self._arena_bytes:
+            cupy = _cupy()
+            size = max(1 << (nbytes - 1).bit_length(), 64 << 10)
+            with cupy.cuda.Device(self._device_id):
+                arena = cupy.cuda.alloc(size)
+            if self._arena is not None:
+                self._old_arenas.append(self._arena)
+            self._arena, self._arena_bytes = arena, size
+            self.tails.clear()
+        return self._arena
 
     def workspace(self, plan):
         """Temporaries of ``plan`` kept by this stream (for streams whose freed memory CuPy's pool

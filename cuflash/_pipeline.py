@@ -172,8 +172,9 @@ class Plan:
     REPORT, SPLIT_COUNTERS), then dropout's state (DROPOUT_STATE, SEED, OFFSET).
 
     Under CUDA graph capture (CuPy's current stream capturing), what a replay needs must outlive the
-    call and may not be read on the host: the temporaries come from a workspace that the stream
-    keeps (a pinned plan's own, or :meth:`cuflash._launch.StreamState.workspace`), and a call that
+    call and may not be read on the host: the temporaries come from memory that the stream keeps
+    (its arena for small ones, which it never frees, :meth:`cuflash._launch.StreamState.arena`; a
+    pinned plan's own workspace; :meth:`cuflash._launch.StreamState.workspace`), and a call that
     draws dropout takes its (seed, offset) on the GPU, from its generator's graph state, by a launch
     of ``cuda_src/rng_state.cu`` ahead of its steps; its kernels read them through DROPOUT_STATE.
     Graphs captured on one stream share that stream's words and workspaces, as calls on it do: run
@@ -229,7 +230,6 @@ class Plan:
         # Plan.run 2.2 -> 1.8 us on a 2-core CPU (benchmarks/NOTES.md, session 31).
         self._output_ptrs = _getter(self._output_indices)
         self._results_of = _getter(self.results)
-        self._report = self.index("report")
         self._graphs = threading.local()   # per thread: (device, stream, kernels) -> _graph.KernelGraph
 
     def _output_layout(self, missing):
@@ -275,7 +275,8 @@ class Plan:
         Returns
         -------
         (results, temps, rng_state): the output arrays (the caller's or new ones, in the order of
-        ``results``), the temporaries (the workspace's arrays, or the one allocation holding them:
+        ``results``), the temporaries (the workspace's arrays, or the one allocation holding them,
+        the stream's arena for small ones, valid until the next call on the stream:
         ``temp_array(temps, i)`` views one), and the dropout state drawn (numpy uint64 (2,); under
         capture a CuPy uint64 (2,) array that each replay fills; None without dropout or when given).
 
@@ -292,9 +293,6 @@ class Plan:
         device_id = cupy.cuda.runtime.getDevice()
         stream = _launch.current_stream_ptr(device_id)
         state = _launch.stream_state(device_id, stream)
-        pinned = _pinned.get()
-        if workspace is None and pinned is not None and pinned.plan is self:
-            workspace = pinned.workspace(device_id, stream)
         if self.slot is not None:
             _raise_fault(state, self.slot)
         capturing = None   # asked only where the answer changes what the call does
@@ -306,15 +304,33 @@ class Plan:
                                    "the replay write nothing and is raised by the next call on the stream or by "
                                    "cuflash.check_errors())")
         if workspace is None and self.temps:
-            if stream == _launch.PER_THREAD_STREAM:
-                # CuPy's pool files freed blocks under the stream's handle, which every thread's
-                # per-thread stream shares: a block freed here could go to another thread while this
-                # thread's kernels still use it. Each thread keeps its temporaries instead.
-                workspace = state.workspace(self)
-            else:
-                capturing = cupy.cuda.runtime.streamIsCapturing(stream)
-                if capturing:   # the graph uses them at every replay: the stream keeps them
+            pinned = _pinned.get()
+            if pinned is not None and pinned.plan is self:
+                workspace = pinned.workspace(device_id, stream)
+        # What follows the operands' pointers in the values: the temporaries' pointers and the
+        # stream's words, made once per stream for the plans whose temporaries fit the arena.
+        if workspace is None and self._temp_bytes <= _launch.ARENA_BYTES:
+            temps, tail = state.tails.get(self) or self._arena_tail(state)
+        else:
+            if workspace is None:
+                if stream == _launch.PER_THREAD_STREAM:
+                    # CuPy's pool files freed blocks under the stream's handle, which every thread's
+                    # per-thread stream shares: a block freed here could go to another thread while
+                    # this thread's kernels still use it. Each thread keeps its temporaries instead.
                     workspace = state.workspace(self)
+                else:
+                    capturing = cupy.cuda.runtime.streamIsCapturing(stream)
+                    if capturing:   # the graph uses them at every replay: the stream keeps them
+                        workspace = state.workspace(self)
+            if workspace is not None:
+                temps = workspace
+                tail = [t.data.ptr for t in temps]
+            else:
+                # One allocation for all temporaries; the pool reuses it only after this stream's
+                # work, so dropping it at return is safe.
+                temps = cupy.cuda.alloc(self._temp_bytes)
+                tail = [temps.ptr + offset for offset in self._temp_offsets]
+            tail += self._stream_words(state)
         draw = None
         if self.dropout is not None and rng_state is None:
             source = generator or _default_generator()
@@ -324,7 +340,7 @@ class Plan:
                 draw = _graph_draw(cupy, source, device_id, state, rng_output, self.entry)
             else:
                 rng_state = source.next_state()
-        values = list(ptrs)
+        values = ptrs + tail
         made = None
         if self._output_indices and not all(self._output_ptrs(values)):
             missing = tuple([index for index in self._output_indices if not values[index]])
@@ -339,21 +355,6 @@ class Plan:
                 for index, shape, dtype, offset in layout[0]:
                     made[index] = ndarray(shape, dtype, memory + offset if offset else memory)
                     values[index] = base + offset
-        if workspace is not None:
-            temps = workspace
-            temp_ptrs = [t.data.ptr for t in temps]
-        elif self.temps:
-            # One allocation for all temporaries; the pool reuses it only after this stream's work,
-            # so dropping it at return is safe.
-            temps = cupy.cuda.alloc(self._temp_bytes)
-            temp_ptrs = [temps.ptr + offset for offset in self._temp_offsets]
-        else:
-            temps, temp_ptrs = [], []
-        for i in self._zeroed:   # accumulators start at zero at every call, owned ones too
-            cupy.cuda.runtime.memsetAsync(temp_ptrs[i], 0, self.temps[i].nbytes, stream)
-        values += temp_ptrs
-        values += (state.counter, state.error, state.scratch, 0,
-                   state.split_counters(self.split_counters) if self.split_counters else 0)
         drawn = None
         if self.dropout is not None:
             if draw is not None:
@@ -365,11 +366,12 @@ class Plan:
                 seed, offset = int(rng_state[0]), int(rng_state[1])
                 values += (0, seed, offset & 0xFFFFFFFF)
                 drawn = np.array([seed, offset], dtype=np.uint64)
+        for i in self._zeroed:   # accumulators start at zero at every call, owned ones too
+            cupy.cuda.runtime.memsetAsync(tail[i], 0, self.temps[i].nbytes, stream)
         steps = self.steps
         if draw is not None:
             draw[0].launch(draw[1], stream)
         if self.checked:
-            values[self._report] = state.report_ptr(self.slot)
             state.plans[self.slot] = self
             if check:
                 steps[0].launch(values, stream)
@@ -388,6 +390,23 @@ class Plan:
         if made:
             results = [made.get(i, x) for i, x in zip(self.results, results)]
         return results, temps, drawn
+
+    def _stream_words(self, state) -> list:
+        """The stream's words in a call's values (COUNTER .. SPLIT_COUNTERS)."""
+        return [state.counter, state.error, state.scratch, state.report_ptr(self.slot) if self.checked else 0,
+                state.split_counters(self.split_counters) if self.split_counters else 0]
+
+    def _arena_tail(self, state):
+        """(temps, tail) of a call on ``state``'s stream with the temporaries in its arena, kept in
+        ``state.tails`` (which the arena's and the split counters' growth clears)."""
+        if self.temps:
+            temps = state.arena(self._temp_bytes)
+            tail = [temps.ptr + offset for offset in self._temp_offsets]
+        else:
+            temps, tail = [], []
+        tail += self._stream_words(state)
+        state.tails[self] = (temps, tail)
+        return temps, tail
 
     def _graph(self, device_id: int, stream: int, steps):
         """The calling thread's graph of ``steps`` for this stream (made at its first use)."""
@@ -711,15 +730,21 @@ def lookup(entry: str, operands, options):
     # CuPy's current device is asked once the operands allow a lookup (a host array must still get
     # its TypeError on a machine without a GPU), and only once: the torch stream check needs it too.
     torch_device = current_device = None
+    bits = 0   # the OR of the pointers: 16-byte alignment is checked operand by operand only if it has low bits
     for x in operands:
+        if x is None:
+            describe(None)
+            point(0)
+            continue
         kind = type(x)
         if kind is ndarray:
             memory = x.data
-            describe((x.shape, x.strides, x.dtype, memory.device_id))
-            point(memory.ptr)
-        elif x is None:
-            describe(None)
-            point(0)
+            # A C-contiguous array's strides follow from its shape, except along axes of length 1,
+            # where no address depends on them: the flag stands for them (0.2 us a call per array).
+            describe((x.shape, x._c_contiguous or x.strides, x.dtype, memory.device_id))
+            ptr = memory.ptr
+            point(ptr)
+            bits |= ptr
         elif kind in _torch_types or _is_torch_tensor(x):
             device = x.get_device()   # -1 on the host
             if device != torch_device:
@@ -730,7 +755,9 @@ def lookup(entry: str, operands, options):
                     return None, None
                 torch_device = device
             describe(("torch", x.shape, x.stride(), x.dtype, device))
-            point(x.data_ptr())
+            ptr = x.data_ptr()
+            point(ptr)
+            bits |= ptr
         else:
             return None, None
     if current_device is None:
@@ -752,9 +779,10 @@ def lookup(entry: str, operands, options):
     record = _planning.get()
     if record is not None:
         record["key"] = key
-    for i in plan.aligned:
-        if ptrs[i] % 16:
-            return None, None
+    if bits & 15:
+        for i in plan.aligned:
+            if ptrs[i] % 16:
+                return None, None
     return plan, ptrs
 
 

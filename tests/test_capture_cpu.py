@@ -189,7 +189,13 @@ class _StreamState:
     counter, error, scratch = 0x9000, 0x9004, 0x9008
 
     def __init__(self):
-        self.plans, self.kept = [None] * 3, {}
+        self.plans, self.kept, self.tails, self.arenas = [None] * 3, {}, {}, []
+
+    def arena(self, nbytes):
+        if not self.arenas or nbytes > self.arenas[-1][1]:
+            self.arenas.append((_Memory(0x5000_0000 + 0x100_0000 * len(self.arenas)), nbytes))
+            self.tails.clear()
+        return self.arenas[-1][0]
 
     def report_ptr(self, slot):
         return 0xB000 + 16 * slot
@@ -314,12 +320,38 @@ def test_dropout_under_capture_needs_a_graph_state(fake_run):
         "a refused call launched, zeroed or allocated something"
 
 
-def test_temporaries_under_capture_are_kept_by_the_stream(fake_run):
+def test_small_temporaries_come_from_the_streams_arena(fake_run):
+    # Captured or not, without asking: the arena is never freed, so a graph may keep using it.
     temps = (_pipeline.Buffer((32, 4), np.float32), _pipeline.Buffer((16,), np.float32, zero=True))
+    plan = _pipeline.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
+    for capturing in (False, True, False):
+        fake_run.capturing = capturing
+        fake_run.log.clear()
+        _, got, _ = plan.run((None,) * 5, [0x10] * 5)
+        arena = fake_run.state.arenas[-1][0]
+        assert got is arena and fake_run.state.arenas[-1][1] == 768   # two blocks of 256-byte multiples
+        values = fake_run.log[0][1]
+        assert values[plan.temp_index(0)] == arena.ptr and values[plan.temp_index(1)] == arena.ptr + 512
+        assert values[5 + 2:5 + 5] == [0x9000, 0x9004, 0x9008]   # then the stream's words
+    assert fake_run.allocations == [] and fake_run.queries == 0 and len(fake_run.state.arenas) == 1
+    assert [m[0] for m in fake_run.memsets] == [arena.ptr + 512] * 3, "the accumulator is zeroed at every call"
+    # A plan with more temporaries grows the arena; the first plan's calls then use the new one.
+    bigger = _pipeline.Plan("attention", 5, temps=(_pipeline.Buffer((4096,), np.float32),),
+                            steps=[_Recorder("fwd", fake_run.log)])
+    bigger.run((None,) * 5, [0x10] * 5)
+    fake_run.log.clear()
+    plan.run((None,) * 5, [0x10] * 5)
+    assert fake_run.log[0][1][plan.temp_index(0)] == fake_run.state.arenas[-1][0].ptr != arena.ptr
+
+
+def test_large_temporaries_under_capture_are_kept_by_the_stream(fake_run):
+    temps = (_pipeline.Buffer((_launch.ARENA_BYTES // 4,), np.float32),
+             _pipeline.Buffer((16,), np.float32, zero=True))
     plan = _pipeline.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
     plan.run((None,) * 5, [0x10] * 5)
     plan.run((None,) * 5, [0x10] * 5)
     assert len(fake_run.allocations) == 2 and fake_run.state.kept == {}, "outside a capture: one block per call"
+    assert fake_run.state.arenas == []
     fake_run.allocations.clear()
     fake_run.memsets.clear()
     fake_run.capturing = True

@@ -308,6 +308,7 @@ class StandIn:
         dense = c_strides(self.shape, self.itemsize)
         contiguous = all(s == c for n, s, c in zip(self.shape, self.strides, dense) if n > 1)
         self.flags = SimpleNamespace(c_contiguous=contiguous)
+        self._c_contiguous = contiguous   # what the plan memo reads (cuflash/_pipeline.py, lookup)
         self.room = room
 
     def reshape(self, shape):

@@ -93,6 +93,72 @@ def test_per_thread_default_stream_is_keyed_by_thread():
     assert keys["a"][1] == keys["b"][1] and keys["a"][2] == keys["b"][2], "one real stream, two states"
 
 
+def _unowned(shape, dtype, ptr, strides=None):
+    """A CuPy array over a made-up device address (CuPy builds one without a GPU)."""
+    cupy = pytest.importorskip("cupy")
+    from cupy.cuda import memory
+
+    mem = memory.UnownedMemory(ptr, 1 << 30, None, device_id=0)
+    return cupy.ndarray(shape, dtype, memory.MemoryPointer(mem, 0), strides=strides)
+
+
+def test_lookup_keys_contiguous_arrays_by_shape_not_strides(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(_pipeline, "_memo", {})
+    base = 0x7000_0000_0000
+    a = _unowned((1, 4, 2, 8), np.float16, base)
+    plan, key = _pipeline.lookup("probe", (a, None), ("option",))
+    assert plan is None and key is not None
+    made = _pipeline.Plan("probe", 2, aligned=(0,))
+    _pipeline.remember(key, made)
+    # The batch axis has length 1: its stride moves no address, and the plan serves both.
+    b = _unowned((1, 4, 2, 8), np.float16, base + (1 << 20), strides=(2, 32, 16, 2))
+    assert b._c_contiguous and b.strides != a.strides
+    assert _pipeline.lookup("probe", (b, None), ("option",)) == (made, [b.data.ptr, 0])
+    # Strides that move addresses, another shape, dtype or option, an absent operand: other plans.
+    c = _unowned((1, 4, 2, 8), np.float16, base, strides=(128, 16, 64, 2))
+    misses = [(c, None), (_unowned((1, 4, 2, 16), np.float16, base), None),
+              (_unowned((1, 4, 2, 8), np.float32, base), None), (None, a)]
+    for operands in misses:
+        assert _pipeline.lookup("probe", operands, ("option",))[0] is None
+    assert _pipeline.lookup("probe", (a, None), ("other",))[0] is None
+    # A pointer the plan needs aligned that is not: no replay (the full path copies it).
+    assert _pipeline.lookup("probe", (_unowned((1, 4, 2, 8), np.float16, base + 8), None), ("option",)) \
+        == (None, None)
+    # An operand not aligned that the plan does not need aligned replays.
+    made.aligned = ()
+    shifted = _unowned((1, 4, 2, 8), np.float16, base + 8)
+    assert _pipeline.lookup("probe", (shifted, None), ("option",)) == (made, [base + 8, 0])
+
+
+def test_a_streams_arena_grows_and_keeps_what_it_replaced(monkeypatch):
+    allocations = []
+
+    def alloc(nbytes):
+        allocations.append(nbytes)
+        return SimpleNamespace(ptr=0x1000_0000 * len(allocations), size=nbytes)
+
+    import contextlib
+
+    cupy = SimpleNamespace(cuda=SimpleNamespace(alloc=alloc, Device=lambda device: contextlib.nullcontext()))
+    monkeypatch.setattr(_launch, "_cupy", lambda: cupy)
+    state = _launch.StreamState.__new__(_launch.StreamState)   # its device words are not needed here
+    state._device_id, state.tails = 0, {}
+    state._arena, state._arena_bytes, state._old_arenas = None, 0, []
+    first = state.arena(1000)
+    assert allocations == [64 << 10] and state.arena(64 << 10) is first, "the smallest arena is 64 KiB"
+    state.tails["plan"] = "tail"
+    second = state.arena((64 << 10) + 1)
+    assert allocations[-1] == 128 << 10 and second is not first and state.tails == {}, \
+        "a larger arena (the next power of two) forgets the tails that point into the old one"
+    assert state._old_arenas == [first], "a graph may still use the old arena: it is kept"
+    state.arena(_launch.ARENA_BYTES - 5)
+    state.arena(_launch.ARENA_BYTES)
+    assert allocations[-1] == _launch.ARENA_BYTES, "sizes are powers of two: ARENA_BYTES serves both"
+    assert sum(allocations) < 2 * _launch.ARENA_BYTES
+
+
 def test_check_flag(monkeypatch):
     monkeypatch.setattr(_checks, "_CHECK_DEFAULT", False)
     assert _checks.check_flag(None) is False
@@ -344,7 +410,7 @@ class _Stream:
     counter, error, scratch = 0x9000, 0x9004, 0x9008
 
     def __init__(self, fault=None):
-        self.fault, self.plans, self.events = fault, [None] * 3, []
+        self.fault, self.plans, self.events, self.tails = fault, [None] * 3, [], {}
 
     def report_ptr(self, slot):
         return 0xB000 + 16 * slot

@@ -46,6 +46,7 @@ class Arr:
         self.nbytes = self.size * self.itemsize
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.flags = SimpleNamespace(c_contiguous=strides is None)
+        self._c_contiguous = strides is None   # what the plan memo reads (cuflash/_pipeline.py, lookup)
 
     def reshape(self, shape):
         extra = len(shape) - self.ndim
