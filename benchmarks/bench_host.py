@@ -30,7 +30,10 @@ peers measured in the same run. Three parts:
    has no torch peer.
    Bars (issue 15): attention <= 15 us (CuPy) / 25 us (torch); attention_backward <= 25 us;
    decode contiguous and paged <= 20 us (CuPy) / 30 us (torch); merge_states <= 10 us; and never
-   more than cuDNN's host time for the same call.
+   more than cuDNN's host time for the same call. The first row, ``launch floor``, is what any
+   caller pays on this host: an empty kernel through cuLaunchKernel (CuPy's binding, as cuflash
+   launches), and ``torch.add`` of two small tensors; the host's speed moves between and within
+   leases, and this row measures it beside the others.
 2. **End-to-end decode** (``decode``) at (B, L) = (8, 8k), (1, 128k), (32, 4k), (1, 32k), bf16,
    GQA 32/8, D = 128, one new token (Sq = 1, the cache full: ``cache_seqlens`` = L on the GPU),
    contiguous and paged (page 16, pages in random order): cuflash from torch tensors and from
@@ -567,9 +570,31 @@ def host_cases(env):
     return cases
 
 
+def launch_floor(env):
+    """The host row of what any caller pays on this host: host us per call of an empty kernel
+    launched through the driver's cuLaunchKernel (CuPy's binding, as cuflash launches; cupy column)
+    and of ``torch.add`` on two small tensors (one kernel behind torch's dispatcher; torch column).
+    Host speed moves between leases and within one (benchmarks/NOTES.md): this row says how fast
+    the host is while the rows below it are measured."""
+    cp, torch = env.cp, env.torch
+    kernel = cp.RawKernel('extern "C" __global__ void empty() {}', "empty")
+    kernel((1,), (32,))   # loads it on this device
+    launch, func, stream = cp.cuda.driver.launchKernel, kernel.kernel.ptr, cp.cuda.get_current_stream().ptr
+    contenders = {"cupy": (lambda: launch(func, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), None)}
+    if torch is not None:
+        a, c = torch.ones(16, device="cuda"), torch.empty(16, device="cuda")
+        contenders["torch"] = (lambda: torch.add(a, a, out=c), None)
+    row = dict(entry="launch floor", problem="empty kernel (cuLaunchKernel) / torch.add")
+    for name, host in host_us_each(env, contenders).items():
+        row[f"{name} us"] = host
+    log("  " + " ".join(f"{col}={fmt(row.get(col), 2)}" for col in ("cupy us", "torch us")))
+    return row
+
+
 def bench_host(env):
     cp = env.cp
-    rows = []
+    log("host: launch floor")
+    rows = [launch_floor(env)]
     for case in host_cases(env):
         log(f"host: {case.name} ({case.problem})")
         row = dict(entry=case.name, problem=case.problem)
@@ -633,7 +658,7 @@ def _number(x):
     if isinstance(x, str):
         try:
             return float(x.split()[0].rstrip("*"))
-        except ValueError:
+        except (ValueError, IndexError):   # IndexError: an empty cell
             return None
     return x
 
@@ -872,7 +897,7 @@ def write_png(csv_path, png_path):
     entries = [r["entry"] for r in host]
     for i, (column, name) in enumerate((("cupy us", "cuflash, CuPy arrays"), ("torch us", "cuflash, torch tensors"),
                                        ("cudnn us", "SDPA cuDNN"))):
-        values = [float(r[column]) if r[column] else 0.0 for r in host]
+        values = [float(_number(r.get(column)) or 0.0) for r in host]
         right.barh([j + i * 0.27 for j in range(len(entries))], values, 0.27, label=name)
     right.set_yticks([j + 0.27 for j in range(len(entries))], entries)
     right.invert_yaxis()

@@ -754,7 +754,7 @@ def lookup(entry: str, operands, options):
                 if not _torch_stream_matches(device, current_device):
                     return None, None
                 torch_device = device
-            describe(("torch", x.shape, x.stride(), x.dtype, device))
+            describe(("torch", x.shape, x.is_contiguous() or x.stride(), x.dtype, device))   # as CuPy's above
             ptr = x.data_ptr()
             point(ptr)
             bits |= ptr

@@ -688,6 +688,41 @@ def test_misaligned_base_takes_the_full_path(name, monkeypatch):
     assert len(calls) == 1, "an aligned repeat did not replay the remembered plan"
 
 
+def _restrided(x, strides):
+    """A copy of CuPy array ``x`` laid out with the byte ``strides`` (each a multiple of the item
+    size; the copy's memory spans what they reach)."""
+    span = sum((n - 1) * s for n, s in zip(x.shape, strides)) + x.itemsize
+    base = cupy.empty(span // x.itemsize + 1, dtype=x.dtype)
+    y = cupy.lib.stride_tricks.as_strided(base, x.shape, strides)
+    y[...] = x
+    return y
+
+
+@pytest.mark.parametrize("frontend", ["cupy", "torch"])
+def test_strides_key_a_plan_except_along_axes_of_length_one(frontend, monkeypatch):
+    """The memo keys C-contiguous operands by their shape alone: a q whose only other stride is
+    along its batch axis of length 1 replays the plan; one of the same shape laid out heads before
+    rows takes the full path. Both are right."""
+    convert = (lambda x: x) if frontend == "cupy" else _torch().from_dlpack
+    if frontend == "torch":
+        _torch_on_cupy_stream(_torch())
+    shape = dict(ATT_SHAPE, B=1)
+    s, h, d = shape["Sq"], shape["Hq"], shape["D"]
+    _pipeline.clear_memo()
+    calls = _spy(monkeypatch, attention_module, "_plan_attention")
+    for n, strides in enumerate((None, (2, h * d * 2, d * 2, 2), (s * h * d * 2, d * 2, s * d * 2, 2))):
+        q, k, v = tt.random_qkv(shape, "bfloat16", 140 + n, xp=cupy)
+        if strides is not None:
+            q = _restrided(q, strides)
+        assert q.strides == (strides or q.strides)
+        out = _poisoned(q.shape, q.dtype)
+        result = cuflash.attention(convert(q), convert(k), convert(v), causal=True, out=convert(out))
+        cupy.cuda.Device().synchronize()
+        _check_attention(dict(q=q, k=k, v=v), _as_cupy(result))
+        assert len(calls) == (1, 1, 2)[n], ("the first call plans", "strides along a length-1 axis missed the plan",
+                                            "replayed a plan made for other strides")[n]
+
+
 def test_misaligned_torch_tensor_takes_the_full_path(monkeypatch):
     torch = _torch()
     _torch_on_cupy_stream(torch)
