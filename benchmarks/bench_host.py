@@ -578,7 +578,7 @@ def launch_floor(env):
     the host is while the rows below it are measured."""
     cp, torch = env.cp, env.torch
     kernel = cp.RawKernel('extern "C" __global__ void empty() {}', "empty")
-    kernel((1,), (32,))   # loads it on this device
+    kernel((1,), (32,), ())   # loads it on this device
     launch, func, stream = cp.cuda.driver.launchKernel, kernel.kernel.ptr, cp.cuda.get_current_stream().ptr
     contenders = {"cupy": (lambda: launch(func, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), None)}
     if torch is not None:
