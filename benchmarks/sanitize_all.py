@@ -17,7 +17,8 @@ How: the script re-executes itself, first without the sanitizer (the warm pass: 
 parallel threads, exactly the kernel variants the cases need, since NVRTC under the sanitizer is slow,
 warms CuPy's kernel cache, and runs every case once), then under
 ``compute-sanitizer --tool X --error-exitcode 1`` with CuPy's memory pool off (each array its own
-cudaMalloc, so memcheck sees accesses past an array's end). Each case runs between two markers and
+cudaMalloc, so memcheck sees accesses past an array's end; a call's temporaries in one allocation of
+their size, not in the stream's arena). Each case runs between two markers and
 synchronises at its end; a sanitizer report is put on the case whose markers surround it (rerun a case
 alone with ``--only`` to be sure). A case that leaves the CUDA context unusable (a kernel killed by
 memcheck) ends that process; the run goes on in a new one from the next case. At the end: one table
@@ -518,6 +519,10 @@ def inner(args) -> int:
         _compile_needed(indices, arch)
     if args.sanitized and not args.pool:
         cp.cuda.set_allocator(None)   # each array its own cudaMalloc: memcheck sees past its end
+        # Temporaries too, allocated per call rather than in the stream's arena (cuflash/_launch.py).
+        from cuflash import _launch
+
+        _launch.ARENA_BYTES = 0
     failed = 0
     for i in indices:
         case = CASES[i]
