@@ -405,6 +405,8 @@ class Plan:
         else:
             temps, tail = [], []
         tail += self._stream_words(state)
+        if len(state.tails) >= _MEMO_ENTRIES:   # bounded like the memo (each entry keeps its plan alive)
+            state.tails.clear()
         state.tails[self] = (temps, tail)
         return temps, tail
 

@@ -344,6 +344,16 @@ def test_small_temporaries_come_from_the_streams_arena(fake_run):
     assert fake_run.log[0][1][plan.temp_index(0)] == fake_run.state.arenas[-1][0].ptr != arena.ptr
 
 
+def test_a_streams_tails_stay_bounded(fake_run, monkeypatch):
+    # Each plan run on a stream keeps its tail (and so the plan) there: at most as many as the memo.
+    monkeypatch.setattr(_pipeline, "_MEMO_ENTRIES", 4)
+    for n in range(10):
+        plan = _pipeline.Plan("attention", 5, temps=(_pipeline.Buffer((16,), np.float32),),
+                              steps=[_Recorder("fwd", fake_run.log)])
+        plan.run((None,) * 5, [0x10] * 5)
+        assert plan in fake_run.state.tails and len(fake_run.state.tails) <= 4
+
+
 def test_large_temporaries_under_capture_are_kept_by_the_stream(fake_run):
     temps = (_pipeline.Buffer((_launch.ARENA_BYTES // 4,), np.float32),
              _pipeline.Buffer((16,), np.float32, zero=True))
