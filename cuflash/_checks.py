@@ -125,6 +125,8 @@ _CHECK_DEFAULT = os.environ.get("CUFLASH_CHECK", "").strip() not in ("", "0")
 
 def check_flag(value, name: str = "check") -> bool:
     """A bool argument; for ``check`` (the entry points with index arrays) None = ``$CUFLASH_CHECK``."""
+    if value is True or value is False:   # the usual case, first: it runs at every call
+        return value
     if value is None and name == "check":
         return _CHECK_DEFAULT
     if not isinstance(value, (bool, np.bool_)):

@@ -61,7 +61,7 @@ def _set_params():
     """cuGraphExecKernelNodeSetParams_v2 without argtypes: each call passes ctypes objects that its
     graph made once, which ctypes hands over as they are (0.25 us of Python a call; converting
     through argtypes costs 0.5)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuGraphExecKernelNodeSetParams_v2
+    fn = _driver().cuGraphExecKernelNodeSetParams_v2
     fn.restype = ctypes.c_int
     return fn
 

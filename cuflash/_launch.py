@@ -185,7 +185,6 @@ class StreamState:
         self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
         self.plans = [None] * len(REPORT_SLOTS)
         self._workspaces = {}   # plan -> its temporaries on this stream
-        self._device_id = device_id
         with cupy.cuda.Device(device_id):
             self._counters = cupy.zeros(1024, dtype=np.int32)
         self._old_counters = []
@@ -198,13 +197,13 @@ class StreamState:
         may still use the old one (which stays alive)."""
         if n > self._counters.size:
             cupy = _cupy()
-            if cupy.cuda.runtime.streamIsCapturing(current_stream_ptr(self._device_id)):
+            if cupy.cuda.runtime.streamIsCapturing(current_stream_ptr(self.device_id)):
                 # Zeroing the new counters would be recorded into the graph instead of done now.
                 raise RuntimeError(f"this call needs {n} split counters, more than its stream has made so far, "
                                    "and a capture cannot make them: run the call once on this stream before "
                                    "capturing it")
             size = max(n, 2 * self._counters.size)
-            with cupy.cuda.Device(self._device_id):
+            with cupy.cuda.Device(self.device_id):
                 self._old_counters.append(self._counters)
                 self._counters = cupy.zeros(size, dtype=np.int32)
             self.tails.clear()
@@ -218,7 +217,7 @@ class StreamState:
         if nbytes > self._arena_bytes:
             cupy = _cupy()
             size = max(1 << (nbytes - 1).bit_length(), 64 << 10)
-            with cupy.cuda.Device(self._device_id):
+            with cupy.cuda.Device(self.device_id):
                 arena = cupy.cuda.alloc(size)
             if self._arena is not None:
                 self._old_arenas.append(self._arena)

@@ -359,8 +359,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     -------
     out : CuPy array (B, Sq, Hq, D), or (out, lse) when ``return_lse`` is true.
     """
-    if return_lse is not False and return_lse is not True:
-        return_lse = _checks.check_flag(return_lse, "return_lse")
+    return_lse = _checks.check_flag(return_lse, "return_lse")
     out, lse, _ = _forward((q, k, v, out, None, alibi_slopes, mask, bias, block_mask), causal, scale, window,
                            softcap, block_size, dropout_p, generator, return_lse)
     return (out, lse) if return_lse else out

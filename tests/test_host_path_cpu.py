@@ -144,7 +144,7 @@ def test_a_streams_arena_grows_and_keeps_what_it_replaced(monkeypatch):
     cupy = SimpleNamespace(cuda=SimpleNamespace(alloc=alloc, Device=lambda device: contextlib.nullcontext()))
     monkeypatch.setattr(_launch, "_cupy", lambda: cupy)
     state = _launch.StreamState.__new__(_launch.StreamState)   # its device words are not needed here
-    state._device_id, state.tails = 0, {}
+    state.device_id, state.tails = 0, {}
     state._arena, state._arena_bytes, state._old_arenas = None, 0, []
     first = state.arena(1000)
     assert allocations == [64 << 10] and state.arena(64 << 10) is first, "the smallest arena is 64 KiB"

@@ -70,7 +70,7 @@ def stub_the_gpu() -> None:
     cupy.cuda.Device = lambda device_id=0: contextlib.nullcontext()
     # The null stream's state, its device words and fault reports at made-up addresses.
     state = _launch.StreamState.__new__(_launch.StreamState)
-    state.device_id = state._device_id = 0
+    state.device_id = 0
     state.counter, state.error, state.scratch, state._host = BASE - 64, BASE - 60, BASE - 56, BASE - 48
     state.reports = (ctypes.c_int32 * (4 * len(_launch.REPORT_SLOTS)))()
     state.plans = [None] * len(_launch.REPORT_SLOTS)
