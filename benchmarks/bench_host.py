@@ -10,7 +10,9 @@ peers measured in the same run. Three parts:
    Method: warm-up calls, then per loop: synchronise the device, two untimed calls, then
    ``time.perf_counter()`` around the host submission of N = 30 back-to-back calls, divided by N;
    the device is synchronised after the clock stops (outside the timed region). Median of
-   ``--runs`` loops, the front ends and the peers taking turns (each loop starting one later). N
+   ``--runs`` loops, in each of which every row's front ends and peers (the launch floor's too)
+   take turns (each loop starting one later): the host's speed drifts over seconds, and timed in
+   one loop all rows sample the same drift. N
    is small so that the launch queue cannot fill where the GPU takes longer per call than the
    host (a full queue blocks submission; loops of 200 backward calls measured the GPU's pace, the
    host time equal to the event time per call). The ``gpu us`` column is the GPU's own time per
@@ -116,7 +118,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="directory for bench_host.md and bench_host.csv")
     p.add_argument("--parts", default="host,decode,forward", help="comma-separated subset of host, decode, forward")
     p.add_argument("--calls", type=int, default=30, help="back-to-back calls per host-time loop (default 30)")
-    p.add_argument("--runs", type=int, default=None, help="host-time loops per point, median (default 41, 25 quick)")
+    p.add_argument("--runs", type=int, default=None, help="host-time loops (every host row in each), median; and GPU-time runs per row (default 101, 41 quick)")
     p.add_argument("--repeats", type=int, default=None, help="end-to-end timed runs per point (default 7, 3 quick)")
     p.add_argument("--target-ms", type=float, default=None, help="length of one end-to-end run (default 40, 20 quick)")
     p.add_argument("--head-dims", default="128", help="forward part: head dims (default 128; the forward grid: "
@@ -131,7 +133,7 @@ def parse_args(argv=None):
     unknown = args.parts - {"host", "decode", "forward"}
     if unknown:
         p.error(f"--parts: unknown {sorted(unknown)}")
-    args.runs = args.runs or (25 if args.quick else 41)
+    args.runs = args.runs or (41 if args.quick else 101)
     args.repeats = args.repeats or (3 if args.quick else 7)
     args.target_ms = args.target_ms or (20.0 if args.quick else 40.0)
     if args.seqlens:
@@ -571,9 +573,9 @@ def host_cases(env):
 
 
 def launch_floor(env):
-    """The host row of what any caller pays on this host: host us per call of an empty kernel
+    """The contenders of the host row of what any caller pays on this host: an empty kernel
     launched through the driver's cuLaunchKernel (CuPy's binding, as cuflash launches; cupy column)
-    and of ``torch.add`` on two small tensors (one kernel behind torch's dispatcher; torch column).
+    and ``torch.add`` on two small tensors (one kernel behind torch's dispatcher; torch column).
     Host speed moves between leases and within one (benchmarks/NOTES.md): this row says how fast
     the host is while the rows below it are measured."""
     cp, torch = env.cp, env.torch
@@ -584,73 +586,83 @@ def launch_floor(env):
     if torch is not None:
         a, c = torch.ones(16, device="cuda"), torch.empty(16, device="cuda")
         contenders["torch"] = (lambda: torch.add(a, a, out=c), None)
-    row = dict(entry="launch floor", problem="empty kernel (cuLaunchKernel) / torch.add")
-    for name, host in host_us_each(env, contenders).items():
-        row[f"{name} us"] = host
-    log("  " + " ".join(f"{col}={fmt(row.get(col), 2)}" for col in ("cupy us", "torch us")))
-    return row
+    return dict(entry="launch floor", problem="empty kernel (cuLaunchKernel) / torch.add"), contenders
+
+
+def checked_case(env, case):
+    """``case``'s row with every cuflash call checked once against the reference (the first peer
+    that runs, else float32 CuPy), and its contenders: cuflash's front ends that ran, then the peers."""
+    cp = env.cp
+    row = dict(entry=case.name, problem=case.problem)
+    reference = None
+    for name in ("flash", "cudnn"):
+        if name in case.peers:
+            fn, ctx, _ = case.peers[name]
+            with ctx() if ctx is not None else contextlib.nullcontext():
+                reference = case.peer_outputs(fn())
+            break
+    if reference is None:
+        reference = case.naive()
+    plan = None
+    try:
+        p = case.plan()
+        a, kw = case.plan_args
+
+        def plan(p=p, a=a, kw=kw):
+            return p(*a, **kw)
+    except Exception as e:  # noqa: BLE001
+        log(f"  cuflash.plan: {type(e).__name__}: {e}")
+    calls = {"cupy": case.cupy, "torch": case.torch, "plan": plan}
+    worst, scale = 0.0, 0.0
+    for frontend, fn in calls.items():
+        if fn is None:
+            continue
+        try:
+            got = case.outputs(fn())
+            cp.cuda.Device().synchronize()
+            diff, s = max_diff(cp, got, reference)
+            worst, scale = max(worst, diff), max(scale, s)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            log(f"  cuflash ({frontend}) failed: {type(e).__name__}: {e}")
+            calls[frontend] = None
+    row["maxdiff"] = worst
+    row["check"] = "ok" if worst <= tolerance(case.kind, scale) else "FAILED"
+    if row["check"] != "ok":
+        log(f"  CHECK FAILED: maxdiff {worst:.3e} at output scale {scale:.3e}")
+    contenders = {frontend: (fn, None) for frontend, fn in calls.items() if fn is not None}
+    contenders.update({name: (fn, ctx) for name, (fn, ctx, _) in case.peers.items()})
+    return row, contenders
 
 
 def bench_host(env):
-    cp = env.cp
+    """The host table. Every row's contenders (the launch floor's too) are timed in one loop, in
+    turns: the host's speed drifts over seconds (the same merge_states call measured 8.3 and 12.2
+    us in two runs a minute apart while `attention` held at 10), and timed row after row a slow
+    spell lands on whichever rows it overlaps. In one loop every row samples the same spells, so
+    the rows compare with each other and with the floor."""
     log("host: launch floor")
-    rows = [launch_floor(env)]
+    floor_row, floor = launch_floor(env)
+    rows, contenders, cases = [floor_row], {(0, name): c for name, c in floor.items()}, [None]
     for case in host_cases(env):
-        log(f"host: {case.name} ({case.problem})")
-        row = dict(entry=case.name, problem=case.problem)
-        # The reference: the first peer that runs, else float32 CuPy.
-        reference = None
-        for name in ("flash", "cudnn"):
-            if name in case.peers:
-                fn, ctx, _ = case.peers[name]
-                with ctx() if ctx is not None else contextlib.nullcontext():
-                    reference = case.peer_outputs(fn())
-                break
-        if reference is None:
-            reference = case.naive()
-        # Every cuflash call, checked once before it is timed.
-        plan = None
-        try:
-            p = case.plan()
-            a, kw = case.plan_args
-
-            def plan(p=p, a=a, kw=kw):
-                return p(*a, **kw)
-        except Exception as e:  # noqa: BLE001
-            log(f"  cuflash.plan: {type(e).__name__}: {e}")
-        calls = {"cupy": case.cupy, "torch": case.torch, "plan": plan}
-        worst, scale = 0.0, 0.0
-        for frontend, fn in calls.items():
-            if fn is None:
-                continue
-            try:
-                got = case.outputs(fn())
-                cp.cuda.Device().synchronize()
-                diff, s = max_diff(cp, got, reference)
-                worst, scale = max(worst, diff), max(scale, s)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                log(f"  cuflash ({frontend}) failed: {type(e).__name__}: {e}")
-                calls[frontend] = None
-        row["maxdiff"] = worst
-        row["check"] = "ok" if worst <= tolerance(case.kind, scale) else "FAILED"
-        if row["check"] != "ok":
-            log(f"  CHECK FAILED: maxdiff {worst:.3e} at output scale {scale:.3e}")
-        # Timing: cuflash's front ends and the peers in turns.
-        contenders = {frontend: (fn, None) for frontend, fn in calls.items() if fn is not None}
-        contenders.update({name: (fn, ctx) for name, (fn, ctx, _) in case.peers.items()})
-        timed = host_us_each(env, contenders)
-        for name, host in timed.items():
-            row[f"{name} us"] = host
+        log(f"host: {case.name} ({case.problem}): checked")
+        row, mine = checked_case(env, case)
+        contenders.update({(len(rows), name): c for name, c in mine.items()})
+        rows.append(row)
+        cases.append(case)
+    log(f"host: timing {len(contenders)} contenders in turns, {env.args.runs} loops")
+    for (index, name), host in host_us_each(env, contenders).items():
+        rows[index][f"{name} us"] = host
+    for row, case in zip(rows[1:], cases[1:]):
         for name, (_, _, mark) in case.peers.items():
-            if mark:
+            if mark and not missing(row.get(f"{name} us")):
                 row[f"{name} us"] = f"{row[f'{name} us']:.1f}{mark}"
-        gpu = gpu_us_per_call(env, calls["cupy"], row["cupy us"]) if "cupy" in timed else None
+        gpu = gpu_us_per_call(env, case.cupy, row["cupy us"]) if not missing(row.get("cupy us")) else None
         row["gpu us"] = gpu
-        if gpu is not None and not missing(row.get("cupy us")) and gpu > row["cupy us"]:
+        if gpu is not None and gpu > row["cupy us"]:
             row["gpu us"] = f"{gpu:.1f} gpu-bound"
         row["bar"] = host_bar(row, case.name)
-        log("  " + " ".join(f"{col}={fmt(row.get(col), 2)}" for col in HOST_COLUMNS[2:]))
-        rows.append(row)
+    for row in rows:
+        log("  " + " ".join(f"{col}={fmt(row.get(col), 2)}" for col in HOST_COLUMNS))
     return rows
 
 

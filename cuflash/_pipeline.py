@@ -291,8 +291,7 @@ class Plan:
         cupy = _cp or _cupy()
 
         device_id = cupy.cuda.runtime.getDevice()
-        stream = _launch.current_stream_ptr(device_id)
-        state = _launch.stream_state(device_id, stream)
+        stream, state = _launch.current_stream(device_id)
         if self.slot is not None:
             _raise_fault(state, self.slot)
         capturing = None   # asked only where the answer changes what the call does
