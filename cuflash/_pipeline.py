@@ -249,7 +249,7 @@ class Plan:
     def temp_index(self, i: int) -> int:
         return self.n_operands + i
 
-    def run(self, operands, ptrs, *, generator=None, rng_state=None, rng_output=False, check=False,
+    def run(self, operands, ptrs, where=None, *, generator=None, rng_state=None, rng_output=False, check=False,
             workspace=None):
         """Launch the plan for one call.
 
@@ -259,6 +259,8 @@ class Plan:
             The entry point's operands (for the outputs the caller gave).
         ptrs : list of int
             Their data pointers (0 for absent ones).
+        where : (int, int), optional
+            (device, stream) of the call, as :func:`lookup` read them; read here when None.
         generator : cuflash.Generator, optional
             Dropout's source (the default generator when None).
         rng_state : (int, int) or int, optional
@@ -290,8 +292,12 @@ class Plan:
             raise PlanningDone(self)
         cupy = _cp or _cupy()
 
-        device_id = cupy.cuda.runtime.getDevice()
-        stream, state = _launch.current_stream(device_id)
+        if where is None:
+            device_id = cupy.cuda.runtime.getDevice()
+            stream = _launch.current_stream_ptr(device_id)
+        else:
+            device_id, stream = where
+        state = _launch.stream_state(device_id, stream)
         if self.slot is not None:
             _raise_fault(state, self.slot)
         capturing = None   # asked only where the answer changes what the call does
@@ -690,17 +696,15 @@ def check_errors() -> None:
 
 # ----------------------------------------------------------------------------- the memo
 
-def _torch_stream_matches(device_index: int, cupy_device: int) -> bool:
-    """Whether torch's current stream on the device is CuPy's current stream (on CuPy's current
-    device, ``cupy_device``)."""
+def _torch_stream(device_index: int):
+    """torch's current stream on the device (its handle), or None when torch is not imported."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return False
+        return None
     try:
-        raw = torch._C._cuda_getCurrentRawStream(device_index)
+        return torch._C._cuda_getCurrentRawStream(device_index)
     except AttributeError:  # other torch builds
-        raw = torch.cuda.current_stream(device_index).cuda_stream
-    return raw == _launch.current_stream_ptr(cupy_device)
+        return torch.cuda.current_stream(device_index).cuda_stream
 
 
 _torch_types = set()   # the torch tensor classes seen (torch is never imported here)
@@ -717,20 +721,23 @@ def _is_torch_tensor(x) -> bool:
 
 
 def lookup(entry: str, operands, options):
-    """The remembered plan of a call and the operands' pointers, or (None, key) when there is none.
+    """The remembered plan of a call, the operands' pointers and where the call runs, or (None, key,
+    where) when there is none.
 
     Returns
     -------
-    (plan, ptrs) on a hit; (None, key) on a miss (``key`` is None when the call cannot be
-    remembered: an operand of another kind, an unhashable option).
+    (plan, ptrs, where) on a hit; (None, key, where) on a miss (``key`` is None when the call
+    cannot be remembered: an operand of another kind, an unhashable option). ``where``: (device,
+    stream) of the call, CuPy's current ones, for :meth:`Plan.run`; None when the operands did not
+    allow a lookup (then ``key`` is None too).
     """
     cupy = _cp or _cupy()
     ndarray = cupy.ndarray
     descriptors, ptrs = [], []
     describe, point = descriptors.append, ptrs.append
-    # CuPy's current device is asked once the operands allow a lookup (a host array must still get
-    # its TypeError on a machine without a GPU), and only once: the torch stream check needs it too.
-    torch_device = current_device = None
+    # CuPy's current device and stream are asked once the operands allow a lookup (a host array
+    # must still get its TypeError on a machine without a GPU), and only once: Plan.run takes them.
+    torch_device = None
     bits = 0   # the OR of the pointers: 16-byte alignment is checked operand by operand only if it has low bits
     for x in operands:
         if x is None:
@@ -750,19 +757,19 @@ def lookup(entry: str, operands, options):
             device = x.get_device()   # -1 on the host
             if device != torch_device:
                 if torch_device is not None or device < 0:
-                    return None, None
-                current_device = cupy.cuda.runtime.getDevice()
-                if not _torch_stream_matches(device, current_device):
-                    return None, None
+                    return None, None, None
                 torch_device = device
             describe(("torch", x.shape, x.is_contiguous() or x.stride(), x.dtype, device))   # as CuPy's above
             ptr = x.data_ptr()
             point(ptr)
             bits |= ptr
         else:
-            return None, None
-    if current_device is None:
-        current_device = cupy.cuda.runtime.getDevice()
+            return None, None, None
+    current_device = cupy.cuda.runtime.getDevice()
+    stream = _launch.current_stream_ptr(current_device)
+    if torch_device is not None and _torch_stream(torch_device) != stream:
+        return None, None, None   # the full path's DLPack import orders torch's stream before CuPy's
+    where = (current_device, stream)
     key = (entry, options, tuple(descriptors), current_device)
     pinned = _pinned.get()
     if pinned is not None:
@@ -774,17 +781,17 @@ def lookup(entry: str, operands, options):
         try:
             plan = _memo.get(key)
         except TypeError:   # an unhashable option (e.g. a window given as a list): not remembered
-            return None, None
+            return None, None, where
         if plan is None:
-            return None, key
+            return None, key, where
     record = _planning.get()
     if record is not None:
         record["key"] = key
     if bits & 15:
         for i in plan.aligned:
             if ptrs[i] % 16:
-                return None, None
-    return plan, ptrs
+                return None, None, where
+    return plan, ptrs, where
 
 
 def remember(key, plan) -> None:

@@ -255,7 +255,7 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us."""
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output, dropout_origin)
-    plan, ptrs = _pipeline.lookup("attention", operands, options)
+    plan, ptrs, where = _pipeline.lookup("attention", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
@@ -264,7 +264,7 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
                                              dropout_origin=dropout_origin)
         if plan is None:
             return finish
-    results, _, rng_state = plan.run(operands, ptrs, generator=generator, rng_output=rng_output)
+    results, _, rng_state = plan.run(operands, ptrs, where, generator=generator, rng_output=rng_output)
     out = finish(results[0]) if finish is not None else results[0]
     return out, (results[1] if lse_output else None), rng_state
 
@@ -402,7 +402,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     operands = (q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, type(generator), return_lse,
                _forced_family.get())
-    plan, ptrs = _pipeline.lookup("attention_varlen", operands, options)
+    plan, ptrs, where = _pipeline.lookup("attention_varlen", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_varlen(operands, ptrs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -412,7 +412,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         if plan is None:
             out, lse = finish
             return (out, lse) if return_lse else out
-    results, temps, _ = plan.run(operands, ptrs, generator=generator, check=_checks.check_flag(check))
+    results, temps, _ = plan.run(operands, ptrs, where, generator=generator, check=_checks.check_flag(check))
     out = finish(results[0]) if finish is not None else results[0]
     return (out, results[1]) if return_lse else out
 

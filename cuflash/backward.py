@@ -501,7 +501,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         _dropout_origin = tuple(_dropout_origin)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
                _forced_family.get(), _dropout_origin)
-    plan, ptrs = _pipeline.lookup("attention_backward", operands, options)
+    plan, ptrs, where = _pipeline.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
@@ -511,7 +511,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
-    grads, temps, _ = plan.run(operands, ptrs, rng_state=rng)
+    grads, temps, _ = plan.run(operands, ptrs, where, rng_state=rng)
     return finish(grads, temps, plan) if finish is not None else tuple(grads)
 
 
@@ -662,7 +662,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
                _forced_family.get())
-    plan, ptrs = _pipeline.lookup("attention_varlen_backward", operands, options)
+    plan, ptrs, where = _pipeline.lookup("attention_varlen_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_varlen_backward(operands, ptrs, max_seqlen_q=max_seqlen_q,
@@ -672,7 +672,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
-    grads, temps, _ = plan.run(operands, ptrs, rng_state=rng, check=_checks.check_flag(check))
+    grads, temps, _ = plan.run(operands, ptrs, where, rng_state=rng, check=_checks.check_flag(check))
     return finish(grads, temps, plan) if finish is not None else tuple(grads)
 
 

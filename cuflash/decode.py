@@ -483,7 +483,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     """
     operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, None)
     options = (num_splits, causal, window, softcap, scale, return_lse)
-    plan, ptrs = _pipeline.lookup("decode", operands, options)
+    plan, ptrs, where = _pipeline.lookup("decode", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
@@ -491,7 +491,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         if plan is None:
             out, lse = finish
             return (out, lse) if return_lse else out
-    results, _, _ = plan.run(operands, ptrs, check=_checks.check_flag(check))
+    results, _, _ = plan.run(operands, ptrs, where, check=_checks.check_flag(check))
     if finish is not None:
         finish()
     return tuple(results) if return_lse else results[0]

@@ -126,12 +126,12 @@ def merge_states(outs, lses, *, out=None, lse=None):
     go agree up to rounding, and attention over ``A ∪ B`` equals ``merge(attention(A), attention(B))``.
     """
     operands = (outs, lses, out, lse)
-    plan, ptrs = _pipeline.lookup("merge_states", operands, ())
+    plan, ptrs, where = _pipeline.lookup("merge_states", operands, ())
     if plan is None:
         plan, ptrs, result = _plan_merge(operands, ptrs)
         if plan is None:
             return result
-    results, _, _ = plan.run(operands, ptrs)
+    results, _, _ = plan.run(operands, ptrs, where)
     return results[0], results[1]
 
 

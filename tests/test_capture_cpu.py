@@ -242,7 +242,6 @@ def fake_run(monkeypatch):
                                                                                                runtime=runtime)))
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: fake.state)
-    monkeypatch.setattr(_launch, "current_stream", lambda device_id: (0x1234, fake.state))
     monkeypatch.setattr(_pipeline, "_rng_steps", {0: _Recorder("rng", fake.log)})
     return fake
 

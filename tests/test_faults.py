@@ -826,6 +826,7 @@ def launched(monkeypatch):
     """The kernels launched through cuflash._launch.launch (not launched: recorded)."""
     calls = []
     monkeypatch.setattr(_launch, "launch", lambda *args, **kw: calls.append(args))
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0)
     return calls
 
 

@@ -105,17 +105,18 @@ def _unowned(shape, dtype, ptr, strides=None):
 def test_lookup_keys_contiguous_arrays_by_shape_not_strides(monkeypatch):
     cupy = pytest.importorskip("cupy")
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x5000)
     monkeypatch.setattr(_pipeline, "_memo", {})
     base = 0x7000_0000_0000
     a = _unowned((1, 4, 2, 8), np.float16, base)
-    plan, key = _pipeline.lookup("probe", (a, None), ("option",))
-    assert plan is None and key is not None
+    plan, key, where = _pipeline.lookup("probe", (a, None), ("option",))
+    assert plan is None and key is not None and where == (0, 0x5000)
     made = _pipeline.Plan("probe", 2, aligned=(0,))
     _pipeline.remember(key, made)
     # The batch axis has length 1: its stride moves no address, and the plan serves both.
     b = _unowned((1, 4, 2, 8), np.float16, base + (1 << 20), strides=(2, 32, 16, 2))
     assert b._c_contiguous and b.strides != a.strides
-    assert _pipeline.lookup("probe", (b, None), ("option",)) == (made, [b.data.ptr, 0])
+    assert _pipeline.lookup("probe", (b, None), ("option",)) == (made, [b.data.ptr, 0], (0, 0x5000))
     # Strides that move addresses, another shape, dtype or option, an absent operand: other plans.
     c = _unowned((1, 4, 2, 8), np.float16, base, strides=(128, 16, 64, 2))
     misses = [(c, None), (_unowned((1, 4, 2, 16), np.float16, base), None),
@@ -125,11 +126,11 @@ def test_lookup_keys_contiguous_arrays_by_shape_not_strides(monkeypatch):
     assert _pipeline.lookup("probe", (a, None), ("other",))[0] is None
     # A pointer the plan needs aligned that is not: no replay (the full path copies it).
     assert _pipeline.lookup("probe", (_unowned((1, 4, 2, 8), np.float16, base + 8), None), ("option",)) \
-        == (None, None)
+        == (None, None, (0, 0x5000))
     # An operand not aligned that the plan does not need aligned replays.
     made.aligned = ()
     shifted = _unowned((1, 4, 2, 8), np.float16, base + 8)
-    assert _pipeline.lookup("probe", (shifted, None), ("option",)) == (made, [base + 8, 0])
+    assert _pipeline.lookup("probe", (shifted, None), ("option",)) == (made, [base + 8, 0], (0, 0x5000))
 
 
 def test_a_streams_arena_grows_and_keeps_what_it_replaced(monkeypatch):
@@ -439,7 +440,6 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(_pipeline, "_cp", cupy)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: state)
-    monkeypatch.setattr(_launch, "current_stream", lambda device_id: (0x1234, state))
     # Kernel by kernel (test_run_launches_several_kernels_as_one_graph covers the graph path).
     monkeypatch.setattr(_pipeline, "GRAPH_MIN_STEPS", 0)
     return SimpleNamespace(state=state, allocations=allocations)

@@ -100,6 +100,7 @@ def space(monkeypatch):
     fake = space.cupy()
     monkeypatch.setattr(_checks, "_cupy", lambda: fake)
     monkeypatch.setattr(_pipeline, "_cp", fake)
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0)
     launched = []
     monkeypatch.setattr(_launch, "launch", lambda *args, **kw: launched.append(args))
     space.launched = launched
@@ -192,12 +193,13 @@ def test_repeat_calls_key_plans_by_device(monkeypatch):
     """A plan is remembered under each operand's device and the current device, so a repeat call with an
     operand elsewhere (or from another current device) never replays it: it takes the checked path."""
     keys = set()
+    monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0)
     for device, current in ((0, 0), (1, 0), (1, 1), (0, 1)):
         runtime = SimpleNamespace(getDevice=lambda current=current: current)
         monkeypatch.setattr(_pipeline, "_cp", SimpleNamespace(ndarray=Arr, cuda=SimpleNamespace(runtime=runtime)))
         x = Arr((2, 3), F16, 0x7F00_0000_0000, device)
-        plan, key = _pipeline.lookup("probe", (x, None), ())
-        assert plan is None and key is not None
+        plan, key, where = _pipeline.lookup("probe", (x, None), ())
+        assert plan is None and key is not None and where == (current, 0)
         keys.add(key)
     assert len(keys) == 4
 
