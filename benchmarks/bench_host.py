@@ -118,7 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="directory for bench_host.md and bench_host.csv")
     p.add_argument("--parts", default="host,decode,forward", help="comma-separated subset of host, decode, forward")
     p.add_argument("--calls", type=int, default=30, help="back-to-back calls per host-time loop (default 30)")
-    p.add_argument("--runs", type=int, default=None, help="host-time loops (every host row in each), median; and GPU-time runs per row (default 101, 41 quick)")
+    p.add_argument("--runs", type=int, default=None,
+                   help="host-time loops (every host row in each), median; GPU-time runs per row (default 101, 41 quick)")
     p.add_argument("--repeats", type=int, default=None, help="end-to-end timed runs per point (default 7, 3 quick)")
     p.add_argument("--target-ms", type=float, default=None, help="length of one end-to-end run (default 40, 20 quick)")
     p.add_argument("--head-dims", default="128", help="forward part: head dims (default 128; the forward grid: "
