@@ -83,7 +83,7 @@ def _flags(shape: str) -> str:
 def parse_shape(shape: str) -> tuple[int, int, bool, bool]:
     """``D/S[c][d][s]`` -> (head_dim, seqlen, causal, deterministic); the softcap: shape_softcap."""
     flags = _flags(shape)
-    head_dim, seqlen = (int(x) for x in shape.rstrip("cds").split("/"))
+    head_dim, seqlen = (int(x) for x in shape[:len(shape) - len(flags)].split("/"))
     return head_dim, seqlen, "c" in flags, "d" in flags
 
 

@@ -643,9 +643,9 @@ def bench_host(env):
     the rows compare with each other and with the floor."""
     log("host: launch floor")
     floor_row, floor = launch_floor(env)
-    rows, contenders, cases = [floor_row], {(0, name): c for name, c in floor.items()}, [None]
+    rows, contenders, cases = [floor_row], {(0, name): c for name, c in floor.items()}, []
     for case in host_cases(env):
-        log(f"host: {case.name} ({case.problem}): checked")
+        log(f"host: {case.name} ({case.problem})")
         row, mine = checked_case(env, case)
         contenders.update({(len(rows), name): c for name, c in mine.items()})
         rows.append(row)
@@ -653,7 +653,7 @@ def bench_host(env):
     log(f"host: timing {len(contenders)} contenders in turns, {env.args.runs} loops")
     for (index, name), host in host_us_each(env, contenders).items():
         rows[index][f"{name} us"] = host
-    for row, case in zip(rows[1:], cases[1:]):
+    for row, case in zip(rows[1:], cases):
         for name, (_, _, mark) in case.peers.items():
             if mark and not missing(row.get(f"{name} us")):
                 row[f"{name} us"] = f"{row[f'{name} us']:.1f}{mark}"
