@@ -2,7 +2,7 @@
 torch SDPA's cuDNN backend, per call as users call it (``cuflash.attention_backward``, dq/dk/dv given).
 
 This is how the bwd_sm90 rows of ``benchmarks/NOTES.md`` are measured. A contender changes what
-cuflash plans for each bwd_sm90 call: compile-time defines, constants of ``cuflash._heuristics``,
+cuflash plans for each bwd_sm90 call: compile-time defines, constants of ``cuflash.kernels``,
 or the kernel's source (a changed copy of ``cuda_src/``)::
 
     python benchmarks/ab_backward.py build base "tg;CUFLASH_TILE_GUARD=1" new=/tmp/src --shapes 256/8192c
@@ -10,7 +10,7 @@ or the kernel's source (a changed copy of ``cuda_src/``)::
         --shapes 256/2048c,256/8192c,128/8192,128/8192cd --rounds 2
 
 A contender is ``NAME[=SRC_DIR][;SETTING...]``. A setting is ``CUFLASH_<DEFINE>=VALUE`` (added to the
-variant; ``=-`` removes the define) or ``<CONSTANT>=LITERAL`` (a ``cuflash._heuristics`` constant, in
+variant; ``=-`` removes the define) or ``<CONSTANT>=LITERAL`` (a ``cuflash.kernels`` constant, in
 force while the contender plans). A shape is ``D/S`` (batch = tokens / S, heads = hidden / D, Sq = Sk)
 with ``c`` for a causal mask, ``d`` for deterministic=True and ``s`` for a softcap of 30 (a featured
 variant; cuDNN, which has none, then runs without it).
@@ -44,7 +44,7 @@ from _harness import N_INPUT_SETS, Timer, log, open_gpu
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
-from cuflash import _compile, _heuristics  # noqa: E402
+from cuflash import _compile, kernels  # noqa: E402
 from cuflash._variant import Variant  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -55,7 +55,7 @@ class Contender:
     name: str
     src: Path | None                 # None: the installed cuda_src/
     defines: dict                    # define -> value, or None to remove it
-    constants: dict                  # cuflash._heuristics constant -> value
+    constants: dict                  # cuflash.kernels constant -> value
 
 
 def parse_contender(spec: str) -> Contender:
@@ -69,10 +69,10 @@ def parse_contender(spec: str) -> Contender:
             raise ValueError(f"{spec!r}: a setting is KEY=VALUE, not {setting!r}")
         if key.startswith("CUFLASH_"):
             defines[key] = None if value == "-" else int(value) if value.lstrip("-").isdigit() else value
-        elif hasattr(_heuristics, key):
+        elif kernels.home(key) is not None:
             constants[key] = ast.literal_eval(value)
         else:
-            raise ValueError(f"{spec!r}: {key} is neither a CUFLASH_ define nor a cuflash._heuristics constant")
+            raise ValueError(f"{spec!r}: {key} is neither a CUFLASH_ define nor a cuflash.kernels constant")
     return Contender(name, Path(src).resolve() if src else None, defines, constants)
 
 
@@ -101,17 +101,17 @@ def with_defines(variant: Variant, defines: dict) -> Variant:
 
 
 class Installed:
-    """A contender's settings in force: its constants set, and ``_heuristics.backward_plan`` giving
+    """A contender's settings in force: its constants set, and ``kernels.backward.backward_plan`` giving
     its bwd_sm90 variants (the call path asks it for every backward); ``on_variant`` sees each."""
 
     def __init__(self, contender: Contender, on_variant=None):
-        self.contender, self.on_variant, self.plan = contender, on_variant, _heuristics.backward_plan
+        self.contender, self.on_variant, self.plan = contender, on_variant, kernels.backward.backward_plan
 
     def __enter__(self):
         c, plan, on_variant = self.contender, self.plan, self.on_variant
-        self.saved = {k: getattr(_heuristics, k) for k in c.constants}
+        self.saved = {k: getattr(kernels.home(k), k) for k in c.constants}
         for k, v in c.constants.items():
-            setattr(_heuristics, k, v)
+            setattr(kernels.home(k), k, v)
 
         def contender_plan(*args, **kwargs):
             lp = plan(*args, **kwargs)
@@ -121,13 +121,13 @@ class Installed:
             if on_variant is not None:
                 on_variant(lp.variant)
             return lp
-        _heuristics.backward_plan = contender_plan
+        kernels.backward.backward_plan = contender_plan
         return self
 
     def __exit__(self, *exc):
-        _heuristics.backward_plan = self.plan
+        kernels.backward.backward_plan = self.plan
         for k, v in self.saved.items():
-            setattr(_heuristics, k, v)
+            setattr(kernels.home(k), k, v)
 
 
 def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
@@ -135,9 +135,9 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
     head_dim, seqlen, causal, det = parse_shape(shape)
     mods = ("softcap",) if shape_softcap(shape) else ()
     with Installed(contender):
-        mode = _heuristics.bwd_sm90_dq_mode(head_dim, bool(mods), det)
-        seen = _heuristics.bwd_all_keys_seen(windowed=causal, varlen=False, featured=bool(mods))
-        return _heuristics.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=False,
+        mode = kernels.bwd_sm90.bwd_sm90_dq_mode(head_dim, bool(mods), det)
+        seen = kernels.bwd_sm90.bwd_all_keys_seen(windowed=causal, varlen=False, featured=bool(mods))
+        return kernels.backward.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=False,
                                          deterministic=mode, windowed=causal, seqlen_q=seqlen,
                                          all_keys_seen=seen).variant
 
@@ -174,7 +174,7 @@ def run(args) -> int:
     import cupy
 
     import cuflash
-    from cuflash import _pipeline, backward
+    from cuflash import _memo, backward
 
     gpu = open_gpu(cupy, use_torch=True)
     if gpu is None or gpu.torch is None:
@@ -222,7 +222,7 @@ def run(args) -> int:
                 def call(j):
                     q, k, v, dout = inputs[j]
                     out, lse = saved[j]
-                    installed, _pipeline._memo = _pipeline._memo, memo
+                    installed, _memo._memo = _memo._memo, memo
                     try:
                         with Installed(marked, lambda variant: load_kernel(c, variant)), \
                                 backward.force_kernel("bwd_sm90"):
@@ -230,7 +230,7 @@ def run(args) -> int:
                                                               softcap=softcap, deterministic=det, dq=grads[0],
                                                               dk=grads[1], dv=grads[2])
                     finally:
-                        _pipeline._memo = installed
+                        _memo._memo = installed
                 return call
 
             calls = {c.name: contender_call(i, c) for i, c in enumerate(contenders)}

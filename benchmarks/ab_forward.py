@@ -18,7 +18,7 @@ first compares the named trees' outputs with cuDNN's (ablations that are wrong o
 out). A shape is ``D/S`` with ``c`` for causal: batch = tokens / S, heads = hidden / D, Sq = Sk.
 
 A tree must keep the installed host side's interface (parameters, tensor maps, threads), except
-for what its overrides of ``cuflash._heuristics`` constants change (after ``;`` in its spec: the
+for what its overrides of ``cuflash.kernels`` constants change (after ``;`` in its spec: the
 variant's defines and shared memory, used both to compile it and to launch it). Same-run ratios are what compare; between runs the ratio of one shape moves by ~0.02-0.05.
 """
 
@@ -38,26 +38,26 @@ from bench_forward import DTYPE_NAMES, attention_flops, make_inputs
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
-from cuflash import _compile, _heuristics  # noqa: E402
+from cuflash import _compile, kernels  # noqa: E402
 
 
 def sm90_plan(dtype_name: str, head_dim: int, overrides=None):
     """The launch plan of the benchmarked variant, with ``overrides`` ({name: value} of
-    ``cuflash._heuristics`` constants, e.g. ``{"SM90_STAGES": {64: 4, 128: 2, 256: 2}}``) in force;
+    ``cuflash.kernels`` constants, e.g. ``{"SM90_STAGES": {64: 4, 128: 2, 256: 2}}``) in force;
     the name ``consumers`` is forward_plan's argument instead (3: three consumer warpgroups)."""
     overrides = dict(overrides or {})
     consumers = overrides.pop("consumers", 2)
-    saved = {name: getattr(_heuristics, name) for name in overrides}
+    saved = {name: getattr(kernels.home(name), name) for name in overrides}
     try:
         for name, value in overrides.items():
-            setattr(_heuristics, name, value)
-        _heuristics.forward_plan.cache_clear()
-        return _heuristics.forward_plan("fwd_sm90", dtype_name, head_dim, score_mods=False, dropout=False,
+            setattr(kernels.home(name), name, value)
+        kernels.forward.forward_plan.cache_clear()
+        return kernels.forward.forward_plan("fwd_sm90", dtype_name, head_dim, score_mods=False, dropout=False,
                                         consumers=consumers)
     finally:
         for name, value in saved.items():
-            setattr(_heuristics, name, value)
-        _heuristics.forward_plan.cache_clear()
+            setattr(kernels.home(name), name, value)
+        kernels.forward.forward_plan.cache_clear()
 
 
 def parse_tree(spec: str):
@@ -104,7 +104,7 @@ def run(args):
 
     import cuflash
 
-    from cuflash import _pipeline
+    from cuflash import _memo
     gpu = open_gpu(cupy, use_torch=True)
     if gpu is None or gpu.torch is None:
         print("run needs a GPU and torch (cuDNN is the yardstick)", file=sys.stderr)
@@ -134,24 +134,24 @@ def run(args):
                                  ast.literal_eval(overrides_file.read_text()) if overrides_file.exists() else None)
                 key = (plan.variant, arch)
                 keys.append(key)
-                installed_plan = _heuristics.forward_plan
+                installed_plan = kernels.forward.forward_plan
                 replays = {}
 
                 def call(i):
                     # get_kernel's memo (cuflash._compile) is where the launch path finds its kernel,
-                    # and the attention module asks _heuristics for the plan (shared memory, defines).
+                    # and the attention module asks cuflash.kernels for the plan (shared memory, defines).
                     # A plain call's launch is remembered by shapes and options, not by kernel, so
                     # each tree keeps its own memo of launches: with one shared memo every tree would
                     # replay the launch (and kernel) of whichever ran first at this shape.
                     _compile._kernels[key] = loaded
-                    _heuristics.forward_plan = lambda *a, **kw: plan
-                    installed_memo, _pipeline._memo = _pipeline._memo, replays
+                    kernels.forward.forward_plan = lambda *a, **kw: plan
+                    installed_memo, _memo._memo = _memo._memo, replays
                     try:
                         with cuflash.force_kernel("fwd_sm90"):
                             cuflash.attention(*inputs[i], causal=causal, out=out)
                     finally:
-                        _heuristics.forward_plan = installed_plan
-                        _pipeline._memo = installed_memo
+                        kernels.forward.forward_plan = installed_plan
+                        _memo._memo = installed_memo
                 return call
 
             def cudnn(i):

@@ -21,7 +21,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-./bench_out}
 status=0
 
-# Every variant the tests can reach (cuflash._heuristics.reachable_variants: each family x dtype x
+# Every variant the tests can reach (cuflash.kernels.catalogue.reachable_variants: each family x dtype x
 # compiled head dim x score-modifier set (none, each alone, all) x dropout on/off, both backward
 # passes, decode contiguous/paged, merges), compiled in parallel: `python -m cuflash precompile`
 # alone covers the common ones, and compiling the rest one by one inside pytest would cost minutes
@@ -29,9 +29,9 @@ status=0
 precompile_test_variants() {  # $1 = arch, $2 = cache dir ("" = the user cache)
     python - "$1" "$2" <<'PY'
 import sys, time
-from cuflash import _compile, _heuristics
+from cuflash import _compile, kernels
 arch, cache_dir = sys.argv[1], sys.argv[2] or None
-variants = _heuristics.reachable_variants(arch)
+variants = kernels.catalogue.reachable_variants(arch)
 start = time.time()
 done = _compile.precompile(variants=variants, arch=arch, cache_dir=cache_dir)
 slowest = max(done, key=lambda r: r.seconds, default=None)

@@ -150,23 +150,23 @@ def backward_case(family, dt, D, B, Sq, Sk, Hq, Hk, deterministic=False, return_
     """wide: bwd_sm90's 80-row query tiles at any length (BWD_SM90_WIDE_MIN_ROWS lowered to 1)."""
     def run():
         import cuflash
-        from cuflash import _heuristics, _pipeline
+        from cuflash import kernels, _memo
         from cuflash import backward as bw
 
         q, k, v = _rnd(dt, B, Sq, Hq, D), _rnd(dt, B, Sk, Hk, D), _rnd(dt, B, Sk, Hk, D)
         dout = _rnd(dt, B, Sq, Hq, D)
         kw = _score_options(opts, B, Sq, Sk, Hq)
         out, lse, rng_state = cuflash.attention_forward(q, k, v, **kw)   # the default family
-        min_rows = _heuristics.BWD_SM90_WIDE_MIN_ROWS
-        _heuristics.BWD_SM90_WIDE_MIN_ROWS = 1 if wide else min_rows
-        _pipeline.clear_memo()
+        min_rows = kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS
+        kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS = 1 if wide else min_rows
+        _memo.clear_memo()
         try:
             with bw.force_kernel(family):
                 grads = cuflash.attention_backward(dout, q, k, v, out, lse, rng_state=rng_state,
                                                    deterministic=deterministic, return_dbias=return_dbias, **kw)
         finally:
-            _heuristics.BWD_SM90_WIDE_MIN_ROWS = min_rows
-            _pipeline.clear_memo()
+            kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS = min_rows
+            _memo.clear_memo()
         _finite(*grads, what="gradient")
         return ""
 
@@ -223,7 +223,7 @@ def decode_case(dt, D, Hq, Hk, *, Sq=1, paged=False, page_size=16, append=0, spl
         import numpy as np
 
         import cuflash
-        from cuflash import _heuristics, _pipeline
+        from cuflash import kernels, _memo
 
         cp = _cp()
         kw = dict(num_splits=splits)
@@ -244,16 +244,16 @@ def decode_case(dt, D, Hq, Hk, *, Sq=1, paged=False, page_size=16, append=0, spl
         if opts.get("return_lse"):
             kw["return_lse"] = True
         q = _rnd(dt, B, Sq, Hq, D)
-        saved = _heuristics.DECODE_SELF_CHECK_PER_THREAD
+        saved = kernels.decode.DECODE_SELF_CHECK_PER_THREAD
         if check_kernel:   # every paged table checked by a check_indices launch ahead of decode
-            _heuristics.DECODE_SELF_CHECK_PER_THREAD = 0
-            _pipeline.clear_memo()
+            kernels.decode.DECODE_SELF_CHECK_PER_THREAD = 0
+            _memo.clear_memo()
         try:
             result = cuflash.decode(q, kc, vc, check=True, **kw)
         finally:
-            _heuristics.DECODE_SELF_CHECK_PER_THREAD = saved
+            kernels.decode.DECODE_SELF_CHECK_PER_THREAD = saved
             if check_kernel:
-                _pipeline.clear_memo()
+                _memo.clear_memo()
         _finite(result[0] if isinstance(result, tuple) else result)
         return ""
 
@@ -302,7 +302,7 @@ def bad_decode_case(splits, check_kernel):
     append, a page past the cache, a negative page): each must be refused (check=True)."""
     def run():
         import cuflash
-        from cuflash import _heuristics, _pipeline
+        from cuflash import kernels, _memo
 
         cp = _cp()
         B, Hq, Hk, D, P = 4, 8, 2, 64, 16
@@ -320,10 +320,10 @@ def bad_decode_case(splits, check_kernel):
                  dict(k_cache=kp, v_cache=vp, cache_seqlens=cp.array([40, 30, 5, 7], cp.int32), block_table=bad_page),
                  dict(k_cache=kp, v_cache=vp, cache_seqlens=cp.array([40, 30, 5, 7], cp.int32),
                       block_table=negative_page, k_new=kn, v_new=vn)]
-        saved = _heuristics.DECODE_SELF_CHECK_PER_THREAD
+        saved = kernels.decode.DECODE_SELF_CHECK_PER_THREAD
         if check_kernel:
-            _heuristics.DECODE_SELF_CHECK_PER_THREAD = 0
-        _pipeline.clear_memo()
+            kernels.decode.DECODE_SELF_CHECK_PER_THREAD = 0
+        _memo.clear_memo()
         refused = 0
         try:
             for kw in calls:
@@ -333,8 +333,8 @@ def bad_decode_case(splits, check_kernel):
                 except ValueError:
                     refused += 1
         finally:
-            _heuristics.DECODE_SELF_CHECK_PER_THREAD = saved
-            _pipeline.clear_memo()
+            kernels.decode.DECODE_SELF_CHECK_PER_THREAD = saved
+            _memo.clear_memo()
         if refused != len(calls):
             raise AssertionError(f"only {refused} of {len(calls)} bad calls refused")
         return f"{refused}/{len(calls)} refused"

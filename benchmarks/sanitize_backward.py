@@ -14,7 +14,7 @@ from cuflash import backward as bw
 DTYPES = {"bf16": cp.dtype(ml_dtypes.bfloat16), "fp16": cp.dtype(np.float16)}
 Hq, Hk = 4, 2
 COMPARE = "--no-compare" not in sys.argv[1:]
-WIDE_MIN_ROWS = bw._heuristics.BWD_SM90_WIDE_MIN_ROWS
+WIDE_MIN_ROWS = bw.kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS
 def rnd(dt, *s): return cp.random.standard_normal(s, dtype=cp.float32).astype(dt)
 def grads(family, fn, *args, **kw):
     with bw.force_kernel(family):
@@ -39,8 +39,8 @@ for name, dt in DTYPES.items():
             if wide and D != 128:
                 continue
             # 80 query rows per step at every length (bwd_sm90 takes them from BWD_SM90_WIDE_MIN_ROWS rows)
-            bw._heuristics.BWD_SM90_WIDE_MIN_ROWS = 0 if wide else WIDE_MIN_ROWS
-            cuflash._pipeline.clear_memo()
+            bw.kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS = 0 if wide else WIDE_MIN_ROWS
+            cuflash._memo.clear_memo()
             q, k, v = rnd(dt, 2, Sq, Hq, D), rnd(dt, 2, Sk, Hk, D), rnd(dt, 2, Sk, Hk, D)
             dout = rnd(dt, 2, Sq, Hq, D)
             out, lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
@@ -51,8 +51,8 @@ for name, dt in DTYPES.items():
                 n_ok += report(f"bwd_sm90 {name} D{D} B2 Sq{Sq} Sk{Sk} H{Hq}/{Hk} causal={causal} det={det}"
                                + (" (80-row tiles)" if wide else ""),
                                got, other)
-        bw._heuristics.BWD_SM90_WIDE_MIN_ROWS = WIDE_MIN_ROWS
-        cuflash._pipeline.clear_memo()
+        bw.kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS = WIDE_MIN_ROWS
+        cuflash._memo.clear_memo()
         # varlen: sequences (77 queries, 200 keys), (200, 77), (1, 5)
         cu_q, cu_k = cp.array([0, 77, 277, 278], cp.int32), cp.array([0, 200, 277, 282], cp.int32)
         q, k, v = rnd(dt, 278, Hq, D), rnd(dt, 282, Hk, D), rnd(dt, 282, Hk, D)

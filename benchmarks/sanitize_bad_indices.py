@@ -2,7 +2,7 @@
 and, run under `compute-sanitizer --tool memcheck python benchmarks/sanitize_bad_indices.py`, touch no memory out of bounds.
 Decode runs twice: checked by the decode kernel itself (small tables) and by a check_indices launch ahead of it."""
 import cupy as cp, ml_dtypes, cuflash
-from cuflash import _heuristics, _pipeline
+from cuflash import _memo, kernels
 bf = cp.dtype(ml_dtypes.bfloat16)
 def rnd(*s): return cp.random.standard_normal(s, dtype=cp.float32).astype(bf)
 B, Hq, Hk, D, P = 4, 8, 2, 64, 16
@@ -18,10 +18,10 @@ cases = [dict(k_cache=kc, v_cache=vc, cache_seqlens=cp.array([10, 300, 5, 7], cp
 cases[3]["block_table"][1, 1] = 1 << 20
 cases[4]["block_table"] = table.copy(); cases[4]["block_table"][0, 2] = -5
 n = 0
-self_check = _heuristics.DECODE_SELF_CHECK_PER_THREAD
+self_check = kernels.decode.DECODE_SELF_CHECK_PER_THREAD
 for per_thread in (self_check, 0):   # 0: every paged table is checked by a check_indices launch
-    _heuristics.DECODE_SELF_CHECK_PER_THREAD = per_thread
-    _pipeline.clear_memo()
+    kernels.decode.DECODE_SELF_CHECK_PER_THREAD = per_thread
+    _memo.clear_memo()
     for splits in (1, 3):
         for c in cases:
             c = dict(c); kcache, vcache = c.pop("k_cache"), c.pop("v_cache")

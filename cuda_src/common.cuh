@@ -44,7 +44,12 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// Element type chosen by -DCUFLASH_DTYPE (0: fp16, 1: bf16, 2: fp32), fixed per compiled module.
+// Element type codes, one numbering for every kernel: CUFLASH_DTYPE, merge's CUFLASH_IN_DTYPE and
+// CUFLASH_OUT_DTYPE, and the run-time bias_dtype (cuflash/features.py DTYPE_CODES; a CPU test holds
+// the two tables together).
+enum DtypeCode : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFloat64 = 3 };
+
+// Element type chosen by -DCUFLASH_DTYPE (a DtypeCode: 0 fp16, 1 bf16, 2 fp32), fixed per module.
 #ifndef CUFLASH_DTYPE
 #define CUFLASH_DTYPE 1
 #endif
@@ -87,11 +92,11 @@ template <> __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float x
     return bfloat16_t{static_cast<unsigned short>(pack2<bfloat16_t>(x, 0.f) & 0xffffu)};
 }
 
-// Bias arrays keep the caller's dtype (run-time code: 0 float32, 1 float16, 2 bfloat16) so that a
+// Bias arrays keep the caller's dtype (a run-time DtypeCode: float32, float16 or bfloat16) so that a
 // broadcast bias is never converted into a materialised copy.
 __device__ __forceinline__ float load_as_float(const void* base, long long index, int dtype_code) {
-    if (dtype_code == 0) return static_cast<const float*>(base)[index];
-    if (dtype_code == 1) return to_float(static_cast<const half_t*>(base)[index]);
+    if (dtype_code == kFloat32) return static_cast<const float*>(base)[index];
+    if (dtype_code == kFloat16) return to_float(static_cast<const half_t*>(base)[index]);
     return to_float(static_cast<const bfloat16_t*>(base)[index]);
 }
 

@@ -171,7 +171,7 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
             for (int r = 0; r < kRows; ++r)
                 row_off[r] = s.b * p.bias_batch_stride + s.h * p.bias_head_stride + rows[r] * stride.x;
             // float32 in one pass, float16 and bfloat16 in another (one 16-bit load, two conversions).
-            if (p.bias_dtype == 0) {
+            if (p.bias_dtype == kFloat32) {
                 const float* bias = static_cast<const float*>(p.bias);
 #pragma unroll
                 for (int c = 0; c < kCols; ++c) {
@@ -182,7 +182,7 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
                 }
             } else {
                 const unsigned short* bias = static_cast<const unsigned short*>(p.bias);
-                const bool is_half = p.bias_dtype == 1;
+                const bool is_half = p.bias_dtype == kFloat16;
 #pragma unroll
                 for (int c = 0; c < kCols; ++c) {
                     const long long col_off = cols[c] * stride.y;

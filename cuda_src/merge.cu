@@ -33,16 +33,16 @@ static_assert(sizeof(MergeParams) == CUFLASH_MERGE_PARAMS_SIZE, "MergeParams dif
 #endif
 
 template <int kCode> struct MergeType;
-template <> struct MergeType<0> { using type = half_t; };
-template <> struct MergeType<1> { using type = bfloat16_t; };
-template <> struct MergeType<2> { using type = float; };
-template <> struct MergeType<3> { using type = double; };
+template <> struct MergeType<kFloat16> { using type = half_t; };
+template <> struct MergeType<kBFloat16> { using type = bfloat16_t; };
+template <> struct MergeType<kFloat32> { using type = float; };
+template <> struct MergeType<kFloat64> { using type = double; };
 
 using in_t = typename MergeType<CUFLASH_IN_DTYPE>::type;
 using out_t = typename MergeType<CUFLASH_OUT_DTYPE>::type;
 // float64 data is merged in float64; everything else in float32.
-constexpr bool kDouble = CUFLASH_IN_DTYPE == 3 || CUFLASH_OUT_DTYPE == 3;
-using acc_t = typename MergeType<kDouble ? 3 : 2>::type;
+constexpr bool kDouble = CUFLASH_IN_DTYPE == kFloat64 || CUFLASH_OUT_DTYPE == kFloat64;
+using acc_t = typename MergeType<kDouble ? kFloat64 : kFloat32>::type;
 
 __device__ __forceinline__ acc_t load_acc(half_t x) { return static_cast<acc_t>(to_float(x)); }
 __device__ __forceinline__ acc_t load_acc(bfloat16_t x) { return static_cast<acc_t>(to_float(x)); }

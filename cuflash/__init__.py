@@ -10,7 +10,8 @@ from .decode import decode
 from .merge import merge_states
 from .random import Generator, default_generator, manual_seed
 from ._compile import precompile
-from ._pipeline import PinnedPlan as Plan, check_errors, planned as plan
+from ._faults import check_errors
+from ._pinned import PinnedPlan as Plan, planned as plan
 
 __version__ = "0.1.0"
 

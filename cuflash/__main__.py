@@ -11,8 +11,12 @@
     and whether a small kernel compiles and runs. Exit status as above.
 ``python -m cuflash precompile --arch sm_90a,sm_80 --cache-dir DIR``
     Compiles every kernel variant the dispatcher can pick (no GPU needed) that is not cached
-    yet, prints registers, shared memory, spills and compile time, and writes the cubins to DIR
-    (point ``CUFLASH_CACHE_DIR`` at it). Exit status 1 if a variant fails to compile or spills.
+    yet and writes the cubins to DIR (point ``CUFLASH_CACHE_DIR`` at it), with one progress line
+    and one summary line; ``-v`` adds a table of registers, shared memory, spills and compile
+    time per variant, and the compiler's warnings. Exit status 1 if a variant fails to compile or
+    spills, 2 for a bad argument.
+
+The command line is a client of the library: nothing in cuflash imports this module.
 """
 
 from __future__ import annotations
@@ -87,25 +91,25 @@ def _probe_kernel(arch: str, run: bool) -> tuple[str, str]:
 
 
 def _nvrtc_fix(err: Exception) -> str:
-    from cuflash._compile import _driver_cuda_version, _extra_for
+    from cuflash._cuda_status import driver_cuda_version, extra_for
 
     if "libnvrtc not found" in str(err):
         return f"{err}".replace("cuflash: ", "")
-    return f"reinstall the NVRTC package: {_extra_for(_driver_cuda_version())}"
+    return f"reinstall the NVRTC package: {extra_for(driver_cuda_version())}"
 
 
 def _load_fix() -> str:
     from cuflash import _nvrtc
-    from cuflash._compile import _driver_cuda_version, _extra_for
+    from cuflash._cuda_status import driver_cuda_version, extra_for
 
-    driver = _driver_cuda_version()
+    driver = driver_cuda_version()
     try:
         nvrtc = _nvrtc.version()
     except Exception:  # already reported by the compile step
         nvrtc = None
     if driver and nvrtc and nvrtc[0] > driver[0]:
         return (f"NVRTC {nvrtc[0]}.{nvrtc[1]} makes cubins the driver (CUDA {driver[0]}.{driver[1]}) "
-                f"cannot load: {_extra_for(driver)}")
+                f"cannot load: {extra_for(driver)}")
     return "check `nvidia-smi`; if it works, report this error"
 
 
@@ -135,7 +139,7 @@ def _driver_version() -> str | None:
 def _gpu_lines(count: int) -> list[str]:
     import cupy
 
-    from cuflash._compile import arch_for
+    from cuflash._arch import arch_for
 
     lines = []
     for i in range(count):
@@ -148,11 +152,11 @@ def _gpu_lines(count: int) -> list[str]:
 
 
 def _cache_line() -> str:
-    from cuflash import _compile
+    from cuflash import _cache, _compile
 
     src_hash = _compile.source_hash()
     parts = []
-    for directory in _compile.cache_dirs():
+    for directory in _cache.cache_dirs():
         cubins = len(list(directory.glob(f"*/*-{src_hash}.cubin"))) if directory.is_dir() else 0
         probe = directory
         while not probe.exists() and probe.parent != probe:
@@ -168,12 +172,14 @@ def _versions(v) -> str:
 
 def _doctor(verbose: bool = True) -> tuple[int, str]:
     """Print the report (``verbose``) or only what is wrong; return the exit status and the
-    state of CUDA (see :class:`cuflash._compile.CudaStatus`)."""
+    state of CUDA (see :class:`cuflash._cuda_status.CudaStatus`)."""
     import cuflash
-    from cuflash import _compile, _nvrtc
+    from cuflash import _arch, _nvrtc
+    from cuflash._cuda_status import cuda_status, cupy_distribution
+    from cuflash._version import __version__
 
-    status = _compile.cuda_status()
-    rows = [("cuflash", f"{getattr(cuflash, '__version__', '?')} ({Path(cuflash.__file__).parent}), "
+    status = cuda_status()
+    rows = [("cuflash", f"{__version__} ({Path(cuflash.__file__).parent}), "
                             f"Python {platform.python_version()}")]
     if status.state == "ok":
         for k, line in enumerate(_gpu_lines(status.devices)):
@@ -196,13 +202,11 @@ def _doctor(verbose: bool = True) -> tuple[int, str]:
         try:
             import cupy
 
-            from cuflash._compile import _cupy_distribution
-
-            rows.append(("CuPy", f"{cupy.__version__} ({_cupy_distribution(status.runtime_cuda)})"))
+            rows.append(("CuPy", f"{cupy.__version__} ({cupy_distribution(status.runtime_cuda)})"))
         except Exception as err:  # a CuPy that fails to import: cuda_status has the error
             rows.append(("CuPy", f"fails to import: {str(err).splitlines()[0]}"))
     rows.append(("cache", _cache_line()))
-    arch = _compile.device_arch() if status.state == "ok" else "sm_80"
+    arch = _arch.device_arch() if status.state == "ok" else "sm_80"
     summary, fix = _probe_kernel(arch, run=status.state == "ok")
     rows.append(("kernel", summary))
 
@@ -231,7 +235,6 @@ def _doctor(verbose: bool = True) -> tuple[int, str]:
 DTYPE_ALIASES = {"float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
                  "bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32"}
-_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 
 
 class UsageError(ValueError):
@@ -254,13 +257,27 @@ def _parse_dtypes(text):
     return list(dict.fromkeys(out))
 
 
+def _compiled_head_dims() -> list[int]:
+    """Every head dim some kernel family is compiled for; a call's head dim runs the next one up
+    of its family, so only these name a kernel to precompile."""
+    from cuflash.kernels import bwd_sm90, decode, fwd_simt, fwd_sm80, fwd_sm90
+
+    return sorted({*fwd_sm80.SM80_HEAD_DIMS, *fwd_sm90.SM90_HEAD_DIMS, *fwd_simt.SIMT_HEAD_DIMS,
+                   *bwd_sm90.BWD_SM90_HEAD_DIMS, *decode.DECODE_MMA_HEAD_DIMS,
+                   *decode.DECODE_SIMT_HEAD_DIMS})
+
+
 def _parse_head_dims(text):
     if text is None:
         return None
+    supported = _compiled_head_dims()
     out = []
     for item in _csv(text) or [""]:
-        if not item.isdigit() or not 1 <= int(item) <= 256:
-            raise UsageError(f"--head-dims {item!r}: expected head dims from 1 to 256, e.g. 64,128")
+        if not item.isdigit() or int(item) not in supported:
+            # Not silently the next one up: the user would believe D = 100 has a kernel of its own.
+            raise UsageError(f"--head-dims {item!r}: expected some of {','.join(map(str, supported))} "
+                             "(the head dims kernels are compiled for; a call with another head dim "
+                             "runs the next one up)")
         out.append(int(item))
     return list(dict.fromkeys(out))
 
@@ -275,86 +292,24 @@ def _parse_families(text, known):
     return names
 
 
-def _config(variant) -> str:
-    """A few words for a variant: dtype, head dim and the features compiled in."""
-    try:
-        from cuflash import _heuristics
-
-        names = {code: _SHORT.get(n, n) for n, code in
-                 getattr(_heuristics, "MERGE_DTYPE_CODES", _heuristics.DTYPE_CODES).items()}
-        mod_names = getattr(_heuristics, "SCORE_MODS", ())
-    except (ImportError, AttributeError):  # the table is a nicety; codes then stay numbers
-        names, mod_names = {}, ()
-    d = {k.removeprefix("CUFLASH_"): v for k, v in variant.defines}
-    words = []
-    if "DTYPE" in d:
-        words.append(names.get(d["DTYPE"], f"dtype{d['DTYPE']}"))
-    if "IN_DTYPE" in d:
-        words.append(f"{names.get(d['IN_DTYPE'], d['IN_DTYPE'])}->"
-                     f"{names.get(d.get('OUT_DTYPE'), d.get('OUT_DTYPE'))}")
-    if "HEAD_DIM" in d:
-        words.append(f"D{d['HEAD_DIM']}")
-    if "BWD_PASS" in d:
-        words.append("dq" if d["BWD_PASS"] else "dkdv")
-    if d.get("PAGED"):
-        words.append("paged")
-    mods = d.get("SCORE_MODS", 0)
-    if mods:  # one modifier by name; every one the family has: "mods"
-        one = [name for k, name in enumerate(mod_names) if mods == 1 << k]
-        words.append(one[0] if one else "mods")
-    if d.get("DROPOUT"):
-        words.append("dropout")
-    return " ".join(words)
-
-
 def _kib(nbytes: int) -> str:
     return f"{nbytes / 1024:.1f}".removesuffix(".0")
 
 
-class _Progress:
-    """A bar redrawn in place on a terminal; a plain line every ~5% otherwise (logs)."""
+def _default_archs() -> tuple[list[str], str]:
+    """This GPU's target, or without a usable GPU the two targets cuflash tunes for; and a note
+    for the summary saying why, when it is the latter."""
+    from cuflash import _arch
+    from cuflash._cuda_status import cuda_status
 
-    def __init__(self, total: int, stream=None):
-        self.stream = stream or sys.stderr
-        self.total = total
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.every = max(1, total // 20)
-        self.start = time.perf_counter()
-        self.failed = 0
-
-    def __call__(self, done, total, variant, arch, result):
-        self.failed += isinstance(result, Exception)
-        elapsed = time.perf_counter() - self.start
-        failed = f", {self.failed} failed" if self.failed else ""
-        if self.tty:
-            width = 24
-            bar = "#" * (width * done // total) + "." * (width - width * done // total)
-            line = f"\r[{bar}] {done}/{total}  {elapsed:4.0f} s{failed}  {variant.family} {arch}"
-            self.stream.write(line.ljust(79)[:79])
-        elif done % self.every == 0 or done == total:
-            self.stream.write(f"precompile: {done}/{total} compiled in {elapsed:.0f} s{failed}\n")
-        self.stream.flush()
-
-    def close(self):
-        if self.tty:
-            self.stream.write("\r" + " " * 79 + "\r")
-            self.stream.flush()
-
-
-def _default_archs() -> list[str]:
-    from cuflash import _compile
-
-    status = _compile.cuda_status()
-    if status.state == "ok":
-        return [_compile.device_arch()]
-    why = status.reason or "CuPy is not installed"
-    _say(f"precompile: building for sm_80,sm_90a; no usable GPU here: {why}", sys.stderr)
-    return ["sm_80", "sm_90a"]  # the two targets cuflash tunes for
+    if cuda_status().state == "ok":
+        return [_arch.device_arch()], ""
+    return ["sm_80", "sm_90a"], " (no usable GPU here; --arch picks the targets)"
 
 
 def _precompile_jobs(args):
     """Validate the arguments (UsageError) and list the (variant, arch) jobs."""
-    from cuflash import _compile
+    from cuflash import _arch, _cache, _compile
 
     dtypes = _parse_dtypes(args.dtypes)
     head_dims = _parse_head_dims(args.head_dims)
@@ -362,10 +317,10 @@ def _precompile_jobs(args):
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads {args.threads}: expected 1 or more")
     try:
-        archs = _compile.parse_archs(args.arch, "--arch") if args.arch is not None else None
+        archs = _arch.parse_archs(args.arch, "--arch") if args.arch is not None else None
     except ValueError as err:
         raise UsageError(str(err)) from None
-    cache_dir = Path(args.cache_dir) if args.cache_dir else _compile.user_cache_dir()
+    cache_dir = Path(args.cache_dir) if args.cache_dir else _cache.user_cache_dir()
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -373,19 +328,45 @@ def _precompile_jobs(args):
     if not os.access(cache_dir, os.W_OK):
         raise UsageError(f"--cache-dir {cache_dir}: not writable")
 
-    from cuflash._heuristics import precompile_variants
+    from cuflash.kernels.catalogue import precompile_variants
 
-    archs = archs or _default_archs()
+    note = ""
+    if archs is None:
+        archs, note = _default_archs()
     jobs = []
     for arch in archs:
         for variant in precompile_variants(dtypes=dtypes, head_dims=head_dims, arch=arch):
             if families is None or variant.family in families:
                 jobs.append((variant, arch))
-    return archs, cache_dir, list(dict.fromkeys(jobs))
+    return archs, note, cache_dir, list(dict.fromkeys(jobs))
+
+
+def _table(results, archs) -> list[str]:
+    """``-v``: one row per variant (registers, shared memory static+dynamic, spills, seconds)
+    and its full defines under it."""
+    header = ("family", "arch", "config", "regs", "smem KiB", "spills", "sec")
+    order = {a: i for i, a in enumerate(archs)}
+    rows = []
+    for variant, arch, result in sorted(results, key=lambda r: (order[r[1]], r[0].family)):
+        if isinstance(result, Exception):
+            rows.append((variant.family, arch, variant.describe(), "-", "-", "FAILED", "-"))
+        else:
+            smem = f"{_kib(result.smem_static)}+{_kib(result.smem_dynamic)}"
+            spills = f"{result.spill_stores}/{result.spill_loads}" if result.spills else "0"
+            sec = "cached" if result.cached else f"{result.seconds:.1f}"
+            regs = result.registers if result.registers >= 0 else "?"
+            rows.append((variant.family, arch, variant.describe(), regs, smem, spills, sec))
+        rows.append(("", "", variant.label(), "", "", "", ""))
+    right = {3, 4, 5, 6}
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)
+                      for i, (x, w) in enumerate(zip(row, widths))).rstrip()
+            for row in [header, *rows]]
 
 
 def _precompile(args) -> int:
     from cuflash import _compile, _nvrtc
+    from cuflash._build_progress import Progress, summary
 
     try:
         _nvrtc.version()
@@ -393,62 +374,42 @@ def _precompile(args) -> int:
         _say(f"python -m cuflash precompile: {str(err).removeprefix('cuflash: ')}", sys.stderr)
         return 1
     try:
-        archs, cache_dir, jobs = _precompile_jobs(args)
+        archs, note, cache_dir, jobs = _precompile_jobs(args)
     except UsageError as err:
         _say(f"python -m cuflash precompile: error: {err}", sys.stderr)
         return 2
     start = time.perf_counter()
-    src_hash = _compile.source_hash()
-    todo = len(jobs) if args.force else sum(
-        _compile.cached_result(cache_dir, v, a, src_hash) is None for v, a in jobs)
-    if todo:
-        _say(f"precompile: compiling {todo} of {len(jobs)} variants for {','.join(archs)} "
-             f"({len(jobs) - todo} cached) on {args.threads or _compile.default_threads()} threads",
-             sys.stderr)
-    progress = _Progress(todo)
+    progress = Progress(archs, "precompile")
     try:
-        results = _compile.build(jobs, cache_dir, args.force, args.threads, progress)
+        results = _compile.build(jobs, cache_dir, args.force, args.threads, progress, progress.start)
     finally:
         progress.close()
 
-    header = ("family", "arch", "config", "regs", "smem KiB", "spills", "sec")
-    order = {a: i for i, a in enumerate(archs)}
-    rows, failed, spilled, notes = [], [], [], []
-    for variant, arch, result in sorted(results, key=lambda r: (order[r[1]], r[0].family)):
-        name = f"{variant.family} {arch} {_config(variant)}"
+    failed, spilled, notes = [], [], []
+    for variant, arch, result in results:
+        name = f"{variant.family} {arch} {variant.describe()}"
         if isinstance(result, Exception):
             lines = [ln.strip() for ln in str(result).splitlines()]
             errors = [ln for ln in lines if "error" in ln.lower()] or lines
             failed.append(f"FAILED {name}: " + ("\n".join(lines) if args.verbose
                                                 else "; ".join(errors[:2])))
-            rows.append((variant.family, arch, _config(variant), "-", "-", "FAILED", "-"))
             continue
         if result.spills:
             spilled.append(f"SPILLS {name}: {result.spill_stores} B stored, "
                            f"{result.spill_loads} B loaded")
         notes += [f"note: {name}: {line.strip()}" for line in result.warnings]
-        smem = f"{_kib(result.smem_static)}+{_kib(result.smem_dynamic)}"
-        spills = f"{result.spill_stores}/{result.spill_loads}" if result.spills else "0"
-        sec = "cached" if result.cached else f"{result.seconds:.1f}"
-        regs = result.registers if result.registers >= 0 else "?"
-        rows.append((variant.family, arch, _config(variant), regs, smem, spills, sec))
-        if args.verbose:
-            rows.append(("", "", variant.label(), "", "", "", ""))
-    right = {3, 4, 5, 6}
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        _say("  ".join(str(x).rjust(w) if i in right else str(x).ljust(w)
-                       for i, (x, w) in enumerate(zip(row, widths))).rstrip())
     fresh = [(v, a, r) for v, a, r in results if isinstance(r, _compile.CompileResult) and not r.cached]
-    compiled = len(fresh)
-    where = "" if cache_dir == _compile.user_cache_dir() else f" (use it: CUFLASH_CACHE_DIR={cache_dir})"
-    _say(f"\n{len(results)} variants for {','.join(archs)}: {compiled} compiled, "
-         f"{len(results) - compiled - len(failed)} cached, {len(failed)} failed, "
-         f"{len(spilled)} spilling; {time.perf_counter() - start:.1f} s -> {cache_dir}{where}")
-    if fresh:  # what a first call waits for at most (issue 19: a few seconds per variant)
-        v, a, r = max(fresh, key=lambda job: job[2].seconds)
-        _say(f"slowest compile: {r.seconds:.1f} s ({v.family} {a} {_config(v)})")
-    for line in [*dict.fromkeys(notes), *spilled, *failed]:
+    if args.verbose:
+        for line in _table(results, archs):
+            _say(line)
+        if fresh:  # what a first call waits for at most
+            v, a, r = max(fresh, key=lambda job: job[2].seconds)
+            _say(f"slowest compile: {r.seconds:.1f} s ({v.family} {a} {v.describe()})")
+        # The compiler's warnings (an unused constant, a serialised wgmma), cached variants' too.
+        for line in dict.fromkeys(notes):
+            _say(line, sys.stderr)
+    _say(summary(results, archs, cache_dir, time.perf_counter() - start, "precompile", note))
+    for line in [*spilled, *failed]:
         _say(line, sys.stderr)
     return 1 if failed or spilled else 0
 
@@ -577,12 +538,14 @@ def main(argv=None) -> int:
     pre.add_argument("--cache-dir", help="where to write the cubins (default: the user cache, "
                      "~/.cache/cuflash); use it later with CUFLASH_CACHE_DIR=DIR")
     pre.add_argument("--dtypes", help="comma-separated: fp16,bf16,fp32 (or float16,bfloat16,float32)")
-    pre.add_argument("--head-dims", help="comma-separated head dims, e.g. 64,128")
+    pre.add_argument("--head-dims", help="comma-separated, among the head dims kernels are compiled "
+                     f"for: {','.join(map(str, _compiled_head_dims()))} (default: 64,128,256)")
     pre.add_argument("--families", help="comma-separated kernel families, e.g. fwd_sm90,decode")
     pre.add_argument("--threads", type=int, help="parallel compilations (default: CPU count)")
     pre.add_argument("--force", action="store_true", help="recompile variants already cached")
     pre.add_argument("-v", "--verbose", action="store_true",
-                     help="full defines per variant and full NVRTC logs of failures")
+                     help="a table of registers, shared memory, spills and compile time per "
+                          "variant; the compiler's warnings; full NVRTC logs of failures")
     args = parser.parse_args(argv)
     if args.command == "precompile":
         return _precompile(args)

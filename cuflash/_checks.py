@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._heuristics import MAX_HEAD_DIM
+from .features import DTYPE_CODES
+from .kernels.common import MAX_HEAD_DIM
 
 try:
     import ml_dtypes
@@ -24,9 +25,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 SUPPORTED_DTYPES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}
 if BFLOAT16 is not None:
     SUPPORTED_DTYPES[BFLOAT16] = "bfloat16"
-BIAS_DTYPE_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
-if BFLOAT16 is not None:
-    BIAS_DTYPE_CODES[BFLOAT16] = 2
+#: The dtypes a bias may have, by their code in the one numbering (features.DTYPE_CODES).
+BIAS_DTYPE_CODES = {dtype: DTYPE_CODES[name] for dtype, name in SUPPORTED_DTYPES.items()}
 
 # What the params structs and the kernels can hold: sizes, positions and window sizes are int32,
 # scale and softcap float32, and sequences and query heads are CUDA grid axes y and z.
@@ -95,7 +95,7 @@ def check_device(device_id: int, name: str) -> None:
     """ValueError when an operand lives on another GPU than the current device (the kernels run on the
     current device; one on another GPU would read or write memory it cannot address). Checked on the
     full path of every entry point, for every operand, before any launch; the plans remembered for
-    repeat calls are keyed by each operand's device and the current device (_pipeline.lookup), so a
+    repeat calls are keyed by each operand's device and the current device (_memo.lookup), so a
     repeat call with an operand elsewhere is checked again."""
     current = current_device()
     if device_id != current:

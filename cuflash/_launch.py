@@ -33,6 +33,11 @@ def _cupy():
     return cupy
 
 
+def device_id() -> int:
+    """CuPy's current device."""
+    return _cupy().cuda.runtime.getDevice()
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_id: int) -> int:
     """Multiprocessors of a device (persistent grids and split heuristics size themselves by it)."""
@@ -120,7 +125,7 @@ def _dependent_config(grid, threads: int, smem_bytes: int, stream_ptr: int):
 
 def launch(func: int, grid, threads: int, smem_bytes: int, argv: int, stream_ptr: int, dependent: bool = False) -> None:
     """Launch ``func`` on ``stream_ptr``. ``argv`` is the address of the kernel's argument pointer
-    array (``kernelParams``: one pointer per parameter, to its bytes; see :class:`cuflash._pipeline.Step`).
+    array (``kernelParams``: one pointer per parameter, to its bytes; see :class:`cuflash._step.Step`).
     The driver copies the values at the call, so the memory is free once it returns.
 
     ``dependent``: a programmatic dependent launch (sm_90): the kernel may start before the previous
@@ -167,7 +172,7 @@ class StreamState:
     ``reports``: the host-mapped fault slots, and ``plans``: the plan of the last checked call of
     each slot (its shapes word the error message). :meth:`arena`: the small temporaries of calls on
     this stream, and ``tails``: plan -> what its calls here pass after their operands (the
-    temporaries' pointers and the stream's words, see :meth:`cuflash._pipeline.Plan.run`), made once.
+    temporaries' pointers and the stream's words, see :meth:`cuflash._plan.Plan.run`), made once.
     """
 
     def __init__(self, device_id: int):

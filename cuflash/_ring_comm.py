@@ -30,6 +30,7 @@ what a user passes as ``group`` into one of them.
 
 from __future__ import annotations
 
+import importlib
 import operator
 
 import numpy as np
@@ -110,6 +111,12 @@ def device_for(x):
 # ----------------------------------------------------------------------------- communicators
 
 _RING_ATTRIBUTES = ("rank", "world", "stream", "send_recv")
+#: Wrappers of a framework's process groups in the ring interface, by the framework's top-level
+#: module. The core imports no framework: each adapter registers its wrapper when it is imported
+#: (cuflash/interop/_torch_ring.py), and as_ring imports the adapter named here at the first group of
+#: its framework.
+GROUP_ADAPTERS: dict = {}
+_ADAPTER_MODULES = {"torch": "cuflash.interop._torch_ring"}
 
 
 def as_ring(group):
@@ -129,10 +136,11 @@ def as_ring(group):
         ring = group
     elif module.startswith("cupy") and hasattr(group, "rank_id"):
         ring = NcclRing(group)
-    elif module.startswith("torch"):
-        from .interop._torch_ring import TorchRing
-
-        ring = TorchRing(group)
+    elif module.partition(".")[0] in _ADAPTER_MODULES:
+        framework = module.partition(".")[0]
+        if framework not in GROUP_ADAPTERS:
+            importlib.import_module(_ADAPTER_MODULES[framework])   # it registers its wrapper
+        ring = GROUP_ADAPTERS[framework](group)
     else:
         raise TypeError(f"group must be a cupy.cuda.nccl.NcclCommunicator, a torch.distributed process group "
                         f"or a ring communicator (rank, world, stream, send_recv), got {type(group).__name__}")
@@ -472,10 +480,10 @@ def _dropout_options(dropout, call, c, backward=False):
     p, state = dropout
     origin = (call.chunks[0] * c, call.chunks[1] * c)
     if backward:
-        return dict(dropout_p=p, rng_state=state, _dropout_origin=origin)
+        return dict(dropout_p=p, rng_state=state, dropout_origin=origin)
     generator = Generator(0)   # a private one whose next draw is the ring's state
     generator.set_state(state)
-    return dict(dropout_p=p, generator=generator, _dropout_origin=origin)
+    return dict(dropout_p=p, generator=generator, dropout_origin=origin)
 
 
 def _forward_call(attention_forward, q, k, v, causal, scale, part, options):
@@ -488,7 +496,7 @@ def forward_rank(comm, dev, calls, q, k, v, *, scale, dropout=None):
     ``calls[s]``: the :class:`cuflash.distributed.RingCall` s of this rank's step ``s`` (one per
     chunk pair, with its ``chunks``, under ``dropout`` = (p, (seed, offset))).
     """
-    from .attention import attention_forward
+    from .attention import _forward_at   # attention_forward, at a chunk pair's dropout origin
 
     world, c = comm.world, q.shape[1] // 2
     ring = _KvRing(comm, dev, k, v)
@@ -500,7 +508,7 @@ def forward_rank(comm, dev, calls, q, k, v, *, scale, dropout=None):
         k_in, v_in = ring.in_hand
         for call in calls[step]:
             place, target = parts.into(call)
-            dev.launch(ring.compute, _forward_call, attention_forward, rows(q, call.q_slots, c),
+            dev.launch(ring.compute, _forward_call, _forward_at, rows(q, call.q_slots, c),
                        rows(k_in, call.k_slots, c), rows(v_in, call.k_slots, c), call.causal, scale, target,
                        _dropout_options(dropout, call, c))
             parts.settle(place, target)
@@ -531,7 +539,7 @@ def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale, dropout=N
     hand arrive from the previous rank, get this rank's part, and move on with the kv. Under
     ``dropout`` each call regenerates its chunk pair's part of the forward's mask (as forward_rank).
     """
-    from .backward import attention_backward
+    from .backward import _backward_at   # attention_backward, at a chunk pair's dropout origin
 
     world, c = comm.world, q.shape[1] // 2
     acc = accumulator(q.dtype)
@@ -572,7 +580,7 @@ def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale, dropout=N
                      buffer(("dv", j, nk), (v.shape[0], nk) + v.shape[2:], v.dtype))
             operands = (rows(dout, call.q_slots, c), rows(q, call.q_slots, c), rows(k_in, call.k_slots, c),
                         rows(v_in, call.k_slots, c), rows(out, call.q_slots, c), lse_rows(call.q_slots))
-            dev.launch(compute, _backward_call, attention_backward, operands, call.causal, scale, grads,
+            dev.launch(compute, _backward_call, _backward_at, operands, call.causal, scale, grads,
                        rows(dq_sum, call.q_slots, c), _dropout_options(dropout, call, c, backward=True))
             parts.append((lambda x, slots=call.k_slots: rows(x, slots, c), grads[1], grads[2]))
         # The step's exchanges are posted after its calls are queued: an NCCL kernel queued first

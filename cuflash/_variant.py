@@ -1,14 +1,20 @@
 """The kernel variant: a family plus the compile-time defines that fix its configuration.
 
-A leaf module (it imports nothing of cuflash), so that the compiler (:mod:`cuflash._compile`) and
-the planners (:mod:`cuflash._heuristics`) can both name variants without importing each other.
+It imports only :mod:`cuflash.features` (the tables that give dtype codes and modifier bits their
+names), so that the compiler (:mod:`cuflash._compile`), the planners (:mod:`cuflash.kernels`) and
+the command line can all name and describe variants without importing each other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from cuflash.features import DTYPE_CODES, MODIFIERS
+
 __all__ = ["Variant"]
+
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+_DTYPE_WORDS = {code: _SHORT.get(name, name) for name, code in DTYPE_CODES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,3 +45,28 @@ class Variant:
     def label(self) -> str:
         """Short text for tables: ``HEAD_DIM=128,DTYPE=1`` (``CUFLASH_`` prefix dropped)."""
         return ",".join(f"{k.removeprefix('CUFLASH_')}={v}" for k, v in self.defines)
+
+    def describe(self) -> str:
+        """A few words for people: dtype, head dim and the features compiled in, e.g.
+        ``"bf16 D128 dq mods dropout"`` (``"mods"``: every modifier the family has;
+        one alone goes by its name)."""
+        d = {k.removeprefix("CUFLASH_"): v for k, v in self.defines}
+        words = []
+        if "DTYPE" in d:
+            words.append(_DTYPE_WORDS.get(d["DTYPE"], f"dtype{d['DTYPE']}"))
+        if "IN_DTYPE" in d:
+            words.append(f"{_DTYPE_WORDS.get(d['IN_DTYPE'], d['IN_DTYPE'])}->"
+                         f"{_DTYPE_WORDS.get(d.get('OUT_DTYPE'), d.get('OUT_DTYPE'))}")
+        if "HEAD_DIM" in d:
+            words.append(f"D{d['HEAD_DIM']}")
+        if "BWD_PASS" in d:
+            words.append("dq" if d["BWD_PASS"] else "dkdv")
+        if d.get("PAGED"):
+            words.append("paged")
+        mods = d.get("SCORE_MODS", 0)
+        if mods:
+            one = [m.name for m in MODIFIERS if m.bit == mods]
+            words.append(one[0] if one else "mods")
+        if d.get("DROPOUT"):
+            words.append("dropout")
+        return " ".join(words)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch, _pipeline, _tma
+from . import _capture, _checks, _faults, _launch, _memo, _plan, _step, _tma, kernels
 from ._compile import device_arch, get_kernel
 from ._params import FWD, Template
 from .random import dropout_threshold
@@ -18,13 +18,33 @@ _num_sms = _launch.sm_count  # a module name, so tests can pretend to other SM c
 
 
 def force_kernel(family: str):
-    """Run every forward call inside the block on one kernel family (tests and benchmarks).
+    """Run every forward call inside a ``with`` block on one kernel family (tests and benchmarks).
 
     Parameters
     ----------
     family : {"fwd_sm90", "fwd_sm80", "fwd_simt"}
-        A family that cannot run a call (its dtype, or for fwd_sm90 strides that TMA cannot
-        describe) raises ValueError at that call, never falls back.
+        fwd_sm90 (wgmma + TMA, sm_90 GPUs) and fwd_sm80 (mma.sync, sm_80 and newer) run
+        float16/bfloat16, fwd_simt float32. A family that cannot run a call (its dtype, or for
+        fwd_sm90 strides that TMA cannot describe) raises ValueError at that call, never falls back.
+
+    Returns
+    -------
+    context manager
+        Sets the family for the calls made inside the block (in this thread or task: a context
+        variable) and restores the previous choice when it ends.
+
+    Raises
+    ------
+    ValueError
+        If ``family`` is not one of the three names (when the block is entered).
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> q = k = v = cp.random.standard_normal((1, 256, 4, 64), dtype=cp.float32).astype(cp.float16)
+    >>> with cuflash.force_kernel("fwd_sm80"):
+    ...     out = cuflash.attention(q, k, v)
     """
     return _launch.forcing(_forced_family, family, FAMILIES)
 
@@ -116,9 +136,9 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
                   + (("softcap",) if opts.softcap > 0 else ()))
     consumers = 2
     if family == "fwd_sm90" and entry == "attention":
-        consumers = _heuristics.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
+        consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
                                                full=opts.window == (-1, -1), seqlen_q=q.shape[1])
-    plan_k = _heuristics.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
+    plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                                       consumers=consumers)
     b, hq = batch, heads_q
     if family == "fwd_sm90" and entry == "attention_varlen":
@@ -128,14 +148,14 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
                            "the query blocks of max_seqlen_q rows x heads x sequences",
                            "int32 in fwd_sm90: pass max_seqlen_q, the longest query sequence")
     lse_shape = (hq, q.shape[0]) if entry == "attention_varlen" else (b, hq, q.shape[1])
-    lse_buffer = _pipeline.Buffer(lse_shape, np.float32)
-    outputs = {3: _pipeline.Buffer(o.shape, o.dtype)}
+    lse_buffer = _step.Buffer(lse_shape, np.float32)
+    outputs = {3: _step.Buffer(o.shape, o.dtype)}
     temps = ()
     if lse_output:
         outputs[4] = lse_buffer
     else:
         temps = (lse_buffer,)
-    plan = _pipeline.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=(0, 1, 2, 3),
+    plan = _plan.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=(0, 1, 2, 3),
                           dropout=(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)) if dropout else None,
                           checked=check is not None, results=(3, 4) if lse_output else (3,))
     lse_slot = 4 if lse_output else plan.temp_index(0)
@@ -154,12 +174,12 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
                       **(dropout_origin or {}))
         slots.update(dropout_state=plan.index("dropout_state"), dropout_seed=plan.index("seed"),
                      dropout_offset=plan.index("offset"))
-    device_id = _pipeline.device_id()
+    device_id = _launch.device_id()
     if check is not None:
-        plan.steps.append(_pipeline.check_step(plan, check, device_id))
+        plan.steps.append(_faults.check_step(plan, check, device_id))
         slots["error"] = plan.index("error")
     if family == "fwd_sm90":
-        fields["tail_heads"] = _heuristics.fwd_tail_heads(math.ceil(grid_rows / plan_k.block_m), hq * b,
+        fields["tail_heads"] = kernels.fwd_sm90.fwd_tail_heads(math.ceil(grid_rows / plan_k.block_m), hq * b,
                                                           _num_sms(device_id), shrinking=right >= 0 and left < 0)
     params = Template(FWD, fields, slots)
     kernel = get_kernel(plan_k.variant)
@@ -176,7 +196,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
         args = (*maps, ("struct", params), ("pointer", plan.index("counter")))
     else:
         args = (("struct", params),)
-    plan.steps.append(_pipeline.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
+    plan.steps.append(_step.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
     plan.info["family"] = family
     if family == "fwd_sm90":
         plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"])
@@ -185,68 +205,141 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
                       mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
-                      generator=None, out=None, lse=None, _dropout_origin=(0, 0)):
+                      generator=None, out=None, lse=None):
     """Exact attention forward that also returns what the backward pass needs.
+
+    :func:`attention` with the log-sum-exp and the dropout state always returned: pass them, with
+    the same inputs and options, to :func:`attention_backward`. Runs on CuPy's current stream of the
+    current device, with no host synchronisation.
 
     Parameters
     ----------
-    q : array (B, Sq, Hq, D), float16, bfloat16 or float32 (CuPy or any CUDA DLPack array)
-    k, v : arrays (B, Sk, Hk, D), the dtype of q; Hq % Hk == 0 and query head h reads kv head
-        h // (Hq // Hk) (GQA; Hk = 1 is MQA). Any strides; only the last axis should be contiguous
-        (otherwise, or when D is not a multiple of 8, a padded copy is made).
-    causal : bool
-        Aligned to the bottom-right corner: query i sees key j iff j <= i + Sk - Sq.
+    q : CUDA array (B, Sq, Hq, D)
+        float16, bfloat16 (``ml_dtypes.bfloat16``) or float32; a CuPy array or any CUDA array with
+        ``__dlpack__`` (PyTorch, JAX, ...), imported without a copy. float16/bfloat16 run on tensor
+        cores, float32 on a full-precision path.
+    k : CUDA array (B, Sk, Hk, D), the dtype of q
+        ``Hq % Hk == 0``: query head h reads kv head ``h // (Hq // Hk)`` (GQA; Hk = 1 is MQA).
+    v : CUDA array (B, Sk, Hk, D), the dtype of q
+        Any strides for q, k and v (BHSD data as ``x.transpose(0, 2, 1, 3)`` views); a last axis that
+        is not contiguous, rows that are not 16-byte aligned, or a head dim D that is not a multiple
+        of 8 cost a padded copy. D from 1 to 256; Sq and Sk may differ.
+    causal : bool, default False
+        Causal mask aligned to the bottom-right corner: query i sees key j iff ``j <= i + Sk - Sq``
+        (the last query sees every key; with Sq > Sk the first Sq - Sk rows see none).
     scale : float, optional
-        Multiplies q.k; default 1/sqrt(D).
+        Multiplies ``q . k``; default ``1 / sqrt(D)``. Positive and representable in float32.
     window : (int, int), optional
-        (left, right), inclusive, -1 = unbounded: query i sees keys i + Sk - Sq - left ..
-        i + Sk - Sq + right. causal=True is window right = 0.
-    softcap : float
-        If > 0, scores become softcap * tanh(score / softcap) (after scaling).
-    alibi_slopes : float32 array (Hq,) or (B, Hq), optional
-        Subtracts slope * |i + Sk - Sq - j| from the scores.
-    mask : bool array broadcastable to (B, Hq, Sq, Sk), optional
-        True = may attend. Broadcast by zero strides, never materialised.
-    bias : float array broadcastable to (B, Hq, Sq, Sk), optional
-        Added to the scores after softcap and ALiBi.
-    block_mask : bool array broadcastable to (B, Hq, ceil(Sq/bq), ceil(Sk/bk)), optional
-        Block-sparse attention; key tiles whose blocks are all False are neither loaded nor computed.
-    block_size : (int, int)
-        (bq, bk) of block_mask.
-    dropout_p : float in [0, 1)
-        Inverted dropout on the normalised probabilities (see cuda_src/philox.cuh for the exact,
-        reproducible random numbers); lse is taken before dropout.
+        Sliding window ``(left, right)``, inclusive, ``-1`` = unbounded, around the same bottom-right
+        diagonal: query i sees keys ``i + Sk - Sq - left`` to ``i + Sk - Sq + right``. ``causal=True``
+        sets ``right = 0``. Default None: no window.
+    softcap : float, default 0.0
+        If > 0, caps the scaled scores: ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok); 0 is off.
+    alibi_slopes : CUDA float32 array (Hq,) or (B, Hq), optional
+        ALiBi: subtracts ``slope[b, h] * |i + Sk - Sq - j|`` from the scores.
+    mask : CUDA bool array broadcastable to (B, Hq, Sq, Sk), optional
+        True = may attend. At most 4 axes, broadcast with zero strides, never materialised: (Sq, Sk)
+        for one mask shared by all, (B, 1, 1, Sk) for key padding. Tree masks of speculative
+        decoding are this.
+    bias : CUDA array broadcastable to (B, Hq, Sq, Sk), optional
+        float32, float16 or bfloat16, added to the scores after softcap and ALiBi (relative position
+        biases); broadcast like ``mask``.
+    block_mask : CUDA bool array broadcastable to (B, Hq, ceil(Sq / bq), ceil(Sk / bk)), optional
+        Block-sparse attention over blocks of ``block_size = (bq, bk)``: key j is hidden from query i
+        where ``block_mask[b, h, i // bq, j // bk]`` is False. Key tiles whose blocks are all False
+        are neither loaded nor computed.
+    block_size : (int, int), default (128, 128)
+        ``(bq, bk)``, the query and key lengths of a block of ``block_mask`` (any positive sizes,
+        independent of the kernels' tiles).
+    dropout_p : float, default 0.0
+        In [0, 1): inverted dropout on the normalised probabilities (each dropped with probability
+        ``dropout_p``, the kept ones scaled by ``1 / (1 - dropout_p)``). The decision for element
+        (b, h, i, j) is a pure function of the generator's (seed, offset) and (b, h, i, j)
+        (Philox4x32-10, :mod:`cuflash.random`): the same on every GPU and kernel, so that
+        :func:`attention_backward` regenerates the mask from the returned ``rng_state``.
     generator : cuflash.Generator, optional
-        Source of (seed, offset); default: the global generator (cuflash.manual_seed).
-    out : CuPy array (B, Sq, Hq, D), optional
-    lse : CuPy float32 array (B, Hq, Sq), optional
-        C-contiguous buffers to write the results into; they may not overlap each other or any input
-        (ValueError).
+        Source of the dropout random numbers; each call with dropout takes its next (seed, offset).
+        Default: :func:`cuflash.default_generator` (seeded by :func:`cuflash.manual_seed`).
+    out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
+    lse : CUDA float32 array (B, Hq, Sq), optional
+        C-contiguous buffers to write the results into (returned as given); they may not overlap
+        each other or any input.
 
     Returns
     -------
     out : CuPy array (B, Sq, Hq, D), the dtype of q
+        ``out`` itself when it is given. Rows that see no key are 0.
     lse : CuPy float32 array (B, Hq, Sq)
-        Natural log of each row's sum of exp(scores); -inf (and out = 0) for rows with no visible key.
+        ``lse`` itself when it is given: the natural log of each row's sum of ``exp(s)`` over its
+        final scores (scaled, capped, biased, masked; before dropout); ``-inf`` for a row that sees
+        no key.
     rng_state : numpy uint64 array (2,) = (seed, offset), or None without dropout
-        Captured in a CUDA graph: a CuPy uint64 array (2,) that each replay fills with its own
-        (seed, offset), drawn on the GPU from the generator's graph state (see
-        :meth:`cuflash.Generator.graph_safe`); pass it to :func:`cuflash.attention_backward` as it is
-        (the kernels read it on the GPU), and keep it, like ``out`` and ``lse``, while the graph
-        is replayed.
+        The generator state this call drew its dropout mask from. Captured in a CUDA graph: a CuPy
+        uint64 array (2,) that each replay fills with its own (seed, offset), drawn on the GPU from
+        the generator's graph state (:meth:`cuflash.Generator.graph_safe`); pass it to
+        :func:`attention_backward` as it is (the kernels read it on the GPU), and keep it, like
+        ``out`` and ``lse``, while the graph is replayed.
 
     Raises
     ------
-    TypeError, ValueError
-        For any bad argument, before any launch; ``out``/``lse`` are then left untouched.
+    TypeError
+        An array that is not a CUDA array (a NumPy array too), a dtype other than float16, bfloat16
+        or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias`` or
+        ``alibi_slopes`` of another dtype, an ``out``/``lse`` of the wrong dtype, an option of the
+        wrong type (``causal``, ``scale``, ``window``, ``softcap``, ``dropout_p``, ``generator``).
+    ValueError
+        A shape or value out of contract: ranks, batch or heads that do not match (GQA), head dims,
+        an array on another GPU than the current one, a ``window`` or ``block_size`` entry, ``scale``,
+        ``softcap`` or ``dropout_p`` out of range, an operand that does not broadcast, an
+        ``out``/``lse`` of the wrong shape, not C-contiguous or overlapping an input. Every message
+        names the argument; nothing is launched and ``out``/``lse`` are left untouched.
     RuntimeError
-        When no CUDA GPU is usable.
+        CuPy or a usable CUDA GPU is missing; or the call needs copies of its operands (see ``k``,
+        ``v``) while CuPy's current stream is capturing a CUDA graph.
+
+    See Also
+    --------
+    attention : the same without the lse and dropout state (unless asked).
+    attention_backward : the gradients, from this call's results.
+    cuflash.reference.attention_forward : the float64 host reference.
+
+    Notes
+    -----
+    The scores are built in this order: ``s = scale * q . k``; softcap; minus ALiBi; plus bias; then
+    causal, window, ``mask``, ``block_mask`` and the sequence ends set ``s = -inf``. A row whose
+    scores are all ``-inf`` gets ``out = 0`` and ``lse = -inf``, never NaN. ``lse`` lets partial
+    results over disjoint keys be combined exactly (:func:`merge_states`).
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> q, k, v = (cp.random.standard_normal((2, 512, 8, 64), dtype=cp.float32).astype(cp.float16)
+    ...            for _ in range(3))
+    >>> out, lse, rng_state = cuflash.attention_forward(q, k, v, causal=True, dropout_p=0.1)
+    >>> lse.shape, lse.dtype, rng_state.dtype
+    ((2, 8, 512), dtype('float32'), dtype('uint64'))
+    >>> dout = cp.ones_like(out)
+    >>> dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, rng_state=rng_state,
+    ...                                         causal=True, dropout_p=0.1)
     """
-    # _dropout_origin (private; ring attention's chunk pairs): the (row0, col0) of this call's
-    # element (0, 0) in the larger call whose dropout mask it draws (_checks.check_dropout_origin).
     return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window, softcap,
-                    block_size, dropout_p, generator, True, True,
-                    tuple(_dropout_origin) if isinstance(_dropout_origin, list) else _dropout_origin)
+                    block_size, dropout_p, generator, True, True)
+
+
+def _forward_at(q, k, v, *, dropout_origin=(0, 0), causal=False, scale=None, window=None, softcap=0.0,
+                alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
+                generator=None, out=None, lse=None):
+    """:func:`attention_forward` of a call that is one block of a larger call (ring attention's chunk
+    pairs, :mod:`cuflash._ring_comm`): ``dropout_origin = (row0, col0)`` is the position of this
+    call's element (0, 0) in the larger call, whose dropout mask it draws
+    (:func:`cuflash._checks.check_dropout_origin`: col0 a multiple of 4). Private, so that the public
+    signature holds only what users pass; the public function calls :func:`_forward` directly (no
+    extra frame on its repeat path)."""
+    if isinstance(dropout_origin, list):
+        dropout_origin = tuple(dropout_origin)   # a key of the plan memo: hashable
+    return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window, softcap,
+                    block_size, dropout_p, generator, True, True, dropout_origin)
 
 
 def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
@@ -255,7 +348,7 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us."""
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output, dropout_origin)
-    plan, ptrs, where = _pipeline.lookup("attention", operands, options)
+    plan, ptrs, where = _memo.lookup("attention", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
@@ -299,7 +392,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     _family_for(dtype_name)  # an impossible forced family is an argument error too
 
     if b * sq * hq * d == 0 or sk == 0:
-        _pipeline.nothing_to_plan()
+        _memo.nothing_to_plan()
         out = cupy.empty((b, sq, hq, d), dtype=q.dtype) if out is None else out
         lse = cupy.empty((b, hq, sq), dtype=np.float32) if lse is None else lse
         rng_state = opts.generator.next_state() if opts.dropout_p else None
@@ -324,11 +417,11 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
                         seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
                         score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq, lse_output=lse_output,
                         dropout_origin=origin_fields)
-    ptrs = _pipeline.pointers(kernel_operands)
-    in_place = _pipeline.in_place(operands, kernel_operands)
+    ptrs = _memo.pointers(kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
-        _pipeline.refuse_capture("attention", _pipeline.COPIES_NOT_CAPTURED)
-    _pipeline.remember(key if in_place else None, plan)
+        _capture.refuse_capture("attention", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
     return plan, ptrs, _copy_out(out, out_user, o_kernel, d)
 
 
@@ -351,13 +444,125 @@ def _copy_out(out, out_user, o_kernel, d):
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
               return_lse=False, out=None):
-    """Exact scaled-dot-product attention, softmax(scale * q k^T + modifiers) v.
+    """Exact scaled-dot-product attention, ``softmax(scale * q k^T + modifiers) v``, in one fused pass.
 
-    Takes the options of :func:`attention_forward` (see there for shapes and semantics).
+    For every batch b, query head h and query row i, attends ``q[b, i, h]`` over the keys and values
+    of kv head ``h // (Hq // Hk)`` without materialising the (Sq, Sk) scores. Runs on CuPy's current
+    stream of the current device, with no host synchronisation.
+
+    Parameters
+    ----------
+    q : CUDA array (B, Sq, Hq, D)
+        float16, bfloat16 (``ml_dtypes.bfloat16``) or float32; a CuPy array or any CUDA array with
+        ``__dlpack__`` (PyTorch, JAX, ...), imported without a copy. float16/bfloat16 run on tensor
+        cores, float32 on a full-precision path.
+    k : CUDA array (B, Sk, Hk, D), the dtype of q
+        ``Hq % Hk == 0``: query head h reads kv head ``h // (Hq // Hk)`` (GQA; Hk = 1 is MQA).
+    v : CUDA array (B, Sk, Hk, D), the dtype of q
+        Any strides for q, k and v (BHSD data as ``x.transpose(0, 2, 1, 3)`` views); a last axis that
+        is not contiguous, rows that are not 16-byte aligned, or a head dim D that is not a multiple
+        of 8 cost a padded copy. D from 1 to 256; Sq and Sk may differ.
+    causal : bool, default False
+        Causal mask aligned to the bottom-right corner: query i sees key j iff ``j <= i + Sk - Sq``
+        (the last query sees every key; with Sq > Sk the first Sq - Sk rows see none).
+    scale : float, optional
+        Multiplies ``q . k``; default ``1 / sqrt(D)``. Positive and representable in float32.
+    window : (int, int), optional
+        Sliding window ``(left, right)``, inclusive, ``-1`` = unbounded, around the same bottom-right
+        diagonal: query i sees keys ``i + Sk - Sq - left`` to ``i + Sk - Sq + right``. ``causal=True``
+        sets ``right = 0``. Default None: no window.
+    softcap : float, default 0.0
+        If > 0, caps the scaled scores: ``s = softcap * tanh(s / softcap)`` (Gemma 2, Grok); 0 is off.
+    alibi_slopes : CUDA float32 array (Hq,) or (B, Hq), optional
+        ALiBi: subtracts ``slope[b, h] * |i + Sk - Sq - j|`` from the scores.
+    mask : CUDA bool array broadcastable to (B, Hq, Sq, Sk), optional
+        True = may attend. At most 4 axes, broadcast with zero strides, never materialised: (Sq, Sk)
+        for one mask shared by all, (B, 1, 1, Sk) for key padding. Tree masks of speculative
+        decoding are this.
+    bias : CUDA array broadcastable to (B, Hq, Sq, Sk), optional
+        float32, float16 or bfloat16, added to the scores after softcap and ALiBi (relative position
+        biases); broadcast like ``mask``.
+    block_mask : CUDA bool array broadcastable to (B, Hq, ceil(Sq / bq), ceil(Sk / bk)), optional
+        Block-sparse attention over blocks of ``block_size = (bq, bk)``: key j is hidden from query i
+        where ``block_mask[b, h, i // bq, j // bk]`` is False. Key tiles whose blocks are all False
+        are neither loaded nor computed.
+    block_size : (int, int), default (128, 128)
+        ``(bq, bk)``, the query and key lengths of a block of ``block_mask`` (any positive sizes,
+        independent of the kernels' tiles).
+    dropout_p : float, default 0.0
+        In [0, 1): inverted dropout on the normalised probabilities (each dropped with probability
+        ``dropout_p``, the kept ones scaled by ``1 / (1 - dropout_p)``). The decision for element
+        (b, h, i, j) is a pure function of the generator's (seed, offset) and (b, h, i, j)
+        (Philox4x32-10, :mod:`cuflash.random`): the same on every GPU and kernel. For training use
+        :func:`attention_forward`, which returns the ``rng_state`` the backward needs.
+    generator : cuflash.Generator, optional
+        Source of the dropout random numbers; each call with dropout takes its next (seed, offset).
+        Default: :func:`cuflash.default_generator` (seeded by :func:`cuflash.manual_seed`).
+    return_lse : bool, default False
+        Also return the log-sum-exp of every row.
+    out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
+        C-contiguous buffer to write the result into (returned as given); it may not overlap any
+        input.
 
     Returns
     -------
-    out : CuPy array (B, Sq, Hq, D), or (out, lse) when ``return_lse`` is true.
+    out : CuPy array (B, Sq, Hq, D), the dtype of q
+        ``out`` itself when it is given. Rows that see no key are 0.
+    lse : CuPy float32 array (B, Hq, Sq)
+        Only with ``return_lse``: the natural log of each row's sum of ``exp(s)`` over its final
+        scores (scaled, capped, biased, masked; before dropout); ``-inf`` for a row that sees no key.
+
+    Raises
+    ------
+    TypeError
+        An array that is not a CUDA array (a NumPy array too), a dtype other than float16, bfloat16
+        or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias`` or
+        ``alibi_slopes`` of another dtype, an option of the wrong type (``causal``, ``scale``,
+        ``window``, ``softcap``, ``dropout_p``, ``generator``, ``return_lse``).
+    ValueError
+        A shape or value out of contract: ranks, batch or heads that do not match (GQA), head dims,
+        an array on another GPU than the current one, a ``window`` or ``block_size`` entry, ``scale``,
+        ``softcap`` or ``dropout_p`` out of range, an operand that does not broadcast, an ``out`` of
+        the wrong shape, not C-contiguous or overlapping an input. Every message names the argument;
+        nothing is launched and ``out`` is left untouched.
+    RuntimeError
+        CuPy or a usable CUDA GPU is missing; or the call needs copies of its operands (see ``k``,
+        ``v``) while CuPy's current stream is capturing a CUDA graph.
+
+    See Also
+    --------
+    attention_forward : the same, returning what :func:`attention_backward` needs.
+    attention_varlen : sequences of different lengths packed without padding.
+    decode : a few new tokens against a (paged) KV cache.
+    cuflash.reference.attention_forward : the float64 host reference.
+    cuflash.interop.torch.attention : differentiable, for torch tensors.
+
+    Notes
+    -----
+    The scores are built in this order: ``s = scale * q . k``; softcap; minus ALiBi; plus bias; then
+    causal, window, ``mask``, ``block_mask`` and the sequence ends set ``s = -inf``. A row whose
+    scores are all ``-inf`` gets ``out = 0`` and ``lse = -inf``, never NaN; a NaN or Inf in a
+    position a row sees propagates to that row.
+
+    A repeat call with the same shapes, strides, dtypes and options reuses its plan (a few
+    microseconds of host time); :func:`cuflash.plan` fixes a call's plan for a CUDA graph.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> q = cp.random.standard_normal((2, 1024, 16, 128), dtype=cp.float32).astype(cp.float16)
+    >>> k = cp.random.standard_normal((2, 1024, 4, 128), dtype=cp.float32).astype(cp.float16)
+    >>> v = cp.random.standard_normal((2, 1024, 4, 128), dtype=cp.float32).astype(cp.float16)
+    >>> out = cuflash.attention(q, k, v, causal=True)       # GQA: 16 query heads over 4 kv heads
+    >>> out.shape, out.dtype
+    ((2, 1024, 16, 128), dtype('float16'))
+    >>> out, lse = cuflash.attention(q, k, v, window=(255, 0), return_lse=True)  # 256-key window
+    >>> lse.shape
+    (2, 16, 1024)
+    >>> keep = cp.ones((2, 1, 1, 1024), dtype=bool)           # key padding, broadcast
+    >>> keep[1, ..., 900:] = False
+    >>> out = cuflash.attention(q, k, v, mask=keep, softcap=30.0)
     """
     return_lse = _checks.check_flag(return_lse, "return_lse")
     out, lse, _ = _forward((q, k, v, out, None, alibi_slopes, mask, bias, block_mask), causal, scale, window,
@@ -371,30 +576,91 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                      check=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
+    Sequence b holds query rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1`` of q and key rows
+    ``cu_seqlens_k[b]`` to ``cu_seqlens_k[b + 1] - 1`` of k and v; each is an independent
+    (Sq_b, Sk_b) problem, with the semantics of :func:`attention` (causal and window aligned to its
+    own bottom-right corner). Runs on CuPy's current stream; the offsets are never read back.
+
     Parameters
     ----------
-    q : array (total_q, Hq, D); k, v : arrays (total_k, Hk, D)
-    cu_seqlens_q, cu_seqlens_k : int32 arrays (B + 1,) on the GPU
-        Sequence b holds rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1; it is an independent
-        (Sq_b, Sk_b) problem (causal aligned to its own bottom-right corner; batch index b for
-        ALiBi and dropout). They stay on the GPU (never read back): a kernel checks them before the
-        attention runs (0 first, never decreasing, at most the total rows; rows past the last offset
-        are padding and are not written), and a call with bad offsets writes nothing and reports a
-        ValueError (see ``check``).
-    max_seqlen_q, max_seqlen_k : int, optional
-        The longest query / key sequence (checked on the GPU likewise). They size the grid; when
-        not given, the totals bound them (correct, but the grid is then larger than needed).
-    mask, bias, block_mask
-        Not supported in varlen (ValueError): pad the batch and use :func:`attention` instead.
+    q : CUDA array (total_q, Hq, D)
+        float16, bfloat16 or float32 (CuPy or any CUDA DLPack array), as in :func:`attention`.
+    k : CUDA array (total_k, Hk, D), the dtype of q
+        ``Hq % Hk == 0`` (GQA/MQA as in :func:`attention`).
+    v : CUDA array (total_k, Hk, D), the dtype of q
+    cu_seqlens_q : CUDA int32 array (B + 1,)
+        Offsets of the query sequences: 0 first, never decreasing, at most total_q. They stay on the
+        GPU: a kernel checks them before the attention runs, and a call with bad offsets writes
+        nothing and reports a ValueError (see ``check``). Rows past the last offset are padding: not
+        written.
+    cu_seqlens_k : CUDA int32 array (B + 1,)
+        Offsets of the key sequences, likewise (at most total_k).
+    max_seqlen_q : int, optional
+        The longest query sequence (checked on the GPU as well). It sizes the grid; default: total_q
+        (correct, but the grid is then larger than needed).
+    max_seqlen_k : int, optional
+        The longest key sequence; default: total_k.
+    causal : bool, default False
+        Per sequence, bottom-right aligned: row i of sequence b sees key j iff ``j <= i + Sk_b - Sq_b``.
+    scale : float, optional
+        Default ``1 / sqrt(D)``.
+    window : (int, int), optional
+        ``(left, right)`` around each sequence's bottom-right diagonal, as in :func:`attention`.
+    softcap : float, default 0.0
+        As in :func:`attention`.
+    alibi_slopes : CUDA float32 array (Hq,) or (B, Hq), optional
+        As in :func:`attention`; a (B, Hq) array has a row per sequence.
+    dropout_p : float, default 0.0
+        As in :func:`attention`, with the sequence index b as the batch index of the random numbers.
+    generator : cuflash.Generator, optional
+        As in :func:`attention`.
+    return_lse : bool, default False
+        Also return the log-sum-exp of every row.
+    out : CUDA array (total_q, Hq, D), the dtype of q, optional
+        C-contiguous buffer to write the result into (returned as given), sharing no memory with the
+        inputs.
+    mask, bias, block_mask : None
+        Not supported in varlen (a ValueError): pad the batch and call :func:`attention` instead.
     check : bool, optional
         True: wait for the check of the offsets and raise a bad one now. False: a bad offset is
-        raised at the next varlen call on this stream or by :func:`cuflash.check_errors`.
-        Default: the environment variable ``CUFLASH_CHECK`` (``1`` = True), else False.
-    Other options as in :func:`attention_forward`.
+        raised at the next varlen call on this stream or by :func:`cuflash.check_errors`. Default:
+        the environment variable ``CUFLASH_CHECK`` (``1`` = True), else False.
 
     Returns
     -------
-    out : CuPy array (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when return_lse.
+    out : CuPy array (total_q, Hq, D), the dtype of q
+        Rows that see no key are 0.
+    lse : CuPy float32 array (Hq, total_q)
+        Only with ``return_lse``; ``-inf`` for a row that sees no key.
+
+    Raises
+    ------
+    TypeError
+        As :func:`attention`, and ``cu_seqlens_q``/``cu_seqlens_k`` that are not int32 CUDA arrays,
+        ``max_seqlen_q``/``max_seqlen_k`` or ``check`` of the wrong type.
+    ValueError
+        As :func:`attention`; ``cu_seqlens_q``/``cu_seqlens_k`` that are not 1-d or differ in length,
+        a negative ``max_seqlen_*``, ``mask``/``bias``/``block_mask`` given; and offsets or
+        ``max_seqlen_*`` that the GPU check finds wrong (at once with ``check=True``).
+    RuntimeError
+        CuPy or a usable CUDA GPU is missing, or a call that needs copies is being captured.
+
+    See Also
+    --------
+    attention_varlen_backward : the gradients.
+    cuflash.reference.attention_varlen : the float64 host reference.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> lengths = [100, 37, 512]                          # three sequences, 649 rows in all
+    >>> cu = cp.asarray([0, 100, 137, 649], dtype=cp.int32)
+    >>> q, k, v = (cp.random.standard_normal((649, 8, 64), dtype=cp.float32).astype(cp.float16)
+    ...            for _ in range(3))
+    >>> out = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512, max_seqlen_k=512, causal=True)
+    >>> out.shape
+    (649, 8, 64)
     """
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
@@ -402,7 +668,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     operands = (q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, type(generator), return_lse,
                _forced_family.get())
-    plan, ptrs, where = _pipeline.lookup("attention_varlen", operands, options)
+    plan, ptrs, where = _memo.lookup("attention_varlen", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_varlen(operands, ptrs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -441,7 +707,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     _family_for(dtype_name)
 
     if total_q * hq * d == 0 or batch == 0 or max_q == 0:
-        _pipeline.nothing_to_plan()
+        _memo.nothing_to_plan()
         out = cupy.empty((total_q, hq, d), dtype=q.dtype) if out is None else out
         lse = cupy.full((hq, total_q), -np.inf, dtype=np.float32)
         if opts.dropout_p:
@@ -467,9 +733,9 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                         seq_fields={}, row_layout=row_layout, opts=opts, score_fields={**score_fields, **seq_fields},
                         grid_rows=max_q, batch=batch, heads_q=hq, check=check, lse_output=return_lse)
     kernel_operands = (qk, kk, vk, o_kernel, None, cu_q, cu_k, score_arrays[0])
-    ptrs = _pipeline.pointers(kernel_operands)
-    in_place = _pipeline.in_place(operands, kernel_operands)
+    ptrs = _memo.pointers(kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
-        _pipeline.refuse_capture("attention_varlen", _pipeline.COPIES_NOT_CAPTURED)
-    _pipeline.remember(key if in_place else None, plan)
+        _capture.refuse_capture("attention_varlen", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
     return plan, ptrs, _copy_out(out, out_user, o_kernel, d)

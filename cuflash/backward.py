@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch, _pipeline, _tma
+from . import _capture, _checks, _faults, _launch, _memo, _plan, _step, _tma, kernels
 from ._compile import device_arch, get_kernel
 from ._params import BWD, CONVERT, Template
 from .attention import SCORE_OPERANDS, score_operands
@@ -33,12 +33,12 @@ from .random import as_rng_state, dropout_threshold
 
 __all__ = ["attention_backward", "attention_varlen_backward", "force_kernel", "FAMILIES"]
 
-FAMILIES = _heuristics.BWD_FAMILIES
+FAMILIES = kernels.backward.BWD_FAMILIES
 _forced_family = contextvars.ContextVar("cuflash_forced_backward_family", default=None)
 
 
 def force_kernel(family: str):
-    """Run every backward call inside the block on one kernel family (tests and benchmarks).
+    """Run every backward call inside a ``with`` block on one kernel family (tests and benchmarks).
 
     Parameters
     ----------
@@ -46,6 +46,23 @@ def force_kernel(family: str):
         bwd_sm90 (sm_90 GPUs) and bwd_sm80 run float16/bfloat16, bwd_simt float32; a family that
         cannot run a call (its dtype; for bwd_sm90 also the GPU, the head dim or the layouts) raises
         ValueError at that call, never falls back.
+
+    Returns
+    -------
+    context manager
+        Sets the family for the calls made inside the block (a context variable) and restores the
+        previous choice when it ends.
+
+    Raises
+    ------
+    ValueError
+        If ``family`` is not one of the three names (when the block is entered).
+
+    Examples
+    --------
+    >>> from cuflash import backward
+    >>> with backward.force_kernel("bwd_sm80"):
+    ...     dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse)
     """
     return _launch.forcing(_forced_family, family, FAMILIES)
 
@@ -62,11 +79,11 @@ def _family_for(dtype_name: str) -> str | None:
 
 def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts) -> str | None:
     """Why bwd_sm90 cannot run this call, or None: it needs an sm_90 GPU, a head dim and options it
-    compiles (_heuristics.bwd_sm90_obstacle), and q, k, v, dout that TMA can read (16-byte aligned
+    compiles (kernels.bwd_sm90.bwd_sm90_obstacle), and q, k, v, dout that TMA can read (16-byte aligned
     bases, positive strides that are multiples of 16 bytes)."""
     if device_arch() != "sm_90a":
         return "bwd_sm90 needs an sm_90 GPU (H100/H200)"
-    obstacle = _heuristics.bwd_sm90_obstacle(d_pad, score_mods, dropout)
+    obstacle = kernels.bwd_sm90.bwd_sm90_obstacle(d_pad, score_mods, dropout)
     if obstacle is not None:
         return obstacle
     if not all(_tma.tma_compatible(layouts[name]) for name in ("q", "k", "v", "dout")):
@@ -189,8 +206,8 @@ def _convert_launch(plan, dtype_name, device_id, grid, fields, slots, smem=0, de
     if plan.checked:
         slots = {**slots, "error": plan.index("error")}
     params = Template(CONVERT, fields, slots)
-    func = _launch.prepare_kernel(get_kernel(_heuristics.bwd_convert_variant(dtype_name)), smem, device_id)
-    return _pipeline.Step(func, grid, 256, smem, (("struct", params),), dependent=dependent)
+    func = _launch.prepare_kernel(get_kernel(kernels.bwd_common.bwd_convert_variant(dtype_name)), smem, device_id)
+    return _step.Step(func, grid, 256, smem, (("struct", params),), dependent=dependent)
 
 
 def _convert_tiles_step(plan, dtype_name, device_id, *, src, dst, tiles, tile_rows, dq, varlen, rows, batch, heads,
@@ -240,20 +257,20 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ())
     dropout = dropout_p > 0
     family = _choose_family(dtype_name, family, d_pad, score_mods, dropout, layouts)
-    device_id = _pipeline.device_id()
+    device_id = _launch.device_id()
     # Deterministic bwd_sm90 adds dQ in a fixed order (cuda_src/dq_order.cuh) where it can; else, and
     # on the other families, a dQ pass computes dQ after the dK/dV pass (bwd_sm90 has none: bwd_sm80's).
-    sm90_mode = (_heuristics.bwd_sm90_dq_mode(d_pad, bool(score_mods or dropout), bool(deterministic))
+    sm90_mode = (kernels.bwd_sm90.bwd_sm90_dq_mode(d_pad, bool(score_mods or dropout), bool(deterministic))
                  if family == "bwd_sm90" else None)
     ordered = sm90_mode is True
     dq_pass = bool(deterministic) and not ordered
     windowed = (fwd_fields["window_left"], fwd_fields["window_right"]) != (-1, -1)
-    all_seen = _heuristics.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
-    plan0 = _heuristics.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
+    all_seen = kernels.bwd_sm90.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
+    plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
                                       all_keys_seen=all_seen)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
-    plan1 = (_heuristics.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
+    plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout) if dq_pass else None)
     for p in (plan0, plan1):
         if p is not None and p.smem_bytes > _max_smem(device_id):
@@ -262,7 +279,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
 
     group = heads_q // heads_k
     key_blocks = math.ceil(max_k / plan0.block_m)
-    heads_per_cta = _heuristics.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
+    heads_per_cta = kernels.bwd_common.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
     splits = group // heads_per_cta
     defines0 = dict(plan0.variant.defines)
     dq_tile = defines0["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
@@ -270,11 +287,11 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
     # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
     # query tiles too).
-    row_pad = math.lcm(_heuristics.BWD_ROW_PAD, dq_tile or 1)
+    row_pad = math.lcm(kernels.bwd_common.BWD_ROW_PAD, dq_tile or 1)
     rows_pad = row_pad * max(1, math.ceil(max_q / row_pad))
     dq_t, dk_t, dv_t = layouts["dq"], layouts["dk"], layouts["dv"]
-    temps = [_pipeline.Buffer((batch, heads_q, rows_pad), np.float32),     # lse2
-             _pipeline.Buffer((batch, heads_q, rows_pad), np.float32)]     # dsum
+    temps = [_step.Buffer((batch, heads_q, rows_pad), np.float32),     # lse2
+             _step.Buffer((batch, heads_q, rows_pad), np.float32)]     # dsum
     names = ["lse2", "dsum"]
     # bwd_sm90 adds dQ into whole tiles (cuda_src/bwd_common.cuh, dq_tile_offset): per head a row
     # space of tiles of the compiled head dim; under varlen each sequence's tiles start a tile apart.
@@ -283,40 +300,40 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         shape = ((heads_q, -(-(total_q + batch * dq_tile) // dq_tile) * dq_tile, plan0.head_dim) if varlen
                  else (batch, heads_q, rows_pad, plan0.head_dim))
         # Zeroed by the preprocess kernel, every tile of every sequence.
-        temps.append(_pipeline.Buffer(shape, np.float32))
+        temps.append(_step.Buffer(shape, np.float32))
         names.append("dq_accum")
         if ordered:
             # A counter per tile of kBlockM rows and per consumer's share (cuda_src/dq_order.cuh).
             tiles = math.prod(shape) // (dq_tile * plan0.head_dim)
-            temps.append(_pipeline.Buffer((tiles * 2,), np.int32, zero=True))
+            temps.append(_step.Buffer((tiles * 2,), np.int32, zero=True))
             names.append("dq_semaphore")
-        elif _heuristics.bwd_convert_behind(shrinking=shrinking):
+        elif kernels.bwd_sm90.bwd_convert_behind(shrinking=shrinking):
             # Landed consumers per (sequence, slot), zeroed by the preprocess: the conversion runs
             # behind bwd_sm90 as its programmatic dependent.
-            temps.append(_pipeline.Buffer((batch * heads_k * splits,), np.int32))
+            temps.append(_step.Buffer((batch * heads_k * splits,), np.int32))
             names.append("dq_done")
     elif not deterministic:
         # Zeroed by the preprocess kernel row by row; varlen rows outside every sequence need a memset.
-        temps.append(_pipeline.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
+        temps.append(_step.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
         names.append("dq_accum")
     if splits > 1:
         # float32 partial sums per head chunk: (rows, Hk * splits, d_pad); bwd_convert adds them.
         rows_k = dk_t.shape[:-2]
         for name in ("dk_part", "dv_part"):
-            temps.append(_pipeline.Buffer(rows_k + (heads_k * splits, d_pad), np.float32))
+            temps.append(_step.Buffer(rows_k + (heads_k * splits, d_pad), np.float32))
             names.append(name)
     if dbias_shape is not None:
-        temps.append(_pipeline.Buffer(dbias_shape, np.float32, zero=True))
+        temps.append(_step.Buffer(dbias_shape, np.float32, zero=True))
         names.append("dbias")
     shaped = {name: _checks.Shaped(b.shape, b.dtype) for name, b in zip(names, temps)}
-    outputs = {i: _pipeline.Buffer(layouts[name].shape, layouts[name].dtype)
+    outputs = {i: _step.Buffer(layouts[name].shape, layouts[name].dtype)
                for i, name in ((6, "dq"), (7, "dk"), (8, "dv"))}
-    plan = _pipeline.Plan(entry, n_operands, outputs=outputs, temps=temps, aligned=tuple(range(9)),
+    plan = _plan.Plan(entry, n_operands, outputs=outputs, temps=temps, aligned=tuple(range(9)),
                           dropout=(dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)) if dropout else None,
                           checked=check is not None, results=(6, 7, 8))
     temp = {name: plan.temp_index(i) for i, name in enumerate(names)}
     if check is not None:
-        plan.steps.append(_pipeline.check_step(plan, check, device_id))
+        plan.steps.append(_faults.check_step(plan, check, device_id))
 
     fwd = dict(**fwd_fields, heads_q=heads_q, heads_k=heads_k, head_dim=d_pad, batch=batch,
                lse_batch_stride=0 if varlen else heads_q * max_q, lse_head_stride=lse_head_stride)
@@ -344,7 +361,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     def tail_pairs_of(launch_plan, blocks, pairs, ordered_dq=False):
         func = _launch.prepare_kernel(get_kernel(launch_plan.variant), launch_plan.smem_bytes, device_id)
         wave = _num_sms(device_id) * _launch.ctas_per_sm(func, launch_plan.threads, launch_plan.smem_bytes)
-        return _heuristics.bwd_tail_pairs(blocks, pairs, wave, shrinking=shrinking, ordered=ordered_dq)
+        return kernels.bwd_common.bwd_tail_pairs(blocks, pairs, wave, shrinking=shrinking, ordered=ordered_dq)
 
     # (bwd_sm80's and bwd_simt's dK/dV pass keep head by head: cuda_src/bwd_sm80.cu says why.)
     tail_pairs = tail_pairs_of(plan0, key_blocks, heads_k * splits * batch, ordered) if family == "bwd_sm90" else 0
@@ -373,9 +390,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
 
     def step(variant, grid, threads, smem):
         func = _launch.prepare_kernel(get_kernel(variant), smem, device_id)
-        return _pipeline.Step(func, grid, threads, smem, (("struct", params),))
+        return _step.Step(func, grid, threads, smem, (("struct", params),))
 
-    plan.steps.append(step(_heuristics.bwd_preprocess_variant(dtype_name), (rows_pad // 16, heads_q, batch), 128, 0))
+    plan.steps.append(step(kernels.bwd_common.bwd_preprocess_variant(dtype_name), (rows_pad // 16, heads_q, batch), 128, 0))
     grid0 = (key_blocks, heads_k * splits, batch)
     if family == "bwd_sm90":
         # Q and dO arrive in boxes of a step's query rows, K and V in boxes of the CTA's keys.
@@ -384,7 +401,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                 for index, name, rows in ((1, "q", block_m), (2, "k", plan0.block_m), (3, "v", plan0.block_m),
                                           (0, "dout", block_m))]
         func = _launch.prepare_kernel(get_kernel(plan0.variant), plan0.smem_bytes, device_id)
-        plan.steps.append(_pipeline.Step(func, grid0, plan0.threads, plan0.smem_bytes, (*maps, ("struct", params))))
+        plan.steps.append(_step.Step(func, grid0, plan0.threads, plan0.smem_bytes, (*maps, ("struct", params))))
     else:
         plan.steps.append(step(plan0.variant, grid0, plan0.threads, plan0.smem_bytes))
     if dq_pass:
@@ -435,55 +452,70 @@ def _reduce_dbias(dbias_full, bias):
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, mask=None, bias=None, block_mask=None,
                        block_size=(128, 128), dropout_p=0.0, deterministic=False, return_dbias=False,
-                       dq=None, dk=None, dv=None, _dropout_origin=(0, 0)):
-    """Gradients of :func:`cuflash.attention` with respect to q, k and v (and bias).
+                       dq=None, dk=None, dv=None):
+    """Gradients of :func:`attention` with respect to q, k and v (and bias).
 
-    Pass the forward's inputs, options, ``out`` and ``lse`` (and, with dropout, its
-    ``rng_state``) as :func:`cuflash.attention_forward` returned them; the probabilities are
-    recomputed from ``lse``, and the dropout mask is regenerated from ``rng_state``.
+    Pass the forward's inputs and options, and ``out``, ``lse`` (and, with dropout, ``rng_state``) as
+    :func:`attention_forward` returned them: the probabilities are recomputed from ``lse`` (nothing
+    of size Sq x Sk is kept between the passes) and the dropout mask is regenerated from
+    ``rng_state``. Runs on CuPy's current stream, with no host synchronisation.
 
     Parameters
     ----------
-    dout : array (B, Sq, Hq, D), the dtype of q
-        Gradient of the loss with respect to ``out``; any strides (copied if the last axis is not
+    dout : CUDA array (B, Sq, Hq, D), the dtype of q
+        Gradient of the loss with respect to ``out``. Any strides (copied if the last axis is not
         contiguous, e.g. a broadcast ``ones``).
-    q : array (B, Sq, Hq, D); k, v : arrays (B, Sk, Hk, D)
-        float16, bfloat16 or float32, as in the forward (GQA/MQA: Hq % Hk == 0).
-    out : array (B, Sq, Hq, D)
+    q : CUDA array (B, Sq, Hq, D)
+        float16, bfloat16 or float32, as given to the forward.
+    k : CUDA array (B, Sk, Hk, D), the dtype of q
+    v : CUDA array (B, Sk, Hk, D), the dtype of q
+        As given to the forward (GQA/MQA: ``Hq % Hk == 0``).
+    out : CUDA array (B, Sq, Hq, D), the dtype of q
         The forward's output.
-    lse : float32 array (B, Hq, Sq)
-        The forward's log-sum-exp (-inf for rows that saw no key: they get zero gradients).
-    rng_state : numpy uint64 array (2,), optional
-        The forward's ``(seed, offset)``; required when ``dropout_p > 0``. On the GPU (a uint64 (2,)
-        array, as a forward captured in a CUDA graph returns it), the kernels read it there: no
-        wait for the GPU, and a captured backward reads the state of each replay.
+    lse : CUDA float32 array (B, Hq, Sq)
+        The forward's log-sum-exp (``-inf`` rows saw no key: their gradients are 0).
+    rng_state : numpy uint64 array (2,) = (seed, offset), optional
+        The forward's; required when ``dropout_p > 0``. On the GPU (a CuPy uint64 (2,) array, as a
+        forward captured in a CUDA graph returns it) the kernels read it there: no wait for the GPU,
+        and a captured backward reads the state of each replay.
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
-        Exactly the forward's options (see :func:`cuflash.attention_forward`).
-    deterministic : bool
-        If true, dQ is computed by a separate pass without atomics, so that every result is
-        bitwise identical from run to run (somewhat slower). dK/dV are always deterministic.
-    return_dbias : bool
-        Also return dL/dbias (requires ``bias``). This materialises a float32 (B, Hq, Sq, Sk)
-        buffer, which is then summed over the axes along which ``bias`` was broadcast.
-    dq : CuPy array (B, Sq, Hq, D), optional
-    dk, dv : CuPy arrays (B, Sk, Hk, D), optional
-        C-contiguous output buffers of the input dtype; they may not overlap each other or any input
-        (ValueError).
+        Exactly the forward's options (see :func:`attention`).
+    deterministic : bool, default False
+        If true, dQ is accumulated without atomics (in a fixed order, or by a separate pass), so that
+        every result is bitwise identical from run to run (somewhat slower). dK and dV are always
+        deterministic.
+    return_dbias : bool, default False
+        Also return dL/dbias (needs ``bias``). This materialises a float32 (B, Hq, Sq, Sk) buffer,
+        then summed over the axes along which ``bias`` was broadcast; such a call cannot be captured
+        in a CUDA graph.
+    dq : CUDA array (B, Sq, Hq, D), the dtype of q, optional
+    dk : CUDA array (B, Sk, Hk, D), the dtype of q, optional
+    dv : CUDA array (B, Sk, Hk, D), the dtype of q, optional
+        C-contiguous buffers to write the gradients into (returned as given); they may not overlap
+        each other or any input.
 
     Returns
     -------
     dq : CuPy array (B, Sq, Hq, D)
-    dk, dv : CuPy arrays (B, Sk, Hk, D)
-        Summed over the query heads that share each kv head.
+    dk : CuPy array (B, Sk, Hk, D)
+    dv : CuPy array (B, Sk, Hk, D)
+        In the dtype of q; dk and dv summed over the query heads that share each kv head.
     dbias : CuPy array of the shape and dtype of ``bias``
-        Only when ``return_dbias`` is true.
+        Only with ``return_dbias``.
 
     Raises
     ------
-    TypeError, ValueError
-        For any bad argument, before any launch; the output buffers are then left untouched.
+    TypeError
+        As :func:`attention_forward`; ``dout``/``out`` of another dtype than q, ``lse`` not float32,
+        an ``rng_state`` that does not hold integers, ``deterministic``/``return_dbias`` not bool.
+    ValueError
+        As :func:`attention_forward`; ``dout``/``out``/``lse`` of the wrong shape, ``dropout_p > 0``
+        without ``rng_state``, ``return_dbias`` without ``bias``, ``dq``/``dk``/``dv`` of the wrong
+        shape, not C-contiguous or overlapping an input. Nothing is launched and the output
+        buffers are left untouched.
     RuntimeError
-        When no CUDA GPU is usable.
+        CuPy or a usable CUDA GPU is missing, or a call that needs copies (or ``return_dbias``) is
+        being captured.
 
     Notes
     -----
@@ -494,20 +526,59 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     Masked elements contribute exactly zero. A NaN in an element of q, k, v or dout that a
     row does not see can still reach the gradients of its tile through 0 * NaN in the matrix
     products (as in the forward's P V); visible NaNs propagate.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> q = cp.random.standard_normal((2, 512, 8, 64), dtype=cp.float32).astype(cp.float16)
+    >>> k, v = (cp.random.standard_normal((2, 512, 2, 64), dtype=cp.float32).astype(cp.float16)
+    ...         for _ in range(2))
+    >>> bias = cp.zeros((1, 8, 512, 512), dtype=cp.float32)   # one bias for the batch
+    >>> out, lse, _ = cuflash.attention_forward(q, k, v, causal=True, bias=bias)
+    >>> dout = cp.random.standard_normal(out.shape, dtype=cp.float32).astype(cp.float16)
+    >>> dq, dk, dv, dbias = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, bias=bias,
+    ...                                                return_dbias=True, deterministic=True)
+    >>> dk.shape, dbias.shape
+    ((2, 512, 2, 64), (1, 8, 512, 512))
     """
-    # _dropout_origin (private): as in attention_forward, the forward call's origin in a larger call.
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
-    if isinstance(_dropout_origin, list):
-        _dropout_origin = tuple(_dropout_origin)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), _dropout_origin)
-    plan, ptrs, where = _pipeline.lookup("attention_backward", operands, options)
+               _forced_family.get(), (0, 0))
+    plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
-                                            return_dbias=return_dbias, dropout_origin=_dropout_origin)
+                                            return_dbias=return_dbias)
+        if plan is None:
+            return finish
+    rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
+    grads, temps, _ = plan.run(operands, ptrs, where, rng_state=rng)
+    return finish(grads, temps, plan) if finish is not None else tuple(grads)
+
+
+def _backward_at(dout, q, k, v, out, lse, *, dropout_origin=(0, 0), rng_state=None, causal=False, scale=None,
+                 window=None, softcap=0.0, alibi_slopes=None, mask=None, bias=None, block_mask=None,
+                 block_size=(128, 128), dropout_p=0.0, deterministic=False, return_dbias=False, dq=None, dk=None,
+                 dv=None):
+    """:func:`attention_backward` of a forward made by :func:`cuflash.attention._forward_at` with the same
+    ``dropout_origin`` (ring attention's chunk pairs): it regenerates that block of the larger call's
+    dropout mask. Private; the body of :func:`attention_backward` with the origin in the plan's key
+    (the public function keeps its body inline: no extra frame on its repeat path)."""
+    if isinstance(dropout_origin, list):
+        dropout_origin = tuple(dropout_origin)   # a key of the plan memo: hashable
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
+    options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
+               _forced_family.get(), dropout_origin)
+    plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
+    finish = None
+    if plan is None:
+        plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
+                                            window=window, softcap=softcap, block_size=block_size,
+                                            dropout_p=dropout_p, deterministic=deterministic,
+                                            return_dbias=return_dbias, dropout_origin=dropout_origin)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -544,7 +615,7 @@ def _finisher(users, results, targets, d, reduce_dbias=None):
                 result[...] = target[..., :d]
             final.append(user if user is not None else (result if result is not None else grad))
         if reduce_dbias is not None:
-            final.append(reduce_dbias(_pipeline.temp_array(plan, temps, len(plan.temps) - 1)))
+            final.append(reduce_dbias(_memo.temp_array(plan, temps, len(plan.temps) - 1)))
         return tuple(final)
 
     return finish
@@ -587,7 +658,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
 
     if b == 0 or hq == 0 or sq == 0 or sk == 0:
         # No score at all: every gradient is zero (and dq/dk/dv may be empty).
-        _pipeline.nothing_to_plan()
+        _memo.nothing_to_plan()
         grads = []
         for user, result, shape in zip(users, results, ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d))):
             x = result if result is not None else cupy.empty(shape, dtype=q.dtype)
@@ -610,14 +681,14 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                           dbias_shape=(b, hq, sq, sk) if return_dbias else None)
     qk, kk, vk, ok, dok = kernel
     kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays)
-    ptrs = _pipeline.pointers(kernel_operands)
-    in_place = _pipeline.in_place(operands, kernel_operands) and not return_dbias
+    ptrs = _memo.pointers(kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands) and not return_dbias
     if return_dbias:
-        _pipeline.refuse_capture("attention_backward", "return_dbias sums dS over the broadcast axes of bias "
+        _capture.refuse_capture("attention_backward", "return_dbias sums dS over the broadcast axes of bias "
                                  "into a new array, through temporaries that live only during the call")
     elif not in_place:
-        _pipeline.refuse_capture("attention_backward", _pipeline.COPIES_NOT_CAPTURED)
-    _pipeline.remember(key if in_place else None, plan)
+        _capture.refuse_capture("attention_backward", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
     needs_finish = return_dbias or any(t is not None and t is not r for t, r in zip(targets, results)) or any(
         u is not None and type(u) is not cupy.ndarray for u in users)
     reduce = (lambda full: _reduce_dbias(full, bias_arr)) if return_dbias else None
@@ -628,32 +699,69 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k=None, rng_state=None, causal=False, scale=None, window=None,
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, dq=None,
                               dk=None, dv=None, mask=None, bias=None, block_mask=None, check=None):
-    """Gradients of :func:`cuflash.attention_varlen` with respect to q, k and v.
+    """Gradients of :func:`attention_varlen` with respect to q, k and v.
+
+    Pass the forward's inputs, options, ``out`` and ``lse`` (``return_lse=True``); as
+    :func:`attention_backward`, per packed sequence.
 
     Parameters
     ----------
-    dout, out : arrays (total_q, Hq, D), the dtype of q
-    q : array (total_q, Hq, D); k, v : arrays (total_k, Hk, D)
-    lse : float32 array (Hq, total_q)
+    dout : CUDA array (total_q, Hq, D), the dtype of q
+        Gradient of the loss with respect to ``out``.
+    q : CUDA array (total_q, Hq, D)
+    k : CUDA array (total_k, Hk, D)
+    v : CUDA array (total_k, Hk, D)
+        As given to the forward.
+    out : CUDA array (total_q, Hq, D)
+        The forward's output.
+    lse : CUDA float32 array (Hq, total_q)
         As ``attention_varlen(..., return_lse=True)`` returns it.
-    cu_seqlens_q, cu_seqlens_k : int32 arrays (B + 1,) on the GPU
-        The forward's; never read back: checked on the GPU as in :func:`cuflash.attention_varlen`.
+    cu_seqlens_q, cu_seqlens_k : CUDA int32 arrays (B + 1,)
+        The forward's; never read back: checked on the GPU as in :func:`attention_varlen`.
     max_seqlen_q, max_seqlen_k : int, optional
         Bounds of the longest sequences (default: the totals, correct but with a larger grid).
-    rng_state : numpy uint64 array (2,), optional
-        The forward's ``(seed, offset)``; required when ``dropout_p > 0``; on the GPU as in
-        :func:`attention_backward`.
+    rng_state : numpy uint64 array (2,) = (seed, offset), optional
+        The forward's dropout state; required when ``dropout_p > 0``. Since
+        :func:`attention_varlen` does not return it, draw it with ``generator.next_state()`` before
+        the forward and give the forward a generator set to it (as :mod:`cuflash.interop.torch`
+        does); on the GPU as in :func:`attention_backward`.
     causal, scale, window, softcap, alibi_slopes, dropout_p, deterministic
-        As in :func:`attention_backward`; mask, bias and block_mask are not supported in varlen.
-    dq : CuPy array (total_q, Hq, D), optional
-    dk, dv : CuPy arrays (total_k, Hk, D), optional
+        As in :func:`attention_backward`.
+    dq : CUDA array (total_q, Hq, D), optional
+    dk, dv : CUDA arrays (total_k, Hk, D), optional
+        C-contiguous buffers of the dtype of q to write the gradients into; they may not overlap
+        each other or any input.
+    mask, bias, block_mask : None
+        Not supported in varlen (a ValueError).
     check : bool, optional
-        As in :func:`cuflash.attention_varlen`: raise bad offsets now (True) or at the next call.
+        As in :func:`attention_varlen`: raise bad offsets now (True) or at a later call (False).
 
     Returns
     -------
     dq : CuPy array (total_q, Hq, D)
-    dk, dv : CuPy arrays (total_k, Hk, D)
+    dk : CuPy array (total_k, Hk, D)
+    dv : CuPy array (total_k, Hk, D)
+        In the dtype of q; dk and dv summed over the query heads that share each kv head.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention_backward` and :func:`attention_varlen`, naming the argument, before any
+        launch (offsets found wrong on the GPU: a ValueError, see ``check``).
+    RuntimeError
+        CuPy or a usable CUDA GPU is missing, or a call that needs copies is being captured.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> cu = cp.asarray([0, 100, 137, 649], dtype=cp.int32)
+    >>> q, k, v = (cp.random.standard_normal((649, 8, 64), dtype=cp.float32).astype(cp.float16)
+    ...            for _ in range(3))
+    >>> out, lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512, max_seqlen_k=512,
+    ...                                     causal=True, return_lse=True)
+    >>> dq, dk, dv = cuflash.attention_varlen_backward(cp.ones_like(out), q, k, v, out, lse, cu, cu,
+    ...                                                max_seqlen_q=512, max_seqlen_k=512, causal=True)
     """
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
@@ -662,7 +770,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
                _forced_family.get())
-    plan, ptrs, where = _pipeline.lookup("attention_varlen_backward", operands, options)
+    plan, ptrs, where = _memo.lookup("attention_varlen_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_varlen_backward(operands, ptrs, max_seqlen_q=max_seqlen_q,
@@ -706,7 +814,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
                             ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0])))
 
     if hq == 0 or batch == 0 or max_q == 0 or max_k == 0 or total_q == 0:
-        _pipeline.nothing_to_plan()
+        _memo.nothing_to_plan()
         grads = []
         for user, result, shape in zip(users, results, shapes):
             x = result if result is not None else cupy.empty(shape, dtype=q.dtype)
@@ -730,11 +838,11 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
                           dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check)
     qk, kk, vk, ok, dok = kernel
     kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k)
-    ptrs = _pipeline.pointers(kernel_operands)
-    in_place = _pipeline.in_place(operands, kernel_operands)
+    ptrs = _memo.pointers(kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
-        _pipeline.refuse_capture("attention_varlen_backward", _pipeline.COPIES_NOT_CAPTURED)
-    _pipeline.remember(key if in_place else None, plan)
+        _capture.refuse_capture("attention_varlen_backward", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
     needs_finish = any(t is not None and t is not r for t, r in zip(targets, results)) or any(
         u is not None and type(u) is not cupy.ndarray for u in users)
     return plan, ptrs, _finisher(users, results, targets, d) if needs_finish else None

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch, _pipeline
+from . import _capture, _checks, _faults, _launch, _memo, _plan, _step, kernels
 from ._compile import device_arch, get_kernel
 from ._params import DECODE, Template
 
@@ -135,7 +135,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     batch, seqlen_q, heads_q, d = q.shape
     heads_k = k_cache.shape[2]
     _checks.check_heads(heads_q, heads_k, v_cache.shape[2])
-    _checks.check_head_dim(d, k_cache.shape[3], v_cache.shape[3], _heuristics.MAX_HEAD_DIM)
+    _checks.check_head_dim(d, k_cache.shape[3], v_cache.shape[3], kernels.common.MAX_HEAD_DIM)
 
     # The cache, its capacity per sequence, and the lengths it holds (values checked on the host when
     # given there, else by the index check on the GPU).
@@ -216,8 +216,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         mask_keys = 0 if cols == 1 else cols
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
-    if not 0 <= num_splits <= _heuristics.DECODE_MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [0, {_heuristics.DECODE_MAX_SPLITS}] (0 = heuristic), got "
+    if not 0 <= num_splits <= kernels.decode.DECODE_MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {kernels.decode.DECODE_MAX_SPLITS}] (0 = heuristic), got "
                          f"{num_splits}")
     out_user = out
     if out is not None:
@@ -247,7 +247,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     _checks.check_size(batch * max_pages, _checks.INT32_MAX, "the entries of block_table", int32)
     _checks.check_size(mask_keys, _checks.INT32_MAX, "the key columns of mask (last axis)", int32)
     if batch == 0:
-        _pipeline.nothing_to_plan()
+        _memo.nothing_to_plan()
         out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype) if out is None else out
         lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32)
         return None, None, (out_user if out_user is not None else out, lse)
@@ -267,11 +267,11 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         raise ValueError("a cache whose rows are not 16-byte aligned is copied, and appending to it needs "
                          "cache_seqlens (and block_table) on the host: pass NumPy arrays, or align the cache")
 
-    device_id = _pipeline.device_id()
+    device_id = _launch.device_id()
     sms, smem_block, smem_sm, memory_rate = _device_limits(device_id)
     score_mods = tuple(name for name, used in (("softcap", opts.softcap > 0), ("alibi", alibi_slopes is not None),
                                                 ("mask", mask is not None)) if used)
-    plan_k = _heuristics.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
+    plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
                                      smem_per_block=smem_block, smem_per_sm=smem_sm)
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
@@ -289,7 +289,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits
         # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys, whose
         # page-table start-up no longer hides.
-        num_splits = _heuristics.decode_num_splits(
+        num_splits = kernels.decode.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
             saturating_ctas=None if paged else plan_k.saturating_ctas(memory_rate),
@@ -298,15 +298,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if row_blocks * num_splits >= 2**31:
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")
 
-    lse_buffer = _pipeline.Buffer((batch, heads_q, seqlen_q), np.float32)
+    lse_buffer = _step.Buffer((batch, heads_q, seqlen_q), np.float32)
     temps = [] if return_lse else [lse_buffer]
     if num_splits > 1:
-        temps += [_pipeline.Buffer((num_splits, batch, seqlen_q, heads_q, d), np.float32),
-                  _pipeline.Buffer((num_splits, batch, heads_q, seqlen_q), np.float32)]
-    outputs = {_OUT: _pipeline.Buffer((batch, seqlen_q, heads_q, d), q.dtype)}
+        temps += [_step.Buffer((num_splits, batch, seqlen_q, heads_q, d), np.float32),
+                  _step.Buffer((num_splits, batch, heads_q, seqlen_q), np.float32)]
+    outputs = {_OUT: _step.Buffer((batch, seqlen_q, heads_q, d), q.dtype)}
     if return_lse:
         outputs[_LSE] = lse_buffer
-    plan = _pipeline.Plan("decode", len(operands), outputs=outputs, temps=temps,
+    plan = _plan.Plan("decode", len(operands), outputs=outputs, temps=temps,
                           aligned=(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW), checked=check_on_gpu,
                           results=(_OUT, _LSE) if return_lse else (_OUT,),
                           split_counters=batch * heads_k * row_blocks if num_splits > 1 else 0)
@@ -314,12 +314,12 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
     # Small index arrays (every contiguous cache's lengths, small page tables) are checked by the
     # decode kernel itself before it writes (cuda_src/decode.cu, indices_faulted): one launch fewer.
-    check_in_kernel = check_on_gpu and _heuristics.decode_self_check(paged, batch, max_pages, plan_k.threads)
+    check_in_kernel = check_on_gpu and kernels.decode.decode_self_check(paged, batch, max_pages, plan_k.threads)
     if check_in_kernel:
         plan.info.update(batch=batch, capacity=capacity, seqlen_new=seqlen_new, num_pages=num_pages,
                          max_pages=max_pages)
     elif check_on_gpu:
-        plan.steps.append(_pipeline.check_step(plan, dict(
+        plan.steps.append(_faults.check_step(plan, dict(
             cache_seqlens=("operand", _LENS) if cache_seqlens is not None else None,
             block_table=("operand", _TABLE) if paged else None,
             block_table_batch_stride=_checks.element_strides(table_dev)[0] if paged else 0,
@@ -374,17 +374,17 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # On sm_90 the kernels behind the index check start before it ends and wait for its verdict
     # only before they write (cuda_src/fault.cuh): the check then costs the stream no time.
     dependent = device_arch() == "sm_90a"
-    plan.steps.append(_pipeline.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
+    plan.steps.append(_step.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
                                      plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),),
                                      dependent=dependent and check_on_gpu and not check_in_kernel))
     plan.info.update(num_splits=num_splits)
 
     kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, None]
-    ptrs = _pipeline.pointers(kernel_operands)
-    in_place = _pipeline.in_place(operands, kernel_operands)
+    ptrs = _memo.pointers(kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
-        _pipeline.refuse_capture("decode", _pipeline.COPIES_NOT_CAPTURED)
-    _pipeline.remember(key if in_place else None, plan)
+        _capture.refuse_capture("decode", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
     finish = None
     if seqlen_new and not cache_in_place:
         finish = functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size)
@@ -442,12 +442,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     k_new, v_new : arrays (B, S_new, Hk, D), optional
         Appended at positions ``cache_seqlens[b] ..`` before attending; the cache must have room
         (a call whose appends do not fit writes nothing). Usually S_new = Sq.
-    num_splits : int
+    num_splits : int, default 0
         Key ranges per (sequence, kv head) computed in parallel and merged (split-KV); 0 picks it
-        from the shapes and the SM count (:func:`cuflash._heuristics.decode_num_splits`), 1 is the
+        from the shapes and the SM count (:func:`cuflash.kernels.decode.decode_num_splits`), 1 is the
         unsplit path that writes the output directly; at most 128.
-    causal : bool
-        Default True (bottom-right, see above).
+    causal : bool, default True
+        Bottom-right, see above.
     window, softcap, alibi_slopes, scale
         As in :func:`cuflash.attention`, with query i at key position ``i + T_b - Sq``.
     mask : bool array, optional
@@ -455,7 +455,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         LAST M keys of every sequence, so a tree mask over the new tokens is (Sq, Sq) (or (B, 1, Sq,
         Sq), ...) whatever the cache lengths; keys before those are not masked. When every sequence
         has T keys, M = T is the usual (B, Hq, Sq, T) mask. M = 1 broadcasts over all keys.
-    return_lse : bool
+    return_lse : bool, default False
         Also return lse.
     out : array (B, Sq, Hq, D), optional
         C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given), sharing no
@@ -474,16 +474,46 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
 
     Raises
     ------
-    TypeError, ValueError
-        For any bad argument, before any launch: the cache is never half-written. Index values on
-        the GPU are checked by a kernel (see ``check``); given on the host, before any launch,
-        including appended rows that would land in a slot another (or the same) sequence reads.
+    TypeError
+        An array that is not a CUDA array (index arrays may be NumPy), a dtype other than
+        float16/bfloat16/float32 or one that differs from q's, index arrays that are not int32, a
+        mask that is not bool, ``num_splits`` or an option of the wrong type; the message names
+        the argument.
+    ValueError
+        For any other bad argument (shapes, heads, head dims, values out of range, appends that do
+        not fit, overlapping memory), before any launch: the cache is never half-written. Index
+        values on the GPU are checked by a kernel (see ``check``); given on the host, before any
+        launch, including appended rows that would land in a slot another (or the same) sequence
+        reads.
     RuntimeError
-        When no CUDA GPU is usable.
+        When CuPy or a usable CUDA GPU is missing, or a call that needs copies (a misaligned cache,
+        index arrays on the host) is being captured in a CUDA graph.
+
+    See Also
+    --------
+    cuflash.reference.decode : the float64 host reference.
+    merge_states : how the split-KV partial results are combined.
+
+    Examples
+    --------
+    A paged cache of 16-token pages, two sequences holding 1000 and 20 tokens, one new token each:
+
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> f16 = lambda *shape: cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+    >>> k_cache, v_cache = f16(256, 16, 8, 128), f16(256, 16, 8, 128)   # (num_pages, page_size, Hk, D)
+    >>> block_table = cp.arange(2 * 64, dtype=cp.int32).reshape(2, 64)    # pages of each sequence
+    >>> lens = cp.asarray([1000, 20], dtype=cp.int32)
+    >>> q, k_new, v_new = f16(2, 1, 32, 128), f16(2, 1, 8, 128), f16(2, 1, 8, 128)
+    >>> out = cuflash.decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=block_table,
+    ...                      k_new=k_new, v_new=v_new)     # appends at positions 1000 and 20
+    >>> out.shape
+    (2, 1, 32, 128)
+    >>> lens += 1                                             # the caller keeps the lengths
     """
     operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, None)
     options = (num_splits, causal, window, softcap, scale, return_lse)
-    plan, ptrs, where = _pipeline.lookup("decode", operands, options)
+    plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _checks
-from ._heuristics import MAX_HEAD_DIM
+from .kernels.common import MAX_HEAD_DIM
 from . import _ring_comm
 from ._ring_comm import LoopbackRing, as_ring, device_for
 
@@ -85,6 +85,12 @@ def zigzag_chunks(rank, world):
     ------
     ValueError
         If ``world < 1`` or ``rank`` is out of range.
+
+    Examples
+    --------
+    >>> from cuflash import distributed as cd
+    >>> cd.zigzag_chunks(1, 4)          # 8 chunks: rank 1 holds an early and a late one
+    (1, 6)
     """
     world = _check_world(world)
     rank = operator.index(rank)
@@ -114,6 +120,13 @@ def shard(x, world, *, axis=1):
     ------
     ValueError
         If ``world < 1`` or the sequence length is not divisible by ``2 * world``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import distributed as cd
+    >>> [s.tolist() for s in cd.shard(np.arange(8).reshape(1, 8), 2)]
+    [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
     """
     world = _check_world(world)
     xp = _ring_comm.array_module(x)
@@ -145,6 +158,14 @@ def unshard(shards, *, axis=1):
     ------
     ValueError
         If ``shards`` is empty, or the shards differ in shape or have an odd length.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import distributed as cd
+    >>> x = np.arange(8).reshape(1, 8)
+    >>> bool((cd.unshard(cd.shard(x, 2)) == x).all())
+    True
     """
     shards = list(shards)
     if not shards:
@@ -174,6 +195,12 @@ class RingPair(NamedTuple):
     ``rank`` computes it at ring ``step`` with the keys and values received from ``kv_rank``;
     ``mask`` is ``"full"`` (every key visible), ``"causal"`` (the diagonal chunk: causal within
     the chunk) or ``"skip"`` (no key visible: nothing to compute).
+
+    Examples
+    --------
+    >>> from cuflash import distributed as cd
+    >>> cd.ring_schedule(2, causal=True)[0][0][2]
+    RingPair(rank=0, step=0, kv_rank=0, q_chunk=3, k_chunk=0, mask='full')
     """
     rank: int
     step: int
@@ -186,9 +213,25 @@ class RingPair(NamedTuple):
 def pair_mask(q_chunk, k_chunk, *, causal):
     """The mask a (query chunk, key chunk) block needs, from the chunks' positions.
 
-    Without ``causal`` every block is ``"full"``. With it, keys wholly before the queries are
-    ``"full"``, the same chunk is ``"causal"`` (equal chunk lengths, so the kernel's bottom-right
-    causal alignment is the diagonal), and keys wholly after are ``"skip"``.
+    Parameters
+    ----------
+    q_chunk, k_chunk : int
+        Positions of the query and the key chunk in the sequence.
+    causal : bool
+        Causal self-attention over the whole sequence.
+
+    Returns
+    -------
+    {"full", "causal", "skip"}
+        Without ``causal`` every block is ``"full"``. With it, keys wholly before the queries are
+        ``"full"``, the same chunk is ``"causal"`` (equal chunk lengths, so the kernel's bottom-right
+        causal alignment is the diagonal), and keys wholly after are ``"skip"``.
+
+    Examples
+    --------
+    >>> from cuflash import distributed as cd
+    >>> cd.pair_mask(3, 1, causal=True), cd.pair_mask(1, 1, causal=True), cd.pair_mask(1, 3, causal=True)
+    ('full', 'causal', 'skip')
     """
     if not causal or k_chunk < q_chunk:
         return FULL
@@ -220,6 +263,12 @@ def ring_schedule(world, *, causal):
     Over all ranks and steps every (query chunk, key chunk) pair appears exactly once. Under
     causal masking each rank does the work of ``2 * world`` full blocks (a diagonal block is half
     of one): at step 0 two diagonal blocks and one full, at each later step exactly two full.
+
+    Examples
+    --------
+    >>> from cuflash import distributed as cd
+    >>> [p.mask for p in cd.ring_schedule(2, causal=True)[0][0]]   # rank 0, step 0
+    ['causal', 'skip', 'full', 'causal']
     """
     world = _check_world(world)
     schedule = []
@@ -241,6 +290,12 @@ class RingCall(NamedTuple):
     of a shard (``c`` the chunk length). The rank's query slots ``[q_slots[0], q_slots[1])`` attend
     to key slots ``[k_slots[0], k_slots[1])`` of the kv shard in hand, every key visible, or, with
     ``causal``, causal aligned to the bottom-right corner of that rectangle (as the kernels align it).
+
+    Examples
+    --------
+    >>> from cuflash import distributed as cd
+    >>> cd.step_calls(cd.ring_schedule(2, causal=True)[0][1], 2)   # rank 0, step 1
+    (RingCall(q_slots=(1, 2), k_slots=(0, 2), causal=False, chunks=None),)
     """
     q_slots: tuple
     k_slots: tuple
@@ -283,6 +338,12 @@ def step_calls(pairs, world, *, per_pair=False):
     -------
     tuple of :class:`RingCall`
         Empty when every pair is skipped.
+
+    Examples
+    --------
+    >>> from cuflash import distributed as cd
+    >>> cd.step_calls(cd.ring_schedule(2, causal=True)[0][0], 2)   # rank 0, step 0: one causal call
+    (RingCall(q_slots=(0, 2), k_slots=(0, 2), causal=True, chunks=None),)
     """
     world = _check_world(world)
 
@@ -461,6 +522,17 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0, r
     Runs on CuPy's current stream; the transfers run on the communicator's stream, each step's
     overlapping the previous step's attention, ordered by CUDA events; the host never waits.
     World 1 is one attention call (no communication).
+
+    Examples
+    --------
+    One process per GPU (e.g. launched by ``torchrun``), a NCCL communicator over all ranks:
+
+    >>> import cupy as cp
+    >>> from cupy.cuda import nccl
+    >>> from cuflash import distributed as cd
+    >>> comm = nccl.NcclCommunicator(world, uid, rank)     # uid from nccl.get_unique_id() on rank 0
+    >>> q, k, v = (cd.shard(x, world)[rank] for x in (q_all, k_all, v_all))   # (B, S / world, H, D)
+    >>> out, lse = cd.ring_attention(q, k, v, group=comm, causal=True)
     """
     ring = _ring_group(group)
     dropout = _check_dropout(dropout_p, rng_state)
@@ -510,6 +582,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, sca
     ------
     TypeError, ValueError
         For a bad argument (naming it), before any launch or communication.
+
+    Examples
+    --------
+    >>> out, lse = cd.ring_attention(q, k, v, group=comm, causal=True)
+    >>> dq, dk, dv = cd.ring_attention_backward(dout, q, k, v, out, lse, group=comm, causal=True)
     """
     ring = _ring_group(group)
     dropout = _check_dropout(dropout_p, rng_state)
@@ -578,6 +655,16 @@ def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_
     TypeError, ValueError
         If ``world < 1``, the shapes are not (B, S, H, D) with one ``S``, or ``S`` is not
         divisible by ``2 * world``, or another argument is bad; before any launch.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> from cuflash import distributed as cd
+    >>> q, k, v = (cp.random.standard_normal((1, 4096, 8, 64), dtype=cp.float32).astype(cp.float16)
+    ...            for _ in range(3))
+    >>> out, lse = cd.ring_attention_virtual(q, k, v, world=4, causal=True)
+    >>> ref = cuflash.attention(q, k, v, causal=True)     # equal up to rounding
     """
     world, causal, dropout, (q, k, v), host = _virtual_operands((("q", q), ("k", k), ("v", v)), world, dropout_p,
                                                                 rng_state, causal)
@@ -627,6 +714,12 @@ def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=Fa
     ------
     TypeError, ValueError
         As :func:`ring_attention_virtual`, or if ``lse`` is not (B, Hq, S).
+
+    Examples
+    --------
+    >>> out, lse = cd.ring_attention_virtual(q, k, v, world=4, causal=True)
+    >>> dq, dk, dv = cd.ring_attention_backward_virtual(cp.ones_like(out), q, k, v, out, lse, world=4,
+    ...                                                 causal=True)
     """
     named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
     world, causal, dropout, (dout, q, k, v, out, lse), host = _virtual_operands(named, world, dropout_p, rng_state,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, _heuristics, _launch, _pipeline
+from . import _capture, _checks, _launch, _memo, _plan, _step, kernels
 from ._compile import get_kernel
 from ._params import MERGE, Template
 
@@ -115,8 +115,16 @@ def merge_states(outs, lses, *, out=None, lse=None):
 
     Raises
     ------
-    TypeError, ValueError
-        For a bad argument, before any launch.
+    TypeError
+        ``outs`` not float16/bfloat16/float32/float64, ``lses`` not float32, an array that is not a
+        CUDA array, an ``out``/``lse`` of the wrong dtype.
+    ValueError
+        Shapes that do not match (``outs`` not 5-d or a sequence of equal 4-d arrays, ``lses`` not
+        (n, B, H, S)), no part at all, an ``out``/``lse`` of the wrong shape, not C-contiguous or
+        overlapping an input; before any launch, naming the argument.
+    RuntimeError
+        CuPy or a usable CUDA GPU is missing, or a call that stacks a sequence of parts (a copy) is
+        being captured in a CUDA graph (pass one (n, ...) array there).
 
     Notes
     -----
@@ -124,9 +132,26 @@ def merge_states(outs, lses, *, out=None, lse=None):
     whose parts are all ``-inf`` merges to ``out = 0``, ``lse = -inf`` (never NaN). A NaN ``lse_i``
     makes the row NaN. Merging is exact, so merging in stages (``merge(merge(a, b), c)``) and in one
     go agree up to rounding, and attention over ``A ∪ B`` equals ``merge(attention(A), attention(B))``.
+
+    Examples
+    --------
+    Attention over a long shared prefix and each request's own keys, computed apart and merged
+    (cascade inference); the result equals one call over the concatenated keys:
+
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> f16 = lambda *shape: cp.random.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+    >>> q = f16(4, 1, 8, 64)
+    >>> k1, v1 = f16(4, 900, 8, 64), f16(4, 900, 8, 64)      # the shared prefix
+    >>> k2, v2 = f16(4, 50, 8, 64), f16(4, 50, 8, 64)        # each request's own keys
+    >>> o1, lse1 = cuflash.attention(q, k1, v1, return_lse=True)
+    >>> o2, lse2 = cuflash.attention(q, k2, v2, return_lse=True)
+    >>> out, lse = cuflash.merge_states([o1, o2], [lse1, lse2])
+    >>> out.shape, lse.shape
+    ((4, 1, 8, 64), (4, 8, 1))
     """
     operands = (outs, lses, out, lse)
-    plan, ptrs, where = _pipeline.lookup("merge_states", operands, ())
+    plan, ptrs, where = _memo.lookup("merge_states", operands, ())
     if plan is None:
         plan, ptrs, result = _plan_merge(operands, ptrs)
         if plan is None:
@@ -151,28 +176,28 @@ def _plan_merge(operands, key):
     lse_k = None if lse is None else _checks.check_out(lse, "lse", (b, h, s), np.float32)
     _checks.check_disjoint((("out", out_k), ("lse", lse_k)), (("outs", stacked), ("lses", lse_stack)))
     if b * s * h == 0:
-        _pipeline.nothing_to_plan()
+        _memo.nothing_to_plan()
         return None, None, (out if out is not None else cupy.empty((b, s, h, d), dtype=out_dtype),
                             lse if lse is not None else cupy.empty((b, h, s), dtype=np.float32))
     if b * s * h >= 2**31:
         raise ValueError(f"merge handles fewer than 2**31 rows (batch * seqlen * heads), got {b * s * h}")
     out_layout = _checks.Shaped((b, s, h, d), out_dtype)
     lse_layout = _checks.Shaped((b, h, s), np.float32)
-    plan = _pipeline.Plan("merge_states", len(operands),
-                          outputs={2: _pipeline.Buffer(out_layout.shape, out_dtype),
-                                   3: _pipeline.Buffer(lse_layout.shape, np.float32)})
-    merge = _heuristics.merge_plan(_merge_dtype_name(stacked, "outs"), _merge_dtype_name(out_layout, "out"))
-    device_id = _pipeline.device_id()
+    plan = _plan.Plan("merge_states", len(operands),
+                          outputs={2: _step.Buffer(out_layout.shape, out_dtype),
+                                   3: _step.Buffer(lse_layout.shape, np.float32)})
+    merge = kernels.merge.merge_plan(_merge_dtype_name(stacked, "outs"), _merge_dtype_name(out_layout, "out"))
+    device_id = _launch.device_id()
     func = _launch.prepare_kernel(get_kernel(merge.variant), 0, device_id)
     params = Template(MERGE, merge_fields(stacked, lse_stack, out_layout, lse_layout),
                       {"outs": 0, "lses": 1, "out": 2, "lse": 3})
-    plan.steps.append(_pipeline.Step(func, (merge.grid(b * s * h), 1, 1), merge.threads, 0, (("struct", params),)))
+    plan.steps.append(_step.Step(func, (merge.grid(b * s * h), 1, 1), merge.threads, 0, (("struct", params),)))
     kernel_operands = (stacked, lse_stack, out_k, lse_k)
-    in_place = _pipeline.in_place(operands, kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
-        _pipeline.refuse_capture("merge_states", _pipeline.COPIES_NOT_CAPTURED)
-    _pipeline.remember(key if in_place else None, plan)
-    return plan, _pipeline.pointers(kernel_operands), None
+        _capture.refuse_capture("merge_states", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
+    return plan, _memo.pointers(kernel_operands), None
 
 
 def merge_fields(outs, lses, out, lse) -> dict:

@@ -260,6 +260,16 @@ class Generator:
     new seed and leaves their offsets where the replays took them (restoring a host state for a
     recomputation does not make later replays repeat earlier masks). :meth:`get_state` is the host
     state; read a graph state with ``graph_safe(device).get()``.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> g = cuflash.Generator(1234)
+    >>> out, lse, rng_state = cuflash.attention_forward(q, k, v, dropout_p=0.1, generator=g)
+    >>> rng_state                       # the state this call drew: (seed, offset)
+    array([1234,    0], dtype=uint64)
+    >>> g.offset                        # the next call draws offset 1
+    1
     """
 
     def __init__(self, seed=None):
@@ -270,8 +280,34 @@ class Generator:
         self.manual_seed(seed)
 
     def manual_seed(self, seed=None):
-        """Reset to ``seed`` (``None``: a random seed) and offset 0, and the graph states to their first
-        offsets (see the class notes); returns ``self``."""
+        """Reset to ``seed`` and offset 0, and the graph states to their first offsets (see the class
+        notes).
+
+        Parameters
+        ----------
+        seed : int, optional
+            In ``[0, 2**64)``; ``None`` draws a random seed from ``os.urandom``.
+
+        Returns
+        -------
+        Generator
+            ``self``.
+
+        Raises
+        ------
+        TypeError
+            If ``seed`` is not an integer.
+        ValueError
+            If ``seed`` is outside ``[0, 2**64)``.
+        RuntimeError
+            If the generator has graph states and CuPy's current stream is capturing.
+
+        Examples
+        --------
+        >>> g = cuflash.Generator().manual_seed(7)
+        >>> g.get_state()
+        array([7, 0], dtype=uint64)
+        """
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little")
         seed = _check_seed(seed)
@@ -290,17 +326,34 @@ class Generator:
         return self._offset
 
     def get_state(self):
-        """The state as ``numpy.array([seed, offset], dtype=uint64)``, shape (2,)."""
+        """The host state, ``[seed, offset]``: what the next dropout call will draw.
+
+        Returns
+        -------
+        numpy.ndarray of uint64, shape (2,)
+            A copy; pass it to :meth:`set_state` to replay the calls that follow.
+
+        Examples
+        --------
+        >>> g = cuflash.Generator(3)
+        >>> state = g.get_state()
+        >>> out1 = cuflash.attention(q, k, v, dropout_p=0.2, generator=g)
+        >>> g.set_state(state)
+        >>> out2 = cuflash.attention(q, k, v, dropout_p=0.2, generator=g)   # the same mask again
+        """
         with self._lock:
             return np.array([self._seed, self._offset], dtype=np.uint64)
 
     def set_state(self, state):
         """Restore a state returned by :meth:`get_state` (or an ``rng_state``).
 
+        The next dropout call then draws ``state``'s offset. Graph states get the new seed and keep
+        their offsets (see the class notes).
+
         Parameters
         ----------
         state : array_like of int, shape (2,)
-            ``[seed, offset]``, each in ``[0, 2**64)``.
+            ``[seed, offset]``, each in ``[0, 2**64)`` (NumPy, a list, or a CuPy array, read back).
 
         Raises
         ------
@@ -308,6 +361,13 @@ class Generator:
             If ``state`` does not hold integers.
         ValueError
             If its shape is not (2,) or a value is out of range.
+
+        Examples
+        --------
+        >>> g = cuflash.Generator(0)
+        >>> g.set_state([42, 10])
+        >>> g.next_state()
+        array([42, 10], dtype=uint64)
         """
         seed, offset = as_rng_state(state, "state")
         with self._lock:
@@ -317,12 +377,19 @@ class Generator:
             self._seed, self._offset = seed, offset
 
     def next_state(self):
-        """The state for one dropout call, advancing the offset by one.
+        """The state for one dropout call, advancing the offset by one (what every entry point with
+        ``dropout_p > 0`` calls; thread-safe).
 
         Returns
         -------
         numpy.ndarray of uint64, shape (2,)
             ``[seed, offset]`` to use for this call.
+
+        Examples
+        --------
+        >>> g = cuflash.Generator(5)
+        >>> g.next_state(), g.next_state()
+        (array([5, 0], dtype=uint64), array([5, 1], dtype=uint64))
         """
         with self._lock:
             state = np.array([self._seed, self._offset], dtype=np.uint64)
@@ -352,7 +419,22 @@ class Generator:
         Raises
         ------
         RuntimeError
-            If CuPy's current stream is capturing.
+            If the state has to be made (the first call for this GPU) while CuPy's current stream is
+            capturing.
+
+        Examples
+        --------
+        >>> import cupy as cp
+        >>> g = cuflash.Generator(0)
+        >>> g.graph_safe()                  # before capturing: the state on the current GPU
+        array([         0, 2147483648], dtype=uint64)
+        >>> stream = cp.cuda.Stream(non_blocking=True)
+        >>> with stream:
+        ...     out = cuflash.attention(q, k, v, dropout_p=0.1, generator=g)   # a first call, uncaptured
+        ...     stream.begin_capture()
+        ...     out = cuflash.attention(q, k, v, dropout_p=0.1, generator=g)
+        ...     graph = stream.end_capture()
+        >>> graph.launch(stream)            # each replay draws a fresh (seed, offset) on the GPU
         """
         import cupy
 
@@ -371,9 +453,9 @@ class Generator:
                             "generator), or plan the call with cuflash.plan(...), before capturing")
                     words = cupy.empty(2, dtype=np.uint64)
                     _write_graph_state(words, device_id, (self._seed, _graph_start(self._offset, device_id)))
-                    from . import _pipeline
+                    from . import _capture
 
-                    _pipeline.rng_step(device_id)   # its kernel loaded now, not inside a capture
+                    _capture.rng_step(device_id)   # its kernel loaded now, not inside a capture
                 self._graph[device_id] = words
         return words
 
@@ -458,6 +540,19 @@ def default_generator():
     """The process-wide :class:`Generator` used when ``generator=None``.
 
     Created on first use with a random seed; reseed it with :func:`manual_seed`.
+
+    Returns
+    -------
+    Generator
+        The same object at every call.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> cuflash.manual_seed(0)
+    cuflash.Generator(seed=0, offset=0)
+    >>> cuflash.default_generator().get_state()
+    array([0, 0], dtype=uint64)
     """
     global _default_generator
     with _default_lock:
@@ -473,6 +568,26 @@ def manual_seed(seed):
     ----------
     seed : int
         In ``[0, 2**64)``.
+
+    Returns
+    -------
+    Generator
+        :func:`default_generator`, reseeded.
+
+    Raises
+    ------
+    TypeError
+        If ``seed`` is not an integer.
+    ValueError
+        If ``seed`` is outside ``[0, 2**64)``.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> _ = cuflash.manual_seed(1234)
+    >>> a = cuflash.attention(q, k, v, dropout_p=0.1)
+    >>> _ = cuflash.manual_seed(1234)
+    >>> b = cuflash.attention(q, k, v, dropout_p=0.1)     # the same dropout mask: a == b
     """
     seed = _check_seed(seed)
     return default_generator().manual_seed(seed)

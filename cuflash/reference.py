@@ -195,6 +195,18 @@ def attention_scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0
     -------
     numpy.ndarray of float64, shape (B, Hq, Sq, Sk)
         ``s``, with ``-inf`` at every masked position.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((1, 3, 2, 8)), rng.standard_normal((1, 4, 1, 8))
+    >>> s = reference.attention_scores(q, k, causal=True)    # Sq = 3 < Sk = 4: bottom-right
+    >>> np.isinf(s[0, 0]).astype(int)
+    array([[0, 0, 1, 1],
+           [0, 0, 0, 1],
+           [0, 0, 0, 0]])
     """
     q = _to_float64(q, "q")
     k = _to_float64(k, "k")
@@ -328,6 +340,16 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     ------
     TypeError, ValueError
         On inputs of the wrong kind or shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 64, 4, 32)) for _ in range(3))
+    >>> out, lse = reference.attention_forward(q, k, v, causal=True, dropout_p=0.1, rng_state=(7, 0))
+    >>> out.shape, lse.shape
+    ((1, 64, 4, 32), (1, 4, 64))
     """
     q, k, v = (_to_float64(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     _check_qkv(q, k, v)
@@ -376,6 +398,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     out : numpy.ndarray of float64, shape (total_q, Hq, Dv)
     lse : numpy.ndarray of float64, shape (Hq, total_q)
         Rows after ``cu_seqlens_q[-1]`` belong to no sequence: NaN in both (undefined).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((30, 4, 32)) for _ in range(3))
+    >>> cu = np.array([0, 10, 30])                       # two sequences: 10 and 20 rows
+    >>> out, lse = reference.attention_varlen(q, k, v, cu, cu, causal=True)
+    >>> out.shape, lse.shape
+    ((30, 4, 32), (4, 30))
     """
     q, k, v = (_to_float64(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
@@ -438,6 +471,18 @@ def merge_states(outs, lses):
         no key contributes nothing, whatever its ``out_i`` holds); 0 for a row with no such part.
     lse : numpy.ndarray of float64, shape (B, H, S)
         ``log(sum_i exp(lse_i))``; ``-inf`` for a row whose parts are all ``-inf``. NaN propagates.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+    >>> o1, l1 = reference.attention_forward(q, k[:, :10], v[:, :10])
+    >>> o2, l2 = reference.attention_forward(q, k[:, 10:], v[:, 10:])
+    >>> out, lse = reference.merge_states([o1, o2], [l1, l2])
+    >>> np.allclose(out, reference.attention_forward(q, k, v)[0])
+    True
     """
     if isinstance(outs, (list, tuple)):
         outs = np.stack([_to_float64(x, f"outs[{i}]") for i, x in enumerate(outs)])
@@ -573,6 +618,17 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         ``-inf`` (and out = 0) for rows that see no key.
     k_after, v_after : numpy.ndarray, only if ``return_cache``
         Copies of the caches (their dtype) with the appended rows written.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import reference
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache, v_cache = rng.standard_normal((2, 16, 1, 8)), rng.standard_normal((2, 16, 1, 8))
+    >>> q = rng.standard_normal((2, 1, 2, 8))
+    >>> out, lse = reference.decode(q, k_cache, v_cache, cache_seqlens=np.array([5, 16]))
+    >>> out.shape, lse.shape
+    ((2, 1, 2, 8), (2, 2, 1))
     """
     problems, k_after, v_after = _decode_sequences(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,

@@ -118,9 +118,22 @@ def head_dims(*, max_dim=256, multiple_of=8):
     Mostly the common kernel specialisations (32, 64, 96, 128, 256), sometimes any multiple of
     ``multiple_of`` up to ``max_dim``.
 
+    Parameters
+    ----------
+    max_dim : int, default 256
+    multiple_of : int, default 8
+
     Returns
     -------
     hypothesis strategy of int
+
+    Examples
+    --------
+    >>> from hypothesis import given
+    >>> from cuflash import testing
+    >>> @given(testing.head_dims(max_dim=128))
+    ... def test_head_dim(d):
+    ...     assert d % 8 == 0 and d <= 128
     """
     st = _st()
     common = [d for d in COMMON_HEAD_DIMS if d <= max_dim and d % multiple_of == 0]
@@ -134,9 +147,20 @@ def seqlens(*, min_value=1, max_value=1025):
     Draws from 1, 2, 17, 63, 64, 65, 113, 127, 128, 129, 255, 257, 1025 (those within
     ``[min_value, max_value]``) or a small random length.
 
+    Parameters
+    ----------
+    min_value, max_value : int
+        Bounds, inclusive (default 1 and 1025).
+
     Returns
     -------
     hypothesis strategy of int
+
+    Examples
+    --------
+    >>> from cuflash import testing
+    >>> testing.seqlens(max_value=300).example()   # doctest: +SKIP
+    129
     """
     st = _st()
     edges = [s for s in TILE_EDGE_SEQLENS if min_value <= s <= max_value]
@@ -147,9 +171,20 @@ def seqlens(*, min_value=1, max_value=1025):
 def gqa_heads(*, max_heads=8):
     """Strategy for ``(Hq, Hk)`` with ``Hq % Hk == 0``: MHA, GQA and MQA.
 
+    Parameters
+    ----------
+    max_heads : int, default 8
+        Bound on Hq.
+
     Returns
     -------
     hypothesis strategy of (int, int)
+
+    Examples
+    --------
+    >>> from cuflash import testing
+    >>> testing.gqa_heads(max_heads=8).example()   # doctest: +SKIP
+    (6, 2)
     """
     st = _st()
 
@@ -180,6 +215,12 @@ def attention_shapes(*, max_batch=3, max_seqlen=1025, head_dims=None, max_heads=
     -------
     hypothesis strategy of dict
         Keys ``B, Sq, Sk, Hq, Hk, D``.
+
+    Examples
+    --------
+    >>> from cuflash import testing
+    >>> testing.attention_shapes(max_seqlen=300).example()   # doctest: +SKIP
+    {'B': 2, 'Sq': 17, 'Sk': 129, 'Hq': 4, 'Hk': 2, 'D': 64}
     """
     st = _st()
     dims = head_dims if head_dims is not None else _head_dims_default()
@@ -238,6 +279,16 @@ def attention_options(shape, *, allow=None, block_sizes=((128, 128), (64, 64), (
         ``bias`` (float32, broadcastable likewise), ``block_mask`` + ``block_size``,
         ``dropout_p``. Arrays are NumPy (see :func:`as_device_options`); they come from a drawn
         seed rather than element by element, so large ones stay cheap.
+
+    Examples
+    --------
+    >>> from hypothesis import given, strategies as st
+    >>> from cuflash import testing
+    >>> @given(st.data())
+    ... def test_options(data):
+    ...     shape = data.draw(testing.attention_shapes(max_seqlen=128))
+    ...     options = data.draw(testing.attention_options(shape, allow=testing.VARLEN_OPTIONS))
+    ...     assert "mask" not in options
     """
     st = _st()
     allow = ALL_OPTIONS if allow is None else frozenset(allow)
@@ -309,12 +360,33 @@ def problems(*, max_batch=2, max_seqlen=1025, head_dims=None, max_heads=8, max_s
              dtypes=("float16", "bfloat16", "float32"), allow=None):
     """Strategy for whole attention problems.
 
+    Parameters
+    ----------
+    max_batch, max_seqlen, head_dims, max_heads, max_scores
+        As in :func:`attention_shapes`.
+    dtypes : sequence of str, default ("float16", "bfloat16", "float32")
+        The dtypes to draw from.
+    allow : set of str, optional
+        As in :func:`attention_options`.
+
     Returns
     -------
     hypothesis strategy of dict
         ``shape`` (from :func:`attention_shapes`), ``dtype`` (a name from ``dtypes``),
         ``options`` (from :func:`attention_options`), ``seed`` (int, for :func:`random_qkv`
         and a dropout generator).
+
+    Examples
+    --------
+    >>> from hypothesis import given
+    >>> from cuflash import reference, testing
+    >>> @given(testing.problems(max_seqlen=200, dtypes=("float32",)))
+    ... def test_reference_runs(problem):
+    ...     q, k, v = testing.random_qkv(problem["shape"], problem["dtype"], problem["seed"])
+    ...     options = dict(problem["options"])
+    ...     if "dropout_p" in options:
+    ...         options["rng_state"] = (problem["seed"], 0)
+    ...     reference.attention_forward(q, k, v, **options)
     """
     st = _st()
 
@@ -335,6 +407,25 @@ def varlen_seqlens(*, max_batch=4, max_seqlen=300, allow_empty=True):
 
     Lengths are drawn like :func:`seqlens` (0 too, if ``allow_empty``), independently for
     queries and keys.
+
+    Parameters
+    ----------
+    max_batch : int, default 4
+        Bound on the number of sequences B.
+    max_seqlen : int, default 300
+        Bound on each length.
+    allow_empty : bool, default True
+        Whether a sequence may be empty.
+
+    Returns
+    -------
+    hypothesis strategy of (numpy.ndarray, numpy.ndarray)
+
+    Examples
+    --------
+    >>> from cuflash import testing
+    >>> testing.varlen_seqlens(max_batch=2).example()   # doctest: +SKIP
+    (array([ 0, 17, 81], dtype=int32), array([  0,   1, 130], dtype=int32))
     """
     st = _st()
     length = seqlens(max_value=max_seqlen)
@@ -353,7 +444,25 @@ def varlen_seqlens(*, max_batch=4, max_seqlen=300, allow_empty=True):
 
 
 def as_device_options(options, xp):
-    """Copy of ``options`` with every NumPy array converted by ``xp.asarray`` (e.g. CuPy)."""
+    """Copy of ``options`` with every NumPy array converted by ``xp.asarray`` (e.g. CuPy).
+
+    Parameters
+    ----------
+    options : dict
+        Keyword options, e.g. from :func:`attention_options`.
+    xp : module
+        ``cupy`` (or ``numpy``).
+
+    Returns
+    -------
+    dict
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> from cuflash import testing
+    >>> opts = testing.as_device_options({"causal": True, "mask": mask_on_host}, cp)
+    """
     return {name: xp.asarray(value) if isinstance(value, np.ndarray) else value
             for name, value in options.items()}
 
@@ -380,6 +489,14 @@ def random_qkv(shape, dtype, seed, xp=np):
     k : array, shape (B, Sk, Hk, D)
     v : array, shape (B, Sk, Hk, Dv)
         No element is zero (a zero would hide an unwritten or skipped value).
+
+    Examples
+    --------
+    >>> from cuflash import testing
+    >>> shape = dict(B=1, Sq=17, Sk=129, Hq=4, Hk=2, D=64)
+    >>> q, k, v = testing.random_qkv(shape, "float16", seed=0)
+    >>> q.shape, k.shape, q.dtype
+    ((1, 17, 4, 64), (1, 129, 2, 64), dtype('float16'))
     """
     dtype = _dtype(dtype)
     rng = np.random.default_rng(seed)
@@ -396,8 +513,28 @@ def random_qkv(shape, dtype, seed, xp=np):
 # ----------------------------------------------------------------------------- baseline
 
 def normal_data(rng, shape, dtype):
-    """Standard normal host values of ``dtype`` from ``rng`` (a NumPy Generator), with no zeros
-    (test data is never zero: an unwritten output must not pass as a result)."""
+    """Standard normal host values of ``dtype`` from ``rng``, with no zeros (test data is never zero:
+    an unwritten output must not pass as a result).
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    shape : tuple of int
+    dtype : str or dtype
+        "float16", "bfloat16" (ml_dtypes), "float32", ...
+
+    Returns
+    -------
+    numpy.ndarray of ``dtype``, shape ``shape``
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import testing
+    >>> x = testing.normal_data(np.random.default_rng(0), (2, 3), "float16")
+    >>> x.dtype, bool((x != 0).all())
+    (dtype('float16'), True)
+    """
     x = rng.standard_normal(shape, dtype=np.float32).astype(_dtype(dtype))
     x[x == 0] = 1
     return x
@@ -419,6 +556,16 @@ def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, 
     -------
     dict of NumPy arrays: q, k_cache, v_cache, k_new, v_new (None without append), lens (int32),
     table (int32 (B, max_pages), None when contiguous); and dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import testing
+    >>> case = testing.decode_case(np.random.default_rng(0), [5, 40], paged=True, append=True,
+    ...                            dtype="float16", B=2, Hq=4, Hk=2, D=64, Sq=1, capacity=64,
+    ...                            page_size=16, max_pages=4)
+    >>> case["k_cache"].shape, case["table"].shape
+    ((7, 16, 2, 64), (2, 4))
     """
     dt = _dtype(dtype)
     lens = np.asarray(lens, dtype=np.int64)
@@ -457,12 +604,49 @@ def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, 
 
 
 def decode_on(case, xp):
-    """The case's arrays as ``xp`` arrays (``cupy`` for the GPU; None stays None)."""
+    """The case's arrays as ``xp`` arrays (``cupy`` for the GPU; None stays None).
+
+    Parameters
+    ----------
+    case : dict
+        From :func:`decode_case`.
+    xp : module
+        ``cupy`` or ``numpy``.
+
+    Returns
+    -------
+    dict
+        ``q, k_cache, v_cache, k_new, v_new, lens, table`` (:data:`DECODE_ARRAYS`).
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> from cuflash import testing
+    >>> gpu = testing.decode_on(case, cp)
+    >>> out = cuflash.decode(gpu["q"], gpu["k_cache"], gpu["v_cache"], **testing.decode_kwargs(gpu))
+    """
     return {n: None if case[n] is None else xp.asarray(case[n]) for n in DECODE_ARRAYS}
 
 
 def decode_kwargs(case):
-    """decode's keyword arrays of a case (absent ones left out, so that a plan accepts them)."""
+    """decode's keyword arrays of a case (absent ones left out, so that a plan accepts them).
+
+    Parameters
+    ----------
+    case : dict
+        From :func:`decode_case` (host arrays) or :func:`decode_on` (device arrays).
+
+    Returns
+    -------
+    dict
+        ``cache_seqlens``, ``block_table``, ``k_new``, ``v_new``: those that are not None.
+
+    Examples
+    --------
+    >>> from cuflash import reference, testing
+    >>> out, lse = reference.decode(case["q"], case["k_cache"], case["v_cache"], **testing.decode_kwargs(case))
+    """
     kw = dict(cache_seqlens=case["lens"], block_table=case["table"], k_new=case["k_new"], v_new=case["v_new"])
     return {n: x for n, x in kw.items() if x is not None}
 
@@ -542,6 +726,14 @@ def baseline_attention(q, k, v, *, return_lse=False, **options):
         The dtype-rounded values, as float64.
     lse : numpy.ndarray of float64, shape (B, Hq, Sq)
         Only if ``return_lse``.
+
+    Examples
+    --------
+    >>> from cuflash import reference, testing
+    >>> q, k, v = testing.random_qkv(dict(B=1, Sq=64, Sk=64, Hq=2, Hk=2, D=32), "float16", seed=0)
+    >>> ref, _ = reference.attention_forward(q, k, v, causal=True)
+    >>> base = testing.baseline_attention(q, k, v, causal=True)
+    >>> testing.assert_attention_close(base, ref, base, dtype="float16")   # base is float64
     """
     out, lse = _baseline(q, k, v, np.arange(q.shape[0]), **options)
     return (out, lse) if return_lse else out
@@ -552,11 +744,34 @@ def baseline_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse
     """:func:`baseline_attention` for packed sequences (see
     :func:`cuflash.reference.attention_varlen` for the layout).
 
+    Parameters
+    ----------
+    q : array (total_q, Hq, D)
+    k : array (total_k, Hk, D)
+    v : array (total_k, Hk, Dv)
+        All NumPy or all CuPy, one dtype.
+    cu_seqlens_q, cu_seqlens_k : int arrays (B + 1,)
+        Offsets of the sequences.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Accepted (and ignored) for the signature of :func:`cuflash.attention_varlen`.
+    **options
+        Those of :func:`cuflash.reference.attention_varlen`.
+
     Returns
     -------
     out : numpy.ndarray of float64, shape (total_q, Hq, Dv)
     lse : numpy.ndarray of float64, shape (Hq, total_q)
         Only if ``return_lse``. Rows past ``cu_seqlens_q[-1]`` are NaN.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import testing
+    >>> q, k, v = (np.random.default_rng(0).standard_normal((30, 2, 16)).astype(np.float16) for _ in range(3))
+    >>> cu = np.array([0, 10, 30], dtype=np.int32)
+    >>> out = testing.baseline_attention_varlen(q, k, v, cu, cu, causal=True)
     """
     cu_q = _host(cu_seqlens_q).astype(np.int64)
     cu_k = _host(cu_seqlens_k).astype(np.int64)
@@ -616,6 +831,16 @@ def assert_attention_close(out, ref, baseline=None, *, dtype=None, atol=None, rt
     float16/bfloat16: ``max|out - ref| <= 2 * max|baseline - ref| + atol``.
     float32/float64: ``||out - ref||_F <= rtol * ||ref||_F + atol * sqrt(n)``.
     Both are taken over the elements where the reference is finite.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> from cuflash import reference, testing
+    >>> q, k, v = testing.random_qkv(dict(B=1, Sq=200, Sk=300, Hq=4, Hk=2, D=64), "bfloat16", seed=1, xp=cp)
+    >>> out = cuflash.attention(q, k, v, causal=True)
+    >>> ref, _ = reference.attention_forward(q, k, v, causal=True)
+    >>> testing.assert_attention_close(out, ref, testing.baseline_attention(q, k, v, causal=True))
     """
     dtype = _dtype(dtype) if dtype is not None else np.dtype(getattr(out, "dtype", np.float64))
     half = dtype in (np.dtype(np.float16), _dtype("bfloat16"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _compile, _heuristics
+from cuflash import _compile, kernels
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -46,20 +46,20 @@ def test_contenders_and_shapes(ab):
 
 
 def test_settings_reach_the_plan_and_leave_with_it(ab):
-    planned = _heuristics.backward_plan
-    wide = _heuristics.BWD_SM90_WIDE_MIN_ROWS
+    planned = kernels.backward.backward_plan
+    wide = kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS
     seen = []
     c = ab.parse_contender("c;CUFLASH_TILE_GUARD=1;CUFLASH_ALL_KEYS_SEEN=-;BWD_SM90_WIDE_MIN_ROWS=0")
     with ab.Installed(c, seen.append):
-        lp = _heuristics.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
+        lp = kernels.backward.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
                                        deterministic=False, windowed=False, seqlen_q=512, all_keys_seen=True)
         defines = dict(lp.variant.defines)
         assert defines["CUFLASH_TILE_GUARD"] == 1 and "CUFLASH_ALL_KEYS_SEEN" not in defines
         assert defines["CUFLASH_BLOCK_M"] == 80   # the constant: 80 rows at every length
         assert seen == [lp.variant]
-        sm80 = _heuristics.backward_plan("bwd_sm80", "bfloat16", 128, dq_pass=True, score_mods=(), dropout=False)
+        sm80 = kernels.backward.backward_plan("bwd_sm80", "bfloat16", 128, dq_pass=True, score_mods=(), dropout=False)
         assert "CUFLASH_TILE_GUARD" not in dict(sm80.variant.defines)   # bwd_sm90's variants only
-    assert _heuristics.backward_plan is planned and _heuristics.BWD_SM90_WIDE_MIN_ROWS == wide
+    assert kernels.backward.backward_plan is planned and kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS == wide
     base = ab.shape_variant(ab.parse_contender("base"), "bfloat16", "128/512")
     assert dict(base.defines)["CUFLASH_BLOCK_M"] == 64
 

@@ -2,14 +2,17 @@
 and NVRTC compilation of the kernels that carry the performance bar (zero spills).
 
 Every backward variant is compiled for sm_80 and sm_90a by tests/test_compile.py once
-cuflash._heuristics.precompile_variants() includes precompile_backward_variants().
+cuflash.kernels.catalogue.precompile_variants() includes precompile_backward_variants().
 """
 
 import numpy as np
 import pytest
 
-from cuflash import _compile, _heuristics, _launch, _params
-from cuflash._heuristics import (BWD_ROW_PAD, backward_heads_per_cta, backward_plan, precompile_backward_variants)
+from cuflash import _compile, _launch, _params, kernels
+from cuflash.kernels.bwd_common import BWD_ROW_PAD
+from cuflash.kernels.bwd_common import backward_heads_per_cta
+from cuflash.kernels.backward import backward_plan
+from cuflash.kernels.backward import precompile_backward_variants
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -122,7 +125,7 @@ def _nvrtc_available():
 def test_bar_kernels_compile_without_spills(family, dtype, head_dim):
     jobs = [(backward_plan(family, dtype, head_dim, dq_pass=dq, score_mods=False, dropout=False).variant, "sm_90a")
             for dq in (False, True)]
-    jobs += [(_heuristics.bwd_preprocess_variant(dtype), "sm_90a"), (_heuristics.bwd_convert_variant(dtype), "sm_90a")]
+    jobs += [(kernels.bwd_common.bwd_preprocess_variant(dtype), "sm_90a"), (kernels.bwd_common.bwd_convert_variant(dtype), "sm_90a")]
     for variant, arch, result in _compile.compile_many(jobs):
         assert not isinstance(result, Exception), result
         assert result.spills == 0, f"{variant.label()}: {result.spill_stores}/{result.spill_loads} bytes spilled"

@@ -2,7 +2,7 @@
 
 Every test forces one backward family (``with cuflash.backward.force_kernel(...)``): ``bwd_sm80``
 for float16/bfloat16, ``bwd_simt`` for float32, and on an sm_90 GPU also ``bwd_sm90`` for
-float16/bfloat16. A case that bwd_sm90 cannot run (``_heuristics.bwd_sm90_obstacle`` of the
+float16/bfloat16. A case that bwd_sm90 cannot run (``kernels.bwd_sm90.bwd_sm90_obstacle`` of the
 padded head dim, the score modifiers and dropout names the reason) is skipped with that reason:
 listed cases by pytest.skip, drawn (hypothesis) cases by ``assume``, so that the other examples of
 the same test still run on it.
@@ -38,7 +38,7 @@ Output buffers are poisoned with NaN before each call, so an element never writt
 
 Cost: the references run on the host in float64, so problems are small; each hypothesis test caps
 its examples. The file should take well under a minute and a half on an H100/H200 once the
-kernels are compiled (``python -m cuflash precompile`` and cuflash._heuristics.
+kernels are compiled (``python -m cuflash precompile`` and cuflash.kernels.backward.
 precompile_backward_variants()).
 """
 
@@ -54,7 +54,7 @@ import cupy
 
 import cuflash
 import cuflash.testing as tt
-from cuflash import _heuristics, _pipeline
+from cuflash import _memo, kernels
 from cuflash import backward as bw
 from cuflash import reference
 from cuflash._reference_backward import attention_backward as reference_backward
@@ -108,11 +108,11 @@ def _wide_query_tiles(request, monkeypatch):
     if callspec is None or "sm90wide" not in callspec.id:
         yield
         return
-    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS", 1)
-    monkeypatch.setattr(_heuristics, "BWD_SM90_WIDE_MIN_ROWS_GUARDED", 1)
-    _pipeline.clear_memo()
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_WIDE_MIN_ROWS", 1)
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_WIDE_MIN_ROWS_GUARDED", 1)
+    _memo.clear_memo()
     yield
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
 
 def _capped(n):
@@ -152,10 +152,7 @@ def unsupported(family, head_dim, options):
     cuflash.backward pads it (its kernels round that up to 64 or 128)."""
     if family != "bwd_sm90":
         return None
-    obstacle = getattr(_heuristics, "bwd_sm90_obstacle", None)
-    if obstacle is None:   # not written yet: let the forced call say what it cannot do
-        return None
-    return obstacle(8 * -(-head_dim // 8), _score_mods(options), options.get("dropout_p", 0.0) > 0)
+    return kernels.bwd_sm90.bwd_sm90_obstacle(8 * -(-head_dim // 8), _score_mods(options), options.get("dropout_p", 0.0) > 0)
 
 
 def skip_unsupported(family, head_dim, options):
@@ -881,8 +878,8 @@ def test_sm90_ordered_dq(options, sq, sk, num_sms, dq, monkeypatch):
     # every run. (num_sms only changes how the GQA group is split over CTAs.)
     if num_sms is not None:
         monkeypatch.setattr(bw, "_num_sms", lambda device_id: num_sms)
-    _pipeline.clear_memo()   # plans remembered from other calls were made for the real SM count
-    monkeypatch.setattr(_pipeline, "_memo", {})   # and none made here outlives the test
+    _memo.clear_memo()   # plans remembered from other calls were made for the real SM count
+    monkeypatch.setattr(_memo, "_memo", {})   # and none made here outlives the test
     shape = _shape(2, sq, sk, 8, 2, 128)
     q, k, v = tt.random_qkv(shape, "bfloat16", sq + 7 * sk, xp=cupy)
     dout = _random_like(q, sq + 7 * sk + 1)
@@ -945,7 +942,7 @@ def test_sm90_takes_80_row_query_tiles_on_long_rows():
         lse = cupy.zeros((1, 2, sq), dtype=cupy.float32)
         return planned_info("bwd_sm90", dout, q, k, v, out, lse, **options)["query_tile"]
 
-    long = _heuristics.BWD_SM90_WIDE_MIN_ROWS
+    long = kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS
     assert query_tile(long) == 80 and query_tile(long - 1) == 64
     assert query_tile(long, causal=True) == query_tile(long, deterministic=True) == 64
 
@@ -985,15 +982,15 @@ def _same_with_no_tail_and_all_tail(family, dtype, grads, problem, deterministic
     reference, and dK/dV (and deterministic dQ) bitwise equal to ``grads``."""
     dout, q, k, v, out, lse, opts = problem
     for waves in (0, 100):
-        monkeypatch.setattr(_heuristics, "BWD_TAIL_WAVES", waves)
-        _pipeline.clear_memo()
+        monkeypatch.setattr(kernels.bwd_common, "BWD_TAIL_WAVES", waves)
+        _memo.clear_memo()
         again = run_backward(family, dout, q, k, v, out, lse, opts, deterministic=deterministic)
         for name, a, b in zip(("dq", "dk", "dv"), grads, again):
             if name != "dq" or deterministic:
                 same = (a.view(cupy.uint8) == b.view(cupy.uint8)).all()
                 assert bool(same), f"{name} changed with {waves} waves"
         check_gradients(dout, q, k, v, out, opts, again, dtype=dtype)
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
 
 @_sm90_only
@@ -1004,7 +1001,7 @@ def test_sm90_causal_tail_pairs_key_block_major(head_dim, monkeypatch):
     # must still take exactly one (key block, slot, sequence): against the reference, and dK/dV
     # (no atomics) bitwise the same in every order.
     monkeypatch.setattr(bw, "_num_sms", lambda device_id: 4)
-    block_n = _heuristics.BWD_SM90_BLOCK_N[head_dim]
+    block_n = kernels.bwd_sm90.BWD_SM90_BLOCK_N[head_dim]
     shape = _shape(3, 3 * block_n - 20, 3 * block_n - 20, 8, 4, head_dim)
     grads, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {"causal": True}, 195)
     info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
@@ -1022,8 +1019,8 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
     monkeypatch.setattr(bw, "_num_sms", lambda device_id: 10_000)
     shape = _shape(2, 600, 1100, 8, 2, head_dim)
     for behind in (True, False):
-        monkeypatch.setattr(_heuristics, "BWD_CONVERT_BEHIND", behind)
-        _pipeline.clear_memo()
+        monkeypatch.setattr(kernels.bwd_sm90, "BWD_CONVERT_BEHIND", behind)
+        _memo.clear_memo()
         _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 205 + behind)
         info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
         assert info["convert_behind"] is behind and info["splits"] == 4
@@ -1032,7 +1029,7 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
         for others in ({"deterministic": True}, {"causal": True}):
             info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **others, **opts)
             assert info["convert_behind"] is False, others
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
 
 @_sm90_only
@@ -1042,18 +1039,18 @@ def test_sm90_variant_without_the_unseen_key_guard(head_dim, query_tile, monkeyp
     # 256 takes the variant whose dS has no guard for P = 0; against the reference with it and
     # without, and calls with keys a row does not see keep the guard.
     for name in ("BWD_SM90_WIDE_MIN_ROWS", "BWD_SM90_WIDE_MIN_ROWS_GUARDED"):
-        monkeypatch.setattr(_heuristics, name, 1 if query_tile == 80 else 1 << 30)
+        monkeypatch.setattr(kernels.bwd_sm90, name, 1 if query_tile == 80 else 1 << 30)
     shape = _shape(2, 300, 700, 8, 2, head_dim)
     for unguarded in (True, False):
-        monkeypatch.setattr(_heuristics, "BWD_ALL_KEYS_SEEN", unguarded)
-        _pipeline.clear_memo()
+        monkeypatch.setattr(kernels.bwd_sm90, "BWD_ALL_KEYS_SEEN", unguarded)
+        _memo.clear_memo()
         _, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {}, 215 + unguarded)
         info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)
         assert info["all_keys_seen"] is unguarded and info["query_tile"] == query_tile
         for others in ({"causal": True}, {"window": (64, 64)}, {"softcap": 20.0}):
             info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **others, **opts)
             assert info["all_keys_seen"] is False, others
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
 
 @_sm90_only
@@ -1065,8 +1062,8 @@ def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monke
     # keep the guard everywhere.
     shape = _shape(2, 300, 700, 8, 2, head_dim)
     for tile_guard in (True, False):
-        monkeypatch.setattr(_heuristics, "BWD_SM90_TILE_GUARD", tile_guard)
-        _pipeline.clear_memo()
+        monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_TILE_GUARD", tile_guard)
+        _memo.clear_memo()
         for opts, seed in (({"causal": True}, 231), ({"window": (150, 40)}, 233)):
             _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", "bfloat16", shape, opts,
                                                                  seed + tile_guard, deterministic=deterministic)
@@ -1074,7 +1071,7 @@ def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monke
             assert info["tile_guard"] is tile_guard and info["all_keys_seen"] is False, opts
         info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, softcap=20.0, **run_opts)
         assert info["tile_guard"] is False
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
 
 @_sm90_only

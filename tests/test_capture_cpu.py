@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _heuristics, _launch, _params, _pipeline
+from cuflash import _capture, _launch, _params, _pinned, _plan, _step, kernels
 from cuflash import random as cr
 
 backward_module = importlib.import_module("cuflash.backward")
@@ -83,7 +83,7 @@ def fake_gpus(monkeypatch):
     cupy = _FakeCupy(devices=4)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     loaded = []
-    monkeypatch.setattr(_pipeline, "rng_step", lambda device_id: loaded.append(device_id))
+    monkeypatch.setattr(_capture, "rng_step", lambda device_id: loaded.append(device_id))
     cupy.loaded = loaded
     return cupy
 
@@ -238,11 +238,11 @@ def fake_run(monkeypatch):
     runtime = SimpleNamespace(getDevice=lambda: 0, streamIsCapturing=is_capturing,
                               memsetAsync=lambda *a: fake.memsets.append(a),
                               streamSynchronize=lambda stream: fake.log.append(("sync",)))
-    monkeypatch.setattr(_pipeline, "_cp", SimpleNamespace(ndarray=_Array, cuda=SimpleNamespace(alloc=alloc,
+    monkeypatch.setattr(_plan, "_cp", SimpleNamespace(ndarray=_Array, cuda=SimpleNamespace(alloc=alloc,
                                                                                                runtime=runtime)))
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: fake.state)
-    monkeypatch.setattr(_pipeline, "_rng_steps", {0: _Recorder("rng", fake.log)})
+    monkeypatch.setattr(_capture, "_rng_steps", {0: _Recorder("rng", fake.log)})
     return fake
 
 
@@ -263,11 +263,11 @@ class _Generator:
 
 
 def _dropout_plan(log, temps=()):
-    return _pipeline.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", log)], dropout=(0.5, 2.0))
+    return _plan.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", log)], dropout=(0.5, 2.0))
 
 
 def test_a_call_without_dropout_or_temporaries_never_asks_about_capture(fake_run):
-    plan = _pipeline.Plan("attention", 5, outputs={3: _pipeline.Buffer((4, 8), np.float32)},
+    plan = _plan.Plan("attention", 5, outputs={3: _step.Buffer((4, 8), np.float32)},
                           steps=[_Recorder("fwd", fake_run.log)], results=(3,))
     for capturing in (False, True):
         fake_run.capturing = capturing
@@ -312,7 +312,7 @@ def test_dropout_under_capture_draws_on_the_gpu(fake_run, rng_output):
 
 
 def test_dropout_under_capture_needs_a_graph_state(fake_run):
-    plan = _dropout_plan(fake_run.log, temps=(_pipeline.Buffer((64,), np.float32, zero=True),))
+    plan = _dropout_plan(fake_run.log, temps=(_step.Buffer((64,), np.float32, zero=True),))
     fake_run.capturing = True
     with pytest.raises(RuntimeError, match=r"graph_safe\(\)|cuflash.plan"):
         plan.run((None,) * 5, [0x10] * 5, generator=_Generator(graph=False))
@@ -322,8 +322,8 @@ def test_dropout_under_capture_needs_a_graph_state(fake_run):
 
 def test_small_temporaries_come_from_the_streams_arena(fake_run):
     # Captured or not, without asking: the arena is never freed, so a graph may keep using it.
-    temps = (_pipeline.Buffer((32, 4), np.float32), _pipeline.Buffer((16,), np.float32, zero=True))
-    plan = _pipeline.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
+    temps = (_step.Buffer((32, 4), np.float32), _step.Buffer((16,), np.float32, zero=True))
+    plan = _plan.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
     for capturing in (False, True, False):
         fake_run.capturing = capturing
         fake_run.log.clear()
@@ -336,7 +336,7 @@ def test_small_temporaries_come_from_the_streams_arena(fake_run):
     assert fake_run.allocations == [] and fake_run.queries == 0 and len(fake_run.state.arenas) == 1
     assert [m[0] for m in fake_run.memsets] == [arena.ptr + 512] * 3, "the accumulator is zeroed at every call"
     # A plan with more temporaries grows the arena; the first plan's calls then use the new one.
-    bigger = _pipeline.Plan("attention", 5, temps=(_pipeline.Buffer((4096,), np.float32),),
+    bigger = _plan.Plan("attention", 5, temps=(_step.Buffer((4096,), np.float32),),
                             steps=[_Recorder("fwd", fake_run.log)])
     bigger.run((None,) * 5, [0x10] * 5)
     fake_run.log.clear()
@@ -346,18 +346,18 @@ def test_small_temporaries_come_from_the_streams_arena(fake_run):
 
 def test_a_streams_tails_stay_bounded(fake_run, monkeypatch):
     # Each plan run on a stream keeps its tail (and so the plan) there: at most as many as the memo.
-    monkeypatch.setattr(_pipeline, "_MEMO_ENTRIES", 4)
+    monkeypatch.setattr(_plan, "_MEMO_ENTRIES", 4)
     for n in range(10):
-        plan = _pipeline.Plan("attention", 5, temps=(_pipeline.Buffer((16,), np.float32),),
+        plan = _plan.Plan("attention", 5, temps=(_step.Buffer((16,), np.float32),),
                               steps=[_Recorder("fwd", fake_run.log)])
         plan.run((None,) * 5, [0x10] * 5)
         assert plan in fake_run.state.tails and len(fake_run.state.tails) <= 4
 
 
 def test_large_temporaries_under_capture_are_kept_by_the_stream(fake_run):
-    temps = (_pipeline.Buffer((_launch.ARENA_BYTES // 4,), np.float32),
-             _pipeline.Buffer((16,), np.float32, zero=True))
-    plan = _pipeline.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
+    temps = (_step.Buffer((_launch.ARENA_BYTES // 4,), np.float32),
+             _step.Buffer((16,), np.float32, zero=True))
+    plan = _plan.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
     plan.run((None,) * 5, [0x10] * 5)
     plan.run((None,) * 5, [0x10] * 5)
     assert len(fake_run.allocations) == 2 and fake_run.state.kept == {}, "outside a capture: one block per call"
@@ -377,7 +377,7 @@ def test_large_temporaries_under_capture_are_kept_by_the_stream(fake_run):
 
 
 def test_check_true_cannot_be_captured(fake_run):
-    plan = _pipeline.Plan("attention_varlen", 8, steps=[_Recorder("check", fake_run.log),
+    plan = _plan.Plan("attention_varlen", 8, steps=[_Recorder("check", fake_run.log),
                                                          _Recorder("fwd", fake_run.log)], checked=True)
     fake_run.capturing = True
     with pytest.raises(RuntimeError, match="check=True"):
@@ -402,11 +402,11 @@ def test_a_device_rng_state_is_read_by_the_kernels(fake_run):
 # ----------------------------------------------------------------------------- refusals
 
 def test_refuse_capture(monkeypatch):
-    monkeypatch.setattr(_pipeline, "is_capturing", lambda: False)
-    _pipeline.refuse_capture("decode", "why")
-    monkeypatch.setattr(_pipeline, "is_capturing", lambda: True)
+    monkeypatch.setattr(_capture, "is_capturing", lambda: False)
+    _capture.refuse_capture("decode", "why")
+    monkeypatch.setattr(_capture, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match=r"decode call cannot be captured.*: why"):
-        _pipeline.refuse_capture("decode", "why")
+        _capture.refuse_capture("decode", "why")
 
 
 def test_the_first_call_on_a_stream_cannot_be_captured(monkeypatch):
@@ -463,19 +463,19 @@ def test_params_carry_the_device_state_beside_the_seed():
 
 
 def test_plan_value_names():
-    plan = _pipeline.Plan("attention", 4, temps=(_pipeline.Buffer((2,), np.float32),))
+    plan = _plan.Plan("attention", 4, temps=(_step.Buffer((2,), np.float32),))
     names = ("counter", "error", "scratch", "report", "split_counters", "dropout_state", "seed", "offset")
     assert [plan.index(n) for n in names] == list(range(5, 5 + len(names)))
 
 
 def test_the_rng_state_kernel_is_built_everywhere():
-    variant = _heuristics.rng_state_variant()
+    variant = kernels.rng_state.rng_state_variant()
     assert variant.family == "rng_state" and (CUDA_SRC / "rng_state.cu").is_file()
-    assert variant in _heuristics.precompile_variants()
-    assert variant in _heuristics.precompile_variants(families=("rng_state",))
-    assert {(variant, arch) for arch in ("sm_80", "sm_90a")} <= set(_heuristics.ci_variants())
+    assert variant in kernels.catalogue.precompile_variants()
+    assert variant in kernels.catalogue.precompile_variants(families=("rng_state",))
+    assert {(variant, arch) for arch in ("sm_80", "sm_90a")} <= set(kernels.catalogue.ci_variants())
     for arch in ("sm_80", "sm_90a"):
-        assert variant in _heuristics.reachable_variants(arch, ("bfloat16",), (128,))
+        assert variant in kernels.catalogue.reachable_variants(arch, ("bfloat16",), (128,))
 
 
 HARNESS = r"""
@@ -526,15 +526,15 @@ def test_plan_makes_the_graph_state_of_a_dropout_forward(monkeypatch):
 
     def fake_entry(entry, dropout):
         def fn(*args, **kwargs):   # what an entry point does under planned(): a lookup, then run
-            _pipeline._planning.get()["key"] = ("key",)
-            raise _pipeline.PlanningDone(_pipeline.Plan(entry, 1, dropout=dropout))
+            _plan._planning.get()["key"] = ("key",)
+            raise _plan.PlanningDone(_plan.Plan(entry, 1, dropout=dropout))
         return fn
 
-    _pipeline.planned(fake_entry("attention", (1, 2.0)), generator=gen)
+    _pinned.planned(fake_entry("attention", (1, 2.0)), generator=gen)
     assert made == [gen]
-    _pipeline.planned(fake_entry("attention_backward", (1, 2.0)), generator=gen)
-    _pipeline.planned(fake_entry("attention", None), generator=gen)
+    _pinned.planned(fake_entry("attention_backward", (1, 2.0)), generator=gen)
+    _pinned.planned(fake_entry("attention", None), generator=gen)
     assert made == [gen]
-    monkeypatch.setattr(_pipeline, "_default_generator", lambda: gen)
-    _pipeline.planned(fake_entry("attention_varlen", (1, 2.0)))
+    monkeypatch.setattr(_plan, "_default_generator", lambda: gen)
+    _pinned.planned(fake_entry("attention_varlen", (1, 2.0)))
     assert made == [gen, gen]

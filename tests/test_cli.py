@@ -208,8 +208,8 @@ def test_doctor_reports_a_kernel_that_does_not_compile(monkeypatch, driver, caps
 
 @pytest.fixture
 def fake_heuristics(monkeypatch):
-    """Stand-in for cuflash._heuristics so the CLI can be tested on the tiny kernels."""
-    module = types.ModuleType("cuflash._heuristics")
+    """Stand-in for cuflash.kernels.catalogue so the CLI can be tested on the tiny kernels."""
+    module = types.ModuleType("cuflash.kernels.catalogue")
     module.variants = [TINY]
     module.calls = []
     module.DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -219,7 +219,7 @@ def fake_heuristics(monkeypatch):
         return module.variants
 
     module.precompile_variants = precompile_variants
-    monkeypatch.setitem(sys.modules, "cuflash._heuristics", module)
+    monkeypatch.setitem(sys.modules, "cuflash.kernels.catalogue", module)
     return module
 
 

@@ -52,7 +52,7 @@ TINY = Variant("tiny", {"TINY_N": 64})
 
 # ----------------------------------------------------------------------------- real kernels
 #
-# The sweep: cuflash._heuristics.ci_variants() (every family for sm_80 and sm_90a, forward at
+# The sweep: cuflash.kernels.catalogue.ci_variants() (every family for sm_80 and sm_90a, forward at
 # every default head dim, the rest at D=128), or with CUFLASH_COMPILE_ALL=1 every variant
 # precompile_variants() lists for both archs (about twice as many). Compiled once per session in
 # a thread pool sized to the CPUs, with a progress line every ~10% of it. Results are kept with
@@ -64,7 +64,8 @@ _ON_GPU_MACHINE = _compile.cuda_status().state == "ok"
 
 
 def _sweep_jobs():
-    from cuflash._heuristics import ci_variants, precompile_variants
+    from cuflash.kernels.catalogue import ci_variants
+    from cuflash.kernels.catalogue import precompile_variants
 
     jobs = list(ci_variants())
     if os.environ.get("CUFLASH_COMPILE_ALL") == "1":
@@ -138,7 +139,7 @@ def sweep(request):
 
 
 def test_sweep_covers_every_family_and_arch():
-    from cuflash._heuristics import precompile_variants
+    from cuflash.kernels.catalogue import precompile_variants
 
     covered = {(v.family, a) for v, a in _sweep_jobs()}
     families = {p.stem for p in _compile.CUDA_SRC.glob("*.cu")}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cuflash import _compile, _nvrtc
-from cuflash._heuristics import merge_plan
+from cuflash.kernels.merge import merge_plan
 
 MERGE = merge_plan("float32", "float32").variant  # the quickest real variant to compile (~0.1 s)
 ARCH = "sm_80"

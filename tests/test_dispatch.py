@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import _heuristics, _launch, _params, _tma
+from cuflash import _launch, _params, _tma, kernels
 from cuflash.attention import _choose_family, _sm90_obstacle, force_kernel
 
 
@@ -81,7 +81,7 @@ def test_tma_compatibility_rule():
                           (136, 256, 64, 1, 2), (256, 256, 64, 1, 2)])
 @pytest.mark.parametrize("mods", [False, True])
 def test_sm90_plan(d, kdim, block_n, q_slots, stages, mods):
-    plan = _heuristics.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=mods)
+    plan = kernels.forward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=mods)
     defines = dict(plan.variant.defines)
     assert plan.head_dim == kdim and defines["CUFLASH_HEAD_DIM"] == kdim
     assert plan.threads == 384 and plan.block_m == 128
@@ -95,14 +95,14 @@ def test_sm90_plan(d, kdim, block_n, q_slots, stages, mods):
     assert defines["CUFLASH_PARAMS_SIZE"] == _params.FWD_PARAMS.itemsize
     assert (defines["CUFLASH_SCORE_MODS"], defines["CUFLASH_DROPOUT"]) == (31 if mods else 0, int(mods))
     with pytest.raises(ValueError, match="float32"):
-        _heuristics.forward_plan("fwd_sm90", "float32", d, score_mods=False, dropout=False)
+        kernels.forward.forward_plan("fwd_sm90", "float32", d, score_mods=False, dropout=False)
 
 
 def test_sm90_only_built_for_sm90a():
-    families_80 = {v.family for v in _heuristics.precompile_variants(arch="sm_80")}
-    families_90 = {v.family for v in _heuristics.precompile_variants(arch="sm_90a")}
+    families_80 = {v.family for v in kernels.catalogue.precompile_variants(arch="sm_80")}
+    families_90 = {v.family for v in kernels.catalogue.precompile_variants(arch="sm_90a")}
     assert "fwd_sm90" not in families_80 and "fwd_sm90" in families_90
-    pairs = _heuristics.ci_variants()
+    pairs = kernels.catalogue.ci_variants()
     assert all(arch == "sm_90a" for v, arch in pairs if v.family == "fwd_sm90")
     # Every family that the dispatcher, decode or backward can launch is in the CI compile list.
     assert {v.family for v, _ in pairs} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "decode", "merge",
@@ -160,20 +160,29 @@ def test_template_fills_only_its_slots():
 
 
 def test_planners_import_no_api_module():
-    # The planners and the packer are leaves: they import (at module level or inside functions)
-    # only each other, never the entry points, the compiler or the launcher.
+    # The planners, the tables and the packer are leaves: they import (at module level or inside
+    # functions) only each other, never the entry points, the compiler or the launcher.
     import ast
     from pathlib import Path
 
-    leaves = {"_heuristics", "_params", "_variant"}
     package = Path(_params.__file__).parent
+    planners = {f"kernels.{p.stem}" for p in (package / "kernels").glob("*.py") if p.stem != "__init__"}
+    leaves = planners | {"kernels", "features", "_params", "_variant"}
     for name in leaves:
-        tree = ast.parse((package / f"{name}.py").read_text())
+        path = package / (name.replace(".", "/") + ("/__init__.py" if name == "kernels" else ".py"))
+        tree = ast.parse(path.read_text())
         imported = set()
+        here = ["cuflash"] + name.split(".")[:-1] if name != "kernels" else ["cuflash", "kernels"]
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("cuflash")):
-                imported.add((node.module or "").removeprefix("cuflash.").lstrip(".") or "cuflash")
-                imported.update(a.name for a in node.names if not node.module)
+            if isinstance(node, ast.ImportFrom):
+                base = here[:len(here) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                if not module.startswith("cuflash"):
+                    continue
+                if node.module:
+                    imported.add(module.removeprefix("cuflash").lstrip("."))
+                else:
+                    imported.update(f"{module}.{a.name}".removeprefix("cuflash").lstrip(".") for a in node.names)
             elif isinstance(node, ast.Import):
-                imported.update(a.name for a in node.names if a.name.startswith("cuflash"))
+                imported.update(a.name.removeprefix("cuflash.") for a in node.names if a.name.startswith("cuflash"))
         assert imported <= leaves, (name, imported - leaves)

@@ -125,7 +125,7 @@ def test_ring_dropout_matches_single_call(xp_gpu, world, causal, dtype):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])   # fwd_sm90/sm80 and fwd_simt
 def test_dropout_origin_draws_a_block_of_the_full_mask(xp_gpu, dtype):
-    # attention_forward on q[:, r0:r1], k[:, c0:c1] with _dropout_origin=(r0, c0) draws exactly that
+    # attention_forward on q[:, r0:r1], k[:, c0:c1] at dropout origin (r0, c0) draws exactly that
     # block of the full call's mask: compare with the float64 reference of the block with it sliced
     from cuflash.random import dropout_keep
 
@@ -135,7 +135,8 @@ def test_dropout_origin_draws_a_block_of_the_full_mask(xp_gpu, dtype):
     qb, kb, vb = q[:, r0:r1], k[:, c0:c1], v[:, c0:c1]
     generator = cuflash.Generator(0)
     generator.set_state(state)
-    out, lse, _ = cuflash.attention_forward(qb, kb, vb, dropout_p=p, generator=generator, _dropout_origin=(r0, c0))
+    from cuflash.attention import _forward_at
+    out, lse, _ = _forward_at(qb, kb, vb, dropout_p=p, generator=generator, dropout_origin=(r0, c0))
     qh, kh, vh = (_host(x) for x in (qb, kb, vb))
     hq = qh.shape[2]
     s = np.einsum("bihd,bjhd->bhij", qh, np.repeat(kh, 2, axis=2)) / np.sqrt(qh.shape[3])
@@ -154,7 +155,8 @@ def test_dropout_origin_draws_a_block_of_the_full_mask(xp_gpu, dtype):
 def test_dropout_origin_column_must_be_a_multiple_of_4(xp_gpu):
     q, k, v, _ = _problem(xp_gpu, 64, (4, 4), "float16", seed=1)
     with pytest.raises(ValueError, match="multiple of 4"):
-        cuflash.attention_forward(q, k, v, dropout_p=0.1, _dropout_origin=(3, 6))
+        from cuflash.attention import _forward_at
+        _forward_at(q, k, v, dropout_p=0.1, dropout_origin=(3, 6))
 
 
 def test_shard_unshard_on_gpu(xp_gpu):

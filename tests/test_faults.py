@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _checks, _launch, _params, _pipeline
+from cuflash import _checks, _launch, _memo, _params, _plan
 
 BF16 = _checks.BFLOAT16
 FLOATS = (np.dtype(np.float16), BF16, np.dtype(np.float32))
@@ -308,7 +308,7 @@ class StandIn:
         dense = c_strides(self.shape, self.itemsize)
         contiguous = all(s == c for n, s, c in zip(self.shape, self.strides, dense) if n > 1)
         self.flags = SimpleNamespace(c_contiguous=contiguous)
-        self._c_contiguous = contiguous   # what the plan memo reads (cuflash/_pipeline.py, lookup)
+        self._c_contiguous = contiguous   # what the plan memo reads (cuflash/_memo.py, lookup)
         self.room = room
 
     def reshape(self, shape):
@@ -810,7 +810,7 @@ def faulty_call(draw, xp, entry, fault):
 
 def expect_refused(call, exc, names, xp, launched):
     before = xp.snapshot()
-    _pipeline.clear_memo()   # the full path, whatever plans other tests left
+    _memo.clear_memo()   # the full path, whatever plans other tests left
     with pytest.raises(exc) as info:
         call()
     names_in(str(info.value), names)
@@ -837,7 +837,8 @@ def test_bad_arguments_are_refused_before_the_gpu(monkeypatch, launched, entry, 
     space = StandIns(np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))))
     fake = space.cupy()
     monkeypatch.setattr(_checks, "_cupy", lambda: fake)
-    monkeypatch.setattr(_pipeline, "_cp", fake)
+    monkeypatch.setattr(_plan, "_cp", fake)
+    monkeypatch.setattr(_memo, "_cp", fake)
     call, exc, names = faulty_call(data.draw, space, entry, fault)
     expect_refused(call, exc, names, space, launched)
 
@@ -953,7 +954,7 @@ def test_varlen_work_items_past_int32_on_sm90(xp_gpu, launched):
     q = cp.zeros((total, heads, 8), np.float16)  # real strides: TMA takes them, so fwd_sm90 is chosen
     k = v = cp.zeros((total, 1, 8), np.float16)
     cu = cp.asarray(np.minimum(np.arange(batch + 1), total).astype(np.int32))
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     with pytest.raises(ValueError, match="max_seqlen_q"):
         cuflash.attention_varlen(q, k, v, cu, cu)
     assert launched == []

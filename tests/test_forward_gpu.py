@@ -585,13 +585,13 @@ def test_automatic_kernel_choice(dtype, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_sm90_three_consumer_warpgroups(dtype, head_dim):
     # Full attention at D = 64 over >= 2048 query rows runs fwd_sm90 with three consumer warpgroups
-    # (192 rows a CTA; _heuristics.sm90_consumers): chosen for this shape (a last m-block of 180
+    # (192 rows a CTA; kernels.fwd_sm90.sm90_consumers): chosen for this shape (a last m-block of 180
     # rows, Sq != Sk, GQA) and right, out and lse; the causal call of the same shape keeps two.
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("fwd_sm90 needs an sm_90 GPU (H100/H200)")
-    from cuflash import _heuristics
+    from cuflash import kernels
     shape = _shape(2, 2100, 2222, 4, 2, head_dim)
-    assert shape["Sq"] % 192 and _heuristics.SM90_WIDE_MIN_ROWS <= shape["Sq"]
+    assert shape["Sq"] % 192 and kernels.fwd_sm90.SM90_WIDE_MIN_ROWS <= shape["Sq"]
     q, k, v = _qkv(shape, dtype, 96 + head_dim)
     for causal, consumers in ((False, 3), (True, 2)):
         with forced("fwd_sm90"):
@@ -839,11 +839,11 @@ def test_repeated_plain_call_replays_its_launch(family, dtype, monkeypatch):
     # the whole way again.
     import sys
 
-    from cuflash import _pipeline
+    from cuflash import _memo
 
     module = sys.modules["cuflash.attention"]
     shape = _shape(2, 130, 257, 4, 2, 64)
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
     def first_call_only(*args, **kwargs):
         raise AssertionError("a repeated call went through the whole launch path")
@@ -853,7 +853,7 @@ def test_repeated_plain_call_replays_its_launch(family, dtype, monkeypatch):
         out = cupy.full(q.shape, NAN, dtype=q.dtype)
         with forced(family):
             got, lse = cuflash.attention(q, k, v, causal=True, out=out, return_lse=True)
-        assert got is out and len(_pipeline._memo) == 1
+        assert got is out and len(_memo._memo) == 1
         check_close(q, k, v, {"causal": True}, got, lse, None, dtype=dtype)
         monkeypatch.setattr(module, "_plan_attention", first_call_only)
     monkeypatch.undo()
@@ -878,19 +878,19 @@ def test_sm90_causal_tail_heads_m_block_major(head_dim, monkeypatch):
     # work wherever it falls).
     import sys
 
-    from cuflash import _heuristics, _pipeline
+    from cuflash import kernels, _memo
 
     monkeypatch.setattr(sys.modules["cuflash.attention"], "_num_sms", lambda device_id: 4)
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     shape = _shape(3, 3 * 128 - 20, 3 * 128 - 20, 8, 4, head_dim)
     _, (q, k, v, out, lse) = _solve("fwd_sm90", "bfloat16", shape, {"causal": True}, 311)
     with forced("fwd_sm90"):
         info = cuflash.plan(cuflash.attention_forward, q, k, v, causal=True).plan.info
     assert info["family"] == "fwd_sm90" and info["tail_heads"] == 3
     for waves in (0, 100):
-        monkeypatch.setattr(_heuristics, "FWD_TAIL_WAVES", waves)
-        _pipeline.clear_memo()
+        monkeypatch.setattr(kernels.fwd_sm90, "FWD_TAIL_WAVES", waves)
+        _memo.clear_memo()
         again_out, again_lse, _ = run_forward("fwd_sm90", q, k, v, {"causal": True})
         assert bool((again_out.view(cupy.uint8) == out.view(cupy.uint8)).all()), f"out changed with {waves} waves"
         assert bool((again_lse.view(cupy.uint8) == lse.view(cupy.uint8)).all()), f"lse changed with {waves} waves"
-    _pipeline.clear_memo()
+    _memo.clear_memo()

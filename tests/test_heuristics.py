@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cuflash import _heuristics as H
+from cuflash import features, kernels
 
 DTYPES = ("float16", "bfloat16", "float32")
 # Opt-in shared memory per block: H100/H200, A100, and consumer Ampere/Ada (RTX 30x0/40x0).
@@ -27,8 +27,8 @@ block_ns = st.sampled_from([16, 32, 64, 128])
 
 @given(batches, heads, seqlens, sm_counts, row_blocks, block_ns, ctas_per_sm)
 def test_num_splits_bounds(batch, heads_k, seqlen, sms, rb, block_n, per_sm):
-    s = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, block_n=block_n, ctas_per_sm=per_sm)
-    assert isinstance(s, int) and 1 <= s <= H.DECODE_MAX_SPLITS
+    s = kernels.decode.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, block_n=block_n, ctas_per_sm=per_sm)
+    assert isinstance(s, int) and 1 <= s <= kernels.decode.DECODE_MAX_SPLITS
     tiles = -(-seqlen // block_n)
     if s > 1:
         assert tiles // s >= 4, "every split keeps at least 4 tiles of keys"
@@ -40,12 +40,12 @@ def test_num_splits_bounds(batch, heads_k, seqlen, sms, rb, block_n, per_sm):
 def test_num_splits_wave_efficiency(batch, heads_k, seqlen, sms, rb, per_sm):
     """The choice is within 95% of the best wave efficiency any allowed split count reaches, and no
     smaller count is."""
-    s = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=per_sm)
+    s = kernels.decode.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=per_sm)
     ctas, slots = batch * heads_k * rb, per_sm * sms
     if s == 1 and (ctas >= 4 * slots or seqlen < 8 * 64):
         return
-    limit = max(1, min(-(-seqlen // 64) // 4, H.DECODE_MAX_SPLITS))
-    effs = {n: H.decode_bandwidth_efficiency(ctas * n, slots, slots) for n in range(1, limit + 1)}
+    limit = max(1, min(-(-seqlen // 64) // 4, kernels.decode.DECODE_MAX_SPLITS))
+    effs = {n: kernels.decode.decode_bandwidth_efficiency(ctas * n, slots, slots) for n in range(1, limit + 1)}
     best = max(effs.values())
     assert effs[s] >= 0.95 * best
     assert all(effs[n] < 0.95 * best for n in range(1, s))
@@ -54,35 +54,35 @@ def test_num_splits_wave_efficiency(batch, heads_k, seqlen, sms, rb, per_sm):
 @given(batches, heads, seqlens, seqlens, sm_counts, row_blocks)
 def test_num_splits_monotone_in_keys(batch, heads_k, a, b, sms, rb):
     short, long_ = sorted((a, b))
-    assert (H.decode_num_splits(batch, heads_k, short, sms, row_blocks=rb)
-            <= H.decode_num_splits(batch, heads_k, long_, sms, row_blocks=rb))
+    assert (kernels.decode.decode_num_splits(batch, heads_k, short, sms, row_blocks=rb)
+            <= kernels.decode.decode_num_splits(batch, heads_k, long_, sms, row_blocks=rb))
 
 
 @given(heads, seqlens, sm_counts)
 def test_num_splits_fills_the_gpu_for_one_sequence(heads_k, seqlen, sms):
     """A single sequence gets about one wave of CTAs, or as many as its keys allow."""
-    s = H.decode_num_splits(1, heads_k, seqlen, sms, ctas_per_sm=2)
+    s = kernels.decode.decode_num_splits(1, heads_k, seqlen, sms, ctas_per_sm=2)
     tiles = -(-seqlen // 64)
     slots = 2 * sms
-    reachable = min(tiles // 4, H.DECODE_MAX_SPLITS) * heads_k
+    reachable = min(tiles // 4, kernels.decode.DECODE_MAX_SPLITS) * heads_k
     assert heads_k * s >= 0.9 * min(slots - heads_k + 1, reachable) or heads_k >= slots
 
 
 def test_wave_efficiency():
     """Saturating only with a whole wave: the fraction of CTA slots busy over the waves."""
-    assert H.decode_bandwidth_efficiency(264, 264, 264) == 1.0
-    assert H.decode_bandwidth_efficiency(265, 264, 264) == pytest.approx(265 / 528)
-    assert H.decode_bandwidth_efficiency(132, 264, 264) == 0.5
-    assert H.decode_bandwidth_efficiency(0, 264, 264) == 0.0
+    assert kernels.decode.decode_bandwidth_efficiency(264, 264, 264) == 1.0
+    assert kernels.decode.decode_bandwidth_efficiency(265, 264, 264) == pytest.approx(265 / 528)
+    assert kernels.decode.decode_bandwidth_efficiency(132, 264, 264) == 0.5
+    assert kernels.decode.decode_bandwidth_efficiency(0, 264, 264) == 0.0
 
 
 def test_bandwidth_efficiency():
     # A wave of at least the saturating count streams at the full rate; fewer, in proportion.
-    assert H.decode_bandwidth_efficiency(64, 132, 64) == 1.0
-    assert H.decode_bandwidth_efficiency(32, 132, 64) == 0.5
-    assert H.decode_bandwidth_efficiency(132 + 64, 132, 64) == 1.0
-    assert H.decode_bandwidth_efficiency(132 + 8, 132, 64) == pytest.approx(140 / (132 + 64))
-    assert H.decode_bandwidth_efficiency(0, 132, 64) == 0.0
+    assert kernels.decode.decode_bandwidth_efficiency(64, 132, 64) == 1.0
+    assert kernels.decode.decode_bandwidth_efficiency(32, 132, 64) == 0.5
+    assert kernels.decode.decode_bandwidth_efficiency(132 + 64, 132, 64) == 1.0
+    assert kernels.decode.decode_bandwidth_efficiency(132 + 8, 132, 64) == pytest.approx(140 / (132 + 64))
+    assert kernels.decode.decode_bandwidth_efficiency(0, 132, 64) == 0.0
 
 
 @given(batches, heads, seqlens, sm_counts, row_blocks, st.integers(1, 300))
@@ -92,10 +92,10 @@ def test_num_splits_saturating(batch, heads_k, seqlen, sms, rb, saturating):
     """With CTAs that saturate the memory sooner, the choice is never more splits; and it reaches
     the saturating count (or the most CTAs the keys allow in one wave: a second, nearly empty wave
     streams slower) unless it already streams at 95%."""
-    full = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=1)
-    s = H.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=1, saturating_ctas=saturating)
+    full = kernels.decode.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=1)
+    s = kernels.decode.decode_num_splits(batch, heads_k, seqlen, sms, row_blocks=rb, ctas_per_sm=1, saturating_ctas=saturating)
     assert 1 <= s <= full
-    ctas, limit = batch * heads_k * rb, max(1, min(-(-seqlen // 64) // 4, H.DECODE_MAX_SPLITS))
+    ctas, limit = batch * heads_k * rb, max(1, min(-(-seqlen // 64) // 4, kernels.decode.DECODE_MAX_SPLITS))
     sat = min(saturating, sms)
     one_wave = ctas * max(1, min(limit, sms // ctas))
     if seqlen > 0 and ctas < 4 * sms:
@@ -105,20 +105,20 @@ def test_num_splits_saturating(batch, heads_k, seqlen, sms, rb, saturating):
 def test_saturating_bytes_follow_memory_rate():
     """The H100's 8 MiB up to its rate (and when the rate is unknown), then more than in proportion:
     the rates the runtime reports for an H100 SXM (3.352 TB/s) and an H200 (4.814 TB/s)."""
-    plan = H.decode_plan("bfloat16", 128, paged=False, score_mods=False)
-    assert H.decode_saturating_bytes(0.0) == H.DECODE_SATURATING_BYTES
-    assert H.decode_saturating_bytes(3.352e12) == H.DECODE_SATURATING_BYTES
-    h200 = H.decode_saturating_bytes(4.814e12)
-    assert h200 > H.DECODE_SATURATING_BYTES * 4.814 / 3.352
+    plan = kernels.decode.decode_plan("bfloat16", 128, paged=False, score_mods=False)
+    assert kernels.decode.decode_saturating_bytes(0.0) == kernels.decode.DECODE_SATURATING_BYTES
+    assert kernels.decode.decode_saturating_bytes(3.352e12) == kernels.decode.DECODE_SATURATING_BYTES
+    h200 = kernels.decode.decode_saturating_bytes(4.814e12)
+    assert h200 > kernels.decode.DECODE_SATURATING_BYTES * 4.814 / 3.352
     rates = [2e12, 3.352e12, 4e12, 4.814e12, 8e12]
-    sizes = [H.decode_saturating_bytes(r) for r in rates]
+    sizes = [kernels.decode.decode_saturating_bytes(r) for r in rates]
     assert sizes == sorted(sizes)
     # On an H200 every SM streams: the split counts its sweep found best (session 21).
     saturating = plan.saturating_ctas(4.814e12)
     assert saturating == -(-h200 // plan.in_flight_bytes)
     expect = {(8, 8192): 2, (1, 32768): 16, (1, 131072): 16, (4, 16384): 4, (2, 65536): 8}
     for (batch, seqlen), want in expect.items():
-        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
+        got = kernels.decode.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
                                   saturating_ctas=saturating)
         assert got == want, (batch, seqlen, got)
 
@@ -152,7 +152,7 @@ def test_device_memory_rate(monkeypatch):
 def test_num_splits_benchmark_shapes():
     """The issue's benchmark shapes on an H100/H200 (132 SMs) with the D = 128 plan: one 200 KiB CTA
     of eight warps per SM, 128 KiB of K/V in flight each."""
-    plan = H.decode_plan("bfloat16", 128, paged=False, score_mods=False)
+    plan = kernels.decode.decode_plan("bfloat16", 128, paged=False, score_mods=False)
     assert plan.ctas_per_sm == 1 and plan.block_n == 128 and plan.block_m == 16 and plan.threads == 256
     assert plan.in_flight_bytes == 2 * 2 * 128 * 128 * 2
     saturating = plan.saturating_ctas(0.0)
@@ -160,19 +160,19 @@ def test_num_splits_benchmark_shapes():
     # Contiguous: 64 CTAs keep the memory busy, so (8, 8k) needs no split and one sequence 8 of them.
     expect = {(1, 32768): 8, (8, 8192): 1, (32, 4096): 1, (1, 131072): 8, (4, 16384): 2}
     for (batch, seqlen), want in expect.items():
-        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
+        got = kernels.decode.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
                                   saturating_ctas=saturating)
         assert got == want, (batch, seqlen, got)
     # Paged: every SM, splits of at least 2048 keys.
     expect = {(1, 32768): 16, (8, 8192): 2, (32, 4096): 1, (1, 131072): 16}
     for (batch, seqlen), want in expect.items():
-        got = H.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
+        got = kernels.decode.decode_num_splits(batch, 8, seqlen, 132, block_n=plan.block_n, ctas_per_sm=1,
                                   min_tiles_per_split=2048 // plan.block_n)
         assert got == want, (batch, seqlen, got)
-    assert H.decode_num_splits(512, 8, 4096, 132) == 1          # the batch alone fills the GPU
-    assert H.decode_num_splits(1, 8, 100, 132) == 1             # too few keys to split
-    assert H.decode_num_splits(0, 8, 4096, 132) == 1
-    assert H.decode_num_splits(1, 8, 0, 132) == 1
+    assert kernels.decode.decode_num_splits(512, 8, 4096, 132) == 1          # the batch alone fills the GPU
+    assert kernels.decode.decode_num_splits(1, 8, 100, 132) == 1             # too few keys to split
+    assert kernels.decode.decode_num_splits(0, 8, 4096, 132) == 1
+    assert kernels.decode.decode_num_splits(1, 8, 0, 132) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,7 +183,7 @@ def test_decode_plan_fits(dtype, smem, head_dim):
         pytest.skip("float32 rows are 4-element chunks")
     for paged in (False, True):
         for mods in (False, True):
-            plan = H.decode_plan(dtype, head_dim, paged=paged, score_mods=mods, smem_per_block=smem)
+            plan = kernels.decode.decode_plan(dtype, head_dim, paged=paged, score_mods=mods, smem_per_block=smem)
             defines = dict(plan.variant.defines)
             assert plan.variant.family == "decode"
             assert plan.head_dim >= head_dim and defines["CUFLASH_HEAD_DIM"] == plan.head_dim
@@ -197,73 +197,73 @@ def test_decode_plan_fits(dtype, smem, head_dim):
                 assert plan.block_m == 8 and plan.head_dim % 128 == 0
             else:
                 assert plan.block_m == 16 and plan.head_dim % 64 == 0 and defines["CUFLASH_KEYS_PER_WARP"] == 16
-            tiles = H.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
+            tiles = kernels.decode.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
                                   defines["CUFLASH_STAGES"])
-            assert H.decode_smem_bytes(dtype, plan.head_dim, tiles) == plan.smem_bytes
+            assert kernels.decode.decode_smem_bytes(dtype, plan.head_dim, tiles) == plan.smem_bytes
 
 
 def test_decode_plan_prefers_deeper_pipelines_when_memory_allows():
-    big = H.decode_plan("bfloat16", 128, paged=False, score_mods=False, smem_per_block=227 * 1024)
-    small = H.decode_plan("bfloat16", 128, paged=False, score_mods=False, smem_per_block=99 * 1024)
+    big = kernels.decode.decode_plan("bfloat16", 128, paged=False, score_mods=False, smem_per_block=227 * 1024)
+    small = kernels.decode.decode_plan("bfloat16", 128, paged=False, score_mods=False, smem_per_block=99 * 1024)
     assert dict(big.variant.defines)["CUFLASH_STAGES"] > dict(small.variant.defines)["CUFLASH_STAGES"]
 
 
 def test_decode_plan_rejects():
     with pytest.raises(ValueError, match="decode runs"):
-        H.decode_plan("float64", 128, paged=False, score_mods=False)
+        kernels.decode.decode_plan("float64", 128, paged=False, score_mods=False)
     with pytest.raises(ValueError, match="exceeds"):
-        H.decode_plan("float16", 264, paged=False, score_mods=False)
+        kernels.decode.decode_plan("float16", 264, paged=False, score_mods=False)
     with pytest.raises(ValueError, match="no decode tile shape"):
-        H.decode_plan("float16", 256, paged=False, score_mods=False, smem_per_block=32 * 1024)
+        kernels.decode.decode_plan("float16", 256, paged=False, score_mods=False, smem_per_block=32 * 1024)
 
 
 def test_merge_plan():
-    plan = H.merge_plan("float32", "bfloat16")
+    plan = kernels.merge.merge_plan("float32", "bfloat16")
     assert plan.variant.family == "merge" and plan.threads == 32 * plan.rows_per_block
     assert dict(plan.variant.defines)["CUFLASH_IN_DTYPE"] == 2
     assert dict(plan.variant.defines)["CUFLASH_OUT_DTYPE"] == 1
     # a warp a row: every row is covered once, the last block partly
     assert [plan.grid(rows) * plan.rows_per_block - rows for rows in (1, 8, 9, 1 << 20)] == [7, 0, 7, 0]
-    assert plan.rows_per_block == H.MERGE_ROWS_PER_BLOCK
+    assert plan.rows_per_block == kernels.merge.MERGE_ROWS_PER_BLOCK
     with pytest.raises(ValueError):
-        H.merge_plan("int32", "float32")
+        kernels.merge.merge_plan("int32", "float32")
 
 
 def test_decode_precompile_variants_cover_the_dispatcher():
-    variants = H.decode_precompile_variants()
+    variants = kernels.decode.decode_precompile_variants()
     assert len(variants) == len(set(variants))
     assert {v.family for v in variants} == {"decode", "merge"}
     for dtype in DTYPES:
         for d in (64, 128, 256):
             for paged in (False, True):
                 for mods in (False, True):
-                    assert H.decode_plan(dtype, d, paged=paged, score_mods=mods).variant in variants
-        assert H.merge_plan("float32", dtype).variant in variants
-        assert H.merge_plan(dtype, dtype).variant in variants
-    only = H.decode_precompile_variants(dtypes=["bfloat16"], head_dims=[128])
+                    assert kernels.decode.decode_plan(dtype, d, paged=paged, score_mods=mods).variant in variants
+        assert kernels.merge.merge_plan("float32", dtype).variant in variants
+        assert kernels.merge.merge_plan(dtype, dtype).variant in variants
+    only = kernels.decode.decode_precompile_variants(dtypes=["bfloat16"], head_dims=[128])
     assert len([v for v in only if v.family == "decode"]) == 4
 
 
 # ----------------------------------------------------------------------------- score modifiers
 
 def test_score_mod_bits():
-    assert H.SCORE_MODS == ("softcap", "alibi", "bias", "mask", "block_mask")
-    assert [H.score_mod_bits((name,)) for name in H.SCORE_MODS] == [1, 2, 4, 8, 16]
-    assert H.score_mod_bits(("alibi_slopes",)) == 2   # the keyword's name
-    assert H.score_mod_bits(True) == 31 and H.score_mod_bits(False) == H.score_mod_bits(()) == 0
-    assert H.score_mod_bits(None) == 0 and H.score_mod_bits(8) == 8
+    assert features.SCORE_MODS == ("softcap", "alibi", "bias", "mask", "block_mask")
+    assert [features.score_mod_bits((name,)) for name in features.SCORE_MODS] == [1, 2, 4, 8, 16]
+    assert features.score_mod_bits(("alibi_slopes",)) == 2   # the keyword's name
+    assert features.score_mod_bits(True) == 31 and features.score_mod_bits(False) == features.score_mod_bits(()) == 0
+    assert features.score_mod_bits(None) == 0 and features.score_mod_bits(8) == 8
     # Two or more share the variant with every modifier (precompiled), so at most 7 per configuration.
-    assert H.score_mod_bits(("softcap", "mask")) == H.score_mod_bits(frozenset({"bias", "block_mask"})) == 31
-    assert H.score_mod_bits(True, H.DECODE_SCORE_MODS) == 1 | 2 | 8
-    assert H.score_mod_bits(("alibi", "mask"), H.DECODE_SCORE_MODS) == 11
-    assert H.score_mod_sets() == [0, 1, 2, 4, 8, 16, 31]
-    assert H.score_mod_sets(H.DECODE_SCORE_MODS) == [0, 1, 2, 8, 11]
+    assert features.score_mod_bits(("softcap", "mask")) == features.score_mod_bits(frozenset({"bias", "block_mask"})) == 31
+    assert features.score_mod_bits(True, features.DECODE_SCORE_MODS) == 1 | 2 | 8
+    assert features.score_mod_bits(("alibi", "mask"), features.DECODE_SCORE_MODS) == 11
+    assert features.score_mod_sets() == [0, 1, 2, 4, 8, 16, 31]
+    assert features.score_mod_sets(features.DECODE_SCORE_MODS) == [0, 1, 2, 8, 11]
     with pytest.raises(ValueError, match="unknown score modifier 'tanh'"):
-        H.score_mod_bits(("tanh",))
+        features.score_mod_bits(("tanh",))
     with pytest.raises(ValueError, match="unknown score modifier 'bias'"):
-        H.score_mod_bits(("bias",), H.DECODE_SCORE_MODS)
+        features.score_mod_bits(("bias",), features.DECODE_SCORE_MODS)
     with pytest.raises(ValueError, match="bit mask 32"):
-        H.score_mod_bits(32)
+        features.score_mod_bits(32)
 
 
 def test_score_mod_bits_match_mask_cuh():
@@ -271,7 +271,7 @@ def test_score_mod_bits_match_mask_cuh():
     from cuflash import _compile
 
     text = (_compile.CUDA_SRC / "mask.cuh").read_text()
-    for k, name in enumerate(H.SCORE_MODS):
+    for k, name in enumerate(features.SCORE_MODS):
         camel = "".join(part.title() for part in name.split("_"))
         assert f"kMod{camel} = {1 << k}" in text, name
 
@@ -283,15 +283,15 @@ def test_softcap_only_plan_compiles_only_the_softcap(family, dtype):
     # modifier (31, what True and any two modifiers give), and the flag reaches NVRTC's defines.
     from cuflash import _compile
 
-    softcap = H.forward_plan(family, dtype, 128, score_mods=("softcap",), dropout=False).variant
-    every = H.forward_plan(family, dtype, 128, score_mods=True, dropout=False).variant
-    plain = H.forward_plan(family, dtype, 128, score_mods=(), dropout=False).variant
+    softcap = kernels.forward.forward_plan(family, dtype, 128, score_mods=("softcap",), dropout=False).variant
+    every = kernels.forward.forward_plan(family, dtype, 128, score_mods=True, dropout=False).variant
+    plain = kernels.forward.forward_plan(family, dtype, 128, score_mods=(), dropout=False).variant
     assert len({softcap, every, plain}) == 3
     assert dict(softcap.defines)["CUFLASH_SCORE_MODS"] == 1
     assert dict(every.defines)["CUFLASH_SCORE_MODS"] == 31
     assert dict(plain.defines)["CUFLASH_SCORE_MODS"] == 0
-    assert H.forward_plan(family, dtype, 128, score_mods=("softcap", "bias"), dropout=False).variant == every
-    assert H.forward_plan(family, dtype, 128, score_mods=False, dropout=False).variant == plain
+    assert kernels.forward.forward_plan(family, dtype, 128, score_mods=("softcap", "bias"), dropout=False).variant == every
+    assert kernels.forward.forward_plan(family, dtype, 128, score_mods=False, dropout=False).variant == plain
     # Only the modifier bits differ (tiles, shared memory: the same as with every modifier).
     assert {k: v for k, v in softcap.defines if k != "CUFLASH_SCORE_MODS"} == \
         {k: v for k, v in every.defines if k != "CUFLASH_SCORE_MODS"}
@@ -300,44 +300,41 @@ def test_softcap_only_plan_compiles_only_the_softcap(family, dtype):
 
 
 def test_each_modifier_alone_has_its_own_variant():
-    for plan in (lambda m: H.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=m, dropout=True),
-                 lambda m: H.backward_plan("bwd_sm80", "bfloat16", 64, dq_pass=False, score_mods=m, dropout=False)):
-        variants = [plan((name,)).variant for name in H.SCORE_MODS]
+    for plan in (lambda m: kernels.forward.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=m, dropout=True),
+                 lambda m: kernels.backward.backward_plan("bwd_sm80", "bfloat16", 64, dq_pass=False, score_mods=m, dropout=False)):
+        variants = [plan((name,)).variant for name in features.SCORE_MODS]
         assert len(set(variants)) == 5
         assert [dict(v.defines)["CUFLASH_SCORE_MODS"] for v in variants] == [1, 2, 4, 8, 16]
-    decode = [H.decode_plan("bfloat16", 128, paged=True, score_mods=(name,)).variant for name in H.DECODE_SCORE_MODS]
+    decode = [kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=(name,)).variant for name in features.DECODE_SCORE_MODS]
     assert [dict(v.defines)["CUFLASH_SCORE_MODS"] for v in decode] == [1, 2, 8]
 
 
 def test_reachable_variants():
-    sm90 = H.reachable_variants("sm_90a")
+    sm90 = kernels.catalogue.reachable_variants("sm_90a")
     assert len(sm90) == len(set(sm90))
-    assert set(H.precompile_variants(arch="sm_90a")) <= set(sm90)
+    assert set(kernels.catalogue.precompile_variants(arch="sm_90a")) <= set(sm90)
     assert {v.family for v in sm90} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "bwd_sm80", "bwd_simt", "decode",
                                         "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
-    assert "fwd_sm90" not in {v.family for v in H.reachable_variants("sm_80")}
+    assert "fwd_sm90" not in {v.family for v in kernels.catalogue.reachable_variants("sm_80")}
     # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off, and the three-warpgroup
     # plain variant at D = 64 for each dtype.
     assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2 + 2
-    small = H.reachable_variants("sm_90a", ("bfloat16",), (100,))
+    small = kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (100,))
     assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
 
 
 def test_forward_plan_cache_tells_true_from_one():
     # forward_plan is memoised; True (every modifier) and 1 (the softcap bit) are equal as dict keys.
-    assert dict(H.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=1, dropout=False).variant.defines)[
+    assert dict(kernels.forward.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=1, dropout=False).variant.defines)[
         "CUFLASH_SCORE_MODS"] == 1
-    assert dict(H.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=True, dropout=False).variant.defines)[
+    assert dict(kernels.forward.forward_plan("fwd_sm80", "bfloat16", 64, score_mods=True, dropout=False).variant.defines)[
         "CUFLASH_SCORE_MODS"] == 31
 
 
 # ----------------------------------------------------------------------------- bwd_sm90
 
 def _bwd_sm90_obstacle():
-    obstacle = getattr(H, "bwd_sm90_obstacle", None)
-    if obstacle is None:
-        pytest.skip("cuflash._heuristics.bwd_sm90_obstacle is not written yet")
-    return obstacle
+    return kernels.bwd_sm90.bwd_sm90_obstacle
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -364,27 +361,27 @@ def test_bwd_sm90_featured_tiles(head_dim, keys, rows):
     # With score modifiers or dropout the consumers take smaller accumulators: D = 128 splits the
     # columns (64 keys per CTA), D = 64 takes 64 query rows per step; no fixed dQ order for them.
     for mods, dropout in ((("softcap",), False), ((), True)):
-        plan = H.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
+        plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
                                deterministic=False)
         defines = dict(plan.variant.defines)
         assert (plan.block_m, defines["CUFLASH_BLOCK_M"]) == (keys, rows)
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
-        assert not H.bwd_sm90_orders_dq(head_dim, featured=True)
+        assert not kernels.bwd_sm90.bwd_sm90_orders_dq(head_dim, featured=True)
         with pytest.raises(ValueError, match="fixed order"):
-            H.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
+            kernels.backward.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
                             deterministic=True)
 
 
 def test_bwd_sm90_plans_head_dim_256_by_columns():
     # D = 256: 64 keys per CTA (the consumers split dK/dV's columns), 64 query rows per step, and
     # shared memory within the 227 KiB an H100 block may use.
-    plan = H.backward_plan("bwd_sm90", "bfloat16", 256, dq_pass=False, score_mods=(), dropout=False,
+    plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", 256, dq_pass=False, score_mods=(), dropout=False,
                            deterministic=False)
     defines = dict(plan.variant.defines)
     assert (plan.block_m, defines["CUFLASH_BLOCK_M"], plan.head_dim) == (64, 64, 256)
     assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
     for d in (136, 192, 200):   # padded to the compiled head dim 256
-        assert H.backward_plan("bwd_sm90", "float16", d, dq_pass=False, score_mods=(), dropout=False,
+        assert kernels.backward.backward_plan("bwd_sm90", "float16", d, dq_pass=False, score_mods=(), dropout=False,
                                deterministic="pass").head_dim == 256
 
 
@@ -394,28 +391,28 @@ def test_bwd_sm90_wide_query_tiles():
     # every key of its tiles and from BWD_SM90_WIDE_MIN_ROWS_GUARDED otherwise; every other plan keeps
     # its rows. Shared memory stays within the 227 KiB an H100 block may use, and both variants are
     # precompiled.
-    def rows(d, windowed=False, det=False, mods=(), dropout=False, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS,
+    def rows(d, windowed=False, det=False, mods=(), dropout=False, seqlen_q=kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS,
              all_keys_seen=True):
-        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=dropout,
+        plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=dropout,
                                deterministic=det, windowed=windowed, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen)
         defines = dict(plan.variant.defines)
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
         return defines["CUFLASH_BLOCK_M"]
 
-    assert H.BWD_SM90_WIDE_MIN_ROWS < H.BWD_SM90_WIDE_MIN_ROWS_GUARDED
+    assert kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS < kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS_GUARDED
     assert [rows(d) for d in (64, 72, 128, 256)] == [128, 80, 80, 64]
     assert rows(128, windowed=True) == rows(128, det=True) == rows(128, det="pass") == 64
     assert rows(128, mods=("softcap",)) == rows(128, dropout=True) == 64
-    assert rows(128, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS - 1) == 64 and rows(128, seqlen_q=10 ** 6) == 80
-    guarded = H.BWD_SM90_WIDE_MIN_ROWS_GUARDED
+    assert rows(128, seqlen_q=kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS - 1) == 64 and rows(128, seqlen_q=10 ** 6) == 80
+    guarded = kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS_GUARDED
     assert rows(128, all_keys_seen=False, seqlen_q=guarded - 1) == 64
     assert rows(128, all_keys_seen=False, seqlen_q=guarded) == 80
-    for all_keys_seen, seqlen_q in ((True, H.BWD_SM90_WIDE_MIN_ROWS), (False, guarded)):
-        wide = H.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
+    for all_keys_seen, seqlen_q in ((True, kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS), (False, guarded)):
+        wide = kernels.backward.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=(), dropout=False,
                                deterministic=False, windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen)
         assert wide.block_m == 128 and wide.smem_bytes > 220 * 1024   # 128 keys; single-buffered dQ staging
-        assert wide.variant in H.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(128,), arch="sm_90a")
-        assert wide.variant in H.reachable_variants("sm_90a", ("bfloat16",), (128,))
+        assert wide.variant in kernels.backward.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(128,), arch="sm_90a")
+        assert wide.variant in kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (128,))
 
 
 def test_bwd_sm90_third_stage_option(monkeypatch):
@@ -423,16 +420,16 @@ def test_bwd_sm90_third_stage_option(monkeypatch):
     # stage in the room of their second dQ share buffer (same shared memory); deterministic, wide,
     # featured and other head dims keep BWD_SM90_STAGES. The CPU compile sweep builds those variants.
     def plan(d=128, det=False, windowed=True, mods=(), seqlen_q=1024):
-        p = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=False,
+        p = kernels.backward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=False,
                             deterministic=det, windowed=windowed, seqlen_q=seqlen_q)
         defines = dict(p.variant.defines)
         assert p.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
         return p, defines["CUFLASH_STAGES"]
 
     default, two = plan()
-    assert two == H.BWD_SM90_DEFER_STAGES == 2
-    ci = H.ci_variants()   # with the default
-    monkeypatch.setattr(H, "BWD_SM90_DEFER_STAGES", 3)
+    assert two == kernels.bwd_sm90.BWD_SM90_DEFER_STAGES == 2
+    ci = kernels.catalogue.ci_variants()   # with the default
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_DEFER_STAGES", 3)
     third, three = plan()
     assert three == 3 and third.smem_bytes == default.smem_bytes
     assert plan(windowed=False)[1] == 3
@@ -445,34 +442,34 @@ def test_bwd_sm90_ordered_dq_async_option_in_the_sweep():
     # CUFLASH_BWD_ORDERED_DQ_ASYNC = 0 (ordered dQ handed over by the consumers' thread 0, kept for
     # A/Bs): the CPU compile sweep builds it beside every ordered bwd_sm90 variant it builds, so
     # that it stays compilable and free of spills.
-    ci = [v for v, arch in H.ci_variants() if arch == "sm_90a" and v.family == "bwd_sm90"]
+    ci = [v for v, arch in kernels.catalogue.ci_variants() if arch == "sm_90a" and v.family == "bwd_sm90"]
     ordered = [v for v in ci if dict(v.defines)["CUFLASH_BWD_DQ"] == 2
                and "CUFLASH_BWD_ORDERED_DQ_ASYNC" not in dict(v.defines)]
     assert ordered
     for v in ordered:
-        assert H._with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) in ci
+        assert kernels.catalogue._with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) in ci
 
 
 def test_bwd_sm90_first_step_lag_option_in_the_sweep():
     # CUFLASH_BWD_RELAG = 0 (the consumers' lag made at the first step only, kept for A/Bs): the CPU
     # compile sweep builds it beside every two-stage bwd_sm90 variant that defers dQ.
-    ci = [v for v, arch in H.ci_variants() if arch == "sm_90a" and v.family == "bwd_sm90"]
-    deferring = [v for v in ci if H._defers_dq(v) and dict(v.defines)["CUFLASH_STAGES"] == 2
+    ci = [v for v, arch in kernels.catalogue.ci_variants() if arch == "sm_90a" and v.family == "bwd_sm90"]
+    deferring = [v for v in ci if kernels.catalogue._defers_dq(v) and dict(v.defines)["CUFLASH_STAGES"] == 2
                  and "CUFLASH_BWD_RELAG" not in dict(v.defines)]
     assert deferring
     for v in deferring:
-        assert H._with_define(v, "CUFLASH_BWD_RELAG", 0) in ci
+        assert kernels.catalogue._with_define(v, "CUFLASH_BWD_RELAG", 0) in ci
 
 
 def test_bwd_tail_pairs_only_for_shrinking_walks():
     # The last BWD_TAIL_WAVES waves' worth of (slot, sequence) pairs of a causal grid go block by
     # block (a wave: 132 CTAs here); none without a causal mask or with ordered dQ, never more than
     # the grid has.
-    assert H.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=False) == -(-H.BWD_TAIL_WAVES * 132 // 8)
-    assert H.bwd_tail_pairs(64, 32, 132, shrinking=True, ordered=False) == -(-H.BWD_TAIL_WAVES * 132 // 64)
-    assert H.bwd_tail_pairs(8, 10, 132, shrinking=True, ordered=False) == 10
-    assert H.bwd_tail_pairs(8, 256, 132, shrinking=False, ordered=False) == 0
-    assert H.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=True) == 0
+    assert kernels.bwd_common.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=False) == -(-kernels.bwd_common.BWD_TAIL_WAVES * 132 // 8)
+    assert kernels.bwd_common.bwd_tail_pairs(64, 32, 132, shrinking=True, ordered=False) == -(-kernels.bwd_common.BWD_TAIL_WAVES * 132 // 64)
+    assert kernels.bwd_common.bwd_tail_pairs(8, 10, 132, shrinking=True, ordered=False) == 10
+    assert kernels.bwd_common.bwd_tail_pairs(8, 256, 132, shrinking=False, ordered=False) == 0
+    assert kernels.bwd_common.bwd_tail_pairs(8, 256, 132, shrinking=True, ordered=True) == 0
 
 
 def test_fwd_tail_heads_only_for_causal_calls():
@@ -481,56 +478,56 @@ def test_fwd_tail_heads_only_for_causal_calls():
     # items fill those waves, never more than the call has, none without a causal mask or with a
     # single m-block per head (nothing to reorder).
     for m_blocks, pairs in ((8, 512), (64, 32), (128, 16), (8, 10)):
-        tail = H.fwd_tail_heads(m_blocks, pairs, 132, shrinking=True)
-        assert tail == min(pairs, -(-H.FWD_TAIL_WAVES * 132 // m_blocks))
-        assert tail == pairs or tail * m_blocks >= H.FWD_TAIL_WAVES * 132 > (tail - 1) * m_blocks
-    assert H.fwd_tail_heads(8, 512, 132, shrinking=False) == 0
-    assert H.fwd_tail_heads(1, 512, 132, shrinking=True) == 0
+        tail = kernels.fwd_sm90.fwd_tail_heads(m_blocks, pairs, 132, shrinking=True)
+        assert tail == min(pairs, -(-kernels.fwd_sm90.FWD_TAIL_WAVES * 132 // m_blocks))
+        assert tail == pairs or tail * m_blocks >= kernels.fwd_sm90.FWD_TAIL_WAVES * 132 > (tail - 1) * m_blocks
+    assert kernels.fwd_sm90.fwd_tail_heads(8, 512, 132, shrinking=False) == 0
+    assert kernels.fwd_sm90.fwd_tail_heads(1, 512, 132, shrinking=True) == 0
 
 
 def test_bwd_convert_behind_only_without_a_causal_mask(monkeypatch):
     # bwd_sm90's dQ conversion runs as its programmatic dependent where the grid's last wave leaves
     # SMs idle (no causal mask); never when switched off.
-    assert H.bwd_convert_behind(shrinking=False) and not H.bwd_convert_behind(shrinking=True)
-    monkeypatch.setattr(H, "BWD_CONVERT_BEHIND", False)
-    assert not H.bwd_convert_behind(shrinking=False)
+    assert kernels.bwd_sm90.bwd_convert_behind(shrinking=False) and not kernels.bwd_sm90.bwd_convert_behind(shrinking=True)
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_CONVERT_BEHIND", False)
+    assert not kernels.bwd_sm90.bwd_convert_behind(shrinking=False)
 
 
 def test_bwd_all_keys_seen_only_without_unseen_keys(monkeypatch):
     # dS's guard for P = 0 is left out only where every key of a row's tiles is one it sees, and
     # only at the head dims listed; the define is the only difference between the two variants.
-    assert H.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
+    assert kernels.bwd_sm90.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
     for unseen in ({"windowed": True}, {"varlen": True}, {"featured": True}):
-        assert not H.bwd_all_keys_seen(**{"windowed": False, "varlen": False, "featured": False, **unseen})
+        assert not kernels.bwd_sm90.bwd_all_keys_seen(**{"windowed": False, "varlen": False, "featured": False, **unseen})
 
-    def defines(d, seqlen_q=H.BWD_SM90_WIDE_MIN_ROWS, deterministic=False, **kw):
-        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
+    def defines(d, seqlen_q=kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS, deterministic=False, **kw):
+        plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
                                dropout=False, deterministic=deterministic, seqlen_q=seqlen_q, **kw)
         return dict(plan.variant.defines)
 
     for d in (64, 128, 256):
         # (at rows where both take 80-row steps at D = 128: test_bwd_sm90_wide_query_tiles)
-        long = H.BWD_SM90_WIDE_MIN_ROWS_GUARDED
+        long = kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS_GUARDED
         guarded = defines(d, windowed=False, seqlen_q=long)
         unguarded = defines(d, windowed=False, all_keys_seen=True, seqlen_q=long)
-        if d in H.BWD_SM90_UNGUARDED_HEAD_DIMS:
+        if d in kernels.bwd_sm90.BWD_SM90_UNGUARDED_HEAD_DIMS:
             assert unguarded.pop("CUFLASH_ALL_KEYS_SEEN") == 1
         assert unguarded == guarded
         # a window or a score modifier keeps the guard whatever the caller says
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=True, all_keys_seen=True)
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(d, windowed=False, all_keys_seen=True, mods=("softcap",))
     # D = 128 with 64 query rows (shorter sequences, and the ordered dQ at every length) too
-    narrow = H.BWD_SM90_WIDE_MIN_ROWS - 1
-    for seqlen_q, deterministic in ((narrow, False), (1024, True), (H.BWD_SM90_WIDE_MIN_ROWS, True)):
+    narrow = kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS - 1
+    for seqlen_q, deterministic in ((narrow, False), (1024, True), (kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS, True)):
         rows64 = defines(128, seqlen_q=seqlen_q, windowed=False, all_keys_seen=True, deterministic=deterministic)
         assert rows64["CUFLASH_BLOCK_M"] == 64 and rows64["CUFLASH_ALL_KEYS_SEEN"] == 1
-    for seqlen_q in (1024, H.BWD_SM90_WIDE_MIN_ROWS):
+    for seqlen_q in (1024, kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS):
         assert "CUFLASH_ALL_KEYS_SEEN" not in defines(128, seqlen_q=seqlen_q, windowed=True, all_keys_seen=True,
                                                       deterministic=True)
-    reachable = [v for v in H.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
+    reachable = [v for v in kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
     assert any(dict(v.defines).get("CUFLASH_ALL_KEYS_SEEN") == 1 for v in reachable)
-    monkeypatch.setattr(H, "BWD_ALL_KEYS_SEEN", False)
-    assert not H.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_ALL_KEYS_SEEN", False)
+    assert not kernels.bwd_sm90.bwd_all_keys_seen(windowed=False, varlen=False, featured=False)
 
 
 def test_bwd_tile_guard_only_where_measured(monkeypatch):
@@ -538,7 +535,7 @@ def test_bwd_tile_guard_only_where_measured(monkeypatch):
     # D = 128, not at D = 256; the define is the only difference, and never beside
     # CUFLASH_ALL_KEYS_SEEN.
     def defines(d, deterministic=False, **kw):
-        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
+        plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=kw.pop("mods", ()),
                                dropout=kw.pop("dropout", False), deterministic=deterministic, seqlen_q=8192, **kw)
         return dict(plan.variant.defines)
 
@@ -546,30 +543,30 @@ def test_bwd_tile_guard_only_where_measured(monkeypatch):
     for d, deterministic in takes + [(256, False), (256, "pass")]:
         with_it = defines(d, deterministic, windowed=True)
         assert with_it.pop("CUFLASH_TILE_GUARD", 0) == ((d, deterministic) in takes)
-        monkeypatch.setattr(H, "BWD_SM90_TILE_GUARD", False)
+        monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_TILE_GUARD", False)
         assert defines(d, deterministic, windowed=True) == with_it
-        monkeypatch.setattr(H, "BWD_SM90_TILE_GUARD", True)
+        monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_TILE_GUARD", True)
         assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=False)
         assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=False, all_keys_seen=True)
         if deterministic is not True:   # (the ordered dQ runs without modifiers and dropout)
             assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, mods=("softcap",))
             assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, dropout=True)
-    reachable = [v for v in H.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
+    reachable = [v for v in kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
     assert any(dict(v.defines).get("CUFLASH_TILE_GUARD") == 1 for v in reachable)
 
 
 def test_bwd_sm90_orders_dq_at_d128_only():
     # deterministic=True on bwd_sm90 adds dQ in a fixed order at D = 128 (padded head dims 72..128);
     # at D = 64 bwd_sm80's dQ pass computes dQ.
-    assert [H.bwd_sm90_orders_dq(d) for d in (40, 64, 72, 128, 136, 256)] == [False, False, True, True, False, False]
+    assert [kernels.bwd_sm90.bwd_sm90_orders_dq(d) for d in (40, 64, 72, 128, 136, 256)] == [False, False, True, True, False, False]
     # the call's mode: any order without deterministic=True, else the fixed order or bwd_sm80's pass
-    assert [H.bwd_sm90_dq_mode(d, False, True) for d in (64, 128, 256)] == ["pass", True, "pass"]
-    assert H.bwd_sm90_dq_mode(128, True, True) == "pass" and H.bwd_sm90_dq_mode(128, False, False) is False
+    assert [kernels.bwd_sm90.bwd_sm90_dq_mode(d, False, True) for d in (64, 128, 256)] == ["pass", True, "pass"]
+    assert kernels.bwd_sm90.bwd_sm90_dq_mode(128, True, True) == "pass" and kernels.bwd_sm90.bwd_sm90_dq_mode(128, False, False) is False
 
 
 def test_bwd_sm90_deterministic_variants():
     def dq_mode(d, det):
-        plan = H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
+        plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
                                deterministic=det)
         return dict(plan.variant.defines)["CUFLASH_BWD_DQ"]
 
@@ -580,26 +577,26 @@ def test_bwd_sm90_deterministic_variants():
     with pytest.raises(ValueError, match="deterministic"):
         dq_mode(128, None)
     # Every variant the planner can choose is precompiled (and so compiled by the CPU tests).
-    variants = set(H.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(64, 128), arch="sm_90a"))
+    variants = set(kernels.backward.precompile_backward_variants(dtypes=("bfloat16",), head_dims=(64, 128), arch="sm_90a"))
     for d, det in ((128, False), (128, True), (128, "pass"), (64, False), (64, "pass")):
-        assert H.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
+        assert kernels.backward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=(), dropout=False,
                                deterministic=det).variant in variants
 
 
 def test_sm90_consumers():
     """Three consumer warpgroups only at D = 64 (any head dim that compiles to it), plain, full
     attention over at least SM90_WIDE_MIN_ROWS query rows; their variant exists only there."""
-    wide = dict(featured=False, full=True, seqlen_q=H.SM90_WIDE_MIN_ROWS)
-    assert H.sm90_consumers(64, **wide) == 3 and H.sm90_consumers(40, **wide) == 3
-    assert H.sm90_consumers(128, **wide) == 2 and H.sm90_consumers(256, **wide) == 2
-    assert H.sm90_consumers(64, **{**wide, "featured": True}) == 2
-    assert H.sm90_consumers(64, **{**wide, "full": False}) == 2
-    assert H.sm90_consumers(64, **{**wide, "seqlen_q": H.SM90_WIDE_MIN_ROWS - 1}) == 2
-    plan = H.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=False, dropout=False, consumers=3)
+    wide = dict(featured=False, full=True, seqlen_q=kernels.fwd_sm90.SM90_WIDE_MIN_ROWS)
+    assert kernels.fwd_sm90.sm90_consumers(64, **wide) == 3 and kernels.fwd_sm90.sm90_consumers(40, **wide) == 3
+    assert kernels.fwd_sm90.sm90_consumers(128, **wide) == 2 and kernels.fwd_sm90.sm90_consumers(256, **wide) == 2
+    assert kernels.fwd_sm90.sm90_consumers(64, **{**wide, "featured": True}) == 2
+    assert kernels.fwd_sm90.sm90_consumers(64, **{**wide, "full": False}) == 2
+    assert kernels.fwd_sm90.sm90_consumers(64, **{**wide, "seqlen_q": kernels.fwd_sm90.SM90_WIDE_MIN_ROWS - 1}) == 2
+    plan = kernels.forward.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=False, dropout=False, consumers=3)
     assert (plan.block_m, plan.threads) == (192, 512)
     assert dict(plan.variant.defines)["CUFLASH_CONSUMERS"] == 3
     assert plan.smem_bytes == dict(plan.variant.defines)["CUFLASH_SMEM_BYTES"] <= 227 * 1024
     for kwargs in (dict(head_dim=128, score_mods=False, dropout=False), dict(head_dim=64, score_mods=True, dropout=False),
                    dict(head_dim=64, score_mods=False, dropout=True)):
         with pytest.raises(ValueError, match="consumer warpgroups"):
-            H.forward_plan("fwd_sm90", "bfloat16", kwargs.pop("head_dim"), consumers=3, **kwargs)
+            kernels.forward.forward_plan("fwd_sm90", "bfloat16", kwargs.pop("head_dim"), consumers=3, **kwargs)

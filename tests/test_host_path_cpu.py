@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import _checks, _launch, _params, _pipeline, _tma
+from cuflash import _checks, _faults, _launch, _memo, _params, _pinned, _plan, _step, _tma
 
 # What cuflash/decode.py hands the index check (and so the plan's info) for a paged cache of 9 pages
 # of 16 keys, 4 pages per sequence, 2 tokens appended.
@@ -21,41 +21,41 @@ DECODE_INFO = dict(block_table_batch_stride=4, batch=2, capacity=64, seqlen_new=
 VARLEN_INFO = dict(batch=3, total_q=95, total_k=130, max_seqlen_q=45, max_seqlen_k=50)
 
 
-def _plan(entry, info):
-    plan = _pipeline.Plan(entry, 11)
+def _plan_with(entry, info):
+    plan = _plan.Plan(entry, 11)
     plan.info.update(info)
     return plan
 
 
 def test_cache_seqlens_fault_message_is_complete():
-    message = _pipeline.fault_message(1, 0, 65, _plan("decode", DECODE_INFO))
+    message = _faults.fault_message(1, 0, 65, _plan_with("decode", DECODE_INFO))
     assert message.startswith("cache_seqlens[0] = 65")
     assert "64" in message
     assert "?" not in message, f"a field of the message was not filled in: {message!r}"
 
 
 def test_block_table_fault_message_names_row_and_column():
-    message = _pipeline.fault_message(2, 1 * 4 + 0, -5, _plan("decode", DECODE_INFO))
+    message = _faults.fault_message(2, 1 * 4 + 0, -5, _plan_with("decode", DECODE_INFO))
     assert message.startswith("block_table[1, 0] = -5")
     assert "0 .. 8" in message        # the pages of the cache
-    message = _pipeline.fault_message(2, 0 * 4 + 3, 9, _plan("decode", DECODE_INFO))
+    message = _faults.fault_message(2, 0 * 4 + 3, 9, _plan_with("decode", DECODE_INFO))
     assert message.startswith("block_table[0, 3] = 9")
 
 
 @pytest.mark.parametrize("code, name", [(3, "cu_seqlens_q"), (4, "cu_seqlens_k"), (5, "max_seqlen_q"),
                                         (6, "max_seqlen_k")])
 def test_varlen_fault_messages_name_the_argument(code, name):
-    message = _pipeline.fault_message(code, 2, 25, _plan("attention_varlen", VARLEN_INFO))
+    message = _faults.fault_message(code, 2, 25, _plan_with("attention_varlen", VARLEN_INFO))
     assert message.startswith(name)
     assert "2" in message
 
 
 def test_fault_message_without_a_plan():
-    assert "cache_seqlens[3] = 7" in _pipeline.fault_message(1, 3, 7, None)
+    assert "cache_seqlens[3] = 7" in _faults.fault_message(1, 3, 7, None)
 
 
 def test_a_fault_is_raised_once_naming_the_entry_point():
-    plan = _plan("decode", DECODE_INFO)
+    plan = _plan_with("decode", DECODE_INFO)
 
     class State:   # the host side of a stream's fault report
         def __init__(self):
@@ -67,8 +67,8 @@ def test_a_fault_is_raised_once_naming_the_entry_point():
 
     state = State()
     with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 65.*decode"):
-        _pipeline._raise_fault(state, _launch.REPORT_SLOTS["decode"])
-    _pipeline._raise_fault(state, _launch.REPORT_SLOTS["decode"])   # taken: nothing left
+        _faults._raise_fault(state, _launch.REPORT_SLOTS["decode"])
+    _faults._raise_fault(state, _launch.REPORT_SLOTS["decode"])   # taken: nothing left
 
 
 def test_report_slots_cover_the_entry_points_with_index_arrays():
@@ -106,31 +106,31 @@ def test_lookup_keys_contiguous_arrays_by_shape_not_strides(monkeypatch):
     cupy = pytest.importorskip("cupy")
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x5000)
-    monkeypatch.setattr(_pipeline, "_memo", {})
+    monkeypatch.setattr(_memo, "_memo", {})
     base = 0x7000_0000_0000
     a = _unowned((1, 4, 2, 8), np.float16, base)
-    plan, key, where = _pipeline.lookup("probe", (a, None), ("option",))
+    plan, key, where = _memo.lookup("probe", (a, None), ("option",))
     assert plan is None and key is not None and where == (0, 0x5000)
-    made = _pipeline.Plan("probe", 2, aligned=(0,))
-    _pipeline.remember(key, made)
+    made = _plan.Plan("probe", 2, aligned=(0,))
+    _memo.remember(key, made)
     # The batch axis has length 1: its stride moves no address, and the plan serves both.
     b = _unowned((1, 4, 2, 8), np.float16, base + (1 << 20), strides=(2, 32, 16, 2))
     assert b._c_contiguous and b.strides != a.strides
-    assert _pipeline.lookup("probe", (b, None), ("option",)) == (made, [b.data.ptr, 0], (0, 0x5000))
+    assert _memo.lookup("probe", (b, None), ("option",)) == (made, [b.data.ptr, 0], (0, 0x5000))
     # Strides that move addresses, another shape, dtype or option, an absent operand: other plans.
     c = _unowned((1, 4, 2, 8), np.float16, base, strides=(128, 16, 64, 2))
     misses = [(c, None), (_unowned((1, 4, 2, 16), np.float16, base), None),
               (_unowned((1, 4, 2, 8), np.float32, base), None), (None, a)]
     for operands in misses:
-        assert _pipeline.lookup("probe", operands, ("option",))[0] is None
-    assert _pipeline.lookup("probe", (a, None), ("other",))[0] is None
+        assert _memo.lookup("probe", operands, ("option",))[0] is None
+    assert _memo.lookup("probe", (a, None), ("other",))[0] is None
     # A pointer the plan needs aligned that is not: no replay (the full path copies it).
-    assert _pipeline.lookup("probe", (_unowned((1, 4, 2, 8), np.float16, base + 8), None), ("option",)) \
+    assert _memo.lookup("probe", (_unowned((1, 4, 2, 8), np.float16, base + 8), None), ("option",)) \
         == (None, None, (0, 0x5000))
     # An operand not aligned that the plan does not need aligned replays.
     made.aligned = ()
     shifted = _unowned((1, 4, 2, 8), np.float16, base + 8)
-    assert _pipeline.lookup("probe", (shifted, None), ("option",)) == (made, [base + 8, 0], (0, 0x5000))
+    assert _memo.lookup("probe", (shifted, None), ("option",)) == (made, [base + 8, 0], (0, 0x5000))
 
 
 def test_a_streams_arena_grows_and_keeps_what_it_replaced(monkeypatch):
@@ -179,7 +179,7 @@ def test_pinned_plan_refuses_options_at_call_time():
         seen.append((x, opt, other))
         return x
 
-    plan = _pipeline.PinnedPlan(fn, plan=None, key=None, options={"opt": 3})
+    plan = _pinned.PinnedPlan(fn, plan=None, key=None, options={"opt": 3})
     assert plan(5) == 5 and seen[-1] == (5, 3, 2)
     for value in (4, 3):   # another value, or the same one again
         with pytest.raises(TypeError):
@@ -265,13 +265,13 @@ COUNTER, SEED, OFFSET = 11, 12, 13
 MAPPED = (0, 1, 2, 3)
 
 
-def _step():
+def _fwd_step():
     x = _dense((2, 300, 8, 64))
     maps = [("map", i, _tma.TensorMapSpec(x, rows, "bfloat16")) for i, rows in zip(MAPPED, (128, 128, 128, 64))]
     template = _params.Template(_params.FWD, {"seqlen_q": 300, "scale": 0.125, "dropout_rescale": 2.0},
                                 {"q": 0, "k": 1, "v": 2, "o": 3, "lse": 4, "dropout_seed": SEED,
                                  "dropout_offset": OFFSET})
-    return _pipeline.Step(0xF00, (132, 1, 1), 384, 1000, (*maps, ("struct", template), ("pointer", COUNTER)))
+    return _step.Step(0xF00, (132, 1, 1), 384, 1000, (*maps, ("struct", template), ("pointer", COUNTER)))
 
 
 def _values(n):
@@ -313,7 +313,7 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("encoder", [encode_like_cuda13, encode_shifted])
 def test_a_launch_writes_each_calls_pointers_and_map_addresses(driver, launches, encoder):
     calls = driver(encoder)
-    step = launches.step = _step()
+    step = launches.step = _fwd_step()
     made = len(calls)   # the check and the plan's maps
     for n in range(3):
         values = _values(n + 1)
@@ -341,7 +341,7 @@ def test_each_thread_launches_its_own_block(driver, launches, monkeypatch):
     # Two threads launch the same step at once: each reads its parameters only after the other has
     # written its own (the barrier), so a shared block would show the other thread's pointers.
     driver(encode_like_cuda13)
-    step = launches.step = _step()
+    step = launches.step = _fwd_step()
     both_wrote = threading.Barrier(2, timeout=10)
     values = {n: _values(n) for n in (5, 6)}
 
@@ -374,7 +374,7 @@ def test_a_finished_threads_block_is_freed(driver, launches):
     import weakref
 
     driver(encode_like_cuda13)
-    step = launches.step = _step()
+    step = launches.step = _fwd_step()
     blocks = []
 
     def worker():
@@ -437,11 +437,12 @@ def fake_cuda(monkeypatch):
                               streamSynchronize=lambda stream: state.events.append("sync"),
                               streamIsCapturing=lambda stream: False)
     cupy = SimpleNamespace(ndarray=_Array, cuda=SimpleNamespace(alloc=alloc, runtime=runtime))
-    monkeypatch.setattr(_pipeline, "_cp", cupy)
+    monkeypatch.setattr(_plan, "_cp", cupy)
+    monkeypatch.setattr(_memo, "_cp", cupy)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: state)
     # Kernel by kernel (test_run_launches_several_kernels_as_one_graph covers the graph path).
-    monkeypatch.setattr(_pipeline, "GRAPH_MIN_STEPS", 0)
+    monkeypatch.setattr(_plan, "GRAPH_MIN_STEPS", 0)
     return SimpleNamespace(state=state, allocations=allocations)
 
 
@@ -457,8 +458,8 @@ class _Recorder:
 
 def test_run_allocates_missing_outputs_in_one_block(fake_cuda):
     log = []
-    outputs = {3: _pipeline.Buffer((2, 5, 3, 64), _checks.BFLOAT16), 4: _pipeline.Buffer((2, 3, 5), np.float32)}
-    plan = _pipeline.Plan("attention", 5, outputs=outputs, steps=[_Recorder("fwd", log)], results=(3, 4))
+    outputs = {3: _step.Buffer((2, 5, 3, 64), _checks.BFLOAT16), 4: _step.Buffer((2, 3, 5), np.float32)}
+    plan = _plan.Plan("attention", 5, outputs=outputs, steps=[_Recorder("fwd", log)], results=(3, 4))
     given = _Array((2, 5, 3, 64), _checks.BFLOAT16, _Memory(0x5550))
     operands = (None, None, None, given, None)
     results, temps, drawn = plan.run(operands, [0x10, 0x20, 0x30, 0x5550, 0])
@@ -475,7 +476,7 @@ def test_run_allocates_missing_outputs_in_one_block(fake_cuda):
 
 def test_run_with_check_waits_for_the_index_check(fake_cuda):
     log = []
-    plan = _pipeline.Plan("attention_varlen", 8, steps=[_Recorder("check", log), _Recorder("fwd", log)],
+    plan = _plan.Plan("attention_varlen", 8, steps=[_Recorder("check", log), _Recorder("fwd", log)],
                           checked=True, info=VARLEN_INFO)
     ptrs = [0x100 * (i + 1) for i in range(8)]
     plan.run((None,) * 8, ptrs, check=False)
@@ -504,7 +505,7 @@ def test_run_launches_several_kernels_as_one_graph(fake_cuda, monkeypatch):
     # Plans of GRAPH_MIN_STEPS kernels or more write every step's arguments, then launch one graph,
     # made once per thread and (device, stream) on the thread's blocks; under capture, and for
     # shorter plans, kernel by kernel.
-    monkeypatch.setattr(_pipeline, "GRAPH_MIN_STEPS", 2)
+    monkeypatch.setattr(_plan, "GRAPH_MIN_STEPS", 2)
     made, log = [], []
 
     class FakeGraph:
@@ -514,9 +515,9 @@ def test_run_launches_several_kernels_as_one_graph(fake_cuda, monkeypatch):
         def launch(self, stream):
             log.append(("graph", None, stream))
 
-    monkeypatch.setattr(_pipeline._graph, "KernelGraph", FakeGraph)
+    monkeypatch.setattr(_plan._graph, "KernelGraph", FakeGraph)
     steps = [_GraphStep("check", log), _GraphStep("fwd", log)]
-    plan = _pipeline.Plan("attention_varlen", 8, steps=steps, checked=True, info=VARLEN_INFO)
+    plan = _plan.Plan("attention_varlen", 8, steps=steps, checked=True, info=VARLEN_INFO)
     ptrs = [0x100 * (i + 1) for i in range(8)]
     for _ in range(2):
         plan.run((None,) * 8, ptrs)
@@ -529,11 +530,11 @@ def test_run_launches_several_kernels_as_one_graph(fake_cuda, monkeypatch):
     thread.join()
     assert other and len(made) == 2, "another thread builds its own graph"
     log.clear()
-    monkeypatch.setattr(_pipeline._cp.cuda.runtime, "streamIsCapturing", lambda stream: True)
+    monkeypatch.setattr(_plan._cp.cuda.runtime, "streamIsCapturing", lambda stream: True)
     plan.run((None,) * 8, ptrs)   # under capture: launched one by one, as the capture records them
     assert [(name, stream) for name, _, stream in log] == [("check", 0x1234), ("fwd", 0x1234)]
     log.clear()
-    monkeypatch.setattr(_pipeline._cp.cuda.runtime, "streamIsCapturing", lambda stream: False)
+    monkeypatch.setattr(_plan._cp.cuda.runtime, "streamIsCapturing", lambda stream: False)
     plan.steps = steps[1:]   # fewer kernels than GRAPH_MIN_STEPS
     plan.run((None,) * 8, ptrs)
     assert [(name, stream) for name, _, stream in log] == [("fwd", 0x1234)] and len(made) == 2
@@ -541,7 +542,7 @@ def test_run_launches_several_kernels_as_one_graph(fake_cuda, monkeypatch):
 
 def test_run_passes_dropouts_seed_and_offset(fake_cuda):
     log = []
-    plan = _pipeline.Plan("attention", 3, steps=[_Recorder("fwd", log)], dropout=(0.5, 2.0))
+    plan = _plan.Plan("attention", 3, steps=[_Recorder("fwd", log)], dropout=(0.5, 2.0))
     seed, offset = 0xDEAD_BEEF_0000_0001, (5 << 32) + 12
     _, _, drawn = plan.run((None,) * 3, [0x10, 0x20, 0x30], rng_state=np.array([seed, offset], dtype=np.uint64))
     assert log[-1][1][plan.index("seed"):] == [seed, 12]

@@ -42,7 +42,7 @@ cupy = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 import cuflash.testing as tt  # noqa: E402
-from cuflash import _checks, _heuristics, _launch, _pipeline, reference  # noqa: E402
+from cuflash import _checks, _launch, _memo, _plan, kernels, reference  # noqa: E402
 from cuflash._reference_backward import attention_backward as reference_backward  # noqa: E402
 from cuflash._reference_backward import attention_varlen_backward as reference_varlen_backward  # noqa: E402
 
@@ -315,15 +315,15 @@ def decode_checker(request, monkeypatch):
     """Which decode checks the index arrays: the decode kernel itself (every contiguous cache, small
     page tables), or a check_indices launch ahead of it (forced by allowing no table entries)."""
     if request.param == "check_launch":
-        monkeypatch.setattr(_heuristics, "DECODE_SELF_CHECK_PER_THREAD", 0)
-    _pipeline.clear_memo()
+        monkeypatch.setattr(kernels.decode, "DECODE_SELF_CHECK_PER_THREAD", 0)
+    _memo.clear_memo()
     yield request.param
-    _pipeline.clear_memo()
+    _memo.clear_memo()
 
 
 def _decode_launches() -> set:
     """The launch counts of the decode plans remembered since the memo was cleared."""
-    return {len(plan.steps) for plan in _pipeline._memo.values() if plan.entry == "decode"}
+    return {len(plan.steps) for plan in _memo._memo.values() if plan.entry == "decode"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -640,7 +640,7 @@ ENTRIES = {
 def _replay(entry, monkeypatch, convert):
     """First call plans (and is right); two more calls with new arrays of the same layout must
     replay the remembered plan (the planner fails if called) and be right."""
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     for n, seed in enumerate((101, 102, 103)):
         arrays = entry.make(seed)
         args = convert(arrays)
@@ -650,7 +650,7 @@ def _replay(entry, monkeypatch, convert):
         cupy.cuda.Device().synchronize()
         entry.check(arrays, _as_cupy(result))
         if n == 0:
-            assert len(_pipeline._memo) == 1, "the first call did not remember its plan"
+            assert len(_memo._memo) == 1, "the first call did not remember its plan"
             monkeypatch.setattr(entry.module, entry.planner, _forbidden)
     monkeypatch.undo()
 
@@ -673,7 +673,7 @@ def test_misaligned_base_takes_the_full_path(name, monkeypatch):
     plan (made for aligned operands) must not be replayed; the full path copies q and is right.
     An aligned repeat afterwards still replays."""
     entry = ENTRIES[name]
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     first = entry.make(111)
     entry.call(first)
     calls = _spy(monkeypatch, entry.module, entry.planner)
@@ -708,7 +708,7 @@ def test_strides_key_a_plan_except_along_axes_of_length_one(frontend, monkeypatc
         _torch_on_cupy_stream(_torch())
     shape = dict(ATT_SHAPE, B=1)
     s, h, d = shape["Sq"], shape["Hq"], shape["D"]
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     calls = _spy(monkeypatch, attention_module, "_plan_attention")
     for n, strides in enumerate((None, (2, h * d * 2, d * 2, 2), (s * h * d * 2, d * 2, s * d * 2, 2))):
         q, k, v = tt.random_qkv(shape, "bfloat16", 140 + n, xp=cupy)
@@ -727,7 +727,7 @@ def test_misaligned_torch_tensor_takes_the_full_path(monkeypatch):
     torch = _torch()
     _torch_on_cupy_stream(torch)
     entry = ENTRIES["attention"]
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     first = _to_torch(torch, entry.make(121))
     entry.call(first)
     calls = _spy(monkeypatch, entry.module, entry.planner)
@@ -750,7 +750,7 @@ def test_torch_tensors_on_another_torch_stream(monkeypatch):
     orders the producer's stream before ours) and is right."""
     torch = _torch()
     entry = ENTRIES["attention"]
-    _pipeline.clear_memo()
+    _memo.clear_memo()
     calls = _spy(monkeypatch, entry.module, entry.planner)
     side = torch.cuda.Stream()
     for n, seed in enumerate((131, 132)):
@@ -1101,13 +1101,13 @@ def test_plans_of_several_kernels_launch_as_one_graph(monkeypatch):
     for seed in (61, 62):
         graphed = calls(seed)
         with monkeypatch.context() as m:
-            m.setattr(_pipeline, "GRAPH_MIN_STEPS", 0)
+            m.setattr(_plan, "GRAPH_MIN_STEPS", 0)
             plain = calls(seed)
         (dq, dk, dv), (out, lse) = graphed
         assert _same_bits(dk, plain[0][1]) and _same_bits(dv, plain[0][2])
         assert _same_bits(out, plain[1][0]) and _same_bits(lse, plain[1][1])
         assert bool(cupy.allclose(dq.astype(cupy.float32), plain[0][0].astype(cupy.float32), rtol=1e-2, atol=1e-2))
-    entries = {plan.entry: plan for plan in _pipeline._memo.values()}
+    entries = {plan.entry: plan for plan in _memo._memo.values()}
     for entry in ("attention_backward", "attention_varlen"):
         plan = entries[entry]
         assert len(plan.steps) >= 2 and getattr(plan._graphs, "by_stream", None), f"{entry} ran no graph"

@@ -304,10 +304,10 @@ def test_merge_states_gpu_into_caller_buffers(xp_gpu, dtype):
     launch, the buffers left untouched. (Overlaps are checked when a call's layout is planned, so
     the bad calls come first here: a repeat call replays its plan with no checks but alignment.)"""
     import cuflash
-    from cuflash import _pipeline
+    from cuflash import _memo
 
     cp = xp_gpu
-    _pipeline.clear_memo()   # these layouts are planned (and checked) here first
+    _memo.clear_memo()   # these layouts are planned (and checked) here first
     rng = np.random.default_rng()
     n, b, s, h, d = 3, 2, 5, 4, 64
     outs = cp.asarray(rng.standard_normal((n, b, s, h, d)).astype(tt._dtype(dtype)))

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _checks, _compile, _launch, _pipeline
+from cuflash import _checks, _compile, _launch, _memo, _plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ class Arr:
         self.nbytes = self.size * self.itemsize
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.flags = SimpleNamespace(c_contiguous=strides is None)
-        self._c_contiguous = strides is None   # what the plan memo reads (cuflash/_pipeline.py, lookup)
+        self._c_contiguous = strides is None   # what the plan memo reads (cuflash/_memo.py, lookup)
 
     def reshape(self, shape):
         extra = len(shape) - self.ndim
@@ -99,7 +99,8 @@ def space(monkeypatch):
     space = Space()
     fake = space.cupy()
     monkeypatch.setattr(_checks, "_cupy", lambda: fake)
-    monkeypatch.setattr(_pipeline, "_cp", fake)
+    monkeypatch.setattr(_plan, "_cp", fake)
+    monkeypatch.setattr(_memo, "_cp", fake)
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0)
     launched = []
     monkeypatch.setattr(_launch, "launch", lambda *args, **kw: launched.append(args))
@@ -196,9 +197,11 @@ def test_repeat_calls_key_plans_by_device(monkeypatch):
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0)
     for device, current in ((0, 0), (1, 0), (1, 1), (0, 1)):
         runtime = SimpleNamespace(getDevice=lambda current=current: current)
-        monkeypatch.setattr(_pipeline, "_cp", SimpleNamespace(ndarray=Arr, cuda=SimpleNamespace(runtime=runtime)))
+        fake = SimpleNamespace(ndarray=Arr, cuda=SimpleNamespace(runtime=runtime))
+        monkeypatch.setattr(_plan, "_cp", fake)
+        monkeypatch.setattr(_memo, "_cp", fake)
         x = Arr((2, 3), F16, 0x7F00_0000_0000, device)
-        plan, key, where = _pipeline.lookup("probe", (x, None), ())
+        plan, key, where = _memo.lookup("probe", (x, None), ())
         assert plan is None and key is not None and where == (current, 0)
         keys.add(key)
     assert len(keys) == 4
@@ -267,7 +270,7 @@ def test_shared_memory_limit_is_raised_on_each_device(two_fake_gpus):
     assert kernel.limits == {}
 
 
-MERGE = cuflash._heuristics.merge_plan("float32", "float32").variant
+MERGE = cuflash.kernels.merge.merge_plan("float32", "float32").variant
 
 
 def test_kernels_are_loaded_per_device(tmp_path, monkeypatch):
@@ -496,10 +499,10 @@ BIG_SMEM = textwrap.dedent("""
     import sys
     import cupy, numpy as np
     import cuflash, cuflash.testing as tt
-    from cuflash import _compile, _heuristics, _launch, reference
+    from cuflash import _compile, kernels, _launch, reference
 
     family, dtype = sys.argv[1], sys.argv[2]
-    plan = _heuristics.forward_plan(family, dtype, 128, score_mods=(), dropout=False)
+    plan = kernels.forward.forward_plan(family, dtype, 128, score_mods=(), dropout=False)
     assert plan.smem_bytes > 48 * 1024, plan.smem_bytes
     shape = dict(B=1, Sq=150, Sk=300, Hq=4, Hk=2, D=128)
     outs = []

@@ -5,7 +5,7 @@ bwd_sm90 takes ~225 KB of shared memory), and each lasts a fixed cost plus its s
 mask key block x of a head walks the query tiles from its diagonal on, so its step count falls with
 x. Printed: the ideal makespan (all work spread evenly) over the modelled one, for the grid read
 head by head and with the last ``waves`` waves' worth of heads read key block by key block
-(cuflash._heuristics.bwd_tail_pairs). No GPU needed: ``python benchmarks/experiments/bwd_dispatch_model.py``.
+(cuflash.kernels.bwd_common.bwd_tail_pairs). No GPU needed: ``python benchmarks/experiments/bwd_dispatch_model.py``.
 """
 
 import heapq

@@ -13,12 +13,12 @@ that way out, but the patch's context is the older file)::
 import sys
 sys.path.insert(0, "benchmarks")
 import numpy as np, cupy, cuflash
-from cuflash import _compile, _pipeline
+from cuflash import _compile, _memo
 from ab_backward import Installed, parse_contender
 arch, device = _compile.device_arch(), _compile.current_device()
 c = parse_contender(sys.argv[1])
 for batch, seqlen, causal in [(4, 4096, False), (2, 8192, True)]:
-    _pipeline._memo = type(_pipeline._memo)()
+    _memo._memo = type(_memo._memo)()
     seen = []
     q, k, v, do = (cupy.random.standard_normal((batch, seqlen, 16, 128), dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
     out, lse = cuflash.attention_forward(q, k, v, causal=causal)[:2]

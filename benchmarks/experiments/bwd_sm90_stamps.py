@@ -63,12 +63,12 @@ def main(specs):
 
     import cuflash
     from ab_backward import Installed, parse_contender
-    from cuflash import _compile, _pipeline
+    from cuflash import _compile, _memo
 
     arch, device = _compile.device_arch(), _compile.current_device()
     for spec in specs:
         c = parse_contender(spec)
-        _pipeline._memo = type(_pipeline._memo)()   # plans made afresh under this contender
+        _memo._memo = type(_memo._memo)()   # plans made afresh under this contender
         for batch, seqlen, causal in SHAPES:
             seen = []
             q, k, v, do = (cupy.random.standard_normal((batch, seqlen, 16, 128), dtype=cupy.float32)

@@ -6,7 +6,7 @@ longest first; a CTA claims its next item when it starts one (fwd_sm90.cu, take_
 runs an item ahead. An item lasts a fixed cost plus its key tiles; under a causal mask m-block m sees
 m + 1 of them. Printed: the ideal makespan (all work spread evenly) over the modelled one, head by
 head and with the last ``waves`` waves' worth of heads numbered m-block by m-block
-(cuflash._heuristics.fwd_tail_heads). No GPU needed:
+(cuflash.kernels.fwd_sm90.fwd_tail_heads). No GPU needed:
 ``python benchmarks/experiments/fwd_dispatch_model.py``.
 """
 

@@ -1,7 +1,7 @@
 """The Python cost of repeat calls of each entry point, on a machine without a GPU.
 
 The host bars of issue 15 are set in microseconds, of which the driver's launch takes 4-6 on the
-device's hosts (benchmarks/NOTES.md, session 35); the rest is Python in ``_pipeline.lookup``,
+device's hosts (benchmarks/NOTES.md, session 35); the rest is Python in ``_memo.lookup``,
 ``Plan.run`` and the entry points, which this script times with the CUDA runtime and driver stubbed
 out: CuPy arrays over made-up device addresses (CuPy builds them without a device), device 0 an
 sm_90a with 132 SMs, the null stream, a stand-in stream state, tensor maps of zeros and launches
@@ -29,7 +29,7 @@ from cupy.cuda import memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cuflash  # noqa: E402
-from cuflash import _compile, _graph, _launch, _pipeline, _tma  # noqa: E402
+from cuflash import _compile, _graph, _launch, _memo, _tma  # noqa: E402
 
 # The modules (cuflash's names attention, decode, ... are the functions).
 attention_module, backward_module, decode_module, merge_module = (

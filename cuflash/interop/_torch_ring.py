@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import cupy
 
+from .. import _ring_comm
 from ..distributed import ring_attention as _ring_forward, ring_attention_backward as _ring_backward
 from ._cupy_stream import cupy_stream
 from ._torch_stream import on_torch_stream
@@ -90,6 +91,10 @@ class TorchRing:
             ops += [dist.P2POp(dist.irecv, self._tensor(y), self._prev, self.group) for y in recvs]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
+
+
+_ring_comm.GROUP_ADAPTERS["torch"] = TorchRing   # as_ring wraps torch process groups in it
 
 
 def _plain(x):

@@ -145,26 +145,56 @@ class _AttentionVarlen(torch.autograd.Function):
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
               deterministic=False):
-    """Differentiable :func:`cuflash.attention` for torch tensors.
+    """Differentiable :func:`cuflash.attention` for torch tensors (the direct autograd path).
+
+    Runs cuflash's forward on torch's current stream of the inputs' device and saves q, k, v, out,
+    lse and the dropout state for the backward (:func:`cuflash.attention_backward`), never the
+    probabilities.
 
     Parameters
     ----------
-    q : torch.Tensor (B, Sq, Hq, D), float16, bfloat16 or float32, on a CUDA device
-    k, v : torch.Tensor (B, Sk, Hk, D)
+    q : torch.Tensor (B, Sq, Hq, D)
+        float16, bfloat16 or float32, on a CUDA device; BHSD tensors as ``x.transpose(1, 2)`` views.
+    k : torch.Tensor (B, Sk, Hk, D)
+    v : torch.Tensor (B, Sk, Hk, D)
+        The dtype and device of q; ``Hq % Hk == 0`` (GQA/MQA).
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
-        As in :func:`cuflash.attention_forward`; tensors may be torch or CuPy. ``bias`` receives
-        a gradient when it is a torch tensor that requires one (dL/dbias summed over the axes it
-        was broadcast along; this materialises a float32 (B, Hq, Sq, Sk) buffer in the backward).
+        As in :func:`cuflash.attention`; array options may be torch tensors or CuPy arrays. ``bias``
+        receives a gradient when it is a torch tensor that requires one (dL/dbias summed over the
+        axes it was broadcast along; this materialises a float32 (B, Hq, Sq, Sk) buffer in the
+        backward).
     generator : cuflash.Generator, optional
         Source of the dropout random numbers (default: cuflash's default generator); the state of
         this call is saved for the backward, which regenerates the same mask.
-    deterministic : bool
+    deterministic : bool, default False
         Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
 
     Returns
     -------
     torch.Tensor (B, Sq, Hq, D)
-        On the inputs' device, in their dtype; backward gives dq, dk, dv (and dbias).
+        On the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias).
+
+    Raises
+    ------
+    TypeError
+        q, k or v not a ``torch.Tensor``, or any error of :func:`cuflash.attention`.
+    ValueError
+        q, k or v not on a CUDA device, or any error of :func:`cuflash.attention`.
+
+    Notes
+    -----
+    ``torch.compile`` cannot trace this path (a graph break around each call), and its memory comes
+    from CuPy's pool; under ``torch.compile``, ``torch.export`` or CUDA graphs use the custom ops
+    ``cuflash.interop.torch.ops.attention``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import cuflash.interop.torch as ct
+    >>> q, k, v = (torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ...            for _ in range(3))
+    >>> out = ct.attention(q, k, v, causal=True)
+    >>> out.float().square().mean().backward()           # fills q.grad, k.grad, v.grad
     """
     _check_cuda(("q", q), ("k", k), ("v", v))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
@@ -178,12 +208,17 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, generator=None,
                      deterministic=False):
-    """Differentiable :func:`cuflash.attention_varlen` for torch tensors.
+    """Differentiable :func:`cuflash.attention_varlen` for torch tensors (the direct autograd path).
 
     Parameters
     ----------
-    q : torch.Tensor (total_q, Hq, D); k, v : torch.Tensor (total_k, Hk, D)
+    q : torch.Tensor (total_q, Hq, D)
+        float16, bfloat16 or float32, on a CUDA device.
+    k : torch.Tensor (total_k, Hk, D)
+    v : torch.Tensor (total_k, Hk, D)
+        The dtype and device of q.
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on the same device
+        Offsets of the packed sequences (see :func:`cuflash.attention_varlen`).
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, generator,
     deterministic
         As in :func:`cuflash.attention_varlen` and :func:`attention`.
@@ -191,6 +226,25 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     Returns
     -------
     torch.Tensor (total_q, Hq, D)
+        Its backward gives dq, dk, dv.
+
+    Raises
+    ------
+    TypeError
+        An array argument that is not a ``torch.Tensor``, or any error of
+        :func:`cuflash.attention_varlen`.
+    ValueError
+        An array argument not on a CUDA device, or any error of :func:`cuflash.attention_varlen`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import cuflash.interop.torch as ct
+    >>> cu = torch.tensor([0, 100, 137, 649], device="cuda", dtype=torch.int32)
+    >>> q, k, v = (torch.randn(649, 8, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    ...            for _ in range(3))
+    >>> out = ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512, max_seqlen_k=512, causal=True)
+    >>> out.sum().backward()
     """
     _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,

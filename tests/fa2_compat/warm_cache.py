@@ -10,7 +10,7 @@ NVRTC needs no GPU, so the cache can also be built on a CPU machine and carried 
 (``python tests/fa2_compat/warm_cache.py --arch sm_90a --cache-dir .devrun/cuflash-cache``).
 Cubins are keyed by a hash of ``cuda_src/``: after a kernel change the old ones simply miss.
 
-This lists variants through ``cuflash._heuristics`` (private: the plan functions the dispatcher
+This lists variants through ``cuflash.kernels`` (private: the plan functions the dispatcher
 itself calls). If those change shape, the warm-up lists fewer variants and the tests compile the
 rest on first use: slower, never wrong.
 """
@@ -34,22 +34,22 @@ def fa2_variants(dtypes=FA2_DTYPES, head_dims=FA2_HEAD_DIMS):
     modifiers and dropout in all four combinations; decode (contiguous, paged, plain, modified),
     merges, the backward pre/post kernels and the index check.
     """
-    from cuflash import _heuristics as h
+    from cuflash import kernels
 
     pads = sorted({-(-d // 8) * 8 for d in head_dims})
     out = []
     for dtype in dtypes:
-        out += [h.bwd_preprocess_variant(dtype), h.bwd_convert_variant(dtype)]
+        out += [kernels.bwd_common.bwd_preprocess_variant(dtype), kernels.bwd_common.bwd_convert_variant(dtype)]
         for d in pads:
             for mods in (False, True):
                 for dropout in (False, True):
                     for family in ("fwd_sm90", "fwd_sm80"):
-                        out.append(h.forward_plan(family, dtype, d, score_mods=mods, dropout=dropout).variant)
+                        out.append(kernels.forward.forward_plan(family, dtype, d, score_mods=mods, dropout=dropout).variant)
                     for dq_pass in (False, True):
-                        out.append(h.backward_plan("bwd_sm80", dtype, d, dq_pass=dq_pass, score_mods=mods,
+                        out.append(kernels.backward.backward_plan("bwd_sm80", dtype, d, dq_pass=dq_pass, score_mods=mods,
                                                    dropout=dropout).variant)
-    out += h.decode_precompile_variants(dtypes, pads)
-    out.append(h.check_indices_variant())
+    out += kernels.decode.decode_precompile_variants(dtypes, pads)
+    out.append(kernels.check_indices.check_indices_variant())
     return sorted(dict.fromkeys(out), key=_expected_cost, reverse=True)
 
 

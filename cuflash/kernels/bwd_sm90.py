@@ -1,0 +1,210 @@
+"""bwd_sm90 (cuda_src/bwd_sm90.cu): the dK/dV pass on sm_90a with wgmma, TMA and warp
+specialisation, adding dQ itself (in any order, or in a fixed one for deterministic=True where it
+can; else bwd_sm80's dQ pass follows it); float16/bfloat16."""
+
+from __future__ import annotations
+
+from .bwd_common import size_defines
+from .common import LaunchPlan, round_up
+from .._variant import Variant
+from ..features import DTYPE_CODES, score_mod_bits
+
+# bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
+# such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
+# split by columns, or without a window 80 rows, each consumer 64 columns of dQ^T). At D = 256, 64
+# keys per CTA whose dK/dV columns the consumers split (64 rows per step, two 64 x 64 shares of dQ
+# each). Shared memory: K, V, kStages x (Q, dO), two dS^T (or P^T and dS^T) tiles, the dQ staging
+# of both consumers (at D = 256 in the step's Q and dO buffers).
+# With score modifiers or dropout ("featured") the consumers need smaller accumulators
+# (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
+# takes 64 query rows per step (each consumer adds dQ over its own keys).
+BWD_SM90_HEAD_DIMS = (64, 128, 256)
+BWD_SM90_THREADS = 384
+BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
+BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
+#: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ,
+#: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
+#: then computes dQ transposed and hands it to a writer warp, BwdSm90Config::kDqHandOver). H200 bf16,
+#: against the 80-row steps whose consumers added dQ themselves: 8k and 16k +5-7%; against 64-row
+#: steps (which hand their dQ over one step late) at 1k-4k: 0 to +4%. 512 rows stay at 64 (a trial
+#: of 80 there lost 2.5%: the last tile's padding is 9% of the rows). Calls whose tiles keep dS's
+#: guard (varlen: kDqHandOver spilled there, the consumers add dQ themselves) wait for
+#: BWD_SM90_WIDE_MIN_ROWS_GUARDED rows, where such 80-row steps were level with 64 (benchmarks/NOTES.md,
+#: sessions 33 to 35). The ordered dQ of deterministic=True keeps 64: its writers need double-buffered
+#: shares, for which 80 rows leave no shared memory (and its consumers spilled in a single-buffered trial).
+BWD_SM90_WIDE_BLOCK_M = {128: 80}
+BWD_SM90_WIDE_MIN_ROWS = 1024
+BWD_SM90_WIDE_MIN_ROWS_GUARDED = 8192
+BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
+BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
+BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
+#: Stages of the D = 128 variants with 64-row steps that add dQ in any order (BwdSm90Config::kDeferDq,
+#: kDqAsync), not featured: 3 leaves shared memory for one dQ share buffer per consumer instead of
+#: two. With the lag between the consumers a stage comes back ~0.45 of a step later, and the copy of
+#: the stage after next then arrives late (consumers wait ~4.5% of a step more than in lockstep;
+#: benchmarks/NOTES.md, session 33). Measured with 3 (H200 bf16, session 34): 8k causal +1.2%, every
+#: other shape from 1k to 16k within the controls' spread; so 2.
+BWD_SM90_DEFER_STAGES = 2
+#: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh),
+#: without score modifiers and dropout; at D = 64 the order's bookkeeping made the consumers spill,
+#: and bwd_sm80's dQ pass computes dQ.
+BWD_SM90_ORDERED_HEAD_DIMS = (128,)
+
+
+def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False) -> tuple[int, int]:
+    """(keys per CTA, query rows per step) of bwd_sm90 at a compiled head dim; featured: with score
+    modifiers or dropout; wide: a call that may take BWD_SM90_WIDE_BLOCK_M's rows (no window, score
+    modifier, dropout nor ordered dQ)."""
+    if featured:
+        return BWD_SM90_FEATURED_BLOCK_N[head_dim], BWD_SM90_FEATURED_BLOCK_M[head_dim]
+    if wide and head_dim in BWD_SM90_WIDE_BLOCK_M:
+        return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_WIDE_BLOCK_M[head_dim]
+    return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim]
+
+
+def bwd_sm90_stages(head_dim: int, featured: bool = False, wide: bool = False, deterministic=False) -> int:
+    """Stages of bwd_sm90's Q/dO ring at a compiled head dim (``deterministic`` as in backward_plan)."""
+    block_m = bwd_sm90_tiles(head_dim, featured, wide)[1]
+    if head_dim == 128 and block_m == 64 and not featured and deterministic is False:
+        return BWD_SM90_DEFER_STAGES
+    return BWD_SM90_STAGES[head_dim]
+
+
+def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False, stages: int | None = None) -> int:
+    """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included); ``stages``
+    defaults to BWD_SM90_STAGES's."""
+    block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide)
+    stages = BWD_SM90_STAGES[head_dim] if stages is None else stages
+    kv, q_do, ds = 2 * block_n * head_dim, 2 * block_m * head_dim, 2 * block_n * block_m
+    split_dims = head_dim == 256 or (head_dim == 128 and featured)
+    transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
+    # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers; a third
+    # stage at D = 128 leaves room for one buffer)
+    dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 else 1
+    dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
+    return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
+
+
+def bwd_sm90_orders_dq(head_dim: int, featured: bool = False) -> bool:
+    """Whether bwd_sm90 adds dQ in a fixed order under deterministic=True at this (padded) head dim
+    (else bwd_sm80's dQ pass computes dQ after it); featured: with score modifiers or dropout."""
+    return (not featured and head_dim <= max(BWD_SM90_HEAD_DIMS)
+            and round_up(head_dim, BWD_SM90_HEAD_DIMS) in BWD_SM90_ORDERED_HEAD_DIMS)
+
+
+def bwd_sm90_dq_mode(head_dim: int, featured: bool, deterministic: bool):
+    """How bwd_sm90 adds dQ for a call (backward_plan's ``deterministic``): False, in any order;
+    True, in a fixed order (bwd_sm90_orders_dq); "pass", not at all (bwd_sm80's dQ pass after it)."""
+    if not deterministic:
+        return False
+    return True if bwd_sm90_orders_dq(head_dim, featured) else "pass"
+
+
+def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> str | None:
+    """Why bwd_sm90 cannot run a backward with this (padded, multiple of 8) head dim, score
+    modifiers and dropout, or None when it can: today only the head dim limits it (every
+    combination of modifiers and dropout compiles without spills up to 256). (The caller also needs
+    sm_90a and TMA-compatible layouts: cuflash/backward.py checks those.)"""
+    if head_dim > max(BWD_SM90_HEAD_DIMS):
+        return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {head_dim}"
+    return None
+
+
+# Whether bwd_sm90 may take its variant without dS's guard for P = 0 (bwd_all_keys_seen), and the
+# head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN: D = 64 2k and
+# 8k 2-4% faster, D = 128 8k and 16k (80 query rows) 1.4% (four rounds each); H200, settled turns
+# (two rounds): D = 256 +1% at 2k, +2.5-3% at 4k, +0.1-0.4% at 8k and 16k; D = 128 with 64 query
+# rows (2k, 4k) 0 to +0.4% (benchmarks/NOTES.md, sessions 25 and 28).
+BWD_ALL_KEYS_SEEN = True
+BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 256)
+# Under a causal mask or window, without score modifiers or dropout, the guard tile by tile: a tile
+# with no masked element and no row past the queries' end skips it (CUFLASH_TILE_GUARD). H200,
+# settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%; D = 128 causal +1.5% at 2k, +1-4%
+# at 4k, +3-4% at 8k, +5.5% at 16k, its ordered dQ at 8k +2-6%; D = 256 causal 2k-16k 5-7% slower,
+# 7-12% with its P^T and dS^T stored tile after tile (session 29): there the branch splits the one
+# block after dP^T's wait in which ptxas interleaves the 16 exponentials a thread with the rest of
+# the elementwise work, and they then run back to back. D = 256 keeps the guard.
+BWD_SM90_TILE_GUARD = True
+BWD_SM90_TILE_GUARD_HEAD_DIMS = (64, 128)
+
+
+def bwd_sm90_tile_guard(head_dim: int) -> bool:
+    """Whether a windowed bwd_sm90 call without score modifiers or dropout at this (padded) head dim
+    decides dS's guard tile by tile (BWD_SM90_TILE_GUARD)."""
+    return BWD_SM90_TILE_GUARD and head_dim in BWD_SM90_TILE_GUARD_HEAD_DIMS
+
+
+def bwd_all_keys_seen(*, windowed: bool, varlen: bool, featured: bool) -> bool:
+    """Whether every row of a backward call sees every key of the tiles it meets: no causal mask nor
+    window, no varlen batch (whose tiles reach into the next sequence), no score modifier (mask,
+    bias, block mask, ALiBi, softcap) nor dropout. Keys past the end come in as zeros. Then an
+    element's P is 0 only by underflow, and dS = P (dP - D) needs no guard against a non-finite dP
+    of an unseen key (cuda_src/bwd_common.cuh, element_grad)."""
+    return BWD_ALL_KEYS_SEEN and not windowed and not varlen and not featured
+
+
+# Whether bwd_sm90's dQ conversion may run behind it (bwd_convert_behind; False: always after it).
+BWD_CONVERT_BEHIND = True
+
+
+def bwd_convert_behind(*, shrinking: bool) -> bool:
+    """Whether bwd_sm90's dQ conversion is launched as its programmatic dependent (sm_90): its CTAs
+    then take the SMs that bwd_sm90's last wave leaves idle and convert each head once all of that
+    head's dQ reductions have landed (cuda_src/bwd_convert.cu), instead of starting after the grid.
+
+    Without a causal mask (``shrinking`` False) the grid's last wave runs half empty at D = 128 and
+    256 (2048 CTAs are 15.5 waves of 132): H100, bf16, 2k tokens per sequence, per call 2% faster
+    at D = 64 and 256, 0-1% at D = 128. A causal grid's last waves are full (bwd_tail_pairs), and
+    there it measured 0-2% slower: not there.
+    """
+    return BWD_CONVERT_BEHIND and not shrinking
+
+
+def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, deterministic, windowed: bool = True,
+         seqlen_q: int = 0, all_keys_seen: bool = False) -> LaunchPlan:
+    """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`)."""
+    if dtype_name not in ("float16", "bfloat16"):
+        raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
+    if deterministic not in (False, True, "pass"):
+        raise ValueError("bwd_sm90 needs deterministic=True, False or 'pass' (how dQ is added)")
+    mods = score_mod_bits(score_mods)
+    featured = bool(mods or dropout)
+    if deterministic is True and not bwd_sm90_orders_dq(head_dim, featured):
+        raise ValueError(f"bwd_sm90 adds dQ in a fixed order only at head dims {BWD_SM90_ORDERED_HEAD_DIMS}, "
+                         "without score modifiers and dropout")
+    obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout)
+    if obstacle is not None:
+        raise ValueError(obstacle)
+    kdim = round_up(head_dim, BWD_SM90_HEAD_DIMS)
+    min_rows = BWD_SM90_WIDE_MIN_ROWS if all_keys_seen else BWD_SM90_WIDE_MIN_ROWS_GUARDED
+    wide = not windowed and deterministic is False and seqlen_q >= min_rows
+    block_n, block_m = bwd_sm90_tiles(kdim, featured, wide)
+    stages = bwd_sm90_stages(kdim, featured, wide, deterministic)
+    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages)
+    defines = {
+        "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+        "CUFLASH_HEAD_DIM": kdim,
+        "CUFLASH_BLOCK_M": block_m,
+        "CUFLASH_STAGES": stages,
+        "CUFLASH_BWD_DQ": 0 if deterministic == "pass" else 2 if deterministic else 1,
+        "CUFLASH_SCORE_MODS": mods,
+        "CUFLASH_DROPOUT": int(dropout),
+        "CUFLASH_SMEM_BYTES": smem,
+        **size_defines(),
+    }
+    if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
+        defines["CUFLASH_ALL_KEYS_SEEN"] = 1
+    elif windowed and not featured and bwd_sm90_tile_guard(kdim):
+        defines["CUFLASH_TILE_GUARD"] = 1
+    return LaunchPlan(Variant("bwd_sm90", tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
+
+
+def feature_plans(dtype_name: str, head_dim: int, mods, dropout: bool, deterministic) -> list[LaunchPlan]:
+    """bwd_sm90's launch plans for one feature set: with a window, and without one (short and long
+    queries; with and without every key seen)."""
+    plans = [plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic)]
+    for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED):
+        for all_keys_seen in (False, True):
+            plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                              windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen))
+    return plans

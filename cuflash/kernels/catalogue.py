@@ -1,0 +1,155 @@
+"""Which variants exist: those worth compiling ahead of time (``python -m cuflash precompile``,
+:func:`cuflash.precompile`), every variant a call can reach (what the GPU tests may compile), and
+what the CPU tests compile for sm_80 and sm_90a."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backward import backward_plan, default_backward_family, precompile_backward_variants
+from .bwd_common import bwd_convert_variant, bwd_preprocess_variant
+from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, bwd_sm90_obstacle, bwd_sm90_orders_dq, bwd_sm90_smem_bytes,
+                       feature_plans)
+from .check_indices import check_indices_variant
+from .common import round_up
+from .decode import DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path, decode_plan, decode_precompile_variants
+from .forward import default_family, forward_plan, forward_precompile_variants
+from .fwd_simt import SIMT_HEAD_DIMS
+from .fwd_sm80 import SM80_HEAD_DIMS
+from .fwd_sm90 import SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS
+from .merge import merge_plan
+from .rng_state import rng_state_variant
+from .._variant import Variant
+from ..features import DECODE_SCORE_MODS, score_mod_bits, score_mod_sets
+
+
+def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
+    """Every kernel family's variants worth compiling ahead of time (``python -m cuflash
+    precompile``, :func:`cuflash.precompile`): forward, decode and merge, backward."""
+    out = forward_precompile_variants(dtypes, head_dims, families, arch)
+    for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims, arch)):
+        out += [v for v in more if v not in out and (families is None or v.family in families)]
+    if families is None or "check_indices" in families:
+        out.append(check_indices_variant())
+    if families is None or "rng_state" in families:
+        out.append(rng_state_variant())
+    return out
+
+
+def ci_variants() -> list[tuple[Variant, str]]:
+    """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
+    sm_90a only), forward at every default head dim, decode/merge and backward at D=128, and each
+    score modifier alone (forward, backward, decode at D=128, no dropout)."""
+    pairs = []
+    for arch in ("sm_80", "sm_90a"):
+        variants = forward_precompile_variants(arch=arch)
+        for more in (decode_precompile_variants(("bfloat16", "float32"), (128,)),
+                     precompile_backward_variants(("bfloat16", "float32"), (128,), arch)):
+            variants += [v for v in more if v not in variants]
+        variants += [check_indices_variant(), rng_state_variant()]
+        singles = [v for v in reachable_variants(arch, ("bfloat16", "float32"), (128,))
+                   if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
+        variants += [v for v in singles if v not in variants]
+        pairs += [(v, arch) for v in variants]
+    # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
+    # that the alternative stays compilable and free of spills.
+    third = [_with_stages(v, 3) for v, arch in pairs if arch == "sm_90a" and _defers_dq(v)]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(third) if (v, "sm_90a") not in pairs]
+    # And what CUFLASH_BWD_ORDERED_DQ_ASYNC = 0 would compile (bwd_sm90's ordered dQ handed over by
+    # the consumers' thread 0, the A/B's other side; cuda_src/bwd_sm90.cu).
+    ordered = [_with_define(v, "CUFLASH_BWD_ORDERED_DQ_ASYNC", 0) for v, arch in pairs
+               if arch == "sm_90a" and v.family == "bwd_sm90" and dict(v.defines)["CUFLASH_BWD_DQ"] == 2]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(ordered)]
+    # And CUFLASH_BWD_RELAG = 0 (the consumers' lag made at the first step only, the A/B's other
+    # side; cuda_src/bwd_sm90.cu), beside the variants that defer dQ with two stages.
+    lag = [_with_define(v, "CUFLASH_BWD_RELAG", 0) for v, arch in pairs
+           if arch == "sm_90a" and _defers_dq(v) and dict(v.defines)["CUFLASH_STAGES"] == 2]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(lag)]
+    return pairs
+
+
+def _defers_dq(variant: Variant) -> bool:
+    d = dict(variant.defines)
+    return (variant.family == "bwd_sm90" and d["CUFLASH_HEAD_DIM"] == 128 and d["CUFLASH_BLOCK_M"] == 64
+            and d["CUFLASH_BWD_DQ"] == 1 and not d["CUFLASH_SCORE_MODS"] and not d["CUFLASH_DROPOUT"])
+
+
+def _with_stages(variant: Variant, stages: int) -> Variant:
+    d = dict(variant.defines)
+    d.update(CUFLASH_STAGES=stages, CUFLASH_SMEM_BYTES=bwd_sm90_smem_bytes(d["CUFLASH_HEAD_DIM"], stages=stages))
+    return Variant(variant.family, tuple(sorted(d.items())))
+
+
+def _with_define(variant: Variant, name: str, value: int) -> Variant:
+    return Variant(variant.family, tuple(sorted({**dict(variant.defines), name: value}.items())))
+
+
+def _one_score_mod(variant: Variant) -> bool:
+    mods = dict(variant.defines).get("CUFLASH_SCORE_MODS", 0)
+    return mods != 0 and mods & (mods - 1) == 0
+
+
+def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
+    """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
+    set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
+    contiguous and paged decode, and the merge, preprocess, convert, index-check and rng-state
+    kernels. What the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for
+    the default shared-memory budget of decode.
+
+    Parameters
+    ----------
+    arch : str, optional
+        fwd_sm90 is included for sm_90a, or when ``arch`` is None.
+    dtypes : sequence of str, optional
+        Default: float16, bfloat16, float32.
+    head_dims : sequence of int, optional
+        Run-time head dims (each rounded up per family); default: every compiled head dim.
+    """
+    dtypes = [np.dtype(d).name if d != "bfloat16" else d for d in (dtypes or ("float16", "bfloat16", "float32"))]
+    out = {}
+
+    def dims(compiled):
+        return compiled if head_dims is None else sorted({round_up(d, compiled) for d in head_dims})
+
+    for dtype_name in dtypes:
+        families = [default_family(dtype_name)]
+        if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+            families.append("fwd_sm90")
+        for family in families:
+            compiled = {"fwd_sm80": SM80_HEAD_DIMS, "fwd_sm90": SM90_HEAD_DIMS, "fwd_simt": SIMT_HEAD_DIMS}[family]
+            for d in dims(compiled):
+                for mods in score_mod_sets():
+                    for dropout in (False, True):
+                        out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout).variant)
+                if family == "fwd_sm90" and d in SM90_WIDE_HEAD_DIMS:
+                    out.setdefault(forward_plan(family, dtype_name, d, score_mods=False, dropout=False,
+                                                consumers=3).variant)
+        family = default_backward_family(dtype_name)
+        out.setdefault(bwd_preprocess_variant(dtype_name))
+        out.setdefault(bwd_convert_variant(dtype_name))
+        for d in dims(SM80_HEAD_DIMS if family == "bwd_sm80" else SIMT_HEAD_DIMS):
+            for dq_pass in (False, True):
+                for mods in score_mod_sets():
+                    for dropout in (False, True):
+                        out.setdefault(backward_plan(family, dtype_name, d, dq_pass=dq_pass, score_mods=mods,
+                                                     dropout=dropout).variant)
+        if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+            for d in dims(BWD_SM90_HEAD_DIMS):
+                for mods in score_mod_sets():
+                    for dropout in (False, True):
+                        for det in (False, True, "pass"):
+                            if det is True and not bwd_sm90_orders_dq(d, bool(score_mod_bits(mods) or dropout)):
+                                continue
+                            if bwd_sm90_obstacle(d, mods, dropout) is None:
+                                for plan in feature_plans(dtype_name, d, mods, dropout, det):
+                                    out.setdefault(plan.variant)
+        for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
+            for paged in (False, True):
+                for mods in score_mod_sets(DECODE_SCORE_MODS):
+                    out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods).variant)
+        out.setdefault(merge_plan("float32", dtype_name).variant)
+        out.setdefault(merge_plan(dtype_name, dtype_name).variant)
+    out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states
+    out.setdefault(check_indices_variant())
+    out.setdefault(rng_state_variant())
+    return list(out)

@@ -1,0 +1,67 @@
+"""What every kernel family's planning shares: the launch plan it returns, a CTA's tile shape, the
+compiled head dims a run-time one rounds up to, and the shared memory of the devices it plans for.
+
+Planning is pure: functions of shapes, options and device properties, tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..features import DTYPE_CODES, score_mod_bits
+from .._params import FWD_PARAMS
+from .._variant import Variant
+
+MAX_HEAD_DIM = 256
+#: Opt-in shared memory per block of an H100/H200, the default budget of the ahead-of-time variants.
+DEFAULT_SMEM_PER_BLOCK = 227 * 1024
+DEFAULT_SMEM_PER_SM = 228 * 1024
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One CTA's shape: query rows, keys per step, warps, CTAs per SM the registers aim at."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    min_blocks: int = 1
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher needs besides the parameters: the variant, grid rows and resources."""
+
+    variant: Variant
+    block_m: int
+    threads: int
+    smem_bytes: int
+    head_dim: int  # compiled head dim (>= the run-time one)
+
+
+def round_up(x: int, options: tuple[int, ...]) -> int:
+    """The first compiled head dim in ``options`` that holds ``x``."""
+    for value in options:
+        if x <= value:
+            return value
+    raise ValueError(f"head dim {x} exceeds the maximum of {options[-1]}")
+
+
+def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: Tiles, smem: int, *, score_mods,
+               dropout: bool) -> LaunchPlan:
+    """The launch plan of a forward family whose CTA shape is a :class:`Tiles` (fwd_sm80, fwd_simt):
+    the defines its kernel reads, for a compiled head dim."""
+    defines = {
+        "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+        "CUFLASH_HEAD_DIM": head_dim,
+        "CUFLASH_BLOCK_M": tiles.block_m,
+        "CUFLASH_BLOCK_N": tiles.block_n,
+        "CUFLASH_WARPS": tiles.warps,
+        "CUFLASH_MIN_BLOCKS": tiles.min_blocks,
+        "CUFLASH_SCORE_MODS": score_mod_bits(score_mods),
+        "CUFLASH_DROPOUT": int(dropout),
+        "CUFLASH_SMEM_BYTES": smem,
+        "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
+    }
+    return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), tiles.block_m, 32 * tiles.warps, smem,
+                      head_dim)

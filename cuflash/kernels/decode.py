@@ -1,0 +1,283 @@
+"""decode (cuda_src/decode.cu): split-KV attention of a few new query rows against a KV cache,
+contiguous or paged: tile shapes, the split count, and the variants worth compiling ahead of time.
+Pure functions of shapes and device properties (shared memory per block / per SM, SM count, memory
+rate), tested on the CPU. The splits' partial states are combined by the merge kernel (merge.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .common import DEFAULT_SMEM_PER_BLOCK, DEFAULT_SMEM_PER_SM, round_up
+from .merge import merge_plan
+from .._params import DECODE_PARAMS, FWD_PARAMS
+from .._variant import Variant
+from ..features import DECODE_SCORE_MODS, DTYPE_CODES, score_mod_bits
+
+#: Compiled head dims of decode. fp16/bf16 (mma.sync): multiples of 64 (the shared-memory swizzle
+#: spans 8 chunks of 16 bytes). float32 (FFMA): multiples of 128 (each lane owns float4 columns of O).
+#: Padding columns are zero-filled in shared memory, never read from memory.
+DECODE_MMA_HEAD_DIMS = (64, 128, 192, 256)
+DECODE_SIMT_HEAD_DIMS = (128, 256)
+#: Packed query rows (Sq_new * Hq/Hk) per CTA: one 16-row mma tile, or 8 rows of FFMA.
+DECODE_BLOCK_M = {"mma": 16, "simt": 8}
+DECODE_MAX_SPLITS = 128
+#: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
+#: driver reserves per block.
+_DECODE_SMEM_RESERVE = 1024 + 128
+#: Paged caches add, per key of a tile, the K and V row addresses of two tiles (PagedRows in
+#: cuda_src/decode.cu: 2 buffers x 2 tensors x 8-byte pointers).
+_DECODE_PAGED_ROW_BYTES = 2 * 2 * 8
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One decode CTA: warps, keys each warp takes per pipeline stage, pipeline depth."""
+
+    warps: int
+    keys_per_warp: int
+    stages: int
+
+
+# Per (path, compiled head dim), best first; decode_plan takes the first that fits the device's
+# shared memory. Decode is bandwidth bound: what matters is bytes in flight per SM, (stages - 1)
+# stages of 32-64 KiB per CTA with 1-3 CTAs per SM, and the warps to issue the copies and math.
+# D = 128 (H100, bf16 Hq 32 / Hk 8, in turns beside SDPA flash): eight warps of 16 keys, 3 stages
+# (200 KiB, one CTA per SM) stream faster than four (two CTAs per SM): contiguous (8, 8k) 1.18 ->
+# 1.26x flash (one split), (1, 32k) 1.31 -> 1.46x (8 splits); paged 1.10 -> 1.14x, 1.19 -> 1.28x.
+_DECODE_TILE_CHOICES = {
+    ("mma", 64): (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
+    ("mma", 128): (DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
+    ("mma", 192): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
+    ("mma", 256): (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
+    ("simt", 128): (DecodeTiles(4, 8, 3), DecodeTiles(4, 8, 2), DecodeTiles(2, 8, 2)),
+    ("simt", 256): (DecodeTiles(4, 4, 3), DecodeTiles(4, 4, 2), DecodeTiles(2, 4, 2)),
+}
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the decode launcher needs besides the parameters."""
+
+    variant: Variant
+    block_m: int       # packed query rows per CTA
+    block_n: int       # keys per pipeline stage
+    threads: int
+    smem_bytes: int    # dynamic shared memory
+    head_dim: int      # compiled head dim (>= the run-time one)
+    ctas_per_sm: int   # resident CTAs per SM that shared memory allows (for the split heuristic)
+    in_flight_bytes: int   # K and V bytes a CTA's copies keep in flight (stages - 1 of its ring)
+
+    def saturating_ctas(self, memory_rate: float) -> int:
+        """How many of these CTAs keep a device's memory busy (:func:`decode_saturating_bytes`; the
+        memory rate in bytes/s, 0 when unknown)."""
+        return -(-decode_saturating_bytes(memory_rate) // self.in_flight_bytes)
+
+
+def _decode_path(dtype_name: str) -> str:
+    if dtype_name in ("float16", "bfloat16"):
+        return "mma"
+    if dtype_name == "float32":
+        return "simt"
+    raise ValueError(f"decode runs float16, bfloat16 or float32, not {dtype_name}")
+
+
+def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles) -> int:
+    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages, and (float32) P per warp.
+
+    Mirrors ``DecodeConfig::kSmemBytes`` in cuda_src/decode.cu, which static_asserts the value.
+    """
+    path = _decode_path(dtype_name)
+    itemsize = 2 if path == "mma" else 4
+    block_m = DECODE_BLOCK_M[path]
+    block_n = tiles.warps * tiles.keys_per_warp
+    p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
+    return (block_m * head_dim + 2 * tiles.stages * block_n * head_dim) * itemsize + 4 * p_floats
+
+
+def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
+                smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
+                smem_per_sm: int = DEFAULT_SMEM_PER_SM) -> DecodePlan:
+    """The decode variant and launch shape for a problem.
+
+    Parameters
+    ----------
+    dtype_name : {"float16", "bfloat16", "float32"}
+    head_dim : int
+        Run-time head dim (a multiple of the 16-byte chunk, at most 256).
+    paged : bool
+        Paged cache (block_table) or contiguous.
+    score_mods : bool, int or tuple/frozenset of str
+        The score modifiers the call uses (softcap, alibi, mask: the per-element score pipeline);
+        True: all of them. See :func:`score_mod_bits`.
+    smem_per_block, smem_per_sm : int
+        The device's opt-in shared memory per block and shared memory per SM (bytes).
+
+    Raises
+    ------
+    ValueError
+        For an unsupported dtype or head dim, or when no tile shape fits ``smem_per_block``.
+    """
+    path = _decode_path(dtype_name)
+    kdim = round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
+    for tiles in _DECODE_TILE_CHOICES[(path, kdim)]:
+        smem = decode_smem_bytes(dtype_name, kdim, tiles)
+        reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
+        if smem + reserve <= smem_per_block:
+            break
+    else:
+        raise ValueError(f"no decode tile shape for {dtype_name} head dim {kdim} fits in "
+                         f"{smem_per_block} bytes of shared memory per block")
+    # Resident CTAs per SM that shared memory allows (at most 4); the kernel's register budget
+    # (__launch_bounds__ minimum blocks) aims at the same number.
+    ctas_per_sm = max(1, min(4, smem_per_sm // (smem + reserve)))
+    defines = {
+        "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
+        "CUFLASH_HEAD_DIM": kdim,
+        "CUFLASH_WARPS": tiles.warps,
+        "CUFLASH_KEYS_PER_WARP": tiles.keys_per_warp,
+        "CUFLASH_STAGES": tiles.stages,
+        "CUFLASH_PAGED": int(bool(paged)),
+        "CUFLASH_SCORE_MODS": score_mod_bits(score_mods, DECODE_SCORE_MODS),
+        "CUFLASH_SMEM_BYTES": smem,
+        "CUFLASH_MIN_BLOCKS": ctas_per_sm,
+        "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
+        "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS.itemsize,
+    }
+    block_n = tiles.warps * tiles.keys_per_warp
+    in_flight = (tiles.stages - 1) * 2 * block_n * kdim * (2 if path == "mma" else 4)
+    return DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
+                      block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
+
+
+#: K/V bytes in flight that keep an H100's memory busy: its decode CTAs stream at the full rate from
+#: 64 CTAs of 128 KiB each (eight warps, 3 stages of 128 keys at D = 128: (8, 8k) one split 1.26x
+#: SDPA flash, two 1.20x; (1, 32k) 8 splits 1.46x, 16 splits 1.38x). Little's law: 3.35 TB/s x
+#: ~2.5 us. DECODE_REFERENCE_RATE is the memory rate this figure holds up to.
+DECODE_SATURATING_BYTES = 8 << 20
+DECODE_REFERENCE_RATE = 3.4e12
+
+
+def decode_saturating_bytes(memory_rate: float) -> int:
+    """K/V bytes in flight that keep a device's memory busy, from its peak rate (bytes/s; 0 when
+    unknown): DECODE_SATURATING_BYTES up to the H100's rate, then growing with the rate's square.
+
+    A fit of two devices, not a law: a faster memory needs more in flight, and more than in
+    proportion (the latency under load grows too). An H200 (4.8 TB/s) streams best from a whole
+    wave of 132 CTAs, 16.5 MiB: (1, 128k) 16 splits 1.18x flash, 11 splits (the rate in proportion,
+    11.5 MiB) 1.16x, 8 splits 1.13x; (4, 16k) 4 / 3 / 2 splits 1.40 / 1.34 / 1.33x.
+    """
+    scale = max(1.0, memory_rate / DECODE_REFERENCE_RATE)
+    return int(DECODE_SATURATING_BYTES * scale * scale)
+
+
+def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, row_blocks: int = 1,
+                      block_n: int = 64, ctas_per_sm: int = 2, saturating_ctas: int | None = None,
+                      max_splits: int = DECODE_MAX_SPLITS, min_tiles_per_split: int = 4) -> int:
+    """How many key ranges (splits) each (sequence, kv head, row block) is cut into.
+
+    Decode reads every K/V byte once and does little arithmetic per byte: it is bandwidth bound
+    and needs enough CTAs streaming until the end. Without splits, batch * heads_k CTAs (8 for one
+    sequence of a GQA model) keep too few bytes in flight; every split adds a partial result to
+    write and merge. So the count is chosen by :func:`decode_bandwidth_efficiency` (waves of
+    ``ctas_per_sm * num_sms`` CTAs, each at the memory's full rate from ``saturating_ctas`` CTAs):
+    the smallest split count within 95% of the best efficiency reachable, each split keeping at
+    least ``min_tiles_per_split`` tiles of ``block_n`` keys (the pipeline's fill and the merge stay
+    small against the streaming). Four or more waves without splitting need none.
+
+    Parameters
+    ----------
+    batch, heads_k : int
+        Sequences and kv heads.
+    seqlen_k : int
+        Keys a CTA's rows may see (the longest sequence; the window's span if narrower).
+    num_sms : int
+        Streaming multiprocessors of the device.
+    row_blocks : int
+        CTAs along the packed query rows (Sq_new * Hq / Hk rows, block_m per CTA).
+    block_n : int
+        Keys per pipeline stage.
+    ctas_per_sm : int
+        Resident decode CTAs per SM.
+    saturating_ctas : int, optional
+        CTAs whose copies in flight keep the memory busy (default: a whole wave,
+        ``ctas_per_sm * num_sms``; see :meth:`DecodePlan.saturating_ctas`).
+    max_splits : int
+        Upper bound (partial results cost num_splits * B * Sq * Hq * D float32).
+    min_tiles_per_split : int
+
+    Returns
+    -------
+    int
+        In ``[1, max_splits]``; 1 when there is nothing to gain (the unsplit path writes the output
+        directly, with no merge).
+    """
+    ctas = batch * heads_k * row_blocks
+    tiles = -(-seqlen_k // block_n) if seqlen_k > 0 else 0
+    if ctas <= 0 or tiles <= 0 or num_sms <= 0:
+        return 1
+    slots = max(1, ctas_per_sm) * num_sms
+    if ctas >= 4 * slots:
+        return 1
+    saturating = slots if saturating_ctas is None else max(1, min(saturating_ctas, slots))
+    limit = max(1, min(tiles // max(1, min_tiles_per_split), max_splits))
+    eff = [0.0] + [decode_bandwidth_efficiency(ctas * s, slots, saturating) for s in range(1, limit + 1)]
+    best = max(eff)
+    return next(s for s in range(1, limit + 1) if eff[s] >= 0.95 * best)
+
+
+def decode_bandwidth_efficiency(ctas: int, slots: int, saturating: int) -> float:
+    """Fraction of the memory's rate a launch of ``ctas`` equal CTAs gets: it runs in waves of up to
+    ``slots`` CTAs, and a wave of n CTAs streams at min(1, n / ``saturating``) of the rate."""
+    if ctas <= 0:
+        return 0.0
+    full, last = divmod(ctas, slots)
+    cost = full * max(slots, saturating) + (max(last, saturating) if last else 0)
+    return ctas / cost
+
+#: Table entries per thread that a decode CTA checks in one pass (cuda_src/decode.cu,
+#: kSelfCheckEntriesPerThread): up to this many, decode checks its index arrays itself.
+DECODE_SELF_CHECK_PER_THREAD = 8
+
+
+
+def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> bool:
+    """Whether a decode launch checks its index arrays on the GPU itself instead of a check_indices
+    launch ahead of it: always for a contiguous cache (B lengths); for a paged one when every CTA
+    can read the table in one pass (a launch saves ~3 us of host time; re-reading a larger table in
+    every CTA would cost more stream time than the overlapped check kernel)."""
+    return not paged or batch * max_pages <= DECODE_SELF_CHECK_PER_THREAD * threads
+
+
+def decode_precompile_variants(dtypes=None, head_dims=None,
+                               smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> list[Variant]:
+    """Decode and merge variants worth compiling ahead of time.
+
+    Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for the shared memory
+    of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
+    plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
+    dtype into itself.
+
+    Parameters
+    ----------
+    dtypes : sequence of str, optional
+        Default: float16, bfloat16, float32.
+    head_dims : sequence of int, optional
+        Default: 64, 128, 256.
+    smem_per_block : int
+        Shared memory budget the stage counts are chosen for.
+    """
+    dtypes = tuple(dtypes or ("float16", "bfloat16", "float32"))
+    head_dims = tuple(head_dims or (64, 128, 256))
+    out = []
+    for dtype_name in dtypes:
+        dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
+        for d in head_dims:
+            for paged in (False, True):
+                for mods in (False, True):
+                    out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
+                                           smem_per_block=smem_per_block).variant)
+        out.append(merge_plan("float32", dtype_name).variant)
+        out.append(merge_plan(dtype_name, dtype_name).variant)
+    return list(dict.fromkeys(out))

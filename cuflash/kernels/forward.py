@@ -1,0 +1,89 @@
+"""The forward families side by side: the variant of a call (:func:`forward_plan`, by family), the
+family a dtype defaults to, and the forward variants worth compiling ahead of time."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import fwd_simt, fwd_sm80, fwd_sm90
+from .common import LaunchPlan, round_up
+from .._variant import Variant
+
+FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
+
+
+# typed: score_mods=True (every modifier) and score_mods=1 (the softcap alone) are equal as keys otherwise.
+@functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
+def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool,
+                 consumers: int = 2) -> LaunchPlan:
+    """The forward variant for a problem.
+
+    Parameters
+    ----------
+    family : {"fwd_sm90", "fwd_sm80", "fwd_simt"}
+    dtype_name : {"float16", "bfloat16", "float32"}
+    head_dim : int
+        Run-time head dim (a multiple of 8, at most 256).
+    score_mods : bool, int or tuple/frozenset of str
+        The score modifiers the call uses (softcap, alibi, bias, mask, block_mask: the per-element
+        pipeline); True: all of them. See :func:`score_mod_bits` (hashable values only: cached).
+    dropout : bool
+    consumers : int
+        fwd_sm90's consumer warpgroups, 2 or 3 (:func:`sm90_consumers`; three only at D = 64 without
+        score modifiers or dropout).
+    """
+    if family == "fwd_sm90":
+        return fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers)
+    if family == "fwd_sm80":
+        return fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
+    if family == "fwd_simt":
+        return fwd_simt.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
+    raise ValueError(f"unknown kernel family {family!r}")
+
+
+
+def default_family(dtype_name: str) -> str:
+    """The kernel family used when none is forced."""
+    return "fwd_simt" if dtype_name == "float32" else "fwd_sm80"
+
+
+def forward_precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
+    """Forward variants worth compiling ahead of time: each dtype x head dim, plain and with every
+    feature, for the portable families and (for sm_90a, or when ``arch`` is None) fwd_sm90. Variants
+    with one score modifier (see :data:`SCORE_MODS`) or with only modifiers or only dropout compile
+    on first use.
+
+    Parameters
+    ----------
+    dtypes : sequence of str, optional
+        Default: float16, bfloat16, float32.
+    head_dims : sequence of int, optional
+        Default: 64, 128, 256 (others compile on first use).
+    families : sequence of str, optional
+        Restrict to these kernel families.
+    arch : str, optional
+        Target architecture; fwd_sm90 is only built for sm_90a.
+    """
+    dtypes = tuple(dtypes or ("float16", "bfloat16", "float32"))
+    head_dims = tuple(head_dims or (64, 128, 256))
+    out = []
+    for dtype_name in dtypes:
+        dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
+        candidates = [default_family(dtype_name)]
+        if dtype_name != "float32" and (arch is None or arch.startswith("sm_90")):
+            candidates.append("fwd_sm90")
+        for family in candidates:
+            if families is not None and family not in families:
+                continue
+            for d in head_dims:
+                for mods, dropout in ((False, False), (True, True)):
+                    plan = forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout)
+                    if plan.variant not in out:
+                        out.append(plan.variant)
+                if family == "fwd_sm90" and round_up(d, fwd_sm90.SM90_HEAD_DIMS) in fwd_sm90.SM90_WIDE_HEAD_DIMS:
+                    wide = forward_plan(family, dtype_name, d, score_mods=False, dropout=False, consumers=3)
+                    if wide.variant not in out:
+                        out.append(wide.variant)
+    return out
