@@ -102,10 +102,10 @@ class Timer:
         runs at the power limit, where the clock a run gets depends on what ran just before it.
         In turns without it, whoever followed the most power-hungry contender lost (H200, bf16
         backward D = 128 8k: the same cuflash call 3.7% slower after cuDNN than after itself,
-        cuDNN 3% faster after cuflash than after itself; `benchmarks/NOTES.md`, session 28). Settling
+        cuDNN 3% faster after cuflash than after itself; docs/decisions.md#measuring-a-change). Settling
         does not remove all of it, so each repeat takes the contenders in a new random order: in a
         fixed cycle the first one always follows the last (cuDNN, in the scripts), and byte-identical
-        kernels measured ~1% apart by their place in it (session 30)."""
+        kernels measured ~1% apart by their place in it."""
         counts = {name: self._calls_per_run(fn) for name, fn in fns.items()}
         times = {name: [] for name in fns}
         for r, order in enumerate(turn_orders(list(fns), self.repeats)):
@@ -132,7 +132,7 @@ def gemm_rate(cupy, torch, timer):
         ms = timer.median_ms(lambda i: torch.matmul(a[i], b[i], out=c))
         label = "torch.matmul bf16"
     else:
-        # cupy.matmul has no bfloat16 (DESIGN.md §7); fp16 runs on the same tensor cores.
+        # cupy.matmul has no bfloat16 (docs/design.md §7); fp16 runs on the same tensor cores.
         a = [cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)
              for _ in range(N_INPUT_SETS)]
         b = [cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)

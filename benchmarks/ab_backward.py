@@ -1,7 +1,7 @@
 """A/B of bwd_sm90 variants: each contender's backward timed in settled turns in one process, beside
 torch SDPA's cuDNN backend, per call as users call it (``cuflash.attention_backward``, dq/dk/dv given).
 
-This is how the bwd_sm90 rows of ``benchmarks/NOTES.md`` are measured. A contender changes what
+This is how the bwd_sm90 entries of ``docs/decisions.md`` are measured. A contender changes what
 cuflash plans for each bwd_sm90 call: compile-time defines, constants of ``cuflash.kernels``,
 or the kernel's source (a changed copy of ``cuda_src/``)::
 
@@ -19,7 +19,7 @@ variant; cuDNN, which has none, then runs without it).
 installed ``cuda_src/`` without one), prints registers, spills and ptxas's warnings, and writes every
 cubin to ``--out``, where ``run`` finds them (it compiles what is missing). Every contender's kernels
 thus come from one build and one load path. Give a control (``ctl=<a copy of cuda_src>``) beside
-the candidates, and trust no difference under ~2%: in session 30 (``benchmarks/NOTES.md``) the same
+the candidates, and trust no difference under ~2% (``docs/decisions.md#measuring-a-change``): the same
 source built on the device and here measured up to 2.5% apart, and byte-identical kernels up to 1.4%
 apart by their place in a fixed order of turns (the turns are now in a random order).
 

@@ -1,7 +1,7 @@
 """A/B of fwd_sm90 source trees: one kernel built from several copies of ``cuda_src/``, timed in
 turns in one process beside torch SDPA's cuDNN backend.
 
-This is how the fwd_sm90 rows of ``benchmarks/NOTES.md`` are measured. Copy ``cuda_src/`` to a
+This is how the fwd_sm90 entries of ``docs/decisions.md`` are measured. Copy ``cuda_src/`` to a
 scratch folder, change the copy, then::
 
     python benchmarks/ab_forward.py build base=cuda_src new=/tmp/new_src      # no GPU needed
@@ -185,7 +185,7 @@ def _cupy_dtype(dtype_name):
     import numpy as np
 
     if dtype_name == "bfloat16":
-        import ml_dtypes  # CuPy has no bfloat16 of its own (DESIGN.md §7)
+        import ml_dtypes  # CuPy has no bfloat16 of its own (docs/design.md §7)
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(dtype_name)

@@ -173,7 +173,7 @@ def main(argv=None):
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import cuflash
 
-    # CuPy has no bfloat16 of its own: ml_dtypes' is the one it understands (DESIGN.md §7).
+    # CuPy has no bfloat16 of its own: ml_dtypes' is the one it understands (docs/design.md §7).
     DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
     gpu = open_gpu(cupy, not args.no_torch)

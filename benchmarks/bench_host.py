@@ -34,8 +34,8 @@ peers measured in the same run. Three parts:
    decode contiguous and paged <= 20 us (CuPy) / 30 us (torch); merge_states <= 10 us; and never
    more than cuDNN's host time for the same call. The first row, ``launch floor``, is what any
    caller pays on this host: an empty kernel through cuLaunchKernel (CuPy's binding, as cuflash
-   launches), and ``torch.add`` of two small tensors; the host's speed moves between and within
-   leases, and this row measures it beside the others.
+   launches), and ``torch.add`` of two small tensors; the host's speed moves between machines
+   and over a run, and this row measures it beside the others.
 2. **End-to-end decode** (``decode``) at (B, L) = (8, 8k), (1, 128k), (32, 4k), (1, 32k), bf16,
    GQA 32/8, D = 128, one new token (Sq = 1, the cache full: ``cache_seqlens`` = L on the GPU),
    contiguous and paged (page 16, pages in random order): cuflash from torch tensors and from
@@ -577,7 +577,7 @@ def launch_floor(env):
     """The contenders of the host row of what any caller pays on this host: an empty kernel
     launched through the driver's cuLaunchKernel (CuPy's binding, as cuflash launches; cupy column)
     and ``torch.add`` on two small tensors (one kernel behind torch's dispatcher; torch column).
-    Host speed moves between leases and within one (benchmarks/NOTES.md): this row says how fast
+    Host speed moves between machines and over a run (docs/decisions.md#measuring-host-time): this row says how fast
     the host is while the rows below it are measured."""
     cp, torch = env.cp, env.torch
     kernel = cp.RawKernel('extern "C" __global__ void empty() {}', "empty")

@@ -66,7 +66,7 @@ __device__ __forceinline__ int dq_done_index(int b, int h, int heads, int heads_
 // so the last `tail_pairs` (slot, sequence) pairs of the grid are read block-major instead (all
 // their blocks x = 0, then all their blocks x = 1, ...), their light blocks last. Only those few:
 // CTAs of ~130 different heads at once each read their own head's rows, which L2 then cannot hold
-// (the whole grid block-major ran 0.6x as fast; benchmarks/NOTES.md, sessions 20 and 23).
+// (the whole grid block-major ran 0.6x as fast; docs/decisions.md#bwd-causal-tail-pairs).
 __device__ __forceinline__ int4 bwd_grid_place(int tail_pairs) {
     const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x, ny = gridDim.y;
     const int head_major = ny * gridDim.z - tail_pairs;   // pairs taken slot by slot

@@ -175,14 +175,14 @@ struct BwdSm90Config {
     // consumer 1 starts its walk once consumer 0 has its first dP^T (and again every kLagSteps
     // steps, below): a lag of 0.35-0.42 of a step. The stage goes back to the producer before the
     // dQ product is in. H200, bf16 and fp16, 16k tokens: +4-5% at 2k and 4k rows, +1-3% causal up
-    // to 4k, none from 8k causal (NOTES, session 32); with 80 rows, -1%.
+    // to 4k, none from 8k causal; with 80 rows, -1% (docs/decisions.md#bwd-sm90-deferred-dq).
     static constexpr bool kDeferDq =
         CUFLASH_BWD_DEFER_DQ != 0 && kDq && !kOrdered && !kSplitDims && kHeadDim == 128 && !kDqTransposed;
     // The lag is made again every kLagSteps steps (lag_step): made at the first step alone it wore
     // away along long walks, the stage waits taking it back (16k causal: 0.20 of a step at steps
     // 1-3, 0.04 by step 64, none from step 128), and the step grew 2-3%. Every 2 steps: H200 bf16
-    // causal 16k +4-5%, 8k +2-3%, 1k-4k and 512 rows full within the controls' spread (NOTES,
-    // session 36).
+    // causal 16k +4-5%, 8k +2-3%, 1k-4k and 512 rows full within the controls' spread
+    // (docs/decisions.md#bwd-sm90-relag).
     static constexpr int kLagSteps = CUFLASH_BWD_RELAG > 0 ? CUFLASH_BWD_RELAG : 1 << 30;
     // With kDeferDq the consumers hand their shares over rather than add them themselves: they store
     // them and arrive on the buffer's dq_full, and the dQ writers of the producer's warpgroup (one per
@@ -190,18 +190,19 @@ struct BwdSm90Config {
     // the reductions. With the fence and the reduction its own, a consumer's thread 0 waited 130
     // (consumer 0) to 440 (consumer 1) cycles of a ~4300-cycle step in the fence alone, its stores
     // landing behind the other consumer's products, then for the previous reduction's read and the
-    // warpgroup's barrier; handed over, H200 bf16 +1-4% (NOTES, session 33). (st.async, which needs
-    // no proxy fence, needs a cluster launch and ran 20% slower.)
+    // warpgroup's barrier; handed over, H200 bf16 +1-4% (docs/decisions.md#bwd-sm90-dq-writers).
+    // (st.async, which needs no proxy fence, needs a cluster launch and ran 20% slower.)
     // Ordered dQ (deterministic=True) hands its shares over the same way, its writers then making
     // the fence before they wait for the tile's turn: H200 bf16 D = 128 +3-6% from 2k to 16k
-    // (NOTES, session 35). CUFLASH_BWD_ORDERED_DQ_ASYNC=0 for an A/B against thread 0's hand-over.
+    // (docs/decisions.md#bwd-sm90-ordered-dq). CUFLASH_BWD_ORDERED_DQ_ASYNC=0 for an A/B against
+    // thread 0's hand-over.
     static constexpr bool kDqAsync =
         CUFLASH_BWD_DQ_ASYNC != 0 && (kDeferDq || (kOrdered && CUFLASH_BWD_ORDERED_DQ_ASYNC != 0));
     // 80-row steps hand their one share buffer over too, each consumer to a writer warp of its own,
     // meeting it at named barriers (hand_dq_share_at_barriers, write_dq_shares_handed_over): H200
     // bf16 +5-7% at 8k and 16k over the consumers' own reductions (through mbarriers the same
-    // hand-over gained half that; NOTES, sessions 34 and 35). Only where every row sees every key
-    // of its tiles: the guarded variant (varlen) spilled 12 B at 240 registers.
+    // hand-over gained half that; docs/decisions.md#bwd-sm90-80-row-hand-over). Only where every
+    // row sees every key of its tiles: the guarded variant (varlen) spilled 12 B at 240 registers.
     static constexpr bool kDqHandOver =
         kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
     static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
@@ -228,7 +229,7 @@ struct BwdSm90Config {
     // Ordered dQ: one writer per share buffer. A writer's step is a chain (its tile's turn, the
     // reductions, their landing, the turn passed on) that took longer than the consumers' step: with
     // one writer for both buffers deterministic=True ran 0.89-0.91x the default at D = 128 8k, with
-    // two 0.99-1.01x (H100, benchmarks/NOTES.md, session 27).
+    // two 0.99-1.01x (H100; docs/decisions.md#bwd-sm90-ordered-dq).
     static constexpr int kDqWriters = kDqBuffers;
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
@@ -792,7 +793,8 @@ __device__ __forceinline__ void store_dq_share(unsigned share, const float (&acc
 // added to the tile's share of dq_accum, 16 KB (20 KB) in one place, by one bulk reduction that
 // thread 0 of the warpgroup issues (ordered dQ: hands it to the writer). Per call the shares of all
 // CTAs add up to (key blocks) x the size of dQ in float32: atomics or row-wise reductions from every
-// warp kept the consumers waiting on them (benchmarks/NOTES.md). Consecutive shares take the two
+// warp kept the consumers waiting on them (row-wise reductions took 3.4 of a call's 13.4 ms at
+// D = 128; docs/decisions.md#bwd-sm90-dq-accumulator-tiles). Consecutive shares take the two
 // buffers in turn.
 template <class C>
 __device__ __forceinline__ void send_dq_share(const BwdParams& bp, BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles,
@@ -864,7 +866,7 @@ __device__ __forceinline__ void hand_dq_share(BwdSm90Shared<C>& sh, const BwdSm9
 // time), the threads store their parts and meet the writer again. The tile ((query head << 16) |
 // query tile) is still written to dq_tile_of, though the writer walks the tiles itself and reads
 // nothing there: with that store ptxas schedules the consumer so that 80-row steps run 3% faster
-// (H200 bf16 8k-16k; NOTES, session 34, v2 against v5).
+// (H200 bf16 8k-16k; docs/decisions.md#bwd-sm90-80-row-hand-over).
 template <class C>
 __device__ __forceinline__ void hand_dq_share_at_barriers(BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles,
                                                           float (&acc_dq)[C::kDqRegs / 4][4], int consumer, int tile,
@@ -1219,7 +1221,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         // Pdrop^T, then dS^T, into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
         // col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a warp's 8 rows x 4 pairs hit 32 banks).
         // One tile after the other rather than element by element in turns: H200, 0-4% faster at
-        // D = 256 under a causal mask, ~1% without (benchmarks/NOTES.md, session 29).
+        // D = 256 under a causal mask, ~1% without
+        // (docs/decisions.md#bwd-sm90-store-order-at-head-dim-256).
         auto store_tile = [&](unsigned tile, const float(&x)[C::kMTiles][4], bool pdrop) {
 #pragma unroll
             for (int mi = 0; mi < C::kMTiles; ++mi)

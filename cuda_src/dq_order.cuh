@@ -14,7 +14,8 @@
 // state nobody waits; without a window all walks start at the first tile, and CTAs started at the
 // same time take turns (a staircase); CTAs started as others finish arrive staggered already.
 // (Starting each walk at its own tile and ordering each tile cyclically, which needs every CTA of a
-// head resident at once, measured slower: benchmarks/NOTES.md, session 14.)
+// head resident at once, ran 0.80x the default mode's speed against 0.90x for this order at 8k:
+// docs/decisions.md#bwd-sm90-ordered-dq.)
 #pragma once
 
 #include "common.cuh"

@@ -21,8 +21,8 @@
 // Each consumer's output goes through shared memory and leaves by TMA (store_output_staged). The
 // CTAs are persistent and take their work items from a counter (WorkItem, take_item). The two
 // consumers start together: staggering them (consumer 1 waiting for consumer 0's first P) paid
-// +0.01-0.05 of cuDNN in session 3, and cost 0.00-0.03 once the producer issued V after the next
-// K (benchmarks/NOTES.md, session 8).
+// +0.01-0.05 of cuDNN at first, and cost 0.00-0.03 once the producer issued V after the next K
+// (docs/decisions.md#fwd-sm90-uncoupled-consumers).
 //
 // Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
 // (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,

@@ -1,4 +1,4 @@
-// Which scores exist and what they are: the score pipeline of DESIGN.md §2, shared by every kernel
+// Which scores exist and what they are: the score pipeline of docs/design.md §2, shared by every kernel
 // family so that the semantics cannot drift between them.
 //
 //   s = scale * q.k;  softcap c > 0: s = c * tanh(s / c);  s -= slope * |i + Sk - Sq - j|;  s += bias;

@@ -133,7 +133,7 @@ struct OnlineSoftmax {
     // never exceeds the row's maximum, whose own term is then >= 1), far from the subnormal and
     // huge ranges where they lose accuracy. The IEEE versions branch on those ranges, which kept
     // the rows' chains apart: ~800 clock cycles of each item's epilogue in fwd_sm90
-    // (benchmarks/NOTES.md, session 7).
+    // (docs/decisions.md#fwd-sm90-epilogue).
     __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {

@@ -7,7 +7,7 @@ edge where a step is its predecessor's programmatic dependent. Each call then wr
 into the steps' argument blocks as before, hands each node its block (cuGraphExecKernelNodeSetParams
 copies the bytes, 1.5 us a node on a slow host) and launches the graph once (cuGraphLaunch, 3 us
 there): the backward's three launches cost 8.3 us instead of 14.6, a whole backward call 8-9 us
-less (benchmarks/NOTES.md).
+less (docs/decisions.md#host-cuda-graphs).
 
 An executable graph holds its nodes' arguments and runs its launches one after another, so each
 thread keeps its own per (device, stream), built on the thread's argument blocks (whose addresses

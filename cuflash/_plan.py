@@ -109,7 +109,7 @@ class Plan:
         self._output_layouts = {}
         # A call's pointers of the outputs, and its results from its operands, read by one C call
         # each (a tuple whatever their number) rather than by comprehensions: merge_states'
-        # Plan.run 2.2 -> 1.8 us on a 2-core CPU (benchmarks/NOTES.md, session 31).
+        # Plan.run 2.2 -> 1.8 us on a CPU without a GPU (docs/decisions.md#host-python-per-call).
         self._output_ptrs = _getter(self._output_indices)
         self._results_of = _getter(self.results)
         self._graphs = threading.local()   # per thread: (device, stream, kernels) -> _graph.KernelGraph

@@ -12,7 +12,7 @@ the input dtype / float32), so a forward bug cannot hide or fake a backward one;
 chosen ``rng_state`` that the reference turns into the same keep mask. One test runs the whole
 chain with cuflash's forward kernels.
 
-The accuracy rule (DESIGN.md §5 carried over to gradients). For each of dq, dk, dv (and dbias):
+The accuracy rule (docs/design.md §5 carried over to gradients). For each of dq, dk, dv (and dbias):
 
 - float16/bfloat16: ``max|g - ref| <= 2 * max|g_base - ref| + atol * max|ref|``, where ``ref`` is
   the float64 analytic gradient (:mod:`cuflash._reference_backward`) and ``g_base`` the gradient of
@@ -20,7 +20,7 @@ The accuracy rule (DESIGN.md §5 carried over to gradients). For each of dq, dk,
   math path, say) computes: S = q k^T and dP = dO V^T accumulated in float32 and stored in the
   dtype, P and dS stored in the dtype, D = rowsum(dO * O) in float32, and dV = P^T dO,
   dQ = scale dS K, dK = scale dS^T Q accumulated in float32 and stored in the dtype (bfloat16
-  emulated in float32, DESIGN.md §7). ``atol`` is cuflash.testing.DEFAULT_ATOL of the dtype
+  emulated in float32, docs/design.md §7). ``atol`` is cuflash.testing.DEFAULT_ATOL of the dtype
   (about a quarter ulp), times the largest |reference gradient| of dq, dk, dv (gradients are not
   O(1)).
 - both rules add ``max|g_out - ref|``, ``g_out`` the float64 gradient with D_i = dO_i . out_i from

@@ -1,4 +1,4 @@
-"""Argument checking of the public API (DESIGN.md §2, "Errors").
+"""Argument checking of the public API (docs/design.md §2, "Errors").
 
 Every bad input must be rejected before any GPU work with a TypeError (type, dtype) or a
 ValueError (shape, value) whose message names the argument; an ``out=`` (or ``lse=``) buffer
@@ -368,7 +368,7 @@ def test_varlen_argument_errors(case):
 
 @gpu_test
 def test_last_axis_not_contiguous_is_copied():
-    # DESIGN.md §2: only the last axis must be contiguous; otherwise the input is copied.
+    # docs/design.md §2: only the last axis must be contiguous; otherwise the input is copied.
     c = _Inputs()
     wide = [c.rand(x.shape[:3] + (2 * D,)) for x in (c.q, c.k, c.v)]
     strided = [w[..., ::2] for w in wide]

@@ -66,7 +66,7 @@ def test_window_out_of_range_is_refused(window, exc):
 
 
 def _visible(i, sq, sk, left, right):
-    """[first, last] keys of query row i (Python ints: no overflow), as DESIGN.md defines the window."""
+    """[first, last] keys of query row i (Python ints: no overflow), as docs/design.md defines the window."""
     center = i + sk - sq
     first = 0 if left < 0 else max(0, center - left)
     last = sk - 1 if right < 0 else min(sk - 1, center + right)

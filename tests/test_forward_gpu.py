@@ -111,7 +111,7 @@ def forced(family):
 
 def _dtype(name):
     if name == "bfloat16":
-        import ml_dtypes  # CuPy has no bfloat16 of its own (DESIGN.md §7)
+        import ml_dtypes  # CuPy has no bfloat16 of its own (docs/design.md §7)
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

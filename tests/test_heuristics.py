@@ -113,7 +113,7 @@ def test_saturating_bytes_follow_memory_rate():
     rates = [2e12, 3.352e12, 4e12, 4.814e12, 8e12]
     sizes = [kernels.decode.decode_saturating_bytes(r) for r in rates]
     assert sizes == sorted(sizes)
-    # On an H200 every SM streams: the split counts its sweep found best (session 21).
+    # On an H200 every SM streams: the split counts its sweep found best (docs/decisions.md#decode-split-count).
     saturating = plan.saturating_ctas(4.814e12)
     assert saturating == -(-h200 // plan.in_flight_bytes)
     expect = {(8, 8192): 2, (1, 32768): 16, (1, 131072): 16, (4, 16384): 4, (2, 65536): 8}

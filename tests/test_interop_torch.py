@@ -1,7 +1,7 @@
 """cuflash.interop.torch: autograd over cuflash against torch's own attention, and a training step.
 
 Gradients are compared with torch's math SDPA backend run in float64 on the same (upcast) inputs.
-The accuracy rule is DESIGN.md §5's: float32 within a relative Frobenius error of 1e-4; float16
+The accuracy rule is docs/design.md §5's: float32 within a relative Frobenius error of 1e-4; float16
 / bfloat16 at most twice the error of a plain same-dtype attention (matmul, softmax, matmul as
 torch ops in that dtype, differentiated by autograd; torch's math SDPA itself computes half
 inputs in float32, so it is not that yardstick) plus a quarter-ulp relative slack. Causal

@@ -1,4 +1,4 @@
-"""A model of how bwd_sm90's CTAs fill the GPU, per order of its grid (benchmarks/NOTES.md, session 23).
+"""A model of how bwd_sm90's CTAs fill the GPU, per order of its grid (docs/decisions.md#bwd-causal-tail-pairs).
 
 CTAs start in the order of their linear index, each on the SM that frees first (one CTA per SM:
 bwd_sm90 takes ~225 KB of shared memory), and each lasts a fixed cost plus its steps. Under a causal

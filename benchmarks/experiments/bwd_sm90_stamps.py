@@ -1,4 +1,4 @@
-"""Where the two consumers' lag goes along a walk (bwd_sm90 D = 128, 64-row steps; NOTES, session 32).
+"""Where the two consumers' lag goes along a walk (bwd_sm90 D = 128, 64-row steps; docs/decisions.md#bwd-sm90-relag).
 
 With ``bwd_sm90_stamps.patch`` applied, each consumer's thread 0 stamps clock64 per step
 (CUFLASH_BWD_STAMPS=1): before its stage wait, after it, and after its dQ share has gone out, and

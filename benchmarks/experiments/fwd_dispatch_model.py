@@ -1,5 +1,5 @@
-"""A model of how fwd_sm90's persistent CTAs share a causal call's work items (benchmarks/NOTES.md,
-session 24).
+"""A model of how fwd_sm90's persistent CTAs share a causal call's work items
+(docs/decisions.md#fwd-sm90-causal-tail-heads).
 
 One CTA per SM. Items (m-block, head) are handed out in order from a counter, each head's m-blocks
 longest first; a CTA claims its next item when it starts one (fwd_sm90.cu, take_item), so the claim

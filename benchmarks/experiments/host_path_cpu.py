@@ -1,7 +1,7 @@
 """The Python cost of repeat calls of each entry point, on a machine without a GPU.
 
 The host bars of issue 15 are set in microseconds, of which the driver's launch takes 4-6 on the
-device's hosts (benchmarks/NOTES.md, session 35); the rest is Python in ``_memo.lookup``,
+device's hosts (docs/decisions.md#host-python-per-call); the rest is Python in ``_memo.lookup``,
 ``Plan.run`` and the entry points, which this script times with the CUDA runtime and driver stubbed
 out: CuPy arrays over made-up device addresses (CuPy builds them without a device), device 0 an
 sm_90a with 132 SMs, the null stream, a stand-in stream state, tensor maps of zeros and launches
@@ -9,9 +9,9 @@ sm_90a with 132 SMs, the null stream, a stand-in stream state, tensor maps of ze
 run; only kernels, maps and launches are stand-ins), so the repeat calls replay real plans. Their
 allocations come from a stand-in allocator (a bump pointer, cheaper than CuPy's pool).
 
-So a change to the call path can be weighed here before a lease; absolute figures are this CPU's
-(session 37, attention / backward / decode / paged / merge_states: 8.5 / 13.4 / 9.0 / 9.5 / 5.4 us
-at 5d91a83, 6.2 / 10.2 / 6.6 / 6.9 / 4.8 after; benchmarks/NOTES.md)::
+So a change to the call path can be weighed here before a GPU run; absolute figures are this CPU's
+(attention / backward / decode / paged / merge_states: 8.5 / 13.4 / 9.0 / 9.5 / 5.4 us before the
+trims of docs/decisions.md#host-plan-memo and #host-temporaries, 6.2 / 10.2 / 6.6 / 6.9 / 4.8 after)::
 
     python benchmarks/experiments/host_path_cpu.py [--only merge,decode,...]
 """

@@ -1,8 +1,8 @@
 """Does compute-sanitizer racecheck order shared-memory accesses through a named barrier shared by one
-warp of warpgroup 0 and the 128 threads of warpgroup 1 (bar.sync id, 160)? (Session 34: the 80-row
-dQ hand-over with named barriers, benchmarks/experiments/bwd_sm90_dq_handover80_named_barriers.patch,
-got 32 racecheck hazards on the tile index its consumer passes to its writer, though every access
-pair has a bar.sync of both sides between them; with mbarriers racecheck was clean.)
+warp of warpgroup 0 and the 128 threads of warpgroup 1 (bar.sync id, 160)? (A version of the 80-row
+dQ hand-over with named barriers, docs/decisions.md#bwd-sm90-80-row-hand-over, got 32 racecheck
+hazards on the tile index its consumer passed to its writer, though every access pair had a bar.sync
+of both sides between them; with mbarriers racecheck was clean.)
 
 Each kernel below passes an int from thread 128 (the "consumer") to the 32 lanes of warp 1 (the
 "writer") N times and is race-free by construction; the host checks the sums. Run on an H100/H200:

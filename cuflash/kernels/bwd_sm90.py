@@ -29,8 +29,8 @@ BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
 #: steps (which hand their dQ over one step late) at 1k-4k: 0 to +4%. 512 rows stay at 64 (a trial
 #: of 80 there lost 2.5%: the last tile's padding is 9% of the rows). Calls whose tiles keep dS's
 #: guard (varlen: kDqHandOver spilled there, the consumers add dQ themselves) wait for
-#: BWD_SM90_WIDE_MIN_ROWS_GUARDED rows, where such 80-row steps were level with 64 (benchmarks/NOTES.md,
-#: sessions 33 to 35). The ordered dQ of deterministic=True keeps 64: its writers need double-buffered
+#: BWD_SM90_WIDE_MIN_ROWS_GUARDED rows, where such 80-row steps were level with 64
+#: (docs/decisions.md#bwd-sm90-80-row-steps). The ordered dQ of deterministic=True keeps 64: its writers need double-buffered
 #: shares, for which 80 rows leave no shared memory (and its consumers spilled in a single-buffered trial).
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
 BWD_SM90_WIDE_MIN_ROWS = 1024
@@ -42,7 +42,7 @@ BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
 #: kDqAsync), not featured: 3 leaves shared memory for one dQ share buffer per consumer instead of
 #: two. With the lag between the consumers a stage comes back ~0.45 of a step later, and the copy of
 #: the stage after next then arrives late (consumers wait ~4.5% of a step more than in lockstep;
-#: benchmarks/NOTES.md, session 33). Measured with 3 (H200 bf16, session 34): 8k causal +1.2%, every
+#: docs/decisions.md#bwd-sm90-stage-count). Measured with 3 (H200 bf16): 8k causal +1.2%, every
 #: other shape from 1k to 16k within the controls' spread; so 2.
 BWD_SM90_DEFER_STAGES = 2
 #: Head dims whose bwd_sm90 adds dQ in a fixed order under deterministic=True (cuda_src/dq_order.cuh),
@@ -114,14 +114,14 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> st
 # head dims where it does. H100, bf16, full attention, per call in turns beside cuDNN: D = 64 2k and
 # 8k 2-4% faster, D = 128 8k and 16k (80 query rows) 1.4% (four rounds each); H200, settled turns
 # (two rounds): D = 256 +1% at 2k, +2.5-3% at 4k, +0.1-0.4% at 8k and 16k; D = 128 with 64 query
-# rows (2k, 4k) 0 to +0.4% (benchmarks/NOTES.md, sessions 25 and 28).
+# rows (2k, 4k) 0 to +0.4% (docs/decisions.md#bwd-sm90-unguarded-ds).
 BWD_ALL_KEYS_SEEN = True
 BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 256)
 # Under a causal mask or window, without score modifiers or dropout, the guard tile by tile: a tile
 # with no masked element and no row past the queries' end skips it (CUFLASH_TILE_GUARD). H200,
 # settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%; D = 128 causal +1.5% at 2k, +1-4%
 # at 4k, +3-4% at 8k, +5.5% at 16k, its ordered dQ at 8k +2-6%; D = 256 causal 2k-16k 5-7% slower,
-# 7-12% with its P^T and dS^T stored tile after tile (session 29): there the branch splits the one
+# 7-12% with its P^T and dS^T stored tile after tile (docs/decisions.md#bwd-sm90-tile-guard): there the branch splits the one
 # block after dP^T's wait in which ptxas interleaves the 16 exponentials a thread with the rest of
 # the elementwise work, and they then run back to back. D = 256 keeps the guard.
 BWD_SM90_TILE_GUARD = True

@@ -10,8 +10,8 @@ from ..features import score_mod_bits
 # Head dims the kernels are compiled for; a run-time head dim is zero-padded up to the next one.
 # sm80 tiles need multiples of 64 (the shared-memory swizzle spans 8 chunks of 16 bytes).
 SM80_HEAD_DIMS = (64, 128, 192, 256)
-# Chosen from register reports (no spills under 255 registers) and timings on an H200; see
-# benchmarks/NOTES.md. Without score modifiers or dropout, 4 warps with two 16-row tiles each
+# Chosen from register reports (no spills under 255 registers) and timings on an H200
+# (docs/decisions.md#fwd-sm80-tiles). Without score modifiers or dropout, 4 warps with two 16-row tiles each
 # (FlashAttention-2's shape) read each K/V fragment once for 32 rows; with them, the extra live
 # state no longer fits and 8 warps of one 16-row tile each take over.
 SM80_TILES = {

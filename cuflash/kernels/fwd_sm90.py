@@ -11,8 +11,8 @@ from ..features import DTYPE_CODES, score_mod_bits
 # Hopper (sm_90a): 2 consumer warpgroups x 64 rows (3 for long full rows at D = 64:
 # sm90_consumers), 2 K/V stages. Up to D = 128, S tiles of 128 keys and Q double buffered (the next
 # item's Q loads while this one computes); D = 256 fits shared memory only with one Q buffer and
-# 64-key tiles (64 + 2 x 2 x 32 KB). Measured and not taken (benchmarks/NOTES.md; their wgmma
-# wrappers are in the history at 0c98a8d): 80-key tiles at D = 256 (faster from 8k keys, but they
+# 64-key tiles (64 + 2 x 2 x 32 KB). Measured and not taken
+# (docs/decisions.md#fwd-sm90-tiles-and-stages): 80-key tiles at D = 256 (faster from 8k keys, but they
 # spill), 176/192-key tiles at D = 128/64, three consumers at D = 64 for every shape.
 SM90_HEAD_DIMS = (64, 128, 256)
 # Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
