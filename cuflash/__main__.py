@@ -180,7 +180,7 @@ def _doctor(verbose: bool = True) -> tuple[int, str]:
 
     status = cuda_status()
     rows = [("cuflash", f"{__version__} ({Path(cuflash.__file__).parent}), "
-                            f"Python {platform.python_version()}")]
+                        f"Python {platform.python_version()}")]
     if status.state == "ok":
         for k, line in enumerate(_gpu_lines(status.devices)):
             rows.append(("GPU" if k == 0 else "", line))

@@ -107,5 +107,6 @@ def summary(outcomes, archs, cache_dir, seconds: float, prefix: str = "precompil
     counts += f", {failed} failed" if failed else ""
     counts += f", {spilling} spilling" if spilling else ""
     where = "" if Path(cache_dir) == user_cache_dir() else f" (use it: CUFLASH_CACHE_DIR={cache_dir})"
-    return (f"{prefix}: {len(outcomes)} variants for {','.join(archs)}{note}: {counts}; "
+    variants = f"{len(outcomes)} variant" + ("" if len(outcomes) == 1 else "s")
+    return (f"{prefix}: {variants} for {','.join(archs)}{note}: {counts}; "
             f"{seconds:.1f} s -> {cache_dir}{where}")

@@ -393,11 +393,14 @@ def build(jobs, cache_dir=None, force=False, threads=None, progress=None, starte
 
 
 def precompile(variants=None, arch=None, threads=None, cache_dir=None, force=False, *, quiet=False):
-    """Compile kernel variants ahead of time into a cache directory.
+    """Compile kernel variants ahead of time into a cache directory (no GPU needed with ``arch``).
 
-    Shows one progress line on stderr while it compiles (redrawn in place on a terminal) and
-    ends with one summary line there (variants built and found in cache, time, directory);
-    compiler warnings stay in the results (``CompileResult.warnings``).
+    A first call of an entry point compiles the kernels it needs (NVRTC, seconds each) and caches
+    the cubins on disk; this builds them beforehand, e.g. in a container image or on a CI machine
+    without a GPU. Shows one progress line on stderr while it compiles (redrawn in place on a
+    terminal) and ends with one summary line there (variants built and found in cache, time,
+    directory); compiler warnings stay in the results (``CompileResult.warnings``). The command
+    line does the same: ``python -m cuflash precompile --arch sm_80,sm_90a``.
 
     Parameters
     ----------
@@ -428,6 +431,12 @@ def precompile(variants=None, arch=None, threads=None, cache_dir=None, force=Fal
     RuntimeError
         If any variant failed to compile (the others are still written), listing the failures;
         without ``arch``, if there is no usable GPU (the message says why and what to install).
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> results = cuflash.precompile(arch="sm_90a", cache_dir="/opt/cuflash-cache", quiet=True)
+    >>> # later, on the GPU machines: CUFLASH_CACHE_DIR=/opt/cuflash-cache python train.py
     """
     if variants is None:
         from cuflash.kernels.catalogue import precompile_variants

@@ -59,8 +59,33 @@ def _raise_fault(state, slot):
 
 
 def check_errors() -> None:
-    """Raise the index fault that an earlier call found on the GPU, if any (ValueError naming the
-    argument). Waits first for the current device, and every device cuflash ran on, to finish."""
+    """Raise the index fault that an earlier call found on the GPU, if any.
+
+    Index arrays on the GPU (``cache_seqlens`` and ``block_table`` of :func:`decode`,
+    ``cu_seqlens_q``/``cu_seqlens_k`` and ``max_seqlen_*`` of the varlen entry points) are never read
+    back: a kernel checks them before the call writes anything. With ``check=False`` (the default)
+    a bad value makes that call write nothing, and the fault is raised by the next call of that
+    entry point on the same stream, or by this function.
+
+    Raises
+    ------
+    ValueError
+        The fault, naming the argument, the index and the value (for example ``cache_seqlens[3] = 70
+        does not fit the cache ...``) and the entry point whose call found it. Each fault is raised
+        once.
+    RuntimeError
+        When CuPy or a usable CUDA GPU is missing.
+
+    Notes
+    -----
+    Waits first for the current device, and every device cuflash ran on, to finish: a host
+    synchronisation, for a checkpoint rather than every step.
+
+    Examples
+    --------
+    >>> out = cuflash.decode(q, k_cache, v_cache, cache_seqlens=lens_on_gpu)   # returns at once
+    >>> cuflash.check_errors()          # ValueError here if a length did not fit the cache
+    """
     import cupy
 
     states = _launch.all_stream_states()

@@ -19,6 +19,8 @@ import os
 import re
 import sys
 
+from cuflash._cuda_status import driver_cuda_version, extra_for
+
 __all__ = ["compile_to_cubin", "parse_ptxas_log", "version", "supported_archs", "library"]
 
 
@@ -131,9 +133,11 @@ def _backend():
         pass
     path = _find_libnvrtc()
     if path is None:
+        # The extra that matches the driver: a libnvrtc newer than the driver makes cubins it
+        # cannot load.
         raise RuntimeError(
-            "cuflash: libnvrtc not found; install the CUDA extra, e.g. "
-            "`pip install 'cuflash[cuda13]'` (it brings nvidia-cuda-nvrtc), or a CUDA toolkit"
+            f"cuflash: libnvrtc not found; install the CUDA extra, `{extra_for(driver_cuda_version())}` "
+            "(it brings nvidia-cuda-nvrtc), or a CUDA toolkit"
         )
     return _CtypesBackend(path)
 

@@ -8,12 +8,38 @@ from ._plan import Plan, PlanningDone, _pinned, _planning
 
 
 class PinnedPlan:
-    """A call's plan fixed once for a serving or training loop: calling it runs the entry point with
-    arguments of the same shapes, strides, dtypes and options, with no planning at all (a mismatch
-    is a ValueError), on temporaries it owns (one set per stream, made at the first call on that
-    stream), so that its launches can be captured in a CUDA graph. Made by :func:`cuflash.plan`,
-    which also makes the graph state of a dropout forward's generator on the current GPU
-    (:meth:`cuflash.Generator.graph_safe`).
+    """A call's plan fixed once for a serving or training loop; made by :func:`cuflash.plan`.
+
+    Calling it runs the entry point with arguments of the same shapes, strides, dtypes and options,
+    with no planning at all, on temporaries it owns (one set per stream, made at the first call on
+    that stream), so that its launches can be captured in a CUDA graph. Not made directly: use
+    :func:`cuflash.plan`, which also makes the graph state of a dropout forward's generator on the
+    current GPU (:meth:`cuflash.Generator.graph_safe`).
+
+    Parameters
+    ----------
+    fn : callable
+        The entry point the plan runs (:func:`cuflash.attention`, :func:`cuflash.decode`, ...).
+    plan : cuflash._plan.Plan
+        The call's launches, as planned.
+    key : tuple
+        What the call was planned for (entry point, options, operand shapes, strides, dtypes,
+        device); every call must match it.
+    options : dict
+        The keyword options fixed by the plan, passed to ``fn`` at every call.
+
+    Notes
+    -----
+    ``p(*arrays, **array_keywords)`` returns what ``fn`` returns. Pass the arrays only: an option
+    fixed by the plan passed again is a TypeError, and arrays whose shapes, strides, dtypes or
+    device differ from the planned ones are a ValueError (before any launch).
+    ``repr(p)`` names the entry point, the operand shapes and the number of launches.
+
+    Examples
+    --------
+    >>> step = cuflash.plan(cuflash.decode, q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new,
+    ...                     v_new=v_new, out=out)
+    >>> step(q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=v_new, out=out)
     """
 
     def __init__(self, fn, plan: Plan, key, options: dict):
@@ -47,8 +73,37 @@ class PinnedPlan:
 
 
 def planned(fn, *args, **kwargs) -> PinnedPlan:
-    """Plan ``fn(*args, **kwargs)`` without launching anything: array arguments fix the layout,
-    other keyword arguments are options fixed in the plan.
+    """Plan ``fn(*args, **kwargs)`` without launching anything, for a loop or a CUDA graph.
+
+    Array arguments fix the layout (shapes, strides, dtypes, device); the other keyword arguments
+    are options fixed in the plan. The returned :class:`Plan` runs the call with no planning on
+    temporaries it owns, so that its launches can be captured.
+
+    Parameters
+    ----------
+    fn : callable
+        An entry point: :func:`cuflash.attention`, :func:`cuflash.attention_forward`,
+        :func:`cuflash.attention_varlen`, :func:`cuflash.attention_backward`,
+        :func:`cuflash.attention_varlen_backward`, :func:`cuflash.decode` or
+        :func:`cuflash.merge_states`.
+    *args, **kwargs
+        A call's arguments, as ``fn`` takes them: CuPy arrays or torch tensors on torch's current
+        stream, used in place (no copies), index arrays on the GPU; and its options.
+
+    Returns
+    -------
+    Plan
+        Call it with the arrays only: ``p(q, k, v, out=out)``.
+
+    Raises
+    ------
+    ValueError
+        If the call launches nothing (an empty problem), or cannot be planned: an operand that is
+        not a CuPy array or a torch tensor on torch's current stream, one that needs a copy (a
+        misaligned or non-contiguous last axis, a head dim that is not a multiple of 8), or an
+        index array given on the host.
+    TypeError, ValueError, RuntimeError
+        Any error of ``fn`` for these arguments.
 
     Notes
     -----
@@ -70,6 +125,23 @@ def planned(fn, *args, **kwargs) -> PinnedPlan:
       captured: RuntimeError, before any of its kernels is recorded (end the capture and drop its
       graph). Index arrays are checked on the GPU at every replay: a bad one makes the replay write
       nothing and is raised by the next call on the stream or by :func:`cuflash.check_errors`.
+
+    Examples
+    --------
+    >>> import cupy as cp
+    >>> import cuflash
+    >>> q, k, v = (cp.random.standard_normal((8, 1024, 16, 128), dtype=cp.float32).astype(cp.float16)
+    ...            for _ in range(3))
+    >>> out = cp.empty_like(q)
+    >>> step = cuflash.plan(cuflash.attention, q, k, v, causal=True, out=out)
+    >>> stream = cp.cuda.Stream(non_blocking=True)
+    >>> with stream:
+    ...     step(q, k, v, out=out)             # once on the capturing stream first
+    ...     stream.begin_capture()
+    ...     step(q, k, v, out=out)
+    ...     graph = stream.end_capture()
+    >>> q[...] = next_q                        # new inputs into the same arrays, then replay
+    >>> graph.launch(stream)
     """
     record = {}
     token = _planning.set(record)

@@ -1,20 +1,15 @@
-"""Forward attention: the public entry points and the one launch path behind them."""
+"""Forward attention: the public entry points (check -> plan -> run); the plan of a call is
+:mod:`cuflash._forward_plan`'s."""
 
 from __future__ import annotations
 
-import contextvars
-import math
-
 import numpy as np
 
-from . import _capture, _checks, _faults, _launch, _memo, _plan, _step, _tma, kernels
-from ._compile import device_arch, get_kernel
-from ._params import FWD, Template
-from .random import dropout_threshold
+from . import _capture, _checks, _launch, _memo
+from ._forward_plan import _family_for, _forced_family, forward_plan
+from ._scores import SCORE_OPERANDS, score_operands
 
-_forced_family = contextvars.ContextVar("cuflash_forced_family", default=None)
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
-_num_sms = _launch.sm_count  # a module name, so tests can pretend to other SM counts
 
 
 def force_kernel(family: str):
@@ -49,158 +44,6 @@ def force_kernel(family: str):
     return _launch.forcing(_forced_family, family, FAMILIES)
 
 
-SCORE_OPERANDS = ("alibi_slopes", "mask", "bias", "block_mask")
-
-
-def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block_size, first: int):
-    """FwdParams fields for ALiBi, mask, bias and block_mask: pointers as ("operand", index) with the
-    operands at ``first``, ``first + 1``, ... in that order, and the kernel-ready arrays (zero-stride
-    broadcast views; ALiBi slopes contiguous) in the same order (None where absent; names in
-    SCORE_OPERANDS)."""
-    fields, arrays = {}, [None, None, None, None]
-    if alibi_slopes is not None:
-        slopes = arrays[0] = _checks.check_alibi(alibi_slopes, b, hq)
-        fields.update(alibi_slopes=("operand", first), alibi_batch_stride=hq if slopes.ndim == 2 else 0)
-    if mask is not None:
-        m = arrays[1] = _checks.broadcast_operand(mask, "mask", (b, hq, sq, sk), "bool")
-        fields.update(mask=("operand", first + 1), **_stride_fields("mask", m))
-    if bias is not None:
-        x = arrays[2] = _checks.broadcast_operand(bias, "bias", (b, hq, sq, sk), "float")
-        fields.update(bias=("operand", first + 2), bias_dtype=_checks.BIAS_DTYPE_CODES[np.dtype(x.dtype)],
-                      **_stride_fields("bias", x))
-    bq, bk = _checks.check_block_size(block_size)
-    fields.update(block_q=bq, block_k=bk)
-    if block_mask is not None:
-        target = (b, hq, math.ceil(sq / bq), math.ceil(sk / bk))
-        x = arrays[3] = _checks.broadcast_operand(block_mask, "block_mask", target, "bool")
-        fields.update(block_mask=("operand", first + 3), **_stride_fields("block_mask", x))
-    return fields, arrays
-
-
-def _stride_fields(prefix: str, x) -> dict:
-    sb, sh, sr, sc = _checks.element_strides(x)
-    return {f"{prefix}_batch_stride": sb, f"{prefix}_head_stride": sh, f"{prefix}_row_stride": sr,
-            f"{prefix}_col_stride": sc}
-
-
-def _family_for(dtype_name: str) -> str | None:
-    """The forced family after checking it can run this dtype (None: choose per call)."""
-    family = _forced_family.get()
-    if family in ("fwd_sm80", "fwd_sm90") and dtype_name == "float32":
-        raise ValueError(f"the forced kernel family {family} runs float16/bfloat16, not float32")
-    if family == "fwd_simt" and dtype_name != "float32":
-        raise ValueError(f"the forced kernel family fwd_simt runs float32, not {dtype_name}")
-    return family
-
-
-def _sm90_obstacle(q, k, v) -> str | None:
-    """Why fwd_sm90 cannot run this call, or None: its TMA loads need a 16-byte aligned base and
-    positive strides that are multiples of 16 bytes. (Every option, varlen and head dims up to 256
-    run there.)"""
-    if not all(_tma.tma_compatible(x) for x in (q, k, v)):
-        return "the strides of q, k or v are negative or not multiples of 16 bytes"
-    return None
-
-
-def _choose_family(dtype_name: str, q, k, v) -> str:
-    forced = _family_for(dtype_name)
-    if dtype_name == "float32":
-        return "fwd_simt"
-    obstacle = _sm90_obstacle(q, k, v)
-    if forced == "fwd_sm90":
-        if obstacle is not None:
-            raise ValueError(f"the forced kernel family fwd_sm90 cannot run this call: {obstacle}")
-        return forced
-    if forced == "fwd_sm80":
-        return forced
-    return "fwd_sm90" if obstacle is None and _is_hopper() else "fwd_sm80"
-
-
-def _is_hopper() -> bool:
-    return device_arch() == "sm_90a"
-
-
-def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_fields, row_layout, opts,
-                 score_fields, grid_rows, batch, heads_q, check=None, lse_output=True, dropout_origin=None):
-    """Choose the kernel and build the plan of one forward call.
-
-    ``operands`` are the entry point's (q, k, v, out, lse, then the score and index arrays); ``q``,
-    ``k``, ``v``, ``o`` the kernel-ready arrays whose layouts the plan encodes. ``score_fields``
-    maps FwdParams fields to values, or, for pointers, to ``("operand", index)``. ``check`` is the
-    index-check step's fields (varlen on the GPU), or None. ``dropout_origin``: the FwdParams fields
-    of :func:`_checks.check_dropout_origin`, or None (origin (0, 0)).
-    """
-    family = _choose_family(dtype_name, q, k, v)
-    dropout = opts.dropout_p > 0
-    score_mods = (tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
-                  + (("softcap",) if opts.softcap > 0 else ()))
-    consumers = 2
-    if family == "fwd_sm90" and entry == "attention":
-        consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
-                                               full=opts.window == (-1, -1), seqlen_q=q.shape[1])
-    plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
-                                      consumers=consumers)
-    b, hq = batch, heads_q
-    if family == "fwd_sm90" and entry == "attention_varlen":
-        # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks
-        # cover max_seqlen_q rows of every sequence (check_problem_size bounds the dense ones).
-        _checks.check_size(math.ceil(grid_rows / plan_k.block_m) * hq * b, _checks.INT32_MAX,
-                           "the query blocks of max_seqlen_q rows x heads x sequences",
-                           "int32 in fwd_sm90: pass max_seqlen_q, the longest query sequence")
-    lse_shape = (hq, q.shape[0]) if entry == "attention_varlen" else (b, hq, q.shape[1])
-    lse_buffer = _step.Buffer(lse_shape, np.float32)
-    outputs = {3: _step.Buffer(o.shape, o.dtype)}
-    temps = ()
-    if lse_output:
-        outputs[4] = lse_buffer
-    else:
-        temps = (lse_buffer,)
-    plan = _plan.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=(0, 1, 2, 3),
-                          dropout=(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)) if dropout else None,
-                          checked=check is not None, results=(3, 4) if lse_output else (3,))
-    lse_slot = 4 if lse_output else plan.temp_index(0)
-    left, right = opts.window
-    fields = dict(**row_layout, **seq_fields, heads_q=hq, heads_k=k.shape[-2], head_dim=head_dim, batch=b,
-                  window_left=left, window_right=right, scale=opts.scale, scale_log2=opts.scale * math.log2(math.e),
-                  softcap=opts.softcap)
-    slots = {"q": 0, "k": 1, "v": 2, "o": 3, "lse": lse_slot}
-    for name, value in score_fields.items():
-        if isinstance(value, tuple):
-            slots[name] = value[1]
-        else:
-            fields[name] = value
-    if dropout:
-        fields.update(dropout_threshold=dropout_threshold(opts.dropout_p), dropout_rescale=1.0 / (1.0 - opts.dropout_p),
-                      **(dropout_origin or {}))
-        slots.update(dropout_state=plan.index("dropout_state"), dropout_seed=plan.index("seed"),
-                     dropout_offset=plan.index("offset"))
-    device_id = _launch.device_id()
-    if check is not None:
-        plan.steps.append(_faults.check_step(plan, check, device_id))
-        slots["error"] = plan.index("error")
-    if family == "fwd_sm90":
-        fields["tail_heads"] = kernels.fwd_sm90.fwd_tail_heads(math.ceil(grid_rows / plan_k.block_m), hq * b,
-                                                          _num_sms(device_id), shrinking=right >= 0 and left < 0)
-    params = Template(FWD, fields, slots)
-    kernel = get_kernel(plan_k.variant)
-    func = _launch.prepare_kernel(kernel, plan_k.smem_bytes, device_id)
-    grid = (math.ceil(grid_rows / plan_k.block_m), hq, b)
-    if family == "fwd_sm90":
-        # Persistent: at most one CTA per SM, each taking (m-block, head, batch) items from the
-        # stream's counter, which the kernel leaves at 0 when it ends.
-        grid = (min(grid[0] * hq * b, _num_sms(device_id)), 1, 1)
-        block_n = dict(plan_k.variant.defines)["CUFLASH_BLOCK_N"]
-        # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
-        boxes = (plan_k.block_m, block_n, block_n, 64)
-        maps = [("map", i, _tma.TensorMapSpec(x, rows, dtype_name)) for i, (x, rows) in enumerate(zip((q, k, v, o), boxes))]
-        args = (*maps, ("struct", params), ("pointer", plan.index("counter")))
-    else:
-        args = (("struct", params),)
-    plan.steps.append(_step.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
-    plan.info["family"] = family
-    if family == "fwd_sm90":
-        plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"])
-    return plan
 
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,

@@ -319,10 +319,12 @@ class Generator:
 
     @property
     def seed(self):
+        """The Philox key, an int in ``[0, 2**64)`` (read-only: :meth:`manual_seed`, :meth:`set_state`)."""
         return self._seed
 
     @property
     def offset(self):
+        """The offset the next dropout call draws (the number of calls served since the seed was set)."""
         return self._offset
 
     def get_state(self):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflash import reference as _reference
+from cuflash.reference import _forward as _reference
 from cuflash.random import as_rng_state, dropout_keep
 
 __all__ = [

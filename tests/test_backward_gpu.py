@@ -15,7 +15,7 @@ chain with cuflash's forward kernels.
 The accuracy rule (docs/design.md §5 carried over to gradients). For each of dq, dk, dv (and dbias):
 
 - float16/bfloat16: ``max|g - ref| <= 2 * max|g_base - ref| + atol * max|ref|``, where ``ref`` is
-  the float64 analytic gradient (:mod:`cuflash._reference_backward`) and ``g_base`` the gradient of
+  the float64 analytic gradient (:func:`cuflash.reference.attention_backward`) and ``g_base`` the gradient of
   a plain same-dtype backward, :func:`baseline_backward` below: what a naive implementation (torch's
   math path, say) computes: S = q k^T and dP = dO V^T accumulated in float32 and stored in the
   dtype, P and dS stored in the dtype, D = rowsum(dO * O) in float32, and dV = P^T dO,
@@ -54,11 +54,11 @@ import cupy
 
 import cuflash
 import cuflash.testing as tt
-from cuflash import _memo, kernels
+from cuflash import _backward_plan, _memo, kernels
 from cuflash import backward as bw
 from cuflash import reference
-from cuflash._reference_backward import attention_backward as reference_backward
-from cuflash._reference_backward import attention_varlen_backward as reference_varlen_backward
+from cuflash.reference import attention_backward as reference_backward
+from cuflash.reference import attention_varlen_backward as reference_varlen_backward
 
 
 def _gpu_available():
@@ -212,7 +212,7 @@ def baseline_backward(dout, q, k, v, out, *, causal=False, scale=None, window=No
     ot = out.astype(f32).transpose(0, 2, 1, 3)
 
     raw = rnd(cupy.matmul(qt, kt.transpose(0, 1, 3, 2)))
-    s = reference._score_pipeline(cupy, raw, scale=scale, causal=causal, window=window, softcap=softcap,
+    s = reference._forward._score_pipeline(cupy, raw, scale=scale, causal=causal, window=window, softcap=softcap,
                                   alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                                   block_size=block_size)
     seen = s != -np.inf
@@ -594,7 +594,7 @@ def test_deterministic_is_bitwise_reproducible(family, dtype, heads):
 def test_gqa_group_reduction_paths(family, dtype, num_sms, monkeypatch):
     # Few SMs: one CTA sums the whole query-head group in registers; many SMs: the group is split
     # over CTAs whose float32 partials bwd_convert adds. Both must agree with the reference.
-    monkeypatch.setattr(bw, "_num_sms", lambda device_id: num_sms)
+    monkeypatch.setattr(_backward_plan, "_num_sms", lambda device_id: num_sms)
     for heads in ((8, 2), (8, 1), (6, 3)):
         shape = _shape(2, 150, 200, heads[0], heads[1], 64)
         for deterministic in (False, True):
@@ -877,7 +877,7 @@ def test_sm90_ordered_dq(options, sq, sk, num_sms, dq, monkeypatch):
     # every window shape: chosen by the plan, gradients within the accuracy rule, the same bits on
     # every run. (num_sms only changes how the GQA group is split over CTAs.)
     if num_sms is not None:
-        monkeypatch.setattr(bw, "_num_sms", lambda device_id: num_sms)
+        monkeypatch.setattr(_backward_plan, "_num_sms", lambda device_id: num_sms)
     _memo.clear_memo()   # plans remembered from other calls were made for the real SM count
     monkeypatch.setattr(_memo, "_memo", {})   # and none made here outlives the test
     shape = _shape(2, sq, sk, 8, 2, 128)
@@ -965,7 +965,7 @@ def test_causal_tail_pairs_block_major(family, dtype, deterministic, monkeypatch
     # pass and every family's dQ pass (deterministic mode); with one SM, ceil(2 x CTAs per SM /
     # blocks) of the 12 (24) pairs. Against the reference, and the same with no tail and with every
     # pair in it: dK/dV (and deterministic dQ) bitwise equal whatever the order.
-    monkeypatch.setattr(bw, "_num_sms", lambda device_id: 1)
+    monkeypatch.setattr(_backward_plan, "_num_sms", lambda device_id: 1)
     shape = _shape(3, 200, 200, 8, 4, 64)
     grads, _, (dout, q, k, v, out, lse, opts, _) = solve(family, dtype, shape, {"causal": True}, 196,
                                                          deterministic=deterministic)
@@ -1000,7 +1000,7 @@ def test_sm90_causal_tail_pairs_key_block_major(head_dim, monkeypatch):
     # 4 SMs and 3 key blocks, 3 of the 12 pairs (tail_pairs); then none, then all of them. Each CTA
     # must still take exactly one (key block, slot, sequence): against the reference, and dK/dV
     # (no atomics) bitwise the same in every order.
-    monkeypatch.setattr(bw, "_num_sms", lambda device_id: 4)
+    monkeypatch.setattr(_backward_plan, "_num_sms", lambda device_id: 4)
     block_n = kernels.bwd_sm90.BWD_SM90_BLOCK_N[head_dim]
     shape = _shape(3, 3 * block_n - 20, 3 * block_n - 20, 8, 4, head_dim)
     grads, _, (dout, q, k, v, out, lse, opts, _) = solve("bwd_sm90", "bfloat16", shape, {"causal": True}, 195)
@@ -1016,7 +1016,7 @@ def test_sm90_dq_conversion_behind_the_kernel(head_dim, monkeypatch):
     # The dQ conversion runs as bwd_sm90's programmatic dependent: each of its CTAs waits for the
     # counted reductions of its (sequence, slot), not for the grid. More CTAs than SMs, the GQA
     # group split over CTAs (slots of one query head), against the reference with it and without.
-    monkeypatch.setattr(bw, "_num_sms", lambda device_id: 10_000)
+    monkeypatch.setattr(_backward_plan, "_num_sms", lambda device_id: 10_000)
     shape = _shape(2, 600, 1100, 8, 2, head_dim)
     for behind in (True, False):
         monkeypatch.setattr(kernels.bwd_sm90, "BWD_CONVERT_BEHIND", behind)

@@ -35,7 +35,7 @@ cupy = pytest.importorskip("cupy")
 import cuflash  # noqa: E402
 import cuflash.testing as tt  # noqa: E402
 from cuflash import reference  # noqa: E402
-from cuflash._reference_backward import attention_backward as reference_backward  # noqa: E402
+from cuflash.reference import attention_backward as reference_backward  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -351,7 +351,7 @@ DECODE_LENS = {1: (300, 77), 2: (250, 100), 3: (17, 261)}
 
 def _check_decode(out, d, case):
     """out against the reference; the caches equal the case's plus the appended rows."""
-    problems, k_after, v_after = reference._decode_sequences(
+    problems, k_after, v_after = reference._forward._decode_sequences(
         case["q"], case["k_cache"], case["v_cache"], cache_seqlens=case["lens"], block_table=case["table"],
         k_new=case["k_new"], v_new=case["v_new"])
     B, Sq, Hq, D = case["q"].shape

@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from cuflash import _compile
+from cuflash import _arch, _cache, _compile, _cuda_status
 from cuflash.__main__ import main
-from cuflash._compile import Variant
+from cuflash._variant import Variant
 
 from test_compile import TINY, tiny_src  # noqa: F401  (a fixture)
 
@@ -47,7 +47,7 @@ def fake_cupy(monkeypatch, count=1, error=None, runtime=13020):
 def driver(monkeypatch):
     """Set the CUDA version the (simulated) driver supports; None: no driver installed."""
     def set_version(version):
-        monkeypatch.setattr(_compile, "_driver_cuda_version", lambda: version)
+        monkeypatch.setattr(_cuda_status, "driver_cuda_version", lambda: version)
     return set_version
 
 
@@ -62,7 +62,7 @@ def run(capsys, *argv):
 def test_status_insufficient_driver_names_the_cuda12_extra(monkeypatch, driver):
     driver((12, 8))
     fake_cupy(monkeypatch, error=INSUFFICIENT_DRIVER)
-    status = _compile.cuda_status()
+    status = _cuda_status.cuda_status()
     assert status.state == "broken"
     assert status.reason == ("cudaErrorInsufficientDriver: the driver supports CUDA 12.8, "
                              "CuPy was built for CUDA 13.2")
@@ -73,7 +73,7 @@ def test_status_insufficient_driver_names_the_cuda12_extra(monkeypatch, driver):
 def test_status_driver_older_than_cuda12(monkeypatch, driver):
     driver((11, 4))
     fake_cupy(monkeypatch, error=INSUFFICIENT_DRIVER)
-    status = _compile.cuda_status()
+    status = _cuda_status.cuda_status()
     assert status.state == "broken" and "update the NVIDIA driver" in status.fix
 
 
@@ -85,17 +85,17 @@ def test_status_driver_older_than_cuda12(monkeypatch, driver):
 def test_status_no_gpu_is_not_an_error(monkeypatch, driver, version, error, count, reason):
     driver(version)
     fake_cupy(monkeypatch, count=count, error=error)
-    status = _compile.cuda_status()
+    status = _cuda_status.cuda_status()
     assert status.state == "no-gpu" and reason in status.reason and status.fix == ""
 
 
 def test_status_without_cupy(monkeypatch, driver):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ModuleNotFoundError
     driver(None)
-    assert _compile.cuda_status() == _compile.CudaStatus(
+    assert _cuda_status.cuda_status() == _cuda_status.CudaStatus(
         "no-cupy", fix="pip install 'cuflash[cuda13]'")
     driver((12, 4))
-    assert _compile.cuda_status().fix == "pip install 'cuflash[cuda12]'"
+    assert _cuda_status.cuda_status().fix == "pip install 'cuflash[cuda12]'"
 
 
 def test_status_cupy_that_fails_to_load(monkeypatch, driver):
@@ -110,7 +110,7 @@ def test_status_cupy_that_fails_to_load(monkeypatch, driver):
 
     driver((13, 0))
     monkeypatch.setattr(builtins, "__import__", importer)
-    status = _compile.cuda_status()
+    status = _cuda_status.cuda_status()
     assert status.state == "broken" and "libcudart.so.13" in status.reason
     assert status.fix == "reinstall: pip install 'cuflash[cuda13]'"
 
@@ -118,7 +118,7 @@ def test_status_cupy_that_fails_to_load(monkeypatch, driver):
 def test_status_other_cuda_errors_are_broken(monkeypatch, driver):
     driver((13, 0))
     fake_cupy(monkeypatch, error=UNKNOWN)
-    status = _compile.cuda_status()
+    status = _cuda_status.cuda_status()
     assert status.state == "broken" and status.reason.startswith("cudaErrorUnknown")
     assert "nvidia-smi" in status.fix
 
@@ -129,7 +129,7 @@ def test_device_arch_error_says_why(monkeypatch, driver):
     sys.modules["cupy"].cuda.Device = lambda device=None: (_ for _ in ()).throw(
         FakeCUDARuntimeError(*INSUFFICIENT_DRIVER))
     with pytest.raises(RuntimeError, match=r"(?s)CUDA is not usable.*fix: .*cuda12"):
-        _compile.device_arch()
+        _arch.device_arch()
 
 
 # ----------------------------------------------------------------------------- main job, doctor
@@ -163,7 +163,7 @@ def test_main_without_gpu_exits_0(monkeypatch, driver, capsys, version, error, c
 
 
 def test_main_on_this_machine(capsys):
-    if _compile.cuda_status().state == "ok":
+    if _cuda_status.cuda_status().state == "ok":
         pytest.skip("a GPU is present: the main job runs the GPU self-check (GPU suite)")
     code, out, err = run(capsys)
     assert (code, out.startswith("cuflash: no CUDA GPU found")) == (0, True) or code == 1
@@ -212,7 +212,6 @@ def fake_heuristics(monkeypatch):
     module = types.ModuleType("cuflash.kernels.catalogue")
     module.variants = [TINY]
     module.calls = []
-    module.DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 
     def precompile_variants(dtypes=None, head_dims=None, arch=None, **kw):
         module.calls.append((dtypes, head_dims, arch))
@@ -223,34 +222,59 @@ def fake_heuristics(monkeypatch):
     return module
 
 
-def test_precompile_table_cache_and_force(tiny_src, tmp_path, fake_heuristics, capsys):  # noqa: F811
+def test_precompile_prints_one_summary_line_and_caches(tiny_src, tmp_path, fake_heuristics, capsys):  # noqa: F811
     out_dir = tmp_path / "aot"
     code, out, err = run(capsys, "precompile", "--arch", "sm_90a,sm_80", "--cache-dir", str(out_dir))
     assert code == 0, err
-    header, *rows = [ln for ln in out.splitlines() if ln.strip()][:3]
-    assert header.split() == ["family", "arch", "config", "regs", "smem", "KiB", "spills", "sec"]
-    assert rows[0].split()[:2] == ["tiny", "sm_90a"] and rows[1].split()[:2] == ["tiny", "sm_80"]
-    assert " 0.2+0 " in rows[0] + " "  # 256 B static, no dynamic shared memory
-    assert max(len(ln) for ln in [header, *rows]) < 100
-    assert "2 variants for sm_90a,sm_80: 2 compiled, 0 cached, 0 failed" in out
-    assert "slowest compile: " in out and " s (tiny sm_" in out   # the time a first call waits at most
-    assert "precompile: 2/2 compiled" in err  # stderr is not a terminal here: plain lines
+    assert out.splitlines() == [out.strip()]  # the summary, nothing else
+    assert out.startswith("precompile: 2 variants for sm_90a,sm_80: 2 built, 0 found in cache; ")
+    assert f"-> {out_dir} (use it: CUFLASH_CACHE_DIR={out_dir})" in out
+    # stderr is not a terminal here: a start line and at most one line per quarter.
+    assert err.splitlines()[0] == "precompile: building 2 variants for sm_90a,sm_80 (0 found in cache)"
+    assert len(err.splitlines()) <= 4 and "\r" not in err
     assert _compile.cache_path(out_dir, TINY, "sm_90a").is_file()
-    # Second run: nothing compiled, the table comes from the cached reports.
+    # Second run: nothing compiled, no progress at all.
     code, out, err = run(capsys, "precompile", "--arch", "sm_90a,sm_80", "--cache-dir", str(out_dir))
-    assert code == 0 and "0 compiled, 2 cached" in out and "cached" in out.splitlines()[1]
-    assert "slowest compile" not in out
-    assert "compiling" not in err
+    assert code == 0 and ": 0 built, 2 found in cache; " in out and err == ""
     code, out, err = run(capsys, "precompile", "--arch", "sm_80", "--cache-dir", str(out_dir),
                          "--force")
-    assert code == 0 and "1 compiled, 0 cached" in out
+    assert code == 0 and ": 1 built, 0 found in cache; " in out
+
+
+def test_precompile_in_the_user_cache_says_where(tiny_src, fake_heuristics, capsys):  # noqa: F811
+    code, out, _ = run(capsys, "precompile", "--arch", "sm_80")
+    assert code == 0 and out.rstrip().endswith(f"-> {_cache.user_cache_dir()}")
+
+
+def test_precompile_verbose_table_and_warnings(tiny_src, tmp_path, fake_heuristics, capsys,  # noqa: F811
+                                               monkeypatch):
+    # Every compiled variant's warnings show with -v only, cached ones' too (from the report).
+    from cuflash import _nvrtc
+
+    real = _nvrtc.compile_to_cubin
+    monkeypatch.setattr(_nvrtc, "compile_to_cubin", lambda *a: (
+        lambda cubin, log: (cubin, 'tiny.cu(3): warning #177-D: variable "x" was declared but never '
+                                   "referenced\n" + log))(*real(*a)))
+    args = ("precompile", "--arch", "sm_90a,sm_80", "--cache-dir", str(tmp_path))
+    code, out, err = run(capsys, *args)
+    assert code == 0 and "warning" not in out + err
+    code, out, err = run(capsys, *args, "-v")
+    assert code == 0
+    header, *rows = [ln for ln in out.splitlines() if ln.strip()][:5]
+    assert header.split() == ["family", "arch", "config", "regs", "smem", "KiB", "spills", "sec"]
+    assert rows[0].split()[:2] == ["tiny", "sm_90a"] and rows[2].split()[:2] == ["tiny", "sm_80"]
+    assert " 0.2+0 " in rows[0] + " "  # 256 B static, no dynamic shared memory
+    assert rows[1].strip() == "TINY_N=64" and "cached" in rows[0]
+    assert max(len(ln) for ln in [header, *rows]) < 100
+    assert out.splitlines()[-1].startswith("precompile: 2 variants")
+    assert err.count("warning #177-D") == 2 and err.startswith("note: tiny sm_90a")
 
 
 def test_precompile_failure_and_spills_exit_1(tiny_src, tmp_path, fake_heuristics, capsys,  # noqa: F811
                                               monkeypatch):
     fake_heuristics.variants = [TINY, Variant("broken")]
     code, out, err = run(capsys, "precompile", "--arch", "sm_80", "--cache-dir", str(tmp_path))
-    assert code == 1 and "FAILED" in out and "1 failed" in out
+    assert code == 1 and ": 1 built, 0 found in cache, 1 failed; " in out
     failure = [ln for ln in err.splitlines() if ln.startswith("FAILED")]
     assert len(failure) == 1 and "undefined_thing" in failure[0]
     assert len(err.splitlines()) < 10  # not the whole NVRTC log (that is -v)
@@ -262,14 +286,17 @@ def test_precompile_failure_and_spills_exit_1(tiny_src, tmp_path, fake_heuristic
                         lambda log, entry=None: {**real(log, entry), "spill_stores": 8})
     fake_heuristics.variants = [TINY]
     code, out, err = run(capsys, "precompile", "--arch", "sm_90a", "--cache-dir", str(tmp_path))
-    assert code == 1 and "SPILLS tiny sm_90a" in err and "1 spilling" in out
+    assert code == 1 and "SPILLS tiny sm_90a" in err and ", 1 spilling; " in out
 
 
 def test_precompile_accepts_dtype_aliases(tiny_src, tmp_path, fake_heuristics, capsys):  # noqa: F811
     code, _, _ = run(capsys, "precompile", "--arch", "sm_80", "--cache-dir", str(tmp_path),
-                     "--dtypes", "bf16,FP16,float32,fp32", "--head-dims", "64,128")
+                     "--dtypes", "bf16,FP16,float32,fp32", "--head-dims", "64,128,32")
     assert code == 0
-    assert fake_heuristics.calls == [(["bfloat16", "float16", "float32"], [64, 128], "sm_80")]
+    assert fake_heuristics.calls == [(["bfloat16", "float16", "float32"], [64, 128, 32], "sm_80")]
+
+
+SUPPORTED_HEAD_DIMS = "expected some of 32,64,96,128,160,192,224,256"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -277,7 +304,9 @@ def test_precompile_accepts_dtype_aliases(tiny_src, tmp_path, fake_heuristics, c
     (["--arch", "sm90"], "--arch sm90: use sm_90a (what a GPU of compute capability 9.0 loads"),
     (["--arch", "sm_90"], "use sm_90a"),
     (["--arch", "sm_70"], "need sm_80 or newer"),
-    (["--head-dims", "0"], "--head-dims '0': expected head dims from 1 to 256"),
+    (["--head-dims", "100"], f"--head-dims '100': {SUPPORTED_HEAD_DIMS}"),
+    (["--head-dims", "0"], f"--head-dims '0': {SUPPORTED_HEAD_DIMS}"),
+    (["--head-dims", "64,512"], f"--head-dims '512': {SUPPORTED_HEAD_DIMS}"),
     (["--head-dims", "abc"], "--head-dims 'abc'"),
     (["--families", "fwd_sm99"], "--families 'fwd_sm99': expected some of"),
     (["--threads", "0"], "--threads 0: expected 1 or more"),
@@ -289,30 +318,21 @@ def test_precompile_rejects_bad_arguments_in_one_line(tiny_src, tmp_path, fake_h
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
+def test_precompile_head_dims_are_the_compiled_ones():
+    # The list in the message is every family's compiled head dims, read from cuflash.kernels.
+    from cuflash.__main__ import _compiled_head_dims
+    from cuflash.kernels import fwd_simt, fwd_sm80, fwd_sm90
+
+    dims = _compiled_head_dims()
+    assert ",".join(map(str, dims)) in SUPPORTED_HEAD_DIMS
+    assert {*fwd_sm80.SM80_HEAD_DIMS, *fwd_sm90.SM90_HEAD_DIMS, *fwd_simt.SIMT_HEAD_DIMS} <= set(dims)
+
+
 def test_precompile_rejects_a_cache_dir_it_cannot_write(tmp_path, fake_heuristics, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
     code, out, err = run(capsys, "precompile", "--arch", "sm_80", "--cache-dir", str(blocker / "x"))
     assert code == 2 and "--cache-dir" in err and len(err.strip().splitlines()) == 1
-
-
-def test_progress_bar_on_a_terminal_and_lines_in_logs():
-    from cuflash.__main__ import _Progress
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    tty, log = Tty(), io.StringIO()
-    bars, lines = _Progress(40, tty), _Progress(40, log)
-    for done in range(1, 41):
-        bars(done, 40, TINY, "sm_80", None)
-        lines(done, 40, TINY, "sm_80", None)
-    bars.close()
-    assert tty.getvalue().count("\r[") == 40 and "\n" not in tty.getvalue()
-    assert tty.getvalue().endswith("\r")
-    assert log.getvalue().count("\n") == 20 and "\r" not in log.getvalue()
-    assert log.getvalue().splitlines()[-1].startswith("precompile: 40/40 compiled in")
 
 
 # ----------------------------------------------------------------------------- conftest's gate
@@ -348,7 +368,7 @@ def gate(pytester):
 
     def run_with(state, reason="", fix=""):
         pytester.makeconftest(conftest + f"""
-from cuflash._compile import CudaStatus
+from cuflash._cuda_status import CudaStatus
 cuda_status = lambda: CudaStatus({state!r}, {reason!r}, {fix!r})
 """)
         pytester.makepyfile(test_gpu=GPU_TESTS)

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cuflash import _compile, _nvrtc
-from cuflash._compile import Variant
+from cuflash import _arch, _cache, _compile, _cuda_status, _nvrtc
+from cuflash._variant import Variant
 
 ARCHS = ("sm_80", "sm_90a")
 
@@ -60,7 +60,7 @@ TINY = Variant("tiny", {"TINY_N": 64})
 # unchanged sources (same NVRTC, same options) compiles nothing. CUFLASH_TEST_RECOMPILE=1
 # compiles everything again.
 
-_ON_GPU_MACHINE = _compile.cuda_status().state == "ok"
+_ON_GPU_MACHINE = _cuda_status.cuda_status().state == "ok"
 
 
 def _sweep_jobs():
@@ -114,7 +114,7 @@ def sweep(request):
     jobs = _sweep_jobs()
     force = os.environ.get("CUFLASH_TEST_RECOMPILE") == "1"
     src_hash = _compile.source_hash()
-    cache = _compile.user_cache_dir() / "tests"
+    cache = _cache.user_cache_dir() / "tests"
     todo = len(jobs) if force else sum(
         _compile.cached_result(cache, v, a, src_hash) is None for v, a in jobs)
     threads = _compile.default_threads()
@@ -269,6 +269,20 @@ def test_variant_is_normalised():
     assert a == b and hash(a) == hash(b)
     assert a.defines == (("CUFLASH_DTYPE", 1), ("CUFLASH_HEAD_DIM", 128))
     assert a.label() == "DTYPE=1,HEAD_DIM=128" and a.entry == "cuflash_fwd_sm80"
+    assert a.describe() == "bf16 D128"
+
+
+@pytest.mark.parametrize("defines, words", [
+    ({"CUFLASH_DTYPE": 0, "CUFLASH_HEAD_DIM": 64, "CUFLASH_SCORE_MODS": 31, "CUFLASH_DROPOUT": 1},
+     "fp16 D64 mods dropout"),
+    ({"CUFLASH_DTYPE": 1, "CUFLASH_HEAD_DIM": 128, "CUFLASH_SCORE_MODS": 4}, "bf16 D128 bias"),
+    ({"CUFLASH_DTYPE": 2, "CUFLASH_HEAD_DIM": 128, "CUFLASH_BWD_PASS": 1}, "fp32 D128 dq"),
+    ({"CUFLASH_DTYPE": 1, "CUFLASH_HEAD_DIM": 256, "CUFLASH_PAGED": 1}, "bf16 D256 paged"),
+    ({"CUFLASH_IN_DTYPE": 3, "CUFLASH_OUT_DTYPE": 3}, "fp64->fp64"),
+    ({"CUFLASH_CHECK_PARAMS_SIZE": 64}, ""),
+])
+def test_variant_describes_itself_in_words(defines, words):
+    assert Variant("x", defines).describe() == words
 
 
 def test_cache_path_layout(tmp_path):
@@ -286,9 +300,9 @@ def test_cache_path_layout(tmp_path):
 def test_cache_dirs_order(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("CUFLASH_CACHE_DIR", raising=False)
-    assert _compile.cache_dirs() == [tmp_path / "xdg" / "cuflash"]
+    assert _cache.cache_dirs() == [tmp_path / "xdg" / "cuflash"]
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "aot"))
-    assert _compile.cache_dirs() == [tmp_path / "aot", tmp_path / "xdg" / "cuflash"]
+    assert _cache.cache_dirs() == [tmp_path / "aot", tmp_path / "xdg" / "cuflash"]
 
 
 def test_precompiled_cubin_is_found(tiny_src, tmp_path, monkeypatch):
@@ -343,6 +357,20 @@ def test_get_kernel_compiles_once_and_caches(tiny_src, tmp_path, monkeypatch):
     assert loaded[-1] == str(_compile.cache_path(aot, TINY, "sm_80"))
 
 
+def test_precompile_shows_progress_and_one_summary_line(tiny_src, tmp_path, capsys):
+    # No compiler warnings, one line per quarter at most in a log (stderr is not a terminal here).
+    aot = tmp_path / "aot"
+    _compile.precompile([TINY], arch="sm_80,sm_90a", cache_dir=aot)
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) <= 5 and "warning" not in err
+    assert err.splitlines()[-1].startswith(
+        "cuflash.precompile: 2 variants for sm_80,sm_90a: 2 built, 0 found in cache; ")
+    assert _compile.precompile([TINY], arch="sm_80", cache_dir=aot) == []
+    assert capsys.readouterr().err.startswith("cuflash.precompile: 1 variant for sm_80: 0 built, 1 found")
+    _compile.precompile([TINY], arch="sm_80", cache_dir=aot, force=True, quiet=True)
+    assert capsys.readouterr() == ("", "")
+
+
 def test_precompile_reports_failures_after_writing_the_rest(tiny_src, tmp_path):
     with pytest.raises(RuntimeError, match=r"1 of 2 variants failed:\nbroken"):
         _compile.precompile([TINY, Variant("broken")], arch="sm_80", cache_dir=tmp_path / "c")
@@ -352,8 +380,8 @@ def test_precompile_reports_failures_after_writing_the_rest(tiny_src, tmp_path):
 # ----------------------------------------------------------------------------- architectures
 
 def test_arch_for_compute_capability():
-    assert _compile.arch_for("90") == "sm_90a" and _compile.arch_for(80) == "sm_80"
-    assert _compile.arch_for("120") == "sm_120"
+    assert _arch.arch_for("90") == "sm_90a" and _arch.arch_for(80) == "sm_80"
+    assert _arch.arch_for("120") == "sm_120"
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -363,24 +391,24 @@ def test_arch_for_compute_capability():
 ])
 def test_parse_archs_rejects_with_one_line(spec, message):
     with pytest.raises(ValueError, match=message) as info:
-        _compile.parse_archs(spec)
+        _arch.parse_archs(spec)
     assert "\n" not in str(info.value) and len(str(info.value)) < 140
 
 
 def test_parse_archs_accepts_lists_and_drops_repeats():
-    assert _compile.parse_archs(" sm_90a,sm_80 ,sm_90a") == ["sm_90a", "sm_80"]
-    assert _compile.parse_archs(["sm_80", "sm_90a"]) == ["sm_80", "sm_90a"]
+    assert _arch.parse_archs(" sm_90a,sm_80 ,sm_90a") == ["sm_90a", "sm_80"]
+    assert _arch.parse_archs(["sm_80", "sm_90a"]) == ["sm_80", "sm_90a"]
     assert set(_nvrtc.supported_archs()) >= {80, 90}
 
 
 def test_device_arch_says_why_there_is_no_gpu():
-    status = _compile.cuda_status()
+    status = _cuda_status.cuda_status()
     if status.state == "ok":
-        assert _compile.device_arch().startswith("sm_")
+        assert _arch.device_arch().startswith("sm_")
     else:
         with pytest.raises(RuntimeError, match="no CUDA GPU" if status.state == "no-gpu"
                            else "CuPy is not installed|CUDA is not usable"):
-            _compile.device_arch()
+            _arch.device_arch()
 
 
 def test_cached_result_needs_the_same_nvrtc_and_options(tiny_src, tmp_path, monkeypatch):

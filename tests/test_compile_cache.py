@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _compile, _nvrtc
+from cuflash import _cache, _compile, _nvrtc
 from cuflash.kernels.merge import merge_plan
 
 MERGE = merge_plan("float32", "float32").variant  # the quickest real variant to compile (~0.1 s)
@@ -84,7 +84,7 @@ def new_process(monkeypatch):
 
 
 def user_path():
-    return _compile.cache_path(_compile.user_cache_dir(), MERGE, ARCH)
+    return _compile.cache_path(_cache.user_cache_dir(), MERGE, ARCH)
 
 
 # ----------------------------------------------------------------------------- the key
@@ -98,7 +98,7 @@ def test_key_follows_the_nvrtc_version_and_the_options(caches, monkeypatch):
         m.setattr(_compile, "_nvrtc_version", lambda: (12, 9))
         assert user_path() != path and user_path().parent == path.parent
         assert _compile.find_cubin(MERGE, ARCH) is None
-        assert _compile.cached_result(_compile.user_cache_dir(), MERGE, ARCH) is None
+        assert _compile.cached_result(_cache.user_cache_dir(), MERGE, ARCH) is None
     assert user_path() == path
     # Another option: another name.
     real = _compile.nvrtc_options
@@ -150,9 +150,9 @@ def _damage(path, how):
     elif how == "one byte changed":  # still an ELF image of the right length
         path.write_bytes(cubin[:-1] + bytes([cubin[-1] ^ 1]))
     elif how == "no report":
-        _compile._report_path(path).unlink()
+        _cache.report_path(path).unlink()
     elif how == "garbled report":
-        _compile._report_path(path).write_text("{not json")
+        _cache.report_path(path).write_text("{not json")
     else:
         raise AssertionError(how)
 
@@ -166,12 +166,12 @@ def test_damaged_cubin_is_deleted_and_rebuilt(caches, fake_gpu, monkeypatch, how
     path = user_path()
     _damage(path, how)
     fake_gpu.compiled.clear()
-    assert _compile.cached_result(_compile.user_cache_dir(), MERGE, ARCH) is None
+    assert _compile.cached_result(_cache.user_cache_dir(), MERGE, ARCH) is None
     assert _compile.find_cubin(MERGE, ARCH) is None
-    assert not path.exists() and not _compile._report_path(path).exists()  # deleted
+    assert not path.exists() and not _cache.report_path(path).exists()  # deleted
     assert _compile.get_kernel(MERGE) == ("kernel", MERGE.entry)
     assert fake_gpu.compiled == [MERGE] and fake_gpu.loaded == [str(path)]
-    again = _compile.cached_result(_compile.user_cache_dir(), MERGE, ARCH)
+    again = _compile.cached_result(_cache.user_cache_dir(), MERGE, ARCH)
     assert again is not None and again.cubin == first.cubin
 
 
@@ -187,7 +187,7 @@ def test_build_rebuilds_a_damaged_cubin(caches, how):
     _damage(user_path(), how)
     ((_, _, rebuilt),) = _compile.build([(MERGE, ARCH)])
     assert not rebuilt.cached and rebuilt.cubin == first.cubin
-    assert _compile.cached_result(_compile.user_cache_dir(), MERGE, ARCH).cubin == first.cubin
+    assert _compile.cached_result(_cache.user_cache_dir(), MERGE, ARCH).cubin == first.cubin
 
 
 @pytest.mark.parametrize("how", ["cut short", "garbage"])
@@ -203,7 +203,7 @@ def test_damaged_cubin_in_the_read_only_cache_is_skipped(caches, fake_gpu, monke
     assert _compile.get_kernel(MERGE) == ("kernel", MERGE.entry)
     # Compiled into the user cache; $CUFLASH_CACHE_DIR left as it was (read only by contract).
     assert fake_gpu.compiled == [MERGE] and fake_gpu.loaded == [str(user_path())]
-    assert shared.read_bytes() == damaged and _compile._report_path(shared).exists()
+    assert shared.read_bytes() == damaged and _cache.report_path(shared).exists()
 
 
 def test_a_cubin_the_driver_refuses_is_rebuilt_once(caches, fake_gpu, monkeypatch):
@@ -240,10 +240,10 @@ def test_cache_files_are_as_readable_as_the_umask_allows(caches, umask, mode):
     finally:
         os.umask(old)
     path = _compile.cache_path(caches / "shared", MERGE, ARCH)
-    for written in (path, _compile._report_path(path)):
+    for written in (path, _cache.report_path(path)):
         assert stat.S_IMODE(written.stat().st_mode) == mode, written
     assert sorted(p.name for p in path.parent.iterdir()) == sorted(
-        [path.name, _compile._report_path(path).name])  # no temporary file left
+        [path.name, _cache.report_path(path).name])  # no temporary file left
 
 
 # ----------------------------------------------------------------------------- no writable cache
@@ -302,7 +302,7 @@ def test_an_untrusted_temp_dir_is_not_used(caches, fake_gpu, monkeypatch, trap):
 
 def test_report_records_what_the_cubin_was(caches):
     ((_, _, result),) = _compile.build([(MERGE, ARCH)])
-    report = json.loads(_compile._report_path(user_path()).read_text())
+    report = json.loads(_cache.report_path(user_path()).read_text())
     assert report["cubin"]["bytes"] == len(result.cubin)
     assert len(report["cubin"]["sha256"]) == 64
     assert tuple(report["nvrtc"]) == _nvrtc.version()

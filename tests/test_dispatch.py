@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cuflash import _launch, _params, _tma, kernels
-from cuflash.attention import _choose_family, _sm90_obstacle, force_kernel
+from cuflash._forward_plan import _choose_family, _sm90_obstacle
+from cuflash.attention import force_kernel
 
 
 def fake(shape, strides_elems=None, itemsize=2, ptr=1 << 20):

@@ -234,7 +234,7 @@ def numpy_kernels(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (4, 1)])
 def test_virtual_ring_bookkeeping_on_numpy(numpy_kernels, world, causal, heads):
-    from cuflash import _reference_backward, reference
+    from cuflash import reference
     rng = np.random.default_rng(world)
     B, S, D = 2, 2 * world * 5, 8
     q = rng.standard_normal((B, S, heads[0], D))
@@ -246,7 +246,7 @@ def test_virtual_ring_bookkeeping_on_numpy(numpy_kernels, world, causal, heads):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-10, atol=1e-12)
     got = cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=world, causal=causal,
                                              scale=0.7)
-    want = _reference_backward.attention_backward(dout, q, k, v, causal=causal, scale=0.7)
+    want = reference.attention_backward(dout, q, k, v, causal=causal, scale=0.7)
     for g, w in zip(got, want):
         assert g.shape == w.shape
         # the gradients are summed in float32 (as they travel a real ring): float32 rounding
@@ -258,7 +258,7 @@ def test_virtual_ring_bookkeeping_on_numpy(numpy_kernels, world, causal, heads):
 def test_virtual_ring_dropout_on_numpy(numpy_kernels, world, causal):
     """Under dropout every chunk pair is its own call at its global origin, so the ring draws the
     single-GPU call's mask: it equals the float64 reference of the whole problem with that mask."""
-    from cuflash import _reference_backward, reference
+    from cuflash import reference
     rng = np.random.default_rng(10 + world)
     B, S, D, state, p = 2, 2 * world * 8, 8, (1234, 5), 0.3
     q = rng.standard_normal((B, S, 4, D))
@@ -271,7 +271,7 @@ def test_virtual_ring_dropout_on_numpy(numpy_kernels, world, causal):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-10, atol=1e-12)
     got = cd.ring_attention_backward_virtual(dout, q, k, v, out, lse, world=world, causal=causal, scale=0.7,
                                              dropout_p=p, rng_state=state)
-    want = _reference_backward.attention_backward(dout, q, k, v, causal=causal, scale=0.7, dropout_p=p,
+    want = reference.attention_backward(dout, q, k, v, causal=causal, scale=0.7, dropout_p=p,
                                                   rng_state=state)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * np.abs(w).max())

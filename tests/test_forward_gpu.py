@@ -880,7 +880,7 @@ def test_sm90_causal_tail_heads_m_block_major(head_dim, monkeypatch):
 
     from cuflash import kernels, _memo
 
-    monkeypatch.setattr(sys.modules["cuflash.attention"], "_num_sms", lambda device_id: 4)
+    monkeypatch.setattr(sys.modules["cuflash._forward_plan"], "_num_sms", lambda device_id: 4)
     _memo.clear_memo()
     shape = _shape(3, 3 * 128 - 20, 3 * 128 - 20, 8, 4, head_dim)
     _, (q, k, v, out, lse) = _solve("fwd_sm90", "bfloat16", shape, {"causal": True}, 311)

@@ -43,8 +43,8 @@ cupy = pytest.importorskip("cupy")
 import cuflash  # noqa: E402
 import cuflash.testing as tt  # noqa: E402
 from cuflash import _checks, _launch, _memo, _plan, kernels, reference  # noqa: E402
-from cuflash._reference_backward import attention_backward as reference_backward  # noqa: E402
-from cuflash._reference_backward import attention_varlen_backward as reference_varlen_backward  # noqa: E402
+from cuflash.reference import attention_backward as reference_backward  # noqa: E402
+from cuflash.reference import attention_varlen_backward as reference_varlen_backward  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -191,7 +191,7 @@ def _decode_case(seed, *, paged, append, dtype="bfloat16", B=2, Hq=4, Hk=2, D=64
 
 def _decode_expected(case):
     """Reference output (float64), same-dtype baseline, and the caches after the append."""
-    problems, k_after, v_after = reference._decode_sequences(
+    problems, k_after, v_after = reference._forward._decode_sequences(
         case["q"], case["k_cache"], case["v_cache"], cache_seqlens=case["lens"], block_table=case["table"],
         k_new=case["k_new"], v_new=case["v_new"])
     B, Sq, Hq, D = case["q"].shape

@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import cuflash  # noqa: E402
 import cuflash.interop.torch as ct  # noqa: E402
-from cuflash._reference_backward import attention_backward as reference_backward  # noqa: E402
+from cuflash.reference import attention_backward as reference_backward  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -150,6 +150,26 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, dropout_p=0
     -------
     torch.Tensor (B, S, Hq, D)
         This rank's rows of the output (and lse); backward gives this rank's dq, dk, dv.
+    Raises
+    ------
+    TypeError
+        q, k or v not a ``torch.Tensor``, or any error of :func:`cuflash.distributed.ring_attention`.
+    ValueError
+        q, k or v not on a CUDA device, or any error of :func:`cuflash.distributed.ring_attention`.
+    RuntimeError
+        If ``torch.distributed`` is not initialised.
+
+    Examples
+    --------
+    Run under ``torchrun --nproc-per-node 8``, one GPU per rank:
+
+    >>> import torch, torch.distributed as dist
+    >>> import cuflash.interop.torch as ct
+    >>> dist.init_process_group("nccl")
+    >>> torch.cuda.set_device(dist.get_rank())
+    >>> q, k, v = my_shards     # (B, S / world, H, D), chunks rank and 2 * world - 1 - rank, requires_grad
+    >>> out = ct.ring_attention(q, k, v, causal=True)        # this rank's rows of the output
+    >>> out.sum().backward()                                 # every rank runs the backward
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

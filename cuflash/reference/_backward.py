@@ -25,6 +25,8 @@ import numpy as np
 
 from cuflash.random import as_rng_state, dropout_keep
 
+from . import _forward as _ref
+
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
@@ -195,7 +197,3 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 
-
-# Imported last: cuflash/reference.py imports this module at its end, so either may come first
-# (imported at the top, importing this module first failed as a circular import).
-from cuflash import reference as _ref  # noqa: E402

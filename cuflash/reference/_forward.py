@@ -1,22 +1,5 @@
-"""Float64 host reference for attention, written from the definitions (no tiling).
-
-This module is what every kernel is compared with. It computes, for each batch ``b``, query
-head ``h`` and row ``i``:
-
-1. the scores ``s[b, h, i, :]`` (:func:`attention_scores`): ``scale * q.k``; softcap
-   ``c * tanh(s / c)``; minus ALiBi ``slope * |i + Sk - Sq - j|``; plus ``bias``; then every mask
-   (causal, window, ``mask``, ``block_mask``) sets ``s = -inf``;
-2. ``lse = log(sum_j exp(s_ij))`` and ``p = exp(s - lse)`` over the keys the row sees
-   (``s_ij != -inf``); a row that sees no key gets ``out = 0`` and ``lse = -inf``;
-3. dropout (``keep`` from :func:`cuflash.random.dropout_keep`) and ``out = sum_j keep_ij *
-   p_ij / (1 - dropout_p) * v_j`` over the keys the row sees.
-
-A key the row does not see contributes nothing, even if its ``k``/``v``/``bias`` hold NaN or
-Inf; a NaN in anything the row sees makes the row NaN (IEEE arithmetic, nothing is dropped).
-
-Inputs may be NumPy arrays of any float dtype (``ml_dtypes.bfloat16`` included), CuPy arrays
-(copied to the host) or anything with ``__array__``; everything is computed in float64.
-"""
+"""The forward side of the float64 reference: scores, attention (dense and varlen), merge of
+partial states, decode against a KV cache (see :mod:`cuflash.reference`)."""
 
 from __future__ import annotations
 
@@ -26,7 +9,6 @@ import numpy as np
 
 from cuflash.random import as_rng_state, dropout_keep
 
-__all__ = ["attention_forward", "attention_scores", "attention_varlen"]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -451,9 +433,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
 
 # ----------------------------------------------------------------------------- merge, decode
 
-__all__ += ["decode", "merge_states"]
-
-
 def merge_states(outs, lses):
     """Float64 reference for :func:`cuflash.merge_states`.
 
@@ -641,10 +620,3 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         o, l = attention_forward(prob["q"], prob["k"], prob["v"], **prob["options"])
         out[b], lse[b] = o[0], l[0]
     return (out, lse, k_after, v_after) if return_cache else (out, lse)
-
-
-# ----------------------------------------------------------------------------- backward
-
-from ._reference_backward import attention_backward, attention_varlen_backward  # noqa: E402
-
-__all__ += ["attention_backward", "attention_varlen_backward"]
