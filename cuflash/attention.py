@@ -174,7 +174,7 @@ def _forward_at(q, k, v, *, dropout_origin=(0, 0), causal=False, scale=None, win
                 alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
                 generator=None, out=None, lse=None):
     """:func:`attention_forward` of a call that is one block of a larger call (ring attention's chunk
-    pairs, :mod:`cuflash._ring_comm`): ``dropout_origin = (row0, col0)`` is the position of this
+    pairs, :mod:`cuflash.distributed._comm`): ``dropout_origin = (row0, col0)`` is the position of this
     call's element (0, 0) in the larger call, whose dropout mask it draws
     (:func:`cuflash._checks.check_dropout_origin`: col0 a multiple of 4). Private, so that the public
     signature holds only what users pass; the public function calls :func:`_forward` directly (no

@@ -8,7 +8,7 @@ each step is one kernel call whose mask is exactly the step's. The layout helper
 NumPy arrays (shard/unshard round trip, which rows each rank holds), and the argument errors
 without a GPU.
 
-The ring driver itself (cuflash._ring_comm) runs with NumPy stand-ins for the kernels: on virtual
+The ring driver itself (cuflash.distributed._comm) runs with NumPy stand-ins for the kernels: on virtual
 ranks at once, on simulated streams in random orders (which catches a missing event wait), and
 over torch.distributed with the gloo backend in spawned processes (when torch is installed). The
 NCCL ring's calls are checked against a stand-in NcclCommunicator.
@@ -17,7 +17,7 @@ NCCL ring's calls are checked against a stand-in NcclCommunicator.
 import numpy as np
 import pytest
 
-from cuflash import _ring_comm as ring_comm
+from cuflash.distributed import _comm as ring_comm
 from cuflash import distributed as cd
 
 WORLDS = range(1, 9)
@@ -584,27 +584,27 @@ def test_real_ring_argument_errors_before_any_communication():
 def test_check_helpers_name_the_argument():
     q = np.zeros((1, 6, 4, 8), np.float32)
     k = np.zeros((1, 6, 2, 8), np.float32)
-    cd._check_qkv(q, k, k, host=True)
+    cd.ring._check_qkv(q, k, k, host=True)
     with pytest.raises(TypeError, match="k must have the dtype of q"):
-        cd._check_qkv(q, k.astype(np.float16), k, host=True)
+        cd.ring._check_qkv(q, k.astype(np.float16), k, host=True)
     with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32"):
-        cd._check_qkv(q.astype(np.float64), k.astype(np.float64), k.astype(np.float64), host=False)
+        cd.ring._check_qkv(q.astype(np.float64), k.astype(np.float64), k.astype(np.float64), host=False)
     with pytest.raises(ValueError, match="batch size of q"):
-        cd._check_qkv(q, np.zeros((2, 6, 2, 8), np.float32), np.zeros((2, 6, 2, 8), np.float32), host=True)
+        cd.ring._check_qkv(q, np.zeros((2, 6, 2, 8), np.float32), np.zeros((2, 6, 2, 8), np.float32), host=True)
     with pytest.raises(ValueError, match="multiple of the heads of k"):
-        cd._check_qkv(q, np.zeros((1, 6, 3, 8), np.float32), np.zeros((1, 6, 3, 8), np.float32), host=True)
+        cd.ring._check_qkv(q, np.zeros((1, 6, 3, 8), np.float32), np.zeros((1, 6, 3, 8), np.float32), host=True)
     with pytest.raises(ValueError, match="head dim of q"):
-        cd._check_qkv(q, np.zeros((1, 6, 2, 4), np.float32), k, host=True)
+        cd.ring._check_qkv(q, np.zeros((1, 6, 2, 4), np.float32), k, host=True)
     with pytest.raises(ValueError, match="this rank's shard, S = 7"):
-        cd._check_local_length(np.zeros((1, 7, 2, 8)))
+        cd.ring._check_local_length(np.zeros((1, 7, 2, 8)))
     lse = np.zeros((1, 4, 6), np.float32)
-    cd._check_saved(q, q, q, lse, host=False)
+    cd.ring._check_saved(q, q, q, lse, host=False)
     with pytest.raises(ValueError, match="out must have the shape of q"):
-        cd._check_saved(q, q, q[:, :2], lse, host=False)
+        cd.ring._check_saved(q, q, q[:, :2], lse, host=False)
     with pytest.raises(TypeError, match="dout must have the dtype of q"):
-        cd._check_saved(q, q.astype(np.float16), q, lse, host=False)
+        cd.ring._check_saved(q, q.astype(np.float16), q, lse, host=False)
     with pytest.raises(TypeError, match="lse must be float32"):
-        cd._check_saved(q, q, q, lse.astype(np.float64), host=False)
+        cd.ring._check_saved(q, q, q, lse.astype(np.float64), host=False)
 
 
 # ----------------------------------------------------------------------------- torch.distributed, on the CPU

@@ -26,7 +26,7 @@ import pytest
 
 import cuflash
 import cuflash.testing as tt
-from cuflash import _ring_comm as ring_comm
+from cuflash.distributed import _comm as ring_comm
 from cuflash import distributed as cd
 
 pytestmark = pytest.mark.gpu  # conftest.py skips it without a GPU, fails it on a broken setup

@@ -1,6 +1,6 @@
 """Ring attention for torch users: a ring over a ``torch.distributed`` process group, and autograd.
 
-:class:`TorchRing` is the communicator interface of :mod:`cuflash._ring_comm` over a process group
+:class:`TorchRing` is the communicator interface of :mod:`cuflash.distributed._comm` over a process group
 with the NCCL backend (``dist.batch_isend_irecv``: the send to the next rank and the receive from the
 previous one in one group). :func:`ring_attention` (exported as
 ``cuflash.interop.torch.ring_attention``) is :func:`cuflash.distributed.ring_attention` as a
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import cupy
 
-from .. import _ring_comm
+from ..distributed import _comm as _ring_comm
 from ..distributed import ring_attention as _ring_forward, ring_attention_backward as _ring_backward
 from ._cupy_stream import cupy_stream
 from ._torch_stream import on_torch_stream

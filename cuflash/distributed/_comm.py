@@ -454,7 +454,7 @@ class _RowParts:
         """The shard's (out, lse): one merge of all parts (the part itself when there is one)."""
         if self.outs.shape[0] == 1:
             return self.outs[0], self.lses[0]
-        from .merge import merge_states
+        from ..merge import merge_states
 
         out = self.dev.empty(self.outs.shape[1:], self.outs.dtype)
         lse = self.dev.empty(self.lses.shape[1:], self.lses.dtype)
@@ -475,7 +475,7 @@ def _dropout_options(dropout, call, c, backward=False):
     draws with the ring's one state, at the global position of its (one) chunk pair."""
     if dropout is None:
         return {}
-    from .random import Generator
+    from ..random import Generator
 
     p, state = dropout
     origin = (call.chunks[0] * c, call.chunks[1] * c)
@@ -496,7 +496,7 @@ def forward_rank(comm, dev, calls, q, k, v, *, scale, dropout=None):
     ``calls[s]``: the :class:`cuflash.distributed.RingCall` s of this rank's step ``s`` (one per
     chunk pair, with its ``chunks``, under ``dropout`` = (p, (seed, offset))).
     """
-    from .attention import _forward_at   # attention_forward, at a chunk pair's dropout origin
+    from ..attention import _forward_at   # attention_forward, at a chunk pair's dropout origin
 
     world, c = comm.world, q.shape[1] // 2
     ring = _KvRing(comm, dev, k, v)
@@ -539,7 +539,7 @@ def backward_rank(comm, dev, calls, dout, q, k, v, out, lse, *, scale, dropout=N
     hand arrive from the previous rank, get this rank's part, and move on with the kv. Under
     ``dropout`` each call regenerates its chunk pair's part of the forward's mask (as forward_rank).
     """
-    from .backward import _backward_at   # attention_backward, at a chunk pair's dropout origin
+    from ..backward import _backward_at   # attention_backward, at a chunk pair's dropout origin
 
     world, c = comm.world, q.shape[1] // 2
     acc = accumulator(q.dtype)

@@ -1,386 +1,23 @@
-"""Context parallelism: ring attention in the zigzag layout, over NCCL or on virtual ranks.
-
-A sequence too long for one GPU is cut into ``2 * world`` equal chunks; rank ``r`` holds chunks
-``r`` and ``2 * world - 1 - r`` (the zigzag layout), so that under causal masking every rank has
-the same amount of work: one early chunk, which sees few keys, and one late chunk, which sees many.
-At ring step ``s`` rank ``r`` holds the keys and values of rank ``(r - s) % world`` and attends its
-queries to them; partial results over disjoint key sets are merged exactly through their
-log-sum-exp (:func:`cuflash.merge_states`). In the backward the keys and values travel the ring
-again, and their gradients travel with them, summed in float32 by every rank they visit, until one
-last hop brings them home.
-
-- :func:`zigzag_chunks`, :func:`shard`, :func:`unshard`: the layout;
-- :func:`ring_schedule`: which (query chunk, key chunk) pairs each rank computes at each step,
-  and with which mask; :func:`step_calls`: the kernel calls a step takes (one per step in the
-  zigzag layout); pure Python, checked on the CPU;
-- :func:`ring_attention`, :func:`ring_attention_backward`: one rank's part, the ranks joined by a
-  communicator (``group``): a ``cupy.cuda.nccl.NcclCommunicator``, a ``torch.distributed`` process
-  group (torch users call :func:`cuflash.interop.torch.ring_attention`, an autograd function), or
-  any object with the ring interface of :mod:`cuflash._ring_comm`;
-- :func:`ring_attention_virtual`, :func:`ring_attention_backward_virtual`: the same driver with
-  ``world`` virtual ranks in one process on one GPU, joined by device copies
-  (:class:`cuflash._ring_comm.LoopbackRing`), which the tests compare with one
-  :func:`cuflash.attention_forward` / :func:`cuflash.attention_backward` call.
-
-How a rank's work overlaps its communication: the keys and values of step ``s + 1`` are sent on
-and received on the communicator's stream while step ``s``'s attention runs on the compute stream
-(CuPy's current stream). CUDA events order the two: the compute of step ``s + 1`` waits for the
-receive of step ``s``; a receive into one of the two spare kv buffers waits until the compute that
-read that buffer (two steps earlier) is done; a send of dK/dV sums waits for the compute that added
-to them. Only the kv heads travel (GQA), in the inputs' dtype; the dK/dV sums travel in float32.
-
-Dropout draws the single-GPU call's mask: the kernels draw a score's dropout decision from its row
-and column (Philox counter ``(j // 4, i, b * Hq + h, offset)``, ``cuda_src/philox.cuh``), so under
-dropout every (query chunk, key chunk) pair is its own call, told the pair's global position (its
-dropout origin: ``FwdParams::dropout_row0 / dropout_col0``), and every rank uses one ``rng_state``.
-"""
+"""One rank's ring attention, forward and backward, over a communicator or on virtual ranks (see
+:mod:`cuflash.distributed`)."""
 
 from __future__ import annotations
 
-import operator
-from typing import NamedTuple
-
 import numpy as np
 
-from . import _checks
-from .kernels.common import MAX_HEAD_DIM
-from . import _ring_comm
-from ._ring_comm import LoopbackRing, as_ring, device_for
-
-__all__ = ["RingPair", "RingCall", "zigzag_chunks", "shard", "unshard", "pair_mask", "ring_schedule",
-           "step_calls", "ring_attention", "ring_attention_backward", "ring_attention_virtual",
-           "ring_attention_backward_virtual"]
-
-FULL, CAUSAL, SKIP = "full", "causal", "skip"
-
-
-# ----------------------------------------------------------------------------- layout
-
-def _check_world(world) -> int:
-    try:
-        world = operator.index(world)
-    except TypeError:
-        raise TypeError(f"world must be an int, got {type(world).__name__}") from None
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    return world
-
-
-def zigzag_chunks(rank, world):
-    """The two chunk indices rank ``rank`` holds in the zigzag layout.
-
-    Parameters
-    ----------
-    rank : int
-        ``0 <= rank < world``.
-    world : int
-        Number of ranks (>= 1); the sequence is cut into ``2 * world`` chunks.
-
-    Returns
-    -------
-    (int, int)
-        ``(rank, 2 * world - 1 - rank)``, in the order they sit in the rank's shard.
-
-    Raises
-    ------
-    ValueError
-        If ``world < 1`` or ``rank`` is out of range.
-
-    Examples
-    --------
-    >>> from cuflash import distributed as cd
-    >>> cd.zigzag_chunks(1, 4)          # 8 chunks: rank 1 holds an early and a late one
-    (1, 6)
-    """
-    world = _check_world(world)
-    rank = operator.index(rank)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}), got {rank}")
-    return rank, 2 * world - 1 - rank
-
-
-def shard(x, world, *, axis=1):
-    """Cut a sequence into the zigzag layout: one slice per rank.
-
-    Parameters
-    ----------
-    x : NumPy or CuPy array, e.g. (B, S, H, D) with ``axis=1`` or lse (B, H, S) with ``axis=2``
-        ``x.shape[axis]`` must be divisible by ``2 * world``.
-    world : int
-        Number of ranks (>= 1).
-    axis : int
-        The sequence axis.
-
-    Returns
-    -------
-    list of ``world`` arrays, each of ``x``'s shape with ``S / world`` along ``axis``
-        Rank ``r``'s slice is chunk ``r`` followed by chunk ``2 * world - 1 - r`` (new arrays).
-
-    Raises
-    ------
-    ValueError
-        If ``world < 1`` or the sequence length is not divisible by ``2 * world``.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from cuflash import distributed as cd
-    >>> [s.tolist() for s in cd.shard(np.arange(8).reshape(1, 8), 2)]
-    [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
-    """
-    world = _check_world(world)
-    xp = _ring_comm.array_module(x)
-    length = x.shape[axis]
-    if length % (2 * world):
-        raise ValueError(f"x.shape[{axis}] (the sequence length, {length}) must be divisible by "
-                         f"2 * world = {2 * world}")
-    chunks = xp.split(x, 2 * world, axis=axis)
-    return [xp.concatenate([chunks[a], chunks[b]], axis=axis)
-            for a, b in (zigzag_chunks(r, world) for r in range(world))]
-
-
-def unshard(shards, *, axis=1):
-    """Invert :func:`shard`: put the ranks' zigzag slices back in sequence order.
-
-    Parameters
-    ----------
-    shards : sequence of ``world`` NumPy or CuPy arrays
-        Rank ``r``'s slice (chunk ``r`` then chunk ``2 * world - 1 - r``), all of one shape with
-        an even length along ``axis``.
-    axis : int
-        The sequence axis.
-
-    Returns
-    -------
-    array, the shards' shape with ``world`` times the length along ``axis``
-
-    Raises
-    ------
-    ValueError
-        If ``shards`` is empty, or the shards differ in shape or have an odd length.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from cuflash import distributed as cd
-    >>> x = np.arange(8).reshape(1, 8)
-    >>> bool((cd.unshard(cd.shard(x, 2)) == x).all())
-    True
-    """
-    shards = list(shards)
-    if not shards:
-        raise ValueError("shards must hold at least one array (one per rank)")
-    shape = tuple(shards[0].shape)
-    for r, s in enumerate(shards):
-        if tuple(s.shape) != shape:
-            raise ValueError(f"shards[{r}] has shape {tuple(s.shape)}, shards[0] has {shape}")
-    if shape[axis] % 2:
-        raise ValueError(f"shards must have an even length along axis {axis} (two equal chunks), "
-                         f"got {shape[axis]}")
-    world = len(shards)
-    xp = _ring_comm.array_module(shards[0])
-    chunks = [None] * (2 * world)
-    for r, s in enumerate(shards):
-        first, second = xp.split(s, 2, axis=axis)
-        a, b = zigzag_chunks(r, world)
-        chunks[a], chunks[b] = first, second
-    return xp.concatenate(chunks, axis=axis)
-
-
-# ----------------------------------------------------------------------------- schedule
-
-class RingPair(NamedTuple):
-    """One (query chunk, key chunk) block of the attention matrix, as a rank meets it.
-
-    ``rank`` computes it at ring ``step`` with the keys and values received from ``kv_rank``;
-    ``mask`` is ``"full"`` (every key visible), ``"causal"`` (the diagonal chunk: causal within
-    the chunk) or ``"skip"`` (no key visible: nothing to compute).
-
-    Examples
-    --------
-    >>> from cuflash import distributed as cd
-    >>> cd.ring_schedule(2, causal=True)[0][0][2]
-    RingPair(rank=0, step=0, kv_rank=0, q_chunk=3, k_chunk=0, mask='full')
-    """
-    rank: int
-    step: int
-    kv_rank: int
-    q_chunk: int
-    k_chunk: int
-    mask: str
-
-
-def pair_mask(q_chunk, k_chunk, *, causal):
-    """The mask a (query chunk, key chunk) block needs, from the chunks' positions.
-
-    Parameters
-    ----------
-    q_chunk, k_chunk : int
-        Positions of the query and the key chunk in the sequence.
-    causal : bool
-        Causal self-attention over the whole sequence.
-
-    Returns
-    -------
-    {"full", "causal", "skip"}
-        Without ``causal`` every block is ``"full"``. With it, keys wholly before the queries are
-        ``"full"``, the same chunk is ``"causal"`` (equal chunk lengths, so the kernel's bottom-right
-        causal alignment is the diagonal), and keys wholly after are ``"skip"``.
-
-    Examples
-    --------
-    >>> from cuflash import distributed as cd
-    >>> cd.pair_mask(3, 1, causal=True), cd.pair_mask(1, 1, causal=True), cd.pair_mask(1, 3, causal=True)
-    ('full', 'causal', 'skip')
-    """
-    if not causal or k_chunk < q_chunk:
-        return FULL
-    return CAUSAL if k_chunk == q_chunk else SKIP
-
-
-def ring_schedule(world, *, causal):
-    """The ring's work in the zigzag layout: every rank's (query chunk, key chunk) pairs per step.
-
-    At step ``s`` rank ``r`` holds the keys and values of rank ``(r - s) % world`` (they travel
-    one rank further each step), and attends each of its two query chunks to each of the two
-    key chunks in hand.
-
-    Parameters
-    ----------
-    world : int
-        Number of ranks (>= 1).
-    causal : bool
-        Causal self-attention over the whole sequence.
-
-    Returns
-    -------
-    list (ranks) of lists (steps) of tuples of 4 :class:`RingPair`
-        ``schedule[r][s]`` lists all four pairs of rank ``r`` at step ``s``, including those with
-        ``mask == "skip"``, query chunks in shard order, then key chunks in shard order.
-
-    Notes
-    -----
-    Over all ranks and steps every (query chunk, key chunk) pair appears exactly once. Under
-    causal masking each rank does the work of ``2 * world`` full blocks (a diagonal block is half
-    of one): at step 0 two diagonal blocks and one full, at each later step exactly two full.
-
-    Examples
-    --------
-    >>> from cuflash import distributed as cd
-    >>> [p.mask for p in cd.ring_schedule(2, causal=True)[0][0]]   # rank 0, step 0
-    ['causal', 'skip', 'full', 'causal']
-    """
-    world = _check_world(world)
-    schedule = []
-    for rank in range(world):
-        steps = []
-        for step in range(world):
-            kv_rank = (rank - step) % world
-            steps.append(tuple(RingPair(rank, step, kv_rank, qc, kc, pair_mask(qc, kc, causal=causal))
-                               for qc in zigzag_chunks(rank, world)
-                               for kc in zigzag_chunks(kv_rank, world)))
-        schedule.append(steps)
-    return schedule
-
-
-# ----------------------------------------------------------------------------- one step's calls
-
-class RingCall(NamedTuple):
-    """One kernel call of a ring step, in chunk slots: slot ``i`` is rows ``i * c .. (i + 1) * c``
-    of a shard (``c`` the chunk length). The rank's query slots ``[q_slots[0], q_slots[1])`` attend
-    to key slots ``[k_slots[0], k_slots[1])`` of the kv shard in hand, every key visible, or, with
-    ``causal``, causal aligned to the bottom-right corner of that rectangle (as the kernels align it).
-
-    Examples
-    --------
-    >>> from cuflash import distributed as cd
-    >>> cd.step_calls(cd.ring_schedule(2, causal=True)[0][1], 2)   # rank 0, step 1
-    (RingCall(q_slots=(1, 2), k_slots=(0, 2), causal=False, chunks=None),)
-    """
-    q_slots: tuple
-    k_slots: tuple
-    causal: bool
-    chunks: tuple | None = None   # (query chunk, key chunk) of a one-pair call under dropout: its origin
-
-
-def _call_mask(a, b, nq, nk, causal):
-    """The mask a call of ``nq`` query and ``nk`` key chunks applies to its chunk pair (a, b).
-
-    Bottom-right causal: query row ``a * c + x`` sees key ``b * c + y`` iff
-    ``b * c + y <= a * c + x + (nk - nq) * c``, so whole chunks left of the shifted diagonal are
-    full, the diagonal chunk is causal within itself, and chunks right of it are skipped.
-    """
-    if not causal:
-        return FULL
-    diagonal = a + nk - nq
-    return FULL if b < diagonal else CAUSAL if b == diagonal else SKIP
-
-
-def step_calls(pairs, world, *, per_pair=False):
-    """The kernel calls that compute one rank's ring step.
-
-    When the step's live (non-skipped) pairs fill a rectangle of chunk slots that one call masks
-    exactly as the pairs ask, that one call (bigger calls run closer to the GPU's peak; in the
-    zigzag layout every step is one call: the whole shard against itself, causal, at step 0, then
-    ``c x 2c`` or ``2c x c`` unmasked); otherwise one call per live pair.
-
-    Parameters
-    ----------
-    pairs : tuple of :class:`RingPair`
-        ``ring_schedule(world, causal=...)[rank][step]``.
-    world : int
-        Number of ranks.
-    per_pair : bool
-        One call per live pair, each with its ``chunks`` (dropout: a call draws the mask of the
-        global positions of one pair, whose rows and columns are contiguous).
-
-    Returns
-    -------
-    tuple of :class:`RingCall`
-        Empty when every pair is skipped.
-
-    Examples
-    --------
-    >>> from cuflash import distributed as cd
-    >>> cd.step_calls(cd.ring_schedule(2, causal=True)[0][0], 2)   # rank 0, step 0: one causal call
-    (RingCall(q_slots=(0, 2), k_slots=(0, 2), causal=True, chunks=None),)
-    """
-    world = _check_world(world)
-
-    def slots(p):
-        return (zigzag_chunks(p.rank, world).index(p.q_chunk), zigzag_chunks(p.kv_rank, world).index(p.k_chunk))
-
-    if per_pair:
-        calls = []
-        for p in pairs:
-            if p.mask != SKIP:
-                a, b = slots(p)
-                calls.append(RingCall((a, a + 1), (b, b + 1), p.mask == CAUSAL, (p.q_chunk, p.k_chunk)))
-        return tuple(calls)
-    masks = {slots(p): p.mask for p in pairs}
-    live = [slots(p) for p in pairs if p.mask != SKIP]
-    if not live:
-        return ()
-    q_lo, q_hi = min(a for a, _ in live), max(a for a, _ in live) + 1
-    k_lo, k_hi = min(b for _, b in live), max(b for _, b in live) + 1
-    nq, nk = q_hi - q_lo, k_hi - k_lo
-    for causal in (False, True):
-        if all(masks.get((a, b), SKIP) == _call_mask(a - q_lo, b - k_lo, nq, nk, causal)
-               for a in range(q_lo, q_hi) for b in range(k_lo, k_hi)):
-            return (RingCall((q_lo, q_hi), (k_lo, k_hi), causal),)
-    return tuple(RingCall((a, a + 1), (b, b + 1), masks[a, b] == CAUSAL) for a, b in live)
-
-
-def _rank_calls(world, rank, causal, per_pair=False):
-    """``step_calls`` of every step of ``rank``."""
-    return [step_calls(pairs, world, per_pair=per_pair) for pairs in ring_schedule(world, causal=causal)[rank]]
+from .. import _checks
+from ..kernels.common import MAX_HEAD_DIM
+from . import _comm
+from ._comm import LoopbackRing, as_ring, device_for
+from .layout import _check_world, shard, unshard
+from .schedule import _rank_calls
 
 
 # ----------------------------------------------------------------------------- argument checks
 
 def _check_dropout(dropout_p, rng_state):
     """(dropout_p, (seed, offset)) under dropout, None without."""
-    from .random import as_rng_state
+    from ..random import as_rng_state
 
     dropout_p = _checks.check_dropout(dropout_p)
     if not dropout_p:
@@ -491,9 +128,9 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0, r
         are not C-contiguous (they are sent as they are).
     group : communicator
         A ``cupy.cuda.nccl.NcclCommunicator`` (one GPU per process), a ``torch.distributed``
-        process group with the NCCL backend, a :class:`cuflash._ring_comm.NcclRing`, or any object
+        process group with the NCCL backend, a :class:`cuflash._comm.NcclRing`, or any object
         with the ring interface (``rank``, ``world``, ``stream``, ``send_recv``; see
-        :mod:`cuflash._ring_comm`).
+        :mod:`cuflash.distributed._comm`).
     causal : bool
         Causal self-attention over the whole (global) sequence.
     scale : float, optional
@@ -549,7 +186,7 @@ def ring_attention(q, k, v, *, group, causal=False, scale=None, dropout_p=0.0, r
         return _empty_results(cupy, ((b, s, hq, d), (b, hq, s)), (q.dtype, np.float32))
     k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
     calls = _rank_calls(ring.world, ring.rank, causal, per_pair=dropout is not None)
-    return _ring_comm.run(_ring_comm.forward_rank(ring, device_for(q), calls, q, k, v, scale=scale, dropout=dropout))
+    return _comm.run(_comm.forward_rank(ring, device_for(q), calls, q, k, v, scale=scale, dropout=dropout))
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, scale=None, dropout_p=0.0,
@@ -604,7 +241,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal=False, sca
         return _empty_results(cupy, (q.shape, k.shape, v.shape), (q.dtype,) * 3)
     k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
     calls = _rank_calls(ring.world, ring.rank, causal, per_pair=dropout is not None)
-    return _ring_comm.run(_ring_comm.backward_rank(ring, device_for(q), calls, dout, q, k, v, out, lse,
+    return _comm.run(_comm.backward_rank(ring, device_for(q), calls, dout, q, k, v, out, lse,
                                                   scale=scale, dropout=dropout))
 
 
@@ -622,7 +259,7 @@ def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_
     """Ring attention forward with ``world`` virtual ranks on one GPU.
 
     The inputs are sharded with :func:`shard`, and the driver of :func:`ring_attention` runs for
-    every rank, the ranks joined by a :class:`cuflash._ring_comm.LoopbackRing` (device copies on
+    every rank, the ranks joined by a :class:`cuflash._comm.LoopbackRing` (device copies on
     each rank's communication stream, events and double buffers as over NCCL) and advanced in
     turns; the rank outputs are put back in sequence order.
 
@@ -675,7 +312,7 @@ def ring_attention_virtual(q, k, v, *, world, causal=False, scale=None, dropout_
     dev = device_for(q)
     loop = LoopbackRing(world, dev)
     shards = [shard(x, world) for x in (q, k, v)]
-    results = _ring_comm.lockstep([_ring_comm.forward_rank(loop.ranks[r], dev,
+    results = _comm.lockstep([_comm.forward_rank(loop.ranks[r], dev,
                                                            _rank_calls(world, r, causal, dropout is not None),
                                                            *(s[r] for s in shards), scale=scale, dropout=dropout)
                                    for r in range(world)])
@@ -732,7 +369,7 @@ def ring_attention_backward_virtual(dout, q, k, v, out, lse, *, world, causal=Fa
     dev = device_for(q)
     loop = LoopbackRing(world, dev)
     shards = [shard(x, world) for x in (dout, q, k, v, out)] + [shard(lse, world, axis=2)]
-    results = _ring_comm.lockstep([_ring_comm.backward_rank(loop.ranks[r], dev,
+    results = _comm.lockstep([_comm.backward_rank(loop.ranks[r], dev,
                                                             _rank_calls(world, r, causal, dropout is not None),
                                                             *(s[r] for s in shards), scale=scale, dropout=dropout)
                                    for r in range(world)])
