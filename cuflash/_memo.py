@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import _launch
 from ._plan import _MEMO_ENTRIES, _pinned, _planning
-from .interop._torch_tensors import _torch_types, is_torch_tensor, torch_stream
+from .interop._torch_tensors import _torch_types, is_torch_tensor, torch_operand, torch_stream
 
 _memo: dict = {}
 _cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA library at import)
@@ -62,13 +62,13 @@ def lookup(entry: str, operands, options):
             point(ptr)
             bits |= ptr
         elif kind in _torch_types or is_torch_tensor(x):
-            device = x.get_device()   # -1 on the host
+            descriptor, ptr = torch_operand(x)
+            device = descriptor[4]
             if device != torch_device:
                 if torch_device is not None or device < 0:
                     return None, None, None
                 torch_device = device
-            describe(("torch", x.shape, x.is_contiguous() or x.stride(), x.dtype, device))   # as CuPy's above
-            ptr = x.data_ptr()
+            describe(descriptor)
             point(ptr)
             bits |= ptr
         else:

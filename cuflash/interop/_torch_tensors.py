@@ -1,6 +1,6 @@
-"""torch tensors read without importing torch: whether an operand is one, and torch's current
-stream. Used by the memo's fast path (:mod:`cuflash._memo`), which reads a tensor's shape, strides
-and pointer directly when torch's stream is CuPy's."""
+"""torch tensors read without importing torch: whether an operand is one, what the memo keys it
+by, and torch's current stream. Used by the memo's fast path (:mod:`cuflash._memo`), which takes a
+tensor's layout and pointer directly when torch's stream is CuPy's."""
 
 from __future__ import annotations
 
@@ -29,3 +29,10 @@ def is_torch_tensor(x) -> bool:
         _torch_types.add(t)
         return True
     return False
+
+
+def torch_operand(x):
+    """A tensor's memo descriptor ("torch", shape, strides, dtype, device; the device -1 on the host)
+    and its data pointer. A C-contiguous tensor's strides follow from its shape, except along axes of
+    length 1, where no address depends on them: the flag stands for them, as for CuPy arrays."""
+    return ("torch", x.shape, x.is_contiguous() or x.stride(), x.dtype, x.get_device()), x.data_ptr()
