@@ -33,7 +33,7 @@ from cuflash import _compile, kernels
 arch, cache_dir = sys.argv[1], sys.argv[2] or None
 variants = kernels.catalogue.reachable_variants(arch)
 start = time.time()
-done = _compile.precompile(variants=variants, arch=arch, cache_dir=cache_dir)
+done = _compile.precompile(variants=variants, arch=arch, cache_dir=cache_dir, quiet=True)
 slowest = max(done, key=lambda r: r.seconds, default=None)
 print(f"{len(variants)} test variants for {arch}: {len(done)} compiled now, the rest cached "
       f"({time.time() - start:.0f} s" + (f"; slowest {slowest.variant.family} {slowest.seconds:.1f} s)"

@@ -13,7 +13,7 @@ from ._compile import precompile
 from ._faults import check_errors
 from ._pinned import PinnedPlan as Plan, planned as plan
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "attention",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._cuda_status import import_cupy
 from .features import DTYPE_CODES
 from .kernels.common import MAX_HEAD_DIM
 
@@ -41,9 +42,7 @@ def dtype_name(dtype) -> str:
 
 
 def _cupy():
-    import cupy
-
-    return cupy
+    return import_cupy()   # a missing CuPy says which extra to install
 
 
 def require_gpu() -> None:
@@ -63,11 +62,7 @@ def as_cuda_array(x, name: str):
     pending work before ours. An array on another GPU than the current device is a ValueError
     (:func:`check_device`), raised before it is imported.
     """
-    try:
-        cupy = _cupy()
-    except ImportError:
-        raise RuntimeError("cuflash needs CuPy: pip install 'cuflash[cuda13]' (or 'cuflash[cuda12]' with a "
-                           "CUDA 12 driver; nvidia-smi shows the driver's CUDA version)") from None
+    cupy = _cupy()
     if isinstance(x, cupy.ndarray):
         check_device(x.data.device_id, name)
         return x

@@ -33,9 +33,6 @@ from cuflash._arch import device_arch, parse_archs
 from cuflash._build_progress import Progress, summary
 from cuflash._variant import Variant
 
-# Imported from here by callers that predate cuflash._cuda_status (tests/conftest.py):
-# this module does not use it.
-from cuflash._cuda_status import cuda_status  # noqa: F401
 
 __all__ = ["CUDA_SRC", "CompileResult", "source_hash", "nvrtc_options", "compile_cubin",
            "cache_path", "find_cubin", "store_cubin", "cached_result", "get_kernel",

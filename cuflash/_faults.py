@@ -86,8 +86,7 @@ def check_errors() -> None:
     >>> out = cuflash.decode(q, k_cache, v_cache, cache_seqlens=lens_on_gpu)   # returns at once
     >>> cuflash.check_errors()          # ValueError here if a length did not fit the cache
     """
-    import cupy
-
+    cupy = _launch._cupy()
     states = _launch.all_stream_states()
     for device in sorted({cupy.cuda.runtime.getDevice()} | {state.device_id for state in states}):
         with cupy.cuda.Device(device):

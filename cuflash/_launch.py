@@ -20,6 +20,8 @@ import threading
 
 import numpy as np
 
+from ._cuda_status import import_cupy
+
 __all__ = ["launch", "address", "sm_count", "max_smem_per_block", "ctas_per_sm", "prepare_kernel", "stream_state",
            "make_stream_state",
            "StreamState", "current_stream_ptr", "forcing", "REPORT_SLOTS"]
@@ -28,9 +30,7 @@ PER_THREAD_STREAM = 2   # cudaStreamPerThread
 
 
 def _cupy():
-    import cupy
-
-    return cupy
+    return import_cupy()   # a missing CuPy says which extra to install
 
 
 def device_id() -> int:

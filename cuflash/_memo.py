@@ -12,6 +12,7 @@ call takes the full path through ``cupy.from_dlpack``.
 from __future__ import annotations
 
 from . import _launch
+from ._cuda_status import import_cupy
 from ._plan import _MEMO_ENTRIES, _pinned, _planning
 from .interop._torch_tensors import _torch_types, is_torch_tensor, torch_operand, torch_stream
 
@@ -22,9 +23,7 @@ _cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA
 def _cupy():
     global _cp
     if _cp is None:
-        import cupy
-
-        _cp = cupy
+        _cp = import_cupy()   # a missing CuPy says which extra to install
     return _cp
 
 

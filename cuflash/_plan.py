@@ -20,6 +20,7 @@ import threading
 import numpy as np
 
 from . import _graph, _launch
+from ._cuda_status import import_cupy
 from ._capture import _graph_draw
 from ._faults import _raise_fault
 
@@ -34,9 +35,7 @@ _random = None   # cuflash.random, bound at the first call that draws dropout
 def _cupy():
     global _cp
     if _cp is None:
-        import cupy
-
-        _cp = cupy
+        _cp = import_cupy()   # a missing CuPy says which extra to install
     return _cp
 
 

@@ -69,9 +69,6 @@ def test_precompile_without_cupy_says_what_to_install():
     assert "CuPy is not installed" in err and "pip install 'cuflash[cuda1" in err, err
 
 
-# Strict: once _memo, _plan, _launch, _checks and _faults import CuPy through import_cupy, this
-# passes and the marker goes.
-@pytest.mark.xfail(strict=True, reason="the entry points still import cupy directly")
 @pytest.mark.parametrize("call", ["cuflash.attention(q, q, q)", "cuflash.check_errors()"])
 def test_a_first_call_without_cupy_says_what_to_install(call):
     err = _first_call_without_cupy(call)

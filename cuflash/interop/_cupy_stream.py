@@ -8,7 +8,9 @@ integer, the cheapest way), so they hand CuPy this small wrapper. Importing it i
 
 from __future__ import annotations
 
-import cupy
+from .._cuda_status import import_cupy
+
+cupy = import_cupy()   # a missing CuPy says which extra to install
 
 __all__ = ["cupy_stream"]
 

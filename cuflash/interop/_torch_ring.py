@@ -16,7 +16,9 @@ import functools
 import torch
 import torch.distributed as dist
 
-import cupy
+from .._cuda_status import import_cupy
+
+cupy = import_cupy()   # a missing CuPy says which extra to install
 
 from ..distributed import _comm as _ring_comm
 from ..distributed import ring_attention as _ring_forward, ring_attention_backward as _ring_backward

@@ -32,7 +32,9 @@ import functools
 
 import torch
 
-import cupy
+from .._cuda_status import import_cupy
+
+cupy = import_cupy()   # a missing CuPy says which extra to install
 
 from .. import _launch
 from ._cupy_stream import cupy_stream
