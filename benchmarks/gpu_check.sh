@@ -94,7 +94,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     echo "== tests"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    HYPOTHESIS_PROFILE=gpu python -m pytest -q tests -x -p no:cacheprovider ${PYTEST_ARGS:-} \
+    HYPOTHESIS_PROFILE=gpu python -m pytest -q tests benchmarks/tests -x -p no:cacheprovider ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
     test_summary=$(grep -E '[0-9]+ (passed|failed|error|errors|skipped)|no tests ran' "$OUT/pytest.log" | tail -n1)

@@ -16,7 +16,7 @@ import re
 import pytest
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["pytester"]  # tests/test_cli.py runs this file's GPU gate in a small session
+pytest_plugins = ["pytester"]  # tests/cpu/test_cli.py runs this file's GPU gate in a small session
 
 _SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=25, deadline=None,

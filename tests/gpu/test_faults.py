@@ -4,7 +4,7 @@ that names it, and nothing the caller passed in (``out=`` buffers, caches, input
 - CPU: the bound of each option against the params field it is packed into (window, block_size,
   scale, softcap), the packing's own safety net, the cache layouts that decode accepts for appends,
   host index lists, and the hypothesis fuzz of every entry point on stand-in arrays (an address, a
-  shape, strides and a dtype, no memory; CuPy faked as in tests/test_host_path_cpu.py): the checks
+  shape, strides and a dtype, no memory; CuPy faked as in tests/cpu/test_host_path.py): the checks
   run before anything needs a GPU, so a check that is missing lets the call reach one and fail.
 - GPU: the same fuzz on CuPy arrays, where every byte of every argument must also be as it was
   (outputs poisoned with NaN), and the layouts that must keep working (K/V caches interleaved in one

@@ -2,7 +2,7 @@
 a plan's run launches and where it takes its memory when the stream is capturing (the capture
 query, CuPy and the launches faked), the calls that refuse to be captured, the params field the
 kernels read a device (seed, offset) through, and the rng_state kernel and philox.cuh's
-dropout_key compiled by NVRTC for sm_80 and sm_90a. (The GPU side is tests/test_capture_gpu.py.)
+dropout_key compiled by NVRTC for sm_80 and sm_90a. (The GPU side is tests/gpu/test_capture.py.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cuflash import _capture, _launch, _params, _pinned, _plan, _step, kernels
 from cuflash import random as cr
 
 backward_module = importlib.import_module("cuflash.backward")
-CUDA_SRC = Path(__file__).resolve().parents[1] / "cuda_src"
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 
 
 # ----------------------------------------------------------------------------- a fake CuPy

@@ -3,7 +3,7 @@ to install instead of Python's bare "No module named 'cupy'".
 
 CuPy's absence is simulated (``sys.modules["cupy"] = None``), in this process for
 :func:`import_cupy` and in a fresh one for a first call, where nothing is imported yet.
-(The states of :func:`cuda_status` under CUDA failures are in tests/test_cli.py.)
+(The states of :func:`cuda_status` under CUDA failures are in tests/cpu/test_cli.py.)
 """
 
 import builtins
@@ -16,7 +16,7 @@ import pytest
 
 from cuflash import _cuda_status
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

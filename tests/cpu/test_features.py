@@ -8,7 +8,7 @@ import pytest
 
 from cuflash import _checks, features
 
-CUDA_SRC = Path(__file__).resolve().parents[1] / "cuda_src"
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 
 
 def _enum(header: str, name: str) -> dict:

@@ -8,7 +8,7 @@ Then, twice: NEW random data (and new index values: cu_seqlens, cache_seqlens, b
 into the same input buffers, the outputs are poisoned with NaN, CuPy's pool gives every free block
 back to the driver (a replay that used memory a call had freed would fault), the graph is replayed,
 and its results must equal, bit for bit, an uncaptured call on the same data, and the float64
-reference under the accuracy rule of tests/test_forward_gpu.py where that is cheap. Backward calls
+reference under the accuracy rule of tests/gpu/test_attention.py where that is cheap. Backward calls
 use deterministic=True (atomic dQ sums in a different order would differ in the last bits).
 
 Dropout: a captured forward (each forward family: fwd_sm90 where the GPU has it, fwd_sm80,

@@ -29,7 +29,7 @@ import pytest
 
 import cuflash
 
-API_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md"
+API_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "api.md"
 TORCH = "cuflash.interop.torch"
 SECTION = re.compile(r"^(\w[\w ]*)\n-{3,}$", re.M)
 

@@ -25,7 +25,7 @@ import pytest
 import cuflash
 from cuflash import _checks, _compile, _launch, _memo, _plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------- CPU: stand-ins

@@ -11,7 +11,7 @@ import pytest
 
 from cuflash import _compile, kernels
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 check, the stream key of per-thread default streams, the ``check`` flag, a pinned plan's refusal of
 options at call time, the driver check that lets a plan's tensor maps be patched with each call's
 addresses, the argument blocks a step launches (per thread, at fixed addresses), and a plan's run
-with CuPy faked. (The GPU side is tests/test_host_path_gpu.py.)"""
+with CuPy faked. (The GPU side is tests/gpu/test_host_path.py.)"""
 
 import ctypes
 import hashlib

@@ -4,7 +4,7 @@ This package exists so that FlashAttention-2's own test file (``tests/test_flash
 Dao-AILab/flash-attention) can run unchanged against cuflash: it provides the names that file
 imports and maps each call onto cuflash's public API with torch tensors (DLPack). It is not an
 installable ``flash_attn`` replacement and shares no code with FlashAttention; see
-``tests/fa2_compat/README.md`` and ``tests/fa2_compat/run_fa2_suite.py``.
+``tests/compat/fa2/README.md`` and ``tests/compat/fa2/run_fa2_suite.py``.
 
 Where FA2 has a feature cuflash cannot express, the shim raises :class:`NotSupported` (a
 ``NotImplementedError``), which the runner reports as "not supported", never as a pass.

@@ -1,7 +1,7 @@
 """The backward's host side without a GPU: launch plans, parameter packing, GQA split heuristic,
 and NVRTC compilation of the kernels that carry the performance bar (zero spills).
 
-Every backward variant is compiled for sm_80 and sm_90a by tests/test_compile.py once
+Every backward variant is compiled for sm_80 and sm_90a by tests/cpu/test_compile.py once
 cuflash.kernels.catalogue.precompile_variants() includes precompile_backward_variants().
 """
 

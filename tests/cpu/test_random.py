@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cuflash import random as cr
 
-CUDA_SRC = Path(__file__).resolve().parents[1] / "cuda_src"
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
 
 # Random123's kat_vectors, "philox4x32 10" lines: counter (4 words), key (2 words), result.
 KAT = [

@@ -13,7 +13,7 @@ from cuflash import _arch, _cache, _compile, _cuda_status
 from cuflash.__main__ import main
 from cuflash._variant import Variant
 
-from test_compile import TINY, tiny_src  # noqa: F401  (a fixture)
+from tests.cpu.test_compile import TINY, tiny_src  # noqa: F401  (a fixture)
 
 INSUFFICIENT_DRIVER = 35, "cudaErrorInsufficientDriver", \
     "CUDA driver version is insufficient for CUDA runtime version"
@@ -364,7 +364,7 @@ def gate(pytester):
     """Run GPU_TESTS under this conftest with a given cuda_status; returns the result."""
     from pathlib import Path
 
-    conftest = (Path(__file__).parent / "conftest.py").read_text()
+    conftest = (Path(__file__).parents[1] / "conftest.py").read_text()
 
     def run_with(state, reason="", fix=""):
         pytester.makeconftest(conftest + f"""

@@ -359,7 +359,7 @@ def test_varlen_argument_errors(case):
     args.update(build(c))
     pos = [args.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
     # Offsets stay on the GPU and are checked there: check=True raises a bad value at this call
-    # (tests/test_host_path_gpu.py covers the deferred report).
+    # (tests/gpu/test_host_path.py covers the deferred report).
     _call_expecting(lambda: cuflash.attention_varlen(*pos, **args, check=True), exc, patterns,
                     [args["out"]])
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CPU checks of the shim's pure-torch pieces (no GPU, no CuPy needed).
 
-    python tests/fa2_compat/selfcheck.py [--tests .devrun/fa2/test_flash_attn.py]
+    python tests/compat/fa2/selfcheck.py [--tests .devrun/fa2/test_flash_attn.py]
 
 - ``bert_padding.unpad_input`` / ``pad_input`` against a per-sequence loop, gradients included;
 - ``layers.rotary.apply_rotary_emb`` against the rotation written out pair by pair, both

@@ -54,7 +54,7 @@ backward_module = importlib.import_module("cuflash.backward")
 decode_module = importlib.import_module("cuflash.decode")
 merge_module = importlib.import_module("cuflash.merge")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODES = ["check", "next_call", "check_errors"]
 CALLS = 200   # per thread / stream in the concurrency tests
 
@@ -1063,7 +1063,7 @@ def _ptds_main(workers: int) -> int:
 _PTDS_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
-import test_host_path_gpu as t
+import test_host_path as t
 sys.exit(t._ptds_main(int(sys.argv[1])))
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

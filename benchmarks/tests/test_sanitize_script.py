@@ -17,7 +17,7 @@ import cuflash
 attention = importlib.import_module("cuflash.attention")
 backward = importlib.import_module("cuflash.backward")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sanitize_all.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "sanitize_all.py"
 
 # Public names that launch nothing of their own.
 NOT_ENTRY_POINTS = {"force_kernel", "Generator", "default_generator", "manual_seed", "precompile", "plan", "Plan",

@@ -7,7 +7,7 @@ Compiling them one by one inside the tests would spend the whole time budget on 
 runner fills a cache directory first, in parallel, and points ``CUFLASH_CACHE_DIR`` at it.
 
 NVRTC needs no GPU, so the cache can also be built on a CPU machine and carried along
-(``python tests/fa2_compat/warm_cache.py --arch sm_90a --cache-dir .devrun/cuflash-cache``).
+(``python tests/compat/fa2/warm_cache.py --arch sm_90a --cache-dir .devrun/cuflash-cache``).
 Cubins are keyed by a hash of ``cuda_src/``: after a kernel change the old ones simply miss.
 
 This lists variants through ``cuflash.kernels`` (private: the plan functions the dispatcher

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Run FlashAttention-2's own test file against cuflash, through the ``flash_attn`` shim beside it.
 
-    python tests/fa2_compat/run_fa2_suite.py --tests .devrun/fa2/test_flash_attn.py \
+    python tests/compat/fa2/run_fa2_suite.py --tests .devrun/fa2/test_flash_attn.py \
         [--sample N] [--seed S] [--timeout-s T] [--log FILE] [--select TEXT] [--dry-run] [-- PYTEST_ARGS...]
 
 What it does:
 
-1. puts ``tests/fa2_compat`` first on ``sys.path``, so ``import flash_attn`` finds the shim (and
+1. puts ``tests/compat/fa2`` first on ``sys.path``, so ``import flash_attn`` finds the shim (and
    refuses to run if it finds another ``flash_attn``); if ``einops`` (which FA2's tests import) is
    missing, uses a wheel from ``.devrun/wheels`` when there is one;
 2. fills a kernel cache for every variant the suite can reach (:mod:`warm_cache`, in parallel,
@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 
 DEFAULT_SAMPLE = 12
 DEFAULT_TIMEOUT_S = 270.0
