@@ -272,14 +272,14 @@ def check_dropout_origin(origin, seqlens) -> dict:
     try:
         row0, col0 = origin
     except (TypeError, ValueError):
-        raise TypeError(f"_dropout_origin must be a (row0, col0) pair of ints, got {origin!r}") from None
+        raise TypeError(f"dropout_origin must be a (row0, col0) pair of ints, got {origin!r}") from None
     for name, x, n in (("row0", row0, seqlens[0]), ("col0", col0, seqlens[1])):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise TypeError(f"_dropout_origin's {name} must be an int, got {type(x).__name__}")
+            raise TypeError(f"dropout_origin's {name} must be an int, got {type(x).__name__}")
         if not 0 <= int(x) <= INT32_MAX - n:
-            raise ValueError(f"_dropout_origin's {name} = {int(x)} must be in [0, 2**31 - 1 - {n}]")
+            raise ValueError(f"dropout_origin's {name} = {int(x)} must be in [0, 2**31 - 1 - {n}]")
     if col0 % 4:
-        raise ValueError(f"_dropout_origin's col0 = {int(col0)} must be a multiple of 4 (the kernels draw "
+        raise ValueError(f"dropout_origin's col0 = {int(col0)} must be a multiple of 4 (the kernels draw "
                          f"dropout in Philox blocks of 4 keys aligned to the call's first key)")
     return {"dropout_row0": int(row0), "dropout_col0": int(col0)}
 
