@@ -44,8 +44,9 @@ from _harness import N_INPUT_SETS, Timer, log, open_gpu
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
-from cuflash import _compile, kernels  # noqa: E402
-from cuflash._variant import Variant  # noqa: E402
+from cuflash import kernels  # noqa: E402
+from cuflash._build import compile as _compile
+from cuflash._build.variant import Variant  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -174,7 +175,8 @@ def run(args) -> int:
     import cupy
 
     import cuflash
-    from cuflash import _memo, backward
+    from cuflash import backward
+    from cuflash._runtime import memo as _memo
 
     gpu = open_gpu(cupy, use_torch=True)
     if gpu is None or gpu.torch is None:

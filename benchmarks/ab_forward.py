@@ -38,7 +38,8 @@ from bench_forward import DTYPE_NAMES, attention_flops, make_inputs
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
-from cuflash import _compile, kernels  # noqa: E402
+from cuflash import kernels  # noqa: E402
+from cuflash._build import compile as _compile
 
 
 def sm90_plan(dtype_name: str, head_dim: int, overrides=None):
@@ -104,7 +105,7 @@ def run(args):
 
     import cuflash
 
-    from cuflash import _memo
+    from cuflash._runtime import memo as _memo
     gpu = open_gpu(cupy, use_torch=True)
     if gpu is None or gpu.torch is None:
         print("run needs a GPU and torch (cuDNN is the yardstick)", file=sys.stderr)
@@ -138,7 +139,7 @@ def run(args):
                 replays = {}
 
                 def call(i):
-                    # get_kernel's memo (cuflash._compile) is where the launch path finds its kernel,
+                    # get_kernel's memo (cuflash._build.compile) is where the launch path finds its kernel,
                     # and the attention module asks cuflash.kernels for the plan (shared memory, defines).
                     # A plain call's launch is remembered by shapes and options, not by kernel, so
                     # each tree keeps its own memo of launches: with one shared memo every tree would

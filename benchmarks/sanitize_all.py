@@ -150,7 +150,8 @@ def backward_case(family, dt, D, B, Sq, Sk, Hq, Hk, deterministic=False, return_
     """wide: bwd_sm90's 80-row query tiles at any length (BWD_SM90_WIDE_MIN_ROWS lowered to 1)."""
     def run():
         import cuflash
-        from cuflash import kernels, _memo
+        from cuflash import kernels
+        from cuflash._runtime import memo as _memo
         from cuflash import backward as bw
 
         q, k, v = _rnd(dt, B, Sq, Hq, D), _rnd(dt, B, Sk, Hk, D), _rnd(dt, B, Sk, Hk, D)
@@ -223,7 +224,8 @@ def decode_case(dt, D, Hq, Hk, *, Sq=1, paged=False, page_size=16, append=0, spl
         import numpy as np
 
         import cuflash
-        from cuflash import kernels, _memo
+        from cuflash import kernels
+        from cuflash._runtime import memo as _memo
 
         cp = _cp()
         kw = dict(num_splits=splits)
@@ -302,7 +304,8 @@ def bad_decode_case(splits, check_kernel):
     append, a page past the cache, a negative page): each must be refused (check=True)."""
     def run():
         import cuflash
-        from cuflash import kernels, _memo
+        from cuflash import kernels
+        from cuflash._runtime import memo as _memo
 
         cp = _cp()
         B, Hq, Hk, D, P = 4, 8, 2, 64, 16
@@ -462,7 +465,7 @@ class _Deferred(Exception):
 def _compile_needed(indices, arch):
     """Run the cases with compilation deferred, collect the variants they miss, build those in parallel
     threads; repeat until none is missing (a case meets its kernels one at a time)."""
-    from cuflash import _compile
+    from cuflash._build import compile as _compile
 
     total = 0
     for _ in range(10):
@@ -509,7 +512,7 @@ def _context_usable() -> bool:
 
 def inner(args) -> int:
     cp = _cp()
-    from cuflash._compile import device_arch
+    from cuflash._build.compile import device_arch
 
     arch = device_arch()
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
@@ -519,8 +522,8 @@ def inner(args) -> int:
         _compile_needed(indices, arch)
     if args.sanitized and not args.pool:
         cp.cuda.set_allocator(None)   # each array its own cudaMalloc: memcheck sees past its end
-        # Temporaries too, allocated per call rather than in the stream's arena (cuflash/_launch.py).
-        from cuflash import _launch
+        # Temporaries too, allocated per call rather than in the stream's arena (cuflash/_runtime/launch.py).
+        from cuflash._runtime import launch as _launch
 
         _launch.ARENA_BYTES = 0
     failed = 0

@@ -40,7 +40,7 @@ for name, dt in DTYPES.items():
                 continue
             # 80 query rows per step at every length (bwd_sm90 takes them from BWD_SM90_WIDE_MIN_ROWS rows)
             bw.kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS = 0 if wide else WIDE_MIN_ROWS
-            cuflash._memo.clear_memo()
+            cuflash._runtime.memo.clear_memo()
             q, k, v = rnd(dt, 2, Sq, Hq, D), rnd(dt, 2, Sk, Hk, D), rnd(dt, 2, Sk, Hk, D)
             dout = rnd(dt, 2, Sq, Hq, D)
             out, lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
@@ -52,7 +52,7 @@ for name, dt in DTYPES.items():
                                + (" (80-row tiles)" if wide else ""),
                                got, other)
         bw.kernels.bwd_sm90.BWD_SM90_WIDE_MIN_ROWS = WIDE_MIN_ROWS
-        cuflash._memo.clear_memo()
+        cuflash._runtime.memo.clear_memo()
         # varlen: sequences (77 queries, 200 keys), (200, 77), (1, 5)
         cu_q, cu_k = cp.array([0, 77, 277, 278], cp.int32), cp.array([0, 200, 277, 282], cp.int32)
         q, k, v = rnd(dt, 278, Hq, D), rnd(dt, 282, Hk, D), rnd(dt, 282, Hk, D)

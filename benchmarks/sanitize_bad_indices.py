@@ -2,7 +2,8 @@
 and, run under `compute-sanitizer --tool memcheck python benchmarks/sanitize_bad_indices.py`, touch no memory out of bounds.
 Decode runs twice: checked by the decode kernel itself (small tables) and by a check_indices launch ahead of it."""
 import cupy as cp, ml_dtypes, cuflash
-from cuflash import _memo, kernels
+from cuflash import kernels
+from cuflash._runtime import memo as _memo
 bf = cp.dtype(ml_dtypes.bfloat16)
 def rnd(*s): return cp.random.standard_normal(s, dtype=cp.float32).astype(bf)
 B, Hq, Hk, D, P = 4, 8, 2, 64, 16

@@ -9,9 +9,9 @@ from .backward import attention_backward, attention_varlen_backward
 from .decode import decode
 from .merge import merge_states
 from .random import Generator, default_generator, manual_seed
-from ._compile import precompile
-from ._faults import check_errors
-from ._pinned import PinnedPlan as Plan, planned as plan
+from ._build.compile import precompile
+from ._runtime.faults import check_errors
+from ._runtime.pinned import PinnedPlan as Plan, planned as plan
 
 from ._version import __version__
 

@@ -60,7 +60,7 @@ def _probe_kernel(arch: str, run: bool) -> tuple[str, str]:
 
     Returns ``(summary, fix)``; ``fix`` is "" when all went well, else the problem and the fix.
     """
-    from cuflash import _compile, _nvrtc
+    from cuflash._build import compile as _compile, nvrtc as _nvrtc
 
     start = time.perf_counter()
     try:
@@ -91,7 +91,7 @@ def _probe_kernel(arch: str, run: bool) -> tuple[str, str]:
 
 
 def _nvrtc_fix(err: Exception) -> str:
-    from cuflash._cuda_status import driver_cuda_version, extra_for
+    from cuflash._build.cuda_status import driver_cuda_version, extra_for
 
     if "libnvrtc not found" in str(err):
         return f"{err}".replace("cuflash: ", "")
@@ -99,8 +99,8 @@ def _nvrtc_fix(err: Exception) -> str:
 
 
 def _load_fix() -> str:
-    from cuflash import _nvrtc
-    from cuflash._cuda_status import driver_cuda_version, extra_for
+    from cuflash._build import nvrtc as _nvrtc
+    from cuflash._build.cuda_status import driver_cuda_version, extra_for
 
     driver = driver_cuda_version()
     try:
@@ -139,7 +139,7 @@ def _driver_version() -> str | None:
 def _gpu_lines(count: int) -> list[str]:
     import cupy
 
-    from cuflash._arch import arch_for
+    from cuflash._build.arch import arch_for
 
     lines = []
     for i in range(count):
@@ -152,7 +152,7 @@ def _gpu_lines(count: int) -> list[str]:
 
 
 def _cache_line() -> str:
-    from cuflash import _cache, _compile
+    from cuflash._build import cache as _cache, compile as _compile
 
     src_hash = _compile.source_hash()
     parts = []
@@ -172,10 +172,10 @@ def _versions(v) -> str:
 
 def _doctor(verbose: bool = True) -> tuple[int, str]:
     """Print the report (``verbose``) or only what is wrong; return the exit status and the
-    state of CUDA (see :class:`cuflash._cuda_status.CudaStatus`)."""
+    state of CUDA (see :class:`cuflash._build.cuda_status.CudaStatus`)."""
     import cuflash
-    from cuflash import _arch, _nvrtc
-    from cuflash._cuda_status import cuda_status, cupy_distribution
+    from cuflash._build import arch as _arch, nvrtc as _nvrtc
+    from cuflash._build.cuda_status import cuda_status, cupy_distribution
     from cuflash._version import __version__
 
     status = cuda_status()
@@ -299,8 +299,8 @@ def _kib(nbytes: int) -> str:
 def _default_archs() -> tuple[list[str], str]:
     """This GPU's target, or without a usable GPU the two targets cuflash tunes for; and a note
     for the summary saying why, when it is the latter."""
-    from cuflash import _arch
-    from cuflash._cuda_status import cuda_status
+    from cuflash._build import arch as _arch
+    from cuflash._build.cuda_status import cuda_status
 
     if cuda_status().state == "ok":
         return [_arch.device_arch()], ""
@@ -309,7 +309,7 @@ def _default_archs() -> tuple[list[str], str]:
 
 def _precompile_jobs(args):
     """Validate the arguments (UsageError) and list the (variant, arch) jobs."""
-    from cuflash import _arch, _cache, _compile
+    from cuflash._build import arch as _arch, cache as _cache, compile as _compile
 
     dtypes = _parse_dtypes(args.dtypes)
     head_dims = _parse_head_dims(args.head_dims)
@@ -365,8 +365,8 @@ def _table(results, archs) -> list[str]:
 
 
 def _precompile(args) -> int:
-    from cuflash import _compile, _nvrtc
-    from cuflash._build_progress import Progress, summary
+    from cuflash._build import compile as _compile, nvrtc as _nvrtc
+    from cuflash._build.progress import Progress, summary
 
     try:
         _nvrtc.version()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._cuda_status import import_cupy
+from ._build.cuda_status import import_cupy
 from .features import DTYPE_CODES
 from .kernels.common import MAX_HEAD_DIM
 

@@ -9,9 +9,10 @@ import math
 
 import numpy as np
 
-from . import _checks, _faults, _launch, _plan, _step, _tma, kernels
-from ._compile import device_arch, get_kernel
-from ._params import FWD, Template
+from . import _checks, kernels
+from ._runtime import faults as _faults, launch as _launch, plan as _plan, step as _step, tma as _tma
+from ._build.compile import device_arch, get_kernel
+from ._runtime.params import FWD, Template
 from .random import dropout_threshold
 
 #: The family :func:`cuflash.force_kernel` forces, None: chosen per call.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _capture, _checks, _launch, _memo
+from . import _checks
+from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._forward_plan import _family_for, _forced_family, forward_plan
 from ._scores import SCORE_OPERANDS, score_operands
 

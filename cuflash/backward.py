@@ -24,7 +24,8 @@ import math
 
 import numpy as np
 
-from . import _capture, _checks, _launch, _memo, kernels
+from . import _checks, kernels
+from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._backward_plan import _backward_plan, _family_for, _forced_family
 from ._scores import SCORE_OPERANDS, score_operands
 from .random import as_rng_state

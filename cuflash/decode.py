@@ -13,9 +13,10 @@ import math
 
 import numpy as np
 
-from . import _capture, _checks, _faults, _launch, _memo, _plan, _step, kernels
-from ._compile import device_arch, get_kernel
-from ._params import DECODE, Template
+from . import _checks, kernels
+from ._runtime import capture as _capture, faults as _faults, launch as _launch, memo as _memo, plan as _plan, step as _step
+from ._build.compile import device_arch, get_kernel
+from ._runtime.params import DECODE, Template
 
 __all__ = ["decode"]
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _capture, _checks, _launch, _memo, _plan, _step, kernels
-from ._compile import get_kernel
-from ._params import MERGE, Template
+from . import _checks, kernels
+from ._runtime import capture as _capture, launch as _launch, memo as _memo, plan as _plan, step as _step
+from ._build.compile import get_kernel
+from ._runtime.params import MERGE, Template
 
 __all__ = ["merge_states"]
 

@@ -455,7 +455,7 @@ class Generator:
                             "generator), or plan the call with cuflash.plan(...), before capturing")
                     words = cupy.empty(2, dtype=np.uint64)
                     _write_graph_state(words, device_id, (self._seed, _graph_start(self._offset, device_id)))
-                    from . import _capture
+                    from ._runtime import capture as _capture
 
                     _capture.rng_step(device_id)   # its kernel loaded now, not inside a capture
                 self._graph[device_id] = words

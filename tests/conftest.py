@@ -28,8 +28,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @functools.lru_cache(maxsize=None)
 def cuda_status():
-    """:func:`cuflash._cuda_status.cuda_status`, asked once per session."""
-    from cuflash._cuda_status import cuda_status
+    """:func:`cuflash._build.cuda_status.cuda_status`, asked once per session."""
+    from cuflash._build.cuda_status import cuda_status
 
     return cuda_status()
 

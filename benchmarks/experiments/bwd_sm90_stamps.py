@@ -63,7 +63,8 @@ def main(specs):
 
     import cuflash
     from ab_backward import Installed, parse_contender
-    from cuflash import _compile, _memo
+    from cuflash._build import compile as _compile
+    from cuflash._runtime import memo as _memo
 
     arch, device = _compile.device_arch(), _compile.current_device()
     for spec in specs:

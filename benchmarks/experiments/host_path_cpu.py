@@ -29,7 +29,8 @@ from cupy.cuda import memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cuflash  # noqa: E402
-from cuflash import _compile, _graph, _launch, _memo, _tma  # noqa: E402
+from cuflash._build import compile as _compile  # noqa: E402
+from cuflash._runtime import graph as _graph, launch as _launch, memo as _memo, tma as _tma  # noqa: E402
 
 # The modules (cuflash's names attention, decode, ... are the functions).
 attention_module, backward_module, decode_module, merge_module = (

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _compile, kernels
+from cuflash import kernels
+from cuflash._build import compile as _compile
 
 BENCH = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ integer, the cheapest way), so they hand CuPy this small wrapper. Importing it i
 
 from __future__ import annotations
 
-from .._cuda_status import import_cupy
+from .._build.cuda_status import import_cupy
 
 cupy = import_cupy()   # a missing CuPy says which extra to install
 

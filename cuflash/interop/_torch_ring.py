@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .._cuda_status import import_cupy
+from .._build.cuda_status import import_cupy
 
 cupy = import_cupy()   # a missing CuPy says which extra to install
 

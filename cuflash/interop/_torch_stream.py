@@ -13,7 +13,7 @@ Two contexts, used by :mod:`cuflash.interop.torch` (the direct autograd path) an
   would be handed to other work and overwritten under the replaying graph. Outside capture the
   two pools stop competing for the GPU's memory.
 
-cuflash keeps a few words of state per stream (:class:`cuflash._launch.StreamState`: the persistent
+cuflash keeps a few words of state per stream (:class:`cuflash._runtime.launch.StreamState`: the persistent
 kernels' work counter, the index check's verdict, fault reports in pinned host memory). Its first
 call on a stream creates them with ``cudaMalloc``/``cudaHostAlloc``, which a stream capture in
 torch's default (global) mode forbids, and zeroes them with a memset that a capture would record
@@ -32,11 +32,11 @@ import functools
 
 import torch
 
-from .._cuda_status import import_cupy
+from .._build.cuda_status import import_cupy
 
 cupy = import_cupy()   # a missing CuPy says which extra to install
 
-from .. import _launch
+from .._runtime import launch as _launch
 from ._cupy_stream import cupy_stream
 
 __all__ = ["as_torch", "on_torch_stream", "torch_call"]

@@ -1,5 +1,5 @@
 """torch tensors read without importing torch: whether an operand is one, what the memo keys it
-by, and torch's current stream. Used by the memo's fast path (:mod:`cuflash._memo`), which takes a
+by, and torch's current stream. Used by the memo's fast path (:mod:`cuflash._runtime.memo`), which takes a
 tensor's layout and pointer directly when torch's stream is CuPy's."""
 
 from __future__ import annotations

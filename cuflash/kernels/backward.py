@@ -8,7 +8,7 @@ import numpy as np
 from . import bwd_simt, bwd_sm80, bwd_sm90
 from .bwd_common import bwd_convert_variant, bwd_preprocess_variant
 from .common import LaunchPlan
-from .._variant import Variant
+from .._build.variant import Variant
 from ..features import SCORE_MODS, score_mod_bits
 
 BWD_FAMILIES = ("bwd_sm90", "bwd_sm80", "bwd_simt")

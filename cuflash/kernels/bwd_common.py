@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .common import LaunchPlan
-from .._params import BWD_PARAMS, CONVERT_PARAMS, FWD_PARAMS
-from .._variant import Variant
+from .._runtime.params import BWD_PARAMS, CONVERT_PARAMS, FWD_PARAMS
+from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
 
 #: Rows of the lse2 / dsum buffers per (sequence, head) are padded to a multiple of this, which is

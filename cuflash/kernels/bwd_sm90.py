@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .bwd_common import size_defines
 from .common import LaunchPlan, round_up
-from .._variant import Variant
+from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
 
 # bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step

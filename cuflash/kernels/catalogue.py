@@ -19,7 +19,7 @@ from .fwd_sm80 import SM80_HEAD_DIMS
 from .fwd_sm90 import SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS
 from .merge import merge_plan
 from .rng_state import rng_state_variant
-from .._variant import Variant
+from .._build.variant import Variant
 from ..features import DECODE_SCORE_MODS, score_mod_bits, score_mod_sets
 
 

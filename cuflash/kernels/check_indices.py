@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from .._params import CHECK_PARAMS
-from .._variant import Variant
+from .._runtime.params import CHECK_PARAMS
+from .._build.variant import Variant
 
 CHECK_THREADS = 128
 #: CTAs of the index check: one per sequence up to this many (each then strides over the rest).

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..features import DTYPE_CODES, score_mod_bits
-from .._params import FWD_PARAMS
-from .._variant import Variant
+from .._runtime.params import FWD_PARAMS
+from .._build.variant import Variant
 
 MAX_HEAD_DIM = 256
 #: Opt-in shared memory per block of an H100/H200, the default budget of the ahead-of-time variants.

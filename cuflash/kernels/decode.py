@@ -11,8 +11,8 @@ import numpy as np
 
 from .common import DEFAULT_SMEM_PER_BLOCK, DEFAULT_SMEM_PER_SM, round_up
 from .merge import merge_plan
-from .._params import DECODE_PARAMS, FWD_PARAMS
-from .._variant import Variant
+from .._runtime.params import DECODE_PARAMS, FWD_PARAMS
+from .._build.variant import Variant
 from ..features import DECODE_SCORE_MODS, DTYPE_CODES, score_mod_bits
 
 #: Compiled head dims of decode. fp16/bf16 (mma.sync): multiples of 64 (the shared-memory swizzle

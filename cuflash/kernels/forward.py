@@ -9,7 +9,7 @@ import numpy as np
 
 from . import fwd_simt, fwd_sm80, fwd_sm90
 from .common import LaunchPlan, round_up
-from .._variant import Variant
+from .._build.variant import Variant
 
 FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 

@@ -4,8 +4,8 @@ producer warpgroup, two or three consumers), persistent CTAs; float16/bfloat16 o
 from __future__ import annotations
 
 from .common import LaunchPlan, round_up
-from .._params import FWD_PARAMS
-from .._variant import Variant
+from .._runtime.params import FWD_PARAMS
+from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
 
 # Hopper (sm_90a): 2 consumer warpgroups x 64 rows (3 for long full rows at D = 64:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._params import MERGE_PARAMS
-from .._variant import Variant
+from .._runtime.params import MERGE_PARAMS
+from .._build.variant import Variant
 from ..features import DTYPE_CODES
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32", "float64")

@@ -3,7 +3,7 @@ GPU, from its generator's graph state, at each replay."""
 
 from __future__ import annotations
 
-from .._variant import Variant
+from .._build.variant import Variant
 
 
 def rng_state_variant() -> Variant:

@@ -8,7 +8,9 @@ cuflash.kernels.catalogue.precompile_variants() includes precompile_backward_var
 import numpy as np
 import pytest
 
-from cuflash import _compile, _launch, _params, kernels
+from cuflash import kernels
+from cuflash._build import compile as _compile
+from cuflash._runtime import launch as _launch, params as _params
 from cuflash.kernels.bwd_common import BWD_ROW_PAD
 from cuflash.kernels.bwd_common import backward_heads_per_cta
 from cuflash.kernels.backward import backward_plan
@@ -113,7 +115,7 @@ def test_precompile_list():
 
 def _nvrtc_available():
     try:
-        from cuflash import _nvrtc
+        from cuflash._build import nvrtc as _nvrtc
         _nvrtc.version()
         return True
     except Exception:

@@ -1,13 +1,13 @@
-"""The progress line and the summary of a build (cuflash._build_progress): one line redrawn in
+"""The progress line and the summary of a build (cuflash._build.progress): one line redrawn in
 place on a terminal, a handful of plain lines in a log, one summary line at the end."""
 
 import io
 from pathlib import Path
 
-from cuflash import _cache
-from cuflash._build_progress import Progress, summary
-from cuflash._compile import CompileResult
-from cuflash._variant import Variant
+from cuflash._build import cache as _cache
+from cuflash._build.progress import Progress, summary
+from cuflash._build.compile import CompileResult
+from cuflash._build.variant import Variant
 
 TINY = Variant("tiny", {"TINY_N": 64})
 

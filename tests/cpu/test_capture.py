@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _capture, _launch, _params, _pinned, _plan, _step, kernels
+from cuflash import kernels
+from cuflash._runtime import capture as _capture, launch as _launch, params as _params, pinned as _pinned, plan as _plan, step as _step
 from cuflash import random as cr
 
 backward_module = importlib.import_module("cuflash.backward")

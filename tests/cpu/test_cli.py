@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from cuflash import _arch, _cache, _compile, _cuda_status
+from cuflash._build import arch as _arch, cache as _cache, compile as _compile, cuda_status as _cuda_status
 from cuflash.__main__ import main
-from cuflash._variant import Variant
+from cuflash._build.variant import Variant
 
 from tests.cpu.test_compile import TINY, tiny_src  # noqa: F401  (a fixture)
 
@@ -190,7 +190,7 @@ def test_doctor_with_a_broken_setup_exits_1(monkeypatch, driver, capsys):
 
 
 def test_doctor_reports_a_kernel_that_does_not_compile(monkeypatch, driver, capsys):
-    from cuflash import _nvrtc
+    from cuflash._build import nvrtc as _nvrtc
 
     driver(None)
     fake_cupy(monkeypatch, error=INSUFFICIENT_DRIVER)
@@ -249,7 +249,7 @@ def test_precompile_in_the_user_cache_says_where(tiny_src, fake_heuristics, caps
 def test_precompile_verbose_table_and_warnings(tiny_src, tmp_path, fake_heuristics, capsys,  # noqa: F811
                                                monkeypatch):
     # Every compiled variant's warnings show with -v only, cached ones' too (from the report).
-    from cuflash import _nvrtc
+    from cuflash._build import nvrtc as _nvrtc
 
     real = _nvrtc.compile_to_cubin
     monkeypatch.setattr(_nvrtc, "compile_to_cubin", lambda *a: (
@@ -279,7 +279,7 @@ def test_precompile_failure_and_spills_exit_1(tiny_src, tmp_path, fake_heuristic
     assert len(failure) == 1 and "undefined_thing" in failure[0]
     assert len(err.splitlines()) < 10  # not the whole NVRTC log (that is -v)
 
-    from cuflash import _nvrtc
+    from cuflash._build import nvrtc as _nvrtc
 
     real = _nvrtc.parse_ptxas_log
     monkeypatch.setattr(_nvrtc, "parse_ptxas_log",
@@ -368,7 +368,7 @@ def gate(pytester):
 
     def run_with(state, reason="", fix=""):
         pytester.makeconftest(conftest + f"""
-from cuflash._cuda_status import CudaStatus
+from cuflash._build.cuda_status import CudaStatus
 cuda_status = lambda: CudaStatus({state!r}, {reason!r}, {fix!r})
 """)
         pytester.makepyfile(test_gpu=GPU_TESTS)

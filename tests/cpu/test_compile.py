@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cuflash import _arch, _cache, _compile, _cuda_status, _nvrtc
-from cuflash._variant import Variant
+from cuflash._build import arch as _arch, cache as _cache, compile as _compile, cuda_status as _cuda_status, nvrtc as _nvrtc
+from cuflash._build.variant import Variant
 
 ARCHS = ("sm_80", "sm_90a")
 

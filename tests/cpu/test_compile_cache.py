@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _cache, _compile, _nvrtc
+from cuflash._build import cache as _cache, compile as _compile, nvrtc as _nvrtc
 from cuflash.kernels.merge import merge_plan
 
 MERGE = merge_plan("float32", "float32").variant  # the quickest real variant to compile (~0.1 s)

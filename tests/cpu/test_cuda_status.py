@@ -1,4 +1,4 @@
-"""cuflash._cuda_status without CuPy: the first call of a machine with no CuPy says which extra
+"""cuflash._build.cuda_status without CuPy: the first call of a machine with no CuPy says which extra
 to install instead of Python's bare "No module named 'cupy'".
 
 CuPy's absence is simulated (``sys.modules["cupy"] = None``), in this process for
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import _cuda_status
+from cuflash._build import cuda_status as _cuda_status
 
 ROOT = Path(__file__).resolve().parents[2]
 

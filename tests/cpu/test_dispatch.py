@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import _launch, _params, _tma, kernels
+from cuflash import kernels
+from cuflash._runtime import launch as _launch, params as _params, tma as _tma
 from cuflash._forward_plan import _choose_family, _sm90_obstacle
 from cuflash.attention import force_kernel
 
@@ -166,9 +167,9 @@ def test_planners_import_no_api_module():
     import ast
     from pathlib import Path
 
-    package = Path(_params.__file__).parent
+    package = Path(_params.__file__).parents[1]
     planners = {f"kernels.{p.stem}" for p in (package / "kernels").glob("*.py") if p.stem != "__init__"}
-    leaves = planners | {"kernels", "features", "_params", "_variant"}
+    leaves = planners | {"kernels", "features", "_runtime.params", "_build.variant"}
     for name in leaves:
         path = package / (name.replace(".", "/") + ("/__init__.py" if name == "kernels" else ".py"))
         tree = ast.parse(path.read_text())

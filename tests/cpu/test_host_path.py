@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import _checks, _faults, _launch, _memo, _params, _pinned, _plan, _step, _tma
+from cuflash import _checks
 
 # What cuflash/decode.py hands the index check (and so the plan's info) for a paged cache of 9 pages
+from cuflash._runtime import faults as _faults, launch as _launch, memo as _memo, params as _params, pinned as _pinned, plan as _plan, step as _step, tma as _tma
 # of 16 keys, 4 pages per sequence, 2 tokens appended.
 DECODE_INFO = dict(block_table_batch_stride=4, batch=2, capacity=64, seqlen_new=2, page_size=16, num_pages=9,
                    max_pages=4)

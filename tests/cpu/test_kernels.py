@@ -268,7 +268,7 @@ def test_score_mod_bits():
 
 def test_score_mod_bits_match_mask_cuh():
     # The planner's bit order is the kernels' (cuda_src/mask.cuh): one source of truth each side.
-    from cuflash import _compile
+    from cuflash._build import compile as _compile
 
     text = (_compile.CUDA_SRC / "mask.cuh").read_text()
     for k, name in enumerate(features.SCORE_MODS):
@@ -281,7 +281,7 @@ def test_score_mod_bits_match_mask_cuh():
 def test_softcap_only_plan_compiles_only_the_softcap(family, dtype):
     # A softcap-only call gets a variant of its own (CUFLASH_SCORE_MODS=1), not the one with every
     # modifier (31, what True and any two modifiers give), and the flag reaches NVRTC's defines.
-    from cuflash import _compile
+    from cuflash._build import compile as _compile
 
     softcap = kernels.forward.forward_plan(family, dtype, 128, score_mods=("softcap",), dropout=False).variant
     every = kernels.forward.forward_plan(family, dtype, 128, score_mods=True, dropout=False).variant

@@ -621,7 +621,7 @@ def test_sm90_work_counter_per_stream(dtype):
     # fwd_sm90's CTAs take (m-block, head, batch) items from a counter that each launch leaves at
     # 0; more items than SMs, calls alternating between two streams, and every result must be
     # bitwise the same as a lone call on the default stream (the item order changes nothing).
-    from cuflash import _launch
+    from cuflash._runtime import launch as _launch
     shape = _shape(3, 1000, 1100, 8, 2, 128)   # 8 m-blocks x 8 heads x 3 = 192 items
     q, k, v = _qkv(shape, dtype, 97)
     expected, lse, state = run_forward("fwd_sm90", q, k, v, {"causal": True})
@@ -839,7 +839,7 @@ def test_repeated_plain_call_replays_its_launch(family, dtype, monkeypatch):
     # the whole way again.
     import sys
 
-    from cuflash import _memo
+    from cuflash._runtime import memo as _memo
 
     module = sys.modules["cuflash.attention"]
     shape = _shape(2, 130, 257, 4, 2, 64)
@@ -878,7 +878,8 @@ def test_sm90_causal_tail_heads_m_block_major(head_dim, monkeypatch):
     # work wherever it falls).
     import sys
 
-    from cuflash import kernels, _memo
+    from cuflash import kernels
+    from cuflash._runtime import memo as _memo
 
     monkeypatch.setattr(sys.modules["cuflash._forward_plan"], "_num_sms", lambda device_id: 4)
     _memo.clear_memo()

@@ -54,7 +54,8 @@ import cupy
 
 import cuflash
 import cuflash.testing as tt
-from cuflash import _backward_plan, _memo, kernels
+from cuflash import _backward_plan, kernels
+from cuflash._runtime import memo as _memo
 from cuflash import backward as bw
 from cuflash import reference
 from cuflash.reference import attention_backward as reference_backward

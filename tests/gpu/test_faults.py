@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _checks, _launch, _memo, _params, _plan
+from cuflash import _checks
+from cuflash._runtime import launch as _launch, memo as _memo, params as _params, plan as _plan
 
 BF16 = _checks.BFLOAT16
 FLOATS = (np.dtype(np.float16), BF16, np.dtype(np.float32))
@@ -308,7 +309,7 @@ class StandIn:
         dense = c_strides(self.shape, self.itemsize)
         contiguous = all(s == c for n, s, c in zip(self.shape, self.strides, dense) if n > 1)
         self.flags = SimpleNamespace(c_contiguous=contiguous)
-        self._c_contiguous = contiguous   # what the plan memo reads (cuflash/_memo.py, lookup)
+        self._c_contiguous = contiguous   # what the plan memo reads (cuflash/_runtime/memo.py, lookup)
         self.room = room
 
     def reshape(self, shape):
@@ -823,7 +824,7 @@ def expect_refused(call, exc, names, xp, launched):
 
 @pytest.fixture
 def launched(monkeypatch):
-    """The kernels launched through cuflash._launch.launch (not launched: recorded)."""
+    """The kernels launched through cuflash._runtime.launch.launch (not launched: recorded)."""
     calls = []
     monkeypatch.setattr(_launch, "launch", lambda *args, **kw: calls.append(args))
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0)
@@ -945,7 +946,7 @@ def test_varlen_work_items_past_int32_on_sm90(xp_gpu, launched):
     """fwd_sm90 counts (m-block, head, sequence) work items in int32; under varlen the m-blocks cover
     max_seqlen_q rows of every sequence, so many sequences with the default max_seqlen_q (the total)
     pass it: refused, naming max_seqlen_q, before any launch."""
-    from cuflash._compile import device_arch
+    from cuflash._build.compile import device_arch
 
     if device_arch() != "sm_90a":
         pytest.skip("fwd_sm90 runs on sm_90 GPUs")

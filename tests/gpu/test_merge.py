@@ -304,7 +304,7 @@ def test_merge_states_gpu_into_caller_buffers(xp_gpu, dtype):
     launch, the buffers left untouched. (Overlaps are checked when a call's layout is planned, so
     the bad calls come first here: a repeat call replays its plan with no checks but alignment.)"""
     import cuflash
-    from cuflash import _memo
+    from cuflash._runtime import memo as _memo
 
     cp = xp_gpu
     _memo.clear_memo()   # these layouts are planned (and checked) here first

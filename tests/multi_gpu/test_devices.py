@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _checks, _compile, _launch, _memo, _plan
+from cuflash import _checks
+from cuflash._build import compile as _compile
+from cuflash._runtime import launch as _launch, memo as _memo, plan as _plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +48,7 @@ class Arr:
         self.nbytes = self.size * self.itemsize
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.flags = SimpleNamespace(c_contiguous=strides is None)
-        self._c_contiguous = strides is None   # what the plan memo reads (cuflash/_memo.py, lookup)
+        self._c_contiguous = strides is None   # what the plan memo reads (cuflash/_runtime/memo.py, lookup)
 
     def reshape(self, shape):
         extra = len(shape) - self.ndim
@@ -355,7 +357,7 @@ def _same(a, b, exact=True):
 
 
 def _fwd_families():
-    from cuflash._compile import device_arch
+    from cuflash._build.compile import device_arch
 
     sm90 = all(device_arch(i) == "sm_90a" for i in (0, 1))
     return [f for f in ("fwd_sm90", "fwd_sm80", "fwd_simt") if sm90 or f != "fwd_sm90"]
@@ -499,7 +501,9 @@ BIG_SMEM = textwrap.dedent("""
     import sys
     import cupy, numpy as np
     import cuflash, cuflash.testing as tt
-    from cuflash import _compile, kernels, _launch, reference
+    from cuflash import kernels, reference
+    from cuflash._build import compile as _compile
+    from cuflash._runtime import launch as _launch
 
     family, dtype = sys.argv[1], sys.argv[2]
     plan = kernels.forward.forward_plan(family, dtype, 128, score_mods=(), dropout=False)

@@ -279,7 +279,7 @@ class _CompileCounter:
     def __init__(self):
         self.count, self.seconds, self.families = 0, 0.0, collections.Counter()
         try:
-            from cuflash import _compile
+            from cuflash._build import compile as _compile
         except Exception:
             return
         original = _compile.compile_cubin

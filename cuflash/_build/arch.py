@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import re
 
-from cuflash import _nvrtc
-from cuflash._cuda_status import cuda_status
+from cuflash._build import nvrtc as _nvrtc
+from cuflash._build.cuda_status import cuda_status
 
 __all__ = ["arch_for", "parse_archs", "device_arch"]
 

@@ -14,14 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from cuflash._cache import user_cache_dir
+from cuflash._build.cache import user_cache_dir
 
 __all__ = ["Progress", "summary"]
 
 
 class Progress:
     """The progress line of one build; pass ``start`` and the instance itself to
-    :func:`cuflash._compile.build` (``started`` and ``progress``), then call :meth:`close`.
+    :func:`cuflash._build.compile.build` (``started`` and ``progress``), then call :meth:`close`.
 
     Parameters
     ----------
@@ -90,7 +90,7 @@ def summary(outcomes, archs, cache_dir, seconds: float, prefix: str = "precompil
     Parameters
     ----------
     outcomes : list of (Variant, str, CompileResult or Exception)
-        What :func:`cuflash._compile.build` returned.
+        What :func:`cuflash._build.compile.build` returned.
     archs : sequence of str
     cache_dir : path
         Where the build wrote; named with how to use it when it is not the user cache.

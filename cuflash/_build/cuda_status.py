@@ -2,7 +2,7 @@
 setup that is broken", and says what to do about it.
 
 :func:`cuda_status` answers for the command line (``python -m cuflash``, ``doctor``), the test
-suite's GPU gate and :func:`cuflash._arch.device_arch`; :func:`import_cupy` is how the library
+suite's GPU gate and :func:`cuflash._build.arch.device_arch`; :func:`import_cupy` is how the library
 imports CuPy on the path of a first call, so that a missing CuPy says which extra to install.
 Nothing here needs a GPU, a driver or CuPy to answer.
 """

@@ -1,7 +1,7 @@
 """The kernel variant: a family plus the compile-time defines that fix its configuration.
 
 It imports only :mod:`cuflash.features` (the tables that give dtype codes and modifier bits their
-names), so that the compiler (:mod:`cuflash._compile`), the planners (:mod:`cuflash.kernels`) and
+names), so that the compiler (:mod:`cuflash._build.compile`), the planners (:mod:`cuflash.kernels`) and
 the command line can all name and describe variants without importing each other.
 """
 

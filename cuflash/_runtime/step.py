@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from . import _launch, _tma
+from cuflash._runtime import launch as _launch, tma as _tma
 
 
 class Step:
@@ -19,7 +19,7 @@ class Step:
     TensorMapSpec)`` or ``("pointer", value index)`` (a pointer passed by value). They are laid out in
     one block, the argument pointer array first (``kernelParams``), then each parameter's bytes (at
     8-byte aligned offsets). A tensor map's bytes are encoded here, at a stand-in address that each
-    call replaces (:func:`cuflash._tma.address_patchable`; where the driver's layout does not allow
+    call replaces (:func:`cuflash._runtime.tma.address_patchable`; where the driver's layout does not allow
     it, each call encodes its maps instead).
 
     Each thread that launches the step has its own copy of the block, at a fixed address, its

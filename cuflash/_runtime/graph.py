@@ -76,7 +76,7 @@ class KernelGraph:
 
     Parameters
     ----------
-    steps : sequence of cuflash._step.Step
+    steps : sequence of cuflash._runtime.step.Step
         In launch order; a step with ``dependent`` set gets a programmatic edge from the one before.
     argvs : sequence of int
         Each step's argument pointer array (the thread's block, see Step), read at every launch.

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _launch, kernels
-from ._step import Buffer, Step
+from cuflash import kernels
+from cuflash._build import compile as _compile
+from cuflash._runtime import launch as _launch
+from cuflash._runtime.step import Buffer, Step
 
 
 class _RngScratch:

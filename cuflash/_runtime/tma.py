@@ -4,7 +4,7 @@ A map describes a (B, S, H, D) array as a 4-d tensor (innermost first: D, S, H, 
 caller's strides, read in boxes of 64 columns (128 bytes, the span of the 128-byte swizzle) x
 ``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
 never reach a result. The map travels to the kernel by value: its 128 bytes are one kernel
-parameter of the launch (cuflash/_launch.py), like the packed parameter struct.
+parameter of the launch (cuflash/_runtime/launch.py), like the packed parameter struct.
 
 A plan encodes its maps once, at a stand-in address (:data:`TEMPLATE_ADDRESS`), and a call writes
 only the operand's address into them: the driver keeps the global address as a plain little-endian

@@ -3,8 +3,8 @@ with no planning on temporaries it owns, so that its launches can be captured in
 
 from __future__ import annotations
 
-from . import _launch, _plan
-from ._plan import Plan, PlanningDone, _pinned, _planning
+from cuflash._runtime import launch as _launch, plan as _plan
+from cuflash._runtime.plan import Plan, PlanningDone, _pinned, _planning
 
 
 class PinnedPlan:
@@ -20,7 +20,7 @@ class PinnedPlan:
     ----------
     fn : callable
         The entry point the plan runs (:func:`cuflash.attention`, :func:`cuflash.decode`, ...).
-    plan : cuflash._plan.Plan
+    plan : cuflash._runtime.plan.Plan
         The call's launches, as planned.
     key : tuple
         What the call was planned for (entry point, options, operand shapes, strides, dtypes,

@@ -3,12 +3,12 @@ the data pointers, and :meth:`Plan.run`, which writes a call's pointers and laun
 
 An entry point names its array operands (inputs, optional outputs, index arrays) and its options.
 The first call with a given layout checks everything (:mod:`cuflash._checks`), plans the kernels
-(:mod:`cuflash.kernels`) and packs their parameters (:mod:`cuflash._params`) into a :class:`Plan`,
-which it then runs and remembers (:mod:`cuflash._memo`). A repeat call does only what depends on
+(:mod:`cuflash.kernels`) and packs their parameters (:mod:`cuflash._runtime.params`) into a :class:`Plan`,
+which it then runs and remembers (:mod:`cuflash._runtime.memo`). A repeat call does only what depends on
 the pointers: their 16-byte alignment, the outputs' allocation, writing the new pointers (into the
 packed structs and the tensor maps, each step's argument block kept per thread at a fixed address,
-:class:`cuflash._step.Step`), the launches (a plan of GRAPH_MIN_STEPS kernels or more: one launch of
-a CUDA graph of them, :mod:`cuflash._graph`).
+:class:`cuflash._runtime.step.Step`), the launches (a plan of GRAPH_MIN_STEPS kernels or more: one launch of
+a CUDA graph of them, :mod:`cuflash._runtime.graph`).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import threading
 
 import numpy as np
 
-from . import _graph, _launch
-from ._cuda_status import import_cupy
-from ._capture import _graph_draw
-from ._faults import _raise_fault
+from cuflash._runtime import graph as _graph, launch as _launch
+from cuflash._build.cuda_status import import_cupy
+from cuflash._runtime.capture import _graph_draw
+from cuflash._runtime.faults import _raise_fault
 
 #: Plans kept by the memo, and tails kept by a stream (each keeps its plan alive).
 _MEMO_ENTRIES = 512
-# Plans of at least this many kernels launch them as one CUDA graph (cuflash/_graph.py); 0: never.
+# Plans of at least this many kernels launch them as one CUDA graph (cuflash/_runtime/graph.py); 0: never.
 GRAPH_MIN_STEPS = 2
 _cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA library at import)
 _random = None   # cuflash.random, bound at the first call that draws dropout
@@ -54,8 +54,8 @@ class Plan:
 
     Under CUDA graph capture (CuPy's current stream capturing), what a replay needs must outlive the
     call and may not be read on the host: the temporaries come from memory that the stream keeps
-    (its arena for small ones, which it never frees, :meth:`cuflash._launch.StreamState.arena`; a
-    pinned plan's own workspace; :meth:`cuflash._launch.StreamState.workspace`), and a call that
+    (its arena for small ones, which it never frees, :meth:`cuflash._runtime.launch.StreamState.arena`; a
+    pinned plan's own workspace; :meth:`cuflash._runtime.launch.StreamState.workspace`), and a call that
     draws dropout takes its (seed, offset) on the GPU, from its generator's graph state, by a launch
     of ``cuda_src/rng_state.cu`` ahead of its steps; its kernels read them through DROPOUT_STATE.
     Graphs captured on one stream share that stream's words and workspaces, as calls on it do: run
@@ -330,7 +330,7 @@ def _default_generator():
     call path costs ~0.8 us a call)."""
     global _random
     if _random is None:
-        from . import random
+        from cuflash import random
 
         _random = random
     return _random.default_generator()

@@ -1,5 +1,5 @@
 """The memo of plans: a repeat call of an entry point with operands of a remembered layout finds
-its :class:`~cuflash._plan.Plan` by a key made of everything the checks and the planning looked at
+its :class:`~cuflash._runtime.plan.Plan` by a key made of everything the checks and the planning looked at
 except the data pointers (each operand's type, shape, strides, dtype and device, the options, the
 forced kernel family and the current device), and hands over only the pointers.
 
@@ -11,10 +11,10 @@ call takes the full path through ``cupy.from_dlpack``.
 
 from __future__ import annotations
 
-from . import _launch
-from ._cuda_status import import_cupy
-from ._plan import _MEMO_ENTRIES, _pinned, _planning
-from .interop._torch_tensors import _torch_types, is_torch_tensor, torch_operand, torch_stream
+from cuflash._runtime import launch as _launch
+from cuflash._build.cuda_status import import_cupy
+from cuflash._runtime.plan import _MEMO_ENTRIES, _pinned, _planning
+from cuflash.interop._torch_tensors import _torch_types, is_torch_tensor, torch_operand, torch_stream
 
 _memo: dict = {}
 _cp = None   # the cupy module, bound at the first call (cuflash imports no CUDA library at import)

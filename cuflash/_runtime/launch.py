@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from ._cuda_status import import_cupy
+from cuflash._build.cuda_status import import_cupy
 
 __all__ = ["launch", "address", "sm_count", "max_smem_per_block", "ctas_per_sm", "prepare_kernel", "stream_state",
            "make_stream_state",
@@ -125,7 +125,7 @@ def _dependent_config(grid, threads: int, smem_bytes: int, stream_ptr: int):
 
 def launch(func: int, grid, threads: int, smem_bytes: int, argv: int, stream_ptr: int, dependent: bool = False) -> None:
     """Launch ``func`` on ``stream_ptr``. ``argv`` is the address of the kernel's argument pointer
-    array (``kernelParams``: one pointer per parameter, to its bytes; see :class:`cuflash._step.Step`).
+    array (``kernelParams``: one pointer per parameter, to its bytes; see :class:`cuflash._runtime.step.Step`).
     The driver copies the values at the call, so the memory is free once it returns.
 
     ``dependent``: a programmatic dependent launch (sm_90): the kernel may start before the previous
@@ -172,7 +172,7 @@ class StreamState:
     ``reports``: the host-mapped fault slots, and ``plans``: the plan of the last checked call of
     each slot (its shapes word the error message). :meth:`arena`: the small temporaries of calls on
     this stream, and ``tails``: plan -> what its calls here pass after their operands (the
-    temporaries' pointers and the stream's words, see :meth:`cuflash._plan.Plan.run`), made once.
+    temporaries' pointers and the stream's words, see :meth:`cuflash._runtime.plan.Plan.run`), made once.
     """
 
     def __init__(self, device_id: int):

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-from cuflash._cuda_status import driver_cuda_version, extra_for
+from cuflash._build.cuda_status import driver_cuda_version, extra_for
 
 __all__ = ["compile_to_cubin", "parse_ptxas_log", "version", "supported_archs", "library"]
 

@@ -2,7 +2,7 @@
 
 An entry is ``DIR/<arch>/<family>-<key hash>-<source hash>.cubin`` with its report beside it
 (``.ptxas``, JSON: the cubin's length and sha256, and whatever the compiler adds: the ptxas log,
-the compile time). The key hash is the caller's (:func:`cuflash._compile.cache_path` hashes the
+the compile time). The key hash is the caller's (:func:`cuflash._build.compile.cache_path` hashes the
 NVRTC version and the options), so this module knows nothing of variants or of NVRTC.
 
 Both files are written atomically, the report first, so that a reader (another process too)

@@ -1,12 +1,12 @@
 """Build and load cuflash's kernels: the one place where CUDA modules are made.
 
-A kernel *variant* (:class:`cuflash._variant.Variant`) is a family (``cuda_src/<family>.cu``,
+A kernel *variant* (:class:`cuflash._build.variant.Variant`) is a family (``cuda_src/<family>.cu``,
 entry point ``cuflash_<family>``) plus the ``-D`` defines that fix its compile-time configuration.
-Every variant is compiled by libnvrtc (:mod:`cuflash._nvrtc`) to a cubin for one exact
-architecture (:mod:`cuflash._arch`); this works without a GPU, so CI and ``python -m cuflash
+Every variant is compiled by libnvrtc (:mod:`cuflash._build.nvrtc`) to a cubin for one exact
+architecture (:mod:`cuflash._build.arch`); this works without a GPU, so CI and ``python -m cuflash
 precompile`` build the same binaries a GPU would load.
 
-Cubins are kept in the on-disk cache (:mod:`cuflash._cache`) under a name that covers the NVRTC
+Cubins are kept in the on-disk cache (:mod:`cuflash._build.cache`) under a name that covers the NVRTC
 version and every option (the defines among them) and a hash of every file in ``cuda_src/``:
 another libnvrtc (the ``cuda12`` and ``cuda13`` extras), another option or an edited header never
 reuses a stale binary. :func:`get_kernel` loads a variant on the current device, from the cache
@@ -28,10 +28,10 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from cuflash import _cache, _nvrtc
-from cuflash._arch import device_arch, parse_archs
-from cuflash._build_progress import Progress, summary
-from cuflash._variant import Variant
+from cuflash._build import cache as _cache, nvrtc as _nvrtc
+from cuflash._build.arch import device_arch, parse_archs
+from cuflash._build.progress import Progress, summary
+from cuflash._build.variant import Variant
 
 
 __all__ = ["CUDA_SRC", "CompileResult", "source_hash", "nvrtc_options", "compile_cubin",
@@ -43,11 +43,11 @@ __all__ = ["CUDA_SRC", "CompileResult", "source_hash", "nvrtc_options", "compile
 def _find_cuda_src() -> Path:
     # Installed wheel: cuflash/cuda_src (package data). Source tree or editable install:
     # <repo>/cuda_src next to the package.
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "cuda_src", package.parent / "cuda_src"):
         if candidate.is_dir():
             return candidate
-    return here / "cuda_src"
+    return package / "cuda_src"
 
 
 CUDA_SRC: Path = _find_cuda_src()
@@ -174,7 +174,7 @@ def find_cubin(variant: Variant, arch: str, src_hash: str | None = None) -> Path
     """The cached cubin for ``variant`` on ``arch`` built from the current sources, or None.
 
     Looks in ``$CUFLASH_CACHE_DIR``, the user cache, then the temporary cache
-    (:func:`cuflash._cache.find`); a cubin that does not match its report is never returned.
+    (:func:`cuflash._build.cache.find`); a cubin that does not match its report is never returned.
     """
     return _cache.find(cache_path("", variant, arch, src_hash or source_hash()))
 
@@ -229,7 +229,7 @@ def get_kernel(variant: Variant):
     checks and the rebuild of :func:`_load` (a cubin deleted or cut short since would fail there).
     Here each device's first call finds (or rebuilds) the cubin and loads it. Function handles
     and attributes (the shared-memory limit) are per device as well: see
-    :func:`cuflash._launch.prepare_kernel`.
+    :func:`cuflash._runtime.launch.prepare_kernel`.
     """
     arch = device_arch()
     key = (variant, arch, current_device())
@@ -362,7 +362,7 @@ def build(jobs, cache_dir=None, force=False, threads=None, progress=None, starte
         As for :func:`compile_many` (``progress`` is called for compiled jobs only).
     started : callable, optional
         Called once the cache has been looked at, before the first compilation, with
-        ``(to compile, found in cache)`` (:class:`cuflash._build_progress.Progress` draws its
+        ``(to compile, found in cache)`` (:class:`cuflash._build.progress.Progress` draws its
         line then).
 
     Returns
@@ -424,7 +424,7 @@ def precompile(variants=None, arch=None, threads=None, cache_dir=None, force=Fal
     ------
     ValueError
         If an architecture is not one NVRTC and cuflash can build for (see
-        :func:`cuflash._arch.parse_archs`).
+        :func:`cuflash._build.arch.parse_archs`).
     RuntimeError
         If any variant failed to compile (the others are still written), listing the failures;
         without ``arch``, if there is no usable GPU (the message says why and what to install).

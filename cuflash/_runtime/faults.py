@@ -4,8 +4,10 @@ stream's words, raised as ValueError by the next call on the stream or by :func:
 
 from __future__ import annotations
 
-from . import _compile, _launch, _params, kernels
-from ._step import Step
+from cuflash import kernels
+from cuflash._build import compile as _compile
+from cuflash._runtime import launch as _launch, params as _params
+from cuflash._runtime.step import Step
 
 
 def check_step(plan, fields: dict, device_id: int):
