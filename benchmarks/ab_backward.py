@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
 from cuflash import kernels  # noqa: E402
-from cuflash._build import compile as _compile
+from cuflash._build import compile as _compile  # noqa: E402
 from cuflash._build.variant import Variant  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}

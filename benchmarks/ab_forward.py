@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the checkout's cuflash, installed or not
 
 from cuflash import kernels  # noqa: E402
-from cuflash._build import compile as _compile
+from cuflash._build import compile as _compile  # noqa: E402
 
 
 def sm90_plan(dtype_name: str, head_dim: int, overrides=None):

@@ -29,7 +29,8 @@ status=0
 precompile_test_variants() {  # $1 = arch, $2 = cache dir ("" = the user cache)
     python - "$1" "$2" <<'PY'
 import sys, time
-from cuflash import _compile, kernels
+from cuflash import kernels
+from cuflash._build import compile as _compile
 arch, cache_dir = sys.argv[1], sys.argv[2] or None
 variants = kernels.catalogue.reachable_variants(arch)
 start = time.time()

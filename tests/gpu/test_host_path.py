@@ -43,7 +43,7 @@ cupy = pytest.importorskip("cupy")
 import cuflash  # noqa: E402
 import cuflash.testing as tt  # noqa: E402
 from cuflash import _checks, kernels, reference  # noqa: E402
-from cuflash._runtime import launch as _launch, memo as _memo, plan as _plan
+from cuflash._runtime import launch as _launch, memo as _memo, plan as _plan  # noqa: E402
 from cuflash.reference import attention_backward as reference_backward  # noqa: E402
 from cuflash.reference import attention_varlen_backward as reference_varlen_backward  # noqa: E402
 
