@@ -18,11 +18,6 @@ import numpy as np
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 
-def dtype_name(dtype) -> str:
-    """The table's name of a NumPy dtype (ml_dtypes' bfloat16 included)."""
-    return np.dtype(dtype).name
-
-
 class ScoreMod(NamedTuple):
     """A built-in score modifier: its name in CUFLASH_SCORE_MODS, the entry points' keyword, its
     bit (cuda_src/mask.cuh, ``ScoreMod``), whether it is an array the kernels read, and whether
