@@ -20,24 +20,22 @@ DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 
 class ScoreMod(NamedTuple):
     """A built-in score modifier: its name in CUFLASH_SCORE_MODS, the entry points' keyword, its
-    bit (cuda_src/mask.cuh, ``ScoreMod``), whether it is an array the kernels read, and whether
-    decode has it."""
+    bit (cuda_src/mask.cuh, ``ScoreMod``), and whether decode has it."""
 
     name: str
     keyword: str
     bit: int
-    operand: bool
     decode: bool
 
 
 # In the order of their bits and of the score pipeline (docs/design.md §2): cap, ALiBi, bias, masks.
 # Decode's mask is its own (cuda_src/decode.cu); decode takes no bias or block mask.
 MODIFIERS = (
-    ScoreMod("softcap", "softcap", 1, False, True),
-    ScoreMod("alibi", "alibi_slopes", 2, True, True),
-    ScoreMod("bias", "bias", 4, True, False),
-    ScoreMod("mask", "mask", 8, True, True),
-    ScoreMod("block_mask", "block_mask", 16, True, False),
+    ScoreMod("softcap", "softcap", 1, True),
+    ScoreMod("alibi", "alibi_slopes", 2, True),
+    ScoreMod("bias", "bias", 4, False),
+    ScoreMod("mask", "mask", 8, True),
+    ScoreMod("block_mask", "block_mask", 16, False),
 )
 
 # A variant compiles only the modifiers whose bits it has, so that a call with one modifier waits
