@@ -77,6 +77,8 @@ def as_cuda_array(x, name: str):
         require_gpu()
         if int(device_type) == 2:   # managed memory (13) is usable from every device
             check_device(int(x.__dlpack_device__()[1]), name)
+        if getattr(x, "requires_grad", False):
+            x = x.detach()   # torch exports no tensor that requires grad; cuflash only reads its data
         return cupy.from_dlpack(x)
     raise TypeError(f"{name} must be a CUDA array (CuPy or anything with __dlpack__), got {type(x).__name__}")
 

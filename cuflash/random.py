@@ -248,8 +248,8 @@ class Generator:
     The methods are thread-safe: two threads calling :meth:`next_state` get distinct offsets.
 
     Calls captured in a CUDA graph draw on the GPU, from the generator's graph state on that GPU
-    (:meth:`graph_safe`; made by :func:`cuflash.plan` for a call with dropout, or by calling
-    :meth:`graph_safe` before capturing). The graph state of GPU ``d`` starts at offset
+    (:meth:`graph_safe`; made at the first capture of a call with dropout, by :func:`cuflash.plan`
+    for such a call, or by calling :meth:`graph_safe`). The graph state of GPU ``d`` starts at offset
     ``offset + 2**31 + d * graph_offsets()``, ``offset`` the host offset when it is made, and each
     replay of a captured call takes the next one; the host offset is not moved. Host calls and
     replays thus never share an offset as long as there are fewer than ``2**31`` host calls, and
@@ -402,9 +402,8 @@ class Generator:
         """This generator's graph state on a GPU, made at the first call for that GPU: what calls
         captured in a CUDA graph draw their ``(seed, offset)`` from, at every replay.
 
-        Call it (or plan the call with :func:`cuflash.plan`, which does) before capturing a call
-        with dropout that uses this generator: a captured call cannot make it (that would take a
-        copy to the GPU, which a capture would record instead of doing).
+        A captured call with dropout makes it at its first capture (outside the graph, see
+        :mod:`cuflash._runtime.now`); calling it first only moves that work before the capture.
 
         Parameters
         ----------
@@ -418,21 +417,14 @@ class Generator:
             Each replay of a captured call advances it on the GPU; ``.get()`` reads it. Writing into
             it (outside any replay) sets where the next replay starts.
 
-        Raises
-        ------
-        RuntimeError
-            If the state has to be made (the first call for this GPU) while CuPy's current stream is
-            capturing.
-
         Examples
         --------
         >>> import cupy as cp
         >>> g = cuflash.Generator(0)
-        >>> g.graph_safe()                  # before capturing: the state on the current GPU
+        >>> g.graph_safe()                  # the state on the current GPU (made now)
         array([         0, 2147483648], dtype=uint64)
         >>> stream = cp.cuda.Stream(non_blocking=True)
         >>> with stream:
-        ...     out = cuflash.attention(q, k, v, dropout_p=0.1, generator=g)   # a first call, uncaptured
         ...     stream.begin_capture()
         ...     out = cuflash.attention(q, k, v, dropout_p=0.1, generator=g)
         ...     graph = stream.end_capture()
@@ -444,19 +436,16 @@ class Generator:
         words = self._graph.get(device_id)
         if words is not None:
             return words
+        from ._runtime import capture as _capture, now as _now
+
         with self._lock:
             words = self._graph.get(device_id)
             if words is None:
-                with cupy.cuda.Device(device_id):
-                    if cupy.cuda.get_current_stream().is_capturing():
-                        raise RuntimeError(
-                            "the generator has no graph state on this GPU, and a capture cannot make one: call "
-                            "generator.graph_safe() (cuflash.default_generator().graph_safe() for the default "
-                            "generator), or plan the call with cuflash.plan(...), before capturing")
+                # Made and written now, also when the calling stream is capturing (a captured
+                # call with dropout makes it at its first capture).
+                with _now.done_now(device_id):
                     words = cupy.empty(2, dtype=np.uint64)
                     _write_graph_state(words, device_id, (self._seed, _graph_start(self._offset, device_id)))
-                    from ._runtime import capture as _capture
-
                     _capture.rng_step(device_id)   # its kernel loaded now, not inside a capture
                 self._graph[device_id] = words
         return words

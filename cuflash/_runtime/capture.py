@@ -8,6 +8,7 @@ import numpy as np
 from cuflash import kernels
 from cuflash._build import compile as _compile
 from cuflash._runtime import launch as _launch
+from cuflash._runtime.now import relaxed_capture_mode
 from cuflash._runtime.step import Buffer, Step
 
 
@@ -24,8 +25,7 @@ _rng_steps: dict = {}   # device id -> the Step of cuda_src/rng_state.cu
 
 def rng_step(device_id: int) -> Step:
     """The launch of ``cuda_src/rng_state.cu`` on a device (values: the generator's graph state, the
-    call's words); its kernel is loaded at the first call (made outside any capture by
-    :meth:`cuflash.Generator.graph_safe`)."""
+    call's words); its kernel is loaded at the first call (by :meth:`cuflash.Generator.graph_safe`)."""
     step = _rng_steps.get(device_id)
     if step is None:
         func = _launch.prepare_kernel(_compile.get_kernel(kernels.rng_state.rng_state_variant()), 0, device_id)
@@ -33,18 +33,16 @@ def rng_step(device_id: int) -> Step:
     return step
 
 
-def _graph_draw(cupy, generator, device_id: int, state, rng_output: bool, entry: str):
+def _graph_draw(cupy, generator, device_id: int, state, rng_output: bool):
     """Dropout's state for a captured call: the launch that draws it on the GPU at each replay
     (step, values), and the call's words it fills (a new array when the caller returns it, else the
     stream's scratch words), as (step, values, words)."""
     words = generator._graph_state(device_id)
-    if words is None:
-        raise RuntimeError(f"{entry} with dropout is being captured in a CUDA graph, and its generator has no graph "
-                           "state on this GPU, which a capture cannot make (it would take a copy to the GPU): call "
-                           "generator.graph_safe() (cuflash.default_generator().graph_safe() without a generator), "
-                           "or plan the call with cuflash.plan(...), before capturing")
+    if words is None:   # the first capture with this generator on this GPU
+        words = generator.graph_safe(device_id)
     if rng_output:
-        call = cupy.ndarray((2,), np.uint64, cupy.cuda.alloc(16))
+        with relaxed_capture_mode():   # the pool may need a cudaMalloc, which a global-mode capture forbids
+            call = cupy.ndarray((2,), np.uint64, cupy.cuda.alloc(16))
     else:
         call = state.workspace(_RNG_SCRATCH)[0]
     step = _rng_steps.get(device_id) or rng_step(device_id)

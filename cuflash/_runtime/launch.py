@@ -21,9 +21,9 @@ import threading
 import numpy as np
 
 from cuflash._build.cuda_status import import_cupy
+from cuflash._runtime.now import done_now, relaxed_capture_mode
 
 __all__ = ["launch", "address", "sm_count", "max_smem_per_block", "ctas_per_sm", "prepare_kernel", "stream_state",
-           "make_stream_state",
            "StreamState", "current_stream_ptr", "forcing", "REPORT_SLOTS"]
 
 PER_THREAD_STREAM = 2   # cudaStreamPerThread
@@ -77,7 +77,9 @@ def prepare_kernel(kernel, smem_bytes: int, device_id: int, carveout: int | None
     if runtime.getDevice() != device_id:
         with _cupy().cuda.Device(device_id):
             return prepare_kernel(kernel, smem_bytes, device_id, carveout)
-    ptr = kernel.kernel.ptr
+    # The first use loads the module, which a capture in global mode may refuse.
+    with relaxed_capture_mode():
+        ptr = kernel.kernel.ptr
     key = (ptr, device_id)
     if smem_bytes > _prepared.get(key, 48 * 1024):
         if kernel.max_dynamic_shared_size_bytes < smem_bytes:
@@ -198,19 +200,13 @@ class StreamState:
 
     def split_counters(self, n: int) -> int:
         """The address of at least ``n`` zeroed int32 counters (kernels leave them at zero). A larger
-        request makes a new zeroed array, on this stream, so it is ordered after the kernels that
-        may still use the old one (which stays alive)."""
+        request makes a new zeroed array, done before this returns; the old one stays alive (kernels
+        already queued, or a captured graph, may still use it)."""
         if n > self._counters.size:
-            cupy = _cupy()
-            if cupy.cuda.runtime.streamIsCapturing(current_stream_ptr(self.device_id)):
-                # Zeroing the new counters would be recorded into the graph instead of done now.
-                raise RuntimeError(f"this call needs {n} split counters, more than its stream has made so far, "
-                                   "and a capture cannot make them: run the call once on this stream before "
-                                   "capturing it")
             size = max(n, 2 * self._counters.size)
-            with cupy.cuda.Device(self.device_id):
-                self._old_counters.append(self._counters)
-                self._counters = cupy.zeros(size, dtype=np.int32)
+            self._old_counters.append(self._counters)
+            with done_now(self.device_id):   # zeroed before any later launch, even under a capture
+                self._counters = _cupy().zeros(size, dtype=np.int32)
             self.tails.clear()
         return self._counters.data.ptr
 
@@ -220,10 +216,9 @@ class StreamState:
         use it whole. A larger request replaces it by one of the next power of two; the old one is
         kept (a captured graph may still use it), so all of them together stay under 2 * ARENA_BYTES."""
         if nbytes > self._arena_bytes:
-            cupy = _cupy()
             size = max(1 << (nbytes - 1).bit_length(), 64 << 10)
-            with cupy.cuda.Device(self.device_id):
-                arena = cupy.cuda.alloc(size)
+            with done_now(self.device_id):
+                arena = _cupy().cuda.alloc(size)
             if self._arena is not None:
                 self._old_arenas.append(self._arena)
             self._arena, self._arena_bytes = arena, size
@@ -235,7 +230,8 @@ class StreamState:
         cannot tell apart: the per-thread default streams)."""
         temps = self._workspaces.get(plan)
         if temps is None:
-            temps = self._workspaces[plan] = [b.make() for b in plan.temps]
+            with done_now(self.device_id):
+                temps = self._workspaces[plan] = [b.make() for b in plan.temps]
         return temps
 
     def report_ptr(self, slot: int) -> int:
@@ -273,7 +269,8 @@ def stream_key(device_id: int, stream_ptr: int):
 
 
 def stream_state(device_id: int, stream_ptr: int) -> StreamState:
-    """The shared state of a real stream (created on first use; kept for the process)."""
+    """The shared state of a real stream (created on first use, also inside a capture: see
+    :mod:`cuflash._runtime.now`; kept for the process)."""
     # stream_key(), written out: this runs at every call.
     key = (device_id, stream_ptr, _thread_token() if stream_ptr == PER_THREAD_STREAM else None)
     state = _states.get(key)
@@ -281,24 +278,8 @@ def stream_state(device_id: int, stream_ptr: int) -> StreamState:
         with _states_lock:
             state = _states.get(key)
             if state is None:
-                if _cupy().cuda.runtime.streamIsCapturing(stream_ptr):
-                    # Its words are zeroed on the stream: a capture would record that, not do it.
-                    raise RuntimeError("the first cuflash call on a stream cannot be captured in a CUDA graph (it "
-                                       "sets up the stream's words, which a capture would only record): run the "
-                                       "call (or any cuflash call) once on this stream before capturing")
-                state = _states[key] = StreamState(device_id)
-    return state
-
-
-def make_stream_state(device_id: int, stream_ptr: int) -> StreamState:
-    """The state of a stream, made now if it has none, its words zeroed on CuPy's current stream
-    (which must not be capturing) rather than on ``stream_ptr``: for a stream that is capturing, whose
-    own work a capture would only record (the torch ops' first call inside ``torch.cuda.graph``)."""
-    key = stream_key(device_id, stream_ptr)
-    with _states_lock:
-        state = _states.get(key)
-        if state is None:
-            state = _states[key] = StreamState(device_id)
+                with done_now(device_id):
+                    state = _states[key] = StreamState(device_id)
     return state
 
 

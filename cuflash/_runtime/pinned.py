@@ -3,7 +3,7 @@ with no planning on temporaries it owns, so that its launches can be captured in
 
 from __future__ import annotations
 
-from cuflash._runtime import launch as _launch, plan as _plan
+from cuflash._runtime import launch as _launch, now as _now, plan as _plan
 from cuflash._runtime.plan import Plan, PlanningDone, _pinned, _planning
 
 
@@ -50,7 +50,8 @@ class PinnedPlan:
         key = _launch.stream_key(device_id, stream_ptr)
         temps = self._workspaces.get(key)
         if temps is None:
-            temps = self._workspaces[key] = [b.make() for b in self.plan.temps]
+            with _now.done_now(device_id):   # also at a first call inside a capture
+                temps = self._workspaces[key] = [b.make() for b in self.plan.temps]
         return temps
 
     def describe(self) -> str:
@@ -110,8 +111,9 @@ def planned(fn, *args, **kwargs) -> PinnedPlan:
     CUDA graphs (``cupy.cuda.Stream.begin_capture``, ``torch.cuda.graph``): every entry point can be
     captured, through its plan or as a plain call, on these terms.
 
-    - Run the call once on the capturing stream first (it makes the stream's words, the plan's
-      workspace there, and loads the kernels); a first call inside a capture is a RuntimeError.
+    - No warm-up on the capturing stream is needed: the stream's words, the plan's workspace
+      there and the generator's graph state are made at the first call, inside a capture too
+      (:mod:`cuflash._runtime.now`).
     - The graph reads and writes the arrays the captured call was given or returned (outputs,
       ``rng_state``): write new inputs into the same arrays, and keep the returned ones as long as the
       graph is replayed. Temporaries are kept by the plan (or the stream) for the graph.
@@ -136,7 +138,6 @@ def planned(fn, *args, **kwargs) -> PinnedPlan:
     >>> step = cuflash.plan(cuflash.attention, q, k, v, causal=True, out=out)
     >>> stream = cp.cuda.Stream(non_blocking=True)
     >>> with stream:
-    ...     step(q, k, v, out=out)             # once on the capturing stream first
     ...     stream.begin_capture()
     ...     step(q, k, v, out=out)
     ...     graph = stream.end_capture()

@@ -166,8 +166,7 @@ class Plan:
         Raises
         ------
         RuntimeError
-            Under capture: ``check=True`` (it waits for the GPU), or dropout from a generator with
-            no graph state on this GPU (:meth:`cuflash.Generator.graph_safe`).
+            Under capture: ``check=True`` (it waits for the GPU).
         """
         if _planning.get() is not None:
             raise PlanningDone(self)
@@ -223,7 +222,7 @@ class Plan:
             if capturing is None:
                 capturing = cupy.cuda.runtime.streamIsCapturing(stream)
             if capturing:   # drawn on the GPU at each replay, from the generator's graph state
-                draw = _graph_draw(cupy, source, device_id, state, rng_output, self.entry)
+                draw = _graph_draw(cupy, source, device_id, state, rng_output)
             else:
                 rng_state = source.next_state()
         values = ptrs + tail

@@ -40,8 +40,8 @@ uint64 pair) and return the state they used. Without one, the op draws a fresh s
 cuflash's default generator (:func:`cuflash.manual_seed`) *when it runs*, so a compiled graph draws
 a new mask at every call, like eager mode, and the backward regenerates that mask from the saved
 state. The returned state is a CPU tensor when ``dropout_p > 0`` (the backward reads it on the host,
-without a synchronisation) and zeros on the inputs' device otherwise (so that graphs without dropout
-stay on the GPU, e.g. for ``torch.compile(mode="reduce-overhead")``). The state is drawn on the
+without a synchronisation) and an empty tensor on the inputs' device otherwise (so that graphs
+without dropout stay on the GPU, e.g. for ``torch.compile(mode="reduce-overhead")``). The state is drawn on the
 host, so a forward with dropout does not belong in a CUDA graph (a replay cannot draw a new one):
 capture the ops without dropout. AOTAutograd's common-subexpression pass
 exempts only aten's random ops, so two calls with identical inputs and dropout in one compiled graph
@@ -186,14 +186,15 @@ def _draw(dropout_p: float, rng_state: Optional[Tensor]):
 
 
 def _state_tensor(state, device) -> Tensor:
-    """The returned rng_state: [seed, offset] as int64 bits on the CPU, zeros on ``device`` without dropout."""
+    """The returned rng_state: [seed, offset] as int64 bits on the CPU; without dropout an empty
+    tensor on ``device`` (no kernel to fill it, and nothing on the CPU in a graph without dropout)."""
     if state is None:
-        return torch.zeros(2, dtype=torch.int64, device=device)
+        return torch.empty(0, dtype=torch.int64, device=device)
     return torch.from_numpy(np.array(state, dtype=np.uint64).view(np.int64))
 
 
 def _fake_state(dropout_p: float, device) -> Tensor:
-    return torch.empty(2, dtype=torch.int64, device="cpu" if dropout_p > 0 else device)
+    return torch.empty(2 if dropout_p > 0 else 0, dtype=torch.int64, device="cpu" if dropout_p > 0 else device)
 
 
 def _backward_state(dropout_p: float, rng_state: Optional[Tensor]):
@@ -487,7 +488,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     -------
     out : torch.Tensor (B, Sq, Hq, D), C-contiguous, the dtype of q (differentiable)
     lse : float32 torch.Tensor (B, Hq, Sq) (a constant for autograd)
-    rng_state : int64 torch.Tensor (2,): the state used (CPU) with dropout, zeros (q's device) without
+    rng_state : int64 torch.Tensor: the state used, (2,) on the CPU, with dropout; empty on q's device without
     """
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
@@ -574,8 +575,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
     int32 on the GPU). ``k_new`` / ``v_new`` are appended into ``k_cache`` / ``v_cache`` in place
     (the ops declare the caches mutated). ``out`` (C-contiguous, q's shape and dtype) is written in
-    place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` after one eager call of
-    the same shapes (which plans the call and compiles its kernel).
+    place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` (an eager call of the
+    same shapes anywhere first moves compiling and planning out of the capture).
 
     Returns
     -------

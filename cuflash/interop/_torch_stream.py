@@ -13,21 +13,14 @@ Two contexts, used by :mod:`cuflash.interop.torch` (the direct autograd path) an
   would be handed to other work and overwritten under the replaying graph. Outside capture the
   two pools stop competing for the GPU's memory.
 
-cuflash keeps a few words of state per stream (:class:`cuflash._runtime.launch.StreamState`: the persistent
-kernels' work counter, the index check's verdict, fault reports in pinned host memory). Its first
-call on a stream creates them with ``cudaMalloc``/``cudaHostAlloc``, which a stream capture in
-torch's default (global) mode forbids, and zeroes them with a memset that a capture would record
-instead of running; cuflash therefore refuses to make them for a capturing stream. :func:`torch_call`
-makes them before its first launch on each stream, on a side stream of its own, with the thread's
-capture mode relaxed for that moment (as torch's allocator does around its own ``cudaMalloc``), so
-that ``torch.cuda.graph`` may capture the first cuflash call on its (internal) capture stream: a
-warm-up call on any stream, as torch recommends, is all a capture needs.
+The state cuflash keeps per stream (:class:`cuflash._runtime.launch.StreamState`) is made by the
+core at the first call on a stream, also inside a capture (:mod:`cuflash._runtime.now`): a warm-up
+call on any stream, or none, is all ``torch.cuda.graph`` needs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 
 import torch
@@ -36,13 +29,11 @@ from .._build.cuda_status import import_cupy
 
 cupy = import_cupy()   # a missing CuPy says which extra to install
 
-from .._runtime import launch as _launch
 from ._cupy_stream import cupy_stream
 
 __all__ = ["as_torch", "on_torch_stream", "torch_call"]
 
 _streams: dict = {}   # (device, torch's raw stream) -> the CuPy stream over it
-_ready: set = set()   # (device, raw stream) whose cuflash stream state exists
 
 
 def _device_index(device: torch.device) -> int:
@@ -73,12 +64,9 @@ def on_torch_stream(device: torch.device):
 
 @contextlib.contextmanager
 def torch_call(device: torch.device):
-    """:func:`on_torch_stream`, with cuflash's allocations taken from torch's caching allocator and
-    cuflash's state of the stream made beforehand (see the module docstring)."""
+    """:func:`on_torch_stream`, with cuflash's allocations taken from torch's caching allocator."""
     index = _device_index(device)
     raw = _raw_stream(index)
-    if (index, raw) not in _ready:
-        _prepare_stream(index, raw)
     with cupy.cuda.Device(index), _external_stream(index, raw), cupy.cuda.using_allocator(_allocator(index)):
         yield
 
@@ -116,41 +104,3 @@ def as_torch(x) -> torch.Tensor:
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-
-
-def _prepare_stream(index: int, raw: int) -> None:
-    """Create cuflash's state of stream ``raw`` now: on a side stream of our own, so that its memsets
-    run now even when ``raw`` is capturing, with the thread's capture mode relaxed for the allocations."""
-    with _relaxed_capture_mode(), cupy.cuda.Device(index):
-        side = cupy.cuda.Stream(non_blocking=True)
-        with side:
-            _launch.make_stream_state(index, raw)   # its words zeroed on the side stream
-        side.synchronize()
-    if raw != _launch.PER_THREAD_STREAM:   # that state is per thread: made again by each thread
-        _ready.add((index, raw))
-
-
-_RELAXED = 2   # CU_STREAM_CAPTURE_MODE_RELAXED
-
-
-@functools.lru_cache(maxsize=1)
-def _exchange_capture_mode():
-    fn = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    return fn
-
-
-@contextlib.contextmanager
-def _relaxed_capture_mode():
-    """The calling thread may make calls that a stream capture in global mode forbids (allocations)
-    for the block; its previous mode is restored after."""
-    exchange = _exchange_capture_mode()
-    mode = ctypes.c_int(_RELAXED)
-    rc = exchange(ctypes.byref(mode))
-    if rc != 0:
-        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed with CUresult {rc}")
-    try:
-        yield
-    finally:
-        exchange(ctypes.byref(mode))

@@ -1,26 +1,23 @@
-"""PyTorch over cuflash: a direct autograd path, and ``torch.library`` custom ops (``ops``).
+"""PyTorch over cuflash: one set of functions that works eagerly, under ``torch.compile`` and in CUDA graphs.
 
-Two ways to call cuflash from torch, with the same semantics (those of :func:`cuflash.attention`;
-BSHD layouts, torch's BHSD tensors can be passed as ``x.transpose(1, 2)`` views):
+:func:`attention`, :func:`attention_varlen`, :func:`decode` and :func:`merge_states` take and
+return torch tensors, with the semantics of :func:`cuflash.attention` and friends (BSHD layouts;
+torch's BHSD tensors can be passed as ``x.transpose(1, 2)`` views). Each call takes one of two
+routes, chosen per call:
 
-- **The direct path**, :func:`attention` and :func:`attention_varlen` here: ``torch.autograd.Function`` s
-  that call cuflash with the least host work per call. Use it in eager mode (training or
-  inference) when host time matters. ``torch.compile`` cannot trace it (a graph break around each
-  call), and the memory cuflash allocates comes from CuPy's pool (returned to it when torch frees
-  the tensors), so it does not belong in a ``torch.cuda.graph`` capture.
-- **The custom ops**, ``cuflash.interop.torch.ops`` (:mod:`cuflash.interop._torch_ops`):
-  ``ops.attention``, ``ops.attention_forward`` / ``ops.attention_backward``, ``ops.attention_varlen``,
-  ``ops.decode``, ``ops.merge_states``, over ``torch.ops.cuflash.*`` registered with
-  ``torch.library.custom_op`` (fake implementations and autograd formulas included). Use them under
-  ``torch.compile`` (``fullgraph=True`` works: no graph break), ``torch.export``, and in
-  ``torch.cuda.graph`` captures (decode in a serving loop): every allocation comes from torch's
-  caching allocator. A call takes more host time than the direct path (torch's dispatcher and
-  custom-op layer, the output allocations; not measured here).
+- **Eager** (also inside ``torch.cuda.graph``, ``torch.utils.checkpoint`` and
+  ``torch.autograd.grad``): a ``torch.autograd.Function`` that allocates its outputs with torch and
+  has cuflash write them in place, on torch's current stream, with torch's caching allocator for
+  whatever else cuflash allocates (:mod:`cuflash.interop._torch_stream`): the least host work per
+  call, and memory that a captured graph keeps. Dropout under capture draws a fresh mask at every
+  replay (:meth:`cuflash.Generator.graph_safe`).
+- **While ``torch.compile`` traces** (``torch.compiler.is_compiling()``): the registered custom ops
+  (``torch.ops.cuflash.*``, :mod:`cuflash.interop._torch_ops`), which Dynamo and AOTAutograd trace
+  without a graph break (``fullgraph=True``, ``mode="reduce-overhead"``, ``torch.export``).
 
-Both run cuflash's kernels on torch's current stream of the inputs' device
-(``cupy.cuda.Stream.from_external``), so they order with the surrounding torch work exactly as a
-torch operator would, and both save q, k, v, out, lse and the dropout ``rng_state`` (two integers)
-for the backward, never the probabilities. Importing this module imports torch and registers the ops.
+The ops stay public as ``cuflash.interop.torch.ops`` for those who want the op itself. Both routes
+save q, k, v, out, lse and the dropout state for the backward, never the probabilities. Importing
+this module imports torch and registers the ops.
 
 Example
 -------
@@ -29,38 +26,29 @@ Example
 ...            for _ in range(3))
 >>> out = ct.attention(q, k, v, causal=True)          # (2, 1024, 8, 64), layout (B, S, H, D)
 >>> out.float().square().mean().backward()            # q.grad, k.grad, v.grad
->>> block = torch.compile(lambda q, k, v: ct.ops.attention(q, k, v, causal=True), fullgraph=True)
+>>> block = torch.compile(lambda q, k, v: ct.attention(q, k, v, causal=True), fullgraph=True)
 
-Tensor options of the direct path (``alibi_slopes``, ``mask``, ``bias``, ``block_mask``,
-``cu_seqlens_*``) may be torch tensors; ``bias`` gets a gradient when it requires one.
+Tensor options (``alibi_slopes``, ``mask``, ``bias``, ``block_mask``, ``cu_seqlens_*``,
+``cache_seqlens``, ``block_table``) are torch tensors; ``bias`` gets a gradient when it requires one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import attention_forward, attention_varlen as _attention_varlen
-from ..backward import attention_backward, attention_varlen_backward
+from ..attention import attention_forward as _cf_attention_forward, attention_varlen as _cf_attention_varlen
+from ..backward import attention_backward as _cf_attention_backward
+from ..backward import attention_varlen_backward as _cf_attention_varlen_backward
+from ..decode import decode as _cf_decode
+from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, default_generator
 from . import _torch_ops as ops
 from ._torch_ring import ring_attention   # context parallelism (cuflash.distributed) as autograd
-from ._torch_stream import on_torch_stream as _on_torch_stream
+from ._torch_stream import as_torch as _as_torch, torch_call as _torch_call
 
-__all__ = ["attention", "attention_varlen", "ops", "ring_attention"]
+__all__ = ["attention", "attention_varlen", "decode", "merge_states", "ops", "ring_attention"]
 
-_TENSOR_OPTIONS = ("alibi_slopes", "mask", "block_mask")
-
-
-def _to_cupy(x):
-    """The tensor without its autograd history (cuflash reads torch tensors directly on torch's
-    current stream, and imports them through DLPack otherwise); other values pass through."""
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    return x
-
-
-def _to_torch(x):
-    return torch.from_dlpack(x)
+_compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
 
 
 def _check_cuda(*tensors):
@@ -77,28 +65,28 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, options):
         forward_options = {n: val for n, val in options.items() if n != "deterministic"}
-        with _on_torch_stream(q.device):
-            tensor_options = {n: _to_cupy(forward_options.pop(n)) for n in _TENSOR_OPTIONS if n in forward_options}
-            out, lse, rng_state = attention_forward(_to_cupy(q), _to_cupy(k), _to_cupy(v), bias=_to_cupy(bias),
-                                                    **tensor_options, **forward_options)
-            out_t, lse_t = _to_torch(out), _to_torch(lse)
-        ctx.save_for_backward(q, k, v, out_t, lse_t, bias)
+        # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
+        # memory that a torch.cuda.graph capture keeps in its pool.
+        out = q.new_empty(q.shape)
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if q.dim() == 4 else None
+        with _torch_call(q.device):
+            _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, out=out, lse=lse, **forward_options)
+        ctx.save_for_backward(q, k, v, out, lse, bias)
         ctx.rng_state = rng_state
-        backward_options = {n: val for n, val in forward_options.items() if n != "generator"}
-        ctx.options = dict(backward_options, deterministic=options.get("deterministic", False), **tensor_options)
-        return out_t
+        forward_options.pop("generator", None)
+        ctx.options = dict(forward_options, deterministic=options.get("deterministic", False))
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, bias = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        with _on_torch_stream(q.device):
-            grads = attention_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
-                                       _to_cupy(lse), bias=_to_cupy(bias), rng_state=ctx.rng_state,
-                                       return_dbias=want_dbias, **ctx.options)
-            grads = tuple(_to_torch(g) for g in grads)
-        dbias = grads[3] if want_dbias else None
-        return grads[0], grads[1], grads[2], dbias, None
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        with _torch_call(q.device):
+            grads = _cf_attention_backward(dout, q, k, v, out, lse, bias=bias, rng_state=ctx.rng_state,
+                                           return_dbias=want_dbias, dq=dq, dk=dk, dv=dv, **ctx.options)
+            dbias = _as_torch(grads[3]) if want_dbias else None
+        return dq, dk, dv, dbias, None
 
 
 class _AttentionVarlen(torch.autograd.Function):
@@ -110,46 +98,42 @@ class _AttentionVarlen(torch.autograd.Function):
         deterministic = options.pop("deterministic", False)
         generator = options.pop("generator", None) or default_generator()
         rng_state = None
-        with _on_torch_stream(q.device):
-            if options.get("dropout_p", 0.0) > 0:
-                # attention_varlen does not return its rng_state: draw the call's state here and
-                # hand the forward a private generator that holds exactly that state.
-                rng_state = generator.next_state()
-                call_generator = Generator(0)
-                call_generator.set_state(rng_state)
-            else:
-                call_generator = None
-            if "alibi_slopes" in options:
-                options["alibi_slopes"] = _to_cupy(options["alibi_slopes"])
-            cu_q, cu_k = _to_cupy(cu_seqlens_q), _to_cupy(cu_seqlens_k)
-            out, lse = _attention_varlen(_to_cupy(q), _to_cupy(k), _to_cupy(v), cu_q, cu_k, max_seqlen_q=max_seqlen_q,
-                                         max_seqlen_k=max_seqlen_k, generator=call_generator, return_lse=True,
-                                         **options)
-            out_t, lse_t = _to_torch(out), _to_torch(lse)
-        ctx.save_for_backward(q, k, v, out_t, lse_t, cu_seqlens_q, cu_seqlens_k)
+        if options.get("dropout_p", 0.0) > 0:
+            # attention_varlen does not return its rng_state: draw the call's state here and hand
+            # the forward a private generator that holds exactly that state.
+            rng_state = generator.next_state()
+            generator = Generator(0)
+            generator.set_state(rng_state)
+        out = q.new_empty(q.shape)
+        with _torch_call(q.device):
+            _, lse = _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                          max_seqlen_k=max_seqlen_k, generator=generator, return_lse=True,
+                                          out=out, **options)
+            lse = _as_torch(lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.rng_state = rng_state
         ctx.options = dict(options, deterministic=deterministic, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        return out_t
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        with _on_torch_stream(q.device):
-            grads = attention_varlen_backward(_to_cupy(dout), _to_cupy(q), _to_cupy(k), _to_cupy(v), _to_cupy(out),
-                                              _to_cupy(lse), _to_cupy(cu_q), _to_cupy(cu_k), rng_state=ctx.rng_state,
-                                              **ctx.options)
-            grads = tuple(_to_torch(g) for g in grads)
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        with _torch_call(q.device):
+            _cf_attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, rng_state=ctx.rng_state, dq=dq, dk=dk,
+                                          dv=dv, **ctx.options)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
               deterministic=False):
-    """Differentiable :func:`cuflash.attention` for torch tensors (the direct autograd path).
+    """Differentiable :func:`cuflash.attention` for torch tensors: eager, compiled or captured.
 
     Runs cuflash's forward on torch's current stream of the inputs' device and saves q, k, v, out,
     lse and the dropout state for the backward (:func:`cuflash.attention_backward`), never the
-    probabilities.
+    probabilities. While ``torch.compile`` traces it, it becomes the custom op
+    ``torch.ops.cuflash.attention_forward`` (no graph break).
 
     Parameters
     ----------
@@ -159,20 +143,20 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     v : torch.Tensor (B, Sk, Hk, D)
         The dtype and device of q; ``Hq % Hk == 0`` (GQA/MQA).
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
-        As in :func:`cuflash.attention`; array options may be torch tensors or CuPy arrays. ``bias``
-        receives a gradient when it is a torch tensor that requires one (dL/dbias summed over the
-        axes it was broadcast along; this materialises a float32 (B, Hq, Sq, Sk) buffer in the
-        backward).
+        As in :func:`cuflash.attention`; array options are torch tensors. ``bias`` receives a
+        gradient when it requires one (dL/dbias summed over the axes it was broadcast along; this
+        materialises a float32 (B, Hq, Sq, Sk) buffer in the backward).
     generator : cuflash.Generator, optional
         Source of the dropout random numbers (default: cuflash's default generator); the state of
-        this call is saved for the backward, which regenerates the same mask.
+        this call is saved for the backward, which regenerates the same mask. Eager mode only:
+        under ``torch.compile`` seed the default generator (:func:`cuflash.manual_seed`).
     deterministic : bool, default False
         Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
 
     Returns
     -------
     torch.Tensor (B, Sq, Hq, D)
-        On the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias).
+        C-contiguous, on the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias).
 
     Raises
     ------
@@ -183,9 +167,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
     Notes
     -----
-    ``torch.compile`` cannot trace this path (a graph break around each call), and its memory comes
-    from CuPy's pool; under ``torch.compile``, ``torch.export`` or CUDA graphs use the custom ops
-    ``cuflash.interop.torch.ops.attention``.
+    CUDA graphs: a call inside ``torch.cuda.graph`` needs no warm-up on the capture stream (one
+    anywhere moves compiling and planning out of the capture); the outputs come from the graph's
+    memory pool, and dropout draws a fresh mask at every replay.
 
     Examples
     --------
@@ -196,19 +180,22 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     >>> out = ct.attention(q, k, v, causal=True)
     >>> out.float().square().mean().backward()           # fills q.grad, k.grad, v.grad
     """
+    if _compiling():
+        return ops.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                             alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
+                             block_size=block_size, dropout_p=dropout_p, generator=generator,
+                             deterministic=deterministic)
     _check_cuda(("q", q), ("k", k), ("v", v))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
-                   dropout_p=dropout_p, generator=generator, deterministic=deterministic)
-    for name, value in (("alibi_slopes", alibi_slopes), ("mask", mask), ("block_mask", block_mask)):
-        if value is not None:
-            options[name] = value
+                   dropout_p=dropout_p, generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes,
+                   mask=mask, block_mask=block_mask)
     return _Attention.apply(q, k, v, bias, options)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, generator=None,
                      deterministic=False):
-    """Differentiable :func:`cuflash.attention_varlen` for torch tensors (the direct autograd path).
+    """Differentiable :func:`cuflash.attention_varlen` for torch tensors: eager, compiled or captured.
 
     Parameters
     ----------
@@ -218,7 +205,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     v : torch.Tensor (total_k, Hk, D)
         The dtype and device of q.
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on the same device
-        Offsets of the packed sequences (see :func:`cuflash.attention_varlen`).
+        Offsets of the packed sequences (see :func:`cuflash.attention_varlen`); never read on the host.
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, generator,
     deterministic
         As in :func:`cuflash.attention_varlen` and :func:`attention`.
@@ -246,9 +233,106 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     >>> out = ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512, max_seqlen_k=512, causal=True)
     >>> out.sum().backward()
     """
+    if _compiling():
+        return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                    max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
+                                    softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                    generator=generator, deterministic=deterministic)
     _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-                   generator=generator, deterministic=deterministic)
-    if alibi_slopes is not None:
-        options["alibi_slopes"] = alibi_slopes
+                   generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes)
     return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
+           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
+           out=None):
+    """:func:`cuflash.decode` for torch tensors: eager, compiled or captured (a serving loop's graph).
+
+    Parameters
+    ----------
+    q : torch.Tensor (B, Sq_new, Hq, D)
+        float16, bfloat16 or float32, on a CUDA device.
+    k_cache, v_cache : torch.Tensor
+        (B, L, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``; ``k_new`` /
+        ``v_new`` are appended into them in place.
+    cache_seqlens, block_table, k_new, v_new, num_splits, causal, window, softcap, alibi_slopes, scale, mask
+        As in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table`` int32
+        on the GPU, never read on the host).
+    return_lse : bool, default False
+        Also return the float32 (B, Hq, Sq_new) log-sum-exp (to merge with other partial states).
+    out : torch.Tensor (B, Sq_new, Hq, D), optional
+        C-contiguous, q's dtype: written in place; otherwise allocated by torch.
+
+    Returns
+    -------
+    torch.Tensor (B, Sq_new, Hq, D), or (out, lse) when ``return_lse``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An array argument that is not a CUDA ``torch.Tensor``, or any error of :func:`cuflash.decode`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import cuflash.interop.torch as ct
+    >>> k_cache, v_cache = (torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    >>> lens = torch.full((4,), 1000, device="cuda", dtype=torch.int32)
+    >>> q, k_new, v_new = (torch.randn(4, 1, n, 128, device="cuda", dtype=torch.bfloat16) for n in (32, 8, 8))
+    >>> out = ct.decode(q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=v_new)   # (4, 1, 32, 128)
+    """
+    if _compiling():
+        return ops.decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                          v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
+                          alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out)
+    _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    if out is None:
+        out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) \
+        if return_lse and q.dim() == 4 else None
+    with _torch_call(q.device):
+        _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                   v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(outs, lses):
+    """:func:`cuflash.merge_states` for torch tensors: eager, compiled or captured.
+
+    Parameters
+    ----------
+    outs : torch.Tensor (n, B, S, H, D), or a sequence of n tensors (B, S, H, D)
+        Attention results over disjoint key sets.
+    lses : float32 torch.Tensor (n, B, H, S), or a sequence of n tensors (B, H, S)
+        Their log-sum-exps.
+
+    Returns
+    -------
+    out : torch.Tensor (B, S, H, D), the dtype of ``outs[0]``
+    lse : float32 torch.Tensor (B, H, S)
+
+    Raises
+    ------
+    TypeError, ValueError
+        Any error of :func:`cuflash.merge_states`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import cuflash.interop.torch as ct
+    >>> o1, lse1 = ct.ops.attention(q, k1, v1, return_lse=True)
+    >>> o2, lse2 = ct.ops.attention(q, k2, v2, return_lse=True)
+    >>> out, lse = ct.merge_states([o1, o2], [lse1, lse2])      # attention over k1 and k2
+    """
+    if _compiling():
+        return ops.merge_states(outs, lses)
+    first = outs[0]
+    _check_cuda(("outs", first))
+    shape = first.shape
+    out = first.new_empty(shape)
+    lse = first.new_empty((shape[0], shape[2], shape[1]), dtype=torch.float32) if len(shape) == 4 else None
+    with _torch_call(first.device):
+        _cf_merge_states(outs, lses, out=out, lse=lse)
+    return out, lse

@@ -7,6 +7,7 @@ dropout_key compiled by NVRTC for sm_80 and sm_90a. (The GPU side is tests/gpu/t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 import cuflash
 from cuflash import kernels
-from cuflash._runtime import capture as _capture, launch as _launch, params as _params, pinned as _pinned, plan as _plan, step as _step
+from cuflash._runtime import capture as _capture, launch as _launch, now as _now, params as _params, pinned as _pinned, plan as _plan, step as _step
 from cuflash import random as cr
 
 backward_module = importlib.import_module("cuflash.backward")
@@ -49,6 +50,7 @@ class _FakeCupy:
 
     def __init__(self, devices=1):
         self.devices, self.current, self.capturing, self.log = devices, 0, False, []
+        self.on_side_stream = False   # inside cuflash._runtime.now.done_now (faked below)
         outer = self
 
         class Device:
@@ -63,7 +65,7 @@ class _FakeCupy:
 
         class Stream:
             def is_capturing(self):
-                return outer.capturing
+                return outer.capturing and not outer.on_side_stream
 
             def synchronize(self):
                 outer.log.append(("stream_sync", outer.current))
@@ -80,12 +82,25 @@ class _FakeCupy:
 
 @pytest.fixture
 def fake_gpus(monkeypatch):
-    """Four fake GPUs; the rng_state kernel's loading recorded instead of done."""
+    """Four fake GPUs; the rng_state kernel's loading recorded instead of done; done_now's private
+    stream faked as a stream that no capture records, its end logged."""
     cupy = _FakeCupy(devices=4)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     loaded = []
     monkeypatch.setattr(_capture, "rng_step", lambda device_id: loaded.append(device_id))
     cupy.loaded = loaded
+
+    @contextlib.contextmanager
+    def done_now(device_id):
+        with cupy.cuda.Device(device_id):
+            cupy.on_side_stream = True
+            try:
+                yield
+            finally:
+                cupy.on_side_stream = False
+            cupy.log.append(("done_now", device_id))
+
+    monkeypatch.setattr(_now, "done_now", done_now)
     return cupy
 
 
@@ -144,18 +159,16 @@ def test_set_state_keeps_the_graph_offsets(fake_gpus):
     assert g.get_state().tolist() == [22, 9]
 
 
-def test_no_graph_state_inside_a_capture(fake_gpus):
+def test_a_graph_state_is_made_inside_a_capture_outside_the_graph(fake_gpus):
     g = cuflash.Generator(31)
     fake_gpus.capturing = True
-    with pytest.raises(RuntimeError, match=r"graph_safe\(\).*before capturing"):
-        g.graph_safe()
-    assert g._graph_state(0) is None and ("empty", 0) not in fake_gpus.log
-    assert g.offset == 0 and fake_gpus.loaded == []
-    fake_gpus.capturing = False
-    g.graph_safe()
-    fake_gpus.capturing = True
+    words = g.graph_safe()   # the first capture with dropout makes it, on done_now's private stream
+    assert words.values == [31, 2**31]
+    assert fake_gpus.log.index(("empty", 0)) < fake_gpus.log.index(("stream_sync", 0)) \
+        < fake_gpus.log.index(("done_now", 0)), "the state must be made, written and waited for inside done_now"
+    assert fake_gpus.loaded == [0] and g.offset == 0
     with pytest.raises(RuntimeError, match="capturing"):
-        g.manual_seed(32)   # its writes would be recorded into the graph
+        g.manual_seed(32)   # its writes would be recorded into the graph (replays may be drawing)
 
 
 def test_a_generator_without_graph_states_never_touches_cupy(monkeypatch):
@@ -244,6 +257,7 @@ def fake_run(monkeypatch):
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: fake.state)
     monkeypatch.setattr(_capture, "_rng_steps", {0: _Recorder("rng", fake.log)})
+    monkeypatch.setattr(_capture, "relaxed_capture_mode", contextlib.nullcontext)
     return fake
 
 
@@ -251,7 +265,7 @@ class _Generator:
     """A generator with (or without) a graph state on GPU 0, counting its host draws."""
 
     def __init__(self, graph=True):
-        self.draws = 0
+        self.draws, self.made = 0, 0
         self.words = _Array((2,), np.uint64, _Memory(0x4440)) if graph else None
 
     def next_state(self):
@@ -260,6 +274,12 @@ class _Generator:
 
     def _graph_state(self, device_id):
         assert device_id == 0
+        return self.words
+
+    def graph_safe(self, device_id):
+        assert device_id == 0 and self.words is None
+        self.made += 1
+        self.words = _Array((2,), np.uint64, _Memory(0x4440))
         return self.words
 
 
@@ -312,13 +332,15 @@ def test_dropout_under_capture_draws_on_the_gpu(fake_run, rng_output):
         assert calls[0] == calls[1] and fake_run.allocations == []
 
 
-def test_dropout_under_capture_needs_a_graph_state(fake_run):
-    plan = _dropout_plan(fake_run.log, temps=(_step.Buffer((64,), np.float32, zero=True),))
+def test_dropout_under_capture_makes_the_graph_state_it_needs(fake_run):
+    plan = _dropout_plan(fake_run.log)
     fake_run.capturing = True
-    with pytest.raises(RuntimeError, match=r"graph_safe\(\)|cuflash.plan"):
-        plan.run((None,) * 5, [0x10] * 5, generator=_Generator(graph=False))
-    assert fake_run.log == [] and fake_run.memsets == [] and fake_run.allocations == [], \
-        "a refused call launched, zeroed or allocated something"
+    generator = _Generator(graph=False)
+    for _ in range(2):
+        fake_run.log.clear()
+        plan.run((None,) * 5, [0x10] * 5, generator=generator)
+        assert [entry[0] for entry in fake_run.log] == ["rng", "fwd"] and fake_run.log[0][1][0] == 0x4440
+    assert generator.made == 1 and generator.draws == 0, "the graph state is made once, and nothing drawn on the host"
 
 
 def test_small_temporaries_come_from_the_streams_arena(fake_run):
@@ -410,15 +432,29 @@ def test_refuse_capture(monkeypatch):
         _capture.refuse_capture("decode", "why")
 
 
-def test_the_first_call_on_a_stream_cannot_be_captured(monkeypatch):
-    asked = []
-    runtime = SimpleNamespace(streamIsCapturing=lambda stream: asked.append(stream) or True)
-    monkeypatch.setattr(_launch, "_cupy", lambda: SimpleNamespace(cuda=SimpleNamespace(runtime=runtime)))
+def test_the_first_call_on_a_stream_makes_its_state_outside_the_capture(monkeypatch):
+    # Its words are allocated and zeroed inside done_now (a private stream, waited for), so a
+    # first call inside a capture needs no warm-up on the capturing stream.
+    events = []
+
+    @contextlib.contextmanager
+    def done_now(device_id):
+        events.append(("enter", device_id))
+        yield
+        events.append(("exit", device_id))
+
+    class State:
+        def __init__(self, device_id):
+            events.append(("made", device_id))
+
+    monkeypatch.setattr(_launch, "done_now", done_now)
+    monkeypatch.setattr(_launch, "StreamState", State)
     key = _launch.stream_key(77, 0xCA97)
-    assert key not in _launch._states
-    with pytest.raises(RuntimeError, match="first cuflash call on a stream"):
-        _launch.stream_state(77, 0xCA97)
-    assert asked == [0xCA97] and key not in _launch._states
+    monkeypatch.delitem(_launch._states, key, raising=False)
+    state = _launch.stream_state(77, 0xCA97)
+    assert events == [("enter", 77), ("made", 77), ("exit", 77)]
+    assert _launch.stream_state(77, 0xCA97) is state and len(events) == 3, "a stream's state is made once"
+    monkeypatch.delitem(_launch._states, key)
 
 
 class _CudaArray:

@@ -145,6 +145,7 @@ def test_a_streams_arena_grows_and_keeps_what_it_replaced(monkeypatch):
 
     cupy = SimpleNamespace(cuda=SimpleNamespace(alloc=alloc, Device=lambda device: contextlib.nullcontext()))
     monkeypatch.setattr(_launch, "_cupy", lambda: cupy)
+    monkeypatch.setattr(_launch, "done_now", lambda device_id: contextlib.nullcontext())
     state = _launch.StreamState.__new__(_launch.StreamState)   # its device words are not needed here
     state.device_id, state.tails = 0, {}
     state._arena, state._arena_bytes, state._old_arenas = None, 0, []

@@ -11,6 +11,7 @@ CPU tests (stand-in arrays and a stand-in CuPy, as in test_faults.py) check the 
 entry point and the per-device bookkeeping; GPU tests need two GPUs and skip on one.
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -249,6 +250,7 @@ def two_fake_gpus(monkeypatch):
                                                 Device=Device))
     monkeypatch.setattr(_launch, "_cupy", lambda: fake)
     monkeypatch.setattr(_launch, "_prepared", {})
+    monkeypatch.setattr(_launch, "relaxed_capture_mode", contextlib.nullcontext)
     return gpu
 
 
