@@ -289,13 +289,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if out is None:
         out = q.new_empty(q.shape)
-    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) \
-        if return_lse and q.dim() == 4 else None
     with _torch_call(q.device):
-        _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
-                   v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out)
-    return (out, lse) if return_lse else out
+        result = _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                            v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
+                            alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out)
+        return (out, _as_torch(result[1])) if return_lse else out
 
 
 def merge_states(outs, lses):

@@ -2,7 +2,7 @@
 
 Each entry point (attention, attention_forward, attention_backward, attention_varlen and its
 backward, decode on contiguous and paged caches with an append, merge_states) is captured once on a
-non-blocking stream after a warm-up call, through :func:`cuflash.plan` and as a plain call, with
+fresh non-blocking stream after a warm-up call on another stream (none for a planned call), through :func:`cuflash.plan` and as a plain call, with
 the outputs given (``out=``, ``lse=``, ``dq=`` ...) and, where the call can allocate them, without.
 Then, twice: NEW random data (and new index values: cu_seqlens, cache_seqlens, block_table) goes
 into the same input buffers, the outputs are poisoned with NaN, CuPy's pool gives every free block
@@ -18,8 +18,8 @@ that state and bitwise the uncaptured forward's given that state, and a backward
 same graph, reading the device rng_state, must equal the uncaptured backward given the same state.
 
 Also: two graphs of one plan captured on two streams replay at the same time without sharing
-words or temporaries; and calls that cannot be captured safely raise RuntimeError (a copied operand,
-check=True, dropout whose generator has no graph state, the first call on a stream).
+words or temporaries; two graphs on one stream; and calls that cannot be captured safely raise
+RuntimeError (a copied operand, check=True).
 """
 
 from __future__ import annotations
@@ -105,12 +105,16 @@ def _entry(via, fn, args, arrays, options):
 
 
 def _capture(stream, call):
-    """call() once on ``stream`` (the warm-up: the stream's words, the plan, its workspace), then a
-    capture of a second call; returns (graph, what the captured call returned)."""
+    """call() once on ANOTHER, fresh stream (the warm-up torch's and CuPy's docs ask for: it plans
+    the call and loads its kernels), then a capture of a second call on ``stream``, where no cuflash
+    call ran before: the stream's words, the workspaces and a generator's graph state are made
+    inside the capture. Returns (graph, what the captured call returned)."""
     cupy.cuda.Device().synchronize()
-    with stream:
+    elsewhere = cupy.cuda.Stream(non_blocking=True)
+    with elsewhere:
         call()
-        stream.synchronize()
+    elsewhere.synchronize()
+    with stream:
         stream.begin_capture()
         try:
             result = call()
@@ -458,9 +462,11 @@ def test_dropout_draws_a_fresh_reproducible_mask_per_replay(dtype, family, via):
         device = cupy.cuda.runtime.getDevice()
         if via == "plan":
             assert generator._graph_state(device) is not None, "cuflash.plan made no graph state"
-        words = generator.graph_safe()            # made by cuflash.plan, or here
-        start = 1 + 2**31 + device * cuflash.random.graph_offsets()
-        assert words.get().tolist() == [seed, start], "the graph state starts 2**31 above the host offset"
+        else:
+            assert generator._graph_state(device) is None
+        # The graph state starts 2**31 above the host offset of the moment it is made: at the plan
+        # (one host draw so far), or at the first capture (after the warm-up's host draw too).
+        start = (1 if via == "plan" else 2) + 2**31 + device * cuflash.random.graph_offsets()
         backward = _entry(via, cuflash.attention_backward, (dout, q, k, v, out, lse),
                           dict(rng_state=np.array([1, 2], dtype=np.uint64), dq=grads[0], dk=grads[1], dv=grads[2]),
                           dict(deterministic=True, **opts))
@@ -472,6 +478,9 @@ def test_dropout_draws_a_fresh_reproducible_mask_per_replay(dtype, family, via):
             backward(dout, q, k, v, out, lse, rng_state=state, dq=grads[0], dk=grads[1], dv=grads[2])
 
         graph, _ = _capture(stream, step)
+        words = generator._graph_state(device)
+        assert words is not None, "the capture made no graph state"
+        assert words.get().tolist() == [seed, start], "the graph state starts 2**31 above the host offset"
         warm, captured = states
         assert isinstance(warm, np.ndarray), "the uncaptured warm-up draws on the host"
         assert isinstance(captured, cupy.ndarray) and captured.dtype == np.uint64 and captured.shape == (2,)
@@ -515,11 +524,11 @@ def test_dropout_of_attention_varies_per_replay():
     opts = dict(dropout_p=0.5)
     rng = np.random.default_rng()
     generator = cuflash.Generator(int(rng.integers(2**63)))
-    words = generator.graph_safe()
     q, k, v = _qkv(int(rng.integers(2**31)), "float16")
     out = _poisoned(q.shape, q.dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
     graph, _ = _capture(stream, lambda: cuflash.attention(q, k, v, out=out, generator=generator, **opts))
+    words = generator._graph_state(cupy.cuda.runtime.getDevice())   # made by the capture
     results = []
     for _ in range(2):
         state = words.get()
@@ -583,12 +592,36 @@ def test_calls_that_cannot_be_captured_say_so():
         cuflash.attention_varlen(vq, vk, vv, cu_q, cu_k, max_seqlen_q=MAX_Q, max_seqlen_k=MAX_K)
     _refused(stream, lambda: cuflash.attention_varlen(vq, vk, vv, cu_q, cu_k, max_seqlen_q=MAX_Q,
                                                       max_seqlen_k=MAX_K, check=True), "check=True")
-    # Dropout from a generator without a graph state on this GPU.
-    generator = cuflash.Generator(5)
-    with stream:
-        cuflash.attention(q, k, v, dropout_p=0.1, generator=generator)
-    _refused(stream, lambda: cuflash.attention(q, k, v, dropout_p=0.1, generator=generator), "graph_safe")
-    assert generator._graph_state(cupy.cuda.runtime.getDevice()) is None
-    # The first call on a stream.
-    _refused(cupy.cuda.Stream(non_blocking=True), lambda: cuflash.attention(q, k, v), "first cuflash call")
     cuflash.check_errors()
+
+
+def test_a_planned_call_needs_no_warm_up_at_all():
+    """cuflash.plan outside, then a capture on a fresh stream with no cuflash call before anywhere
+    for these shapes: the plan's workspace and the stream's words are made inside the capture;
+    several graphs on one stream, replayed one after the other, each match an uncaptured call."""
+    rng = np.random.default_rng()
+    opts = dict(causal=True)
+    shape = dict(ATTENTION, Sq=int(rng.integers(40, 90)), Sk=int(rng.integers(100, 200)))
+    sets = [_qkv(int(rng.integers(2**31)), "bfloat16", shape) for _ in range(2)]
+    outs = [_poisoned(sets[0][0].shape, sets[0][0].dtype) for _ in range(2)]
+    lses = [_poisoned((shape["B"], shape["Hq"], shape["Sq"]), np.float32) for _ in range(2)]
+    plan = cuflash.plan(cuflash.attention_forward, *sets[0], out=outs[0], lse=lses[0], **opts)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphs = []
+    with stream:
+        for i in range(2):   # two graphs captured on one stream
+            stream.begin_capture()
+            plan(*sets[i], out=outs[i], lse=lses[i])
+            graphs.append(stream.end_capture())
+    for _ in range(2):
+        news = [_qkv(int(rng.integers(2**31)), "bfloat16", shape) for _ in range(2)]
+        for arrays, new in zip(sets, news):
+            for dst, src in zip(arrays, new):
+                _write(dst, src)
+        for x in (*outs, *lses):
+            _poison(x)
+        for graph in graphs:
+            _replay(graph, stream)
+        for out, lse, new in zip(outs, lses, news):
+            want_out, want_lse, _ = cuflash.attention_forward(*new, **opts)
+            assert _same_bits(out, want_out) and _same_bits(lse, want_lse)
