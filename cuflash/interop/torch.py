@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attention_forward as _cf_attention_forward, attention_varlen as _cf_attention_varlen
+from ..attention import attention as _cf_attention, attention_forward as _cf_attention_forward
+from ..attention import attention_varlen as _cf_attention_varlen
 from ..backward import attention_backward as _cf_attention_backward
 from ..backward import attention_varlen_backward as _cf_attention_varlen_backward
 from ..decode import decode as _cf_decode
@@ -51,6 +52,12 @@ __all__ = ["attention", "attention_varlen", "decode", "merge_states", "ops", "ri
 _compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
 
 
+def _needs_grad(q, k, v, bias) -> bool:
+    """Whether autograd must record the call (grad mode on and an input that requires grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
 def _check_cuda(*tensors):
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -60,11 +67,10 @@ def _check_cuda(*tensors):
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v, bias, **options); gradients for q, k, v and bias."""
+    """out = attention(q, k, v, bias, **forward_options); gradients for q, k, v and bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, options):
-        forward_options = {n: val for n, val in options.items() if n != "deterministic"}
+    def forward(ctx, q, k, v, bias, forward_options, deterministic):
         # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
         # memory that a torch.cuda.graph capture keeps in its pool.
         out = q.new_empty(q.shape)
@@ -73,20 +79,22 @@ class _Attention(torch.autograd.Function):
             _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, out=out, lse=lse, **forward_options)
         ctx.save_for_backward(q, k, v, out, lse, bias)
         ctx.rng_state = rng_state
-        forward_options.pop("generator", None)
-        ctx.options = dict(forward_options, deterministic=options.get("deterministic", False))
+        ctx.options = forward_options
+        ctx.deterministic = deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, bias = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
+        options = {n: val for n, val in ctx.options.items() if n != "generator"}
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         with _torch_call(q.device):
             grads = _cf_attention_backward(dout, q, k, v, out, lse, bias=bias, rng_state=ctx.rng_state,
-                                           return_dbias=want_dbias, dq=dq, dk=dk, dv=dv, **ctx.options)
+                                           return_dbias=want_dbias, dq=dq, dk=dk, dv=dv,
+                                           deterministic=ctx.deterministic, **options)
             dbias = _as_torch(grads[3]) if want_dbias else None
-        return dq, dk, dv, dbias, None
+        return dq, dk, dv, dbias, None, None
 
 
 class _AttentionVarlen(torch.autograd.Function):
@@ -187,9 +195,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
                              deterministic=deterministic)
     _check_cuda(("q", q), ("k", k), ("v", v))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
-                   dropout_p=dropout_p, generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes,
-                   mask=mask, block_mask=block_mask)
-    return _Attention.apply(q, k, v, bias, options)
+                   dropout_p=dropout_p, generator=generator, alibi_slopes=alibi_slopes, mask=mask,
+                   block_mask=block_mask)
+    if _needs_grad(q, k, v, bias):
+        return _Attention.apply(q, k, v, bias, options, deterministic)
+    # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
+    out = q.new_empty(q.shape)
+    with _torch_call(q.device):
+        _cf_attention(q, k, v, bias=bias, out=out, **options)
+    return out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
@@ -239,9 +253,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                     generator=generator, deterministic=deterministic)
     _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-    options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-                   generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes)
-    return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    if _needs_grad(q, k, v, None):
+        options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
+                       generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes)
+        return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+    out = q.new_empty(q.shape)
+    with _torch_call(q.device):
+        _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                             dropout_p=dropout_p, generator=generator, out=out)
+    return out
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
