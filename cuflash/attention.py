@@ -186,10 +186,25 @@ def _forward_at(q, k, v, *, dropout_origin=(0, 0), causal=False, scale=None, win
                     block_size, dropout_p, generator, True, True, dropout_origin)
 
 
+def _forward_with_rng_words(q, k, v, rng_words, *, causal=False, scale=None, window=None, softcap=0.0,
+                            alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
+                            dropout_p=0.0, out=None, lse=None):
+    """:func:`attention_forward` whose dropout (seed, offset) the kernels read from the GPU: ``rng_words``
+    is the address of a uint64 (2,) array ``[seed, offset]`` on the call's device (as
+    ``attention_backward(rng_state=<device array>)`` reads it). For callers whose state is device data
+    that the host must not read (a JAX PRNG key inside ``jax.jit``: :mod:`cuflash.interop.jax`).
+    Returns (out, lse); nothing is drawn from a generator. Private: the public signatures hold only
+    what users pass."""
+    out, lse, _ = _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window,
+                           softcap, block_size, dropout_p, None, True, False, (0, 0), rng_words)
+    return out, lse
+
+
 def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
-             rng_output=False, dropout_origin=(0, 0)):
+             rng_output=False, dropout_origin=(0, 0), rng_words=None):
     """attention_forward, and attention (whose lse, unless returned, is a temporary of the call, and
-    whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us."""
+    whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us.
+    ``rng_words``: see :func:`_forward_with_rng_words` (None: drawn from the generator)."""
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output, dropout_origin)
     plan, ptrs, where = _memo.lookup("attention", operands, options)
@@ -201,7 +216,8 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
                                              dropout_origin=dropout_origin)
         if plan is None:
             return finish
-    results, _, rng_state = plan.run(operands, ptrs, where, generator=generator, rng_output=rng_output)
+    results, _, rng_state = plan.run(operands, ptrs, where, generator=generator, rng_state=rng_words,
+                                     rng_output=rng_output)
     out = finish(results[0]) if finish is not None else results[0]
     return out, (results[1] if lse_output else None), rng_state
 
@@ -509,7 +525,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen; pad and call attention instead")
-    operands = (q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    out, lse = _varlen((q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes), max_seqlen_q, max_seqlen_k,
+                       causal, scale, window, softcap, dropout_p, generator, return_lse, check)
+    return (out, lse) if return_lse else out
+
+
+def _varlen_with_rng_words(q, k, v, cu_seqlens_q, cu_seqlens_k, rng_words, *, max_seqlen_q=None, max_seqlen_k=None,
+                           causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                           out=None, lse=None, check=None):
+    """:func:`attention_varlen` with ``return_lse=True``, writing ``lse`` (float32 (Hq, total_q),
+    C-contiguous) when given, and reading its dropout (seed, offset) from the device words at address
+    ``rng_words`` (see :func:`_forward_with_rng_words`). Returns (out, lse)."""
+    return _varlen((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes), max_seqlen_q, max_seqlen_k,
+                   causal, scale, window, softcap, dropout_p, None, True, check, rng_words)
+
+
+def _varlen(operands, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, generator, return_lse,
+            check, rng_words=None):
+    """attention_varlen's check, plan and run (positional, as :func:`_forward`); returns (out, lse or None)."""
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, type(generator), return_lse,
                _forced_family.get())
     plan, ptrs, where = _memo.lookup("attention_varlen", operands, options)
@@ -517,14 +550,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     if plan is None:
         plan, ptrs, finish = _plan_varlen(operands, ptrs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                           causal=causal, scale=scale, window=window, softcap=softcap,
-                                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, generator=generator,
+                                          alibi_slopes=operands[7], dropout_p=dropout_p, generator=generator,
                                           return_lse=return_lse)
         if plan is None:
             out, lse = finish
-            return (out, lse) if return_lse else out
-    results, temps, _ = plan.run(operands, ptrs, where, generator=generator, check=_checks.check_flag(check))
+            return out, (lse if return_lse else None)
+    results, temps, _ = plan.run(operands, ptrs, where, generator=generator, rng_state=rng_words,
+                                 check=_checks.check_flag(check))
     out = finish(results[0]) if finish is not None else results[0]
-    return (out, results[1]) if return_lse else out
+    return out, (results[1] if return_lse else None)
 
 
 def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
@@ -532,7 +566,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     """The full path of :func:`attention_varlen` (see :func:`_plan_attention`)."""
     import cupy
 
-    q, k, v, out, _, cu_seqlens_q, cu_seqlens_k, alibi_slopes = operands
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = operands
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k = k.shape[0]
@@ -546,14 +580,19 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
-    _checks.check_disjoint((("out", out),), (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_q),
-                                             ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0])))
+    if lse is not None:   # only given by _varlen_with_rng_words
+        lse = _checks.check_out(lse, "lse", (hq, total_q), np.float32)
+    _checks.check_disjoint((("out", out), ("lse", lse)),
+                           (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k),
+                            ("alibi_slopes", score_arrays[0])))
     _family_for(dtype_name)
 
     if total_q * hq * d == 0 or batch == 0 or max_q == 0:
         _memo.nothing_to_plan()
         out = cupy.empty((total_q, hq, d), dtype=q.dtype) if out is None else out
-        lse = cupy.full((hq, total_q), -np.inf, dtype=np.float32)
+        if lse is None:
+            lse = cupy.empty((hq, total_q), dtype=np.float32)
+        lse.fill(-np.inf)
         if opts.dropout_p:
             opts.generator.next_state()
         return None, None, (out_user if out_user is not None else out, lse)
@@ -576,7 +615,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     plan = forward_plan("attention_varlen", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
                         seq_fields={}, row_layout=row_layout, opts=opts, score_fields={**score_fields, **seq_fields},
                         grid_rows=max_q, batch=batch, heads_q=hq, check=check, lse_output=return_lse)
-    kernel_operands = (qk, kk, vk, o_kernel, None, cu_q, cu_k, score_arrays[0])
+    kernel_operands = (qk, kk, vk, o_kernel, lse, cu_q, cu_k, score_arrays[0])
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
