@@ -8,9 +8,12 @@ framework's autograd:
   ``torch.autograd.Function`` s (zero-copy through DLPack, on torch's current stream), and
   ``cuflash.interop.torch.ops``: the ``torch.library`` custom ops ``torch.ops.cuflash.*``
   (:mod:`cuflash.interop._torch_ops`) for ``torch.compile``, ``torch.export`` and CUDA graphs.
+- :mod:`cuflash.interop.jax`: ``attention``, ``attention_varlen`` (``jax.custom_vjp``), ``decode``
+  and ``merge_states`` as JAX functions for ``jax.jit``, run on XLA's stream in XLA's buffers
+  through ``jax.experimental.buffer_callback`` (docs/jax.md).
 
 Import the submodule you need (``import cuflash.interop.torch``); importing this package imports
 no framework.
 """
 
-__all__ = ["torch"]
+__all__ = ["jax", "torch"]

@@ -1,0 +1,232 @@
+"""Trace-time checks of :mod:`cuflash.interop.jax`: the arguments' shapes, dtypes and options, read
+from JAX's abstract values (``jax.eval_shape`` raises the same errors, and no GPU is needed).
+
+The messages are :mod:`cuflash._checks`' (its shape and option checks are reused as they are); what
+that module reads from a CuPy array (a pointer, strides) does not exist at trace time, so the array
+options (ALiBi slopes, mask, bias, block mask, index arrays) are checked here by shape and dtype
+alone. The pointers' checks (alignment, overlap) need none: XLA's buffers are dense, aligned and
+distinct. Every function returns what the callback needs as hashable, static values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _checks
+from ..kernels import decode as _decode_kernels
+from ..kernels.common import MAX_HEAD_DIM
+
+__all__ = ["check_array", "check_attention", "check_decode", "check_dropout_rng", "check_merge", "check_varlen"]
+
+
+def check_array(x, name: str):
+    """``x`` as a JAX array (NumPy arrays are taken as constants); TypeError naming ``name`` otherwise."""
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    raise TypeError(f"{name} must be a JAX array, got {type(x).__name__}")
+
+
+def _check_qkv(q, k, v, rank: int, layout: str) -> str:
+    name = _checks.check_float_dtype(q, "q")
+    _checks.check_same_dtype(q, "q", k, "k")
+    _checks.check_same_dtype(q, "q", v, "v")
+    for x, xname in ((q, "q"), (k, "k"), (v, "v")):
+        _checks.check_rank(x, rank, xname, layout)
+    _checks.check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
+    _checks.check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], MAX_HEAD_DIM)
+    if k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"v must have the batch and length of k {tuple(k.shape[:-2])}, got {tuple(v.shape[:-2])}")
+    return name
+
+
+def _check_broadcast(x, name: str, target: tuple, kind: str) -> None:
+    """A mask/bias/block_mask that cuflash broadcasts to ``target`` (4-d) by zero strides."""
+    if kind == "bool" and x.dtype != np.bool_:
+        raise TypeError(f"{name} must be a bool array (True = may attend), got {x.dtype}")
+    if kind == "float" and np.dtype(x.dtype) not in _checks.BIAS_DTYPE_CODES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 axes, got shape {tuple(x.shape)}")
+    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    for have, want in zip(shape, target):
+        if have not in (1, want):
+            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {target}")
+
+
+def _check_alibi(x, batch: int, heads_q: int) -> None:
+    if x.dtype != np.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {x.dtype}")
+    if tuple(x.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(x.shape)}")
+
+
+def _check_int32(x, name: str, shape: tuple) -> None:
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+
+
+def _check_options(head_dim: int, causal, scale, window, softcap, dropout_p, seqlens) -> tuple:
+    """(scale, window, softcap, dropout_p) as given, once checked; the window as a tuple (hashable)."""
+    _checks.check_scale(scale, head_dim)
+    _checks.check_window(window, causal, seqlens)
+    _checks.check_softcap(softcap)
+    _checks.check_dropout(dropout_p)
+    return scale, (None if window is None else tuple(window)), softcap, dropout_p
+
+
+def check_dropout_rng(dropout_rng, dropout_p: float) -> None:
+    """A JAX PRNG key (typed, shape (), or a raw uint32 (2,) key) when ``dropout_p > 0``."""
+    if not dropout_p:
+        return
+    if dropout_rng is None:
+        raise ValueError("dropout_p > 0 needs dropout_rng, a JAX PRNG key (jax.random.key(seed)), to draw its mask")
+    import jax
+
+    typed = isinstance(dropout_rng, jax.Array) and jax.dtypes.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+    raw = isinstance(dropout_rng, jax.Array) and dropout_rng.dtype == np.uint32 and dropout_rng.shape == (2,)
+    if not (typed and dropout_rng.shape == ()) and not raw:
+        dtype, shape = getattr(dropout_rng, "dtype", None), getattr(dropout_rng, "shape", None)
+        raise TypeError(f"dropout_rng must be one JAX PRNG key (jax.random.key(seed), or a raw uint32 (2,) key), got "
+                        f"{type(dropout_rng).__name__} of dtype {dtype} and shape {shape}")
+
+
+def check_attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size,
+                    dropout_p, deterministic) -> tuple:
+    """The checks of :func:`cuflash.attention_forward` and :func:`cuflash.attention_backward` that
+    need no data. Returns the static options (scale, window, softcap, dropout_p, block_size,
+    deterministic)."""
+    _check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
+    b, sq, hq, d = q.shape
+    if k.shape[0] != b:
+        raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
+    sk = k.shape[1]
+    _checks.check_problem_size(q, k, batch=b, seqlen_q=sq, seqlen_k=sk, varlen=False)
+    options = _check_options(d, causal, scale, window, softcap, dropout_p, (sq, sk))
+    bq, bk = _checks.check_block_size(block_size)
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, b, hq)
+    if mask is not None:
+        _check_broadcast(mask, "mask", (b, hq, sq, sk), "bool")
+    if bias is not None:
+        _check_broadcast(bias, "bias", (b, hq, sq, sk), "float")
+    if block_mask is not None:
+        _check_broadcast(block_mask, "block_mask", (b, hq, math.ceil(sq / bq), math.ceil(sk / bk)), "bool")
+    return (*options, (bq, bk), _checks.check_flag(deterministic, "deterministic"))
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
+                 alibi_slopes, dropout_p, deterministic) -> tuple:
+    """The checks of :func:`cuflash.attention_varlen` that need no data (the offsets' values are
+    checked by a kernel). Returns (max_seqlen_q, max_seqlen_k, scale, window, softcap, dropout_p,
+    deterministic)."""
+    _check_qkv(q, k, v, 3, "(total, heads, head_dim)")
+    total_q, hq, d = q.shape
+    total_k = k.shape[0]
+    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        if cu.dtype != np.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.ndim != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-d of length batch + 1 >= 1, got shape {tuple(cu.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have length {batch + 1} like cu_seqlens_q, got {cu_seqlens_k.shape[0]}")
+    # JAX needs them static (they size the grid), so unlike cuflash's they have no default.
+    max_q = _checks.check_max_seqlen(max_seqlen_q, "max_seqlen_q", total_q)
+    max_k = _checks.check_max_seqlen(max_seqlen_k, "max_seqlen_k", total_k)
+    _checks.check_problem_size(q, k, batch=batch, seqlen_q=max_q, seqlen_k=max_k, varlen=True)
+    options = _check_options(d, causal, scale, window, softcap, dropout_p, (max_q, max_k))
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, batch, hq)
+    return (int(max_seqlen_q), int(max_seqlen_k), *options, _checks.check_flag(deterministic, "deterministic"))
+
+
+def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window,
+                 softcap, alibi_slopes, scale, mask) -> tuple:
+    """The checks of :func:`cuflash.decode` that need no data (the lengths' and the page table's
+    values are checked by the decode kernels). Returns (num_splits, causal, window, softcap, scale)."""
+    layout = "(batch, seqlen, heads, head_dim)"
+    _checks.check_float_dtype(q, "q")
+    _checks.check_same_dtype(q, "q", k_cache, "k_cache")
+    _checks.check_same_dtype(q, "q", v_cache, "v_cache")
+    _checks.check_rank(q, 4, "q", layout)
+    paged = block_table is not None
+    cache_layout = "(num_pages, page_size, heads, head_dim)" if paged else layout
+    _checks.check_rank(k_cache, 4, "k_cache", cache_layout)
+    _checks.check_rank(v_cache, 4, "v_cache", cache_layout)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    batch, seqlen_q, heads_q, d = q.shape
+    heads_k = k_cache.shape[2]
+    _checks.check_heads(heads_q, heads_k, v_cache.shape[2])
+    _checks.check_head_dim(d, k_cache.shape[3], v_cache.shape[3], MAX_HEAD_DIM)
+    if paged:
+        if block_table.dtype != np.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have one row per sequence ({batch}, max_pages), got shape "
+                             f"{tuple(block_table.shape)}")
+        if k_cache.shape[1] == 0:
+            raise ValueError("the paged cache must have page_size (k_cache.shape[1]) >= 1, got 0")
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have the batch size of q ({batch}), got {k_cache.shape[0]}; a paged "
+                             "cache needs block_table")
+        capacity = k_cache.shape[1]
+    _check_int32(cache_seqlens, "cache_seqlens", (batch,))
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if k_new is not None:
+        for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+            _checks.check_same_dtype(q, "q", x, name)
+            _checks.check_rank(x, 4, name, layout)
+        want = (batch, k_new.shape[1], heads_k, d)
+        for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name} must have shape (batch, new tokens, kv heads, head_dim) = {want}, got "
+                                 f"{tuple(x.shape)}")
+        if k_new.shape[1] > capacity:
+            raise ValueError(f"the {k_new.shape[1]} tokens of k_new/v_new do not fit a cache of {capacity} keys per "
+                             "sequence")
+    scale, window, softcap, _ = _check_options(d, causal, scale, window, softcap, 0.0, (seqlen_q, capacity))
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, batch, heads_q)
+    if mask is not None:
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask must be a bool array (True = may attend), got {mask.dtype}")
+        if not 1 <= mask.ndim <= 4 or mask.shape[-1] == 0:
+            raise ValueError(f"mask must have 1 to 4 axes and at least one key column, got shape {tuple(mask.shape)}")
+        _check_broadcast(mask, "mask", (batch, heads_q, seqlen_q, mask.shape[-1]), "bool")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= _decode_kernels.DECODE_MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {_decode_kernels.DECODE_MAX_SPLITS}] (0 = heuristic), got "
+                         f"{num_splits}")
+    return int(num_splits), bool(causal), window, softcap, scale
+
+
+def check_merge(outs, lses) -> None:
+    """Stacked partial results: ``outs`` (n, B, S, H, D) float16/bfloat16/float32/float64, ``lses``
+    (n, B, H, S) float32."""
+    if np.dtype(outs.dtype) not in (*_checks.SUPPORTED_DTYPES, np.dtype(np.float64)):
+        raise TypeError(f"outs must be float16, bfloat16, float32 or float64, got {outs.dtype}")
+    if outs.ndim != 5:
+        raise ValueError(f"outs must be 5-d (parts, batch, seqlen, heads, head_dim) or a sequence of 4-d arrays, got "
+                         f"shape {tuple(outs.shape)}")
+    if outs.shape[0] == 0:
+        raise ValueError("outs must hold at least one partial result, got 0")
+    if lses.dtype != np.float32:
+        raise TypeError(f"lses must be float32, got {lses.dtype}")
+    n, b, s, h, _ = outs.shape
+    if tuple(lses.shape) != (n, b, h, s):
+        raise ValueError(f"lses must have shape (parts, batch, heads, seqlen) = {(n, b, h, s)}, got "
+                         f"{tuple(lses.shape)}")

@@ -1,0 +1,689 @@
+"""JAX over cuflash: exact FlashAttention inside ``jax.jit``, with no build step.
+
+Each function here is a JAX function (``jax.jit``, ``jax.grad``, ``jax.lax.scan``, ``jax.checkpoint``
+trace it) whose kernels are cuflash's, launched from a ``jax.experimental.buffer_callback``: XLA
+hands the callback its CUDA stream and the device buffers of the operands and results, and cuflash
+runs on that stream, reading and writing those buffers in place (:mod:`._jax_stream`,
+:mod:`._jax_buffers`). No copy, no host synchronisation, and nothing to compile ahead of time:
+cuflash's kernels are compiled with NVRTC at their first use, as from CuPy.
+
+- :func:`attention`: :func:`cuflash.attention` with its options, differentiable
+  (``jax.custom_vjp``: the backward is :func:`cuflash.attention_backward`; residuals q, k, v, out,
+  lse and the dropout words, never the probabilities; gradients for q, k, v and ``bias``).
+- :func:`attention_varlen`: packed sequences of different lengths, differentiable.
+- :func:`decode`: new tokens against a (paged) KV cache, appending into it; the new caches alias
+  the given ones, so a donated cache is updated in place.
+- :func:`merge_states`: combine partial results over disjoint keys.
+- :func:`dropout_state`: the (seed, offset) that a dropout key gives, for the float64 reference.
+
+Shapes, dtypes and options are checked when the function is traced (``jax.eval_shape`` raises the
+same TypeError/ValueError, naming the argument); the options are static (Python values). Layouts are
+cuflash's: (B, S, H, D), lse (B, H, S).
+
+Memory. cuflash's temporaries (split-KV partials, backward accumulators, the dbias buffer) come from
+CuPy's memory pool, beside XLA's: give CuPy room (``XLA_PYTHON_CLIENT_MEM_FRACTION``, by default XLA
+takes 75% of the GPU at its first use).
+
+Command buffers. XLA may record custom calls into CUDA graphs ("command buffers") and replay them.
+:data:`COMMAND_BUFFERS` (default False) chooses whether cuflash's callbacks let it (read when a
+function is traced); see docs/jax.md for why the default is off.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.experimental.buffer_callback import buffer_callback
+
+from .. import _checks
+from ..attention import _forward_with_rng_words, _varlen_with_rng_words
+from ..backward import attention_backward, attention_varlen_backward
+from ..decode import decode as _decode
+from ..merge import merge_states as _merge_states
+from . import _jax_buffers
+from ._jax_buffers import Views, poison
+from ._jax_checks import check_array, check_attention, check_decode, check_dropout_rng, check_merge, check_varlen
+from ._jax_rng import state_words
+from ._jax_stream import on_xla_stream
+
+__all__ = ["COMMAND_BUFFERS", "attention", "attention_varlen", "decode", "dropout_state", "merge_states"]
+
+#: Whether XLA may record cuflash's calls into its CUDA graphs (``command_buffer_compatible``); read
+#: when a function is traced. Off by default: docs/jax.md says why and what it was measured to change.
+COMMAND_BUFFERS = False
+
+_SCORE_ARRAYS = ("alibi_slopes", "mask", "bias", "block_mask")
+_RNG_LAYOUT = ((2,), np.uint64)   # the four uint32 words of _jax_rng, read as cuflash's (seed, offset)
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _layout(x) -> tuple:
+    return tuple(x.shape), np.dtype(x.dtype)
+
+
+def _ptr(buffer) -> int:
+    return buffer.__cuda_array_interface__["data"][0]
+
+
+def dropout_state(key):
+    """The dropout state, ``(seed, offset)``, that cuflash draws its mask from for a JAX key.
+
+    :func:`attention` and :func:`attention_varlen` with ``dropout_p > 0`` and ``dropout_rng=key``
+    drop score element (b, h, i, j) as :func:`cuflash.attention` does with ``rng_state = (seed,
+    offset)`` (Philox4x32-10, :mod:`cuflash.random`): the float64 reference
+    (:func:`cuflash.reference.attention_forward`) reproduces a call from this state.
+
+    Parameters
+    ----------
+    key : JAX PRNG key
+        ``jax.random.key(seed)`` (or a raw uint32 (2,) key), the ``dropout_rng`` of the call.
+
+    Returns
+    -------
+    jax.Array, uint32 (4,)
+        ``[seed_lo, seed_hi, offset, 0]``: the uint64 pair (seed, offset) as little-endian words
+        (JAX has no uint64 without ``jax_enable_x64``); ``np.asarray(words).view(np.uint64)`` is
+        cuflash's ``rng_state``.
+
+    Examples
+    --------
+    >>> import jax, numpy as np
+    >>> import cuflash.interop.jax as cj
+    >>> words = cj.dropout_state(jax.random.key(0))
+    >>> seed, offset = np.asarray(words).view(np.uint64)
+    """
+    check_dropout_rng(key, 1.0)
+    return state_words(key)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class _AttentionSpec(NamedTuple):
+    """What a traced attention call fixes: layouts, options, the score arrays given (by name)."""
+
+    q: tuple
+    k: tuple
+    dtype: np.dtype
+    causal: bool
+    scale: object
+    window: object
+    softcap: float
+    block_size: tuple
+    dropout_p: float
+    deterministic: bool
+    arrays: tuple        # names of the score arrays given, in _SCORE_ARRAYS order
+    array_layouts: tuple
+    command_buffers: bool
+
+    def options(self) -> dict:
+        return dict(causal=self.causal, scale=self.scale, window=self.window, softcap=self.softcap,
+                    block_size=self.block_size, dropout_p=self.dropout_p)
+
+
+def _command_buffers(head_dim: int) -> bool:
+    # A head dim that is not a multiple of 8 costs cuflash padded copies, which a capture refuses.
+    return bool(COMMAND_BUFFERS) and head_dim % 8 == 0
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_call(spec: _AttentionSpec):
+    """The buffer_callback of the forward: (q, k, v, *score arrays, [words]) -> (out, lse)."""
+    b, sq, hq, _ = spec.q
+    dtype, dropout = spec.dtype, spec.dropout_p > 0
+    n_in = 3 + len(spec.arrays)
+    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *spec.array_layouts))
+    outputs = Views(((spec.q, dtype), ((b, hq, sq), np.float32)))
+    options, names = spec.options(), spec.arrays
+
+    def callback(ctx, results, *args):
+        with on_xla_stream(ctx, args[0]) as where:
+            q, k, v, *arrays = inputs(args[:n_in], where.device)
+            out, lse = outputs(results, where.device)
+            if _jax_buffers.POISON:
+                poison((out, lse))
+            _forward_with_rng_words(q, k, v, _ptr(args[n_in]) if dropout else None, out=out, lse=lse,
+                                    **options, **dict(zip(names, arrays)))
+
+    return buffer_callback(callback, (_sds(spec.q, dtype), _sds((b, hq, sq), np.float32)),
+                           command_buffer_compatible=spec.command_buffers)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_call(spec: _AttentionSpec, want_dbias: bool):
+    """The buffer_callback of the backward: (dout, q, k, v, out, lse, *score arrays, [words]) ->
+    (dq, dk, dv[, dbias])."""
+    b, sq, hq, _ = spec.q
+    dtype, dropout = spec.dtype, spec.dropout_p > 0
+    inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
+                    ((b, hq, sq), np.float32), *spec.array_layouts, *((_RNG_LAYOUT,) if dropout else ())))
+    bias_layout = spec.array_layouts[spec.arrays.index("bias")] if want_dbias else None
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((bias_layout,) if want_dbias else ()))
+    outputs = Views(result_layouts)
+    options, names = spec.options(), spec.arrays
+    # dbias sums dS over the axes bias was broadcast along, in CuPy's pool: not capturable.
+    command_buffers = spec.command_buffers and not want_dbias
+
+    def callback(ctx, results, *args):
+        with on_xla_stream(ctx, args[0]) as where:
+            dout, q, k, v, out, lse, *arrays = inputs(args, where.device)
+            rng_state = arrays.pop() if dropout else None
+            grads = outputs(results, where.device)
+            if _jax_buffers.POISON:
+                poison(grads)
+            found = attention_backward(dout, q, k, v, out, lse, rng_state=rng_state, deterministic=spec.deterministic,
+                                       return_dbias=want_dbias, dq=grads[0], dk=grads[1], dv=grads[2], **options,
+                                       **dict(zip(names, arrays)))
+            if want_dbias:
+                _copy_bits(grads[3], found[3])
+
+    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                           command_buffer_compatible=command_buffers)
+
+
+def _copy_bits(target, source) -> None:
+    """``target[...] = source`` of one dtype, as unsigned integers (a plain copy for bfloat16 too)."""
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[target.itemsize]
+    target.view(uint)[...] = source.view(uint)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(spec, q, k, v, arrays, words):
+    return tuple(_forward_call(spec)(q, k, v, *arrays, *words))
+
+
+def _attention_fwd(spec, q, k, v, arrays, words):
+    # symbolic_zeros: every leaf comes as CustomVJPPrimal (value, perturbed); only a perturbed bias
+    # needs dbias, whose float32 (B, Hq, Sq, Sk) buffer the backward then makes.
+    want_dbias = "bias" in spec.arrays and arrays[spec.arrays.index("bias")].perturbed
+    q, k, v = q.value, k.value, v.value
+    arrays = tuple(x.value for x in arrays)
+    words = tuple(x.value for x in words)
+    out, lse = _forward_call(spec)(q, k, v, *arrays, *words)
+    return (out, lse), (q, k, v, arrays, words, out, lse, ((),) if want_dbias else ())
+
+
+def _attention_bwd(spec, residuals, cotangents):
+    q, k, v, arrays, words, out, lse, want_dbias = residuals
+    dout = cotangents[0]   # lse leaves attention() under stop_gradient: its cotangent is unused
+    none = tuple(None for _ in arrays)
+    if isinstance(dout, SymbolicZero):
+        return None, None, None, none, tuple(None for _ in words)
+    words_u64 = words   # the same four words; the backward's callback views them as uint64 (2,)
+    grads = _backward_call(spec, bool(want_dbias))(dout.astype(spec.dtype), q, k, v, out, lse, *arrays, *words_u64)
+    array_grads = none
+    if want_dbias:
+        array_grads = tuple(grads[3] if name == "bias" else None for name in spec.arrays)
+    return grads[0], grads[1], grads[2], array_grads, tuple(None for _ in words)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
+              bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, dropout_rng=None,
+              deterministic=False, return_lse=False):
+    """Exact attention of JAX arrays on cuflash's kernels, differentiable, inside ``jax.jit``.
+
+    :func:`cuflash.attention` as a JAX function: the same options and layout, run on XLA's stream
+    in XLA's buffers. ``jax.grad`` runs :func:`cuflash.attention_backward` (FlashAttention's
+    backward: the probabilities are recomputed from the saved lse).
+
+    Parameters
+    ----------
+    q : jax.Array (B, Sq, Hq, D)
+        float16, bfloat16 or float32, on a CUDA device.
+    k : jax.Array (B, Sk, Hk, D), the dtype of q
+        ``Hq % Hk == 0``: query head h reads kv head ``h // (Hq // Hk)`` (GQA; Hk = 1 is MQA).
+    v : jax.Array (B, Sk, Hk, D), the dtype of q
+        D from 1 to 256 (a multiple of 8 runs without padded copies).
+    causal : bool, default False
+        Bottom-right aligned: query i sees key j iff ``j <= i + Sk - Sq``.
+    scale : float, optional
+        Multiplies ``q . k``; default ``1 / sqrt(D)``.
+    window : (int, int), optional
+        Sliding window ``(left, right)``, inclusive, -1 unbounded, as in :func:`cuflash.attention`.
+    softcap : float, default 0.0
+        If > 0, ``s = softcap * tanh(s / softcap)``.
+    alibi_slopes : jax.Array float32 (Hq,) or (B, Hq), optional
+        ALiBi slopes (no gradient).
+    mask : jax.Array bool broadcastable to (B, Hq, Sq, Sk), optional
+        True = may attend; broadcast by zero strides, never materialised.
+    bias : jax.Array broadcastable to (B, Hq, Sq, Sk), optional
+        float32, float16 or bfloat16, added to the scores. Differentiable: when it is differentiated
+        the backward also returns dL/dbias (summed over its broadcast axes), at the cost of a float32
+        (B, Hq, Sq, Sk) buffer in that backward.
+    block_mask : jax.Array bool broadcastable to (B, Hq, ceil(Sq / bq), ceil(Sk / bk)), optional
+        Block-sparse attention over blocks of ``block_size``.
+    block_size : (int, int), default (128, 128)
+        ``(bq, bk)`` of ``block_mask``.
+    dropout_p : float, default 0.0
+        Inverted dropout on the probabilities, in [0, 1).
+    dropout_rng : JAX PRNG key, optional
+        Required when ``dropout_p > 0``: the mask is drawn from ``dropout_state(dropout_rng)`` inside
+        the traced program (a new key, a new mask; the same key, the same mask, in the forward and in
+        its backward, also under ``jax.checkpoint``).
+    deterministic : bool, default False
+        Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
+    return_lse : bool, default False
+        Also return the log-sum-exp of every row, under ``jax.lax.stop_gradient`` (no gradient
+        flows through it).
+
+    Returns
+    -------
+    out : jax.Array (B, Sq, Hq, D), the dtype of q
+    lse : jax.Array float32 (B, Hq, Sq)
+        Only with ``return_lse``; ``-inf`` for a row that sees no key.
+
+    Raises
+    ------
+    TypeError
+        When traced: a non-array argument, a dtype out of contract (q's, mixed dtypes, a mask that is
+        not bool, ...), an option of the wrong type, a ``dropout_rng`` that is not a key.
+    ValueError
+        When traced: shapes, heads or head dims that do not match, options out of range, an array
+        option that does not broadcast, ``dropout_p > 0`` without ``dropout_rng``.
+
+    See Also
+    --------
+    cuflash.attention : the same on CuPy arrays.
+    attention_varlen : packed sequences.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import cuflash.interop.jax as cj
+    >>> kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    >>> q = jax.random.normal(kq, (2, 1024, 8, 64), jnp.bfloat16)
+    >>> k = jax.random.normal(kk, (2, 1024, 2, 64), jnp.bfloat16)     # GQA: 8 query heads, 2 kv heads
+    >>> v = jax.random.normal(kv, (2, 1024, 2, 64), jnp.bfloat16)
+    >>> loss = lambda q, k, v: jnp.mean(jnp.square(cj.attention(q, k, v, causal=True).astype(jnp.float32)))
+    >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    """
+    q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
+    given = {name: check_array(x, name) for name, x in zip(_SCORE_ARRAYS, (alibi_slopes, mask, bias, block_mask))
+             if x is not None}
+    scale, window, softcap, dropout_p, block_size, deterministic = check_attention(
+        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
+        dropout_p=dropout_p, deterministic=deterministic, **{n: given.get(n) for n in _SCORE_ARRAYS})
+    check_dropout_rng(dropout_rng, dropout_p)
+    return_lse = _checks.check_flag(return_lse, "return_lse")
+    spec = _AttentionSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), bool(causal), scale, window, softcap,
+                          block_size, dropout_p, deterministic, tuple(given), tuple(_layout(x) for x in given.values()),
+                          _command_buffers(q.shape[-1]))
+    words = (state_words(dropout_rng),) if dropout_p else ()
+    out, lse = _attention(spec, q, k, v, tuple(given.values()), words)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- varlen
+
+
+class _VarlenSpec(NamedTuple):
+    q: tuple
+    k: tuple
+    dtype: np.dtype
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    scale: object
+    window: object
+    softcap: float
+    dropout_p: float
+    deterministic: bool
+    alibi: object        # the layout of alibi_slopes, or None
+    command_buffers: bool
+
+    def options(self) -> dict:
+        return dict(max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, causal=self.causal,
+                    scale=self.scale, window=self.window, softcap=self.softcap, dropout_p=self.dropout_p)
+
+
+def _varlen_inputs(spec: _VarlenSpec) -> tuple:
+    cu = ((spec.batch + 1,), np.int32)
+    return (cu, cu, *((spec.alibi,) if spec.alibi is not None else ()))
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_forward_call(spec: _VarlenSpec):
+    """(q, k, v, cu_q, cu_k, [alibi], [words]) -> (out, lse (Hq, total_q))."""
+    total_q, hq, _ = spec.q
+    dtype, dropout, alibi = spec.dtype, spec.dropout_p > 0, spec.alibi is not None
+    n_in = 5 + alibi
+    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *_varlen_inputs(spec)))
+    outputs = Views(((spec.q, dtype), ((hq, total_q), np.float32)))
+    options = spec.options()
+
+    def callback(ctx, results, *args):
+        with on_xla_stream(ctx, args[0]) as where:
+            q, k, v, cu_q, cu_k, *rest = inputs(args[:n_in], where.device)
+            out, lse = outputs(results, where.device)
+            if _jax_buffers.POISON:
+                poison((out, lse))
+            # check=False: a bad offset is found on the GPU, makes the call write nothing, and is
+            # raised by the next varlen call on this stream (cuflash.check_errors() asks at once).
+            _varlen_with_rng_words(q, k, v, cu_q, cu_k, _ptr(args[n_in]) if dropout else None,
+                                   alibi_slopes=rest[0] if alibi else None, out=out, lse=lse, check=False, **options)
+
+    return buffer_callback(callback, (_sds(spec.q, dtype), _sds((hq, total_q), np.float32)),
+                           command_buffer_compatible=spec.command_buffers)
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_backward_call(spec: _VarlenSpec):
+    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [words]) -> (dq, dk, dv)."""
+    total_q, hq, _ = spec.q
+    dtype, dropout, alibi = spec.dtype, spec.dropout_p > 0, spec.alibi is not None
+    inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
+                    ((hq, total_q), np.float32), *_varlen_inputs(spec), *((_RNG_LAYOUT,) if dropout else ())))
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype))
+    outputs = Views(result_layouts)
+    options = spec.options()
+
+    def callback(ctx, results, *args):
+        with on_xla_stream(ctx, args[0]) as where:
+            dout, q, k, v, out, lse, cu_q, cu_k, *rest = inputs(args, where.device)
+            grads = outputs(results, where.device)
+            if _jax_buffers.POISON:
+                poison(grads)
+            attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, rng_state=rest[-1] if dropout else None,
+                                      alibi_slopes=rest[0] if alibi else None, deterministic=spec.deterministic,
+                                      dq=grads[0], dk=grads[1], dv=grads[2], check=False, **options)
+
+    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                           command_buffer_compatible=spec.command_buffers)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays):
+    return tuple(_varlen_forward_call(spec)(q, k, v, cu_q, cu_k, *arrays))
+
+
+def _varlen_fwd(spec, q, k, v, cu_q, cu_k, arrays):
+    out, lse = _varlen_forward_call(spec)(q, k, v, cu_q, cu_k, *arrays)
+    return (out, lse), (q, k, v, cu_q, cu_k, arrays, out, lse)
+
+
+def _varlen_bwd(spec, residuals, cotangents):
+    q, k, v, cu_q, cu_k, arrays, out, lse = residuals
+    dq, dk, dv = _varlen_backward_call(spec)(cotangents[0].astype(spec.dtype), q, k, v, out, lse, cu_q, cu_k, *arrays)
+    return dq, dk, dv, None, None, tuple(None for _ in arrays)
+
+
+_attention_varlen.defvjp(_varlen_fwd, _varlen_bwd)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                     window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
+                     deterministic=False, return_lse=False):
+    """Attention over sequences of different lengths packed without padding, differentiable.
+
+    :func:`cuflash.attention_varlen` as a JAX function; ``jax.grad`` runs
+    :func:`cuflash.attention_varlen_backward`. Sequence b holds rows ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1] - 1`` of q and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1`` of k and v.
+
+    Parameters
+    ----------
+    q : jax.Array (total_q, Hq, D)
+        float16, bfloat16 or float32.
+    k : jax.Array (total_k, Hk, D), the dtype of q
+    v : jax.Array (total_k, Hk, D), the dtype of q
+    cu_seqlens_q : jax.Array int32 (B + 1,)
+        Offsets of the query sequences (0 first, never decreasing, at most total_q); traced values,
+        checked on the GPU: a call with bad offsets writes nothing (its results are undefined) and
+        the fault is raised by the next varlen call (or ``cuflash.check_errors()``).
+    cu_seqlens_k : jax.Array int32 (B + 1,)
+        Offsets of the key sequences, likewise.
+    max_seqlen_q : int
+        A bound of the longest query sequence (static: it sizes the grid; checked on the GPU).
+    max_seqlen_k : int
+        A bound of the longest key sequence.
+    causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_rng, deterministic
+        As in :func:`attention` (per sequence, bottom-right aligned; alibi_slopes (Hq,) or (B, Hq)).
+    return_lse : bool, default False
+        Also return the lse, float32 (Hq, total_q), under ``jax.lax.stop_gradient``.
+
+    Returns
+    -------
+    out : jax.Array (total_q, Hq, D), the dtype of q
+        Rows past the last offset are not written (undefined).
+    lse : jax.Array float32 (Hq, total_q)
+        Only with ``return_lse``.
+
+    Raises
+    ------
+    TypeError
+        When traced: as :func:`attention`; offsets that are not int32; ``max_seqlen_*`` not an int.
+    ValueError
+        When traced: as :func:`attention`; offsets not 1-d or of different lengths, a negative
+        ``max_seqlen_*``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import cuflash.interop.jax as cj
+    >>> cu = jnp.array([0, 100, 137, 649], jnp.int32)             # three sequences, 649 rows
+    >>> q = k = v = jax.random.normal(jax.random.key(1), (649, 8, 64), jnp.float16)
+    >>> out = jax.jit(lambda q, k, v, cu: cj.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512,
+    ...                                                       max_seqlen_k=512, causal=True))(q, k, v, cu)
+    """
+    q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
+    cu_q, cu_k = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cu_seqlens_k, "cu_seqlens_k")
+    alibi = check_array(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None
+    if max_seqlen_q is None or max_seqlen_k is None:
+        raise TypeError("max_seqlen_q and max_seqlen_k must be ints (static bounds of the sequence lengths)")
+    max_q, max_k, scale, window, softcap, dropout_p, deterministic = check_varlen(
+        q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
+        window=window, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, deterministic=deterministic)
+    check_dropout_rng(dropout_rng, dropout_p)
+    return_lse = _checks.check_flag(return_lse, "return_lse")
+    spec = _VarlenSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), cu_q.shape[0] - 1, max_q, max_k,
+                       bool(causal), scale, window, softcap, dropout_p, deterministic,
+                       _layout(alibi) if alibi is not None else None, _command_buffers(q.shape[-1]))
+    arrays = ((alibi,) if alibi is not None else ()) + ((state_words(dropout_rng),) if dropout_p else ())
+    out, lse = _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays)
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- decode and merge
+
+_DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes")
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_splits, causal, window, softcap, scale,
+                 return_lse, command_buffers):
+    """(q, k_cache, v_cache, cache_seqlens, *arrays) -> (out, [lse], [k_cache, v_cache])."""
+    (b, sq, hq, _), dtype = q_layout
+    append = "k_new" in names
+    inputs = Views((q_layout, cache_layout, cache_layout, seqlens_layout, *layouts))
+    lse_layout = ((b, hq, sq), np.float32)
+    result_layouts = (q_layout, *((lse_layout,) if return_lse else ()), *((cache_layout,) * 2 if append else ()))
+    outputs = Views(result_layouts)
+    options = dict(num_splits=num_splits, causal=causal, window=window, softcap=softcap, scale=scale,
+                   return_lse=return_lse)
+    n_new = 1 + return_lse   # outputs before the caches
+
+    def callback(ctx, results, *args):
+        with on_xla_stream(ctx, args[0]) as where:
+            q, k_cache, v_cache, lens, *arrays = inputs(args, where.device)
+            found = outputs(results, where.device)
+            if append:   # the new caches alias the given ones: the kernels append into them in place
+                k_cache, v_cache = found[n_new:]
+            if _jax_buffers.POISON:
+                poison(found[:n_new])
+            made = _decode(q, k_cache, v_cache, cache_seqlens=lens, out=found[0], check=False, **options,
+                           **dict(zip(names, arrays)))
+            if return_lse:
+                found[1][...] = made[1]
+
+    aliases = {1: n_new, 2: n_new + 1} if append else None
+    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                           input_output_aliases=aliases, command_buffer_compatible=command_buffers)
+
+
+def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, v_new=None, num_splits=0,
+           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False):
+    """A few new query tokens against a KV cache (contiguous or paged), appending their keys first.
+
+    :func:`cuflash.decode` as a JAX function (no gradient). With ``k_new``/``v_new`` the call
+    returns the caches with the new rows written at positions ``cache_seqlens[b] ..``: they alias
+    ``k_cache``/``v_cache`` (``input_output_aliases``), so when the caller donates them
+    (``jax.jit(..., donate_argnums=...)``) the kernels append in place and nothing is copied;
+    without donation XLA first copies each cache into the result.
+
+    Parameters
+    ----------
+    q : jax.Array (B, Sq, Hq, D)
+        float16, bfloat16 or float32.
+    k_cache : jax.Array, the dtype of q
+        (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``.
+    v_cache : jax.Array, the shape and dtype of k_cache
+    cache_seqlens : jax.Array int32 (B,)
+        Keys each sequence holds before the append; checked on the GPU (a bad value makes the call
+        write nothing and is raised by the next decode call or ``cuflash.check_errors()``).
+    block_table : jax.Array int32 (B, max_pages), optional
+        Pages of each sequence (paged cache).
+    k_new : jax.Array (B, S_new, Hk, D), optional
+    v_new : jax.Array (B, S_new, Hk, D), optional
+        Appended before attending (given together).
+    num_splits : int, default 0
+        Split-KV partitions (0: cuflash's heuristic).
+    causal : bool, default True
+        Bottom-right aligned among the new tokens.
+    window, softcap, alibi_slopes, scale, mask
+        As in :func:`cuflash.decode`.
+    return_lse : bool, default False
+        Also return the lse, float32 (B, Hq, Sq).
+
+    Returns
+    -------
+    out : jax.Array (B, Sq, Hq, D)
+    lse : jax.Array float32 (B, Hq, Sq)
+        Only with ``return_lse``.
+    k_cache, v_cache : jax.Array
+        Only with ``k_new``/``v_new``: the caches after the append.
+
+    Raises
+    ------
+    TypeError
+        When traced: a non-array argument, dtypes out of contract (index arrays not int32, ...),
+        an option of the wrong type.
+    ValueError
+        When traced: shapes that do not match, options out of range, ``k_new`` without ``v_new``,
+        appends longer than the cache.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import cuflash.interop.jax as cj
+    >>> f16 = lambda i, *shape: jax.random.normal(jax.random.key(i), shape, jnp.float16)
+    >>> k_cache, v_cache = f16(0, 2, 1024, 8, 128), f16(1, 2, 1024, 8, 128)
+    >>> lens = jnp.array([1000, 20], jnp.int32)
+    >>> step = jax.jit(lambda q, kc, vc, kn, vn, lens: cj.decode(q, kc, vc, cache_seqlens=lens, k_new=kn,
+    ...                                                          v_new=vn), donate_argnums=(1, 2))
+    >>> out, k_cache, v_cache = step(f16(2, 2, 1, 32, 128), k_cache, v_cache, f16(3, 2, 1, 8, 128),
+    ...                              f16(4, 2, 1, 8, 128), lens)
+    """
+    q = check_array(q, "q")
+    k_cache, v_cache = check_array(k_cache, "k_cache"), check_array(v_cache, "v_cache")
+    lens = check_array(cache_seqlens, "cache_seqlens")
+    given = {name: check_array(x, name) for name, x in zip(_DECODE_ARRAYS, (block_table, k_new, v_new, mask,
+                                                                            alibi_slopes)) if x is not None}
+    num_splits, causal, window, softcap, scale = check_decode(
+        q, k_cache, v_cache, cache_seqlens=lens, num_splits=num_splits, causal=causal, window=window,
+        softcap=softcap, scale=scale, **{n: given.get(n) for n in _DECODE_ARRAYS})
+    return_lse = _checks.check_flag(return_lse, "return_lse")
+    call = _decode_call(_layout(q), _layout(k_cache), _layout(lens), tuple(given),
+                        tuple(_layout(x) for x in given.values()), num_splits, causal, window, softcap, scale,
+                        return_lse, _command_buffers(q.shape[-1]))
+    results = call(q, k_cache, v_cache, lens, *given.values())
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_call(outs_layout, lses_layout, command_buffers):
+    """(outs (n, B, S, H, D), lses (n, B, H, S)) -> (out, lse)."""
+    (_, b, s, h, d), dtype = outs_layout
+    inputs = Views((outs_layout, lses_layout))
+    result_layouts = (((b, s, h, d), dtype), ((b, h, s), np.float32))
+    outputs = Views(result_layouts)
+
+    def callback(ctx, results, outs, lses):
+        with on_xla_stream(ctx, outs) as where:
+            outs, lses = inputs((outs, lses), where.device)
+            out, lse = outputs(results, where.device)
+            if _jax_buffers.POISON:
+                poison((out, lse))
+            _merge_states(outs, lses, out=out, lse=lse)
+
+    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                           command_buffer_compatible=command_buffers)
+
+
+def merge_states(outs, lses):
+    """Combine attention results over disjoint key sets into the result over their union.
+
+    :func:`cuflash.merge_states` as a JAX function (no gradient): ``lse = log(sum_i exp(lse_i))``,
+    ``out = sum_i exp(lse_i - lse) * out_i``.
+
+    Parameters
+    ----------
+    outs : jax.Array (n, B, S, H, D), or a sequence of n arrays (B, S, H, D)
+        Partial outputs (float16, bfloat16, float32; a sequence of mixed dtypes is merged in float32
+        and the result cast to the dtype of ``outs[0]``).
+    lses : jax.Array float32 (n, B, H, S), or a sequence of n arrays (B, H, S)
+        Their log-sum-exps (as :func:`attention` returns them with ``return_lse=True``).
+
+    Returns
+    -------
+    out : jax.Array (B, S, H, D), the dtype of ``outs[0]``
+    lse : jax.Array float32 (B, H, S)
+
+    Raises
+    ------
+    TypeError
+        When traced: dtypes out of contract, a non-array argument.
+    ValueError
+        When traced: shapes that do not match, no part.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import cuflash.interop.jax as cj
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 64, 4, 64), jnp.float16) for i in range(3))
+    >>> o1, l1 = cj.attention(q, k[:, :40], v[:, :40], return_lse=True)
+    >>> o2, l2 = cj.attention(q, k[:, 40:], v[:, 40:], return_lse=True)
+    >>> out, lse = jax.jit(cj.merge_states)([o1, o2], [l1, l2])      # = attention over all 64 keys
+    """
+    result_dtype = None
+    if isinstance(outs, (list, tuple)):
+        if len(outs) == 0:
+            raise ValueError("outs must hold at least one partial result, got an empty sequence")
+        parts = [check_array(x, f"outs[{i}]") for i, x in enumerate(outs)]
+        for i, x in enumerate(parts):
+            if x.ndim != 4 or x.shape != parts[0].shape:
+                raise ValueError(f"outs[{i}] must be 4-d (batch, seqlen, heads, head_dim) like outs[0] "
+                                 f"{tuple(parts[0].shape)}, got shape {tuple(x.shape)}")
+        if len({x.dtype for x in parts}) > 1:   # merged in float32, never rounded down
+            result_dtype = parts[0].dtype
+            parts = [x.astype(jnp.float32) for x in parts]
+        outs = jnp.stack(parts)
+    else:
+        outs = check_array(outs, "outs")
+    if isinstance(lses, (list, tuple)):
+        lses = jnp.stack([check_array(x, f"lses[{i}]") for i, x in enumerate(lses)])
+    else:
+        lses = check_array(lses, "lses")
+    check_merge(outs, lses)
+    out, lse = _merge_call(_layout(outs), _layout(lses), _command_buffers(outs.shape[-1]))(outs, lses)
+    return (out if result_dtype is None else out.astype(result_dtype)), lse

@@ -1,0 +1,182 @@
+"""cuflash.interop.jax when traced, without a GPU: result shapes under jax.eval_shape (also through
+grad, scan and checkpoint), the trace-time errors (each naming its argument), what the traced
+program holds (dbias only for a differentiated bias, the command-buffer option), and the dropout
+words a key gives. Skipped where JAX (or CuPy, which the module imports) is missing, as in CI."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("cupy")
+
+import jax.numpy as jnp  # noqa: E402
+
+import cuflash.interop.jax as cj  # noqa: E402
+
+S = jax.ShapeDtypeStruct
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def _callbacks(jaxpr):
+    """The buffer_callback equations of a jaxpr, nested ones (scan, custom_vjp) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "buffer_callback":
+            found.append(eqn)
+        for sub in jax.core.subjaxprs(eqn.params) if hasattr(jax.core, "subjaxprs") else ():
+            found += _callbacks(sub)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                found += _callbacks(inner)
+    return found
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_attention_shapes(dtype):
+    q, k = S((2, 100, 8, 64), dtype), S((2, 130, 2, 64), dtype)
+    out = jax.eval_shape(lambda q, k, v: cj.attention(q, k, v, causal=True), q, k, k)
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
+    out, lse = jax.eval_shape(lambda q, k, v: cj.attention(q, k, v, return_lse=True), q, k, k)
+    assert (lse.shape, lse.dtype) == ((2, 8, 100), F32)
+
+
+def test_gradient_shapes_through_scan_and_checkpoint():
+    x = S((2, 64, 4, 32), BF16)
+    keys = S((3,), jax.random.key(0).dtype)
+
+    def layer(x, key):
+        return x + cj.attention(x, x, x, causal=True, dropout_p=0.1, dropout_rng=key), None
+
+    def loss(x, keys):
+        return jax.lax.scan(jax.checkpoint(layer), x, keys)[0].astype(F32).sum()
+
+    grad = jax.eval_shape(jax.grad(loss), x, keys)
+    assert (grad.shape, grad.dtype) == (x.shape, x.dtype)
+
+
+def test_dbias_only_when_the_bias_is_differentiated():
+    q, k, bias = S((1, 64, 4, 64), F16), S((1, 80, 4, 64), F16), S((1, 4, 64, 80), F32)
+
+    def loss(q, k, v, bias):
+        return cj.attention(q, k, v, bias=bias).astype(F32).sum()
+
+    def backward_outputs(argnums):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, bias).jaxpr
+        backward = [e for e in _callbacks(jaxpr) if len(e.outvars) >= 3]
+        assert len(backward) == 1
+        return [v.aval.shape for v in backward[0].outvars]
+
+    assert backward_outputs((0, 1, 2)) == [q.shape, k.shape, k.shape]
+    assert backward_outputs((0, 3)) == [q.shape, k.shape, k.shape, bias.shape]
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 3)), q, k, k, bias)
+    assert grads[1].shape == bias.shape and grads[1].dtype == bias.dtype
+
+
+def test_varlen_decode_and_merge_shapes():
+    q, k, cu = S((300, 8, 64), F16), S((400, 4, 64), F16), S((4,), jnp.int32)
+    fn = lambda q, k, v, cq, ck: cj.attention_varlen(q, k, v, cq, ck, max_seqlen_q=200, max_seqlen_k=300,  # noqa: E731
+                                                      return_lse=True)
+    out, lse = jax.eval_shape(fn, q, k, k, cu, cu)
+    assert out.shape == q.shape and lse.shape == (8, 300)
+    grads = jax.eval_shape(jax.grad(lambda *a: fn(*a)[0].astype(F32).sum(), argnums=(0, 1, 2)), q, k, k, cu, cu)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+
+    qd, cache, lens, new = S((2, 1, 8, 128), BF16), S((2, 512, 2, 128), BF16), S((2,), jnp.int32), S((2, 1, 2, 128),
+                                                                                                       BF16)
+    results = jax.eval_shape(lambda q, kc, vc, l, kn, vn: cj.decode(q, kc, vc, cache_seqlens=l, k_new=kn, v_new=vn,
+                                                                    return_lse=True), qd, cache, cache, lens, new, new)
+    assert [r.shape for r in results] == [qd.shape, (2, 8, 1), cache.shape, cache.shape]
+    jaxpr = jax.make_jaxpr(lambda q, kc, vc, l, kn, vn: cj.decode(q, kc, vc, cache_seqlens=l, k_new=kn, v_new=vn))(
+        qd, cache, cache, lens, new, new).jaxpr
+    assert dict(_callbacks(jaxpr)[0].params["input_output_aliases"]) == {1: 1, 2: 2}   # the caches, in place
+    pages, table = S((64, 16, 2, 128), BF16), S((2, 32), jnp.int32)
+    out = jax.eval_shape(lambda q, kc, vc, l, t: cj.decode(q, kc, vc, cache_seqlens=l, block_table=t), qd, pages,
+                         pages, lens, table)
+    assert out.shape == qd.shape
+
+    o, lse = S((1, 64, 4, 64), F16), S((1, 4, 64), F32)
+    out, merged = jax.eval_shape(lambda a, b, c, d: cj.merge_states([a, b], [c, d]), o, o, lse, lse)
+    assert (out.shape, out.dtype, merged.shape) == (o.shape, F16, lse.shape)
+    out, _ = jax.eval_shape(lambda a, b, c, d: cj.merge_states([a, b.astype(F32)], [c, d]), o, o, lse, lse)
+    assert out.dtype == F16   # mixed parts merge in float32, the result in the dtype of outs[0]
+
+
+Q, K = S((1, 16, 4, 64), F16), S((1, 24, 2, 64), F16)
+ERRORS = [
+    (lambda q, k: cj.attention(q, k, k[..., :32]), ValueError, "v must have the head dim"),
+    (lambda q, k: cj.attention(q, k[:, :, :1].repeat(3, 2), k[:, :, :1].repeat(3, 2)), ValueError, "heads of q"),
+    (lambda q, k: cj.attention(q.astype(jnp.int32), k, k), TypeError, "q must be float16"),
+    (lambda q, k: cj.attention(q, k.astype(BF16), k), TypeError, "k must have the dtype of q"),
+    (lambda q, k: cj.attention(q[0], k[0], k[0]), ValueError, "q must be 4-d"),
+    (lambda q, k: cj.attention(q, k, k, dropout_p=0.1), ValueError, "dropout_rng"),
+    (lambda q, k: cj.attention(q, k, k, dropout_p=0.1, dropout_rng=q), TypeError, "dropout_rng"),
+    (lambda q, k: cj.attention(q, k, k, dropout_p=1.0, dropout_rng=jax.random.key(0)), ValueError, "dropout_p"),
+    (lambda q, k: cj.attention(q, k, k, mask=jnp.ones((3, 24), bool)), ValueError, "mask of shape"),
+    (lambda q, k: cj.attention(q, k, k, mask=jnp.ones((16, 24))), TypeError, "mask must be a bool"),
+    (lambda q, k: cj.attention(q, k, k, bias=jnp.ones((16, 24), jnp.int32)), TypeError, "bias must be float32"),
+    (lambda q, k: cj.attention(q, k, k, alibi_slopes=jnp.ones(3)), ValueError, "alibi_slopes must have shape"),
+    (lambda q, k: cj.attention(q, k, k, block_mask=jnp.ones((1, 4, 3, 3), bool), block_size=(8, 8)), ValueError,
+     "block_mask of shape"),
+    (lambda q, k: cj.attention(q, k, k, scale=-1.0), ValueError, "scale must be > 0"),
+    (lambda q, k: cj.attention(q, k, k, scale=q[0, 0, 0, 0]), TypeError, "scale must be a float"),
+    (lambda q, k: cj.attention(q, k, k, window=(1,)), ValueError, "window must be a pair"),
+    (lambda q, k: cj.attention(q, k, k, softcap="2"), TypeError, "softcap must be a float"),
+    (lambda q, k: cj.attention(q, k, k, block_size=(0, 8)), ValueError, "block_size"),
+    (lambda q, k: cj.attention(q, k, k, causal=1), TypeError, "causal must be a bool"),
+    (lambda q, k: cj.attention(q, k, k, return_lse="yes"), TypeError, "return_lse must be a bool"),
+    (lambda q, k: cj.attention(q, [0.0], k), TypeError, "k must be a JAX array"),
+    (lambda q, k: cj.attention_varlen(q[0], k[0], k[0], jnp.zeros(3, jnp.int16), jnp.zeros(3, jnp.int32),
+                                      max_seqlen_q=8, max_seqlen_k=8), TypeError, "cu_seqlens_q must be int32"),
+    (lambda q, k: cj.attention_varlen(q[0], k[0], k[0], jnp.zeros(3, jnp.int32), jnp.zeros(4, jnp.int32),
+                                      max_seqlen_q=8, max_seqlen_k=8), ValueError, "cu_seqlens_k must have length"),
+    (lambda q, k: cj.attention_varlen(q[0], k[0], k[0], jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32),
+                                      max_seqlen_q=-1, max_seqlen_k=8), ValueError, "max_seqlen_q"),
+    (lambda q, k: cj.attention_varlen(q[0], k[0], k[0], jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32),
+                                      max_seqlen_q=None, max_seqlen_k=8), TypeError, "max_seqlen_q"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.uint32)), TypeError, "cache_seqlens must be int32"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(2, jnp.int32)), ValueError, "cache_seqlens must have"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), k_new=k), ValueError,
+     "k_new and v_new"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), k_new=k[:, :2], v_new=k[:, :2, :1]),
+     ValueError, "v_new must have shape"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), num_splits=1000), ValueError,
+     "num_splits"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), block_table=jnp.zeros((2, 3), jnp.int32)),
+     ValueError, "block_table must have one row"),
+    (lambda q, k: cj.merge_states(q[None], jnp.zeros((1, 1, 4, 15), F32)), ValueError, "lses must have shape"),
+    (lambda q, k: cj.merge_states(q[None], jnp.zeros((1, 1, 4, 16), F16)), TypeError, "lses must be float32"),
+    (lambda q, k: cj.merge_states([], []), ValueError, "at least one"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", ERRORS, ids=[m for _, _, m in ERRORS])
+def test_trace_time_errors_name_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        jax.eval_shape(call, Q, K)
+
+
+def test_dropout_state_is_the_keys_bits_as_a_uint64_pair():
+    words = np.asarray(cj.dropout_state(jax.random.key(7)))
+    again = np.asarray(cj.dropout_state(jax.random.key(7)))
+    other = np.asarray(cj.dropout_state(jax.random.key(8)))
+    bits = np.asarray(jax.random.bits(jax.random.key(7), (3,), jnp.uint32))
+    assert words.dtype == np.uint32 and words.shape == (4,)
+    np.testing.assert_array_equal(words, again)
+    assert (words != other).any()
+    seed, offset = words.view(np.uint64)
+    assert int(seed) == int(bits[0]) | int(bits[1]) << 32 and int(offset) == int(bits[2])
+    raw = np.asarray(cj.dropout_state(jax.random.PRNGKey(7)))   # a raw uint32 (2,) key
+    assert raw.shape == (4,) and raw[3] == 0
+
+
+def test_command_buffer_option_is_read_when_traced(monkeypatch):
+    def flags(d):
+        q = S((1, 16, 2, d), F16)
+        jaxpr = jax.make_jaxpr(lambda q: cj.attention(q, q, q))(q).jaxpr
+        return [e.params["command_buffer_compatible"] for e in _callbacks(jaxpr)]
+
+    assert flags(64) == [False]
+    monkeypatch.setattr(cj, "COMMAND_BUFFERS", True)
+    assert flags(64) == [True]
+    assert flags(36) == [False]   # a head dim that costs padded copies is never recorded
