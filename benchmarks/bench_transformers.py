@@ -1,4 +1,4 @@
-"""A transformers training step through attn_implementation "cuflash" against "sdpa".
+"""A transformers training step through cuflash (attn_implementation "cufa") against "sdpa".
 
 One step is a forward and backward (``loss.backward()``, no optimizer) of a random-weight bf16
 Llama (``--layers`` layers, hidden 2048, 16 query heads over 4 kv heads, D = 128) on a batch of
@@ -60,7 +60,7 @@ def main(argv=None):
 
     def step(impl, batch):
         ids, mask, labels = batch
-        model.set_attn_implementation(impl)
+        model.set_attn_implementation(cft.NAME if impl == "cuflash" else impl)
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
 

@@ -1,4 +1,4 @@
-"""Hugging Face transformers over cuflash: ``register()``, then ``attn_implementation="cuflash"``.
+"""Hugging Face transformers over cuflash: ``register()``, then ``attn_implementation="cufa"``.
 
 transformers picks a model's attention through two registries, both keyed by the name in
 ``config._attn_implementation``: ``AttentionInterface`` (the function each attention layer calls)
@@ -17,11 +17,16 @@ mask at all for the name, and a padded batch would attend to its padding.
 is cuflash's ``window=(sliding_window - 1, 0)``; ``softcap``, ``scaling`` and ``dropout`` map to
 cuflash's options of those names. Importing this module imports torch and transformers.
 
+The name is "cufa", not "cuflash": transformers 5 takes every implementation name that contains
+"flash" for a flash-attention build (``utils.generic.is_flash_attention_requested``) and
+``set_attn_implementation`` then tries to import one by that name and fails; :func:`register`
+refuses such names.
+
 Example
 -------
 >>> import cuflash.interop.transformers as cft
 >>> cft.register()
->>> model.set_attn_implementation("cuflash")          # or from_pretrained(..., attn_implementation="cuflash")
+>>> model.set_attn_implementation("cufa")             # or from_pretrained(..., attn_implementation="cufa")
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ._transformers_masks import CuflashMask, attention_mask
 
 __all__ = ["register", "attention_forward", "attention_mask", "CuflashMask", "NAME"]
 
-NAME = "cuflash"
+NAME = "cufa"   # no "flash" in it: see the module docstring
 
 
 def register(name=NAME):
@@ -43,26 +48,34 @@ def register(name=NAME):
 
     Parameters
     ----------
-    name : str, default "cuflash"
+    name : str, default "cufa"
         The ``attn_implementation`` to use: ``model.set_attn_implementation(name)`` or
-        ``from_pretrained(..., attn_implementation=name)``.
+        ``from_pretrained(..., attn_implementation=name)``. It may not contain "flash" (any case).
 
     Returns
     -------
     str
         ``name``.
 
+    Raises
+    ------
+    ValueError
+        A name containing "flash": transformers would treat it as a flash-attention build.
+
     Examples
     --------
     >>> import transformers
     >>> import cuflash.interop.transformers as cft
     >>> cft.register()
-    'cuflash'
+    'cufa'
     >>> config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2,
     ...                                   intermediate_size=1024, num_hidden_layers=2, vocab_size=1000)
     >>> model = transformers.LlamaForCausalLM(config).cuda().bfloat16()
-    >>> model.set_attn_implementation("cuflash")
+    >>> model.set_attn_implementation("cufa")
     """
+    if "flash" in name.lower():
+        raise ValueError(f"cuflash: {name!r} contains 'flash', and transformers takes any such attn_implementation "
+                         "for a flash-attention build it then tries to import; choose another name (default 'cufa')")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
     return name

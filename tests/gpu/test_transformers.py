@@ -1,7 +1,7 @@
-"""cuflash.interop.transformers: a Llama through attn_implementation="cuflash" against transformers' own.
+"""cuflash.interop.transformers: a Llama through attn_implementation="cufa" against transformers' own.
 
 The yardstick is transformers itself: the logits, gradients and greedy tokens of a random-weight
-bf16 Llama (4 layers, hidden 1024, 8 query heads over 2 kv heads) through "cuflash" are compared
+bf16 Llama (4 layers, hidden 1024, 8 query heads over 2 kv heads) through cuflash ("cufa") are compared
 with those through "sdpa", and the error must stay within 1.5 times the error of transformers'
 "eager" path against "sdpa" on the same inputs, plus a small slack (``_assert_within_eager``).
 Padded batches (left and right padding) compare the real tokens only.
@@ -159,21 +159,43 @@ def test_attention_refuses_masks_it_does_not_know():
     k = torch.zeros(2, 2, 5, 64)
     cft.register()
     with pytest.raises(TypeError, match="2D|not a form cuflash runs"):
-        cft.attention_forward(_Layer("cuflash"), q, k, k, torch.ones(2, 5, dtype=torch.bool))
+        cft.attention_forward(_Layer(cft.NAME), q, k, k, torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="no mask function"):
         cft.attention_forward(_Layer("cuflash_attention_only"), q, k, k, None)
     other = cft.attention_mask(3, 5, 5, attention_mask=torch.ones(3, 5, dtype=torch.bool).tril())
     with pytest.raises(ValueError, match="built for batch 3"):
-        cft.attention_forward(_Layer("cuflash"), q, k, k, other)
+        cft.attention_forward(_Layer(cft.NAME), q, k, k, other)
 
 
 def test_register_puts_both_functions_in_place():
-    assert cft.register("cuflash_test_name") == "cuflash_test_name"
-    assert transformers.AttentionInterface._global_mapping["cuflash_test_name"] is cft.attention_forward
-    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["cuflash_test_name"] is cft.attention_mask
+    assert cft.register("cufa_test_name") == "cufa_test_name"
+    assert transformers.AttentionInterface._global_mapping["cufa_test_name"] is cft.attention_forward
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["cufa_test_name"] is cft.attention_mask
+
+
+def test_register_refuses_names_transformers_takes_for_flash_attention():
+    from transformers.utils.generic import is_flash_attention_requested
+
+    assert is_flash_attention_requested(requested_attention_implementation="cuflash")   # why
+    assert not is_flash_attention_requested(requested_attention_implementation=cft.NAME)
+    with pytest.raises(ValueError, match="contains 'flash'"):
+        cft.register("cuflash")
+
+
+def test_a_model_takes_the_registered_name():
+    # set_attn_implementation checks the name (and, for "flash" names, imports a build): on the CPU.
+    cft.register()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    model.set_attn_implementation(cft.NAME)
+    assert model.config._attn_implementation == cft.NAME
 
 
 # --- a Llama on the GPU -------------------------------------------------------------------------
+
+_IMPL = {"cuflash": cft.NAME}   # the tests' label -> the registered attn_implementation
+
 
 def _llama(seed=0, **overrides):
     config = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
@@ -201,7 +223,7 @@ def _assert_within_eager(name, err, eager_err, slack):
 
 
 def _logits(model, impl, ids, mask):
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation(_IMPL.get(impl, impl))
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask).logits.float()
 
@@ -223,7 +245,7 @@ def test_llama_logits_match_sdpa(padding):
 
 
 def _grads(model, impl, ids, mask):
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation(_IMPL.get(impl, impl))
     model.zero_grad(set_to_none=True)
     labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -250,11 +272,12 @@ def test_llama_training_step_gradients_match_sdpa(padding):
 
 
 def _generate(model, impl, ids, mask, new_tokens=16):
-    model.set_attn_implementation(impl)
+    model.set_attn_implementation(_IMPL.get(impl, impl))
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
-    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1).float()   # (B, new), (B, new, vocab)
+    scores = torch.stack(out.scores, 1).float()   # (B, new, vocab); -inf where a processor banned a token
+    return out.sequences[:, ids.shape[1]:], scores.clamp(min=-1e4)
 
 
 @gpu
