@@ -230,9 +230,9 @@ def check_window(window, causal, seqlens=None) -> tuple[int, int]:
 
     ``seqlens`` = (seqlen_q, seqlen_k), bounds of the call's query and key lengths: a side wider
     than that is cut to it, which is the same attention (query i sees keys i + seqlen_k - seqlen_q -
-    left .. i + seqlen_k - seqlen_q + right, so left >= seqlen_k and right >= seqlen_q bound
-    nothing). The kernels add window sizes to positions in int32, where a size near 2**31 would
-    overflow.
+    left .. i + seqlen_k - seqlen_q + right, so left >= seqlen_k - 1 and right >= seqlen_q - 1
+    bound nothing). The kernels add window sizes to positions in int32, where a size near 2**31
+    would overflow: cut so, ``i + seqlen_k - seqlen_q + left + 1`` stays below ``2 * seqlen_k``.
     """
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -253,7 +253,7 @@ def check_window(window, causal, seqlens=None) -> tuple[int, int]:
     if causal:
         right = 0 if right < 0 else min(right, 0)
     if seqlens is not None:
-        left, right = min(left, seqlens[1]), min(right, seqlens[0])   # -1 stays -1
+        left, right = min(left, max(seqlens[1] - 1, 0)), min(right, max(seqlens[0] - 1, 0))   # -1 stays -1
     return left, right
 
 
