@@ -23,8 +23,9 @@ Importing it registers, in the namespace ``cuflash`` (``torch.ops.cuflash.<name>
 
 (``!``: mutated in place.) Every op has a fake (meta) implementation, so ``torch.compile``,
 ``torch.export`` and ``FakeTensorMode`` trace them without a GPU; the two forwards are
-differentiable (``torch.library.register_autograd``: the backward op computes dq, dk, dv and, when
-``bias`` requires a gradient, dbias). The functions of this module are the user-facing wrappers
+differentiable (an autograd kernel at the Autograd key: the backward op computes dq, dk, dv and,
+when ``bias`` requires a gradient, dbias). The ops are defined with ``torch.library.Library``
+rather than ``torch.library.custom_op`` (see "registration" below for why). The functions of this module are the user-facing wrappers
 (``window=(left, right)``, ``block_size=(bq, bk)``, a ``generator``, a list of partial states...).
 
 Semantics are cuflash's (:func:`cuflash.attention_forward`, :func:`cuflash.decode`, ...): layouts
@@ -68,10 +69,75 @@ from ._torch_stream import as_torch, torch_call
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "decode", "merge_states"]
 
+# ----------------------------------------------------------------------------- registration
+
+# The ops are defined on torch.library's lower layer (Library.define / impl) rather than with
+# torch.library.custom_op, whose eager path runs Python layers at every call (defaults filled from
+# the schema, an aliasing check, a Python autograd wrapper): on an H200 a forward + backward
+# through custom_op took 842 us per call, 2.7x the same kernels through ct.attention (see
+# docs/decisions.md#torch-ops-on-torchlibrarys-lower-layer). What custom_op added is written here: the schema
+# inferred from the kernel's annotations, one kernel for every device type, the fake, version
+# counters bumped for mutated arguments, and the forwards' autograd as torch.autograd.Functions
+# registered at the Autograd key.
+_LIB = torch.library.Library("cuflash", "DEF")
+
 # The forwards draw dropout's random numbers; the tag keeps compilers from folding or reordering them
-# as if they were pure (torch.library.custom_op takes tags since torch 2.6 or so: omitted before).
-_RANDOM = ({"tags": (torch.Tag.nondeterministic_seeded,)}
-           if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+# as if they were pure.
+_RANDOM = (torch.Tag.nondeterministic_seeded,)
+
+# What runs below autograd, and below the version-counter layer, inside an op's own kernels (the
+# same guards torch.library's register_autograd and custom_op use).
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_AFTER_INPLACE_OR_VIEW = torch._C._after_ADInplaceOrView_keyset
+
+
+class _Op:
+    """``torch.ops.cuflash.<name>`` defined from ``kernel``'s annotated signature, ``kernel``
+    registered for the CPU and CUDA keys (it picks cuflash's kernels, or a test's, by device)."""
+
+    def __init__(self, name: str, kernel, mutates_args=(), tags=()):
+        self.name = name
+        _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates_args), tags=tags)
+        for key in ("CPU", "CUDA"):
+            _LIB.impl(name, kernel, key)
+        self.default = getattr(torch.ops.cuflash, name).default
+        if mutates_args:
+            self._bump_versions(kernel, mutates_args)
+
+    def register_fake(self, fake):
+        torch.library.register_fake(f"cuflash::{self.name}", fake, lib=_LIB)
+        return fake
+
+    def register_autograd(self, kernel):
+        """``kernel`` (the op's signature) runs at the Autograd key: it applies a
+        torch.autograd.Function, or calls the op below autograd when nothing needs a gradient."""
+        _LIB.impl(self.name, kernel, "Autograd")
+        return kernel
+
+    def _bump_versions(self, kernel, mutates_args):
+        """Mutated tensors get their version counter bumped, as torch's own in-place ops do (so
+        autograd notices a saved tensor that was written since)."""
+        names = list(inspect.signature(kernel).parameters)
+        where = [(names.index(n), n) for n in mutates_args]
+        op, bump = self.default, torch.autograd.graph.increment_version
+
+        def inplace_or_view(keyset, *args, **kwargs):
+            for index, name in where:
+                x = args[index] if index < len(args) else kwargs.get(name)
+                if x is not None:
+                    bump(x)
+            return op.redispatch(keyset & _AFTER_INPLACE_OR_VIEW, *args, **kwargs)
+
+        _LIB.impl(self.name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
+
+
+def _op(name: str, *, mutates_args=(), tags=()):
+    return lambda kernel: _Op(name, kernel, mutates_args, tags)
+
+
+def _records_grad(*tensors) -> bool:
+    """Whether autograd must record a call: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # ----------------------------------------------------------------------------- the kernels behind the ops
@@ -211,7 +277,7 @@ _THD = "(total, heads, head_dim)"
 
 # ----------------------------------------------------------------------------- attention
 
-@torch.library.custom_op("cuflash::attention_forward", mutates_args=(), **_RANDOM)
+@_op("attention_forward", tags=_RANDOM)
 def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
                           mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                           block_mask: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
@@ -239,7 +305,7 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
-@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
+@_op("attention_backward")
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            rng_state: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
                            mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
@@ -271,29 +337,43 @@ def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bia
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dbias
 
 
-def _setup_attention(ctx, inputs, output):
-    (q, k, v, alibi_slopes, mask, bias, block_mask, _, causal, scale, window_left, window_right, softcap, block_q,
-     block_k, dropout_p, deterministic) = inputs
-    out, lse, rng_state = output
-    ctx.mark_non_differentiable(lse, rng_state)
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask)
-    ctx.options = (causal, scale, window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
+class _AttentionForward(torch.autograd.Function):
+    """The autograd of ``cuflash::attention_forward``: ``cuflash::attention_backward`` gives dq, dk,
+    dv and, when ``bias`` requires it, dbias; lse and rng_state are constants."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, constants, options):
+        alibi_slopes, mask, block_mask, rng_state = constants
+        with _below_autograd():
+            out, lse, state = _attention_forward_op.default(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state,
+                                                            *options)
+        ctx.mark_non_differentiable(lse, state)
+        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask)
+        ctx.options = options
+        return out, lse, state
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dstate):
+        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask = ctx.saved_tensors
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _attention_backward_op.default(dout, q, k, v, out, lse, state, alibi_slopes, mask, bias,
+                                                           block_mask, *ctx.options, want_dbias)
+        return dq, dk, dv, (dbias if want_dbias else None), None, None
 
 
-def _attention_grads(ctx, dout, _dlse, _drng_state):
-    q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask = ctx.saved_tensors
-    want_dbias = bias is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
-                                                             bias, block_mask, *ctx.options, want_dbias)
-    return (dq, dk, dv, None, None, dbias if want_dbias else None) + (None,) * 11
-
-
-torch.library.register_autograd("cuflash::attention_forward", _attention_grads, setup_context=_setup_attention)
+@_attention_forward_op.register_autograd
+def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None, causal=False, scale=None,
+      window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False):
+    options = (causal, scale, window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
+    if _records_grad(q, k, v, bias):
+        return _AttentionForward.apply(q, k, v, bias, (alibi_slopes, mask, block_mask, rng_state), options)
+    with _below_autograd():
+        return _attention_forward_op.default(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options)
 
 
 # ----------------------------------------------------------------------------- varlen
 
-@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=(), **_RANDOM)
+@_op("attention_varlen_forward", tags=_RANDOM)
 def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                  alibi_slopes: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
                                  max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
@@ -319,7 +399,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, ma
     return q.new_empty(q.shape), q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
-@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())
+@_op("attention_varlen_backward")
 def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                   cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, rng_state: Optional[Tensor] = None,
                                   alibi_slopes: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
@@ -346,24 +426,38 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
-def _setup_varlen(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, _, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
-     window_right, softcap, dropout_p, deterministic) = inputs
-    out, lse, rng_state = output
-    ctx.mark_non_differentiable(lse, rng_state)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes)
-    ctx.options = (max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
-                   deterministic)
+class _AttentionVarlenForward(torch.autograd.Function):
+    """The autograd of ``cuflash::attention_varlen_forward`` (``cuflash::attention_varlen_backward``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, constants, options):
+        cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
+        with _below_autograd():
+            out, lse, state = _attention_varlen_forward_op.default(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                                   rng_state, *options)
+        ctx.mark_non_differentiable(lse, state)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes)
+        ctx.options = options
+        return out, lse, state
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dstate):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = _attention_varlen_backward_op.default(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state,
+                                                           alibi_slopes, *ctx.options)
+        return dq, dk, dv, None, None
 
 
-def _varlen_grads(ctx, dout, _dlse, _drng_state):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                             rng_state, alibi_slopes, *ctx.options)
-    return (dq, dk, dv) + (None,) * 13
-
-
-torch.library.register_autograd("cuflash::attention_varlen_forward", _varlen_grads, setup_context=_setup_varlen)
+@_attention_varlen_forward_op.register_autograd
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
+      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False):
+    options = (max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
+               deterministic)
+    if _records_grad(q, k, v):
+        return _AttentionVarlenForward.apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state), options)
+    with _below_autograd():
+        return _attention_varlen_forward_op.default(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+                                                    *options)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -375,7 +469,7 @@ def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes
                 window=_window(window_left, window_right), softcap=softcap)
 
 
-@torch.library.custom_op("cuflash::decode", mutates_args=("k_cache", "v_cache"))
+@_op("decode", mutates_args=("k_cache", "v_cache"))
 def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
                block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                mask: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
@@ -398,7 +492,7 @@ def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_n
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash::decode_out", mutates_args=("k_cache", "v_cache", "out"))
+@_op("decode_out", mutates_args=("k_cache", "v_cache", "out"))
 def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, cache_seqlens: Optional[Tensor] = None,
                    block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None,
                    v_new: Optional[Tensor] = None, mask: Optional[Tensor] = None,
@@ -422,7 +516,7 @@ def _(q, k_cache, v_cache, out, cache_seqlens=None, block_table=None, k_new=None
 
 # ----------------------------------------------------------------------------- merge
 
-@torch.library.custom_op("cuflash::merge_states", mutates_args=())
+@_op("merge_states")
 def _merge_states_op(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     kernels = _kernels_for(outs)
     _check_rank(outs, 5, "outs", "(parts, batch, seqlen, heads, head_dim)")
@@ -493,7 +587,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
     rng_state = _call_state(dropout_p, rng_state, generator)
-    return torch.ops.cuflash.attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
+    return _attention_forward_op.default(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
                                                scale, left, right, softcap, block_q, block_k, dropout_p,
                                                deterministic)
 
@@ -524,7 +618,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     """
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
-    dq, dk, dv, dbias = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
+    dq, dk, dv, dbias = _attention_backward_op.default(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
                                                              bias, block_mask, causal, scale, left, right, softcap,
                                                              block_q, block_k, dropout_p, deterministic, return_dbias)
     return (dq, dk, dv, dbias) if return_dbias else (dq, dk, dv)
@@ -550,7 +644,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     """
     left, right = _pair(window, "window", (-1, -1))
     rng_state = _call_state(dropout_p, rng_state, generator)
-    out, lse, _ = torch.ops.cuflash.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+    out, lse, _ = _attention_varlen_forward_op.default(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                              rng_state, max_seqlen_q, max_seqlen_k, causal, scale,
                                                              left, right, softcap, dropout_p, deterministic)
     return (out, lse) if return_lse else out
@@ -561,7 +655,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False):
     """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`."""
     left, right = _pair(window, "window", (-1, -1))
-    return tuple(torch.ops.cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+    return tuple(_attention_varlen_backward_op.default(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                              rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
                                                              causal, scale, left, right, softcap, dropout_p,
                                                              deterministic))
@@ -586,9 +680,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
             softcap)
     if out is None:
-        out, lse = torch.ops.cuflash.decode(q, k_cache, v_cache, *args)
+        out, lse = _decode_op.default(q, k_cache, v_cache, *args)
     else:
-        lse = torch.ops.cuflash.decode_out(q, k_cache, v_cache, out, *args)
+        lse = _decode_out_op.default(q, k_cache, v_cache, out, *args)
     return (out, lse) if return_lse else out
 
 
@@ -615,5 +709,5 @@ def merge_states(outs, lses):
         outs = torch.stack([x.to(work) for x in outs])
     if isinstance(lses, (list, tuple)):
         lses = torch.stack(list(lses))
-    out, lse = torch.ops.cuflash.merge_states(outs, lses)
+    out, lse = _merge_states_op.default(outs, lses)
     return (out if dtype is None or out.dtype == dtype else out.to(dtype)), lse

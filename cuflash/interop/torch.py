@@ -67,34 +67,32 @@ def _check_cuda(*tensors):
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v, bias, **forward_options); gradients for q, k, v and bias."""
+    """out = attention(q, k, v, bias, generator=generator, **options); gradients for q, k, v and bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, forward_options, deterministic):
+    def forward(ctx, q, k, v, bias, options, generator, deterministic):
         # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
         # memory that a torch.cuda.graph capture keeps in its pool.
         out = q.new_empty(q.shape)
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if q.dim() == 4 else None
         with _torch_call(q.device):
-            _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, out=out, lse=lse, **forward_options)
+            _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, out=out, lse=lse, generator=generator,
+                                                    **options)
         ctx.save_for_backward(q, k, v, out, lse, bias)
-        ctx.rng_state = rng_state
-        ctx.options = forward_options
-        ctx.deterministic = deterministic
+        ctx.rng_state, ctx.options, ctx.deterministic = rng_state, options, deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, bias = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        options = {n: val for n, val in ctx.options.items() if n != "generator"}
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         with _torch_call(q.device):
             grads = _cf_attention_backward(dout, q, k, v, out, lse, bias=bias, rng_state=ctx.rng_state,
                                            return_dbias=want_dbias, dq=dq, dk=dk, dv=dv,
-                                           deterministic=ctx.deterministic, **options)
+                                           deterministic=ctx.deterministic, **ctx.options)
             dbias = _as_torch(grads[3]) if want_dbias else None
-        return dq, dk, dv, dbias, None, None
+        return dq, dk, dv, dbias, None, None, None
 
 
 class _AttentionVarlen(torch.autograd.Function):
@@ -195,14 +193,13 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
                              deterministic=deterministic)
     _check_cuda(("q", q), ("k", k), ("v", v))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
-                   dropout_p=dropout_p, generator=generator, alibi_slopes=alibi_slopes, mask=mask,
-                   block_mask=block_mask)
+                   dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if _needs_grad(q, k, v, bias):
-        return _Attention.apply(q, k, v, bias, options, deterministic)
+        return _Attention.apply(q, k, v, bias, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
     out = q.new_empty(q.shape)
     with _torch_call(q.device):
-        _cf_attention(q, k, v, bias=bias, out=out, **options)
+        _cf_attention(q, k, v, bias=bias, out=out, generator=generator, **options)
     return out
 
 
