@@ -10,8 +10,10 @@ references share one score pipeline). Per batch ``b``, query head ``h``, row ``i
     dV_j     = sum_i Pdrop_ij dO_i
     dP_ij    = dO_i . V_j * keep_ij / (1 - p)
     D_i      = sum_j P_ij dP_ij                       (= dO_i . O_i; dO_i . out_i for a given out)
-    dS_ij    = P_ij (dP_ij - D_i)                     (dL/ds: also dL/dbias_ij)
-    dX_ij    = dS_ij * (1 - tanh(x_ij / c)^2)         (softcap c; x = scale * q_i . k_j), else dS_ij
+    dS_ij    = P_ij (dP_ij - D_i)                     (dL/ds)
+    dY_ij    = dS_ij * g(y_ij)                        (a score_mod with derivative g at its input y),
+                                                      else dS_ij; dL/dbias_ij
+    dX_ij    = dY_ij * (1 - tanh(x_ij / c)^2)         (softcap c; x = scale * q_i . k_j), else dY_ij
     dQ_i     = scale * sum_j dX_ij K_j,    dK_j = scale * sum_i dX_ij Q_i
 
 dK and dV of a kv head are summed over the query heads that share it (GQA/MQA); dbias is summed
@@ -31,7 +33,7 @@ __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
 def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias, scale, softcap, out=None,
-           **score_options):
+           score_mod=None, **score_options):
     """Gradients on float64 (B, S, H, D) arrays; ``batch_ids`` label the batches for dropout; D_i from
     ``out`` (B, Sq, Hq, Dv) when given."""
     B, Sq, Hq, D = q.shape
@@ -46,7 +48,8 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
         scale = 1.0 / np.sqrt(D)
     kq, vq = _ref._repeat_kv(k, Hq), _ref._repeat_kv(v, Hq)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        s = _ref.attention_scores(q, k, scale=scale, softcap=softcap, bias=bias, **score_options)
+        s = _ref.attention_scores(q, k, scale=scale, softcap=softcap, bias=bias, score_mod=score_mod,
+                                  **score_options)
         p, _, seen = _ref._softmax_lse(s)
         keep_scale = 1.0
         if dropout_p > 0:
@@ -63,6 +66,9 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
         else:
             dsum = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
         ds = np.where(seen, p * (dp - dsum), 0.0)
+        if score_mod is not None:   # through the modifier: its derivative at its input y
+            y = _ref.attention_scores(q, k, scale=scale, softcap=softcap, bias=bias, **score_options)
+            ds = np.where(seen, ds * score_mod.reference_gradient(np.where(seen, y, 0.0)), 0.0)
         dx = ds
         if softcap > 0:
             x = scale * np.einsum("bihd,bjhd->bhij", q, kq)
@@ -96,7 +102,8 @@ def _reduce_to(full, shape):
 
 def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
-                       dropout_p=0.0, rng_state=None, return_dbias=False, out=None):
+                       dropout_p=0.0, rng_state=None, return_dbias=False, out=None, score_mod=None,
+                       mask_mod=None):
     """Float64 gradients of :func:`cuflash.reference.attention_forward`.
 
     Parameters
@@ -109,6 +116,9 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
         Any float dtype (bfloat16 via ml_dtypes), NumPy or CuPy; computed in float64.
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p, rng_state
         As in :func:`cuflash.reference.attention_forward`.
+    score_mod, mask_mod
+        As in :func:`cuflash.reference.attention_forward`; a score_mod whose derivative is not 1
+        needs its ``grad`` (:meth:`cuflash.modifiers.ScoreMod.gradient`).
     return_dbias : bool
         Also return dL/dbias (``bias`` required), in the shape of ``bias``.
     out : array, shape (B, Sq, Hq, Dv), optional
@@ -141,7 +151,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     dq, dk, dv, ds = _grads(dout, q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p, rng_state=rng_state,
                             return_dbias=return_dbias, bias=bias, scale=scale, softcap=softcap, causal=causal,
                             window=window, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask,
-                            block_size=block_size, out=out)
+                            block_size=block_size, out=out, score_mod=score_mod, mask_mod=mask_mod)
     if return_dbias:
         return dq, dk, dv, _reduce_to(ds, _ref._host(bias).shape)
     return dq, dk, dv

@@ -95,8 +95,8 @@ def _repeat_kv(x, num_heads_q):
 
 def _score_pipeline(xp, s, *, scale, causal=False, window=None, softcap=0.0,
                     alibi_slopes=None, mask=None, bias=None, block_mask=None,
-                    block_size=(128, 128)):
-    """Scale, softcap, ALiBi, bias and masks on raw ``q.k`` products.
+                    block_size=(128, 128), score_mod=None, mask_mod=None):
+    """Scale, softcap, ALiBi, bias, a user score modifier and masks on raw ``q.k`` products.
 
     Shared by the float64 reference (``xp = numpy``) and the same-dtype baseline of
     :mod:`cuflash.testing` (float32, NumPy or CuPy), so the two cannot disagree on semantics.
@@ -131,6 +131,8 @@ def _score_pipeline(xp, s, *, scale, causal=False, window=None, softcap=0.0,
         s = s - slopes * xp.abs(diag - j).astype(dtype)
     if bias is not None:
         s = s + _broadcast_option(xp, bias, "bias", s.shape, "float").astype(dtype)
+    if score_mod is not None:   # evaluated in float64 (cuflash.modifiers.numpy_eval)
+        s = xp.asarray(score_mod.reference(_host(s).astype(np.float64))).astype(dtype)
 
     visible = xp.ones((1, 1, Sq, Sk), dtype=bool)
     left, right = _resolve_window(causal, window)
@@ -140,6 +142,8 @@ def _score_pipeline(xp, s, *, scale, causal=False, window=None, softcap=0.0,
         visible = visible & (j <= diag + right)
     if mask is not None:
         visible = visible & _broadcast_option(xp, mask, "mask", s.shape, "bool")
+    if mask_mod is not None:
+        visible = visible & xp.asarray(mask_mod.reference((B, Hq, Sq, Sk)))
     if block_mask is not None:
         bq, bk = _check_block_size(block_size)
         nbq, nbk = -(-Sq // bq), -(-Sk // bk)
@@ -162,7 +166,7 @@ def _check_block_size(block_size):
 
 def attention_scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0,
                      alibi_slopes=None, mask=None, bias=None, block_mask=None,
-                     block_size=(128, 128)):
+                     block_size=(128, 128), score_mod=None, mask_mod=None):
     """Final attention scores in float64.
 
     Parameters
@@ -170,7 +174,7 @@ def attention_scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0
     q : array, shape (B, Sq, Hq, D)
     k : array, shape (B, Sk, Hk, D)
         ``Hq % Hk == 0``; query head ``h`` uses kv head ``h // (Hq // Hk)``.
-    causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size
+    causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, score_mod, mask_mod
         As in :func:`attention_forward`.
 
     Returns
@@ -200,7 +204,8 @@ def attention_scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0
         s = np.einsum("bihd,bjhd->bhij", q, kq)
         return _score_pipeline(np, s, scale=scale, causal=causal, window=window,
                                softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
-                               block_mask=block_mask, block_size=block_size)
+                               block_mask=block_mask, block_size=block_size, score_mod=score_mod,
+                               mask_mod=mask_mod)
 
 
 # ----------------------------------------------------------------------------- softmax, P @ V
@@ -275,7 +280,8 @@ def _check_dropout(dropout_p, rng_state):
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                       alibi_slopes=None, mask=None, bias=None, block_mask=None,
-                      block_size=(128, 128), dropout_p=0.0, rng_state=None):
+                      block_size=(128, 128), dropout_p=0.0, rng_state=None, score_mod=None,
+                      mask_mod=None):
     """Float64 reference attention.
 
     Parameters
@@ -310,6 +316,10 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         In ``[0, 1)``; kept probabilities are scaled by ``1 / (1 - dropout_p)``.
     rng_state : array_like of int, shape (2,), optional
         ``[seed, offset]``; required when ``dropout_p > 0``.
+    score_mod : cuflash.modifiers.ScoreMod, optional
+        Applied to each score after the bias, evaluated by NumPy in float64.
+    mask_mod : cuflash.modifiers.MaskMod, optional
+        Hides the pairs where it is False, with the other masks.
 
     Returns
     -------
@@ -339,7 +349,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     return _attention(q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p,
                       rng_state=rng_state, causal=causal, scale=scale, window=window,
                       softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
-                      block_mask=block_mask, block_size=block_size)
+                      block_mask=block_mask, block_size=block_size, score_mod=score_mod,
+                      mask_mod=mask_mod)
 
 
 def _check_cu_seqlens(cu, name, total):

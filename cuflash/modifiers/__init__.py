@@ -1,0 +1,263 @@
+"""User-written score and mask modifiers: one expression, checked in Python, evaluated by NumPy for
+the float64 reference and written as CUDA C++ for the kernels.
+
+:class:`ScoreMod` changes each score (``score`` is ``scale * q.k`` after the built-in softcap,
+ALiBi and bias); :class:`MaskMod` says which (query, key) pairs may attend. Both read the positions
+``b``, ``h`` (query head), ``q_idx`` and ``kv_idx`` (positions in the sequence; for varlen, within
+each sequence) and their named arguments: Python scalars, or arrays indexed flat with
+``name[...]``. The grammar and its rules are in :mod:`cuflash.modifiers.parse` and
+:mod:`cuflash.modifiers.check`; :mod:`cuflash.modifiers.derivative` decides whether a score
+modifier needs a ``grad``.
+
+The float64 reference (:mod:`cuflash.reference`) takes ``score_mod=`` and ``mask_mod=``; the
+kernels' side (the generated code in the kernels' variants) is issue 52's next step, so the entry
+points do not take them yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import keyword
+import numbers
+
+import numpy as np
+
+from cuflash.modifiers import cuda as _cuda
+from cuflash.modifiers.check import ArgKind, check
+from cuflash.modifiers.derivative import d_score, reads_score
+from cuflash.modifiers.numpy_eval import evaluate, grids
+from cuflash.modifiers.parse import FUNCTIONS, VARIABLES, Node, Num, parse, unparse
+
+__all__ = ["ScoreMod", "MaskMod"]
+
+_MAX_ARRAYS = 8    # cuda_src/user_mod.cuh kMaxArrays
+_MAX_SCALARS = 8   # kMaxScalars
+
+_ARRAY_TYPES = {"float16": "float", "bfloat16": "float", "float32": "float", "float64": "float",
+                "int8": "int", "int16": "int", "int32": "int", "int64": "int", "uint8": "int", "bool": "bool"}
+
+
+def _dtype_name(dtype) -> str:
+    """NumPy's name of a NumPy, CuPy, ml_dtypes or torch dtype (``torch.float32`` -> ``float32``)."""
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).replace("torch.", "")
+
+
+class _Arguments:
+    """A modifier's named arguments: what each is (:class:`~cuflash.modifiers.check.ArgKind`), its
+    slot in ``cuflash::user::Args``, and its value."""
+
+    def __init__(self, values: dict, what: str):
+        self.values, self.kinds, self.slots = {}, {}, {}
+        arrays = scalars = 0
+        for name, value in values.items():
+            if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
+                raise ValueError(f"{what}: argument name {name!r} is not a plain identifier")
+            if name in VARIABLES or name in FUNCTIONS:
+                raise ValueError(f"{what}: argument name {name!r} is taken by the grammar "
+                                 f"({', '.join(VARIABLES + tuple(FUNCTIONS))})")
+            if isinstance(value, (bool, np.bool_)):
+                kind, stored = ArgKind(False, "bool"), bool(value)
+            elif isinstance(value, numbers.Integral):
+                if not -2**63 <= int(value) < 2**63:
+                    raise ValueError(f"{what}: argument {name}={value} does not fit in int64")
+                kind, stored = ArgKind(False, "int"), np.int64(value)
+            elif isinstance(value, numbers.Real):
+                kind, stored = ArgKind(False, "float"), np.float64(value)
+            elif hasattr(value, "dtype") and hasattr(value, "shape"):
+                dtype = _dtype_name(value.dtype)
+                if dtype not in _ARRAY_TYPES:
+                    raise TypeError(f"{what}: argument array {name} has dtype {dtype}; the dtypes are "
+                                    f"{', '.join(_ARRAY_TYPES)}")
+                kind, stored = ArgKind(True, _ARRAY_TYPES[dtype]), value
+            else:
+                raise TypeError(f"{what}: argument {name} must be a bool, int, float or an array, got "
+                                f"{type(value).__name__}")
+            if kind.array:
+                self.slots[name] = (True, arrays, dtype)
+                arrays += 1
+            else:
+                self.slots[name] = (False, scalars, kind.type)
+                scalars += 1
+            self.kinds[name], self.values[name] = kind, stored
+        if arrays > _MAX_ARRAYS or scalars > _MAX_SCALARS:
+            raise ValueError(f"{what}: at most {_MAX_ARRAYS} array and {_MAX_SCALARS} scalar arguments, got "
+                             f"{arrays} and {scalars}")
+
+    def layout(self) -> tuple:
+        """What the compiled code depends on: each argument's name, slot and dtype or type (not the
+        scalars' values, which the kernels read at run time)."""
+        return tuple(sorted((name, slot) for name, slot in self.slots.items()))
+
+    def host(self) -> dict:
+        """The reference's values: arrays flat on the host in float64, int64 or bool."""
+        env = {}
+        for name, value in self.values.items():
+            if self.kinds[name].array:
+                array = value.get() if hasattr(value, "get") else np.asarray(value)
+                to = {"float": np.float64, "int": np.int64, "bool": np.bool_}[self.kinds[name].type]
+                env[name] = np.asarray(array).reshape(-1).astype(to)
+            else:
+                env[name] = value
+        return env
+
+
+class _Modifier:
+    _what = "modifier"
+
+    def _typer(self):
+        cache = {}
+
+        def types(node: Node) -> str:
+            t = cache.get(id(node))
+            if t is None:
+                t = cache[id(node)] = check(node, self.args.kinds, self._what)
+            return t
+        return types
+
+    @property
+    def key(self) -> str:
+        """A hash of what the compiled code depends on (the variant's cache key takes it)."""
+        text = repr((type(self).__name__, self._canonical(), self.args.layout()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _env(self, shape, score=None):
+        env = grids(*shape)
+        env.update(self.args.host())
+        if score is not None:
+            env["score"] = score
+        return env
+
+
+class ScoreMod(_Modifier):
+    """A score modifier written as one expression, e.g. ``ScoreMod("score + table[q_idx - kv_idx + 511]",
+    table=table)``.
+
+    Parameters
+    ----------
+    expr : str
+        One expression of the grammar (:mod:`cuflash.modifiers.parse`) over ``score``, ``b``, ``h``,
+        ``q_idx``, ``kv_idx`` and the named arguments; a number (an int becomes a float).
+    grad : str, optional
+        d(expr)/d(score), an expression of the same grammar. Needed by the backward unless the
+        derivative is exactly 1 (``score`` plus or minus terms without it); without it the backward
+        raises, showing the derivative worked out symbolically.
+    **args
+        Named arguments: bools, ints, floats (read at run time), or arrays of float16, bfloat16,
+        float32, float64, int8..int64, uint8 or bool (indexed flat; a read outside the array gives 0).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A malformed expression (the offending token named), a type error in it, a bad argument.
+
+    Examples
+    --------
+    >>> relative = ScoreMod("score + table[q_idx - kv_idx + 511]", table=cupy.zeros(1023, cupy.float32))
+    >>> capped = ScoreMod("30.0 * tanh(score / 30.0)", grad="1.0 - tanh(score / 30.0) * tanh(score / 30.0)")
+    """
+
+    _what = "score_mod"
+
+    def __init__(self, expr, grad=None, **args):
+        self.args = _Arguments(args, "score_mod")
+        self.expr = parse(expr, "score_mod")
+        if check(self.expr, self.args.kinds, "score_mod") == "bool":
+            raise ValueError(f"score_mod must give a number, and {expr!r} gives a bool (a MaskMod says which "
+                             "pairs may attend)")
+        self.derivative = d_score(self.expr)
+        self.grad = None
+        if grad is not None:
+            self.grad = parse(grad, "grad")
+            if check(self.grad, self.args.kinds, "grad") == "bool":
+                raise ValueError(f"grad must give a number, and {grad!r} gives a bool")
+        self.text = expr
+
+    def _canonical(self):
+        return unparse(self.expr), None if self.grad is None else unparse(self.grad)
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether the backward needs ``grad`` (the derivative is not exactly 1) and it is missing."""
+        return self.grad is None and self.derivative != Num(1)
+
+    def gradient(self) -> Node:
+        """d(expr)/d(score) for the backward: ``grad``, or 1; ValueError if neither applies."""
+        if self.grad is not None:
+            return self.grad
+        if self.derivative == Num(1):
+            return self.derivative
+        raise ValueError(f"score_mod {self.text!r} has a derivative with respect to score that is not 1, so the "
+                         f"backward needs it: pass grad=, e.g. grad={unparse(self.derivative)!r}")
+
+    def reference(self, score: np.ndarray) -> np.ndarray:
+        """The modified scores, float64, for a (B, H, Sq, Sk) float64 array of scores."""
+        value = evaluate(self.expr, self._env(score.shape, score))
+        return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
+
+    def reference_gradient(self, score: np.ndarray) -> np.ndarray:
+        """d(expr)/d(score) at each score, float64 (see :meth:`gradient`)."""
+        value = evaluate(self.gradient(), self._env(score.shape, score))
+        return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
+
+    def cuda_source(self, name: str = "user_score_mod") -> str:
+        """The ``__device__`` functions of the modifier (``name`` and, with a grad, ``name``_grad)."""
+        types = self._typer()
+        source = _cuda.function(name, self.expr, "float", types, self.args.slots)
+        if self.grad is not None:
+            source += _cuda.function(f"{name}_grad", self.grad, "float", types, self.args.slots)
+        return source
+
+    def __repr__(self):
+        grad = "" if self.grad is None else f", grad={unparse(self.grad)!r}"
+        return f"cuflash.ScoreMod({self.text!r}{grad}, args={sorted(self.args.values)})"
+
+
+class MaskMod(_Modifier):
+    """A mask written as one expression: True where query ``q_idx`` may attend to key ``kv_idx``.
+
+    Parameters
+    ----------
+    expr : str
+        One bool expression of the grammar over ``b``, ``h``, ``q_idx``, ``kv_idx`` and the named
+        arguments (not ``score``: a mask that depends on the scores is a ScoreMod giving -inf).
+    **args
+        Named arguments, as for :class:`ScoreMod`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A malformed expression, one that reads ``score`` or does not give a bool, a bad argument.
+
+    Examples
+    --------
+    >>> document = MaskMod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", doc=doc_ids)
+    >>> prefix_lm = MaskMod("kv_idx < prefix || kv_idx <= q_idx", prefix=256)
+    """
+
+    _what = "mask_mod"
+
+    def __init__(self, expr, **args):
+        self.args = _Arguments(args, "mask_mod")
+        self.expr = parse(expr, "mask_mod")
+        if reads_score(self.expr):
+            raise ValueError("mask_mod cannot read score (a mask that depends on the scores is a ScoreMod "
+                             "giving -inf)")
+        if check(self.expr, self.args.kinds, "mask_mod") != "bool":
+            raise ValueError(f"mask_mod must give a bool (True = may attend), and {expr!r} gives a number")
+        self.text = expr
+
+    def _canonical(self):
+        return unparse(self.expr)
+
+    def reference(self, shape) -> np.ndarray:
+        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk)."""
+        value = evaluate(self.expr, self._env(shape))
+        return np.broadcast_to(np.asarray(value, dtype=bool), tuple(shape))
+
+    def cuda_source(self, name: str = "user_mask_mod") -> str:
+        """The ``__device__`` function of the mask."""
+        return _cuda.function(name, self.expr, "bool", self._typer(), self.args.slots, with_score=False)
+
+    def __repr__(self):
+        return f"cuflash.MaskMod({self.text!r}, args={sorted(self.args.values)})"
