@@ -26,7 +26,6 @@ READERS = {
 
 _U = "cuflash::user::"
 _CAST = {"float": "float", "int": "long long", "bool": "bool"}
-_C_NAMES = {"score": "score", "b": "b", "h": "h", "q_idx": "q_idx", "kv_idx": "kv_idx"}
 
 
 def _float_literal(value: float) -> str:
@@ -51,8 +50,8 @@ def emit(node: Node, types, slots: dict) -> str:
         if isinstance(n, Num):
             return _float_literal(n.value) if isinstance(n.value, float) else f"{n.value}ll"
         if isinstance(n, Name):
-            if n.id in VARIABLE_TYPES:
-                return _C_NAMES[n.id]
+            if n.id in VARIABLE_TYPES:   # the generated function's parameters have these names
+                return n.id
             _, slot, kind = slots[n.id]
             if kind == "float":
                 return f"args.f[{slot}]"
