@@ -15,6 +15,7 @@ references share one score pipeline). Per batch ``b``, query head ``h``, row ``i
                                                       else dS_ij; dL/dbias_ij
     dX_ij    = dY_ij * (1 - tanh(x_ij / c)^2)         (softcap c; x = scale * q_i . k_j), else dY_ij
     dQ_i     = scale * sum_j dX_ij K_j,    dK_j = scale * sum_i dX_ij Q_i
+    dsink_h  = -sum_(b, i) exp(sink_h - lse_i) D_i    (attention sinks: lse holds exp(sink_h))
 
 dK and dV of a kv head are summed over the query heads that share it (GQA/MQA); dbias is summed
 over the axes along which the bias was broadcast. Masked elements contribute exactly nothing
@@ -33,24 +34,25 @@ __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
 def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias, scale, softcap, out=None,
-           score_mod=None, **score_options):
-    """Gradients on float64 (B, S, H, D) arrays; ``batch_ids`` label the batches for dropout; D_i from
-    ``out`` (B, Sq, Hq, Dv) when given."""
+           score_mod=None, sinks=None, **score_options):
+    """Gradients on float64 (B, S, H, D) arrays, (dq, dk, dv, ds, dsinks); ``batch_ids`` label the
+    batches for dropout; D_i from ``out`` (B, Sq, Hq, Dv) when given; dsinks (Hq,) or None."""
     B, Sq, Hq, D = q.shape
     Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq = np.zeros(q.shape)
     dk = np.zeros(k.shape)
     dv = np.zeros(v.shape)
     dbias_full = np.zeros((B, Hq, Sq, Sk))
+    dsinks = None if sinks is None else np.zeros(Hq)
     if B == 0 or Sq == 0 or Sk == 0 or Hq == 0:
-        return dq, dk, dv, dbias_full
+        return dq, dk, dv, dbias_full, dsinks
     if scale is None:
         scale = 1.0 / np.sqrt(D)
     kq, vq = _ref._repeat_kv(k, Hq), _ref._repeat_kv(v, Hq)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = _ref.attention_scores(q, k, scale=scale, softcap=softcap, bias=bias, score_mod=score_mod,
                                   **score_options)
-        p, _, seen = _ref._softmax_lse(s)
+        p, lse, seen = _ref._softmax_lse(s, sinks)
         keep_scale = 1.0
         if dropout_p > 0:
             seed, offset = as_rng_state(rng_state)
@@ -66,6 +68,11 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
         else:
             dsum = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
         ds = np.where(seen, p * (dp - dsum), 0.0)
+        if sinks is not None:
+            sink = np.asarray(sinks, dtype=np.float64).reshape(1, Hq, 1)
+            # A row with neither keys nor sink (lse -inf, sink -inf) has no sink weight at all.
+            weight = np.where(np.isneginf(lse), 0.0, np.exp(sink - lse))
+            dsinks = -np.sum(weight * dsum[..., 0], axis=(0, 2))
         if score_mod is not None:   # through the modifier: its derivative at its input y
             y = _ref.attention_scores(q, k, scale=scale, softcap=softcap, bias=bias, **score_options)
             ds = np.where(seen, ds * score_mod.reference_gradient(np.where(seen, y, 0.0)), 0.0)
@@ -80,7 +87,7 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
     group = Hq // Hk
     dk = dk_q.reshape(B, Sk, Hk, group, D).sum(axis=3)
     dv = dv_q.reshape(B, Sk, Hk, group, Dv).sum(axis=3)
-    return dq, dk, dv, ds
+    return dq, dk, dv, ds, dsinks
 
 
 def _stored_output(out, shape):
@@ -103,7 +110,7 @@ def _reduce_to(full, shape):
 def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
                        dropout_p=0.0, rng_state=None, return_dbias=False, out=None, score_mod=None,
-                       mask_mod=None):
+                       mask_mod=None, sinks=None, return_dsinks=False):
     """Float64 gradients of :func:`cuflash.reference.attention_forward`.
 
     Parameters
@@ -121,6 +128,10 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
         needs its ``grad`` (:meth:`cuflash.modifiers.ScoreMod.gradient`).
     return_dbias : bool
         Also return dL/dbias (``bias`` required), in the shape of ``bias``.
+    sinks : float array, shape (Hq,), optional
+        As in :func:`cuflash.reference.attention_forward`.
+    return_dsinks : bool
+        Also return dL/dsinks (``sinks`` required), float64 (Hq,), last.
     out : array, shape (B, Sq, Hq, Dv), optional
         A stored forward output. When given, ``D_i = dO_i . out_i`` as a FlashAttention kernel
         computes it, so that the rounding of the stored output is part of the result (tests take
@@ -134,6 +145,8 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
         Summed over the query heads that share a kv head.
     dbias : numpy.ndarray of float64, the shape of ``bias``
         Only if ``return_dbias``.
+    dsinks : numpy.ndarray of float64, shape (Hq,)
+        Only if ``return_dsinks``.
 
     Raises
     ------
@@ -148,18 +161,26 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     out = _stored_output(out, dout.shape)
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
-    dq, dk, dv, ds = _grads(dout, q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p, rng_state=rng_state,
+    if return_dsinks and sinks is None:
+        raise ValueError("return_dsinks=True needs sinks")
+    sinks = _ref._check_sinks(sinks, q.shape[2])
+    dq, dk, dv, ds, dsinks = _grads(dout, q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p, rng_state=rng_state,
                             return_dbias=return_dbias, bias=bias, scale=scale, softcap=softcap, causal=causal,
                             window=window, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask,
-                            block_size=block_size, out=out, score_mod=score_mod, mask_mod=mask_mod)
+                            block_size=block_size, out=out, score_mod=score_mod, mask_mod=mask_mod,
+                            sinks=sinks)
+    grads = (dq, dk, dv)
     if return_dbias:
-        return dq, dk, dv, _reduce_to(ds, _ref._host(bias).shape)
-    return dq, dk, dv
+        grads += (_reduce_to(ds, _ref._host(bias).shape),)
+    if return_dsinks:
+        grads += (dsinks,)
+    return grads
 
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, scale=None, window=None, softcap=0.0,
-                              alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None):
+                              alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None, sinks=None,
+                              return_dsinks=False):
     """Float64 gradients of :func:`cuflash.reference.attention_varlen`.
 
     Parameters
@@ -175,6 +196,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         As in :func:`cuflash.reference.attention_varlen`.
     out : array, shape (total_q, Hq, Dv), optional
         As in :func:`attention_backward`.
+    sinks, return_dsinks
+        As in :func:`attention_backward` (dsinks summed over the sequences).
 
     Returns
     -------
@@ -182,6 +205,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
     dk : numpy.ndarray of float64, shape (total_k, Hk, D)
     dv : numpy.ndarray of float64, shape (total_k, Hk, Dv)
         Rows that belong to no sequence are 0.
+    dsinks : numpy.ndarray of float64, shape (Hq,)
+        Only if ``return_dsinks``.
     """
     dout, q, k, v = (_ref._to_float64(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or dout.ndim != 3:
@@ -196,14 +221,20 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got {cu_q.shape[0]} and "
                          f"{cu_k.shape[0]}")
     slopes = None if alibi_slopes is None else _ref._host(alibi_slopes)
+    if return_dsinks and sinks is None:
+        raise ValueError("return_dsinks=True needs sinks")
+    sinks = _ref._check_sinks(sinks, q.shape[1])
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    dsinks = np.zeros(q.shape[1])
     for b in range(cu_q.shape[0] - 1):
         rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         seq_slopes = slopes[b] if slopes is not None and slopes.ndim == 2 else slopes
         g = _grads(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], [b], dropout_p=dropout_p,
                    rng_state=rng_state, return_dbias=False, bias=None, scale=scale, softcap=softcap,
                    causal=causal, window=window, alibi_slopes=seq_slopes,
-                   out=None if out is None else out[None, rows])
+                   out=None if out is None else out[None, rows], sinks=sinks)
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
-    return dq, dk, dv
+        if g[4] is not None:
+            dsinks += g[4]
+    return (dq, dk, dv, dsinks) if return_dsinks else (dq, dk, dv)
 

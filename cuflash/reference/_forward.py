@@ -210,19 +210,26 @@ def attention_scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0
 
 # ----------------------------------------------------------------------------- softmax, P @ V
 
-def _softmax_lse(s):
+def _softmax_lse(s, sinks=None):
     """Row softmax over the keys a row sees (``s != -inf``); ``(p, lse, seen)``.
 
-    Rows that see no key get ``p = 0`` and ``lse = -inf`` instead of ``0/0``.
+    ``sinks`` (Hq,): each row's denominator also holds ``exp(sinks[h])``, and so does ``lse``; no
+    value goes with it (the probabilities of the keys sum to less than 1). Rows that see no key get
+    ``p = 0`` and ``lse = sinks[h]`` (``-inf`` without a sink) instead of ``0/0``.
     """
     seen = s != -np.inf  # NaN counts as seen: it must propagate
     m = np.max(s, axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = _host(sinks).astype(np.float64).reshape(1, -1, 1, 1)
+        m = np.maximum(m, sink)
     m_safe = np.where(m == -np.inf, 0.0, m)
     e = np.exp(s - m_safe)
-    l = np.sum(e, axis=-1, keepdims=True)
-    empty = ~np.any(seen, axis=-1, keepdims=True)
-    p = np.where(empty, 0.0, e / np.where(empty, 1.0, l))
-    lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, l)))
+    total = np.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sink - m_safe)
+    empty = total == 0   # no visible key and no sink
+    p = np.where(empty, 0.0, e / np.where(empty, 1.0, total))
+    lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, total)))
     return p, lse[..., 0], seen
 
 
@@ -244,7 +251,7 @@ def _weighted_sum(w, seen, v):
     return np.moveaxis(out, 1, 2)  # (B, Sq, Hq, Dv)
 
 
-def _attention(q, k, v, batch_ids, *, dropout_p=0.0, rng_state=None, **options):
+def _attention(q, k, v, batch_ids, *, dropout_p=0.0, rng_state=None, sinks=None, **options):
     """Reference attention on float64 (B, S, H, D) arrays; ``batch_ids`` label the batches
     for dropout (varlen passes the sequence index)."""
     B, Sq, Hq, _ = q.shape
@@ -252,10 +259,12 @@ def _attention(q, k, v, batch_ids, *, dropout_p=0.0, rng_state=None, **options):
     if B == 0 or Sq == 0 or Hq == 0:
         return np.zeros((B, Sq, Hq, Dv)), np.zeros((B, Hq, Sq))
     if Sk == 0:
-        return np.zeros((B, Sq, Hq, Dv)), np.full((B, Hq, Sq), -np.inf)
+        empty = np.full((B, Hq, Sq), -np.inf) if sinks is None else np.broadcast_to(
+            _host(sinks).astype(np.float64).reshape(1, Hq, 1), (B, Hq, Sq)).copy()
+        return np.zeros((B, Sq, Hq, Dv)), empty
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         s = attention_scores(q, k, **options)
-        p, lse, seen = _softmax_lse(s)
+        p, lse, seen = _softmax_lse(s, sinks)
         if dropout_p > 0:
             seed, offset = as_rng_state(rng_state)
             keep = dropout_keep(seed, offset, dropout_p,
@@ -281,7 +290,7 @@ def _check_dropout(dropout_p, rng_state):
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                       alibi_slopes=None, mask=None, bias=None, block_mask=None,
                       block_size=(128, 128), dropout_p=0.0, rng_state=None, score_mod=None,
-                      mask_mod=None):
+                      mask_mod=None, sinks=None):
     """Float64 reference attention.
 
     Parameters
@@ -320,6 +329,9 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         Applied to each score after the bias, evaluated by NumPy in float64.
     mask_mod : cuflash.modifiers.MaskMod, optional
         Hides the pairs where it is False, with the other masks.
+    sinks : float array, shape (Hq,), optional
+        Attention sinks: each row's softmax denominator also holds ``exp(sinks[h])`` (no value goes
+        with it), and so does ``lse``.
 
     Returns
     -------
@@ -350,7 +362,17 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
                       rng_state=rng_state, causal=causal, scale=scale, window=window,
                       softcap=softcap, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                       block_mask=block_mask, block_size=block_size, score_mod=score_mod,
-                      mask_mod=mask_mod)
+                      mask_mod=mask_mod, sinks=_check_sinks(sinks, q.shape[2]))
+
+
+def _check_sinks(sinks, heads_q):
+    """``sinks`` as a float64 (Hq,) host array (None passes)."""
+    if sinks is None:
+        return None
+    sinks = _to_float64(sinks, "sinks")
+    if sinks.shape != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},) (one per query head), got {sinks.shape}")
+    return sinks
 
 
 def _check_cu_seqlens(cu, name, total):
@@ -368,7 +390,7 @@ def _check_cu_seqlens(cu, name, total):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, causal=False, scale=None, window=None, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None):
+                     alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     """Float64 reference for packed variable-length batches.
 
     Parameters
@@ -382,7 +404,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         (for dropout and a (B, Hq) ``alibi_slopes``).
     max_seqlen_q, max_seqlen_k : int, optional
         Accepted for signature compatibility; if given they must bound the lengths.
-    causal, scale, window, softcap, alibi_slopes, dropout_p, rng_state
+    causal, scale, window, softcap, alibi_slopes, dropout_p, rng_state, sinks
         As in :func:`attention_forward` (``mask``, ``bias`` and ``block_mask`` are not
         supported in varlen).
 
@@ -421,6 +443,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                              f"({np.diff(cu).max()})")
     B = cu_q.shape[0] - 1
     Hq = q.shape[1]
+    sinks = _check_sinks(sinks, Hq)
     slopes = None
     if alibi_slopes is not None:
         slopes = _host(alibi_slopes)
@@ -436,7 +459,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         o, l = _attention(q[None, rows], k[None, keys], v[None, keys], [b],
                           dropout_p=dropout_p, rng_state=rng_state, causal=causal,
                           scale=scale, window=window, softcap=softcap,
-                          alibi_slopes=seq_slopes)
+                          alibi_slopes=seq_slopes, sinks=sinks)
         out[rows] = o[0]
         lse[:, rows] = l[0]
     return out, lse
