@@ -601,7 +601,7 @@ def _decode_sequences(q, k_cache, v_cache, *, cache_seqlens=None, block_table=No
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None,
-           return_cache=False):
+           return_cache=False, sinks=None):
     """Float64 reference for :func:`cuflash.decode`, built on :func:`attention_forward`.
 
     For each sequence b it gathers the cached keys ``0 .. cache_seqlens[b] - 1`` (through
@@ -623,6 +623,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         covers every key.
     return_cache : bool
         Also return the caches as decode leaves them.
+    sinks : float array (Hq,), optional
+        As in :func:`attention_forward`.
 
     Returns
     -------
@@ -651,6 +653,6 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     out = np.zeros((B, Sq, Hq, v_after.shape[-1]))
     lse = np.zeros((B, Hq, Sq))
     for b, prob in enumerate(problems):
-        o, l = attention_forward(prob["q"], prob["k"], prob["v"], **prob["options"])
+        o, l = attention_forward(prob["q"], prob["k"], prob["v"], sinks=sinks, **prob["options"])
         out[b], lse[b] = o[0], l[0]
     return (out, lse, k_after, v_after) if return_cache else (out, lse)

@@ -97,3 +97,17 @@ def test_sinks_are_checked():
         reference.attention_forward(q, k, v, sinks=sinks[:3])
     with pytest.raises(ValueError, match="return_dsinks=True needs sinks"):
         reference.attention_backward(dout, q, k, v, return_dsinks=True)
+
+
+def test_decode_sinks_equal_attention_over_the_gathered_keys():
+    rng = np.random.default_rng()
+    k_cache, v_cache = rng.standard_normal((2, 12, 2, 8)), rng.standard_normal((2, 12, 2, 8))
+    q, sinks = rng.standard_normal((2, 3, 4, 8)), rng.uniform(-1, 1, 4)
+    lens = np.array([5, 12])
+    out, lse = reference.decode(q, k_cache, v_cache, cache_seqlens=lens, sinks=sinks)
+    for b in range(2):
+        keys = slice(0, lens[b])
+        o, l = reference.attention_forward(q[b:b + 1], k_cache[b:b + 1, keys], v_cache[b:b + 1, keys], causal=True,
+                                           sinks=sinks)
+        np.testing.assert_allclose(out[b], o[0], rtol=1e-12)
+        np.testing.assert_allclose(lse[b], l[0], rtol=1e-12)
