@@ -1,4 +1,5 @@
-"""Backward attention benchmark: cuflash against torch SDPA (flash, cuDNN), side by side in one run.
+"""Backward attention benchmark: cuflash against torch SDPA (flash, cuDNN) and FlashAttention-4, side by side
+in one run.
 
 Shapes as in bench_forward.py: a budget of ``--tokens`` tokens (batch * seqlen = 16384) and a
 hidden size ``--hidden`` (heads * head_dim = 2048), Sq = Sk, bf16, causal and not.
@@ -12,6 +13,11 @@ it. ``--family`` forces one backward kernel family on every cuflash call
 torch: ``scaled_dot_product_attention`` under ``sdpa_kernel(FLASH_ATTENTION)`` /
 ``sdpa_kernel(CUDNN_ATTENTION)`` once per input set (BHSD views of the same memory, with
 requires_grad), then ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``.
+FA4 (column ``fa4``): the same, as its users call it: ``out = flash_attn_func(q, k, v, causal=...)[0]``
+once per input set on (B, S, H, D) leaves (``torch.from_dlpack`` views of the same memory, no
+transposes), then ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)``, which runs FA4's
+own backward. Left out, with one line saying so, where ``flash_attn.cute`` does not import
+(benchmarks/fa4_device.md says how to install it on the GPU machine) or with ``--no-fa4``.
 
 TFLOP/s = 2.5 * forward FLOPs / time, forward FLOPs = 4 * B * H * Sq * Sk * D (half when causal).
 Timing: CUDA events around N calls after warm-up, median of ``--repeats`` runs, rotating over 3
@@ -19,15 +25,15 @@ input sets so that L2 cannot hold them; the contenders take turns (each repeat t
 once, in a new random order each time, each timed run after an untimed run of the same contender, so
 that every contender is timed at its own pace at the power limit); everything on torch's current
 stream. ``maxdiff`` is
-max|dq_cuflash - dq_flash| (cuDNN's when flash is unavailable) on the first input set: a guard
-against a fast but wrong kernel.
+max|dq_cuflash - dq_flash| (cuDNN's when flash is unavailable, FA4's when neither is) on the first
+input set: a guard against a fast but wrong kernel.
 
 Ratios (speed over speed, > 1 is faster than the peer): ``cuflash/flash``, ``cuflash/cudnn``,
-``det/cudnn`` (cuflash_det / cudnn), ``torch-path/cudnn`` (cuflash_torch / cudnn).
+``cuflash/fa4``, ``det/cudnn`` (cuflash_det / cudnn), ``torch-path/cudnn`` (cuflash_torch / cudnn).
 
 Output: progress lines, then a Markdown table on stdout (last); ``--csv`` and ``--md`` write files,
 ``--plot`` a PNG (one panel per dtype and head dim: cuflash/cudnn against seqlen, causal and not,
-det/cudnn dashed; needs matplotlib).
+det/cudnn dashed, cuflash/fa4 dotted; needs matplotlib).
 
 Examples
 --------
@@ -43,20 +49,23 @@ import contextlib
 import math
 import sys
 import time
+from types import SimpleNamespace
 
 from _harness import N_INPUT_SETS, Timer, log, markdown_table, missing, open_gpu, write_results
 
 FULL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)   # as bench_forward.py
 QUICK_SEQLENS = (2048, 8192)
 COLUMNS = ["dtype", "head_dim", "causal", "batch", "heads", "seqlen", "family", "cuflash", "cuflash_det",
-           "cuflash_torch", "flash", "cudnn", "cuflash/flash", "cuflash/cudnn", "det/cudnn", "torch-path/cudnn",
-           "maxdiff"]
+           "cuflash_torch", "flash", "cudnn", "fa4", "cuflash/flash", "cuflash/cudnn", "cuflash/fa4", "det/cudnn",
+           "torch-path/cudnn", "maxdiff"]
 RATIOS = {"cuflash/flash": ("cuflash", "flash"), "cuflash/cudnn": ("cuflash", "cudnn"),
+          "cuflash/fa4": ("cuflash", "fa4"),
           "det/cudnn": ("cuflash_det", "cudnn"), "torch-path/cudnn": ("cuflash_torch", "cudnn")}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="cuflash backward benchmark against torch SDPA (flash, cuDNN).")
+    p = argparse.ArgumentParser(description="cuflash backward benchmark against torch SDPA (flash, cuDNN) and "
+                                            "FlashAttention-4.")
     p.add_argument("--quick", action="store_true", help=f"seqlens {QUICK_SEQLENS}, fewer repeats")
     p.add_argument("--dtypes", default="bf16", help="comma-separated list from bf16, fp16 (default: bf16)")
     p.add_argument("--head-dims", default="64,128", help="comma-separated head dims (default: 64,128)")
@@ -68,6 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default: 2)")
     p.add_argument("--target-ms", type=float, default=40.0, help="approximate duration of one timed run (ms)")
     p.add_argument("--no-torch", action="store_true", help="do not use torch even if importable")
+    p.add_argument("--no-fa4", action="store_true", help="do not time FlashAttention-4 even if importable")
     p.add_argument("--no-deterministic", action="store_true", help="skip the deterministic=True column")
     p.add_argument("--family", default=None,
                    help="force this backward kernel family (e.g. bwd_sm90, bwd_sm80) on every cuflash call "
@@ -100,6 +110,31 @@ def backward_flops(batch, heads, sq, sk, head_dim, causal):
 CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in RATIOS}, "maxdiff": lambda v: f"{v:.2e}"}
 
 
+def open_fa4(torch, wanted=True):
+    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
+    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
+    its skip are bench_host.py's."""
+    if torch is None or not wanted:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
+        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
+        return None
+    try:
+        from importlib.metadata import version
+        label = f"flash-attn-4 {version('flash-attn-4')}"
+    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
+        label = "flash_attn.cute"
+    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                           label=label)
+
+
+def fa4_out(result):
+    """FA4's ``flash_attn_func`` returns ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
 def forcing(cuflash, family):
     """The context every cuflash backward call runs in: the forced family, or nothing."""
     return cuflash.backward.force_kernel(family) if family else contextlib.nullcontext()
@@ -107,7 +142,7 @@ def forcing(cuflash, family):
 
 def write_plot(rows, path):
     """One panel per (dtype, head_dim): cuflash/cudnn against seqlen, causal and non-causal lines
-    (det/cudnn dashed in the same colour), and the parity line at 1."""
+    (det/cudnn dashed, cuflash/fa4 dotted, in the same colour), and the parity line at 1."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -133,7 +168,8 @@ def write_plot(rows, path):
                 continue
             xs = [r["seqlen"] for r in sel]
             label = "causal" if causal else "non-causal"
-            for column, style, suffix in (("cuflash/cudnn", "-", ""), ("det/cudnn", "--", " deterministic")):
+            for column, style, suffix in (("cuflash/cudnn", "-", ""), ("det/cudnn", "--", " deterministic"),
+                                          ("cuflash/fa4", ":", " vs FA4")):
                 ys = [nan if missing(r.get(column)) else r[column] for r in sel]
                 if all(math.isnan(y) for y in ys):
                     continue
@@ -141,7 +177,7 @@ def write_plot(rows, path):
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("seqlen (Sq = Sk)")
-        ax.set_ylabel("cuflash / cuDNN (speed)")
+        ax.set_ylabel("cuflash / cuDNN, dotted: / FA4 (speed)")
         ax.set_title(f"backward {dt} D={d}")
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -155,12 +191,12 @@ def write_plot(rows, path):
 
 
 def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs, dtype_name, batch, s,
-                heads, d, causal):
+                heads, d, causal, fa4=None):
     flops = backward_flops(batch, heads, s, s, d, causal)
     tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     nan = float("nan")
     row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s, family="-",
-               cuflash=nan, cuflash_det=nan, cuflash_torch=nan, flash=nan, cudnn=nan, maxdiff=nan)
+               cuflash=nan, cuflash_det=nan, cuflash_torch=nan, flash=nan, cudnn=nan, fa4=nan, maxdiff=nan)
     where = f"D={d} S={s} causal={causal}"
 
     # cuflash: one forward per input set, then backward only.
@@ -219,6 +255,23 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
 
             contenders[name] = run_torch
 
+        if fa4 is not None:
+            try:
+                graphs = []
+                for q, k, v, dout in inputs:
+                    # (B, S, H, D) leaves of the same memory, as FA4's users hold them: no transposes.
+                    leaves = [torch.from_dlpack(x).detach().requires_grad_(True) for x in (q, k, v)]
+                    out = fa4_out(fa4.flash_attn_func(*leaves, causal=causal))
+                    graphs.append((out, leaves, torch.from_dlpack(dout)))
+            except Exception as e:
+                log(f"FA4 failed at {where}: {type(e).__name__}: {e}")
+            else:
+                def run_fa4(i, graphs=graphs):
+                    out, leaves, dout = graphs[i]
+                    return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+                contenders["fa4"] = run_fa4
+
     # One call each first: a contender that cannot run this shape is reported and left out (one
     # broken shape should not hide the others); the rest are timed in turns (Timer.median_ms_each),
     # so that the GPU's clocks, which fall as it warms, weigh on all of them alike.
@@ -229,6 +282,8 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
                 result = fn(0)
                 if name in ("flash", "cudnn") and reference_dq is None:
                     reference_dq = cupy.from_dlpack(result[0].transpose(1, 2).contiguous())
+                if name == "fa4" and reference_dq is None:   # already (B, S, H, D); SDPA's come first
+                    reference_dq = cupy.from_dlpack(result[0].contiguous())
             except Exception as e:
                 log(f"{name} failed at {where}: {type(e).__name__}: {e}")
                 del contenders[name]
@@ -268,11 +323,14 @@ def main(argv=None):
     if gpu is None:
         return 1
     torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
+    fa4 = open_fa4(torch, not args.no_fa4)
+    versions = gpu.versions + (f", {fa4.label}" if fa4 is not None else "")
     dtypes = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
     chosen = f"forced {args.family}" if args.family else "cuflash's choice"
-    header = (f"**{gpu.device_name}** ({gpu.versions}). Backward TFLOP/s (2.5x forward FLOPs), tokens = {args.tokens}, "
+    header = (f"**{gpu.device_name}** ({versions}). Backward TFLOP/s (2.5x forward FLOPs), tokens = {args.tokens}, "
               f"hidden = {args.hidden}, median of {args.repeats} runs; cuflash family: {chosen}; "
-              f"cuflash_det = deterministic=True; cuflash_torch = the same call on torch tensors.")
+              f"cuflash_det = deterministic=True; cuflash_torch = the same call on torch tensors; "
+              f"fa4 = FlashAttention-4's backward through torch.autograd.grad.")
     log(header)
     rows = []
     with gpu.stream:
@@ -286,7 +344,7 @@ def main(argv=None):
                                     .astype(dtypes[dtype_name]) for _ in range(4)) for _ in range(N_INPUT_SETS)]
                     for causal in args.causals:
                         row = bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs,
-                                          dtype_name, batch, s, heads, d, causal)
+                                          dtype_name, batch, s, heads, d, causal, fa4=fa4)
                         rows.append(row)
                         log(" ".join(f"{c}={row[c]:.3g}" if isinstance(row[c], float) else f"{c}={row[c]}"
                                      for c in COLUMNS))

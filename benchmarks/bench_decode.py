@@ -19,19 +19,30 @@ Columns:
   contiguous cache (zero-copy BHSD views of the same memory, ``enable_gqa=True``; if the backend
   refuses GQA, K/V are expanded to Hq heads beforehand and the column is marked ``*``), same q.
   They read the full cache; their GB/s counts the same K+V bytes;
+- ``fa4``: FlashAttention-4 per call on this row's cache, as its users call it, on (B, S, H, D)
+  torch views of the same memory, no ``out=``: ``flash_attn_func(q, k, v)`` on the contiguous
+  cache, ``flash_attn_varlen_func(q, k_pages, v_pages, seqused_k=lengths, page_table=table)`` on
+  the paged one (its paged-KV entry; the table and lengths stay on the GPU). FA4 4.0.0b36 has no
+  split-KV on sm90 (its interface asserts "SplitKV not supported on SM 9.0"), so on H100/H200 it
+  runs with its default one split, one CTA per (sequence, KV head): few CTAs at small B. Left out,
+  with one line saying so, where ``flash_attn.cute`` does not import (benchmarks/fa4_device.md) or
+  with ``--no-fa4``; ``call/fa4``: cuflash's ``call GB/s`` over FA4's (> 1 is faster than FA4);
 - ``splits``: the split count the heuristic chose; ``maxdiff``: max |cuflash - float32 CuPy
   attention| on the same inputs, a guard against a fast but wrong kernel;
 - ``bar``: the issue's targets, >= 80% of copy bandwidth at (8, 8k) and (1, 128k) contiguous,
   >= 70% paged (page 16).
 
 Timing: CUDA events around N back-to-back calls (N sized so that a run takes about
-``--target-ms``), after warm-up (which also compiles), median of ``--repeats`` runs. The caches
-(128-512 MiB) are larger than L2, so no input rotation is needed.
+``--target-ms``), after warm-up (which also compiles), median of ``--repeats`` runs. Per row, the
+graph replay, the cuflash call and the peers take settled turns in a new random order each repeat
+(``Timer.median_ms_each``), after one call each (a contender that cannot run is reported and left
+out). The caches (128-512 MiB) are larger than L2, so no input rotation is needed.
 
 Output: progress lines, then the Markdown table on stdout (last); ``--csv`` and ``--md`` write
 files, ``--png`` a plot (when matplotlib is importable): one panel per cache layout, per (B, L) the
 GB/s per call (``call GB/s``) of cuflash beside SDPA flash and cuDNN (theirs on the contiguous
-cache in both panels), with the measured copy bandwidth as a dashed line.
+cache in both panels) and FA4 (on the panel's cache), with the measured copy bandwidth as a dashed
+line.
 
 Examples
 --------
@@ -44,6 +55,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from types import SimpleNamespace
 
 from _harness import Timer, copy_bandwidth, fmt, log, markdown_table, missing, open_gpu, write_results
 
@@ -52,18 +64,22 @@ HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 BARS = {("contiguous", 8, 8192): 0.80, ("contiguous", 1, 131072): 0.80,
         **{("paged16", b, s): 0.70 for b, s in SHAPES}}
 
+PEERS = ("flash", "cudnn", "fa4")
 COLUMNS = ["layout", "B", "L", "splits", "cuflash us", "GB/s", "%copy", "call us", "call GB/s", "flash us",
-           "flash GB/s", "cudnn us", "cudnn GB/s", "maxdiff", "bar"]
+           "flash GB/s", "cudnn us", "cudnn GB/s", "fa4 us", "fa4 GB/s", "call/fa4", "maxdiff", "bar"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="cuflash decode bandwidth against copy bandwidth and torch SDPA.")
+    p = argparse.ArgumentParser(description="cuflash decode bandwidth against copy bandwidth, torch SDPA and "
+                                            "FlashAttention-4.")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per point, median reported (default 7)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
     p.add_argument("--target-ms", type=float, default=50.0, help="approximate length of one timed run (default 50)")
     p.add_argument("--shapes", default=None, help="B:L pairs, e.g. 1:32768,8:8192 (default: the issue's four)")
     p.add_argument("--layouts", default="contiguous,paged16", help="contiguous and/or paged16")
-    p.add_argument("--no-torch", action="store_true", help="skip torch SDPA even if importable")
+    p.add_argument("--no-torch", action="store_true", help="skip torch SDPA (and FA4, which needs torch) even if "
+                                                           "importable")
+    p.add_argument("--no-fa4", action="store_true", help="do not time FlashAttention-4 even if importable")
     p.add_argument("--csv", default=None, help="also write the rows as CSV")
     p.add_argument("--md", default=None, help="also write the Markdown table to this file")
     p.add_argument("--png", default=None, help="also write a plot of GB/s per call to this path (needs matplotlib)")
@@ -93,7 +109,32 @@ def naive_decode(cupy, q, k, v):
 
 
 # Cells: maxdiff in scientific notation, %copy as a percentage, other floats to one decimal.
-CELL_FORMATS = {"maxdiff": lambda v: f"{v:.1e}", "%copy": lambda v: f"{100 * v:.0f}%"}
+CELL_FORMATS = {"maxdiff": lambda v: f"{v:.1e}", "%copy": lambda v: f"{100 * v:.0f}%", "call/fa4": lambda v: f"{v:.2f}"}
+
+
+def open_fa4(torch, wanted=True):
+    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
+    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
+    its skip are bench_host.py's."""
+    if torch is None or not wanted:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
+        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
+        return None
+    try:
+        from importlib.metadata import version
+        label = f"flash-attn-4 {version('flash-attn-4')}"
+    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
+        label = "flash_attn.cute"
+    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                           label=label)
+
+
+def fa4_out(result):
+    """FA4's entry points return ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
+    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def main(argv=None):
@@ -109,6 +150,8 @@ def main(argv=None):
     if gpu is None:
         return 1
     torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
+    fa4 = open_fa4(torch, not args.no_fa4)
+    versions = gpu.versions + (f", {fa4.label}" if fa4 is not None else "")
     bf16 = cupy.dtype(ml_dtypes.bfloat16)
     rows = []
     with gpu.stream:
@@ -116,8 +159,9 @@ def main(argv=None):
         timer = Timer(cupy, args.repeats, args.warmup, args.target_ms, max_calls=1000)
         copy_gbs = copy_bandwidth(cupy, timer)
         cupy.get_default_memory_pool().free_all_blocks()
-        header = (f"**{gpu.device_name}** ({gpu.versions}); device copy bandwidth = {copy_gbs:.0f} GB/s (read + write). Decode "
-                  f"bf16, Sq = 1, Hq = {HEADS_Q}, Hk = {HEADS_K}, D = {HEAD_DIM}; median of {args.repeats} runs.")
+        header = (f"**{gpu.device_name}** ({versions}); device copy bandwidth = {copy_gbs:.0f} GB/s (read + write). "
+                  f"Decode bf16, Sq = 1, Hq = {HEADS_Q}, Hk = {HEADS_K}, D = {HEAD_DIM}; median of {args.repeats} "
+                  f"runs, contenders in random-order turns.")
         log(header)
         rng = np.random.default_rng(0)
         for batch, seqlen in args.shapes:
@@ -127,65 +171,22 @@ def main(argv=None):
             v = cupy.random.standard_normal((batch, seqlen, HEADS_K, HEAD_DIM), dtype=cupy.float32).astype(bf16)
             reference = naive_decode(cupy, q, k, v)
             out = cupy.empty_like(q)
-            torch_times = {}
-            if torch is not None:
-                torch_times = bench_sdpa(torch, F, sdpa_kernel, SDPBackend, timer, q, k, v, kv_bytes)
             for layout in args.layouts:
                 if layout == "contiguous":
                     kc, vc, table, lens = k, v, None, None
                 elif layout == "paged16":
-                    pages = batch * seqlen // PAGE_SIZE
-                    order = rng.permutation(pages).astype(np.int32)
-                    table = order.reshape(batch, seqlen // PAGE_SIZE)
-                    # Page p of sequence b holds its keys p*16 .. p*16+15, at a random place in the pool.
-                    kc = cupy.empty((pages, PAGE_SIZE, HEADS_K, HEAD_DIM), dtype=bf16)
-                    vc = cupy.empty_like(kc)
-                    # (scattered as uint16 bits: CuPy's bfloat16 is ml_dtypes', best kept to plain copies)
-                    pages_of = cupy.asarray(table)
-                    kc.view(cupy.uint16)[pages_of] = k.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K,
-                                                                                  HEAD_DIM)
-                    vc.view(cupy.uint16)[pages_of] = v.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K,
-                                                                                  HEAD_DIM)
-                    lens = cupy.full(batch, seqlen, dtype=cupy.int32)
-                    table = cupy.asarray(table)
+                    kc, vc, table, lens = paged_cache(cupy, rng, k, v, bf16)
                 else:
                     raise SystemExit(f"unknown layout {layout!r}")
-                row = dict(layout=layout, B=batch, L=seqlen)
-                call = None
-                try:
-                    planned = cuflash.plan(cuflash.decode, q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
-                    row["splits"] = planned.plan.info["num_splits"]
-                    cupy.cuda.Device().synchronize()
-                    capture = cupy.cuda.Stream(non_blocking=True)   # the default stream cannot capture
-                    with capture:
-                        planned(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)   # makes its workspace
-                        capture.begin_capture()
-                        planned(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
-                        call = capture.end_capture()
-                    capture.synchronize()
-                    stream = cupy.cuda.get_current_stream()
-                    ms = timer.median_ms(lambda i: call.launch(stream))
-                    row["cuflash us"] = ms * 1e3
-                    row["GB/s"] = kv_bytes / (ms * 1e-3) / 1e9
-                    row["%copy"] = row["GB/s"] / copy_gbs
-                    row["call us"] = 1e3 * timer.median_ms(
-                        lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out))
-                    row["call GB/s"] = kv_bytes / (row["call us"] * 1e-6) / 1e9
-                    call.launch(stream)
-                    row["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
-                except Exception as e:  # report and go on: one broken point should not hide the others
-                    log(f"cuflash failed at {layout} B={batch} L={seqlen}: {type(e).__name__}: {e}")
-                for impl in ("flash", "cudnn"):
-                    t = torch_times.get(impl)
-                    if t is not None:
-                        row[f"{impl} us"] = t[0] * 1e3
-                        row[f"{impl} GB/s"] = f"{t[1]:.0f}" + ("*" if t[2] else "")
-                bar = BARS.get((layout, batch, seqlen))
-                if bar is not None and "%copy" in row:
-                    row["bar"] = f">={100 * bar:.0f}% " + ("PASS" if row["%copy"] >= bar else "FAIL")
+                where = f"{layout} B={batch} L={seqlen}"
+                peers = peer_contenders(torch, F, sdpa_kernel, SDPBackend, fa4, q, k, v, layout, kc, vc, table, lens)
+                ms, marks, measured = bench_layout(cupy, cuflash, timer, peers, q, kc, vc, table, lens, out,
+                                                   reference, where)
+                row = dict(layout=layout, B=batch, L=seqlen, **measured,
+                           **decode_cells(ms, marks, kv_bytes, copy_gbs, BARS.get((layout, batch, seqlen))))
                 rows.append(row)
                 log(" ".join(f"{c}={fmt(row.get(c), 3)}" for c in COLUMNS if c in row))
-                call = kc = vc = None   # drop the paged copies before the next layout
+                peers = kc = vc = None   # drop the paged copies (and any expanded K/V) before the next layout
             q = k = v = out = reference = None
             cupy.get_default_memory_pool().free_all_blocks()
             if torch is not None:
@@ -207,8 +208,8 @@ def kv_bytes_of(batch, seqlen):
 
 def write_png(rows, path, device_name, copy_gbs):
     """One panel per cache layout: per (B, L), GB/s per call (K+V bytes over ``call us``) of cuflash
-    beside SDPA flash and cuDNN (theirs on the contiguous cache in every panel), higher is better;
-    the dashed line is the measured device copy bandwidth."""
+    beside SDPA flash and cuDNN (theirs on the contiguous cache in every panel) and FA4 (on the
+    panel's cache), higher is better; the dashed line is the measured device copy bandwidth."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -227,7 +228,7 @@ def write_png(rows, path, device_name, copy_gbs):
         return nan if missing(us) else kv_bytes_of(row["B"], row["L"]) / (us * 1e-6) / 1e9
 
     bars = [("cuflash.decode", "call us", "tab:blue"), ("SDPA flash", "flash us", "tab:green"),
-            ("SDPA cuDNN", "cudnn us", "tab:red")]
+            ("SDPA cuDNN", "cudnn us", "tab:red"), ("FA4", "fa4 us", "tab:purple")]
     width = 0.8 / len(bars)
     measured = [gbs(r, column) for r in rows for _, column, _ in bars]
     top = max([copy_gbs] + [y for y in measured if not math.isnan(y)])
@@ -260,44 +261,137 @@ def write_png(rows, path, device_name, copy_gbs):
     log(f"plot written to {path}")
 
 
-def bench_sdpa(torch, F, sdpa_kernel, SDPBackend, timer, q, k, v, kv_bytes):
-    """{backend: (ms, GB/s, expanded)} for SDPA flash and cuDNN on the contiguous cache."""
-    import cupy
+def paged_cache(cupy, rng, k, v, bf16):
+    """(k pages, v pages, block table, lengths) of the contiguous cache (B, L, Hk, D) in pages of 16:
+    page p of sequence b holds its keys p*16 .. p*16+15, at a random place in the pool."""
+    batch, seqlen = k.shape[:2]
+    pages = batch * seqlen // PAGE_SIZE
+    order = rng.permutation(pages).astype("int32")
+    table = cupy.asarray(order.reshape(batch, seqlen // PAGE_SIZE))
+    kc = cupy.empty((pages, PAGE_SIZE, HEADS_K, HEAD_DIM), dtype=bf16)
+    vc = cupy.empty_like(kc)
+    # (scattered as uint16 bits: CuPy's bfloat16 is ml_dtypes', best kept to plain copies)
+    kc.view(cupy.uint16)[table] = k.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K, HEAD_DIM)
+    vc.view(cupy.uint16)[table] = v.view(cupy.uint16).reshape(batch, -1, PAGE_SIZE, HEADS_K, HEAD_DIM)
+    return kc, vc, table, cupy.full(batch, seqlen, dtype=cupy.int32)
 
+
+def peer_contenders(torch, F, sdpa_kernel, SDPBackend, fa4, q, k, v, layout, kc, vc, table, lens):
+    """{name: (call, mark)} of one row's peers, each a call of no arguments as its users make it:
+    SDPA flash and cuDNN on the contiguous cache ``k``/``v`` whatever the layout (BHSD views,
+    ``enable_gqa=True``; where a backend refuses GQA, K/V expanded to Hq heads beforehand and the
+    mark ``*``), and FA4 on this layout's cache (``kc``/``vc``, with ``table`` and ``lens`` when
+    paged). Nothing without torch."""
+    peers = {}
+    if torch is None:
+        return peers
     tq = torch.from_dlpack(q).transpose(1, 2)            # (B, Hq, 1, D)
     tk = torch.from_dlpack(k).transpose(1, 2)            # (B, Hk, L, D), a view of the cache
     tv = torch.from_dlpack(v).transpose(1, 2)
-    results = {}
     for impl, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        expanded = False
-
-        def run_gqa():
+        def run_gqa(backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
 
-        fn = run_gqa
         try:
             run_gqa()
+            peers[impl] = (run_gqa, "")
+            continue
         except Exception:
-            group = tq.shape[1] // tk.shape[1]
-            try:
-                ek, ev = tk.repeat_interleave(group, dim=1), tv.repeat_interleave(group, dim=1)
-            except Exception as e:
-                log(f"torch {impl}: cannot expand K/V ({type(e).__name__}: {e})")
-                continue
-
-            def run_expanded(ek=ek, ev=ev):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(tq, ek, ev)
-
-            fn, expanded = run_expanded, True
+            pass
+        group = tq.shape[1] // tk.shape[1]
         try:
-            ms = timer.median_ms(lambda i, fn=fn: fn())
-            results[impl] = (ms, kv_bytes / (ms * 1e-3) / 1e9, expanded)
+            ek, ev = tk.repeat_interleave(group, dim=1), tv.repeat_interleave(group, dim=1)
         except Exception as e:
-            log(f"torch {impl} failed: {type(e).__name__}: {e}")
-        cupy.get_default_memory_pool().free_all_blocks()
-    return results
+            log(f"torch {impl}: cannot expand K/V ({type(e).__name__}: {e})")
+            continue
+
+        def run_expanded(backend=backend, ek=ek, ev=ev):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(tq, ek, ev)
+
+        peers[impl] = (run_expanded, "*")
+    if fa4 is not None:
+        # (B, S, H, D) views of the same memory, as FA4 takes them; its own default num_splits (the
+        # module docstring says why).
+        fq = torch.from_dlpack(q)                        # (B, 1, Hq, D)
+        if layout == "contiguous":
+            fk, fv = torch.from_dlpack(kc), torch.from_dlpack(vc)        # (B, L, Hk, D)
+
+            def run_fa4():
+                return fa4_out(fa4.flash_attn_func(fq, fk, fv))
+        else:
+            # FA4's paged KV: pages (num_pages, page_size, Hk, D), page_table (B, pages per sequence)
+            # int32, seqused_k (B,) int32; only flash_attn_varlen_func takes them.
+            fk, fv, ft, fl = (torch.from_dlpack(x) for x in (kc, vc, table, lens))
+
+            def run_fa4():
+                return fa4_out(fa4.flash_attn_varlen_func(fq, fk, fv, seqused_k=fl, page_table=ft))
+        peers["fa4"] = (run_fa4, "")
+    return peers
+
+
+def bench_layout(cupy, cuflash, timer, peers, q, kc, vc, table, lens, out, reference, where):
+    """Times one row: cuflash's kernels alone (a ``cuflash.plan`` of the call captured in a CUDA graph
+    and replayed, ``graph``), the whole ``cuflash.decode`` call (``call``) and the peers, in settled
+    random-order turns, after one call each (one that cannot run is reported and left out).
+
+    Returns ({contender: ms per call}, {peer: mark}, {"splits", "maxdiff"} where known); the output
+    checked against ``reference`` is the graph's (the call's without a graph)."""
+    contenders, measured, graph = {}, {}, None
+    stream = cupy.cuda.get_current_stream()
+    try:
+        planned = cuflash.plan(cuflash.decode, q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+        measured["splits"] = planned.plan.info["num_splits"]
+        cupy.cuda.Device().synchronize()
+        capture = cupy.cuda.Stream(non_blocking=True)   # the default stream cannot capture
+        with capture:
+            planned(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)   # makes its workspace
+            capture.begin_capture()
+            planned(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+            graph = capture.end_capture()
+        capture.synchronize()
+        contenders["graph"] = lambda i: graph.launch(stream)
+    except Exception as e:  # report and go on: the call and the peers are still timed
+        log(f"cuflash plan / graph failed at {where}: {type(e).__name__}: {e}")
+    contenders["call"] = lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+    for name, (fn, _) in peers.items():
+        contenders[name] = lambda i, fn=fn: fn()
+    for name, fn in list(contenders.items()):
+        try:
+            fn(0)
+        except Exception as e:  # one broken contender should not hide the others
+            log(f"{name} failed at {where}: {type(e).__name__}: {e}")
+            del contenders[name]
+    ms = timer.median_ms_each(contenders) if contenders else {}
+    checked = next((name for name in ("graph", "call") if name in ms), None)
+    if checked is not None:
+        contenders[checked](0)
+        measured["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
+    return ms, {name: mark for name, (_, mark) in peers.items() if name in ms}, measured
+
+
+def decode_cells(ms, marks, kv_bytes, copy_gbs, bar=None):
+    """A row's time and bandwidth cells from {contender: ms per call}: ``graph`` -> cuflash us / GB/s /
+    %copy, ``call`` -> call us / call GB/s, each peer -> "<peer> us" / "<peer> GB/s" (with its mark),
+    ``call/fa4`` (speed over speed) and the bar where the row has one."""
+    def gbs(t):
+        return kv_bytes / (t * 1e-3) / 1e9
+
+    cells = {}
+    if "graph" in ms:
+        cells.update({"cuflash us": ms["graph"] * 1e3, "GB/s": gbs(ms["graph"]), "%copy": gbs(ms["graph"]) / copy_gbs})
+    if "call" in ms:
+        cells.update({"call us": ms["call"] * 1e3, "call GB/s": gbs(ms["call"])})
+    for impl in PEERS:
+        if impl in ms:
+            cells[f"{impl} us"] = ms[impl] * 1e3
+            cells[f"{impl} GB/s"] = f"{gbs(ms[impl]):.0f}" + marks.get(impl, "")
+    if "call" in ms and "fa4" in ms:
+        cells["call/fa4"] = ms["fa4"] / ms["call"]
+    if bar is not None and "%copy" in cells:
+        cells["bar"] = f">={100 * bar:.0f}% " + ("PASS" if cells["%copy"] >= bar else "FAIL")
+    return cells
 
 
 if __name__ == "__main__":

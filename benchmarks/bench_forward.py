@@ -13,17 +13,23 @@ Columns (TFLOP/s, FLOPs = 4 * B * H * Sq * Sk * D, half of that when causal):
 - ``flash`` / ``cudnn`` / ``efficient``: ``torch.nn.functional.scaled_dot_product_attention``
   restricted to the FLASH_ATTENTION / CUDNN_ATTENTION / EFFICIENT_ATTENTION backend
   (``torch.nn.attention.sdpa_kernel``), given BHSD views (transposes) of the very same memory;
+- ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func(q, k, v, causal=...)``) on
+  (B, S, H, D) torch views of the same memory, as its users call it: no ``out=``, its output
+  allocated in the call. Left out, with one line saying so, where ``flash_attn.cute`` does not
+  import (benchmarks/fa4_device.md says how to install it on the GPU machine) or with ``--no-fa4``;
 - ``naive``: what a CuPy user writes today, matmul / softmax / matmul in float32
   (only up to ``--naive-max-seqlen`` to bound its O(S^2) memory);
-- ratios ``cuflash/flash`` and ``cuflash/cudnn``, and cuflash's fraction of the measured
-  bf16 GEMM rate (torch.matmul of 8192^3; CuPy fp16 when torch is absent).
+- ratios ``cuflash/flash``, ``cuflash/cudnn`` and ``cuflash/fa4`` (speed over speed, > 1 is
+  faster than the peer), and cuflash's fraction of the measured bf16 GEMM rate (torch.matmul of
+  8192^3; CuPy fp16 when torch is absent).
 
 Timing: warm-up calls (which also compile), then ``--repeats`` timed runs of N calls
 each (N sized so a run takes about ``--target-ms``), rotating over 3 input sets so
 that L2 cache (50 MiB on an H100) cannot hold the inputs between calls; the median
-run is reported. The contenders of a shape take turns (one run each, repeated), so
-that drift in clocks and power falls on all of them alike. ``maxdiff`` is max|cuflash - flash| (or cudnn / naive when flash is
-not available) on the first input set, a guard against a fast but wrong kernel.
+run is reported. The contenders of a shape, FA4 among them, take turns (one run each, repeated,
+in a new random order each time), so that drift in clocks and power falls on all of them alike.
+``maxdiff`` is max|cuflash - flash| (or the next SDPA backend that ran, else FA4, else naive) on
+the first input set, a guard against a fast but wrong kernel.
 
 Output: progress lines, then a Markdown table on stdout (last), a CSV (``--csv``),
 the table alone (``--md``) and a plot (``--png``, when matplotlib is importable).
@@ -41,6 +47,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from _harness import N_INPUT_SETS, Timer, copy_bandwidth, gemm_rate, log, markdown_table, open_gpu, write_results
 
@@ -50,14 +57,15 @@ QUICK_SEQLENS = (2048, 8192)
 
 COLUMNS = [
     "dtype", "head_dim", "causal", "batch", "heads", "seqlen",
-    "cuflash", "sm80", "flash", "cudnn", "efficient", "naive",
-    "cuflash/flash", "cuflash/cudnn", "cuflash/gemm", "maxdiff",
+    "cuflash", "sm80", "flash", "cudnn", "efficient", "fa4", "naive",
+    "cuflash/flash", "cuflash/cudnn", "cuflash/fa4", "cuflash/gemm", "maxdiff",
 ]
+IMPLS = ("cuflash", "sm80", "flash", "cudnn", "efficient", "fa4", "naive")   # the TFLOP/s columns
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="cuflash forward benchmark against torch SDPA (flash, cuDNN) and naive CuPy.",
+        description="cuflash forward benchmark against torch SDPA (flash, cuDNN), FlashAttention-4 and naive CuPy.",
     )
     p.add_argument("--quick", action="store_true",
                    help=f"fewer shapes: seqlens {QUICK_SEQLENS}, fewer repeats")
@@ -77,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--naive-max-seqlen", type=int, default=8192,
                    help="largest seqlen for the naive float32 CuPy baseline (default: 8192)")
     p.add_argument("--no-torch", action="store_true", help="do not use torch even if importable")
+    p.add_argument("--no-fa4", action="store_true", help="do not time FlashAttention-4 even if importable")
     p.add_argument("--no-naive", action="store_true", help="skip the naive CuPy baseline")
     p.add_argument("--csv", default=None, help="write the results as CSV to this path")
     p.add_argument("--md", default=None, help="write the Markdown table to this path")
@@ -95,6 +104,31 @@ def parse_args(argv=None):
         args.repeats = 3 if args.quick else 7
     args.causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     return args
+
+
+def open_fa4(torch, wanted=True):
+    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
+    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
+    its skip are bench_host.py's."""
+    if torch is None or not wanted:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
+        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
+        return None
+    try:
+        from importlib.metadata import version
+        label = f"flash-attn-4 {version('flash-attn-4')}"
+    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
+        label = "flash_attn.cute"
+    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                           label=label)
+
+
+def fa4_out(result):
+    """FA4's ``flash_attn_func`` returns ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
+    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def attention_flops(batch, heads, sq, sk, head_dim, causal):
@@ -123,7 +157,7 @@ def naive_attention(cupy, q, k, v, causal):
 
 
 # Cells: ratios to two decimals, maxdiff in scientific notation, other floats to one decimal.
-CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in ("cuflash/flash", "cuflash/cudnn", "cuflash/gemm")},
+CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in ("cuflash/flash", "cuflash/cudnn", "cuflash/fa4", "cuflash/gemm")},
                 "maxdiff": lambda v: f"{v:.2e}"}
 
 
@@ -144,8 +178,8 @@ def write_png(rows, path):
     for ax, (dt, d, c) in zip(axes.flat, groups):
         sel = [r for r in rows if (r["dtype"], r["head_dim"], r["causal"]) == (dt, d, c)]
         xs = [r["seqlen"] for r in sel]
-        for impl in ("cuflash", "sm80", "flash", "cudnn", "efficient", "naive"):
-            ys = [r[impl] for r in sel]
+        for impl in IMPLS:
+            ys = [r.get(impl) for r in sel]
             if all(y is None or math.isnan(y) for y in ys):
                 continue
             ax.plot(xs, [float("nan") if y is None else y for y in ys], marker="o", label=impl)
@@ -180,13 +214,15 @@ def main(argv=None):
     if gpu is None:
         return 1
     torch, F, sdpa_kernel, SDPBackend = gpu.torch, gpu.F, gpu.sdpa_kernel, gpu.SDPBackend
+    fa4 = open_fa4(torch, not args.no_fa4)
+    versions = gpu.versions + (f", {fa4.label}" if fa4 is not None else "")
     rows = []
     with gpu.stream:
         timer = Timer(cupy, args.repeats, args.warmup, args.target_ms)
         gemm, gemm_label = gemm_rate(cupy, torch, timer)
         bandwidth = copy_bandwidth(cupy, timer)
         cupy.get_default_memory_pool().free_all_blocks()
-        header = (f"**{gpu.device_name}** ({gpu.versions}); ceilings: {gemm_label} 8192^3 = {gemm:.0f} TFLOP/s, "
+        header = (f"**{gpu.device_name}** ({versions}); ceilings: {gemm_label} 8192^3 = {gemm:.0f} TFLOP/s, "
                   f"device copy = {bandwidth:.0f} GB/s. Forward TFLOP/s, tokens = {args.tokens}, "
                   f"hidden = {args.hidden}, median of {args.repeats} runs.")
         log(header)
@@ -199,19 +235,15 @@ def main(argv=None):
                     batch = max(1, args.tokens // s)
                     inputs = make_inputs(cupy, cp_dtype, batch, s, heads, d)
                     out = cupy.empty_like(inputs[0][0])
-                    torch_inputs = None
-                    if torch is not None:
-                        # Zero-copy views of the same memory, BHSD as SDPA wants them.
-                        torch_inputs = [tuple(torch.from_dlpack(x).transpose(1, 2) for x in qkv)
-                                        for qkv in inputs]
+                    fa4_inputs, torch_inputs = torch_views(torch, inputs)
                     for causal in args.causals:
                         row = bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend,
                                           timer, inputs, torch_inputs, out, dtype_name, batch,
-                                          s, heads, d, causal, gemm)
+                                          s, heads, d, causal, gemm, fa4=fa4, fa4_inputs=fa4_inputs)
                         rows.append(row)
                         log(" ".join(f"{c}={row[c]}" if not isinstance(row[c], float)
                                      else f"{c}={row[c]:.3g}" for c in COLUMNS))
-                    del inputs, torch_inputs, out
+                    del inputs, torch_inputs, fa4_inputs, out
                     cupy.get_default_memory_pool().free_all_blocks()
                     if torch is not None:
                         torch.cuda.empty_cache()
@@ -225,6 +257,16 @@ def main(argv=None):
     return 0
 
 
+def torch_views(torch, inputs):
+    """(FA4's inputs, SDPA's inputs) for CuPy's sets: zero-copy torch views of the same memory,
+    (B, S, H, D) as FA4 takes them and BHSD views of those as SDPA wants them; (None, None) without
+    torch."""
+    if torch is None:
+        return None, None
+    bshd = [tuple(torch.from_dlpack(x) for x in qkv) for qkv in inputs]
+    return bshd, [tuple(x.transpose(1, 2) for x in qkv) for qkv in bshd]
+
+
 def make_inputs(cupy, dtype, batch, s, heads, d):
     """``N_INPUT_SETS`` independent (q, k, v) sets of shape (B, S, H, D), N(0, 1) values."""
     sets = []
@@ -235,7 +277,7 @@ def make_inputs(cupy, dtype, batch, s, heads, d):
 
 
 def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs,
-                torch_inputs, out, dtype_name, batch, s, heads, d, causal, gemm):
+                torch_inputs, out, dtype_name, batch, s, heads, d, causal, gemm, fa4=None, fa4_inputs=None):
     flops = attention_flops(batch, heads, s, s, d, causal)
 
     def tflops(ms):
@@ -243,7 +285,7 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
 
     row = dict(dtype=dtype_name, head_dim=d, causal=causal, batch=batch, heads=heads, seqlen=s,
                cuflash=float("nan"), sm80=float("nan"), flash=float("nan"), cudnn=float("nan"),
-               efficient=float("nan"), naive=float("nan"),
+               efficient=float("nan"), fa4=float("nan"), naive=float("nan"),
                maxdiff=float("nan"))
 
     def run_cuflash(i):
@@ -263,12 +305,19 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
+    # FA4 as its users call it: (B, S, H, D) torch tensors, its output allocated in the call.
+    def run_fa4(i):
+        q, k, v = fa4_inputs[i]
+        return fa4_out(fa4.flash_attn_func(q, k, v, causal=causal))
+
     contenders = {"cuflash": run_cuflash}
     if dtype_name in ("float16", "bfloat16"):
         contenders["sm80"] = run_sm80
     if torch is not None:
         contenders.update(flash=sdpa(SDPBackend.FLASH_ATTENTION), cudnn=sdpa(SDPBackend.CUDNN_ATTENTION),
                           efficient=sdpa(SDPBackend.EFFICIENT_ATTENTION))
+    if fa4 is not None and fa4_inputs is not None:
+        contenders["fa4"] = run_fa4
     # One call each first: a contender that cannot run this shape is reported and left out (one
     # broken shape should not hide the others); the rest are timed in turns.
     reference_out = None
@@ -278,6 +327,8 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
             if name in ("flash", "cudnn", "efficient") and reference_out is None:
                 # (B, H, S, D) -> (B, S, H, D), back in CuPy without a copy.
                 reference_out = cupy.from_dlpack(result.transpose(1, 2))
+            if name == "fa4" and reference_out is None:   # already (B, S, H, D); SDPA's comes first
+                reference_out = cupy.from_dlpack(result)
         except Exception as e:
             log(f"{name} failed at D={d} S={s} causal={causal}: {type(e).__name__}: {e}")
             del contenders[name]
@@ -303,6 +354,7 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
 
     row["cuflash/flash"] = row["cuflash"] / row["flash"]
     row["cuflash/cudnn"] = row["cuflash"] / row["cudnn"]
+    row["cuflash/fa4"] = row["cuflash"] / row["fa4"]
     row["cuflash/gemm"] = row["cuflash"] / gemm
     return row
 
