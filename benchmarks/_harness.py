@@ -188,3 +188,28 @@ def write_results(rows, table, columns, csv_path=None, md_path=None):
     if md_path:
         with open(md_path, "w") as f:
             f.write(table + "\n")
+
+
+def open_fa4(torch, wanted=True):
+    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
+    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
+    its skip are bench_host.py's). Shared by bench_forward, bench_backward and bench_decode."""
+    if torch is None or not wanted:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
+        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
+        return None
+    try:
+        from importlib.metadata import version
+        label = f"flash-attn-4 {version('flash-attn-4')}"
+    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
+        label = "flash_attn.cute"
+    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                           label=label)
+
+
+def fa4_out(result):
+    """FA4's entry points return ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
+    return result[0] if isinstance(result, (tuple, list)) else result

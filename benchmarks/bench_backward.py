@@ -49,9 +49,8 @@ import contextlib
 import math
 import sys
 import time
-from types import SimpleNamespace
 
-from _harness import N_INPUT_SETS, Timer, log, markdown_table, missing, open_gpu, write_results
+from _harness import N_INPUT_SETS, Timer, fa4_out, log, markdown_table, missing, open_fa4, open_gpu, write_results
 
 FULL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)   # as bench_forward.py
 QUICK_SEQLENS = (2048, 8192)
@@ -108,31 +107,6 @@ def backward_flops(batch, heads, sq, sk, head_dim, causal):
 
 # Cells: ratios to two decimals, maxdiff in scientific notation, other floats to one decimal.
 CELL_FORMATS = {**{c: lambda v: f"{v:.2f}" for c in RATIOS}, "maxdiff": lambda v: f"{v:.2e}"}
-
-
-def open_fa4(torch, wanted=True):
-    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
-    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
-    its skip are bench_host.py's."""
-    if torch is None or not wanted:
-        return None
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
-        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
-        return None
-    try:
-        from importlib.metadata import version
-        label = f"flash-attn-4 {version('flash-attn-4')}"
-    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
-        label = "flash_attn.cute"
-    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
-                           label=label)
-
-
-def fa4_out(result):
-    """FA4's ``flash_attn_func`` returns ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
-    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def forcing(cuflash, family):
@@ -204,21 +178,19 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
     for q, k, v, _ in inputs:
         out, lse, _ = cuflash.attention_forward(q, k, v, causal=causal)
         saved.append((out, lse))
-    grads = tuple(cupy.empty_like(x) for x in inputs[0][:3])
 
     # Every cuflash call below runs inside forcing(...) (the forced family, or nothing), entered
     # around the timing rather than in each call, so that it adds no host time to the figures.
     def run_cuflash(i, deterministic=False):
         q, k, v, dout = inputs[i]
         out, lse = saved[i]
-        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
-                                          dq=grads[0], dk=grads[1], dv=grads[2])
+        # dq, dk, dv allocated by the call, as its users call it (the peers allocate theirs).
+        return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
 
     try:   # which family runs (planned, nothing launched)
         q, k, v, dout = inputs[0]
         with forcing(cuflash, args.family):
-            planned = cuflash.plan(cuflash.attention_backward, dout, q, k, v, *saved[0], causal=causal,
-                                   dq=grads[0], dk=grads[1], dv=grads[2])
+            planned = cuflash.plan(cuflash.attention_backward, dout, q, k, v, *saved[0], causal=causal)
         row["family"] = planned.plan.info.get("family", "?")
     except Exception as e:
         log(f"cuflash planning failed at {where}: {type(e).__name__}: {e}")
@@ -227,13 +199,12 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
     if not args.no_deterministic:
         contenders["cuflash_det"] = lambda i: run_cuflash(i, True)
     if torch is not None:
-        # The same call from torch: views of the same memory, gradient buffers included.
+        # The same call from torch: views of the same memory.
         views = [tuple(torch.from_dlpack(x) for x in (dout, q, k, v, out, lse))
                  for (q, k, v, dout), (out, lse) in zip(inputs, saved)]
-        grads_t = tuple(torch.from_dlpack(g) for g in grads)
 
         def run_cuflash_torch(i):
-            return cuflash.attention_backward(*views[i], causal=causal, dq=grads_t[0], dk=grads_t[1], dv=grads_t[2])
+            return cuflash.attention_backward(*views[i], causal=causal)
 
         contenders["cuflash_torch"] = run_cuflash_torch
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):

@@ -55,9 +55,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from types import SimpleNamespace
 
-from _harness import Timer, copy_bandwidth, fmt, log, markdown_table, missing, open_gpu, write_results
+from _harness import (Timer, copy_bandwidth, fa4_out, fmt, log, markdown_table, missing, open_fa4, open_gpu,
+                      write_results)
 
 SHAPES = ((1, 32768), (8, 8192), (32, 4096), (1, 131072))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
@@ -110,31 +110,6 @@ def naive_decode(cupy, q, k, v):
 
 # Cells: maxdiff in scientific notation, %copy as a percentage, other floats to one decimal.
 CELL_FORMATS = {"maxdiff": lambda v: f"{v:.1e}", "%copy": lambda v: f"{100 * v:.0f}%", "call/fa4": lambda v: f"{v:.2f}"}
-
-
-def open_fa4(torch, wanted=True):
-    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
-    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
-    its skip are bench_host.py's."""
-    if torch is None or not wanted:
-        return None
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
-        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
-        return None
-    try:
-        from importlib.metadata import version
-        label = f"flash-attn-4 {version('flash-attn-4')}"
-    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
-        label = "flash_attn.cute"
-    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
-                           label=label)
-
-
-def fa4_out(result):
-    """FA4's entry points return ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
-    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def main(argv=None):
@@ -354,7 +329,9 @@ def bench_layout(cupy, cuflash, timer, peers, q, kc, vc, table, lens, out, refer
         contenders["graph"] = lambda i: graph.launch(stream)
     except Exception as e:  # report and go on: the call and the peers are still timed
         log(f"cuflash plan / graph failed at {where}: {type(e).__name__}: {e}")
-    contenders["call"] = lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table, out=out)
+    # The plain call allocates its output, as its users call it; the graph's output is the buffer it
+    # was captured with, as a serving loop's graph keeps one.
+    contenders["call"] = lambda i: cuflash.decode(q, kc, vc, cache_seqlens=lens, block_table=table)
     for name, (fn, _) in peers.items():
         contenders[name] = lambda i, fn=fn: fn()
     for name, fn in list(contenders.items()):
@@ -366,8 +343,9 @@ def bench_layout(cupy, cuflash, timer, peers, q, kc, vc, table, lens, out, refer
     ms = timer.median_ms_each(contenders) if contenders else {}
     checked = next((name for name in ("graph", "call") if name in ms), None)
     if checked is not None:
-        contenders[checked](0)
-        measured["maxdiff"] = float(cupy.abs(out.astype(cupy.float32) - reference).max())
+        got = contenders[checked](0)
+        got = out if checked == "graph" else got
+        measured["maxdiff"] = float(cupy.abs(got.astype(cupy.float32) - reference).max())
     return ms, {name: mark for name, (_, mark) in peers.items() if name in ms}, measured
 
 

@@ -47,9 +47,9 @@ import math
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from _harness import N_INPUT_SETS, Timer, copy_bandwidth, gemm_rate, log, markdown_table, open_gpu, write_results
+from _harness import (N_INPUT_SETS, Timer, copy_bandwidth, fa4_out, gemm_rate, log, markdown_table, open_fa4,
+                      open_gpu, write_results)
 
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 FULL_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -104,31 +104,6 @@ def parse_args(argv=None):
         args.repeats = 3 if args.quick else 7
     args.causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     return args
-
-
-def open_fa4(torch, wanted=True):
-    """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
-    ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and
-    its skip are bench_host.py's."""
-    if torch is None or not wanted:
-        return None
-    try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-    except Exception as e:  # noqa: BLE001 - FA4 is optional: its column stays empty
-        log(f"FA4 not importable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): no fa4 column")
-        return None
-    try:
-        from importlib.metadata import version
-        label = f"flash-attn-4 {version('flash-attn-4')}"
-    except Exception:  # noqa: BLE001 - a source tree on PYTHONPATH has no metadata
-        label = "flash_attn.cute"
-    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
-                           label=label)
-
-
-def fa4_out(result):
-    """FA4's ``flash_attn_func`` returns ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
-    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def attention_flops(batch, heads, sq, sk, head_dim, causal):
@@ -234,16 +209,15 @@ def main(argv=None):
                 for s in args.seqlens:
                     batch = max(1, args.tokens // s)
                     inputs = make_inputs(cupy, cp_dtype, batch, s, heads, d)
-                    out = cupy.empty_like(inputs[0][0])
                     fa4_inputs, torch_inputs = torch_views(torch, inputs)
                     for causal in args.causals:
                         row = bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend,
-                                          timer, inputs, torch_inputs, out, dtype_name, batch,
+                                          timer, inputs, torch_inputs, dtype_name, batch,
                                           s, heads, d, causal, gemm, fa4=fa4, fa4_inputs=fa4_inputs)
                         rows.append(row)
                         log(" ".join(f"{c}={row[c]}" if not isinstance(row[c], float)
                                      else f"{c}={row[c]:.3g}" for c in COLUMNS))
-                    del inputs, torch_inputs, fa4_inputs, out
+                    del inputs, torch_inputs, fa4_inputs
                     cupy.get_default_memory_pool().free_all_blocks()
                     if torch is not None:
                         torch.cuda.empty_cache()
@@ -277,7 +251,7 @@ def make_inputs(cupy, dtype, batch, s, heads, d):
 
 
 def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, inputs,
-                torch_inputs, out, dtype_name, batch, s, heads, d, causal, gemm, fa4=None, fa4_inputs=None):
+                torch_inputs, dtype_name, batch, s, heads, d, causal, gemm, fa4=None, fa4_inputs=None):
     flops = attention_flops(batch, heads, s, s, d, causal)
 
     def tflops(ms):
@@ -288,15 +262,16 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
                efficient=float("nan"), fa4=float("nan"), naive=float("nan"),
                maxdiff=float("nan"))
 
+    # Every contender allocates its output, as its users call it (no out= for one side only).
     def run_cuflash(i):
         q, k, v = inputs[i]
-        cuflash.attention(q, k, v, causal=causal, out=out)
+        return cuflash.attention(q, k, v, causal=causal)
 
     # The portable tensor-core kernel, forced, beside whatever the heuristics chose.
     def run_sm80(i):
         q, k, v = inputs[i]
         with cuflash.force_kernel("fwd_sm80"):
-            cuflash.attention(q, k, v, causal=causal, out=out)
+            return cuflash.attention(q, k, v, causal=causal)
 
     def sdpa(backend):
         def run(i):
@@ -348,7 +323,7 @@ def bench_point(args, cupy, cuflash, torch, F, sdpa_kernel, SDPBackend, timer, i
         cupy.get_default_memory_pool().free_all_blocks()
 
     if reference_out is not None and not math.isnan(row["cuflash"]):
-        run_cuflash(0)
+        out = run_cuflash(0)
         diff = cupy.abs(out.astype(cupy.float32) - reference_out.astype(cupy.float32)).max()
         row["maxdiff"] = float(diff)
 
