@@ -19,7 +19,8 @@ Inputs may be NumPy arrays of any float dtype (``ml_dtypes.bfloat16`` included),
 """
 
 from ._backward import attention_backward, attention_varlen_backward
-from ._forward import attention_forward, attention_scores, attention_varlen, decode, merge_states
+from ._decode import decode
+from ._forward import attention_forward, attention_scores, attention_varlen, merge_states
 
 __all__ = ["attention_forward", "attention_scores", "attention_varlen", "decode", "merge_states",
            "attention_backward", "attention_varlen_backward"]

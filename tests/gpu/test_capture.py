@@ -355,7 +355,7 @@ DECODE_LENS = {1: (300, 77), 2: (250, 100), 3: (17, 261)}
 
 def _check_decode(out, d, case):
     """out against the reference; the caches equal the case's plus the appended rows."""
-    problems, k_after, v_after = reference._forward._decode_sequences(
+    problems, k_after, v_after = reference._decode._decode_sequences(
         case["q"], case["k_cache"], case["v_cache"], cache_seqlens=case["lens"], block_table=case["table"],
         k_new=case["k_new"], v_new=case["v_new"])
     B, Sq, Hq, D = case["q"].shape

@@ -99,7 +99,7 @@ def expected_for(case, *, dtype, options=None):
     """The reference (out, lse, k_after, v_after) of a case and, for 16-bit dtypes, its baseline."""
     ref_args = dict(cache_seqlens=case["lens"], block_table=case["table"], k_new=case["k_new"],
                     v_new=case["v_new"], **(options or {}))
-    problems, k_after, v_after = reference._forward._decode_sequences(case["q"], case["k_cache"], case["v_cache"], **ref_args)
+    problems, k_after, v_after = reference._decode._decode_sequences(case["q"], case["k_cache"], case["v_cache"], **ref_args)
     B, Sq, Hq, D = case["q"].shape
     ref_out, ref_lse = np.zeros((B, Sq, Hq, D)), np.zeros((B, Hq, Sq))
     for b, p in enumerate(problems):
@@ -317,7 +317,7 @@ def test_generation_loop_appends_token_by_token(xp_gpu):
                              k_new=cupy.asarray(kn), v_new=cupy.asarray(vn))
         ref_out, _, k_host, v_host = reference.decode(q, k_host, v_host, cache_seqlens=lens, block_table=table,
                                                       k_new=kn, v_new=vn, return_cache=True)
-        problems, _, _ = reference._forward._decode_sequences(q, k_host, v_host, cache_seqlens=lens + 1, block_table=table)
+        problems, _, _ = reference._decode._decode_sequences(q, k_host, v_host, cache_seqlens=lens + 1, block_table=table)
         base = np.concatenate([tt.baseline_attention(p["q"], p["k"], p["v"], **p["options"]) for p in problems])
         tt.assert_attention_close(out, ref_out, base, dtype=dtype)
         lens = lens + 1
@@ -470,7 +470,7 @@ def test_reference_decode_mask_alignment():
     args = dict(cache_seqlens=case["lens"], k_new=case["k_new"], v_new=case["v_new"])
     tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=bool)
     out, _ = reference.decode(case["q"], case["k_cache"], case["v_cache"], mask=tree, **args)
-    problems, _, _ = reference._forward._decode_sequences(case["q"], case["k_cache"], case["v_cache"], mask=tree, **args)
+    problems, _, _ = reference._decode._decode_sequences(case["q"], case["k_cache"], case["v_cache"], mask=tree, **args)
     for b, n in enumerate((13, 7)):
         m = problems[b]["options"]["mask"]
         assert m.shape == (1, 2, 3, n)

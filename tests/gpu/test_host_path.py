@@ -192,7 +192,7 @@ def _decode_case(seed, *, paged, append, dtype="bfloat16", B=2, Hq=4, Hk=2, D=64
 
 def _decode_expected(case):
     """Reference output (float64), same-dtype baseline, and the caches after the append."""
-    problems, k_after, v_after = reference._forward._decode_sequences(
+    problems, k_after, v_after = reference._decode._decode_sequences(
         case["q"], case["k_cache"], case["v_cache"], cache_seqlens=case["lens"], block_table=case["table"],
         k_new=case["k_new"], v_new=case["v_new"])
     B, Sq, Hq, D = case["q"].shape
