@@ -300,19 +300,45 @@ def element_strides(x) -> tuple[int, ...]:
     return tuple(s // x.itemsize for s in x.strides)
 
 
-def broadcast_operand(x, name: str, target: tuple[int, ...], kind: str):
-    """A zero-copy broadcast view of a mask/bias/block_mask to ``target`` (4-d), or an error."""
-    x = as_cuda_array(x, name)
+def check_decode_operands(q, k_cache, v_cache, paged: bool, max_head_dim: int) -> str:
+    """The checks of a decode call's q and caches that read only dtypes and shapes (shared by
+    :func:`cuflash.decode` and the JAX adapter's trace-time checks); returns q's dtype name."""
+    layout = "(batch, seqlen, heads, head_dim)"
+    dtype_name = check_float_dtype(q, "q")
+    check_same_dtype(q, "q", k_cache, "k_cache")
+    check_same_dtype(q, "q", v_cache, "v_cache")
+    check_rank(q, 4, "q", layout)
+    cache_layout = "(num_pages, page_size, heads, head_dim)" if paged else layout
+    check_rank(k_cache, 4, "k_cache", cache_layout)
+    check_rank(v_cache, 4, "v_cache", cache_layout)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    check_heads(q.shape[2], k_cache.shape[2], v_cache.shape[2])
+    check_head_dim(q.shape[3], k_cache.shape[3], v_cache.shape[3], max_head_dim)
+    return dtype_name
+
+
+def check_broadcast(x, name: str, target: tuple[int, ...], kind: str) -> tuple[int, ...]:
+    """The 4-d shape of a mask/bias/block_mask (``kind`` "bool" or "float") that broadcasts to
+    ``target``, or an error naming it. Reads only ``dtype`` and ``shape``: an abstract array passes
+    (the JAX adapter checks at trace time)."""
     if kind == "bool" and x.dtype != np.bool_:
         raise TypeError(f"{name} must be a bool array (True = may attend), got {x.dtype}")
     if kind == "float" and np.dtype(x.dtype) not in BIAS_DTYPE_CODES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-    if x.ndim > 4:
+    if len(x.shape) > 4:
         raise ValueError(f"{name} must have at most 4 axes, got shape {tuple(x.shape)}")
-    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+    shape = (1,) * (4 - len(x.shape)) + tuple(x.shape)
     for have, want in zip(shape, target):
         if have not in (1, want):
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {target}")
+    return shape
+
+
+def broadcast_operand(x, name: str, target: tuple[int, ...], kind: str):
+    """A zero-copy broadcast view of a mask/bias/block_mask to ``target`` (4-d), or an error."""
+    x = as_cuda_array(x, name)
+    shape = check_broadcast(x, name, target, kind)
     return _cupy().broadcast_to(x.reshape(shape), target)
 
 

@@ -123,20 +123,10 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
     v_cache = _checks.as_cuda_array(v_cache, "v_cache")
-    dtype_name = _checks.check_float_dtype(q, "q")
-    _checks.check_same_dtype(q, "q", k_cache, "k_cache")
-    _checks.check_same_dtype(q, "q", v_cache, "v_cache")
-    _checks.check_rank(q, 4, "q", layout)
     paged = block_table is not None
-    cache_layout = "(num_pages, page_size, heads, head_dim)" if paged else layout
-    _checks.check_rank(k_cache, 4, "k_cache", cache_layout)
-    _checks.check_rank(v_cache, 4, "v_cache", cache_layout)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, kernels.common.MAX_HEAD_DIM)
     batch, seqlen_q, heads_q, d = q.shape
     heads_k = k_cache.shape[2]
-    _checks.check_heads(heads_q, heads_k, v_cache.shape[2])
-    _checks.check_head_dim(d, k_cache.shape[3], v_cache.shape[3], kernels.common.MAX_HEAD_DIM)
 
     # The cache, its capacity per sequence, and the lengths it holds (values checked on the host when
     # given there, else by the index check on the GPU).

@@ -46,20 +46,6 @@ def _check_qkv(q, k, v, rank: int, layout: str) -> str:
     return name
 
 
-def _check_broadcast(x, name: str, target: tuple, kind: str) -> None:
-    """A mask/bias/block_mask that cuflash broadcasts to ``target`` (4-d) by zero strides."""
-    if kind == "bool" and x.dtype != np.bool_:
-        raise TypeError(f"{name} must be a bool array (True = may attend), got {x.dtype}")
-    if kind == "float" and np.dtype(x.dtype) not in _checks.BIAS_DTYPE_CODES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
-    if x.ndim > 4:
-        raise ValueError(f"{name} must have at most 4 axes, got shape {tuple(x.shape)}")
-    shape = (1,) * (4 - x.ndim) + tuple(x.shape)
-    for have, want in zip(shape, target):
-        if have not in (1, want):
-            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to {target}")
-
-
 def _check_alibi(x, batch: int, heads_q: int) -> None:
     if x.dtype != np.float32:
         raise TypeError(f"alibi_slopes must be float32, got {x.dtype}")
@@ -115,11 +101,11 @@ def check_attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, ma
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, b, hq)
     if mask is not None:
-        _check_broadcast(mask, "mask", (b, hq, sq, sk), "bool")
+        _checks.check_broadcast(mask, "mask", (b, hq, sq, sk), "bool")
     if bias is not None:
-        _check_broadcast(bias, "bias", (b, hq, sq, sk), "float")
+        _checks.check_broadcast(bias, "bias", (b, hq, sq, sk), "float")
     if block_mask is not None:
-        _check_broadcast(block_mask, "block_mask", (b, hq, math.ceil(sq / bq), math.ceil(sk / bk)), "bool")
+        _checks.check_broadcast(block_mask, "block_mask", (b, hq, math.ceil(sq / bq), math.ceil(sk / bk)), "bool")
     return (*options, (bq, bk), _checks.check_flag(deterministic, "deterministic"))
 
 
@@ -153,21 +139,10 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
                  softcap, alibi_slopes, scale, mask) -> tuple:
     """The checks of :func:`cuflash.decode` that need no data (the lengths' and the page table's
     values are checked by the decode kernels). Returns (num_splits, causal, window, softcap, scale)."""
-    layout = "(batch, seqlen, heads, head_dim)"
-    _checks.check_float_dtype(q, "q")
-    _checks.check_same_dtype(q, "q", k_cache, "k_cache")
-    _checks.check_same_dtype(q, "q", v_cache, "v_cache")
-    _checks.check_rank(q, 4, "q", layout)
     paged = block_table is not None
-    cache_layout = "(num_pages, page_size, heads, head_dim)" if paged else layout
-    _checks.check_rank(k_cache, 4, "k_cache", cache_layout)
-    _checks.check_rank(v_cache, 4, "v_cache", cache_layout)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    _checks.check_decode_operands(q, k_cache, v_cache, paged, MAX_HEAD_DIM)
     batch, seqlen_q, heads_q, d = q.shape
     heads_k = k_cache.shape[2]
-    _checks.check_heads(heads_q, heads_k, v_cache.shape[2])
-    _checks.check_head_dim(d, k_cache.shape[3], v_cache.shape[3], MAX_HEAD_DIM)
     if paged:
         if block_table.dtype != np.int32:
             raise TypeError(f"block_table must be int32, got {block_table.dtype}")
@@ -188,7 +163,7 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
     if k_new is not None:
         for x, name in ((k_new, "k_new"), (v_new, "v_new")):
             _checks.check_same_dtype(q, "q", x, name)
-            _checks.check_rank(x, 4, name, layout)
+            _checks.check_rank(x, 4, name, "(batch, seqlen, heads, head_dim)")
         want = (batch, k_new.shape[1], heads_k, d)
         for x, name in ((k_new, "k_new"), (v_new, "v_new")):
             if tuple(x.shape) != want:
@@ -205,7 +180,7 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
             raise TypeError(f"mask must be a bool array (True = may attend), got {mask.dtype}")
         if not 1 <= mask.ndim <= 4 or mask.shape[-1] == 0:
             raise ValueError(f"mask must have 1 to 4 axes and at least one key column, got shape {tuple(mask.shape)}")
-        _check_broadcast(mask, "mask", (batch, heads_q, seqlen_q, mask.shape[-1]), "bool")
+        _checks.check_broadcast(mask, "mask", (batch, heads_q, seqlen_q, mask.shape[-1]), "bool")
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
     if not 0 <= num_splits <= _decode_kernels.DECODE_MAX_SPLITS:
