@@ -31,7 +31,8 @@ KINDS = {"c": ArgKind(False, "float"), "n": ArgKind(False, "int"), "flag": ArgKi
 def _expr(t: str, depth: int):
     """A strategy of well-typed expression texts of type ``t``."""
     leaves = {
-        "float": st.one_of(st.just("score"), st.just("c"), st.floats(0, 8, allow_nan=False).map(lambda x: repr(float(x)))),
+        "float": st.one_of(st.just("score"), st.just("c"),
+                           st.floats(0, 8, allow_nan=False).map(lambda x: repr(float(x)))),
         "int": st.one_of(st.sampled_from(["b", "h", "q_idx", "kv_idx", "n"]), st.integers(0, 20).map(str)),
         "bool": st.sampled_from(["flag", "(q_idx <= kv_idx)", "(b == h)"]),
     }[t]
@@ -43,14 +44,16 @@ def _expr(t: str, depth: int):
             st.tuples(sub["float"], st.sampled_from("+-*/"), st.one_of(sub["float"], sub["int"])).map(
                 lambda x: f"({x[0]} {x[1]} {x[2]})"),
             st.tuples(st.sampled_from(["tanh", "exp", "abs"]), sub["float"]).map(lambda x: f"{x[0]}({x[1]})"),
-            st.tuples(st.sampled_from(["min", "max"]), sub["float"], sub["float"]).map(lambda x: f"{x[0]}({x[1]}, {x[2]})"),
+            st.tuples(st.sampled_from(["min", "max"]), sub["float"], sub["float"]).map(
+                lambda x: f"{x[0]}({x[1]}, {x[2]})"),
             st.tuples(sub["bool"], sub["float"], sub["float"]).map(lambda x: f"where({x[0]}, {x[1]}, {x[2]})"),
             sub["int"].map(lambda i: f"tab[{i}]"),
             sub["float"].map(lambda x: f"(-{x})"),
         ]
     elif t == "int":
         options = [
-            st.tuples(sub["int"], st.sampled_from(["+", "-", "*", "%"]), sub["int"]).map(lambda x: f"({x[0]} {x[1]} {x[2]})"),
+            st.tuples(sub["int"], st.sampled_from(["+", "-", "*", "%"]), sub["int"]).map(
+                lambda x: f"({x[0]} {x[1]} {x[2]})"),
             st.tuples(st.sampled_from(["floor_div", "min", "max"]), sub["int"], sub["int"]).map(
                 lambda x: f"{x[0]}({x[1]}, {x[2]})"),
             sub["int"].map(lambda i: f"ids[{i}]"),
@@ -168,7 +171,8 @@ def test_numpy_evaluation_matches_a_scalar_evaluation(text, seed):
 @pytest.mark.parametrize("text, token", [
     ("score +", "the end"), ("score ** 2", "'*'"), ("__import__('os')", '"\'"'), ("a.b", "'.'"),
     ("q_idx < kv_idx < 3", "'<'"), ("foo(score)", "'foo'"), ("score[1]", "'['"), ("(score", "the end"),
-    ("score)", "')'"), ("tanh(score, 1.0)", "'tanh'"), ("1 2", "'2'"), ("99999999999999999999", "'99999999999999999999'"),
+    ("score)", "')'"), ("tanh(score, 1.0)", "'tanh'"), ("1 2", "'2'"),
+    ("99999999999999999999", "'99999999999999999999'"),
     ("", "empty"), ("score;", "';'"),
 ])
 def test_malformed_expressions_are_refused_naming_the_token(text, token):
@@ -362,3 +366,58 @@ def test_reference_modifiers_equal_the_built_in_options():
            reference.attention_backward(dout, q, k, v, alibi_slopes=slopes, causal=True))
     with pytest.raises(ValueError, match="pass grad="):
         reference.attention_backward(dout, q, k, v, score_mod=ScoreMod("2.0 * score"))
+
+
+# ----------------------------------------------------------------------------- what models write
+
+def _t5_buckets(relative, num_buckets=32, max_distance=128):
+    """T5's bidirectional relative-position bucket of each (query - key) distance, in NumPy."""
+    half = num_buckets // 2
+    bucket = (relative < 0).astype(np.int64) * half
+    n = np.abs(relative)
+    max_exact = half // 2
+    large = max_exact + (np.log(np.maximum(n, 1) / max_exact) / np.log(max_distance / max_exact)
+                         * (half - max_exact)).astype(np.int64)
+    return bucket + np.where(n < max_exact, n, np.minimum(large, half - 1))
+
+
+def test_the_modifiers_models_use_equal_their_dense_forms():
+    rng = np.random.default_rng()
+    q, k, v, dout = _qkv(rng, B=2, Sq=12, Sk=12, Hq=4, Hk=2)
+    S, Hq = q.shape[1], q.shape[2]
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    # T5 relative-position buckets: a bucket index per distance and a learned table per (head, bucket).
+    nb = 32
+    buckets = _t5_buckets(np.arange(-S + 1, S))              # distance q - k + S - 1 -> bucket
+    table = rng.standard_normal(Hq * nb)
+    t5 = ScoreMod(f"score + table[h * {nb} + buckets[q_idx - kv_idx + {S - 1}]]", table=table, buckets=buckets)
+    dense = table[np.arange(Hq)[:, None, None] * nb + buckets[i - j + S - 1]][None]
+    _close(reference.attention_forward(q, k, v, score_mod=t5), reference.attention_forward(q, k, v, bias=dense))
+    # Prefix-LM: the prefix sees itself whole, the rest causally.
+    prefix = 5
+    plm = MaskMod("kv_idx < prefix || kv_idx <= q_idx", prefix=prefix)
+    _close(reference.attention_forward(q, k, v, mask_mod=plm),
+           reference.attention_forward(q, k, v, mask=((j < prefix) | (j <= i))[None, None]))
+    # A sliding window with a softcap (Gemma-2): the built-in window and softcap as modifiers.
+    window = ScoreMod("c * tanh(score / c)", grad="1.0 - tanh(score / c) * tanh(score / c)", c=30.0)
+    sliding = MaskMod("kv_idx <= q_idx && q_idx - kv_idx < w", w=4)
+    _close(reference.attention_forward(q, k, v, score_mod=window, mask_mod=sliding),
+           reference.attention_forward(q, k, v, causal=True, window=(3, 0), softcap=30.0))
+    _close(reference.attention_backward(dout, q, k, v, score_mod=window, mask_mod=sliding),
+           reference.attention_backward(dout, q, k, v, causal=True, window=(3, 0), softcap=30.0))
+    # A tree of draft tokens (speculative decoding): the cached prefix, then each draft token sees
+    # its ancestors in the tree (a flat ancestor bitmap).
+    drafts = 6
+    parents = [-1, 0, 0, 1, 1, 2]
+    ancestors = np.eye(drafts, dtype=bool)
+    for t in range(drafts):
+        p = parents[t]
+        while p >= 0:
+            ancestors[t, p] = True
+            p = parents[p]
+    cached = S - drafts
+    tree = MaskMod(f"kv_idx < {cached} || (q_idx >= {cached} && "
+                   f"anc[(q_idx - {cached}) * {drafts} + kv_idx - {cached}])", anc=ancestors.reshape(-1))
+    dense_tree = (j < cached) | ((i >= cached) & np.pad(ancestors, ((cached, 0), (cached, 0)))[i, j])
+    _close(reference.attention_forward(q, k, v, mask_mod=tree),
+           reference.attention_forward(q, k, v, mask=dense_tree[None, None]))
