@@ -73,12 +73,11 @@ __all__ = ["attention", "attention_forward", "attention_backward", "attention_va
 
 # The ops are defined on torch.library's lower layer (Library.define / impl) rather than with
 # torch.library.custom_op, whose eager path runs Python layers at every call (defaults filled from
-# the schema, an aliasing check, a Python autograd wrapper): on an H200 a forward + backward
-# through custom_op took 842 us per call, 2.7x the same kernels through ct.attention (see
-# docs/decisions.md#torch-ops-on-torchlibrarys-lower-layer). What custom_op added is written here: the schema
-# inferred from the kernel's annotations, one kernel for every device type, the fake, version
-# counters bumped for mutated arguments, and the forwards' autograd as torch.autograd.Functions
-# registered at the Autograd key.
+# the schema, an aliasing check, a Python autograd wrapper; the host time it cost is in
+# docs/decisions.md#torch-ops-on-torchlibrarys-lower-layer). What custom_op added is written here:
+# the schema inferred from the kernel's annotations, one kernel for every device type, the fake,
+# version counters bumped for mutated arguments, and the forwards' autograd as
+# torch.autograd.Functions registered at the Autograd key.
 _LIB = torch.library.Library("cuflash", "DEF")
 
 # The forwards draw dropout's random numbers; the tag keeps compilers from folding or reordering them

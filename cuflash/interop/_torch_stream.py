@@ -1,17 +1,18 @@
-"""Where a cuflash call made from torch runs: torch's current stream, and (for the custom ops) torch's memory.
+"""Where a cuflash call made from torch runs: torch's current stream, and torch's memory.
 
-Two contexts, used by :mod:`cuflash.interop.torch` (the direct autograd path) and
-:mod:`cuflash.interop._torch_ops` (the ``torch.library`` custom ops):
+Two contexts:
 
 - :func:`on_torch_stream`: CuPy's current device and stream become torch's, so cuflash's kernels
-  order with the surrounding torch work exactly as a torch operator's would.
+  order with the surrounding torch work exactly as a torch operator's would (ring attention,
+  :mod:`cuflash.interop._torch_ring`).
 - :func:`torch_call`: that, and every allocation cuflash makes during the call (outputs it was not
   given, split-KV partials, backward accumulators, padded copies) comes from torch's caching
   allocator instead of CuPy's pool. Inside ``torch.cuda.graph`` capture this is what keeps a
   captured kernel's memory valid: torch gives capture-time allocations from the graph's private
   pool and keeps them for the replays, while a block of CuPy's pool freed at the end of the call
   would be handed to other work and overwritten under the replaying graph. Outside capture the
-  two pools stop competing for the GPU's memory.
+  two pools stop competing for the GPU's memory. Used by :mod:`cuflash.interop.torch` and the
+  custom ops (:mod:`cuflash.interop._torch_ops`).
 
 The state cuflash keeps per stream (:class:`cuflash._runtime.launch.StreamState`) is made by the
 core at the first call on a stream, also inside a capture (:mod:`cuflash._runtime.now`): a warm-up
