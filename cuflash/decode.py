@@ -107,7 +107,7 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
                              f"{int(slots[b, t])}, which a sequence reads as a cached key")
 
 
-# Operand positions of a decode call (lse is allocated by the plan, never passed).
+# Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned).
 _Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE = range(11)
 
 
@@ -118,7 +118,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     """
     import cupy
 
-    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, _ = operands
+    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user = operands
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
@@ -213,11 +213,13 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d), q.dtype)
+    lse_given = None if lse_user is None else _checks.check_out(lse_user, "lse", (batch, heads_q, seqlen_q),
+                                                                np.float32)
 
     # Memory the call writes must not be memory it reads: out always, the caches when it appends.
     reads = (("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", mask_view), ("alibi_slopes", alibi_dev),
              ("cache_seqlens", seqlens_dev), ("block_table", table_dev))
-    _checks.check_disjoint((("out", out),), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
+    _checks.check_disjoint((("out", out), ("lse", lse_given)), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
     if seqlen_new:
         # Without an append the caches are only read: a broadcast cache, or k_cache is v_cache, is fine.
         _checks.check_cache_rows(k_cache, v_cache)
@@ -240,7 +242,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if batch == 0:
         _memo.nothing_to_plan()
         out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype) if out is None else out
-        lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32)
+        lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32) if lse_user is None else lse_user
         return None, None, (out_user if out_user is not None else out, lse)
 
     # Kernel-ready operands: 16-byte rows. q and k_new are small, so misaligned ones are copied; a
@@ -290,18 +292,19 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")
 
     lse_buffer = _step.Buffer((batch, heads_q, seqlen_q), np.float32)
-    temps = [] if return_lse else [lse_buffer]
+    lse_output = return_lse or lse_given is not None   # else a temporary
+    temps = [] if lse_output else [lse_buffer]
     if num_splits > 1:
         temps += [_step.Buffer((num_splits, batch, seqlen_q, heads_q, d), np.float32),
                   _step.Buffer((num_splits, batch, heads_q, seqlen_q), np.float32)]
     outputs = {_OUT: _step.Buffer((batch, seqlen_q, heads_q, d), q.dtype)}
-    if return_lse:
+    if lse_output:
         outputs[_LSE] = lse_buffer
     plan = _plan.Plan("decode", len(operands), outputs=outputs, temps=temps,
                           aligned=(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW), checked=check_on_gpu,
                           results=(_OUT, _LSE) if return_lse else (_OUT,),
                           split_counters=batch * heads_k * row_blocks if num_splits > 1 else 0)
-    lse_slot = _LSE if return_lse else plan.temp_index(0)
+    lse_slot = _LSE if lse_output else plan.temp_index(0)
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
     # Small index arrays (every contiguous cache's lengths, small page tables) are checked by the
     # decode kernel itself before it writes (cuda_src/decode.cu, indices_faulted): one launch fewer.
@@ -370,7 +373,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                                      dependent=dependent and check_on_gpu and not check_in_kernel))
     plan.info.update(num_splits=num_splits)
 
-    kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, None]
+    kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, lse_given]
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -399,7 +402,7 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, check=None):
+           out=None, lse=None, check=None):
     """Attention of a few new query tokens over a KV cache, appending their keys and values first.
 
     Sequence ``b`` has ``T_b = cache_seqlens[b] + S_new`` keys: its cached keys, then the ``S_new``
@@ -451,6 +454,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     out : array (B, Sq, Hq, D), optional
         C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given), sharing no
         memory with the other arguments.
+    lse : float32 array (B, Hq, Sq), optional
+        C-contiguous buffer for the log-sum-exp, like ``out`` (returned as given with ``return_lse``).
     check : bool, optional
         True: wait for the index check and raise a bad ``cache_seqlens`` / ``block_table`` value now.
         False: a bad value makes the call write nothing and is raised (ValueError naming the
@@ -502,7 +507,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (2, 1, 32, 128)
     >>> lens += 1                                             # the caller keeps the lengths
     """
-    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, None)
+    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse)
     options = (num_splits, causal, window, softcap, scale, return_lse)
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None

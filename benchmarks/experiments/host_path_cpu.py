@@ -80,11 +80,14 @@ def stub_the_gpu() -> None:
     state._counters, state._old_counters = types.SimpleNamespace(size=1 << 20, data=types.SimpleNamespace(
         ptr=BASE - 4096)), []
     _launch._states[(0, 0, None)] = state
-    for module in (_compile, attention_module, backward_module, decode_module, merge_module):
+    for module in (_compile, attention_module, backward_module, decode_module, merge_module,
+                   sys.modules["cuflash._forward_plan"], sys.modules["cuflash._backward_plan"]):
         if hasattr(module, "get_kernel"):
             module.get_kernel = lambda variant: _FakeKernel()
         if hasattr(module, "device_arch"):
             module.device_arch = lambda: "sm_90a"
+    # Set-up work runs on a private stream with the capture mode relaxed (libcuda): nothing to relax here.
+    _launch.done_now = _launch.relaxed_capture_mode = lambda *args: contextlib.nullcontext()
     _tma.address_patchable = lambda: True
     _tma.template = lambda spec: bytes(128)
     _graph.KernelGraph = _FakeGraph

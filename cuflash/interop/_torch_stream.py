@@ -66,29 +66,37 @@ def on_torch_stream(device: torch.device):
 class torch_call:
     """:func:`on_torch_stream`, with cuflash's allocations taken from torch's caching allocator.
 
-    A class rather than a generator context: it runs twice per autograd step, and each microsecond
-    is host time the user waits for (the CuPy device is switched only when it differs)."""
+    A class rather than a generator context, and CuPy's thread-local allocator set directly rather
+    than through ``cupy.cuda.using_allocator`` (a generator context too): it runs twice per autograd
+    step, and each microsecond is host time the user waits for (the CuPy device is switched only
+    when it differs)."""
 
-    __slots__ = ("_device", "_stream", "_allocator")
+    __slots__ = ("_device", "_stream", "_allocator", "_previous")
 
     def __init__(self, device: torch.device):
         index = _device_index(device)
         self._device = cupy.cuda.Device(index) if _cupy_device() != index else None
         self._stream = _external_stream(index, _raw_stream(index))
-        self._allocator = cupy.cuda.using_allocator(_allocator(index))
+        self._allocator = _allocator(index)
 
     def __enter__(self):
         if self._device is not None:
             self._device.__enter__()
         self._stream.__enter__()
-        self._allocator.__enter__()
+        self._previous = _get_allocator()
+        _set_allocator(self._allocator)
 
     def __exit__(self, *exc):
-        self._allocator.__exit__(*exc)
+        _set_allocator(self._previous)
         self._stream.__exit__(*exc)
         if self._device is not None:
             self._device.__exit__(*exc)
         return False
+
+
+# What cupy.cuda.using_allocator does around its block (CuPy 13-14).
+_get_allocator = cupy.cuda.memory._get_thread_local_allocator
+_set_allocator = cupy.cuda.memory._set_thread_local_allocator
 
 
 _cupy_device = cupy.cuda.runtime.getDevice

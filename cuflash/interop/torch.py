@@ -44,6 +44,7 @@ from ..decode import decode as _cf_decode
 from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, default_generator
 from . import _torch_ops as ops
+from ._torch_autograd import direct_apply as _direct_apply
 from ._torch_ring import ring_attention   # context parallelism (cuflash.distributed) as autograd
 from ._torch_stream import as_torch as _as_torch, torch_call as _torch_call
 
@@ -131,6 +132,10 @@ class _AttentionVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+_attention_apply = _direct_apply(_Attention)
+_attention_varlen_apply = _direct_apply(_AttentionVarlen)
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
               deterministic=False):
@@ -195,7 +200,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if _needs_grad(q, k, v, bias):
-        return _Attention.apply(q, k, v, bias, options, generator, deterministic)
+        return _attention_apply(q, k, v, bias, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
     out = q.new_empty(q.shape)
     with _torch_call(q.device):
@@ -253,7 +258,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     if _needs_grad(q, k, v, None):
         options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
                        generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes)
-        return _AttentionVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+        return _attention_varlen_apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     out = q.new_empty(q.shape)
     with _torch_call(q.device):
         _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -307,11 +312,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if out is None:
         out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse and q.dim() == 4 \
+        else None
     with _torch_call(q.device):
-        result = _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
-                            v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                            alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out)
-        return (out, _as_torch(result[1])) if return_lse else out
+        _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                   v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
+                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse)
+    return (out, lse) if return_lse else out
 
 
 def merge_states(outs, lses):

@@ -208,13 +208,13 @@ class ReferenceKernels:
             _into(target, g)
 
     @staticmethod
-    def decode(q, k_cache, v_cache, out, options):
+    def decode(q, k_cache, v_cache, out, lse, options):
         o, s, k_after, v_after = reference.decode(_np(q), k_cache.detach().numpy(), v_cache.detach().numpy(),
                                                   return_cache=True, **_host(options, ("num_splits",)))
         _into(out, o)
+        _into(lse, s)
         _into(k_cache, k_after)
         _into(v_cache, v_after)
-        return torch.from_numpy(s).float()
 
     @staticmethod
     def merge_states(outs, lses, out, lse):
