@@ -357,6 +357,45 @@ def test_gqa_rows_past_one_block(xp_gpu):
 
 
 @gpu
+@gpu
+@pytest.mark.parametrize("page_size, num_splits", [(None, 1), (16, 0), (None, 3)])
+def test_lse_buffer_is_written_in_place(xp_gpu, page_size, num_splits):
+    """``lse=``: the caller's buffer (NaN-poisoned) receives the log-sum-exp, with or without
+    ``return_lse`` and whichever path (unsplit, split-KV) writes it; a repeat call with a new
+    buffer writes that one."""
+    case = build_case(dtype="bfloat16", B=3, Hq=8, Hk=2, D=64, Sq=2, lens=[70, 0, 301], page_size=page_size,
+                      append=False, seed=int(np.random.default_rng().integers(1 << 30)))
+    expected = expected_for(case, dtype="bfloat16")
+    q, kc, vc = (cupy.asarray(case[n]) for n in ("q", "k_cache", "v_cache"))
+    table = None if case["table"] is None else cupy.asarray(case["table"])
+    for return_lse in (True, False, False):
+        lse = cupy.full((3, 8, 2), NAN, dtype=cupy.float32)
+        result = cuflash.decode(q, kc, vc, cache_seqlens=cupy.asarray(case["lens"]), block_table=table,
+                                num_splits=num_splits, return_lse=return_lse, lse=lse)
+        if return_lse:
+            assert result[1] is lse
+        tt.assert_attention_close(lse, expected["lse"], dtype="float32", name="lse")
+
+
+@gpu
+@pytest.mark.parametrize("bad, exc, pattern", [
+    (lambda q, out: cupy.zeros((2, 4, 2), dtype=cupy.float16), TypeError, "lse must have dtype float32"),
+    (lambda q, out: cupy.zeros((2, 2, 4), dtype=cupy.float32), ValueError, "lse must have shape"),
+    (lambda q, out: cupy.zeros((2, 4, 4), dtype=cupy.float32)[..., ::2], ValueError, "lse must be C-contiguous"),
+    (lambda q, out: out.view(cupy.float32).reshape(-1)[:16].reshape(2, 4, 2), ValueError, "lse"),
+])
+def test_bad_lse_buffer_is_refused_before_any_write(xp_gpu, bad, exc, pattern):
+    case = _error_case()
+    kc, vc = cupy.asarray(case["k_cache"]), cupy.asarray(case["v_cache"])
+    q = cupy.asarray(case["q"])
+    out = cupy.full(q.shape, NAN, dtype=q.dtype)
+    with pytest.raises(exc, match=pattern):
+        cuflash.decode(q, kc, vc, cache_seqlens=case["lens"], block_table=case["table"], k_new=cupy.asarray(
+            case["k_new"]), v_new=cupy.asarray(case["v_new"]), out=out, lse=bad(q, out))
+    assert np.array_equal(_bits(kc.get()), _bits(case["k_cache"]))
+    assert bool(cupy.isnan(out.astype(cupy.float32)).all()), "out was written before the error"
+
+
 def test_zero_batch(xp_gpu):
     q = cupy.zeros((0, 1, 4, 64), dtype=cupy.float16)
     kc = cupy.zeros((0, 10, 2, 64), dtype=cupy.float16)

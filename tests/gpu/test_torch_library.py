@@ -456,6 +456,38 @@ def test_generator_and_rng_state(host_kernels):
         ops.attention_forward(q, k, v, dropout_p=0.4, rng_state=torch.zeros(3, dtype=torch.int64))
 
 
+def test_kernels_run_directly_only_on_plain_tensors_outside_modes(host_kernels):
+    """Below autograd an op runs its kernel without the dispatcher only for plain tensors with no
+    dispatch mode active: a mode still sees the op (and the results agree), and fake tensors or
+    subclasses (a Parameter) go through the dispatcher."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v = _rand(1, 6, 2, 8), _rand(1, 9, 2, 8), _rand(1, 9, 2, 8)
+    assert _torch_ops._direct((q, k, v, None, True, 0.5))
+    assert not _torch_ops._direct((q, torch.nn.Parameter(k), v))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    plain = ops.attention(q, k, v, causal=True)
+    with Seen() as seen:
+        assert not _torch_ops._direct((q, k, v))
+        moded = ops.attention(q, k, v, causal=True)
+    assert any("cuflash.attention_forward" in name for name in seen.ops), seen.ops
+    assert torch.equal(plain, moded)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        assert not _torch_ops._direct((fq, fk, fv))
+        assert ops.attention(fq, fk, fv, causal=True).shape == q.shape
+
+
 def test_merge_of_a_list_and_decode_out_with_host_kernels(host_kernels):
     outs = [_rand(2, 3, 4, 8, dtype=torch.float32), _rand(2, 3, 4, 8, dtype=torch.float64)]
     lses = [_rand(2, 4, 3), _rand(2, 4, 3)]
