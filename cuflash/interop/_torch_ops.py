@@ -27,6 +27,10 @@ differentiable (an autograd kernel at the Autograd key: the backward op computes
 when ``bias`` requires a gradient, dbias). The ops are defined with ``torch.library.Library``
 rather than ``torch.library.custom_op`` (see "registration" below for why). The functions of this module are the user-facing wrappers
 (``window=(left, right)``, ``block_size=(bq, bk)``, a ``generator``, a list of partial states...).
+Called eagerly on plain tensors, a wrapper runs what the dispatcher would run (the Autograd kernel,
+version bumps, the kernel) without the dispatcher's Python hops (:meth:`_Op.__call__`); while
+``torch.compile`` traces, under a dispatch mode or a functorch transform, and whenever
+``torch.ops.cuflash.*`` is called itself, the dispatcher runs them.
 
 Semantics are cuflash's (:func:`cuflash.attention_forward`, :func:`cuflash.decode`, ...): layouts
 (B, S, H, D), bottom-right causal, lse float32 (B, Hq, Sq) (varlen: (Hq, total_q)) and treated as a
@@ -91,16 +95,18 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 _AFTER_INPLACE_OR_VIEW = torch._C._after_ADInplaceOrView_keyset
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _jit_tracing = torch._C._get_tracing_state
+_functorch_active = torch._C._are_functorch_transforms_active
+_compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
 
 
 def _direct(args) -> bool:
-    """Whether a call below autograd (or below the version-counter layer) may run the op's kernel
-    itself rather than go through the dispatcher again: every tensor a plain ``torch.Tensor`` (no
-    fake, functional or other subclass), no TorchDispatchMode active and no ``torch.jit`` trace.
-    The dispatcher would then pick that same kernel (registered for CPU and CUDA alike) a Python
-    hop later: ~9 us of host time per call on an H200 host (20.5 -> 29.7 us for a no-op op with
-    these argument lists, one hop against two)."""
-    if _dispatch_modes() or _jit_tracing() is not None:
+    """Whether a call may run what the dispatcher would run without it: every tensor a plain
+    ``torch.Tensor`` (no fake, functional or other subclass), no TorchDispatchMode, no functorch
+    transform and no ``torch.jit`` trace active. The dispatcher would then pick the same Python
+    kernels (the op's kernel is registered for CPU and CUDA alike), each a Python hop later: ~8 us
+    of host time per hop on an H200 host (a no-op op with these argument lists: 17.1 us with one
+    hop, 25.1 with two)."""
+    if _dispatch_modes() or _functorch_active() or _jit_tracing() is not None:
         return False
     for x in args:
         if isinstance(x, Tensor) and type(x) is not Tensor:
@@ -119,8 +125,28 @@ class _Op:
         for key in ("CPU", "CUDA"):
             _LIB.impl(name, kernel, key)
         self.default = getattr(torch.ops.cuflash, name).default
+        self._autograd = None
+        names = list(inspect.signature(kernel).parameters)
+        self._mutated = tuple(names.index(n) for n in mutates_args)
         if mutates_args:
             self._bump_versions(kernel, mutates_args)
+
+    def __call__(self, *args):
+        """The op as the functions of this module call it (every argument positional). Eagerly on
+        plain tensors (:func:`_direct`, not while ``torch.compile`` traces) it runs what the
+        dispatcher would, without it: the Autograd kernel; for an op without one, the version bumps
+        of the tensors it mutates and the kernel (or the dispatcher, whose autograd fallback has its
+        say, when an input requires a gradient). Otherwise the dispatcher (``torch.ops.cuflash.*``)."""
+        if _compiling() or not _direct(args):
+            return self.default(*args)
+        if self._autograd is not None:
+            return self._autograd(*args)
+        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args):
+            return self.default(*args)
+        for index in self._mutated:
+            if args[index] is not None:
+                torch.autograd.graph.increment_version(args[index])
+        return self.kernel(*args)
 
     def below_autograd(self, *args):
         """The op called from its Autograd kernel (or an autograd.Function) with every argument
@@ -138,6 +164,7 @@ class _Op:
         """``kernel`` (the op's signature) runs at the Autograd key: it applies a
         torch.autograd.Function, or calls the op below autograd when nothing needs a gradient."""
         _LIB.impl(self.name, kernel, "Autograd")
+        self._autograd = kernel
         return kernel
 
     def _bump_versions(self, kernel, mutates_args):
@@ -630,9 +657,9 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
     rng_state = _call_state(dropout_p, rng_state, generator)
-    return _attention_forward_op.default(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
-                                               scale, left, right, softcap, block_q, block_k, dropout_p,
-                                               deterministic)
+    return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
+                                 scale, left, right, softcap, block_q, block_k, dropout_p,
+                                 deterministic)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
@@ -661,9 +688,9 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     """
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
-    dq, dk, dv, dbias = _attention_backward_op.default(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
-                                                             bias, block_mask, causal, scale, left, right, softcap,
-                                                             block_q, block_k, dropout_p, deterministic, return_dbias)
+    dq, dk, dv, dbias = _attention_backward_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
+                                               bias, block_mask, causal, scale, left, right, softcap,
+                                               block_q, block_k, dropout_p, deterministic, return_dbias)
     return (dq, dk, dv, dbias) if return_dbias else (dq, dk, dv)
 
 
@@ -687,9 +714,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     """
     left, right = _pair(window, "window", (-1, -1))
     rng_state = _call_state(dropout_p, rng_state, generator)
-    out, lse, _ = _attention_varlen_forward_op.default(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                                             rng_state, max_seqlen_q, max_seqlen_k, causal, scale,
-                                                             left, right, softcap, dropout_p, deterministic)
+    out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                               rng_state, max_seqlen_q, max_seqlen_k, causal, scale,
+                                               left, right, softcap, dropout_p, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -698,10 +725,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False):
     """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`."""
     left, right = _pair(window, "window", (-1, -1))
-    return tuple(_attention_varlen_backward_op.default(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                             rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                                             causal, scale, left, right, softcap, dropout_p,
-                                                             deterministic))
+    return tuple(_attention_varlen_backward_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                               rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                               causal, scale, left, right, softcap, dropout_p,
+                                               deterministic))
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
@@ -723,9 +750,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
             softcap)
     if out is None:
-        out, lse = _decode_op.default(q, k_cache, v_cache, *args)
+        out, lse = _decode_op(q, k_cache, v_cache, *args)
     else:
-        lse = _decode_out_op.default(q, k_cache, v_cache, out, *args)
+        lse = _decode_out_op(q, k_cache, v_cache, out, *args)
     return (out, lse) if return_lse else out
 
 
@@ -752,5 +779,5 @@ def merge_states(outs, lses):
         outs = torch.stack([x.to(work) for x in outs])
     if isinstance(lses, (list, tuple)):
         lses = torch.stack(list(lses))
-    out, lse = _merge_states_op.default(outs, lses)
+    out, lse = _merge_states_op(outs, lses)
     return (out if dtype is None or out.dtype == dtype else out.to(dtype)), lse

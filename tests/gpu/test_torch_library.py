@@ -500,8 +500,12 @@ def test_merge_of_a_list_and_decode_out_with_host_kernels(host_kernels):
     (q, k_cache, v_cache), kwargs = _decode_cases("cpu", torch.float32)[0]
     out = torch.full_like(q, math.nan)
     k_before = k_cache.clone()
+    versions = k_cache._version, v_cache._version, out._version
     got, lse = ops.decode(q, k_cache, v_cache, out=out, return_lse=True, **kwargs)
     assert got is out and not torch.isnan(out).any()
+    # The mutated tensors' version counters move (autograd then refuses a stale saved tensor).
+    assert all(after > before for before, after in zip(versions, (k_cache._version, v_cache._version,
+                                                                    out._version)))
     want, want_lse, k_after, _ = reference.decode(_np(q), _np(k_before), _np(v_cache), return_cache=True,
                                                   **_host({n: v for n, v in kwargs.items() if n != "num_splits"}))
     np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-5)
