@@ -93,7 +93,7 @@ __device__ __forceinline__ unsigned dropout_word(const FwdParams& p, const SeqIn
 // One element's share of the backward, in two halves so that a kernel can take P as soon as the
 // scores are in and dS once dP is (bwd_sm90 overlaps each half with a product).
 //   qk      raw q_i . k_j; without score modifiers (kMods == 0) already -inf where the window or the
-//           key tail hides (i, j);
+//           key tail hides (i, j); with a user ScoreMod, d s / d (scale q.k) instead (modify_scores' chain);
 //   score2  with them, the element's score in log2 units from modify_scores (mask.cuh), -inf where
 //           hidden (qk is then raw: the softcap's derivative needs it); ignored without;
 //   dp      raw dO_i . v_j;   lse2 / dsum  the row's lse * log2(e) and D_i
@@ -133,7 +133,9 @@ __device__ __forceinline__ float element_grad(const FwdParams& p, float prob, fl
         prob = fabsf(prob);
     }
     const float grad = kGuard && prob == 0.f ? 0.f : prob * (dp_kept - dsum);
-    *ds = grad;
+    *ds = grad;   // dL/ds of the final score: dbias, which the host refuses beside a user ScoreMod
+    // A user ScoreMod's chain factor may be anything where P = 0 (its grad at a hidden element): 0 there.
+    if constexpr ((kMods & kModUserScore) != 0) return prob == 0.f ? 0.f : grad * qk;
     return (kMods & kModSoftcap) ? grad * softcap_grad(p, qk) : grad;
 }
 

@@ -222,7 +222,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
         }
 
         // With score modifiers, the scores in log2 units (modify_scores; acc_s keeps the raw q.k for
-        // the softcap's derivative); the queries are the kept rows in pass 1, the streamed ones in pass 0.
+        // the softcap's derivative, or takes the chain factor of a user ScoreMod); the queries are the kept rows in pass 1, the streamed ones in pass 0.
         float score2[kRows][4];
         if constexpr (C::kScoreMods) {
             int kept[kRows], streamed[4];
@@ -235,9 +235,11 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
 #pragma unroll
                 for (int y = 0; y < 4; ++y) score2[x][y] = acc_s[x][y];
             if constexpr (C::kPassDq) {
-                modify_scores<C::kMods>(p, s, kept, streamed, [&](int x, int y) -> float& { return score2[x][y]; });
+                modify_scores<C::kMods>(p, s, kept, streamed, [&](int x, int y) -> float& { return score2[x][y]; },
+                                        [&](int x, int y) -> float& { return acc_s[x][y]; });
             } else {
-                modify_scores<C::kMods>(p, s, streamed, kept, [&](int y, int x) -> float& { return score2[x][y]; });
+                modify_scores<C::kMods>(p, s, streamed, kept, [&](int y, int x) -> float& { return score2[x][y]; },
+                                        [&](int y, int x) -> float& { return acc_s[x][y]; });
             }
         }
         // P and dS into shared memory (row = kept row, column = streamed row).

@@ -285,7 +285,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
             gemm_abt<C>(acc_s, a_lanes, a1_tile, b_lanes, b1_tile, c0);
 
             // With score modifiers, the scores in log2 units (modify_scores; acc_s keeps the raw q.k
-            // for the softcap's derivative). This thread's elements: kept rows warp_row0 + g (+ 8) x
+            // for the softcap's derivative, or takes the chain factor of a user ScoreMod). This thread's elements: kept rows warp_row0 + g (+ 8) x
             // streamed columns c0 + 8 ni + 2 t (+ 1); the queries are the kept rows in pass 1, the
             // streamed ones in pass 0.
             float score2[C::kCTiles][4];
@@ -301,10 +301,12 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
                     for (int e = 0; e < 4; ++e) score2[ni][e] = acc_s[ni][e];
                 if constexpr (C::kPassDq) {
                     modify_scores<C::kMods>(p, s, kept, streamed,
-                                            [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
+                                            [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; },
+                                            [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; });
                 } else {
                     modify_scores<C::kMods>(p, s, streamed, kept,
-                                            [&](int x, int r) -> float& { return score2[x / 2][2 * r + x % 2]; });
+                                            [&](int x, int r) -> float& { return score2[x / 2][2 * r + x % 2]; },
+                                            [&](int x, int r) -> float& { return acc_s[x / 2][2 * r + x % 2]; });
                 }
             }
             // Only tiles on a window edge or the key tail pay for per-element masking.

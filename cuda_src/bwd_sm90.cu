@@ -384,7 +384,8 @@ __device__ __forceinline__ bool mask_outside_window(const FwdParams& p, const Se
 // P^T of a consumer's elements from its raw scores acc_s: element (mi, e) is key keys[e / 2] and
 // query m_lo + col + 8 mi + e % 2 (col: the thread's first query column in the tile); lse2 holds the
 // tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
-// key-major) and acc_s keeps the raw ones (the softcap's derivative needs them); without, the window
+// key-major) and acc_s keeps the raw ones (the softcap's derivative needs them) or, with a user
+// ScoreMod, takes each element's chain factor (modify_scores); without, the window
 // alone, and P^T replaces S^T in acc_s (probabilities() says where P^T is). With dropout the keep
 // bits come from dropout_keep_bits_cols. Returns whether every element of the tile is a key its row
 // sees and no row is past the queries' end (then dS needs no guard: C::kTileGuard).
@@ -403,7 +404,8 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
 #pragma unroll
             for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
         modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
-            p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; });
+            p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; },
+            [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; });
     }
     bool whole = false;
     if constexpr (!C::kScoreMods)

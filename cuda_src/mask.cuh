@@ -2,7 +2,9 @@
 // family so that the semantics cannot drift between them.
 //
 //   s = scale * q.k;  softcap c > 0: s = c * tanh(s / c);  s -= slope * |i + Sk - Sq - j|;  s += bias;
-//   then s = -inf where a mask hides (i, j): window (causal is window_right = 0), tails, mask, block_mask.
+//   s = score_mod(s, b, h, i, j) (a user ScoreMod);
+//   then s = -inf where a mask hides (i, j): window (causal is window_right = 0), tails, mask, block_mask,
+//   a user MaskMod.
 //
 // Rows i and keys j are positions inside one sequence (varlen: relative to cu_seqlens[b]).
 //
@@ -83,8 +85,19 @@ __device__ __forceinline__ bool tile_inside_window(const FwdParams& p, const Seq
 
 // Score-modifier bits of CUFLASH_SCORE_MODS (cuflash/_heuristics.py SCORE_MODS has the same order).
 // An enum, not constexpr ints: those became globals of every module (symbols, constant bank entries).
+// kModUserScore / kModUserMask: the call's ScoreMod / MaskMod, whose functions the variant's source
+// defines (user_mod.cuh); not among kAllMods, the built-in ones a variant may compile without a call.
 enum ScoreMod : int { kModSoftcap = 1, kModAlibi = 2, kModBias = 4, kModMask = 8, kModBlockMask = 16,
-                      kAllMods = kModSoftcap | kModAlibi | kModBias | kModMask | kModBlockMask };
+                      kAllMods = kModSoftcap | kModAlibi | kModBias | kModMask | kModBlockMask,
+                      kModUserScore = 32, kModUserMask = 64 };
+
+// d s / d x of the softcap at x = scale * qk (s = c tanh(x / c) gives 1 - tanh^2(x / c)); ALiBi and bias
+// are additive constants. The tanh is the same expression as in modified_score, so the two agree bit for bit.
+__device__ __forceinline__ float softcap_grad(const FwdParams& p, float qk) {
+    if (p.softcap <= 0.f) return 1.f;
+    const float t = tanhf(qk * p.scale / p.softcap);
+    return 1.f - t * t;
+}
 
 // The full pipeline for one element in natural units; qk is the raw dot product q_i . k_j. Only the
 // modifiers of kMods are compiled.
@@ -98,6 +111,9 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
     if ((kMods & kModBias) && p.bias != nullptr)
         x += load_as_float(p.bias, s.b * p.bias_batch_stride + s.h * p.bias_head_stride +
                                        i * p.bias_row_stride + j * p.bias_col_stride, p.bias_dtype);
+    if constexpr ((kMods & kModUserScore) != 0) x = user_score_mod(x, s.b, s.h, i, j, p.user);
+    if constexpr ((kMods & kModUserMask) != 0)
+        if (!user_mask_mod(s.b, s.h, i, j, p.user)) return -CUFLASH_INF;
     if ((kMods & kModMask) && p.mask != nullptr &&
         !p.mask[s.b * p.mask_batch_stride + s.h * p.mask_head_stride + i * p.mask_row_stride +
                 j * p.mask_col_stride])
@@ -119,9 +135,15 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
 // is computed once per row, and the loads are predicated on visibility instead of branched around.
 // Fully unrolled, the per-element form was a maze of branches that took ptxas 30-45 s per fwd_sm90
 // variant (and spilled at D = 128 and 256).
-template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, class At>
+//
+// The backward passes ``chain`` too: chain(r, c) holds the element's raw q.k on entry and, in a variant
+// with a user ScoreMod, d s / d (scale q.k) on return (the softcap's derivative times the ScoreMod's
+// grad at its input, 0 where not visible): the raw q.k served only the softcap's derivative, and the
+// ScoreMod's input (after softcap, ALiBi and bias) is gone once it has run, so its grad is taken here.
+// Without a user ScoreMod, chain is left alone. The forward passes none (kChain false).
+template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, bool kChain = true, class At, class Chain>
 __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
-                                              const int (&cols)[kCols], At&& x) {
+                                              const int (&cols)[kCols], At&& x, Chain&& chain) {
     // Visible columns of each row: [first, last) (window and sequence ends), none past the last row.
     int first[kRows], last[kRows];
 #pragma unroll
@@ -196,7 +218,32 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
             }
         }
     }
+    // The user ScoreMod, on the score after softcap, ALiBi and bias (docs/design.md §2b), every element
+    // (its array reads are bounds-checked; what it gives where not visible is replaced by -inf below).
+    if constexpr ((kMods & kModUserScore) != 0) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
+                const float input = x(r, c);
+                if constexpr (kChain) {
+                    const float cap = (kMods & kModSoftcap) ? softcap_grad(p, chain(r, c)) : 1.f;
+                    chain(r, c) = visible(r, c) ? cap * user_score_mod_grad(input, s.b, s.h, i, j, p.user) : 0.f;
+                }
+                x(r, c) = user_score_mod(input, s.b, s.h, i, j, p.user);
+            }
+    }
     // The masks (read only where visible) set -inf; so do the window and the sequence ends.
+    if constexpr ((kMods & kModUserMask) != 0) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
+                if (visible(r, c) && !user_mask_mod(s.b, s.h, i, j, p.user)) x(r, c) = -CUFLASH_INF;
+            }
+    }
     if constexpr ((kMods & kModMask) != 0) {
         if (p.mask != nullptr) {
             const longlong2 stride = strides(p.mask_row_stride, p.mask_col_stride);
@@ -235,6 +282,13 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int c = 0; c < kCols; ++c) x(r, c) = visible(r, c) ? x(r, c) * kLog2e : -CUFLASH_INF;
+}
+
+// The forward's form: no chain.
+template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, class At>
+__device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
+                                              const int (&cols)[kCols], At&& x) {
+    modify_scores<kMods, kRows, kCols, kKeysAreRows, false>(p, s, rows, cols, x, x);
 }
 
 // Whether any of this thread's share (blocks first, first + step, ...) of the user blocks that
@@ -286,17 +340,6 @@ __device__ __forceinline__ bool block_mask_tile_visible_warp(const FwdParams& p,
         }
     }
     return __any_sync(0xffffffffu, any) != 0;
-}
-
-// ---- Backward helpers (appended for the backward kernels; the pipeline above is unchanged).
-
-// d s / d x of the score pipeline at x = scale * qk, for a visible element: only the softcap bends
-// it (s = c tanh(x / c) gives 1 - tanh^2(x / c)); ALiBi and bias are additive constants. The tanh
-// is the same expression as in modified_score, so the two agree bit for bit.
-__device__ __forceinline__ float softcap_grad(const FwdParams& p, float qk) {
-    if (p.softcap <= 0.f) return 1.f;
-    const float t = tanhf(qk * p.scale / p.softcap);
-    return 1.f - t * t;
 }
 
 }  // namespace cuflash

@@ -4,6 +4,7 @@
 // the size it computes arrives as CUFLASH_PARAMS_SIZE and is checked below, so the two cannot drift
 // silently. Order: 8-byte fields first, then 4-byte fields, so that C and NumPy pad alike.
 #pragma once
+#include "user_mod.cuh"
 
 namespace cuflash {
 
@@ -37,6 +38,9 @@ struct FwdParams {
     // or a backward given the forward's rng_state as a device array): philox.cuh, dropout_key.
     const unsigned long long* dropout_state;
     unsigned long long dropout_seed;
+    // The named arguments of the call's ScoreMod and MaskMod (one block: the mask's slots follow the
+    // score's), written per call; read only by variants that compile a user modifier (mask.cuh).
+    user::Args user;
 
     int batch;                         // number of sequences
     int seqlen_q, seqlen_k;            // varlen: the maxima (they size the grid)

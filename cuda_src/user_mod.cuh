@@ -65,3 +65,16 @@ __device__ __forceinline__ bool read_bool(const Args& a, int k, long long i) {
 
 }  // namespace user
 }  // namespace cuflash
+
+// The functions written from a call's modifiers (cuflash/modifiers/cuda.py). A variant that has them
+// (CUFLASH_SCORE_MODS bits kModUserScore / kModUserMask, cuda_src/mask.cuh) gets their definitions ahead
+// of its source (cuflash/_build/compile.py); the declarations let mask.cuh name them in every variant,
+// and a variant without them never calls them (not inline here: an inline function named but never
+// defined is an error even in a discarded branch). q_idx and kv_idx are positions in the sequence, h
+// the query head; the score is in natural units, after softcap, ALiBi and bias.
+__device__ float user_score_mod(float score, long long b, long long h, long long q_idx, long long kv_idx,
+                                const cuflash::user::Args& args);
+__device__ float user_score_mod_grad(float score, long long b, long long h, long long q_idx, long long kv_idx,
+                                     const cuflash::user::Args& args);
+__device__ bool user_mask_mod(long long b, long long h, long long q_idx, long long kv_idx,
+                              const cuflash::user::Args& args);

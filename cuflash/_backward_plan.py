@@ -125,13 +125,15 @@ def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_di
 
 def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
                    d_pad, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
-                   check=None):
+                   check=None, user_mods=(), user_source=""):
     """The plan of one backward call: [index check], preprocess, dK/dV pass (+ atomic dQ), then the
     dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
     dq, dk, dv to arrays (or :class:`_checks.Shaped`) whose strides the kernels use; operands are
-    0 dout, 1 q, 2 k, 3 v, 4 out, 5 lse, 6 dq, 7 dk, 8 dv, then the score and index arrays."""
+    0 dout, 1 q, 2 k, 3 v, 4 out, 5 lse, 6 dq, 7 dk, 8 dv, then the score and index arrays and the
+    ScoreMod/MaskMod arrays. ``user_mods``, ``user_source``: the call's ScoreMod/MaskMod
+    (:func:`cuflash._scores.user_operands` with ``backward=True``; their fields are in ``score_fields``)."""
     score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
-        ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ())
+        ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ()) + tuple(user_mods)
     dropout = dropout_p > 0
     family = _choose_family(dtype_name, family, d_pad, score_mods, dropout, layouts)
     device_id = _launch.device_id()
@@ -145,10 +147,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     all_seen = kernels.bwd_sm90.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
-                                      all_keys_seen=all_seen)
+                                      all_keys_seen=all_seen, user_source=user_source)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
-                                       dropout=dropout) if dq_pass else None)
+                                       dropout=dropout, user_source=user_source) if dq_pass else None)
     for p in (plan0, plan1):
         if p is not None and p.smem_bytes > _max_smem(device_id):
             raise ValueError(f"the backward for head_dim {d} needs {p.smem_bytes // 1024} KiB of shared memory "

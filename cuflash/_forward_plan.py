@@ -58,25 +58,28 @@ def _is_hopper() -> bool:
 
 
 def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_fields, row_layout, opts,
-                 score_fields, grid_rows, batch, heads_q, check=None, lse_output=True, dropout_origin=None):
+                 score_fields, grid_rows, batch, heads_q, check=None, lse_output=True, dropout_origin=None,
+                 user_mods=(), user_source=""):
     """Choose the kernel and build the plan of one forward call.
 
     ``operands`` are the entry point's (q, k, v, out, lse, then the score and index arrays); ``q``,
     ``k``, ``v``, ``o`` the kernel-ready arrays whose layouts the plan encodes. ``score_fields``
     maps FwdParams fields to values, or, for pointers, to ``("operand", index)``. ``check`` is the
     index-check step's fields (varlen on the GPU), or None. ``dropout_origin``: the FwdParams fields
-    of :func:`_checks.check_dropout_origin`, or None (origin (0, 0)).
+    of :func:`_checks.check_dropout_origin`, or None (origin (0, 0)). ``user_mods``, ``user_source``:
+    the call's ScoreMod/MaskMod (:func:`cuflash._scores.user_operands`; their fields are in
+    ``score_fields``).
     """
     family = _choose_family(dtype_name, q, k, v)
     dropout = opts.dropout_p > 0
     score_mods = (tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
-                  + (("softcap",) if opts.softcap > 0 else ()))
+                  + (("softcap",) if opts.softcap > 0 else ()) + tuple(user_mods))
     consumers = 2
     if family == "fwd_sm90" and entry == "attention":
         consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
                                                full=opts.window == (-1, -1), seqlen_q=q.shape[1])
     plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
-                                      consumers=consumers)
+                                      consumers=consumers, user_source=user_source)
     b, hq = batch, heads_q
     if family == "fwd_sm90" and entry == "attention_varlen":
         # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks

@@ -42,3 +42,81 @@ def _stride_fields(prefix: str, x) -> dict:
     sb, sh, sr, sc = _checks.element_strides(x)
     return {f"{prefix}_batch_stride": sb, f"{prefix}_head_stride": sh, f"{prefix}_row_stride": sr,
             f"{prefix}_col_stride": sc}
+
+
+# ----------------------------------------------------------------------------- user-written modifiers
+
+def modifier_parts(score_mod, mask_mod):
+    """(memo key, arrays) of a call's ScoreMod and MaskMod: what the plan memo keys on besides the
+    arrays' layouts, and the array arguments, which the entry point appends to its operands (their
+    addresses are written per call, like every operand's). (None, ()) without modifiers.
+
+    Raises
+    ------
+    TypeError
+        ``score_mod`` that is not a :class:`cuflash.ScoreMod`, ``mask_mod`` not a :class:`cuflash.MaskMod`.
+    """
+    from .modifiers import MaskMod, ScoreMod
+
+    if score_mod is not None and not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a cuflash.ScoreMod or None, got {type(score_mod).__name__}")
+    if mask_mod is not None and not isinstance(mask_mod, MaskMod):
+        raise TypeError(f"mask_mod must be a cuflash.MaskMod or None, got {type(mask_mod).__name__}")
+    score_key, score_arrays = score_mod.call_parts() if score_mod is not None else (None, ())
+    mask_key, mask_arrays = mask_mod.call_parts() if mask_mod is not None else (None, ())
+    return (score_key, mask_key), score_arrays + mask_arrays
+
+
+def user_operands(score_mod, mask_mod, *, first: int, backward: bool = False):
+    """FwdParams fields of a call's ScoreMod and MaskMod, their kernel-ready arrays, the names the
+    kernel planners take among ``score_mods``, and the CUDA the variant compiles in.
+
+    The arguments fill one ``user::Args`` block (cuda_src/user_mod.cuh; the MaskMod's slots after
+    the ScoreMod's, :func:`cuflash.modifiers.argument_slots`): array k's address as the operand
+    ``first + k`` (the arrays come back in that order) and its element count; the scalars' values.
+
+    Returns
+    -------
+    fields : dict
+        ``"user.ptr<k>"`` -> ("operand", first + k), ``"user.size<k>"``, ``"user.f<k>"``, ``"user.i<k>"``.
+    arrays : tuple
+        CuPy arrays, C-contiguous (the expressions index them flat, in C order; others are copied).
+    names : tuple of str
+        ``"score_mod"`` and/or ``"mask_mod"``.
+    source : str
+        :func:`cuflash.modifiers.kernel_source` (``backward``: with the ScoreMod's grad).
+
+    Raises
+    ------
+    TypeError
+        An array argument that is not a CUDA array.
+    ValueError
+        An array argument on another GPU; a float scalar outside float32's range (the kernels read
+        float32); more than 8 arrays or scalars in all; a ScoreMod without the grad its backward
+        needs.
+    """
+    from .modifiers import argument_slots, kernel_source
+
+    if score_mod is None and mask_mod is None:
+        return {}, (), (), ""
+    cupy = _checks._cupy()
+    fields, arrays, names = {}, [], []
+    for mod, slots, what in zip((score_mod, mask_mod), argument_slots(score_mod, mask_mod), ("score_mod", "mask_mod")):
+        if mod is None:
+            continue
+        names.append(what)
+        for name, (is_array, slot, kind) in sorted(slots.items(), key=lambda item: (not item[1][0], item[1][1])):
+            value = mod.args.values[name]
+            if is_array:
+                x = cupy.ascontiguousarray(_checks.as_cuda_array(value, f"{what} argument {name}"))
+                fields[f"user.ptr{slot}"] = ("operand", first + slot)
+                fields[f"user.size{slot}"] = x.size
+                arrays.append(x)
+            elif kind == "float":
+                if not abs(float(value)) <= float(np.finfo(np.float32).max) and not math.isinf(value) and not math.isnan(value):
+                    raise ValueError(f"{what} argument {name}={value} is outside float32's range (the kernels read "
+                                     "float32 scalars)")
+                fields[f"user.f{slot}"] = float(value)
+            else:
+                fields[f"user.i{slot}"] = int(value)
+    return fields, tuple(arrays), tuple(names), kernel_source(score_mod, mask_mod, backward=backward)

@@ -8,7 +8,7 @@ import numpy as np
 from . import _checks
 from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._forward_plan import _family_for, _forced_family, forward_plan
-from ._scores import SCORE_OPERANDS, score_operands
+from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
 
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 
@@ -49,7 +49,7 @@ def force_kernel(family: str):
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
                       mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
-                      generator=None, out=None, lse=None):
+                      generator=None, score_mod=None, mask_mod=None, out=None, lse=None):
     """Exact attention forward that also returns what the backward pass needs.
 
     :func:`attention` with the log-sum-exp and the dropout state always returned: pass them, with
@@ -104,6 +104,14 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     generator : cuflash.Generator, optional
         Source of the dropout random numbers; each call with dropout takes its next (seed, offset).
         Default: :func:`cuflash.default_generator` (seeded by :func:`cuflash.manual_seed`).
+    score_mod : cuflash.ScoreMod, optional
+        A score modifier written as one expression over ``score`` (after softcap, ALiBi and bias),
+        ``b``, ``h`` (query head), ``q_idx``, ``kv_idx`` (positions in the sequence) and its named
+        arguments; applied before the masks. Compiled into the kernel once per expression (its
+        arrays' addresses and scalars' values are read at each call: new values need no new kernel).
+    mask_mod : cuflash.MaskMod, optional
+        A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
+        gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
     out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
     lse : CUDA float32 array (B, Hq, Sq), optional
         C-contiguous buffers to write the results into (returned as given); they may not overlap
@@ -168,7 +176,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     ...                                         causal=True, dropout_p=0.1)
     """
     return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window, softcap,
-                    block_size, dropout_p, generator, True, True)
+                    block_size, dropout_p, generator, True, True, modifiers=(score_mod, mask_mod))
 
 
 def _forward_at(q, k, v, *, dropout_origin=(0, 0), causal=False, scale=None, window=None, softcap=0.0,
@@ -201,19 +209,24 @@ def _forward_with_rng_words(q, k, v, rng_words, *, causal=False, scale=None, win
 
 
 def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
-             rng_output=False, dropout_origin=(0, 0), rng_words=None):
+             rng_output=False, dropout_origin=(0, 0), rng_words=None, modifiers=(None, None)):
     """attention_forward, and attention (whose lse, unless returned, is a temporary of the call, and
     whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us.
-    ``rng_words``: see :func:`_forward_with_rng_words` (None: drawn from the generator)."""
+    ``rng_words``: see :func:`_forward_with_rng_words` (None: drawn from the generator).
+    ``modifiers``: (score_mod, mask_mod); their arrays follow the operands."""
+    mod_key = None
+    if modifiers[0] is not None or modifiers[1] is not None:
+        mod_key, user_arrays = modifier_parts(*modifiers)
+        operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
-               lse_output, dropout_origin)
+               lse_output, dropout_origin, mod_key)
     plan, ptrs, where = _memo.lookup("attention", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
                                              softcap=softcap, block_size=block_size, dropout_p=dropout_p,
                                              generator=generator, lse_output=lse_output,
-                                             dropout_origin=dropout_origin)
+                                             dropout_origin=dropout_origin, modifiers=modifiers)
         if plan is None:
             return finish
     results, _, rng_state = plan.run(operands, ptrs, where, generator=generator, rng_state=rng_words,
@@ -223,14 +236,14 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
 
 
 def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size, dropout_p, generator,
-                    lse_output=True, dropout_origin=(0, 0)):
+                    lse_output=True, dropout_origin=(0, 0), modifiers=(None, None)):
     """The full path of :func:`attention_forward`: check, plan (remembered under ``key`` when the
     operands are used in place). Returns (plan, pointers, finish): ``finish`` copies the kernel's
     output into the caller's when a private one was needed; (None, None, result) for a call that
     launches nothing."""
     import cupy
 
-    q, k, v, out, lse, alibi_slopes, mask, bias, block_mask = operands
+    q, k, v, out, lse, alibi_slopes, mask, bias, block_mask = operands[:9]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
@@ -242,13 +255,15 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     origin_fields = _checks.check_dropout_origin(dropout_origin, (sq, sk))
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=5)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=9)
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
     if lse is not None:
         lse = _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
     _checks.check_disjoint((("out", out), ("lse", lse)),
-                           (("q", q), ("k", k), ("v", v), *zip(SCORE_OPERANDS, score_arrays)))
+                           (("q", q), ("k", k), ("v", v), *zip(SCORE_OPERANDS, score_arrays),
+                            *((("score_mod/mask_mod argument", x) for x in user_arrays))))
     _family_for(dtype_name)  # an impossible forced family is an argument error too
 
     if b * sq * hq * d == 0 or sk == 0:
@@ -272,11 +287,12 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
         sb, sr, sh, _ = _checks.element_strides(x)
         row_layout.update({f"{name}_batch_stride": sb, f"{name}_row_stride": sr, f"{name}_head_stride": sh})
     row_layout.update(lse_batch_stride=hq * sq, lse_head_stride=sq)
-    kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays)
+    kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays, *user_arrays)
     plan = forward_plan("attention", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
                         seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
-                        score_fields=score_fields, grid_rows=sq, batch=b, heads_q=hq, lse_output=lse_output,
-                        dropout_origin=origin_fields)
+                        score_fields={**score_fields, **user_fields}, grid_rows=sq, batch=b, heads_q=hq,
+                        lse_output=lse_output, dropout_origin=origin_fields, user_mods=user_mods,
+                        user_source=user_source)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -303,7 +319,7 @@ def _copy_out(out, out_user, o_kernel, d):
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
-              return_lse=False, out=None):
+              score_mod=None, mask_mod=None, return_lse=False, out=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q k^T + modifiers) v``, in one fused pass.
 
     For every batch b, query head h and query row i, attends ``q[b, i, h]`` over the keys and values
@@ -358,6 +374,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     generator : cuflash.Generator, optional
         Source of the dropout random numbers; each call with dropout takes its next (seed, offset).
         Default: :func:`cuflash.default_generator` (seeded by :func:`cuflash.manual_seed`).
+    score_mod : cuflash.ScoreMod, optional
+        A score modifier written as one expression over ``score`` (after softcap, ALiBi and bias),
+        ``b``, ``h`` (query head), ``q_idx``, ``kv_idx`` (positions in the sequence) and its named
+        arguments; applied before the masks. Compiled into the kernel once per expression (its
+        arrays' addresses and scalars' values are read at each call: new values need no new kernel).
+    mask_mod : cuflash.MaskMod, optional
+        A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
+        gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
     return_lse : bool, default False
         Also return the log-sum-exp of every row.
     out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
@@ -378,7 +402,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         An array that is not a CUDA array (a NumPy array too), a dtype other than float16, bfloat16
         or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias`` or
         ``alibi_slopes`` of another dtype, an option of the wrong type (``causal``, ``scale``,
-        ``window``, ``softcap``, ``dropout_p``, ``generator``, ``return_lse``).
+        ``window``, ``softcap``, ``dropout_p``, ``generator``, ``return_lse``), a ``score_mod``/
+        ``mask_mod`` that is not a :class:`cuflash.ScoreMod`/:class:`cuflash.MaskMod`, or whose array
+        argument is not a CUDA array.
     ValueError
         A shape or value out of contract: ranks, batch or heads that do not match (GQA), head dims,
         an array on another GPU than the current one, a ``window`` or ``block_size`` entry, ``scale``,
@@ -426,14 +452,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     """
     return_lse = _checks.check_flag(return_lse, "return_lse")
     out, lse, _ = _forward((q, k, v, out, None, alibi_slopes, mask, bias, block_mask), causal, scale, window,
-                           softcap, block_size, dropout_p, generator, return_lse)
+                           softcap, block_size, dropout_p, generator, return_lse, modifiers=(score_mod, mask_mod))
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     generator=None, return_lse=False, out=None, mask=None, bias=None, block_mask=None,
-                     check=None):
+                     generator=None, score_mod=None, mask_mod=None, return_lse=False, out=None, mask=None,
+                     bias=None, block_mask=None, check=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
     Sequence b holds query rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1`` of q and key rows
@@ -474,6 +500,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         As in :func:`attention`, with the sequence index b as the batch index of the random numbers.
     generator : cuflash.Generator, optional
         As in :func:`attention`.
+    score_mod : cuflash.ScoreMod, optional
+        A score modifier written as one expression over ``score`` (after softcap, ALiBi and bias),
+        ``b`` (the sequence's index), ``h`` (query head), ``q_idx``, ``kv_idx`` (positions within each
+        sequence) and its named arguments; applied before the masks. Compiled into the kernel once
+        per expression (its arrays' addresses and scalars' values are read at each call).
+    mask_mod : cuflash.MaskMod, optional
+        A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
+        gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
     return_lse : bool, default False
         Also return the log-sum-exp of every row.
     out : CUDA array (total_q, Hq, D), the dtype of q, optional
@@ -526,7 +560,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen; pad and call attention instead")
     out, lse = _varlen((q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes), max_seqlen_q, max_seqlen_k,
-                       causal, scale, window, softcap, dropout_p, generator, return_lse, check)
+                       causal, scale, window, softcap, dropout_p, generator, return_lse, check,
+                       modifiers=(score_mod, mask_mod))
     return (out, lse) if return_lse else out
 
 
@@ -541,17 +576,21 @@ def _varlen_with_rng_words(q, k, v, cu_seqlens_q, cu_seqlens_k, rng_words, *, ma
 
 
 def _varlen(operands, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, generator, return_lse,
-            check, rng_words=None):
+            check, rng_words=None, modifiers=(None, None)):
     """attention_varlen's check, plan and run (positional, as :func:`_forward`); returns (out, lse or None)."""
+    mod_key = None
+    if modifiers[0] is not None or modifiers[1] is not None:
+        mod_key, user_arrays = modifier_parts(*modifiers)
+        operands = operands + user_arrays
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, type(generator), return_lse,
-               _forced_family.get())
+               _forced_family.get(), mod_key)
     plan, ptrs, where = _memo.lookup("attention_varlen", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_varlen(operands, ptrs, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                           causal=causal, scale=scale, window=window, softcap=softcap,
                                           alibi_slopes=operands[7], dropout_p=dropout_p, generator=generator,
-                                          return_lse=return_lse)
+                                          return_lse=return_lse, modifiers=modifiers)
         if plan is None:
             out, lse = finish
             return out, (lse if return_lse else None)
@@ -562,11 +601,11 @@ def _varlen(operands, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap
 
 
 def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
-                 dropout_p, generator, return_lse):
+                 dropout_p, generator, return_lse, modifiers=(None, None)):
     """The full path of :func:`attention_varlen` (see :func:`_plan_attention`)."""
     import cupy
 
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = operands
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = operands[:8]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k = k.shape[0]
@@ -577,6 +616,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                                  dropout_p=dropout_p, generator=generator, seqlens=(max_q, max_k))
     score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
                                                 block_mask=None, block_size=(128, 128), first=7)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=8)
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
@@ -584,7 +624,8 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
         lse = _checks.check_out(lse, "lse", (hq, total_q), np.float32)
     _checks.check_disjoint((("out", out), ("lse", lse)),
                            (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k),
-                            ("alibi_slopes", score_arrays[0])))
+                            ("alibi_slopes", score_arrays[0]),
+                            *((("score_mod/mask_mod argument", x) for x in user_arrays))))
     _family_for(dtype_name)
 
     if total_q * hq * d == 0 or batch == 0 or max_q == 0:
@@ -613,9 +654,10 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                  total_k=total_k, max_seqlen_q=max_q if max_seqlen_q is not None else 0,
                  max_seqlen_k=max_k if max_seqlen_k is not None else 0)
     plan = forward_plan("attention_varlen", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
-                        seq_fields={}, row_layout=row_layout, opts=opts, score_fields={**score_fields, **seq_fields},
-                        grid_rows=max_q, batch=batch, heads_q=hq, check=check, lse_output=return_lse)
-    kernel_operands = (qk, kk, vk, o_kernel, lse, cu_q, cu_k, score_arrays[0])
+                        seq_fields={}, row_layout=row_layout, opts=opts,
+                        score_fields={**score_fields, **seq_fields, **user_fields}, grid_rows=max_q, batch=batch,
+                        heads_q=hq, check=check, lse_output=return_lse, user_mods=user_mods, user_source=user_source)
+    kernel_operands = (qk, kk, vk, o_kernel, lse, cu_q, cu_k, score_arrays[0], *user_arrays)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:

@@ -27,7 +27,7 @@ import numpy as np
 from . import _checks, kernels
 from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._backward_plan import _backward_plan, _family_for, _forced_family
-from ._scores import SCORE_OPERANDS, score_operands
+from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
 from .random import as_rng_state
 
 __all__ = ["attention_backward", "attention_varlen_backward", "force_kernel", "FAMILIES"]
@@ -155,8 +155,8 @@ def _reduce_dbias(dbias_full, bias):
 
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, mask=None, bias=None, block_mask=None,
-                       block_size=(128, 128), dropout_p=0.0, deterministic=False, return_dbias=False,
-                       dq=None, dk=None, dv=None):
+                       block_size=(128, 128), dropout_p=0.0, score_mod=None, mask_mod=None, deterministic=False,
+                       return_dbias=False, dq=None, dk=None, dv=None):
     """Gradients of :func:`attention` with respect to q, k and v (and bias).
 
     Pass the forward's inputs and options, and ``out``, ``lse`` (and, with dropout, ``rng_state``) as
@@ -184,6 +184,10 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         and a captured backward reads the state of each replay.
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
         Exactly the forward's options (see :func:`attention`).
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        The forward's (see :func:`attention`). dS goes through the ScoreMod's ``grad``
+        (d expr / d score at its input); one whose derivative is not exactly 1 needs it (a
+        ValueError without). Not with ``return_dbias``.
     deterministic : bool, default False
         If true, dQ is accumulated without atomics (in a fixed order, or by a separate pass), so that
         every result is bitwise identical from run to run (somewhat slower). dK and dV are always
@@ -214,7 +218,8 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         an ``rng_state`` that does not hold integers, ``deterministic``/``return_dbias`` not bool.
     ValueError
         As :func:`attention_forward`; ``dout``/``out``/``lse`` of the wrong shape, ``dropout_p > 0``
-        without ``rng_state``, ``return_dbias`` without ``bias``, ``dq``/``dk``/``dv`` of the wrong
+        without ``rng_state``, ``return_dbias`` without ``bias`` or with ``score_mod``, a ``score_mod``
+        whose derivative is not 1 without its ``grad``, ``dq``/``dk``/``dv`` of the wrong
         shape, not C-contiguous or overlapping an input. Nothing is launched and the output
         buffers are left untouched.
     RuntimeError
@@ -247,15 +252,19 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     ((2, 512, 2, 64), (1, 8, 512, 512))
     """
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
+    mod_key = None
+    if score_mod is not None or mask_mod is not None:
+        mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
+        operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), (0, 0))
+               _forced_family.get(), (0, 0), mod_key)
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
-                                            return_dbias=return_dbias)
+                                            return_dbias=return_dbias, modifiers=(score_mod, mask_mod))
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -275,7 +284,7 @@ def _backward_at(dout, q, k, v, out, lse, *, dropout_origin=(0, 0), rng_state=No
         dropout_origin = tuple(dropout_origin)   # a key of the plan memo: hashable
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), dropout_origin)
+               _forced_family.get(), dropout_origin, None)
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
@@ -326,12 +335,12 @@ def _finisher(users, results, targets, d, reduce_dbias=None):
 
 
 def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, block_size, dropout_p,
-                   deterministic, return_dbias, dropout_origin=(0, 0)):
+                   deterministic, return_dbias, dropout_origin=(0, 0), modifiers=(None, None)):
     """The full path of :func:`attention_backward`: (plan, pointers, finish), or (None, None, result)
     for a call that launches nothing."""
     import cupy
 
-    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask = operands
+    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask = operands[:13]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
@@ -348,8 +357,13 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     return_dbias = _check_flag(return_dbias, "return_dbias")
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
+    if return_dbias and modifiers[0] is not None:
+        # The kernels keep one factor per score, d s / d (scale q.k), which dbias (dL/dbias: through the
+        # ScoreMod but not the softcap) cannot be read back from.
+        raise ValueError("return_dbias=True is not supported together with a score_mod")
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=9)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=13, backward=True)
     bias_arr = _checks.as_cuda_array(bias, "bias") if return_dbias else None
     family = _family_for(dtype_name)
     d_pad = -(-d // 8) * 8
@@ -358,7 +372,8 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                                                   q.dtype, d, d_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-                            *zip(SCORE_OPERANDS, score_arrays)))
+                            *zip(SCORE_OPERANDS, score_arrays),
+                            *((("score_mod/mask_mod argument", x) for x in user_arrays))))
 
     if b == 0 or hq == 0 or sq == 0 or sk == 0:
         # No score at all: every gradient is zero (and dq/dk/dv may be empty).
@@ -380,11 +395,12 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                           varlen=False, batch=b, max_q=sq, max_k=sk, heads_q=hq, heads_k=hk, d=d, d_pad=d_pad,
                           layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel[:4] + [kernel[4]]),
                                        dq=layouts[0], dk=layouts[1], dv=layouts[2]),
-                          lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
-                          dropout_p=dropout_p, deterministic=deterministic,
-                          dbias_shape=(b, hq, sq, sk) if return_dbias else None)
+                          lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields,
+                          score_fields={**score_fields, **user_fields}, dropout_p=dropout_p,
+                          deterministic=deterministic, dbias_shape=(b, hq, sq, sk) if return_dbias else None,
+                          user_mods=user_mods, user_source=user_source)
     qk, kk, vk, ok, dok = kernel
-    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays)
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays, *user_arrays)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands) and not return_dbias
     if return_dbias:
@@ -401,8 +417,9 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, rng_state=None, causal=False, scale=None, window=None,
-                              softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, dq=None,
-                              dk=None, dv=None, mask=None, bias=None, block_mask=None, check=None):
+                              softcap=0.0, alibi_slopes=None, dropout_p=0.0, score_mod=None, mask_mod=None,
+                              deterministic=False, dq=None, dk=None, dv=None, mask=None, bias=None, block_mask=None,
+                              check=None):
     """Gradients of :func:`attention_varlen` with respect to q, k and v.
 
     Pass the forward's inputs, options, ``out`` and ``lse`` (``return_lse=True``); as
@@ -431,6 +448,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         does); on the GPU as in :func:`attention_backward`.
     causal, scale, window, softcap, alibi_slopes, dropout_p, deterministic
         As in :func:`attention_backward`.
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        The forward's (see :func:`attention_varlen`), with their gradient as in
+        :func:`attention_backward`.
     dq : CUDA array (total_q, Hq, D), optional
     dk, dv : CUDA arrays (total_k, Hk, D), optional
         C-contiguous buffers of the dtype of q to write the gradients into; they may not overlap
@@ -472,15 +492,20 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             raise ValueError(f"{name} is not supported by attention_varlen_backward; pad and call "
                              "attention_backward instead")
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    mod_key = None
+    if score_mod is not None or mask_mod is not None:
+        mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
+        operands = operands + user_arrays
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
-               _forced_family.get())
+               _forced_family.get(), mod_key)
     plan, ptrs, where = _memo.lookup("attention_varlen_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_varlen_backward(operands, ptrs, max_seqlen_q=max_seqlen_q,
                                                    max_seqlen_k=max_seqlen_k, rng_state=rng_state, causal=causal,
                                                    scale=scale, window=window, softcap=softcap,
-                                                   dropout_p=dropout_p, deterministic=deterministic)
+                                                   dropout_p=dropout_p, deterministic=deterministic,
+                                                   modifiers=(score_mod, mask_mod))
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -489,11 +514,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_state, causal, scale, window, softcap,
-                          dropout_p, deterministic):
+                          dropout_p, deterministic, modifiers=(None, None)):
     """The full path of :func:`attention_varlen_backward` (see :func:`_plan_backward`)."""
     import cupy
 
-    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k = operands
+    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k = operands[:12]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -508,6 +533,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
         rng_state=rng_state, deterministic=deterministic, seqlens=(max_q, max_k))
     score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
                                                 block_mask=None, block_size=(128, 128), first=9)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=12, backward=True)
     family = _family_for(dtype_name)
     d_pad = -(-d // 8) * 8
     users = (dq, dk, dv)
@@ -515,7 +541,8 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-                            ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0])))
+                            ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0]),
+                            *((("score_mod/mask_mod argument", x) for x in user_arrays))))
 
     if hq == 0 or batch == 0 or max_q == 0 or max_k == 0 or total_q == 0:
         _memo.nothing_to_plan()
@@ -530,7 +557,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     lse_k = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
     fwd_fields = dict(seqlen_q=max_q, seqlen_k=max_k, window_left=window[0], window_right=window[1], scale=scale,
                       scale_log2=scale * math.log2(math.e), softcap=softcap)
-    score_fields = {**score_fields, "cu_seqlens_q": ("operand", 10), "cu_seqlens_k": ("operand", 11)}
+    score_fields = {**score_fields, "cu_seqlens_q": ("operand", 10), "cu_seqlens_k": ("operand", 11), **user_fields}
     check = dict(cu_seqlens_q=("operand", 10), cu_seqlens_k=("operand", 11), batch=batch, total_q=total_q,
                  total_k=total_k, max_seqlen_q=max_q if max_seqlen_q is not None else 0,
                  max_seqlen_k=max_k if max_seqlen_k is not None else 0)
@@ -539,9 +566,10 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
                           d_pad=d_pad, layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel),
                                                     dq=layouts[0], dk=layouts[1], dv=layouts[2]),
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
-                          dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check)
+                          dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check,
+                          user_mods=user_mods, user_source=user_source)
     qk, kk, vk, ok, dok = kernel
-    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k)
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k, *user_arrays)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:

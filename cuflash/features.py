@@ -46,7 +46,18 @@ MODIFIERS = (
 SCORE_MODS = tuple(m.name for m in MODIFIERS)
 #: Decode's modifiers.
 DECODE_SCORE_MODS = tuple(m.name for m in MODIFIERS if m.decode)
-_MOD_BITS = {m.name: m.bit for m in MODIFIERS} | {m.keyword: m.bit for m in MODIFIERS}
+
+#: The user-written modifiers (cuflash.ScoreMod, cuflash.MaskMod): bits of CUFLASH_SCORE_MODS too
+#: (``kModUserScore``, ``kModUserMask``), but each variant that has one also carries the functions
+#: written from the call's expression (:attr:`cuflash._build.variant.Variant.source`), so they are
+#: never among "every modifier" (``score_mods=True``) and never merged with the built-in ones: the
+#: built-in bits of a call are chosen as before and the user bits are added to them.
+USER_MODIFIERS = (
+    ScoreMod("score_mod", "score_mod", 32, False),
+    ScoreMod("mask_mod", "mask_mod", 64, False),
+)
+USER_MOD_BITS = sum(m.bit for m in USER_MODIFIERS)
+_MOD_BITS = {m.name: m.bit for m in MODIFIERS + USER_MODIFIERS} | {m.keyword: m.bit for m in MODIFIERS}
 
 
 def score_mod_bits(score_mods, names=SCORE_MODS) -> int:
@@ -60,10 +71,14 @@ def score_mod_bits(score_mods, names=SCORE_MODS) -> int:
     names : tuple of str
         The modifiers the kernel family has (:data:`SCORE_MODS`, :data:`DECODE_SCORE_MODS`).
 
+        ``"score_mod"`` / ``"mask_mod"`` (:data:`USER_MODIFIERS`) may come beside them where
+        ``names`` is :data:`SCORE_MODS` (not in decode).
+
     Returns
     -------
     int
-        0 for none, the modifier's bit for one alone, every bit of ``names`` for two or more.
+        0 for none, the modifier's bit for one alone, every bit of ``names`` for two or more; plus
+        the bits of the user modifiers, as given.
 
     Raises
     ------
@@ -71,19 +86,21 @@ def score_mod_bits(score_mods, names=SCORE_MODS) -> int:
         For a name or bit the family does not have.
     """
     every = sum(_MOD_BITS[n] for n in names)
+    user = USER_MOD_BITS if names == SCORE_MODS else 0
     if isinstance(score_mods, bool) or score_mods is None:
         return every if score_mods else 0
     if isinstance(score_mods, (int, np.integer)):
         bits = int(score_mods)
-        if bits < 0 or bits & ~every:
-            raise ValueError(f"score_mods bit mask {bits} has bits outside {every} ({', '.join(names)})")
+        if bits < 0 or bits & ~(every | user):
+            raise ValueError(f"score_mods bit mask {bits} has bits outside {every | user} ({', '.join(names)})")
     else:
         bits = 0
         for name in score_mods:
-            if _MOD_BITS.get(name, 0) & every == 0:
+            if _MOD_BITS.get(name, 0) & (every | user) == 0:
                 raise ValueError(f"unknown score modifier {name!r}: expected some of {', '.join(names)}")
             bits |= _MOD_BITS[name]
-    return bits if bits & (bits - 1) == 0 else every
+    user_bits, bits = bits & user, bits & ~user
+    return user_bits | (bits if bits & (bits - 1) == 0 else every)
 
 
 def score_mod_sets(names=SCORE_MODS) -> list[int]:

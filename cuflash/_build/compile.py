@@ -35,7 +35,7 @@ from cuflash._build.variant import Variant
 
 
 __all__ = ["CUDA_SRC", "CompileResult", "source_hash", "nvrtc_options", "compile_cubin",
-           "cache_path", "find_cubin", "store_cubin", "cached_result", "get_kernel",
+           "variant_source", "cache_path", "find_cubin", "store_cubin", "cached_result", "get_kernel",
            "current_device", "compile_notice", "default_threads", "compile_many", "build",
            "precompile"]
 
@@ -112,8 +112,21 @@ def nvrtc_options(variant: Variant, arch: str, src_hash: str | None = None, src_
     """
     src_dir = src_dir or CUDA_SRC
     src_hash = src_hash or source_hash(src_dir)
+    # A variant with generated source (a user modifier) names its hash, so that every key made of the
+    # options (the cache path, the cached report) tells two expressions apart.
+    user = [f"-DCUFLASH_USER_SOURCE=0x{variant.source_key}"] if variant.source else []
     return ["-std=c++17", f"-arch={arch}", f"-I{src_dir}", f"-DCUFLASH_SRC_HASH=0x{src_hash}",
-            "--ptxas-options=-v", *(f"-D{k}={v}" for k, v in variant.defines)]
+            "--ptxas-options=-v", *(f"-D{k}={v}" for k, v in variant.defines), *user]
+
+
+def variant_source(variant: Variant, source_text: str, name: str) -> str:
+    """The text NVRTC compiles for ``variant``: the family's source ``source_text`` (file ``name``),
+    after the variant's generated functions when it has them (a ``#line`` keeps the file's own line
+    numbers in NVRTC's messages)."""
+    if not variant.source:
+        return source_text
+    return f'{variant.source}\n#line 1 "{name}"\n{source_text}'
+
 
 
 def _result(variant, arch, cubin, log, seconds, cached=False) -> CompileResult:
@@ -142,7 +155,7 @@ def compile_cubin(variant: Variant, arch: str, src_hash: str | None = None, src_
     if not source.is_file():
         raise ValueError(f"unknown kernel family {variant.family!r}: {source} does not exist")
     start = time.perf_counter()
-    cubin, log = _nvrtc.compile_to_cubin(source.read_text(), source.name,
+    cubin, log = _nvrtc.compile_to_cubin(variant_source(variant, source.read_text(), source.name), source.name,
                                          nvrtc_options(variant, arch, src_hash, src_dir))
     return _result(variant, arch, cubin, log, time.perf_counter() - start)
 

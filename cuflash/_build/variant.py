@@ -8,6 +8,7 @@ the command line can all name and describe variants without importing each other
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from cuflash.features import DTYPE_CODES, MODIFIERS
 
@@ -29,14 +30,25 @@ class Variant:
     defines : tuple of (str, int) pairs, or a dict
         Compile-time constants (``-DNAME=value``); stored sorted so that equal configurations
         are equal (and hash equal) however they were written.
+    source : str, default ""
+        CUDA C++ compiled ahead of the family's source: the functions written from a call's
+        ScoreMod/MaskMod (:func:`cuflash.modifiers.kernel_source`). Part of the variant's identity and,
+        through :attr:`source_key`, of its cache key, so that different expressions compile different
+        kernels and identical ones share one.
     """
 
     family: str
     defines: tuple[tuple[str, int], ...] = ()
+    source: str = ""
 
     def __post_init__(self):
         defines = tuple(sorted((str(k), int(v)) for k, v in dict(self.defines).items()))
         object.__setattr__(self, "defines", defines)
+
+    @property
+    def source_key(self) -> str:
+        """sha256 (16 hex digits) of :attr:`source`, "" without one."""
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16] if self.source else ""
 
     @property
     def entry(self) -> str:
@@ -69,4 +81,6 @@ class Variant:
             words.append(one[0] if one else "mods")
         if d.get("DROPOUT"):
             words.append("dropout")
+        if self.source:
+            words.append(f"user:{self.source_key[:8]}")
         return " ".join(words)

@@ -16,13 +16,23 @@ import struct
 
 import numpy as np
 
-__all__ = ["FWD_PARAMS", "BWD_PARAMS", "CONVERT_PARAMS", "DECODE_PARAMS", "MERGE_PARAMS", "CHECK_PARAMS",
+__all__ = ["USER_ARGS", "FWD_PARAMS", "BWD_PARAMS", "CONVERT_PARAMS", "DECODE_PARAMS", "MERGE_PARAMS", "CHECK_PARAMS",
            "Layout", "Template", "FWD", "BWD", "CONVERT", "DECODE", "MERGE", "CHECK"]
 
 
 def _fields(kind, names):
     return [(name, kind) for name in names]
 
+
+# ----------------------------------------------------------------------------- cuda_src/user_mod.cuh
+#: cuflash::user::Args: the arguments of a call's ScoreMod/MaskMod (kMaxArrays = kMaxScalars = 8).
+USER_ARGS = np.dtype(
+    _fields(np.uint64, tuple(f"ptr{k}" for k in range(8)))
+    + _fields(np.int64, tuple(f"size{k}" for k in range(8)))
+    + _fields(np.float32, tuple(f"f{k}" for k in range(8)))
+    + _fields(np.int64, tuple(f"i{k}" for k in range(8))),
+    align=True,
+)
 
 # ----------------------------------------------------------------------------- cuda_src/params.cuh
 FWD_PARAMS = np.dtype(
@@ -38,7 +48,7 @@ FWD_PARAMS = np.dtype(
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride",
         "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
         "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride"))
-    + [("dropout_state", np.uint64), ("dropout_seed", np.uint64)]
+    + [("dropout_state", np.uint64), ("dropout_seed", np.uint64), ("user", USER_ARGS)]
     + _fields(np.int32, ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "window_left",
                          "window_right", "block_q", "block_k", "bias_dtype"))
     + _fields(np.uint32, ("dropout_offset", "dropout_threshold"))

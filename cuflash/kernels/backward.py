@@ -7,7 +7,7 @@ import numpy as np
 
 from . import bwd_simt, bwd_sm80, bwd_sm90
 from .bwd_common import bwd_convert_variant, bwd_preprocess_variant
-from .common import LaunchPlan
+from .common import LaunchPlan, with_user_source
 from .._build.variant import Variant
 from ..features import SCORE_MODS, score_mod_bits
 
@@ -24,7 +24,7 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
                   dropout: bool, deterministic: bool | None = None, windowed: bool = True,
-                  seqlen_q: int = 0, all_keys_seen: bool = False) -> LaunchPlan:
+                  seqlen_q: int = 0, all_keys_seen: bool = False, user_source: str = "") -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -47,6 +47,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     all_keys_seen : bool
         bwd_sm90 only: every row sees every key of the tiles it meets (:func:`bwd_all_keys_seen`):
         the variant without dS's guard for P = 0, at BWD_SM90_UNGUARDED_HEAD_DIMS.
+    user_source : str, default ""
+        As in :func:`cuflash.kernels.forward.forward_plan` (the backward's, with the ScoreMod's grad).
 
     Returns
     -------
@@ -56,14 +58,16 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     if family == "bwd_sm90":
         if dq_pass:
             raise ValueError("bwd_sm90 has no dQ pass (deterministic dQ runs bwd_sm80's)")
-        return bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
+        plan = bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                              deterministic=deterministic, windowed=windowed, seqlen_q=seqlen_q,
                              all_keys_seen=all_keys_seen)
-    if family == "bwd_sm80":
-        return bwd_sm80.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout)
-    if family == "bwd_simt":
-        return bwd_simt.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout)
-    raise ValueError(f"unknown backward kernel family {family!r}")
+    elif family == "bwd_sm80":
+        plan = bwd_sm80.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout)
+    elif family == "bwd_simt":
+        plan = bwd_simt.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout)
+    else:
+        raise ValueError(f"unknown backward kernel family {family!r}")
+    return with_user_source(plan, user_source)
 
 
 def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list[Variant]:

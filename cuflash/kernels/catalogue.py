@@ -36,10 +36,52 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
     return out
 
 
+def ci_user_modifiers():
+    """The ScoreMod and MaskMod whose variants the CPU test compiles: a relative-position bias table
+    and a document mask (float and int arithmetic, array reads of two dtypes, a scalar, a call).
+    Arrays on the host: only their dtypes matter here.
+
+    Heavier expressions may spill, in the sm90 families above all (168 registers a consumer thread),
+    the kernels staying correct, only slower: with a window term ``&& q_idx - kv_idx <= w`` in the
+    mask (a branch per element: ``&&`` short-circuits around the array reads) fwd_sm90 at D = 128
+    spilled 120 B, bwd_sm80 at D = 64 16 B; a tanh cap over the table read, 56 B in fwd_sm90."""
+    from ..modifiers import MaskMod, ScoreMod
+
+    table, doc = np.zeros(64, np.float32), np.zeros(64, np.int32)
+    score_mod = ScoreMod("score + table[h * n + abs(q_idx - kv_idx)]", table=table, n=16)
+    mask_mod = MaskMod("doc[b * S + q_idx] == doc[b * S + kv_idx]", doc=doc, S=32)
+    return score_mod, mask_mod
+
+
+def user_variants(arch: str, head_dims=(64, 128)) -> list[Variant]:
+    """One variant of each forward and backward family with :func:`ci_user_modifiers`, at ``head_dims``,
+    for ``arch`` (the sm90 families for sm_90a only): what the CPU test compiles of the user modifiers."""
+    from ..modifiers import kernel_source
+
+    score_mod, mask_mod = ci_user_modifiers()
+    forward_source, backward_source = kernel_source(score_mod, mask_mod), kernel_source(score_mod, mask_mod, backward=True)
+    mods = ("score_mod", "mask_mod")
+    out = []
+    for d in head_dims:
+        plans = [forward_plan("fwd_sm80", "bfloat16", d, score_mods=mods, dropout=False, user_source=forward_source),
+                 forward_plan("fwd_simt", "float32", d, score_mods=mods, dropout=False, user_source=forward_source)]
+        for family, dtype_name in (("bwd_sm80", "bfloat16"), ("bwd_simt", "float32")):
+            plans += [backward_plan(family, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=False,
+                                    user_source=backward_source) for dq_pass in (False, True)]
+        if arch.startswith("sm_90"):
+            plans.append(forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=False,
+                                      user_source=forward_source))
+            plans.append(backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=False,
+                                       deterministic=False, user_source=backward_source))
+        out += [p.variant for p in plans if p.variant not in out]
+    return out
+
+
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
-    sm_90a only), forward at every default head dim, decode/merge and backward at D=128, and each
-    score modifier alone (forward, backward, decode at D=128, no dropout)."""
+    sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
+    score modifier alone (forward, backward, decode at D=128, no dropout), and the user modifiers of
+    :func:`user_variants` (D = 64 and 128)."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -50,6 +92,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         singles = [v for v in reachable_variants(arch, ("bfloat16", "float32"), (128,))
                    if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
         variants += [v for v in singles if v not in variants]
+        variants += [v for v in user_variants(arch) if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -77,11 +120,11 @@ def _defers_dq(variant: Variant) -> bool:
 def _with_stages(variant: Variant, stages: int) -> Variant:
     d = dict(variant.defines)
     d.update(CUFLASH_STAGES=stages, CUFLASH_SMEM_BYTES=bwd_sm90_smem_bytes(d["CUFLASH_HEAD_DIM"], stages=stages))
-    return Variant(variant.family, tuple(sorted(d.items())))
+    return Variant(variant.family, tuple(sorted(d.items())), variant.source)
 
 
 def _with_define(variant: Variant, name: str, value: int) -> Variant:
-    return Variant(variant.family, tuple(sorted({**dict(variant.defines), name: value}.items())))
+    return Variant(variant.family, tuple(sorted({**dict(variant.defines), name: value}.items())), variant.source)
 
 
 def _one_score_mod(variant: Variant) -> bool:

@@ -6,9 +6,10 @@ Planning is pure: functions of shapes, options and device properties, tested on 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from ..features import DTYPE_CODES, score_mod_bits
+from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
 from .._runtime.params import FWD_PARAMS
 from .._build.variant import Variant
 
@@ -65,3 +66,15 @@ def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: Tiles, smem: 
     }
     return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), tiles.block_m, 32 * tiles.warps, smem,
                       head_dim)
+
+
+def with_user_source(plan: LaunchPlan, source: str) -> LaunchPlan:
+    """``plan`` with the functions written from the call's ScoreMod/MaskMod compiled into its variant
+    (:func:`cuflash.modifiers.kernel_source`). A variant has them exactly when its CUFLASH_SCORE_MODS has a
+    user modifier's bit: one without the other would not compile, or would compile a function in vain."""
+    user_bits = dict(plan.variant.defines).get("CUFLASH_SCORE_MODS", 0) & USER_MOD_BITS
+    if bool(user_bits) != bool(source):
+        raise ValueError("a variant with score_mod/mask_mod needs their generated source, and one without takes none")
+    if not source:
+        return plan
+    return dataclasses.replace(plan, variant=dataclasses.replace(plan.variant, source=source))

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 
 from . import fwd_simt, fwd_sm80, fwd_sm90
-from .common import LaunchPlan, round_up
+from .common import LaunchPlan, round_up, with_user_source
 from .._build.variant import Variant
 
 FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
@@ -17,7 +17,7 @@ FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 # typed: score_mods=True (every modifier) and score_mods=1 (the softcap alone) are equal as keys otherwise.
 @functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool,
-                 consumers: int = 2) -> LaunchPlan:
+                 consumers: int = 2, user_source: str = "") -> LaunchPlan:
     """The forward variant for a problem.
 
     Parameters
@@ -33,14 +33,19 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
     consumers : int
         fwd_sm90's consumer warpgroups, 2 or 3 (:func:`sm90_consumers`; three only at D = 64 without
         score modifiers or dropout).
+    user_source : str, default ""
+        With ``"score_mod"``/``"mask_mod"`` among ``score_mods``: the functions written from the call's
+        modifiers (:func:`cuflash.modifiers.kernel_source`), compiled into the variant.
     """
     if family == "fwd_sm90":
-        return fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers)
-    if family == "fwd_sm80":
-        return fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
-    if family == "fwd_simt":
-        return fwd_simt.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
-    raise ValueError(f"unknown kernel family {family!r}")
+        plan = fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers)
+    elif family == "fwd_sm80":
+        plan = fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
+    elif family == "fwd_simt":
+        plan = fwd_simt.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
+    else:
+        raise ValueError(f"unknown kernel family {family!r}")
+    return with_user_source(plan, user_source)
 
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .common import LaunchPlan, round_up
 from .._runtime.params import FWD_PARAMS
 from .._build.variant import Variant
-from ..features import DTYPE_CODES, score_mod_bits
+from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
 
 # Hopper (sm_90a): 2 consumer warpgroups x 64 rows (3 for long full rows at D = 64:
 # sm90_consumers), 2 K/V stages. Up to D = 128, S tiles of 128 keys and Q double buffered (the next
@@ -19,6 +19,10 @@ SM90_HEAD_DIMS = (64, 128, 256)
 SM90_WIDE_HEAD_DIMS = (64,)
 SM90_WIDE_MIN_ROWS = 2048
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
+# With a user ScoreMod/MaskMod, 64-key tiles: a consumer holds half the scores (at D = 64 and 128), which leaves
+# room for the expression's reads (a document mask over 128-key tiles spilled 228 B, with a relative
+# bias table 496 B, 108 B at D = 64; over 64-key tiles none).
+SM90_BLOCK_N_USER = {64: 64, 128: 64, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 # K/V ring depth. D = 64 has room for 4: with the speculative softmax, a stage's V is released only
 # after the next tile's exponentials, and 2 stages left the producer waiting (same-run A/B, 8k keys:
@@ -69,13 +73,15 @@ def fwd_tail_heads(m_blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool
     return min(pairs, -(-FWD_TAIL_WAVES * wave_ctas // m_blocks))
 
 
-def sm90_smem_bytes(head_dim: int, consumers: int = 2) -> int:
+def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = None) -> int:
     """1 KB of slack to align the swizzled tiles, the Q slots, kStages of K and V, and the staged
-    output (16-bit elements), for a compiled head dim of SM90_HEAD_DIMS."""
+    output (16-bit elements), for a compiled head dim of SM90_HEAD_DIMS (``block_n``: keys per tile,
+    default SM90_BLOCK_N's)."""
     block_m = 64 * consumers
+    block_n = block_n or SM90_BLOCK_N[head_dim]
     q_bytes = SM90_Q_SLOTS[head_dim] * block_m * head_dim * 2
     out_bytes = block_m * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
-    return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * SM90_BLOCK_N[head_dim] * head_dim * 2 + out_bytes
+    return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * block_n * head_dim * 2 + out_bytes
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2) -> LaunchPlan:
@@ -88,11 +94,12 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout):
         raise ValueError(f"fwd_sm90 runs 2 consumer warpgroups, or 3 at head dims {SM90_WIDE_HEAD_DIMS} without "
                          f"score modifiers or dropout; got {consumers} at head dim {kdim}")
-    smem = sm90_smem_bytes(kdim, consumers)
+    block_n = (SM90_BLOCK_N_USER if mods & USER_MOD_BITS else SM90_BLOCK_N)[kdim]
+    smem = sm90_smem_bytes(kdim, consumers, block_n)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
-        "CUFLASH_BLOCK_N": SM90_BLOCK_N[kdim],
+        "CUFLASH_BLOCK_N": block_n,
         "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
         "CUFLASH_STAGES": SM90_STAGES[kdim],
         "CUFLASH_CONSUMERS": consumers,

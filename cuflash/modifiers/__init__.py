@@ -9,9 +9,13 @@ each sequence) and their named arguments: Python scalars, or arrays indexed flat
 :mod:`cuflash.modifiers.check`; :mod:`cuflash.modifiers.derivative` decides whether a score
 modifier needs a ``grad``.
 
-The float64 reference (:mod:`cuflash.reference`) takes ``score_mod=`` and ``mask_mod=``; the
-kernels' side (the generated code in the kernels' variants) is issue 52's next step, so the entry
-points do not take them yet.
+:func:`cuflash.attention`, :func:`cuflash.attention_forward`, :func:`cuflash.attention_backward`,
+:func:`cuflash.attention_varlen` and :func:`cuflash.attention_varlen_backward` take them as
+``score_mod=`` and ``mask_mod=``, like the float64 reference (:mod:`cuflash.reference`). Every forward
+and backward kernel family compiles the call's expressions into its variant (:func:`kernel_source`,
+keyed by their hash); the arrays' addresses and the scalars' values are written into the kernels'
+parameters at each call, so new values need no new kernel. Decode and the framework adapters do not
+take them yet.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from cuflash.modifiers.derivative import d_score, reads_score
 from cuflash.modifiers.numpy_eval import evaluate, grids
 from cuflash.modifiers.parse import FUNCTIONS, VARIABLES, Node, Num, parse, unparse
 
-__all__ = ["ScoreMod", "MaskMod"]
+__all__ = ["ScoreMod", "MaskMod", "kernel_source"]
 
 _MAX_ARRAYS = 8    # cuda_src/user_mod.cuh kMaxArrays
 _MAX_SCALARS = 8   # kMaxScalars
@@ -84,6 +88,26 @@ class _Arguments:
             raise ValueError(f"{what}: at most {_MAX_ARRAYS} array and {_MAX_SCALARS} scalar arguments, got "
                              f"{arrays} and {scalars}")
 
+    def arrays(self) -> tuple:
+        """The array arguments in slot order."""
+        return tuple(self.values[name] for name, (array, _, _) in sorted(self.slots.items(), key=lambda kv: kv[1][1])
+                     if array)
+
+    def scalars(self) -> tuple:
+        """(slot, type, value) of each scalar argument: the kernels read the value at run time."""
+        return tuple(sorted((slot, kind, self.values[name]) for name, (array, slot, kind) in self.slots.items()
+                            if not array))
+
+    def shifted(self, arrays: int, scalars: int) -> dict:
+        """The slots moved past ``arrays`` array and ``scalars`` scalar slots (a MaskMod's arguments
+        after a ScoreMod's in the kernels' one block)."""
+        return {name: (array, slot + (arrays if array else scalars), kind)
+                for name, (array, slot, kind) in self.slots.items()}
+
+    def counts(self) -> tuple[int, int]:
+        arrays = sum(1 for array, _, _ in self.slots.values() if array)
+        return arrays, len(self.slots) - arrays
+
     def layout(self) -> tuple:
         """What the compiled code depends on: each argument's name, slot and dtype or type (not the
         scalars' values, which the kernels read at run time)."""
@@ -121,8 +145,19 @@ class _Modifier:
         text = repr((type(self).__name__, self._canonical(), self.args.layout()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _env(self, shape, score=None):
-        env = grids(*shape)
+    def call_parts(self) -> tuple:
+        """(memo key, arrays) of a call: what its plan depends on besides the arrays' layouts (which
+        the plan memo reads from the arrays themselves): :attr:`key` and the scalars' values (fields
+        of the plan's parameters); and the array arguments in slot order. Computed once: a modifier
+        is not changed after it is made."""
+        parts = self.__dict__.get("_call_parts")
+        if parts is None:
+            parts = self._call_parts = ((self.key, tuple(value for _, _, value in self.args.scalars())),
+                                        self.args.arrays())
+        return parts
+
+    def _env(self, shape, score=None, b0=0):
+        env = grids(*shape, b_offset=b0)
         env.update(self.args.host())
         if score is not None:
             env["score"] = score
@@ -190,22 +225,27 @@ class ScoreMod(_Modifier):
         raise ValueError(f"score_mod {self.text!r} has a derivative with respect to score that is not 1, so the "
                          f"backward needs it: pass grad=, e.g. grad={unparse(self.derivative)!r}")
 
-    def reference(self, score: np.ndarray) -> np.ndarray:
-        """The modified scores, float64, for a (B, H, Sq, Sk) float64 array of scores."""
-        value = evaluate(self.expr, self._env(score.shape, score))
+    def reference(self, score: np.ndarray, b0: int = 0) -> np.ndarray:
+        """The modified scores, float64, for a (B, H, Sq, Sk) float64 array of scores (``b`` counts
+        from ``b0``: a varlen sequence's index)."""
+        value = evaluate(self.expr, self._env(score.shape, score, b0))
         return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
 
-    def reference_gradient(self, score: np.ndarray) -> np.ndarray:
+    def reference_gradient(self, score: np.ndarray, b0: int = 0) -> np.ndarray:
         """d(expr)/d(score) at each score, float64 (see :meth:`gradient`)."""
-        value = evaluate(self.gradient(), self._env(score.shape, score))
+        value = evaluate(self.gradient(), self._env(score.shape, score, b0))
         return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
 
-    def cuda_source(self, name: str = "user_score_mod") -> str:
-        """The ``__device__`` functions of the modifier (``name`` and, with a grad, ``name``_grad)."""
+    def cuda_source(self, name: str = "user_score_mod", backward: bool | None = None, slots=None) -> str:
+        """The ``__device__`` functions of the modifier: ``name``, and ``name``_grad with a grad (or,
+        ``backward=True``, always: :meth:`gradient`, which raises where one is needed and missing;
+        ``backward=False``, never). ``slots``: the arguments' slots when not the modifier's own."""
         types = self._typer()
-        source = _cuda.function(name, self.expr, "float", types, self.args.slots)
-        if self.grad is not None:
-            source += _cuda.function(f"{name}_grad", self.grad, "float", types, self.args.slots)
+        slots = self.args.slots if slots is None else slots
+        source = _cuda.function(name, self.expr, "float", types, slots)
+        grad = self.gradient() if backward else (None if backward is False else self.grad)
+        if grad is not None:
+            source += _cuda.function(f"{name}_grad", grad, "float", types, slots)
         return source
 
     def __repr__(self):
@@ -250,14 +290,58 @@ class MaskMod(_Modifier):
     def _canonical(self):
         return unparse(self.expr)
 
-    def reference(self, shape) -> np.ndarray:
-        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk)."""
-        value = evaluate(self.expr, self._env(shape))
+    def reference(self, shape, b0: int = 0) -> np.ndarray:
+        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk) (``b`` counts from ``b0``)."""
+        value = evaluate(self.expr, self._env(shape, b0=b0))
         return np.broadcast_to(np.asarray(value, dtype=bool), tuple(shape))
 
-    def cuda_source(self, name: str = "user_mask_mod") -> str:
-        """The ``__device__`` function of the mask."""
-        return _cuda.function(name, self.expr, "bool", self._typer(), self.args.slots, with_score=False)
+    def cuda_source(self, name: str = "user_mask_mod", slots=None) -> str:
+        """The ``__device__`` function of the mask (``slots`` as in :meth:`ScoreMod.cuda_source`)."""
+        return _cuda.function(name, self.expr, "bool", self._typer(), self.args.slots if slots is None else slots,
+                              with_score=False)
 
     def __repr__(self):
         return f"cuflash.MaskMod({self.text!r}, args={sorted(self.args.values)})"
+
+
+def argument_slots(score_mod, mask_mod) -> tuple[dict, dict]:
+    """The slots of each modifier's arguments in the kernels' one ``cuflash::user::Args`` block: the
+    ScoreMod's first, the MaskMod's after them ({} for a modifier that is None).
+
+    Raises
+    ------
+    ValueError
+        If the two together have more than 8 array or 8 scalar arguments.
+    """
+    score_slots = score_mod.args.slots if score_mod is not None else {}
+    arrays, scalars = score_mod.args.counts() if score_mod is not None else (0, 0)
+    mask_slots = mask_mod.args.shifted(arrays, scalars) if mask_mod is not None else {}
+    if mask_mod is not None:
+        more = mask_mod.args.counts()
+        if arrays + more[0] > _MAX_ARRAYS or scalars + more[1] > _MAX_SCALARS:
+            raise ValueError(f"score_mod and mask_mod together take at most {_MAX_ARRAYS} array and {_MAX_SCALARS} "
+                             f"scalar arguments, got {arrays + more[0]} and {scalars + more[1]}")
+    return score_slots, mask_slots
+
+
+def kernel_source(score_mod, mask_mod, *, backward: bool = False) -> str:
+    """The CUDA C++ a kernel variant compiles ahead of its family's source for a call's modifiers
+    (:attr:`cuflash._build.variant.Variant.source`): ``user_score_mod`` (with ``user_score_mod_grad``
+    for the backward) and ``user_mask_mod`` over one ``cuflash::user::Args`` block
+    (:func:`argument_slots`); "" when both are None.
+
+    Raises
+    ------
+    ValueError
+        ``backward`` with a ScoreMod whose derivative is not 1 and that has no ``grad``; too many
+        arguments.
+    """
+    if score_mod is None and mask_mod is None:
+        return ""
+    score_slots, mask_slots = argument_slots(score_mod, mask_mod)
+    parts = ['#include "user_mod.cuh"\n']
+    if score_mod is not None:
+        parts.append(score_mod.cuda_source("user_score_mod", backward=backward, slots=score_slots))
+    if mask_mod is not None:
+        parts.append(mask_mod.cuda_source("user_mask_mod", slots=mask_slots))
+    return "".join(parts)

@@ -16,11 +16,12 @@ from cuflash.modifiers.parse import Binary, Call, Index, Name, Node, Num, Unary
 __all__ = ["evaluate", "grids"]
 
 
-def grids(B: int, H: int, Sq: int, Sk: int, q_offset=0, kv_offset=0) -> dict:
+def grids(B: int, H: int, Sq: int, Sk: int, q_offset=0, kv_offset=0, b_offset=0) -> dict:
     """The position variables as broadcastable int64 grids; ``q_offset`` / ``kv_offset`` (ints or
     arrays broadcastable to (B, 1, 1, 1)) shift the positions (a varlen sequence's start is not one:
-    positions count from the start of each sequence, so these stay 0 there)."""
-    return {"b": np.arange(B, dtype=np.int64).reshape(B, 1, 1, 1),
+    positions count from the start of each sequence, so these stay 0 there); ``b_offset`` shifts
+    ``b`` (a varlen sequence evaluated alone keeps its index)."""
+    return {"b": np.arange(B, dtype=np.int64).reshape(B, 1, 1, 1) + b_offset,
             "h": np.arange(H, dtype=np.int64).reshape(1, H, 1, 1),
             "q_idx": np.arange(Sq, dtype=np.int64).reshape(1, 1, Sq, 1) + q_offset,
             "kv_idx": np.arange(Sk, dtype=np.int64).reshape(1, 1, 1, Sk) + kv_offset}

@@ -180,7 +180,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, scale=None, window=None, softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None, sinks=None,
-                              return_dsinks=False):
+                              return_dsinks=False, score_mod=None, mask_mod=None):
     """Float64 gradients of :func:`cuflash.reference.attention_varlen`.
 
     Parameters
@@ -198,6 +198,9 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         As in :func:`attention_backward`.
     sinks, return_dsinks
         As in :func:`attention_backward` (dsinks summed over the sequences).
+    score_mod, mask_mod
+        As in :func:`cuflash.reference.attention_varlen` (positions within each sequence, ``b`` its
+        index); a score_mod whose derivative is not 1 needs its ``grad``.
 
     Returns
     -------
@@ -232,7 +235,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
         g = _grads(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], [b], dropout_p=dropout_p,
                    rng_state=rng_state, return_dbias=False, bias=None, scale=scale, softcap=softcap,
                    causal=causal, window=window, alibi_slopes=seq_slopes,
-                   out=None if out is None else out[None, rows], sinks=sinks)
+                   out=None if out is None else out[None, rows], sinks=sinks,
+                   score_mod=_ref.at_sequence(score_mod, b), mask_mod=_ref.at_sequence(mask_mod, b))
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
         if g[4] is not None:
             dsinks += g[4]

@@ -388,9 +388,29 @@ def _check_cu_seqlens(cu, name, total):
     return cu
 
 
+class _AtSequence:
+    """A ScoreMod/MaskMod evaluated on one varlen sequence alone (a batch of one) whose ``b`` is the
+    sequence's index ``b0``; positions count from the sequence's start either way."""
+
+    def __init__(self, modifier, b0: int):
+        self.modifier, self.b0 = modifier, b0
+
+    def reference(self, x):
+        return self.modifier.reference(x, b0=self.b0)
+
+    def reference_gradient(self, x):
+        return self.modifier.reference_gradient(x, b0=self.b0)
+
+
+def at_sequence(modifier, b0: int):
+    """``modifier`` for varlen sequence ``b0`` evaluated alone (None stays None)."""
+    return None if modifier is None else _AtSequence(modifier, b0)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, causal=False, scale=None, window=None, softcap=0.0,
-                     alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
+                     alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None, score_mod=None,
+                     mask_mod=None):
     """Float64 reference for packed variable-length batches.
 
     Parameters
@@ -407,6 +427,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     causal, scale, window, softcap, alibi_slopes, dropout_p, rng_state, sinks
         As in :func:`attention_forward` (``mask``, ``bias`` and ``block_mask`` are not
         supported in varlen).
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`attention_forward`, with ``q_idx``/``kv_idx`` the positions within each
+        sequence and ``b`` the sequence's index.
 
     Returns
     -------
@@ -459,7 +482,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         o, l = _attention(q[None, rows], k[None, keys], v[None, keys], [b],
                           dropout_p=dropout_p, rng_state=rng_state, causal=causal,
                           scale=scale, window=window, softcap=softcap,
-                          alibi_slopes=seq_slopes, sinks=sinks)
+                          alibi_slopes=seq_slopes, sinks=sinks, score_mod=at_sequence(score_mod, b),
+                          mask_mod=at_sequence(mask_mod, b))
         out[rows] = o[0]
         lse[:, rows] = l[0]
     return out, lse

@@ -170,6 +170,9 @@ def test_planners_import_no_api_module():
     package = Path(_params.__file__).parents[1]
     planners = {f"kernels.{p.stem}" for p in (package / "kernels").glob("*.py") if p.stem != "__init__"}
     leaves = planners | {"kernels", "features", "_runtime.params", "_build.variant"}
+    # cuflash.modifiers imports nothing of cuflash but itself (the catalogue builds the user
+    # modifiers whose variants CI compiles).
+    allowed = leaves | {"modifiers"}
     for name in leaves:
         path = package / (name.replace(".", "/") + ("/__init__.py" if name == "kernels" else ".py"))
         tree = ast.parse(path.read_text())
@@ -187,4 +190,4 @@ def test_planners_import_no_api_module():
                     imported.update(f"{module}.{a.name}".removeprefix("cuflash").lstrip(".") for a in node.names)
             elif isinstance(node, ast.Import):
                 imported.update(a.name.removeprefix("cuflash.") for a in node.names if a.name.startswith("cuflash"))
-        assert imported <= leaves, (name, imported - leaves)
+        assert imported <= allowed, (name, imported - allowed)

@@ -262,8 +262,14 @@ def test_score_mod_bits():
         features.score_mod_bits(("tanh",))
     with pytest.raises(ValueError, match="unknown score modifier 'bias'"):
         features.score_mod_bits(("bias",), features.DECODE_SCORE_MODS)
+    with pytest.raises(ValueError, match="bit mask 128"):
+        features.score_mod_bits(128)
+    # The user modifiers' bits (32, 64) come on top of the built-in ones, never merged with them,
+    # and not in decode.
+    assert features.score_mod_bits(("score_mod",)) == 32 and features.score_mod_bits(("mask_mod", "bias")) == 64 | 4
+    assert features.score_mod_bits(("softcap", "mask", "score_mod", "mask_mod")) == 31 | 32 | 64
     with pytest.raises(ValueError, match="bit mask 32"):
-        features.score_mod_bits(32)
+        features.score_mod_bits(32, features.DECODE_SCORE_MODS)
 
 
 def test_score_mod_bits_match_mask_cuh():
