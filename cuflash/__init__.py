@@ -8,6 +8,7 @@ from .attention import attention, attention_forward, attention_varlen, force_ker
 from .backward import attention_backward, attention_varlen_backward
 from .decode import decode
 from .merge import merge_states
+from .modifiers import MaskMod, ScoreMod
 from .random import Generator, default_generator, manual_seed
 from ._build.compile import precompile
 from ._runtime.faults import check_errors
@@ -23,6 +24,8 @@ __all__ = [
     "attention_varlen_backward",
     "decode",
     "merge_states",
+    "ScoreMod",
+    "MaskMod",
     "force_kernel",
     "Generator",
     "default_generator",

@@ -165,8 +165,11 @@ class _Modifier:
 
 
 class ScoreMod(_Modifier):
-    """A score modifier written as one expression, e.g. ``ScoreMod("score + table[q_idx - kv_idx + 511]",
-    table=table)``.
+    """A score modifier: one expression giving each (query, key) pair's new score.
+
+    Passed as ``score_mod=`` to :func:`cuflash.attention` and the other entry points, it runs inside
+    every kernel family after ``scale``, the softcap, ALiBi and ``bias``, and the float64 reference
+    evaluates the same expression with NumPy.
 
     Parameters
     ----------
@@ -255,6 +258,8 @@ class ScoreMod(_Modifier):
 
 class MaskMod(_Modifier):
     """A mask written as one expression: True where query ``q_idx`` may attend to key ``kv_idx``.
+
+    Passed as ``mask_mod=``; combined with the built-in masks (causal, window, ``mask``) by "and".
 
     Parameters
     ----------
