@@ -47,6 +47,26 @@ def _dtype_name(dtype) -> str:
     return name if isinstance(name, str) else str(dtype).replace("torch.", "")
 
 
+def _on_host(value) -> np.ndarray:
+    """An array argument's values as a NumPy array: CuPy (``get``), any CUDA array through DLPack, a
+    torch tensor on the CPU (bfloat16 widened: NumPy has none), or what NumPy reads itself."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "get") and hasattr(value, "data"):   # CuPy
+        return value.get()
+    device = getattr(value, "__dlpack_device__", None)
+    if device is not None and device()[0] in (2, 3, 13):   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+        import cupy
+
+        return cupy.from_dlpack(value.detach() if hasattr(value, "detach") else value).get()
+    if hasattr(value, "detach"):   # a torch tensor on the CPU
+        value = value.detach()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
+
+
 class _Arguments:
     """A modifier's named arguments: what each is (:class:`~cuflash.modifiers.check.ArgKind`), its
     slot in ``cuflash::user::Args``, and its value."""
@@ -118,9 +138,8 @@ class _Arguments:
         env = {}
         for name, value in self.values.items():
             if self.kinds[name].array:
-                array = value.get() if hasattr(value, "get") else np.asarray(value)
                 to = {"float": np.float64, "int": np.int64, "bool": np.bool_}[self.kinds[name].type]
-                env[name] = np.asarray(array).reshape(-1).astype(to)
+                env[name] = _on_host(value).reshape(-1).astype(to)
             else:
                 env[name] = value
         return env
@@ -156,8 +175,8 @@ class _Modifier:
                                         self.args.arrays())
         return parts
 
-    def _env(self, shape, score=None, b0=0):
-        env = grids(*shape, b_offset=b0)
+    def _env(self, shape, score=None, b0=0, q0=0):
+        env = grids(*shape, q_offset=q0, b_offset=b0)
         env.update(self.args.host())
         if score is not None:
             env["score"] = score
@@ -228,15 +247,16 @@ class ScoreMod(_Modifier):
         raise ValueError(f"score_mod {self.text!r} has a derivative with respect to score that is not 1, so the "
                          f"backward needs it: pass grad=, e.g. grad={unparse(self.derivative)!r}")
 
-    def reference(self, score: np.ndarray, b0: int = 0) -> np.ndarray:
+    def reference(self, score: np.ndarray, b0: int = 0, q0: int = 0) -> np.ndarray:
         """The modified scores, float64, for a (B, H, Sq, Sk) float64 array of scores (``b`` counts
-        from ``b0``: a varlen sequence's index)."""
-        value = evaluate(self.expr, self._env(score.shape, score, b0))
+        from ``b0``: a varlen sequence's index; ``q_idx`` from ``q0``: decode's new tokens sit at the
+        end of their sequence)."""
+        value = evaluate(self.expr, self._env(score.shape, score, b0, q0))
         return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
 
-    def reference_gradient(self, score: np.ndarray, b0: int = 0) -> np.ndarray:
+    def reference_gradient(self, score: np.ndarray, b0: int = 0, q0: int = 0) -> np.ndarray:
         """d(expr)/d(score) at each score, float64 (see :meth:`gradient`)."""
-        value = evaluate(self.gradient(), self._env(score.shape, score, b0))
+        value = evaluate(self.gradient(), self._env(score.shape, score, b0, q0))
         return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
 
     def cuda_source(self, name: str = "user_score_mod", backward: bool | None = None, slots=None) -> str:
@@ -295,9 +315,10 @@ class MaskMod(_Modifier):
     def _canonical(self):
         return unparse(self.expr)
 
-    def reference(self, shape, b0: int = 0) -> np.ndarray:
-        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk) (``b`` counts from ``b0``)."""
-        value = evaluate(self.expr, self._env(shape, b0=b0))
+    def reference(self, shape, b0: int = 0, q0: int = 0) -> np.ndarray:
+        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk) (``b`` counts from ``b0``,
+        ``q_idx`` from ``q0``)."""
+        value = evaluate(self.expr, self._env(shape, b0=b0, q0=q0))
         return np.broadcast_to(np.asarray(value, dtype=bool), tuple(shape))
 
     def cuda_source(self, name: str = "user_mask_mod", slots=None) -> str:
