@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backward import backward_plan, default_backward_family, precompile_backward_variants
-from .bwd_common import bwd_convert_variant, bwd_preprocess_variant
+from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_variant
 from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, bwd_sm90_obstacle, bwd_sm90_orders_dq, bwd_sm90_smem_bytes,
                        feature_plans)
 from .check_indices import check_indices_variant
@@ -187,6 +187,7 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
         family = default_backward_family(dtype_name)
         out.setdefault(bwd_preprocess_variant(dtype_name))
         out.setdefault(bwd_convert_variant(dtype_name))
+        out.setdefault(bwd_dsinks_variant())
         for d in dims(SM80_HEAD_DIMS if family == "bwd_sm80" else SIMT_HEAD_DIMS):
             for dq_pass in (False, True):
                 for mods in score_mod_sets():
