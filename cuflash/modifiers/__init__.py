@@ -10,12 +10,17 @@ each sequence) and their named arguments: Python scalars, or arrays indexed flat
 modifier needs a ``grad``.
 
 :func:`cuflash.attention`, :func:`cuflash.attention_forward`, :func:`cuflash.attention_backward`,
-:func:`cuflash.attention_varlen` and :func:`cuflash.attention_varlen_backward` take them as
-``score_mod=`` and ``mask_mod=``, like the float64 reference (:mod:`cuflash.reference`). Every forward
-and backward kernel family compiles the call's expressions into its variant (:func:`kernel_source`,
-keyed by their hash); the arrays' addresses and the scalars' values are written into the kernels'
-parameters at each call, so new values need no new kernel. Decode and the framework adapters do not
-take them yet.
+:func:`cuflash.attention_varlen`, :func:`cuflash.attention_varlen_backward` and :func:`cuflash.decode`
+take them as ``score_mod=`` and ``mask_mod=``, like the float64 reference (:mod:`cuflash.reference`).
+Every forward and backward kernel family and decode compile the call's expressions into their variant
+(:func:`kernel_source`, keyed by their hash); the arrays' addresses and the scalars' values are written
+into the kernels' parameters at each call, so new values need no new kernel. In decode the positions
+are absolute in each sequence: new token i has ``q_idx = i + T_b - Sq``.
+
+:mod:`cuflash.interop.torch` (``attention``, ``attention_varlen``, ``decode`` and the functions of its
+``ops``) takes them in eager mode, with torch tensors as arrays (gradients for q, k, v, not for the
+arrays); not under ``torch.compile`` yet (an error naming them). :mod:`cuflash.interop.jax` refuses them
+with a NotImplementedError naming the argument.
 """
 
 from __future__ import annotations
@@ -174,6 +179,20 @@ class _Modifier:
             parts = self._call_parts = ((self.key, tuple(value for _, _, value in self.args.scalars())),
                                         self.args.arrays())
         return parts
+
+    def with_args(self, **values):
+        """The same modifier with some named arguments given new values (same names; an array may
+        come as another array type or dtype, e.g. a torch tensor detached from autograd)."""
+        unknown = values.keys() - self.args.values.keys()
+        if unknown:
+            raise ValueError(f"{self._what} has no arguments {sorted(unknown)}")
+        new = object.__new__(type(self))
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_call_parts"})
+        new.args = _Arguments({**self.args.values, **values}, self._what)
+        check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
+        if getattr(self, "grad", None) is not None:
+            check(self.grad, new.args.kinds, "grad")
+        return new
 
     def _env(self, shape, score=None, b0=0, q0=0):
         env = grids(*shape, q_offset=q0, b_offset=b0)
