@@ -10,7 +10,7 @@ graph break.
 
 On a GPU: ct.attention, ct.attention_varlen, ct.decode and the ops with modifiers whose arrays are
 torch tensors, eager forward and backward, equal to cuflash's own calls on the same data (CuPy arrays,
-CuPy modifiers); the data is fresh at every run.
+CuPy modifiers; deterministic backwards, so bit for bit); the data is fresh at every run.
 """
 
 import math
@@ -241,14 +241,14 @@ def test_torch_attention_equals_cuflash(dtype, entry):
                for s, h in ((Sq, Hq), (Sk, Hk), (Sk, Hk)))
     (score_t, mask_t), (score_c, mask_c) = _mods_on("cuda", max(Sq, Sk), Hq, B)
     fn = ct.attention if entry == "ct" else ops.attention
-    out = fn(q, k, v, causal=True, softcap=5.0, score_mod=score_t, mask_mod=mask_t)
+    out = fn(q, k, v, causal=True, softcap=5.0, score_mod=score_t, mask_mod=mask_t, deterministic=True)
     dout = torch.randn_like(out)
     out.backward(dout)
     torch.cuda.synchronize()
     qc, kc, vc = (_cupy(x) for x in (q, k, v))
     want, lse, _ = cuflash.attention_forward(qc, kc, vc, causal=True, softcap=5.0, score_mod=score_c, mask_mod=mask_c)
     dq, dk, dv = cuflash.attention_backward(_cupy(dout), qc, kc, vc, want, lse, causal=True, softcap=5.0,
-                                            score_mod=score_c, mask_mod=mask_c)
+                                            score_mod=score_c, mask_mod=mask_c, deterministic=True)
     cupy.cuda.get_current_stream().synchronize()
     for got, ref, name in ((out, want, "out"), (q.grad, dq, "dq"), (k.grad, dk, "dk"), (v.grad, dv, "dv")):
         np.testing.assert_array_equal(_cupy(got).view(cupy.uint8).get(), ref.view(cupy.uint8).get(), err_msg=name)
@@ -264,7 +264,7 @@ def test_torch_varlen_equals_cuflash():
                for h in (4, 2, 2))
     (score_t, mask_t), (score_c, mask_c) = _mods_on("cuda", max(lengths), 4, len(lengths))
     out = ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=120, max_seqlen_k=120, causal=True, score_mod=score_t,
-                              mask_mod=mask_t)
+                              mask_mod=mask_t, deterministic=True)
     dout = torch.randn_like(out)
     out.backward(dout)
     torch.cuda.synchronize()
@@ -272,7 +272,8 @@ def test_torch_varlen_equals_cuflash():
     want, lse = cuflash.attention_varlen(qc, kc, vc, cuc, cuc, max_seqlen_q=120, max_seqlen_k=120, causal=True,
                                          score_mod=score_c, mask_mod=mask_c, return_lse=True)
     dq, dk, dv = cuflash.attention_varlen_backward(_cupy(dout), qc, kc, vc, want, lse, cuc, cuc, max_seqlen_q=120,
-                                                   max_seqlen_k=120, causal=True, score_mod=score_c, mask_mod=mask_c)
+                                                   max_seqlen_k=120, causal=True, score_mod=score_c, mask_mod=mask_c,
+                                                   deterministic=True)
     cupy.cuda.get_current_stream().synchronize()
     for got, ref, name in ((out, want, "out"), (q.grad, dq, "dq"), (k.grad, dk, "dk"), (v.grad, dv, "dv")):
         np.testing.assert_array_equal(_cupy(got).view(cupy.uint8).get(), ref.view(cupy.uint8).get(), err_msg=name)
