@@ -4,6 +4,9 @@
 // in a layout padded to seqlen_q_pad rows per (sequence, head), so that the passes read whole tiles
 // without bounds checks. A row that sees no key (lse = -inf) and every pad row get lse2 = +inf,
 // which makes their P exactly 0 (2^(s - inf)) instead of NaN; pad rows get D = 0.
+// With return_dsinks (BwdParams::dsink_part) each CTA also writes the sum over its rows of
+//   -exp(sinks[h] - lse_i) D_i                (dL/dsinks[h]'s terms: the sink's probability times -D_i)
+// which bwd_dsinks.cu adds up per head in a fixed order.
 // It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics) and bwd_sm90's
 // dq_done counters, which saves the call a memset (~1-2 us of host time). Rows outside every varlen
 // sequence are not rows of any CTA here: cuflash/backward.py zeroes varlen accumulators with a
@@ -78,12 +81,28 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
         bp.dq_done[dq_done_index(s.b, s.h, p.heads_q, bp.heads_per_cta)] = 0;
 #pragma unroll
     for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    const float lse = i < s.seqlen_q ? p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i]
+                                     : -CUFLASH_INF;
     if (lane8 == 0) {
         const long long idx = bwd_row_index(bp, s.b, s.h, i);
-        const float lse = i < s.seqlen_q ? p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i]
-                                         : -CUFLASH_INF;
         bp.dsum[idx] = acc;
+        // (With a sink, a row that sees no key has lse = sinks[h], finite: its P is 0 from its -inf scores.)
         bp.lse2[idx] = lse == -CUFLASH_INF ? CUFLASH_INF : lse * kLog2e;
+    }
+    if (bp.dsink_part != nullptr) {   // the same for the whole launch
+        // Row i's term, the sink's probability exp(sink - lse_i) times -D_i (dS of a key of value 0);
+        // none for rows past the sequence and for a row with neither keys nor sink (lse = -inf).
+        float term = lane8 == 0 && lse != -CUFLASH_INF ? -expf(p.sinks[s.h] - lse) * acc : 0.f;
+        // The CTA's 16 rows, in a fixed order (dsinks are bitwise reproducible): the 4 rows of a warp
+        // (lanes 0, 8, 16, 24), then the 4 warps.
+        term += __shfl_xor_sync(0xffffffffu, term, 8);
+        term += __shfl_xor_sync(0xffffffffu, term, 16);
+        __shared__ float warp_terms[4];
+        if (threadIdx.x % 32 == 0) warp_terms[threadIdx.x / 32] = term;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            bp.dsink_part[(static_cast<long long>(s.b) * p.heads_q + s.h) * gridDim.x + blockIdx.x] =
+                (warp_terms[0] + warp_terms[1]) + (warp_terms[2] + warp_terms[3]);
     }
 }
 

@@ -33,8 +33,9 @@
 //
 // Compile-time configuration (set by cuflash/_heuristics.py): CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
 // CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED,
-// CUFLASH_SCORE_MODS (bit mask of softcap / ALiBi / mask: mask.cuh), CUFLASH_MIN_BLOCKS (CTAs per SM the shared
-// memory allows; the register budget aims at it). Lengths, splits, page size are run-time.
+// CUFLASH_SCORE_MODS (bit mask of softcap / ALiBi / mask / user ScoreMod / user MaskMod: mask.cuh),
+// CUFLASH_MIN_BLOCKS (CTAs per SM the shared memory allows; the register budget aims at it). Lengths,
+// splits, page size and the user modifiers' arguments are run-time.
 #include "common.cuh"
 #include "params.cuh"
 #include "decode_params.cuh"
@@ -49,9 +50,12 @@ template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPa
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kKeysPerWarp = kKeysPerWarp_;
     static constexpr int kStages = kStages_;
-    // Score modifiers compiled in (mask.cuh): softcap and ALiBi from p.score, the mask is decode's own.
+    // Score modifiers compiled in (mask.cuh): softcap and ALiBi from p.score, the mask is decode's own,
+    // and a user ScoreMod / MaskMod (their functions compiled ahead of this source, their arguments in
+    // p.score.user; see decode_score for the positions they see).
     static constexpr int kMods = kMods_;
-    static_assert((kMods & ~(kModSoftcap | kModAlibi | kModMask)) == 0, "decode has no bias or block mask");
+    static_assert((kMods & ~(kModSoftcap | kModAlibi | kModMask | kModUserScore | kModUserMask)) == 0,
+                  "decode has no bias or block mask");
     static constexpr bool kPaged = kPaged_, kScoreMods = kMods != 0;
     static constexpr bool kSimt = sizeof(elem_t) == 4;
     static constexpr int kNThreads = 32 * kNWarps;
@@ -311,10 +315,13 @@ __device__ __forceinline__ void append_new_rows(const DecodeParams& p, const Dec
 }
 
 // Score of query i (head h) and key j: log2 units on the score-modifier path (mask.cuh's
-// modified_score, then decode's mask), otherwise the raw q.k that the softmax scales itself.
-// -inf where hidden: padding rows (i < 0), keys of the next split (j >= key_end), the window, the mask.
+// modified_score, a user ScoreMod / MaskMod, then decode's mask), otherwise the raw q.k that the
+// softmax scales itself. -inf where hidden: padding rows (i < 0), keys of the next split
+// (j >= key_end), the window, the masks.
 // The decode mask's columns line up with the last mask_keys keys of the sequence (the new tokens of
 // a tree mask); keys before them are not masked. mask_keys == 0: a single column for every key.
+// A user modifier sees absolute positions in the sequence: q_idx = i + T_b - Sq (query i is token
+// cache_len + seqlen_new - Sq + i), kv_idx = j; b the sequence, h the query head (docs/design.md §2b).
 template <class C>
 __device__ __forceinline__ float decode_score(const DecodeParams& p, const DecodeSeq& sq, float qk, int i, int h,
                                               int j, int key_end) {
@@ -323,6 +330,14 @@ __device__ __forceinline__ float decode_score(const DecodeParams& p, const Decod
         SeqInfo s = sq.s;
         s.h = h;
         float x = modified_score<C::kMods & (kModSoftcap | kModAlibi)>(p.score, s, qk, i, j);
+        if constexpr ((C::kMods & (kModUserScore | kModUserMask)) != 0) {
+            if (in_window(p.score, s, i, j)) {   // outside it: hidden whatever the modifiers say
+                const long long q_idx = i + s.diag;
+                if constexpr ((C::kMods & kModUserScore) != 0) x = user_score_mod(x, s.b, h, q_idx, j, p.score.user);
+                if constexpr ((C::kMods & kModUserMask) != 0)
+                    if (!user_mask_mod(s.b, h, q_idx, j, p.score.user)) x = -CUFLASH_INF;
+            }
+        }
         if ((C::kMods & kModMask) && p.mask != nullptr) {
             const int col = p.mask_keys == 0 ? 0 : j - (s.seqlen_k - p.mask_keys);
             if (col >= 0 && !p.mask[s.b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride +

@@ -1,7 +1,8 @@
 // The parameter struct of the decode kernel (cuda_src/decode.cu), passed by value.
 //
 // Its first member is the forward's FwdParams, of which decode fills only the score-pipeline
-// fields (scale, window, softcap, ALiBi), so that mask.cuh's rules apply to decode unchanged.
+// fields (scale, window, softcap, ALiBi, the user modifiers' arguments block), so that mask.cuh's
+// rules apply to decode unchanged.
 // cuflash/decode.py mirrors this layout as a NumPy structured dtype (align=True) whose size
 // arrives as CUFLASH_DECODE_PARAMS_SIZE and is checked below. Order: 8-byte fields, then 4-byte.
 #pragma once
@@ -10,7 +11,7 @@
 namespace cuflash {
 
 struct DecodeParams {
-    FwdParams score;                   // scale, scale_log2, softcap, window_*, alibi_*; no tensors
+    FwdParams score;                   // scale, scale_log2, softcap, window_*, alibi_*, user; no tensors
     const void* q;                     // (B, Sq, Hq, D)
     void* k_cache;                     // contiguous (B, S_cache, Hk, D) or paged (pages, page_size, Hk, D)
     void* v_cache;

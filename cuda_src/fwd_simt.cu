@@ -161,12 +161,22 @@ struct RowSoftmax {
 
     // After the last tile: 1/l for normalising (0 for rows with no visible key, so they come out as 0)
     // and lse = ln(sum exp(s_natural)) (-inf for those rows). Every lane must call it (shuffles).
-    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows]) {
+    // sink (natural units, -inf: none) joins the denominator as in OnlineSoftmax::finish
+    // (online_softmax.cuh), against the larger of m and the sink; a row with no key gets lse = sink.
+    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float sink) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const float row_sum = group_sum<kGroup>(l[r]);
-            inv_l[r] = row_sum == 0.f ? 0.f : 1.f / row_sum;
-            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] + log2f(row_sum)) * kLn2;
+            if (sink == -CUFLASH_INF) {
+                inv_l[r] = row_sum == 0.f ? 0.f : 1.f / row_sum;
+                lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] + log2f(row_sum)) * kLn2;
+            } else {
+                const float sink2 = sink * kLog2e, top = fmaxf(m[r], sink2);
+                const float keys_part = exp2f(m[r] - top);   // 0 for a row with no key (m = -inf)
+                const float total = fmaf(row_sum, keys_part, exp2f(sink2 - top));
+                inv_l[r] = row_sum == 0.f ? 0.f : keys_part / total;
+                lse[r] = row_sum == 0.f ? sink : (top + log2f(total)) * kLn2;
+            }
         }
     }
 };
@@ -352,9 +362,9 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
     }
     cp_async_wait<0>();   // with no visible tile, Q's copy is still outstanding; never exit under it
 
-    // out = O / l (times 1/(1-p) under dropout); lse per row.
+    // out = O / l (times 1/(1-p) under dropout), l with the head's sink; lse per row.
     float inv_l[kRows], lse[kRows];
-    softmax.finish(inv_l, lse);
+    softmax.finish(inv_l, lse, p.sinks != nullptr ? p.sinks[s.h] : -CUFLASH_INF);
     float* o_gmem = static_cast<float*>(p.o) + s.b * p.o_batch_stride + s.h * p.o_head_stride +
                     s.q_row0 * p.o_row_stride;
 #pragma unroll

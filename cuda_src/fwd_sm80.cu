@@ -175,9 +175,9 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
         stage ^= 1;
     }
 
-    // out = O / l (times 1/(1-p) under dropout); lse per row.
+    // out = O / l (times 1/(1-p) under dropout), l with the head's sink; lse per row.
     float inv_l[2 * C::kMTiles], lse[2 * C::kMTiles];
-    softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
+    softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2, p.sinks != nullptr ? p.sinks[s.h] : -CUFLASH_INF);
     store_output<C::kDropout>(acc_o, inv_l, lse, p, s, m_lo + warp_row0, g, t);
 }
 

@@ -567,7 +567,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
 
         float inv_l[2], lse[2];
-        softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2);
+        softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2,
+                       p.sinks != nullptr ? p.sinks[s.h] : -CUFLASH_INF);   // the head's sink (-inf: none)
         store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
                                out_smem + consumer * 64 * C::kOutCols * 2, consumer);
     }

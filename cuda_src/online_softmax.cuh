@@ -134,12 +134,29 @@ struct OnlineSoftmax {
     // huge ranges where they lose accuracy. The IEEE versions branch on those ranges, which kept
     // the rows' chains apart: ~800 clock cycles of each item's epilogue in fwd_sm90
     // (docs/decisions.md#fwd-sm90-epilogue).
-    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2) {
+    //
+    // sink: the row's attention sink in natural units (docs/design.md §2b; FwdParams::sinks), -inf
+    // for none. It joins the denominator only, exp(sink) beside the keys' terms: with the larger of
+    // m and the sink as the reference point t, l' = l 2^(m - t) + 2^(sink - t) >= 1 (one of the two
+    // terms is 2^0), so the MUFU approximations above stay accurate, and a sink far above the scores
+    // cannot overflow. O, accumulated against m, is divided by l' 2^(t - m). A row with no visible
+    // key still gets inv_l = 0 (out = 0), and lse = sink.
+    __device__ __forceinline__ void finish(float (&inv_l)[kRows], float (&lse)[kRows], float scale_log2,
+                                           float sink = -CUFLASH_INF) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const float row_sum = quad_sum(l[r]);
-            inv_l[r] = row_sum == 0.f ? 0.f : fast_rcp(row_sum);
-            lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] * scale_log2 + fast_log2(row_sum)) * kLn2;
+            if (sink == -CUFLASH_INF) {
+                inv_l[r] = row_sum == 0.f ? 0.f : fast_rcp(row_sum);
+                lse[r] = row_sum == 0.f ? -CUFLASH_INF : (m[r] * scale_log2 + fast_log2(row_sum)) * kLn2;
+            } else {
+                const float m_scaled = m[r] * scale_log2, sink2 = sink * kLog2e;   // -inf * scale_log2 = -inf
+                const float top = fmaxf(m_scaled, sink2);
+                const float keys_part = fast_exp2(m_scaled - top);                 // 0 for a row with no key
+                const float total = fmaf(row_sum, keys_part, fast_exp2(sink2 - top));
+                inv_l[r] = row_sum == 0.f ? 0.f : keys_part * fast_rcp(total);
+                lse[r] = row_sum == 0.f ? sink : (top + fast_log2(total)) * kLn2;
+            }
         }
     }
 };

@@ -21,6 +21,9 @@ struct FwdParams {
     const unsigned char* mask;         // bool; nullptr: none
     const void* bias;                  // float32/float16/bfloat16; nullptr: none
     const unsigned char* block_mask;   // bool; nullptr: none
+    // Attention sinks, float32 (Hq,): row (b, h, i)'s softmax denominator gains exp(sinks[h]), and lse
+    // with it (online_softmax.cuh, finish); nullptr: none. The backward reads it only for dsinks.
+    const float* sinks;
     // Device word written by the check_indices kernel of this call (cuda_src/check_indices.cu);
     // nullptr: no check ran; non-zero: the call's index arrays are bad and the launch writes nothing.
     const int* error;

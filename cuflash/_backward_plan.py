@@ -125,13 +125,16 @@ def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_di
 
 def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
                    d_pad, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
-                   check=None, user_mods=(), user_source=""):
+                   check=None, user_mods=(), user_source="", dsinks=None):
     """The plan of one backward call: [index check], preprocess, dK/dV pass (+ atomic dQ), then the
     dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
     dq, dk, dv to arrays (or :class:`_checks.Shaped`) whose strides the kernels use; operands are
     0 dout, 1 q, 2 k, 3 v, 4 out, 5 lse, 6 dq, 7 dk, 8 dv, then the score and index arrays and the
     ScoreMod/MaskMod arrays. ``user_mods``, ``user_source``: the call's ScoreMod/MaskMod
-    (:func:`cuflash._scores.user_operands` with ``backward=True``; their fields are in ``score_fields``)."""
+    (:func:`cuflash._scores.user_operands` with ``backward=True``; their fields are in ``score_fields``).
+    ``dsinks``: (operand index of sinks, operand index of dsinks) when the call returns dL/dsinks
+    (bwd_preprocess sums each CTA's rows, bwd_dsinks each head's CTAs: cuda_src/bwd_dsinks.cu), else None;
+    dsinks is then an output of the plan, its fourth result."""
     score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
         ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ()) + tuple(user_mods)
     dropout = dropout_p > 0
@@ -201,15 +204,23 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         for name in ("dk_part", "dv_part"):
             temps.append(_step.Buffer(rows_k + (heads_k * splits, d_pad), np.float32))
             names.append(name)
+    if dsinks is not None:
+        # Per (sequence, query head, 16-row CTA of bwd_preprocess): that CTA's terms of dL/dsinks. Every
+        # entry is written (no zeroing); before dbias, which _finisher takes as the last temporary.
+        temps.append(_step.Buffer((batch, heads_q, rows_pad // 16), np.float32))
+        names.append("dsink_part")
     if dbias_shape is not None:
         temps.append(_step.Buffer(dbias_shape, np.float32, zero=True))
         names.append("dbias")
     shaped = {name: _checks.Shaped(b.shape, b.dtype) for name, b in zip(names, temps)}
     outputs = {i: _step.Buffer(layouts[name].shape, layouts[name].dtype)
                for i, name in ((6, "dq"), (7, "dk"), (8, "dv"))}
+    if dsinks is not None:
+        outputs[dsinks[1]] = _step.Buffer((heads_q,), np.float32)
     plan = _plan.Plan(entry, n_operands, outputs=outputs, temps=temps, aligned=tuple(range(9)),
                           dropout=(dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)) if dropout else None,
-                          checked=check is not None, results=(6, 7, 8))
+                          checked=check is not None,
+                          results=(6, 7, 8) if dsinks is None else (6, 7, 8, dsinks[1]))
     temp = {name: plan.temp_index(i) for i, name in enumerate(names)}
     if check is not None:
         plan.steps.append(_faults.check_step(plan, check, device_id))
@@ -261,6 +272,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     elif not deterministic:
         slots["dq_accum"] = temp["dq_accum"]
         bwd.update(_layout_fields("dqa", shaped["dq_accum"], varlen))
+    if dsinks is not None:
+        slots.update({"fwd.sinks": dsinks[0], "dsinks": dsinks[1], "dsink_part": temp["dsink_part"]})
     if dbias_shape is not None:
         sb, sh, sr, _ = _checks.element_strides(shaped["dbias"])
         slots["dbias"] = temp["dbias"]
@@ -272,6 +285,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         return _step.Step(func, grid, threads, smem, (("struct", params),))
 
     plan.steps.append(step(kernels.bwd_common.bwd_preprocess_variant(dtype_name), (rows_pad // 16, heads_q, batch), 128, 0))
+    if dsinks is not None:   # (here, not at the end: bwd_sm90's dQ conversion may run as its dependent)
+        plan.steps.append(step(kernels.bwd_common.bwd_dsinks_variant(), (heads_q, 1, 1),
+                               kernels.bwd_common.BWD_DSINKS_THREADS, 0))
     grid0 = (key_blocks, heads_k * splits, batch)
     if family == "bwd_sm90":
         # Q and dO arrive in boxes of a step's query rows, K and V in boxes of the CTA's keys.
@@ -309,7 +325,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             src_head_stride=splits * pr["head"], dst_row_stride=tr["row"],
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))
-    plan.info.update(family=family, splits=splits, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
+    plan.info.update(family=family, splits=splits, dsinks=dsinks is not None, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
                      convert_behind="dq_done" in temp,
                      all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,

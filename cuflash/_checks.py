@@ -351,6 +351,28 @@ def check_alibi(alibi_slopes, batch: int, heads_q: int):
     return _cupy().ascontiguousarray(x)
 
 
+def check_sinks(sinks, heads_q: int):
+    """Attention sinks (docs/design.md §2b): a CUDA float32 array of shape (Hq,), one logit per query
+    head, as a contiguous CuPy array (None passes)."""
+    if sinks is None:
+        return None
+    x = as_cuda_array(sinks, "sinks")
+    if x.dtype != np.float32:
+        raise TypeError(f"sinks must be float32, got {x.dtype}")
+    if tuple(x.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},) (one per query head), got {tuple(x.shape)}")
+    return _cupy().ascontiguousarray(x)
+
+
+def check_return_dsinks(return_dsinks, sinks) -> bool:
+    """``return_dsinks``: a bool, True only with ``sinks``."""
+    if not isinstance(return_dsinks, (bool, np.bool_)):
+        raise TypeError(f"return_dsinks must be a bool, got {type(return_dsinks).__name__}")
+    if return_dsinks and sinks is None:
+        raise ValueError("return_dsinks=True needs sinks (the forward's sinks=)")
+    return bool(return_dsinks)
+
+
 def check_block_size(block_size) -> tuple[int, int]:
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise ValueError(f"block_size must be a pair (bq, bk), got {block_size!r}")

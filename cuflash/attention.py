@@ -49,7 +49,7 @@ def force_kernel(family: str):
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
                       mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
-                      generator=None, score_mod=None, mask_mod=None, out=None, lse=None):
+                      generator=None, score_mod=None, mask_mod=None, sinks=None, out=None, lse=None):
     """Exact attention forward that also returns what the backward pass needs.
 
     :func:`attention` with the log-sum-exp and the dropout state always returned: pass them, with
@@ -112,6 +112,13 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     mask_mod : cuflash.MaskMod, optional
         A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
         gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
+    sinks : CUDA float32 array (Hq,), optional
+        Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator,
+        ``exp(sinks[h])`` beside the keys' ``exp(s)``, with no value (the row's probabilities then sum
+        to less than 1). It is compared with the final scores (after scale, softcap, ALiBi, bias and
+        ``score_mod``). ``lse`` includes it; a row that sees no key gets ``out = 0`` and
+        ``lse = sinks[h]``; ``-inf`` is no sink for that head. Read at each call (new values need no
+        new kernel); its gradient comes from :func:`attention_backward` (``return_dsinks``).
     out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
     lse : CUDA float32 array (B, Hq, Sq), optional
         C-contiguous buffers to write the results into (returned as given); they may not overlap
@@ -123,8 +130,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         ``out`` itself when it is given. Rows that see no key are 0.
     lse : CuPy float32 array (B, Hq, Sq)
         ``lse`` itself when it is given: the natural log of each row's sum of ``exp(s)`` over its
-        final scores (scaled, capped, biased, masked; before dropout); ``-inf`` for a row that sees
-        no key.
+        final scores (scaled, capped, biased, masked; before dropout), plus ``exp(sinks[h])``; ``-inf``
+        (``sinks[h]``) for a row that sees no key.
     rng_state : numpy uint64 array (2,) = (seed, offset), or None without dropout
         The generator state this call drew its dropout mask from. Captured in a CUDA graph: a CuPy
         uint64 array (2,) that each replay fills with its own (seed, offset), drawn on the GPU from
@@ -136,15 +143,15 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     ------
     TypeError
         An array that is not a CUDA array (a NumPy array too), a dtype other than float16, bfloat16
-        or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias`` or
-        ``alibi_slopes`` of another dtype, an ``out``/``lse`` of the wrong dtype, an option of the
-        wrong type (``causal``, ``scale``, ``window``, ``softcap``, ``dropout_p``, ``generator``).
+        or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias``,
+        ``alibi_slopes`` or ``sinks`` of another dtype, an ``out``/``lse`` of the wrong dtype, an option
+        of the wrong type (``causal``, ``scale``, ``window``, ``softcap``, ``dropout_p``, ``generator``).
     ValueError
         A shape or value out of contract: ranks, batch or heads that do not match (GQA), head dims,
         an array on another GPU than the current one, a ``window`` or ``block_size`` entry, ``scale``,
-        ``softcap`` or ``dropout_p`` out of range, an operand that does not broadcast, an
-        ``out``/``lse`` of the wrong shape, not C-contiguous or overlapping an input. Every message
-        names the argument; nothing is launched and ``out``/``lse`` are left untouched.
+        ``softcap`` or ``dropout_p`` out of range, an operand that does not broadcast, ``sinks`` not of
+        shape (Hq,), an ``out``/``lse`` of the wrong shape, not C-contiguous or overlapping an input.
+        Every message names the argument; nothing is launched and ``out``/``lse`` are left untouched.
     RuntimeError
         CuPy or a usable CUDA GPU is missing; or the call needs copies of its operands (see ``k``,
         ``v``) while CuPy's current stream is capturing a CUDA graph.
@@ -159,8 +166,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     -----
     The scores are built in this order: ``s = scale * q . k``; softcap; minus ALiBi; plus bias; then
     causal, window, ``mask``, ``block_mask`` and the sequence ends set ``s = -inf``. A row whose
-    scores are all ``-inf`` gets ``out = 0`` and ``lse = -inf``, never NaN. ``lse`` lets partial
-    results over disjoint keys be combined exactly (:func:`merge_states`).
+    scores are all ``-inf`` gets ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks), never NaN.
+    ``lse`` lets partial results over disjoint keys be combined exactly (:func:`merge_states`).
 
     Examples
     --------
@@ -175,7 +182,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     >>> dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, rng_state=rng_state,
     ...                                         causal=True, dropout_p=0.1)
     """
-    return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window, softcap,
+    return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks), causal, scale, window, softcap,
                     block_size, dropout_p, generator, True, True, modifiers=(score_mod, mask_mod))
 
 
@@ -190,20 +197,20 @@ def _forward_at(q, k, v, *, dropout_origin=(0, 0), causal=False, scale=None, win
     extra frame on its repeat path)."""
     if isinstance(dropout_origin, list):
         dropout_origin = tuple(dropout_origin)   # a key of the plan memo: hashable
-    return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window, softcap,
+    return _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, None), causal, scale, window, softcap,
                     block_size, dropout_p, generator, True, True, dropout_origin)
 
 
 def _forward_with_rng_words(q, k, v, rng_words, *, causal=False, scale=None, window=None, softcap=0.0,
                             alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
-                            dropout_p=0.0, out=None, lse=None):
+                            dropout_p=0.0, sinks=None, out=None, lse=None):
     """:func:`attention_forward` whose dropout (seed, offset) the kernels read from the GPU: ``rng_words``
     is the address of a uint64 (2,) array ``[seed, offset]`` on the call's device (as
     ``attention_backward(rng_state=<device array>)`` reads it). For callers whose state is device data
     that the host must not read (a JAX PRNG key inside ``jax.jit``: :mod:`cuflash.interop.jax`).
     Returns (out, lse); nothing is drawn from a generator. Private: the public signatures hold only
     what users pass."""
-    out, lse, _ = _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask), causal, scale, window,
+    out, lse, _ = _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks), causal, scale, window,
                            softcap, block_size, dropout_p, None, True, False, (0, 0), rng_words)
     return out, lse
 
@@ -213,6 +220,7 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     """attention_forward, and attention (whose lse, unless returned, is a temporary of the call, and
     whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us.
     ``rng_words``: see :func:`_forward_with_rng_words` (None: drawn from the generator).
+    ``operands``: q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks.
     ``modifiers``: (score_mod, mask_mod); their arrays follow the operands."""
     mod_key = None
     if modifiers[0] is not None or modifiers[1] is not None:
@@ -243,7 +251,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     launches nothing."""
     import cupy
 
-    q, k, v, out, lse, alibi_slopes, mask, bias, block_mask = operands[:9]
+    q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks = operands[:10]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
@@ -255,14 +263,17 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     origin_fields = _checks.check_dropout_origin(dropout_origin, (sq, sk))
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=5)
-    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=9)
+    sinks = _checks.check_sinks(sinks, hq)
+    if sinks is not None:
+        score_fields["sinks"] = ("operand", 9)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=10)
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
     if lse is not None:
         lse = _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
     _checks.check_disjoint((("out", out), ("lse", lse)),
-                           (("q", q), ("k", k), ("v", v), *zip(SCORE_OPERANDS, score_arrays),
+                           (("q", q), ("k", k), ("v", v), *zip(SCORE_OPERANDS, score_arrays), ("sinks", sinks),
                             *((("score_mod/mask_mod argument", x) for x in user_arrays))))
     _family_for(dtype_name)  # an impossible forced family is an argument error too
 
@@ -271,9 +282,12 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
         out = cupy.empty((b, sq, hq, d), dtype=q.dtype) if out is None else out
         lse = cupy.empty((b, hq, sq), dtype=np.float32) if lse is None else lse
         rng_state = opts.generator.next_state() if opts.dropout_p else None
-        if sk == 0:
+        if sk == 0:   # no key: out 0, lse the sink (-inf without)
             out.fill(0)
-            lse.fill(-np.inf)
+            if sinks is None:
+                lse.fill(-np.inf)
+            else:
+                lse[...] = sinks[None, :, None]
         return None, None, (out_user if out_user is not None else out, lse, rng_state)
 
     d_pad = -(-d // 8) * 8
@@ -287,7 +301,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
         sb, sr, sh, _ = _checks.element_strides(x)
         row_layout.update({f"{name}_batch_stride": sb, f"{name}_row_stride": sr, f"{name}_head_stride": sh})
     row_layout.update(lse_batch_stride=hq * sq, lse_head_stride=sq)
-    kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays, *user_arrays)
+    kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays, sinks, *user_arrays)
     plan = forward_plan("attention", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
                         seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
                         score_fields={**score_fields, **user_fields}, grid_rows=sq, batch=b, heads_q=hq,
@@ -319,7 +333,7 @@ def _copy_out(out, out_user, o_kernel, d):
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
-              score_mod=None, mask_mod=None, return_lse=False, out=None):
+              score_mod=None, mask_mod=None, sinks=None, return_lse=False, out=None):
     """Exact scaled-dot-product attention, ``softmax(scale * q k^T + modifiers) v``, in one fused pass.
 
     For every batch b, query head h and query row i, attends ``q[b, i, h]`` over the keys and values
@@ -382,6 +396,13 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     mask_mod : cuflash.MaskMod, optional
         A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
         gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
+    sinks : CUDA float32 array (Hq,), optional
+        Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator,
+        ``exp(sinks[h])`` beside the keys' ``exp(s)``, with no value (the row's probabilities then sum
+        to less than 1). It is compared with the final scores (after scale, softcap, ALiBi, bias and
+        ``score_mod``). ``lse`` includes it; a row that sees no key gets ``out = 0`` and
+        ``lse = sinks[h]``; ``-inf`` is no sink for that head. Read at each call (new values need no
+        new kernel); its gradient comes from :func:`attention_backward` (``return_dsinks``).
     return_lse : bool, default False
         Also return the log-sum-exp of every row.
     out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
@@ -394,23 +415,24 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         ``out`` itself when it is given. Rows that see no key are 0.
     lse : CuPy float32 array (B, Hq, Sq)
         Only with ``return_lse``: the natural log of each row's sum of ``exp(s)`` over its final
-        scores (scaled, capped, biased, masked; before dropout); ``-inf`` for a row that sees no key.
+        scores (scaled, capped, biased, masked; before dropout), plus ``exp(sinks[h])``; ``-inf``
+        (``sinks[h]``) for a row that sees no key.
 
     Raises
     ------
     TypeError
         An array that is not a CUDA array (a NumPy array too), a dtype other than float16, bfloat16
-        or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias`` or
-        ``alibi_slopes`` of another dtype, an option of the wrong type (``causal``, ``scale``,
-        ``window``, ``softcap``, ``dropout_p``, ``generator``, ``return_lse``), a ``score_mod``/
+        or float32, mixed dtypes, a ``mask``/``block_mask`` that is not bool, a ``bias``,
+        ``alibi_slopes`` or ``sinks`` of another dtype, an option of the wrong type (``causal``,
+        ``scale``, ``window``, ``softcap``, ``dropout_p``, ``generator``, ``return_lse``), a ``score_mod``/
         ``mask_mod`` that is not a :class:`cuflash.ScoreMod`/:class:`cuflash.MaskMod`, or whose array
         argument is not a CUDA array.
     ValueError
         A shape or value out of contract: ranks, batch or heads that do not match (GQA), head dims,
         an array on another GPU than the current one, a ``window`` or ``block_size`` entry, ``scale``,
-        ``softcap`` or ``dropout_p`` out of range, an operand that does not broadcast, an ``out`` of
-        the wrong shape, not C-contiguous or overlapping an input. Every message names the argument;
-        nothing is launched and ``out`` is left untouched.
+        ``softcap`` or ``dropout_p`` out of range, an operand that does not broadcast, ``sinks`` not of
+        shape (Hq,), an ``out`` of the wrong shape, not C-contiguous or overlapping an input. Every
+        message names the argument; nothing is launched and ``out`` is left untouched.
     RuntimeError
         CuPy or a usable CUDA GPU is missing; or the call needs copies of its operands (see ``k``,
         ``v``) while CuPy's current stream is capturing a CUDA graph.
@@ -427,8 +449,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     -----
     The scores are built in this order: ``s = scale * q . k``; softcap; minus ALiBi; plus bias; then
     causal, window, ``mask``, ``block_mask`` and the sequence ends set ``s = -inf``. A row whose
-    scores are all ``-inf`` gets ``out = 0`` and ``lse = -inf``, never NaN; a NaN or Inf in a
-    position a row sees propagates to that row.
+    scores are all ``-inf`` gets ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks), never NaN;
+    a NaN or Inf in a position a row sees propagates to that row. With ``sinks``, each row's
+    denominator also holds ``exp(sinks[h])``: ``out_i = sum_j exp(s_ij) v_j / (exp(sinks[h]) +
+    sum_j exp(s_ij))``.
 
     A repeat call with the same shapes, strides, dtypes and options reuses its plan (a few
     microseconds of host time); :func:`cuflash.plan` fixes a call's plan for a CUDA graph.
@@ -451,14 +475,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     >>> out = cuflash.attention(q, k, v, mask=keep, softcap=30.0)
     """
     return_lse = _checks.check_flag(return_lse, "return_lse")
-    out, lse, _ = _forward((q, k, v, out, None, alibi_slopes, mask, bias, block_mask), causal, scale, window,
+    out, lse, _ = _forward((q, k, v, out, None, alibi_slopes, mask, bias, block_mask, sinks), causal, scale, window,
                            softcap, block_size, dropout_p, generator, return_lse, modifiers=(score_mod, mask_mod))
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     generator=None, score_mod=None, mask_mod=None, return_lse=False, out=None, mask=None,
+                     generator=None, score_mod=None, mask_mod=None, sinks=None, return_lse=False, out=None, mask=None,
                      bias=None, block_mask=None, check=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
@@ -508,6 +532,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     mask_mod : cuflash.MaskMod, optional
         A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
         gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
+    sinks : CUDA float32 array (Hq,), optional
+        Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator,
+        ``exp(sinks[h])`` beside the keys' ``exp(s)``, with no value (the row's probabilities then sum
+        to less than 1). It is compared with the final scores (after scale, softcap, ALiBi, bias and
+        ``score_mod``). ``lse`` includes it; a row that sees no key gets ``out = 0`` and
+        ``lse = sinks[h]``; ``-inf`` is no sink for that head. Read at each call (new values need no
+        new kernel); its gradient comes from :func:`attention_backward` (``return_dsinks``).
     return_lse : bool, default False
         Also return the log-sum-exp of every row.
     out : CUDA array (total_q, Hq, D), the dtype of q, optional
@@ -525,7 +556,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     out : CuPy array (total_q, Hq, D), the dtype of q
         Rows that see no key are 0.
     lse : CuPy float32 array (Hq, total_q)
-        Only with ``return_lse``; ``-inf`` for a row that sees no key.
+        Only with ``return_lse``; with ``sinks``, ``exp(sinks[h])`` is in its sum; ``-inf``
+        (``sinks[h]``) for a row that sees no key.
 
     Raises
     ------
@@ -559,7 +591,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen; pad and call attention instead")
-    out, lse = _varlen((q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes), max_seqlen_q, max_seqlen_k,
+    out, lse = _varlen((q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks), max_seqlen_q, max_seqlen_k,
                        causal, scale, window, softcap, dropout_p, generator, return_lse, check,
                        modifiers=(score_mod, mask_mod))
     return (out, lse) if return_lse else out
@@ -567,11 +599,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
 def _varlen_with_rng_words(q, k, v, cu_seqlens_q, cu_seqlens_k, rng_words, *, max_seqlen_q=None, max_seqlen_k=None,
                            causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                           out=None, lse=None, check=None):
+                           sinks=None, out=None, lse=None, check=None):
     """:func:`attention_varlen` with ``return_lse=True``, writing ``lse`` (float32 (Hq, total_q),
     C-contiguous) when given, and reading its dropout (seed, offset) from the device words at address
     ``rng_words`` (see :func:`_forward_with_rng_words`). Returns (out, lse)."""
-    return _varlen((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes), max_seqlen_q, max_seqlen_k,
+    return _varlen((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks), max_seqlen_q, max_seqlen_k,
                    causal, scale, window, softcap, dropout_p, None, True, check, rng_words)
 
 
@@ -605,7 +637,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     """The full path of :func:`attention_varlen` (see :func:`_plan_attention`)."""
     import cupy
 
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = operands[:8]
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = operands[:9]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k = k.shape[0]
@@ -616,7 +648,10 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                                  dropout_p=dropout_p, generator=generator, seqlens=(max_q, max_k))
     score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
                                                 block_mask=None, block_size=(128, 128), first=7)
-    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=8)
+    sinks = _checks.check_sinks(sinks, hq)
+    if sinks is not None:
+        score_fields["sinks"] = ("operand", 8)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=9)
     out_user = out
     if out is not None:
         out = _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
@@ -624,7 +659,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
         lse = _checks.check_out(lse, "lse", (hq, total_q), np.float32)
     _checks.check_disjoint((("out", out), ("lse", lse)),
                            (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k),
-                            ("alibi_slopes", score_arrays[0]),
+                            ("alibi_slopes", score_arrays[0]), ("sinks", sinks),
                             *((("score_mod/mask_mod argument", x) for x in user_arrays))))
     _family_for(dtype_name)
 
@@ -657,7 +692,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                         seq_fields={}, row_layout=row_layout, opts=opts,
                         score_fields={**score_fields, **seq_fields, **user_fields}, grid_rows=max_q, batch=batch,
                         heads_q=hq, check=check, lse_output=return_lse, user_mods=user_mods, user_source=user_source)
-    kernel_operands = (qk, kk, vk, o_kernel, lse, cu_q, cu_k, score_arrays[0], *user_arrays)
+    kernel_operands = (qk, kk, vk, o_kernel, lse, cu_q, cu_k, score_arrays[0], sinks, *user_arrays)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:

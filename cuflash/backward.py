@@ -155,8 +155,8 @@ def _reduce_dbias(dbias_full, bias):
 
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, mask=None, bias=None, block_mask=None,
-                       block_size=(128, 128), dropout_p=0.0, score_mod=None, mask_mod=None, deterministic=False,
-                       return_dbias=False, dq=None, dk=None, dv=None):
+                       block_size=(128, 128), dropout_p=0.0, score_mod=None, mask_mod=None, sinks=None,
+                       deterministic=False, return_dbias=False, return_dsinks=False, dq=None, dk=None, dv=None):
     """Gradients of :func:`attention` with respect to q, k and v (and bias).
 
     Pass the forward's inputs and options, and ``out``, ``lse`` (and, with dropout, ``rng_state``) as
@@ -188,6 +188,9 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         The forward's (see :func:`attention`). dS goes through the ScoreMod's ``grad``
         (d expr / d score at its input); one whose derivative is not exactly 1 needs it (a
         ValueError without). Not with ``return_dbias``.
+    sinks : CUDA float32 array (Hq,), optional
+        The forward's attention sinks (see :func:`attention`). ``lse`` already holds them, so dq, dk and
+        dv need nothing more: they are read only for ``return_dsinks``.
     deterministic : bool, default False
         If true, dQ is accumulated without atomics (in a fixed order, or by a separate pass), so that
         every result is bitwise identical from run to run (somewhat slower). dK and dV are always
@@ -196,6 +199,10 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         Also return dL/dbias (needs ``bias``). This materialises a float32 (B, Hq, Sq, Sk) buffer,
         then summed over the axes along which ``bias`` was broadcast; such a call cannot be captured
         in a CUDA graph.
+    return_dsinks : bool, default False
+        Also return dL/dsinks (needs ``sinks``): ``dsinks[h] = -sum over b, i of exp(sinks[h] -
+        lse[b, h, i]) * D_i`` with ``D_i = rowsum(dO_i * O_i)`` (the sink's probability times -D_i).
+        Summed in a fixed order, so bitwise reproducible from run to run whatever ``deterministic``.
     dq : CUDA array (B, Sq, Hq, D), the dtype of q, optional
     dk : CUDA array (B, Sk, Hk, D), the dtype of q, optional
     dv : CUDA array (B, Sk, Hk, D), the dtype of q, optional
@@ -210,15 +217,19 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         In the dtype of q; dk and dv summed over the query heads that share each kv head.
     dbias : CuPy array of the shape and dtype of ``bias``
         Only with ``return_dbias``.
+    dsinks : CuPy float32 array (Hq,)
+        Only with ``return_dsinks``; last.
 
     Raises
     ------
     TypeError
         As :func:`attention_forward`; ``dout``/``out`` of another dtype than q, ``lse`` not float32,
-        an ``rng_state`` that does not hold integers, ``deterministic``/``return_dbias`` not bool.
+        an ``rng_state`` that does not hold integers, ``deterministic``/``return_dbias``/``return_dsinks``
+        not bool, ``sinks`` not float32.
     ValueError
         As :func:`attention_forward`; ``dout``/``out``/``lse`` of the wrong shape, ``dropout_p > 0``
-        without ``rng_state``, ``return_dbias`` without ``bias`` or with ``score_mod``, a ``score_mod``
+        without ``rng_state``, ``return_dbias`` without ``bias`` or with ``score_mod``, ``return_dsinks``
+        without ``sinks``, ``sinks`` not of shape (Hq,), a ``score_mod``
         whose derivative is not 1 without its ``grad``, ``dq``/``dk``/``dv`` of the wrong
         shape, not C-contiguous or overlapping an input. Nothing is launched and the output
         buffers are left untouched.
@@ -251,20 +262,21 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     >>> dk.shape, dbias.shape
     ((2, 512, 2, 64), (1, 8, 512, 512))
     """
-    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
     mod_key = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), (0, 0), mod_key)
+               _forced_family.get(), (0, 0), mod_key, return_dsinks)
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
-                                            return_dbias=return_dbias, modifiers=(score_mod, mask_mod))
+                                            return_dbias=return_dbias, modifiers=(score_mod, mask_mod),
+                                            return_dsinks=return_dsinks)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -282,9 +294,9 @@ def _backward_at(dout, q, k, v, out, lse, *, dropout_origin=(0, 0), rng_state=No
     (the public function keeps its body inline: no extra frame on its repeat path)."""
     if isinstance(dropout_origin, list):
         dropout_origin = tuple(dropout_origin)   # a key of the plan memo: hashable
-    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask)
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, None, None)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), dropout_origin, None)
+               _forced_family.get(), dropout_origin, None, False)
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
@@ -316,12 +328,13 @@ def _gradient_targets(dq, dk, dv, shapes, dtype, d, d_pad):
 
 def _finisher(users, results, targets, d, reduce_dbias=None):
     """What a call does after its launches: copy private targets into the caller's buffers (or
-    new ones), reduce dbias; returns the gradients as the caller sees them."""
+    new ones), reduce dbias; returns the gradients as the caller sees them (dsinks, a result of the
+    plan after dq, dk, dv, last)."""
     import cupy
 
     def finish(grads, temps, plan):
         final = []
-        for user, result, target, grad in zip(users, results, targets, grads):
+        for user, result, target, grad in zip(users, results, targets, grads[:3]):
             if target is not None and target is not result:
                 if result is None:
                     result = cupy.empty(target.shape[:-1] + (d,), dtype=target.dtype)
@@ -329,18 +342,21 @@ def _finisher(users, results, targets, d, reduce_dbias=None):
             final.append(user if user is not None else (result if result is not None else grad))
         if reduce_dbias is not None:
             final.append(reduce_dbias(_memo.temp_array(plan, temps, len(plan.temps) - 1)))
+        final.extend(grads[3:])
         return tuple(final)
 
     return finish
 
 
 def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, block_size, dropout_p,
-                   deterministic, return_dbias, dropout_origin=(0, 0), modifiers=(None, None)):
+                   deterministic, return_dbias, dropout_origin=(0, 0), modifiers=(None, None), return_dsinks=False):
     """The full path of :func:`attention_backward`: (plan, pointers, finish), or (None, None, result)
-    for a call that launches nothing."""
+    for a call that launches nothing. Operands: dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask,
+    bias, block_mask, sinks, dsinks (None: the plan's output), then the ScoreMod/MaskMod arrays."""
     import cupy
 
-    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask = operands[:13]
+    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks = operands[:14]
+    return_dsinks = _checks.check_return_dsinks(return_dsinks, sinks)
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
     if k.shape[0] != b:
@@ -363,7 +379,8 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
         raise ValueError("return_dbias=True is not supported together with a score_mod")
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=9)
-    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=13, backward=True)
+    sinks = _checks.check_sinks(sinks, hq)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=15, backward=True)
     bias_arr = _checks.as_cuda_array(bias, "bias") if return_dbias else None
     family = _family_for(dtype_name)
     d_pad = -(-d // 8) * 8
@@ -372,7 +389,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                                                   q.dtype, d, d_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-                            *zip(SCORE_OPERANDS, score_arrays),
+                            *zip(SCORE_OPERANDS, score_arrays), ("sinks", sinks),
                             *((("score_mod/mask_mod argument", x) for x in user_arrays))))
 
     if b == 0 or hq == 0 or sq == 0 or sk == 0:
@@ -385,6 +402,8 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
             grads.append(user if user is not None else x)
         if return_dbias:
             grads.append(cupy.zeros(bias_arr.shape, dtype=bias_arr.dtype))
+        if return_dsinks:
+            grads.append(cupy.zeros((hq,), dtype=np.float32))
         return None, None, tuple(grads)
 
     kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
@@ -398,9 +417,9 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields,
                           score_fields={**score_fields, **user_fields}, dropout_p=dropout_p,
                           deterministic=deterministic, dbias_shape=(b, hq, sq, sk) if return_dbias else None,
-                          user_mods=user_mods, user_source=user_source)
+                          user_mods=user_mods, user_source=user_source, dsinks=(13, 14) if return_dsinks else None)
     qk, kk, vk, ok, dok = kernel
-    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays, *user_arrays)
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays, sinks, None, *user_arrays)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands) and not return_dbias
     if return_dbias:
@@ -418,8 +437,8 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, rng_state=None, causal=False, scale=None, window=None,
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, score_mod=None, mask_mod=None,
-                              deterministic=False, dq=None, dk=None, dv=None, mask=None, bias=None, block_mask=None,
-                              check=None):
+                              sinks=None, deterministic=False, return_dsinks=False, dq=None, dk=None, dv=None,
+                              mask=None, bias=None, block_mask=None, check=None):
     """Gradients of :func:`attention_varlen` with respect to q, k and v.
 
     Pass the forward's inputs, options, ``out`` and ``lse`` (``return_lse=True``); as
@@ -451,6 +470,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         The forward's (see :func:`attention_varlen`), with their gradient as in
         :func:`attention_backward`.
+    sinks : CUDA float32 array (Hq,), optional
+        The forward's attention sinks; read only for ``return_dsinks``.
+    return_dsinks : bool, default False
+        Also return dL/dsinks, float32 (Hq,), summed over every sequence's rows (as in
+        :func:`attention_backward`, bitwise reproducible).
     dq : CUDA array (total_q, Hq, D), optional
     dk, dv : CUDA arrays (total_k, Hk, D), optional
         C-contiguous buffers of the dtype of q to write the gradients into; they may not overlap
@@ -466,6 +490,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dk : CuPy array (total_k, Hk, D)
     dv : CuPy array (total_k, Hk, D)
         In the dtype of q; dk and dv summed over the query heads that share each kv head.
+    dsinks : CuPy float32 array (Hq,)
+        Only with ``return_dsinks``.
 
     Raises
     ------
@@ -491,13 +517,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen_backward; pad and call "
                              "attention_backward instead")
-    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k)
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks, None)
     mod_key = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         operands = operands + user_arrays
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
-               _forced_family.get(), mod_key)
+               _forced_family.get(), mod_key, return_dsinks)
     plan, ptrs, where = _memo.lookup("attention_varlen_backward", operands, options)
     finish = None
     if plan is None:
@@ -505,7 +531,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                                    max_seqlen_k=max_seqlen_k, rng_state=rng_state, causal=causal,
                                                    scale=scale, window=window, softcap=softcap,
                                                    dropout_p=dropout_p, deterministic=deterministic,
-                                                   modifiers=(score_mod, mask_mod))
+                                                   modifiers=(score_mod, mask_mod), return_dsinks=return_dsinks)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -514,11 +540,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_state, causal, scale, window, softcap,
-                          dropout_p, deterministic, modifiers=(None, None)):
-    """The full path of :func:`attention_varlen_backward` (see :func:`_plan_backward`)."""
+                          dropout_p, deterministic, modifiers=(None, None), return_dsinks=False):
+    """The full path of :func:`attention_varlen_backward` (see :func:`_plan_backward`). Operands: dout, q, k,
+    v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks, dsinks, then the
+    ScoreMod/MaskMod arrays."""
     import cupy
 
-    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k = operands[:12]
+    dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks = operands[:13]
+    return_dsinks = _checks.check_return_dsinks(return_dsinks, sinks)
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -533,7 +562,8 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
         rng_state=rng_state, deterministic=deterministic, seqlens=(max_q, max_k))
     score_fields, score_arrays = score_operands(batch, hq, 1, 1, alibi_slopes=alibi_slopes, mask=None, bias=None,
                                                 block_mask=None, block_size=(128, 128), first=9)
-    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=12, backward=True)
+    sinks = _checks.check_sinks(sinks, hq)
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=14, backward=True)
     family = _family_for(dtype_name)
     d_pad = -(-d // 8) * 8
     users = (dq, dk, dv)
@@ -542,7 +572,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
                             ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0]),
-                            *((("score_mod/mask_mod argument", x) for x in user_arrays))))
+                            ("sinks", sinks), *((("score_mod/mask_mod argument", x) for x in user_arrays))))
 
     if hq == 0 or batch == 0 or max_q == 0 or max_k == 0 or total_q == 0:
         _memo.nothing_to_plan()
@@ -551,6 +581,8 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
             x = result if result is not None else cupy.empty(shape, dtype=q.dtype)
             x.fill(0)
             grads.append(user if user is not None else x)
+        if return_dsinks:
+            grads.append(cupy.zeros((hq,), dtype=np.float32))
         return None, None, tuple(grads)
 
     kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
@@ -567,9 +599,9 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
                                                     dq=layouts[0], dk=layouts[1], dv=layouts[2]),
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
                           dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check,
-                          user_mods=user_mods, user_source=user_source)
+                          user_mods=user_mods, user_source=user_source, dsinks=(12, 13) if return_dsinks else None)
     qk, kk, vk, ok, dok = kernel
-    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k, *user_arrays)
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k, sinks, None, *user_arrays)
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from . import _checks, kernels
+from ._scores import modifier_parts, user_operands
 from ._runtime import capture as _capture, faults as _faults, launch as _launch, memo as _memo, plan as _plan, step as _step
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import DECODE, Template
@@ -107,18 +108,19 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
                              f"{int(slots[b, t])}, which a sequence reads as a cached key")
 
 
-# Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned).
-_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE = range(11)
+# Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned);
+# the array arguments of a ScoreMod / MaskMod follow, from _USER on.
+_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE, _USER = range(12)
 
 
-def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse):
+def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse, modifiers=(None, None)):
     """Check a decode call and plan its launches (see :func:`decode`); raises before any launch.
 
     Returns (plan, pointers, finish), or (None, None, result) for a call that launches nothing.
     """
     import cupy
 
-    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user = operands
+    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user = operands[:_USER]
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
@@ -205,6 +207,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         cols = m.shape[-1]
         mask_view = _checks.broadcast_operand(m, "mask", (batch, heads_q, seqlen_q, cols), "bool")
         mask_keys = 0 if cols == 1 else cols
+    user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=_USER)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
     if not 0 <= num_splits <= kernels.decode.DECODE_MAX_SPLITS:
@@ -218,7 +221,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
 
     # Memory the call writes must not be memory it reads: out always, the caches when it appends.
     reads = (("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", mask_view), ("alibi_slopes", alibi_dev),
-             ("cache_seqlens", seqlens_dev), ("block_table", table_dev))
+             ("cache_seqlens", seqlens_dev), ("block_table", table_dev),
+             *(("score_mod/mask_mod argument", x) for x in user_arrays))
     _checks.check_disjoint((("out", out), ("lse", lse_given)), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
     if seqlen_new:
         # Without an append the caches are only read: a broadcast cache, or k_cache is v_cache, is fine.
@@ -263,9 +267,9 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     device_id = _launch.device_id()
     sms, smem_block, smem_sm, memory_rate = _device_limits(device_id)
     score_mods = tuple(name for name, used in (("softcap", opts.softcap > 0), ("alibi", alibi_slopes is not None),
-                                                ("mask", mask is not None)) if used)
+                                                ("mask", mask is not None)) if used) + user_mods
     plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
-                                     smem_per_block=smem_block, smem_per_sm=smem_sm)
+                                        smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source)
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
     row_blocks = max(1, -(-rows // plan_k.block_m))
@@ -352,6 +356,11 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         mb, mh, mr, mc = _checks.element_strides(mask_view)
         slots["mask"] = _MASK
         fields.update(mask_batch_stride=mb, mask_head_stride=mh, mask_row_stride=mr, mask_col_stride=mc)
+    for name, value in user_fields.items():   # the ScoreMod / MaskMod arguments: p.score.user
+        if isinstance(value, tuple):
+            slots[f"score.{name}"] = value[1]
+        else:
+            fields[f"score.{name}"] = value
     if num_splits > 1:
         # The last split of each (sequence, kv head, row block) combines the partials (decode.cu).
         slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1),
@@ -373,7 +382,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                                      dependent=dependent and check_on_gpu and not check_in_kernel))
     plan.info.update(num_splits=num_splits)
 
-    kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, lse_given]
+    kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, lse_given,
+                       *user_arrays]
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -401,8 +411,8 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
-           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, lse=None, check=None):
+           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, score_mod=None,
+           mask_mod=None, return_lse=False, out=None, lse=None, check=None):
     """Attention of a few new query tokens over a KV cache, appending their keys and values first.
 
     Sequence ``b`` has ``T_b = cache_seqlens[b] + S_new`` keys: its cached keys, then the ``S_new``
@@ -449,6 +459,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         LAST M keys of every sequence, so a tree mask over the new tokens is (Sq, Sq) (or (B, 1, Sq,
         Sq), ...) whatever the cache lengths; keys before those are not masked. When every sequence
         has T keys, M = T is the usual (B, Hq, Sq, T) mask. M = 1 broadcasts over all keys.
+    score_mod : cuflash.ScoreMod, optional
+        A score modifier (one expression over ``score``, after softcap and ALiBi, ``b``, ``h``
+        (query head), ``q_idx``, ``kv_idx`` and its named arguments), compiled into the decode kernel
+        once per expression. Positions are absolute in the sequence: query ``i`` is ``q_idx = i + T_b
+        - Sq`` (the new tokens' own positions), key ``j`` is ``kv_idx = j`` (cached keys first, then
+        the appended ones). Applied before the masks.
+    mask_mod : cuflash.MaskMod, optional
+        A bool expression over the same positions: False hides the key (ANDed with ``causal``,
+        ``window`` and ``mask``). Its arrays' addresses and scalars' values are read at each call.
     return_lse : bool, default False
         Also return lse.
     out : array (B, Sq, Hq, D), optional
@@ -473,8 +492,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     TypeError
         An array that is not a CUDA array (index arrays may be NumPy), a dtype other than
         float16/bfloat16/float32 or one that differs from q's, index arrays that are not int32, a
-        mask that is not bool, ``num_splits`` or an option of the wrong type; the message names
-        the argument.
+        mask that is not bool, ``num_splits``, ``score_mod``/``mask_mod`` (or an array argument of
+        theirs) or an option of the wrong type; the message names the argument.
     ValueError
         For any other bad argument (shapes, heads, head dims, values out of range, appends that do
         not fit, overlapping memory), before any launch: the cache is never half-written. Index
@@ -508,12 +527,17 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     >>> lens += 1                                             # the caller keeps the lengths
     """
     operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse)
-    options = (num_splits, causal, window, softcap, scale, return_lse)
+    mod_key = None
+    if score_mod is not None or mask_mod is not None:
+        mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
+        operands = operands + user_arrays
+    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key)
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
-                                          softcap=softcap, scale=scale, return_lse=return_lse)
+                                          softcap=softcap, scale=scale, return_lse=return_lse,
+                                          modifiers=(score_mod, mask_mod))
         if plan is None:
             out, lse = finish
             return (out, lse) if return_lse else out

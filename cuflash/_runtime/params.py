@@ -37,7 +37,7 @@ USER_ARGS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/params.cuh
 FWD_PARAMS = np.dtype(
     _fields(np.uint64, ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "mask", "bias",
-                        "block_mask", "error"))
+                        "block_mask", "sinks", "error"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -60,7 +60,8 @@ FWD_PARAMS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/bwd_params.cuh
 BWD_PARAMS = np.dtype(
     [("fwd", FWD_PARAMS)]
-    + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias", "dq_semaphore", "dq_done"))
+    + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias", "dq_semaphore", "dq_done",
+                        "dsink_part", "dsinks"))
     + _fields(np.int64, (
         "do_batch_stride", "do_row_stride", "do_head_stride",
         "dqa_batch_stride", "dqa_row_stride", "dqa_head_stride",

@@ -32,6 +32,11 @@ version bumps, the kernel) without the dispatcher's Python hops (:meth:`_Op.__ca
 ``torch.compile`` traces, under a dispatch mode or a functorch transform, and whenever
 ``torch.ops.cuflash.*`` is called itself, the dispatcher runs them.
 
+Score and mask modifiers (``score_mod=``, ``mask_mod=``: :class:`cuflash.ScoreMod`, :class:`cuflash.MaskMod`)
+are taken by the functions of this module in eager mode only: no schema type carries one, so
+``torch.ops.cuflash.*`` do not take them, and the functions run the ops' kernels with them directly
+(gradients for q, k, v); while ``torch.compile`` traces they are an error naming them.
+
 Semantics are cuflash's (:func:`cuflash.attention_forward`, :func:`cuflash.decode`, ...): layouts
 (B, S, H, D), bottom-right causal, lse float32 (B, Hq, Sq) (varlen: (Hq, total_q)) and treated as a
 constant by autograd (its gradient is not propagated). Outputs are allocated by torch, C-contiguous
@@ -340,13 +345,10 @@ _THD = "(total, heads, head_dim)"
 
 # ----------------------------------------------------------------------------- attention
 
-@_op("attention_forward", tags=_RANDOM)
-def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
-                          mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                          block_mask: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
-                          causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
-                          window_right: int = -1, softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
-                          dropout_p: float = 0.0, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale, window_left,
+                           window_right, softcap, block_q, block_k, dropout_p, deterministic, mods=None):
+    """The body of ``cuflash::attention_forward``; ``mods``: {"score_mod": ..., "mask_mod": ...} of an
+    eager call with modifiers (:func:`_modifiers`), which the op's schema cannot carry."""
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
@@ -356,8 +358,21 @@ def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optiona
     options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    block_size=(block_q, block_k), dropout_p=dropout_p)
+    if mods:
+        options.update(mods)
     kernels.attention_forward(q, k, v, out, lse, state, options)
     return out, lse, _state_tensor(state, q.device)
+
+
+@_op("attention_forward", tags=_RANDOM)
+def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor] = None,
+                          mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                          block_mask: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
+                          causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
+                          window_right: int = -1, softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
+                          dropout_p: float = 0.0, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale,
+                                  window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
 
 
 @_attention_forward_op.register_fake
@@ -368,14 +383,10 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
-@_op("attention_backward")
-def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                           rng_state: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
-                           mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-                           block_mask: Optional[Tensor] = None, causal: bool = False, scale: Optional[float] = None,
-                           window_left: int = -1, window_right: int = -1, softcap: float = 0.0, block_q: int = 128,
-                           block_k: int = 128, dropout_p: float = 0.0, deterministic: bool = False,
-                           return_dbias: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale,
+                            window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic,
+                            return_dbias, mods=None):
+    """The body of ``cuflash::attention_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
     dq = _empty(q.shape, q.dtype, q.device)
@@ -384,10 +395,25 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    block_size=(block_q, block_k), dropout_p=dropout_p, deterministic=deterministic)
+    if mods:
+        options.update(mods)
     dbias = kernels.attention_backward(dout, q, k, v, out, lse, dq, dk, dv, state, options, return_dbias)
     if dbias is None:
         dbias = _empty((0,), torch.float32, q.device)
     return dq, dk, dv, dbias
+
+
+@_op("attention_backward")
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           rng_state: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                           mask: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                           block_mask: Optional[Tensor] = None, causal: bool = False, scale: Optional[float] = None,
+                           window_left: int = -1, window_right: int = -1, softcap: float = 0.0, block_q: int = 128,
+                           block_k: int = 128, dropout_p: float = 0.0, deterministic: bool = False,
+                           return_dbias: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal,
+                                   scale, window_left, window_right, softcap, block_q, block_k, dropout_p,
+                                   deterministic, return_dbias)
 
 
 @_attention_backward_op.register_fake
@@ -444,6 +470,13 @@ def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: 
                                  causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
                                  window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0,
                                  deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
+                               max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic)
+
+
+def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
+                        causal, scale, window_left, window_right, softcap, dropout_p, deterministic, mods=None):
+    """The body of ``cuflash::attention_varlen_forward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     _check_rank(q, 3, "q", _THD)
     state = _draw(dropout_p, rng_state)
@@ -451,6 +484,8 @@ def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: 
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    dropout_p=dropout_p)
+    if mods:
+        options.update(mods)
     lse = kernels.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, state, options)
     return out, lse, _state_tensor(state, q.device)
 
@@ -471,6 +506,15 @@ def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
                                   softcap: float = 0.0, dropout_p: float = 0.0,
                                   deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
+                                max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap,
+                                dropout_p, deterministic)
+
+
+def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q,
+                         max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic,
+                         mods=None):
+    """The body of ``cuflash::attention_varlen_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
     dq = _empty(q.shape, q.dtype, q.device)
@@ -479,6 +523,8 @@ def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    dropout_p=dropout_p, deterministic=deterministic)
+    if mods:
+        options.update(mods)
     kernels.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, state, options)
     return dq, dk, dv
 
@@ -528,10 +574,30 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, ma
 # ----------------------------------------------------------------------------- decode
 
 def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale,
-                    window_left, window_right, softcap):
-    return dict(cache_seqlens=cache_seqlens, block_table=block_table, k_new=_plain(k_new), v_new=_plain(v_new),
-                mask=mask, alibi_slopes=_plain(alibi_slopes), num_splits=num_splits, causal=causal, scale=scale,
-                window=_window(window_left, window_right), softcap=softcap)
+                    window_left, window_right, softcap, mods=None):
+    options = dict(cache_seqlens=cache_seqlens, block_table=block_table, k_new=_plain(k_new), v_new=_plain(v_new),
+                   mask=mask, alibi_slopes=_plain(alibi_slopes), num_splits=num_splits, causal=causal, scale=scale,
+                   window=_window(window_left, window_right), softcap=softcap)
+    if mods:
+        options.update(mods)
+    return options
+
+
+def _run_decode(q, k_cache, v_cache, out, args, mods):
+    """An eager decode call with a ScoreMod/MaskMod (the ops' schemas cannot carry one): what
+    ``cuflash::decode`` / ``decode_out`` do, their version bumps of the mutated tensors included.
+    Returns (out, lse)."""
+    kernels = _kernels_for(q)
+    _check_rank(q, 4, "q", _BSHD)
+    b, sq, hq, _ = q.shape
+    for x in (k_cache, v_cache, out):
+        if x is not None:
+            torch.autograd.graph.increment_version(x)
+    if out is None:
+        out = _empty(q.shape, q.dtype, q.device)
+    lse = _empty((b, hq, sq), torch.float32, q.device)
+    kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(*args, mods=mods))
+    return out, lse
 
 
 @_op("decode", mutates_args=("k_cache", "v_cache"))
@@ -604,6 +670,122 @@ def _(outs, lses):
     return outs.new_empty(outs.shape[1:]), outs.new_empty((b, h, s), dtype=torch.float32)
 
 
+# ----------------------------------------------------------------------------- score_mod / mask_mod (eager)
+#
+# A ScoreMod/MaskMod is a Python object whose expression is compiled into the kernels: no schema type
+# carries it, so the ops themselves (torch.ops.cuflash.*) do not take one. The functions of this module
+# take them eagerly and run the ops' bodies (_run_*) with them, through the autograd.Functions below
+# for the forwards (the modifiers held by the node for its backward); while torch.compile traces, they
+# refuse them (_refuse_under_compile).
+
+_COMPILE_MESSAGE = ("score_mod/mask_mod are not supported under torch.compile yet: call cuflash outside the "
+                    "compiled region (e.g. a function decorated with torch.compiler.disable), or without them")
+try:
+    from torch._dynamo import graph_break as _graph_break
+except ImportError:   # pragma: no cover - a torch without Dynamo's graph_break(msg=)
+    _graph_break = None
+
+
+def _refuse_under_compile():
+    """The error, raised while Dynamo traces, that stops the compile with the message. A plain raise is
+    not enough: without fullgraph=True Dynamo would then run the call eagerly (a graph break, the
+    modifiers applied after all), and with it bury the message under "Observed exception". A
+    graph_break carrying the message first: with fullgraph=True, Dynamo's error says it; without,
+    the break resumes eagerly at the raise below (torch 2.13)."""
+    if _graph_break is not None:
+        _graph_break(msg=_COMPILE_MESSAGE)
+    raise NotImplementedError(_COMPILE_MESSAGE)
+
+
+def _modifiers(score_mod, mask_mod, *, backward: bool = False):
+    """{"score_mod": ..., "mask_mod": ...} for cuflash from a call's modifiers, or None without.
+
+    Types are checked (TypeError naming the argument). Their array arguments may be torch tensors
+    (cuflash reads them through DLPack or ``data_ptr``); gradients are computed for q, k, v only, so a
+    tensor argument that requires a gradient is a ValueError while autograd records (its gradient would
+    be silently missing) and is used detached otherwise. ``backward``: the call will be differentiated,
+    so a ScoreMod whose derivative is not 1 must have its ``grad`` (ValueError now, not in the backward).
+    Under torch.compile: the error of :func:`_refuse_under_compile`.
+    """
+    if score_mod is None and mask_mod is None:
+        return None
+    if _compiling():
+        _refuse_under_compile()
+    from ..modifiers import MaskMod, ScoreMod
+
+    mods = {}
+    for name, mod, kind in (("score_mod", score_mod, ScoreMod), ("mask_mod", mask_mod, MaskMod)):
+        if mod is None:
+            continue
+        if not isinstance(mod, kind):
+            raise TypeError(f"{name} must be a cuflash.{kind.__name__} or None, got {type(mod).__name__}")
+        detached = {}
+        for arg, value in mod.args.values.items():
+            if isinstance(value, Tensor) and value.requires_grad:
+                if torch.is_grad_enabled():
+                    raise ValueError(f"{name} argument {arg} requires a gradient, which cuflash does not compute "
+                                     f"for a modifier's arrays (only q, k, v get gradients): pass {arg}.detach()")
+                detached[arg] = value.detach()
+        if detached:
+            mod = mod.with_args(**detached)
+        if backward and name == "score_mod":
+            mod.gradient()   # ValueError naming the grad= to pass
+        mods[name] = mod
+    return mods
+
+
+def _check_dbias_beside(mods, bias) -> None:
+    if mods and "score_mod" in mods and bias is not None and bias.requires_grad and torch.is_grad_enabled():
+        raise ValueError("bias requires a gradient, and dbias is not computed beside a score_mod (the kernels keep "
+                         "the ScoreMod's chain factor where dbias would need the raw scores): detach bias, or add "
+                         "it inside the score_mod")
+
+
+class _ModifiedAttentionForward(torch.autograd.Function):
+    """:func:`attention_forward` with a ScoreMod/MaskMod: the bodies of ``cuflash::attention_forward``
+    and ``cuflash::attention_backward`` with them; gradients for q, k, v and (beside a MaskMod alone)
+    bias."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, constants, options, mods):
+        alibi_slopes, mask, block_mask, rng_state = constants
+        out, lse, state = _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options,
+                                                 mods=mods)
+        ctx.mark_non_differentiable(lse, state)
+        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask)
+        ctx.options, ctx.mods = options, mods
+        return out, lse, state
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dstate):
+        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask = ctx.saved_tensors
+        want_dbias = bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias = _run_attention_backward(dout, q, k, v, out, lse, state, alibi_slopes, mask, bias,
+                                                    block_mask, *ctx.options, want_dbias, mods=ctx.mods)
+        return dq, dk, dv, (dbias if want_dbias else None), None, None, None
+
+
+class _ModifiedVarlenForward(torch.autograd.Function):
+    """:func:`attention_varlen` with a ScoreMod/MaskMod; gradients for q, k, v."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, constants, options, mods):
+        cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
+        out, lse, state = _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, *options,
+                                              mods=mods)
+        ctx.mark_non_differentiable(lse, state)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes)
+        ctx.options, ctx.mods = options, mods
+        return out, lse, state
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dstate):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes,
+                                          *ctx.options, mods=ctx.mods)
+        return dq, dk, dv, None, None, None
+
+
 # ----------------------------------------------------------------------------- the functions users call
 
 def _pair(value, name: str, unbounded):
@@ -630,7 +812,7 @@ def _call_state(dropout_p, rng_state, generator):
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
                       bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None,
-                      generator=None, deterministic=False):
+                      generator=None, deterministic=False, score_mod=None, mask_mod=None):
     """``torch.ops.cuflash.attention_forward``: differentiable exact attention with its lse and rng_state.
 
     Parameters
@@ -647,6 +829,11 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         Draw the state from this generator instead (eager mode only).
     deterministic : bool
         Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`cuflash.attention_forward`; their array arguments may be torch tensors (used as
+        constants: a tensor that requires a gradient is refused while autograd records). Eager mode
+        only (no op schema carries them: the op's kernels run without ``torch.ops.cuflash``); under
+        ``torch.compile`` they are an error.
 
     Returns
     -------
@@ -654,18 +841,31 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     lse : float32 torch.Tensor (B, Hq, Sq) (a constant for autograd)
     rng_state : int64 torch.Tensor: the state used, (2,) on the CPU, with dropout; empty on q's device without
     """
+    if (score_mod is not None or mask_mod is not None) and _compiling():
+        _refuse_under_compile()   # before a generator draws anything
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
     rng_state = _call_state(dropout_p, rng_state, generator)
-    return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
-                                 scale, left, right, softcap, block_q, block_k, dropout_p,
-                                 deterministic)
+    if score_mod is None and mask_mod is None:
+        return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
+                                     scale, left, right, softcap, block_q, block_k, dropout_p,
+                                     deterministic)
+    grad = _records_grad(q, k, v, bias)
+    mods = _modifiers(score_mod, mask_mod, backward=grad)
+    _check_dbias_beside(mods, bias)
+    options = (causal, scale, left, right, softcap, block_q, block_k, dropout_p, deterministic)
+    if grad:
+        return _ModifiedAttentionForward.apply(q, k, v, bias, (alibi_slopes, mask, block_mask, rng_state), options,
+                                               mods)
+    return _run_attention_forward(_plain(q), _plain(k), _plain(v), alibi_slopes, mask, _plain(bias), block_mask,
+                                  rng_state, *options, mods=mods)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None, generator=None,
-              deterministic=False, return_lse=False):
-    """Differentiable exact attention through the custom op (see :func:`attention_forward`).
+              deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
+    """Differentiable exact attention through the custom op (see :func:`attention_forward`; with
+    ``score_mod``/``mask_mod``, eagerly without it).
 
     Returns
     -------
@@ -674,29 +874,36 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     out, lse, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                                     alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                                     block_size=block_size, dropout_p=dropout_p, rng_state=rng_state,
-                                    generator=generator, deterministic=deterministic)
+                                    generator=generator, deterministic=deterministic, score_mod=score_mod,
+                                    mask_mod=mask_mod)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
-                       deterministic=False, return_dbias=False):
+                       deterministic=False, return_dbias=False, score_mod=None, mask_mod=None):
     """``torch.ops.cuflash.attention_backward``: dq, dk, dv (and dbias) from the forward's out, lse, rng_state.
 
-    Takes the forward's options (see :func:`cuflash.attention_backward`). Returns (dq, dk, dv), or
+    Takes the forward's options (see :func:`cuflash.attention_backward`), ``score_mod``/``mask_mod``
+    included (eagerly, without the op, as in :func:`attention_forward`). Returns (dq, dk, dv), or
     (dq, dk, dv, dbias) with ``return_dbias`` (dbias in the shape and dtype of ``bias``).
     """
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
-    dq, dk, dv, dbias = _attention_backward_op(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask,
-                                               bias, block_mask, causal, scale, left, right, softcap,
-                                               block_q, block_k, dropout_p, deterministic, return_dbias)
+    args = (dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale, left, right,
+            softcap, block_q, block_k, dropout_p, deterministic, return_dbias)
+    if score_mod is None and mask_mod is None:
+        dq, dk, dv, dbias = _attention_backward_op(*args)
+    else:
+        mods = _modifiers(score_mod, mask_mod, backward=True)
+        dq, dk, dv, dbias = _run_attention_backward(*(_plain(x) if isinstance(x, Tensor) else x for x in args),
+                                                    mods=mods)
     return (dq, dk, dv, dbias) if return_dbias else (dq, dk, dv)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     generator=None, deterministic=False, return_lse=False):
+                     generator=None, deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
     """``torch.ops.cuflash.attention_varlen_forward``: differentiable packed-sequence attention.
 
     Parameters
@@ -705,42 +912,58 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on q's device (never read back)
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p
         As in :func:`cuflash.attention_varlen`.
-    rng_state, generator, deterministic
-        As in :func:`attention_forward`.
+    rng_state, generator, deterministic, score_mod, mask_mod
+        As in :func:`attention_forward` (the modifiers' positions within each sequence).
 
     Returns
     -------
     out : torch.Tensor (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when ``return_lse``.
     """
+    if (score_mod is not None or mask_mod is not None) and _compiling():
+        _refuse_under_compile()
     left, right = _pair(window, "window", (-1, -1))
     rng_state = _call_state(dropout_p, rng_state, generator)
-    out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                               rng_state, max_seqlen_q, max_seqlen_k, causal, scale,
-                                               left, right, softcap, dropout_p, deterministic)
+    options = (max_seqlen_q, max_seqlen_k, causal, scale, left, right, softcap, dropout_p, deterministic)
+    if score_mod is None and mask_mod is None:
+        out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+                                                   *options)
+    else:
+        grad = _records_grad(q, k, v)
+        mods = _modifiers(score_mod, mask_mod, backward=grad)
+        constants = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+        if grad:
+            out, lse, _ = _ModifiedVarlenForward.apply(q, k, v, constants, options, mods)
+        else:
+            out, lse, _ = _run_varlen_forward(_plain(q), _plain(k), _plain(v), *constants, *options, mods=mods)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, rng_state=None,
                               max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None,
-                              softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False):
-    """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`."""
+                              softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, score_mod=None,
+                              mask_mod=None):
+    """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`
+    (``score_mod``/``mask_mod`` eagerly, without the op)."""
     left, right = _pair(window, "window", (-1, -1))
-    return tuple(_attention_varlen_backward_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                               rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                               causal, scale, left, right, softcap, dropout_p,
-                                               deterministic))
+    args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
+            causal, scale, left, right, softcap, dropout_p, deterministic)
+    if score_mod is None and mask_mod is None:
+        return tuple(_attention_varlen_backward_op(*args))
+    mods = _modifiers(score_mod, mask_mod, backward=True)
+    return tuple(_run_varlen_backward(*(_plain(x) if isinstance(x, Tensor) else x for x in args), mods=mods))
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None):
+           out=None, score_mod=None, mask_mod=None):
     """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache.
 
     Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
     int32 on the GPU). ``k_new`` / ``v_new`` are appended into ``k_cache`` / ``v_cache`` in place
     (the ops declare the caches mutated). ``out`` (C-contiguous, q's shape and dtype) is written in
     place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` (an eager call of the
-    same shapes anywhere first moves compiling and planning out of the capture).
+    same shapes anywhere first moves compiling and planning out of the capture). ``score_mod`` /
+    ``mask_mod``: eagerly, without the op (as in :func:`attention_forward`).
 
     Returns
     -------
@@ -749,7 +972,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     left, right = _pair(window, "window", (-1, -1))
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
             softcap)
-    if out is None:
+    if score_mod is not None or mask_mod is not None:
+        out, lse = _run_decode(_plain(q), k_cache, v_cache, out, args, _modifiers(score_mod, mask_mod))
+    elif out is None:
         out, lse = _decode_op(q, k_cache, v_cache, *args)
     else:
         lse = _decode_out_op(q, k_cache, v_cache, out, *args)

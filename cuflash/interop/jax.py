@@ -104,6 +104,15 @@ def dropout_state(key):
     return state_words(key)
 
 
+def _refuse_modifiers(score_mod, mask_mod, function: str) -> None:
+    """score_mod= / mask_mod= are not taken by the JAX functions yet (docs/decisions.md, "jax: no
+    modifiers yet"): a NotImplementedError naming the argument, at trace time, rather than a dropped one."""
+    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if value is not None:
+            raise NotImplementedError(f"cuflash.interop.jax.{function} does not take {name} yet (cuflash.attention, "
+                                      f"cuflash.decode and cuflash.interop.torch do); call it without {name}")
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -230,7 +239,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, dropout_rng=None,
-              deterministic=False, return_lse=False):
+              deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
     """Exact attention of JAX arrays on cuflash's kernels, differentiable, inside ``jax.jit``.
 
     :func:`cuflash.attention` as a JAX function: the same options and layout, run on XLA's stream
@@ -276,6 +285,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     return_lse : bool, default False
         Also return the log-sum-exp of every row, under ``jax.lax.stop_gradient`` (no gradient
         flows through it).
+    score_mod, mask_mod : None
+        Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
+        modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
 
     Returns
     -------
@@ -308,6 +320,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     >>> loss = lambda q, k, v: jnp.mean(jnp.square(cj.attention(q, k, v, causal=True).astype(jnp.float32)))
     >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     """
+    _refuse_modifiers(score_mod, mask_mod, "attention")
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
     given = {name: check_array(x, name) for name, x in zip(_SCORE_ARRAYS, (alibi_slopes, mask, bias, block_mask))
              if x is not None}
@@ -424,7 +437,7 @@ _attention_varlen.defvjp(_varlen_fwd, _varlen_bwd)
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
                      window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
-                     deterministic=False, return_lse=False):
+                     deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
     """Attention over sequences of different lengths packed without padding, differentiable.
 
     :func:`cuflash.attention_varlen` as a JAX function; ``jax.grad`` runs
@@ -451,6 +464,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
         As in :func:`attention` (per sequence, bottom-right aligned; alibi_slopes (Hq,) or (B, Hq)).
     return_lse : bool, default False
         Also return the lse, float32 (Hq, total_q), under ``jax.lax.stop_gradient``.
+    score_mod, mask_mod : None
+        Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
+        modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
 
     Returns
     -------
@@ -476,6 +492,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     >>> out = jax.jit(lambda q, k, v, cu: cj.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512,
     ...                                                       max_seqlen_k=512, causal=True))(q, k, v, cu)
     """
+    _refuse_modifiers(score_mod, mask_mod, "attention_varlen")
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
     cu_q, cu_k = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cu_seqlens_k, "cu_seqlens_k")
     alibi = check_array(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None
@@ -532,7 +549,8 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, v_new=None, num_splits=0,
-           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False):
+           causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
+           score_mod=None, mask_mod=None):
     """A few new query tokens against a KV cache (contiguous or paged), appending their keys first.
 
     :func:`cuflash.decode` as a JAX function (no gradient). With ``k_new``/``v_new`` the call
@@ -564,6 +582,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
         As in :func:`cuflash.decode`.
     return_lse : bool, default False
         Also return the lse, float32 (B, Hq, Sq).
+    score_mod, mask_mod : None
+        Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
+        modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
 
     Returns
     -------
@@ -594,6 +615,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     >>> out, k_cache, v_cache = step(f16(2, 2, 1, 32, 128), k_cache, v_cache, f16(3, 2, 1, 8, 128),
     ...                              f16(4, 2, 1, 8, 128), lens)
     """
+    _refuse_modifiers(score_mod, mask_mod, "decode")
     q = check_array(q, "q")
     k_cache, v_cache = check_array(k_cache, "k_cache"), check_array(v_cache, "v_cache")
     lens = check_array(cache_seqlens, "cache_seqlens")

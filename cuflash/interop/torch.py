@@ -30,6 +30,8 @@ Example
 
 Tensor options (``alibi_slopes``, ``mask``, ``bias``, ``block_mask``, ``cu_seqlens_*``,
 ``cache_seqlens``, ``block_table``) are torch tensors; ``bias`` gets a gradient when it requires one.
+``score_mod=`` / ``mask_mod=`` (:class:`cuflash.ScoreMod`, :class:`cuflash.MaskMod`, their arrays torch
+tensors) work eagerly and in CUDA graphs, not yet under ``torch.compile`` (an error naming them).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ _attention_varlen_apply = _direct_apply(_AttentionVarlen)
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
-              deterministic=False):
+              deterministic=False, score_mod=None, mask_mod=None):
     """Differentiable :func:`cuflash.attention` for torch tensors: eager, compiled or captured.
 
     Runs cuflash's forward on torch's current stream of the inputs' device and saves q, k, v, out,
@@ -163,6 +165,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         under ``torch.compile`` seed the default generator (:func:`cuflash.manual_seed`).
     deterministic : bool, default False
         Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`cuflash.attention`, in eager mode (and CUDA graphs); their array arguments may be
+        torch tensors, read at each call. Gradients flow to q, k, v (and to ``bias`` beside a MaskMod
+        alone), not to the modifiers' arrays: one that requires a gradient is refused while autograd
+        records. A ScoreMod whose derivative is not 1 needs its ``grad`` when the call is
+        differentiated. Not under ``torch.compile`` yet (an error, not a graph break).
 
     Returns
     -------
@@ -174,7 +182,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     TypeError
         q, k or v not a ``torch.Tensor``, or any error of :func:`cuflash.attention`.
     ValueError
-        q, k or v not on a CUDA device, or any error of :func:`cuflash.attention`.
+        q, k or v not on a CUDA device, a modifier's tensor that requires a gradient, or any error of
+        :func:`cuflash.attention`.
+    NotImplementedError
+        ``score_mod``/``mask_mod`` while ``torch.compile`` traces (with ``fullgraph=True``, torch's
+        Unsupported error carrying the same message).
 
     Notes
     -----
@@ -195,10 +207,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         return ops.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                              alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                              block_size=block_size, dropout_p=dropout_p, generator=generator,
-                             deterministic=deterministic)
+                             deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
     _check_cuda(("q", q), ("k", k), ("v", v))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
+    if score_mod is not None or mask_mod is not None:
+        mods = ops._modifiers(score_mod, mask_mod, backward=_needs_grad(q, k, v, bias))
+        ops._check_dbias_beside(mods, bias)
+        options.update(mods)
     if _needs_grad(q, k, v, bias):
         return _attention_apply(q, k, v, bias, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
@@ -210,7 +226,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, generator=None,
-                     deterministic=False):
+                     deterministic=False, score_mod=None, mask_mod=None):
     """Differentiable :func:`cuflash.attention_varlen` for torch tensors: eager, compiled or captured.
 
     Parameters
@@ -223,8 +239,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on the same device
         Offsets of the packed sequences (see :func:`cuflash.attention_varlen`); never read on the host.
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, generator,
-    deterministic
-        As in :func:`cuflash.attention_varlen` and :func:`attention`.
+    deterministic, score_mod, mask_mod
+        As in :func:`cuflash.attention_varlen` and :func:`attention` (the modifiers' positions within
+        each sequence; eager mode only).
 
     Returns
     -------
@@ -253,23 +270,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                     max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                    generator=generator, deterministic=deterministic)
+                                    generator=generator, deterministic=deterministic, score_mod=score_mod,
+                                    mask_mod=mask_mod)
     _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-    if _needs_grad(q, k, v, None):
+    grad = _needs_grad(q, k, v, None)
+    mods = ops._modifiers(score_mod, mask_mod, backward=grad) or {}
+    if grad:
         options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
-                       generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes)
+                       generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes, **mods)
         return _attention_varlen_apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
     out = q.new_empty(q.shape)
     with _torch_call(q.device):
         _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                              causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             dropout_p=dropout_p, generator=generator, out=out)
+                             dropout_p=dropout_p, generator=generator, out=out, **mods)
     return out
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None):
+           out=None, score_mod=None, mask_mod=None):
     """:func:`cuflash.decode` for torch tensors: eager, compiled or captured (a serving loop's graph).
 
     Parameters
@@ -286,6 +306,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         Also return the float32 (B, Hq, Sq_new) log-sum-exp (to merge with other partial states).
     out : torch.Tensor (B, Sq_new, Hq, D), optional
         C-contiguous, q's dtype: written in place; otherwise allocated by torch.
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`cuflash.decode` (absolute positions in each sequence), in eager mode and CUDA
+        graphs; their array arguments may be torch tensors. Not under ``torch.compile`` yet (an error).
 
     Returns
     -------
@@ -308,8 +331,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     if _compiling():
         return ops.decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                           v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                          alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out)
+                          alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out,
+                          score_mod=score_mod, mask_mod=mask_mod)
     _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    mods = ops._modifiers(score_mod, mask_mod) or {}
     if out is None:
         out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse and q.dim() == 4 \
@@ -317,7 +342,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     with _torch_call(q.device):
         _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                    v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse)
+                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, **mods)
     return (out, lse) if return_lse else out
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import bwd_simt, bwd_sm80, bwd_sm90
-from .bwd_common import bwd_convert_variant, bwd_preprocess_variant
+from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_variant
 from .common import LaunchPlan, with_user_source
 from .._build.variant import Variant
 from ..features import SCORE_MODS, score_mod_bits
@@ -88,7 +88,7 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
     for dtype_name in dtypes:
         dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
         family = default_backward_family(dtype_name)
-        for variant in (bwd_preprocess_variant(dtype_name), bwd_convert_variant(dtype_name)):
+        for variant in (bwd_preprocess_variant(dtype_name), bwd_convert_variant(dtype_name), bwd_dsinks_variant()):
             if variant not in out:
                 out.append(variant)
         for d in head_dims:

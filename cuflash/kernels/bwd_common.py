@@ -70,6 +70,16 @@ def bwd_preprocess_variant(dtype_name: str) -> Variant:
     return Variant("bwd_preprocess", {"CUFLASH_DTYPE": DTYPE_CODES[dtype_name], **size_defines()})
 
 
+def bwd_dsinks_variant() -> Variant:
+    """dL/dsinks summed per head from bwd_preprocess's per-CTA sums (cuda_src/bwd_dsinks.cu); grid (Hq,)
+    x :data:`BWD_DSINKS_THREADS`. One variant for every dtype (it adds float32)."""
+    return Variant("bwd_dsinks", size_defines())
+
+
+#: Threads of a bwd_dsinks CTA (cuda_src/bwd_dsinks.cu, kDsinkThreads).
+BWD_DSINKS_THREADS = 256
+
+
 def bwd_convert_variant(dtype_name: str) -> Variant:
     """float32 accumulators to the output dtype (cuda_src/bwd_convert.cu); 256 threads, 8 rows each."""
     return Variant("bwd_convert", {"CUFLASH_DTYPE": DTYPE_CODES[dtype_name], **size_defines()})

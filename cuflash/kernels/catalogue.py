@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backward import backward_plan, default_backward_family, precompile_backward_variants
-from .bwd_common import bwd_convert_variant, bwd_preprocess_variant
+from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_variant
 from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, bwd_sm90_obstacle, bwd_sm90_orders_dq, bwd_sm90_smem_bytes,
                        feature_plans)
 from .check_indices import check_indices_variant
@@ -77,11 +77,27 @@ def user_variants(arch: str, head_dims=(64, 128)) -> list[Variant]:
     return out
 
 
+def user_decode_variants() -> list[Variant]:
+    """The decode variants with :func:`ci_user_modifiers` that the CPU test compiles (for sm_80 and
+    sm_90a alike): bf16 at D = 128 and 256 and float32 at D = 128, contiguous and paged; the bf16
+    D = 256 paged one with every built-in modifier beside them (the most registers)."""
+    from ..modifiers import kernel_source
+
+    score_mod, mask_mod = ci_user_modifiers()
+    source, user = kernel_source(score_mod, mask_mod), ("score_mod", "mask_mod")
+    out = []
+    for dtype_name, d in (("bfloat16", 128), ("bfloat16", 256), ("float32", 128)):
+        for paged in (False, True):
+            mods = user + (DECODE_SCORE_MODS if (dtype_name, d, paged) == ("bfloat16", 256, True) else ())
+            out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods, user_source=source).variant)
+    return out
+
+
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
     sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
     score modifier alone (forward, backward, decode at D=128, no dropout), and the user modifiers of
-    :func:`user_variants` (D = 64 and 128)."""
+    :func:`user_variants` (D = 64 and 128) and :func:`user_decode_variants`."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -93,6 +109,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
                    if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
         variants += [v for v in singles if v not in variants]
         variants += [v for v in user_variants(arch) if v not in variants]
+        variants += [v for v in user_decode_variants() if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -170,6 +187,7 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
         family = default_backward_family(dtype_name)
         out.setdefault(bwd_preprocess_variant(dtype_name))
         out.setdefault(bwd_convert_variant(dtype_name))
+        out.setdefault(bwd_dsinks_variant())
         for d in dims(SM80_HEAD_DIMS if family == "bwd_sm80" else SIMT_HEAD_DIMS):
             for dq_pass in (False, True):
                 for mods in score_mod_sets():

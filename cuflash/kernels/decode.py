@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .common import DEFAULT_SMEM_PER_BLOCK, DEFAULT_SMEM_PER_SM, round_up
+from .common import DEFAULT_SMEM_PER_BLOCK, DEFAULT_SMEM_PER_SM, round_up, with_user_source
 from .merge import merge_plan
 from .._runtime.params import DECODE_PARAMS, FWD_PARAMS
 from .._build.variant import Variant
-from ..features import DECODE_SCORE_MODS, DTYPE_CODES, score_mod_bits
+from ..features import DECODE_SCORE_MODS, DTYPE_CODES, USER_MOD_BITS, USER_MODIFIERS, score_mod_bits
 
 #: Compiled head dims of decode. fp16/bf16 (mma.sync): multiples of 64 (the shared-memory swizzle
 #: spans 8 chunks of 16 bytes). float32 (FFMA): multiples of 128 (each lane owns float4 columns of O).
@@ -96,9 +96,28 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles) -> int
     return (block_m * head_dim + 2 * tiles.stages * block_n * head_dim) * itemsize + 4 * p_floats
 
 
+_USER_BITS = {m.name: m.bit for m in USER_MODIFIERS}
+
+
+def decode_mod_bits(score_mods) -> int:
+    """CUFLASH_SCORE_MODS of a decode variant: the built-in modifiers as :func:`score_mod_bits` over
+    decode's (softcap, alibi, mask: one alone, or all of them), plus the bits of a user ScoreMod /
+    MaskMod (``"score_mod"``, ``"mask_mod"``, or bits 32 / 64), as given: a variant with a user
+    modifier compiles its generated functions (:func:`decode_plan`'s ``user_source``)."""
+    if isinstance(score_mods, (bool, type(None))):
+        return score_mod_bits(score_mods, DECODE_SCORE_MODS)
+    if isinstance(score_mods, (int, np.integer)):
+        bits = int(score_mods)
+        return (bits & USER_MOD_BITS) | score_mod_bits(bits & ~USER_MOD_BITS if bits >= 0 else bits,
+                                                       DECODE_SCORE_MODS)
+    names = tuple(score_mods)
+    user = sum(_USER_BITS[n] for n in set(names) if n in _USER_BITS)
+    return user | score_mod_bits(tuple(n for n in names if n not in _USER_BITS), DECODE_SCORE_MODS)
+
+
 def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
                 smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
-                smem_per_sm: int = DEFAULT_SMEM_PER_SM) -> DecodePlan:
+                smem_per_sm: int = DEFAULT_SMEM_PER_SM, user_source: str = "") -> DecodePlan:
     """The decode variant and launch shape for a problem.
 
     Parameters
@@ -110,9 +129,13 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         Paged cache (block_table) or contiguous.
     score_mods : bool, int or tuple/frozenset of str
         The score modifiers the call uses (softcap, alibi, mask: the per-element score pipeline);
-        True: all of them. See :func:`score_mod_bits`.
+        True: all of them. See :func:`score_mod_bits`. ``"score_mod"`` / ``"mask_mod"`` among them:
+        the call's user modifiers (:func:`decode_mod_bits`).
     smem_per_block, smem_per_sm : int
         The device's opt-in shared memory per block and shared memory per SM (bytes).
+    user_source : str, default ""
+        With a user modifier: the functions written from it (:func:`cuflash.modifiers.kernel_source`),
+        compiled into the variant ahead of decode.cu.
 
     Raises
     ------
@@ -139,7 +162,7 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         "CUFLASH_KEYS_PER_WARP": tiles.keys_per_warp,
         "CUFLASH_STAGES": tiles.stages,
         "CUFLASH_PAGED": int(bool(paged)),
-        "CUFLASH_SCORE_MODS": score_mod_bits(score_mods, DECODE_SCORE_MODS),
+        "CUFLASH_SCORE_MODS": decode_mod_bits(score_mods),
         "CUFLASH_SMEM_BYTES": smem,
         "CUFLASH_MIN_BLOCKS": ctas_per_sm,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
@@ -147,8 +170,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     }
     block_n = tiles.warps * tiles.keys_per_warp
     in_flight = (tiles.stages - 1) * 2 * block_n * kdim * (2 if path == "mma" else 4)
-    return DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
+    plan = DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
                       block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
+    return with_user_source(plan, user_source)
 
 
 #: K/V bytes in flight that keep an H100's memory busy: its decode CTAs stream at the full rate from

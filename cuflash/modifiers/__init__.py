@@ -10,12 +10,17 @@ each sequence) and their named arguments: Python scalars, or arrays indexed flat
 modifier needs a ``grad``.
 
 :func:`cuflash.attention`, :func:`cuflash.attention_forward`, :func:`cuflash.attention_backward`,
-:func:`cuflash.attention_varlen` and :func:`cuflash.attention_varlen_backward` take them as
-``score_mod=`` and ``mask_mod=``, like the float64 reference (:mod:`cuflash.reference`). Every forward
-and backward kernel family compiles the call's expressions into its variant (:func:`kernel_source`,
-keyed by their hash); the arrays' addresses and the scalars' values are written into the kernels'
-parameters at each call, so new values need no new kernel. Decode and the framework adapters do not
-take them yet.
+:func:`cuflash.attention_varlen`, :func:`cuflash.attention_varlen_backward` and :func:`cuflash.decode`
+take them as ``score_mod=`` and ``mask_mod=``, like the float64 reference (:mod:`cuflash.reference`).
+Every forward and backward kernel family and decode compile the call's expressions into their variant
+(:func:`kernel_source`, keyed by their hash); the arrays' addresses and the scalars' values are written
+into the kernels' parameters at each call, so new values need no new kernel. In decode the positions
+are absolute in each sequence: new token i has ``q_idx = i + T_b - Sq``.
+
+:mod:`cuflash.interop.torch` (``attention``, ``attention_varlen``, ``decode`` and the functions of its
+``ops``) takes them in eager mode, with torch tensors as arrays (gradients for q, k, v, not for the
+arrays); not under ``torch.compile`` yet (an error naming them). :mod:`cuflash.interop.jax` refuses them
+with a NotImplementedError naming the argument.
 """
 
 from __future__ import annotations
@@ -45,6 +50,26 @@ def _dtype_name(dtype) -> str:
     """NumPy's name of a NumPy, CuPy, ml_dtypes or torch dtype (``torch.float32`` -> ``float32``)."""
     name = getattr(dtype, "name", None)
     return name if isinstance(name, str) else str(dtype).replace("torch.", "")
+
+
+def _on_host(value) -> np.ndarray:
+    """An array argument's values as a NumPy array: CuPy (``get``), any CUDA array through DLPack, a
+    torch tensor on the CPU (bfloat16 widened: NumPy has none), or what NumPy reads itself."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "get") and hasattr(value, "data"):   # CuPy
+        return value.get()
+    device = getattr(value, "__dlpack_device__", None)
+    if device is not None and device()[0] in (2, 3, 13):   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+        import cupy
+
+        return cupy.from_dlpack(value.detach() if hasattr(value, "detach") else value).get()
+    if hasattr(value, "detach"):   # a torch tensor on the CPU
+        value = value.detach()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        return value.numpy()
+    return np.asarray(value)
 
 
 class _Arguments:
@@ -118,9 +143,8 @@ class _Arguments:
         env = {}
         for name, value in self.values.items():
             if self.kinds[name].array:
-                array = value.get() if hasattr(value, "get") else np.asarray(value)
                 to = {"float": np.float64, "int": np.int64, "bool": np.bool_}[self.kinds[name].type]
-                env[name] = np.asarray(array).reshape(-1).astype(to)
+                env[name] = _on_host(value).reshape(-1).astype(to)
             else:
                 env[name] = value
         return env
@@ -156,8 +180,22 @@ class _Modifier:
                                         self.args.arrays())
         return parts
 
-    def _env(self, shape, score=None, b0=0):
-        env = grids(*shape, b_offset=b0)
+    def with_args(self, **values):
+        """The same modifier with some named arguments given new values (same names; an array may
+        come as another array type or dtype, e.g. a torch tensor detached from autograd)."""
+        unknown = values.keys() - self.args.values.keys()
+        if unknown:
+            raise ValueError(f"{self._what} has no arguments {sorted(unknown)}")
+        new = object.__new__(type(self))
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_call_parts"})
+        new.args = _Arguments({**self.args.values, **values}, self._what)
+        check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
+        if getattr(self, "grad", None) is not None:
+            check(self.grad, new.args.kinds, "grad")
+        return new
+
+    def _env(self, shape, score=None, b0=0, q0=0):
+        env = grids(*shape, q_offset=q0, b_offset=b0)
         env.update(self.args.host())
         if score is not None:
             env["score"] = score
@@ -228,15 +266,16 @@ class ScoreMod(_Modifier):
         raise ValueError(f"score_mod {self.text!r} has a derivative with respect to score that is not 1, so the "
                          f"backward needs it: pass grad=, e.g. grad={unparse(self.derivative)!r}")
 
-    def reference(self, score: np.ndarray, b0: int = 0) -> np.ndarray:
+    def reference(self, score: np.ndarray, b0: int = 0, q0: int = 0) -> np.ndarray:
         """The modified scores, float64, for a (B, H, Sq, Sk) float64 array of scores (``b`` counts
-        from ``b0``: a varlen sequence's index)."""
-        value = evaluate(self.expr, self._env(score.shape, score, b0))
+        from ``b0``: a varlen sequence's index; ``q_idx`` from ``q0``: decode's new tokens sit at the
+        end of their sequence)."""
+        value = evaluate(self.expr, self._env(score.shape, score, b0, q0))
         return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
 
-    def reference_gradient(self, score: np.ndarray, b0: int = 0) -> np.ndarray:
+    def reference_gradient(self, score: np.ndarray, b0: int = 0, q0: int = 0) -> np.ndarray:
         """d(expr)/d(score) at each score, float64 (see :meth:`gradient`)."""
-        value = evaluate(self.gradient(), self._env(score.shape, score, b0))
+        value = evaluate(self.gradient(), self._env(score.shape, score, b0, q0))
         return np.broadcast_to(np.asarray(value, dtype=np.float64), score.shape)
 
     def cuda_source(self, name: str = "user_score_mod", backward: bool | None = None, slots=None) -> str:
@@ -295,9 +334,10 @@ class MaskMod(_Modifier):
     def _canonical(self):
         return unparse(self.expr)
 
-    def reference(self, shape, b0: int = 0) -> np.ndarray:
-        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk) (``b`` counts from ``b0``)."""
-        value = evaluate(self.expr, self._env(shape, b0=b0))
+    def reference(self, shape, b0: int = 0, q0: int = 0) -> np.ndarray:
+        """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk) (``b`` counts from ``b0``,
+        ``q_idx`` from ``q0``)."""
+        value = evaluate(self.expr, self._env(shape, b0=b0, q0=q0))
         return np.broadcast_to(np.asarray(value, dtype=bool), tuple(shape))
 
     def cuda_source(self, name: str = "user_mask_mod", slots=None) -> str:

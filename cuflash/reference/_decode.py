@@ -12,9 +12,23 @@ from ._forward import _host, attention_forward
 __all__ = ["decode"]
 
 
+class _AtPosition:
+    """A ScoreMod/MaskMod evaluated on decode's sequence ``b`` alone (a batch of one): ``b`` is the
+    sequence's index and ``q_idx`` the new tokens' absolute positions, ``T_b - Sq`` onwards."""
+
+    def __init__(self, modifier, b: int, q0: int):
+        self.modifier, self.b, self.q0 = modifier, b, q0
+
+    def reference(self, x):
+        return self.modifier.reference(x, b0=self.b, q0=self.q0)
+
+    def reference_gradient(self, x):
+        return self.modifier.reference_gradient(x, b0=self.b, q0=self.q0)
+
+
 def _decode_sequences(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None,
                       v_new=None, causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None,
-                      mask=None):
+                      mask=None, score_mod=None, mask_mod=None):
     """Per-sequence attention problems of a decode call, in the inputs' own dtype.
 
     Returns
@@ -23,7 +37,7 @@ def _decode_sequences(q, k_cache, v_cache, *, cache_seqlens=None, block_table=No
         One per sequence b: ``q`` (1, Sq, Hq, D), ``k``, ``v`` (1, T_b, Hk, D) with
         ``T_b = cache_seqlens[b] + S_new`` (the cached keys, then the appended ones), and
         ``options`` for :func:`attention_forward` (causal bottom-right, the per-sequence ALiBi
-        slopes and mask).
+        slopes and mask, the modifiers at the sequence's positions).
     k_after, v_after : numpy.ndarray
         Copies of the caches with the new rows written at ``cache_seqlens``, as decode leaves them.
     """
@@ -70,6 +84,10 @@ def _decode_sequences(q, k_cache, v_cache, *, cache_seqlens=None, block_table=No
         total = int(lens[b]) + s_new
         idx = positions(b, np.arange(total))
         options = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+        if score_mod is not None:
+            options["score_mod"] = _AtPosition(score_mod, b, total - Sq)
+        if mask_mod is not None:
+            options["mask_mod"] = _AtPosition(mask_mod, b, total - Sq)
         if slopes is not None:
             options["alibi_slopes"] = slopes[b] if slopes.ndim == 2 else slopes
         if mask_full is not None:
@@ -89,7 +107,8 @@ def _decode_sequences(q, k_cache, v_cache, *, cache_seqlens=None, block_table=No
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None,
-           return_cache=False, sinks=None, v_head_dim=None, kv_dtype=None, k_scale=None, v_scale=None):
+           return_cache=False, sinks=None, v_head_dim=None, kv_dtype=None, k_scale=None, v_scale=None,
+           score_mod=None, mask_mod=None):
     """Float64 reference for :func:`cuflash.decode`, built on :func:`attention_forward`.
 
     For each sequence b it gathers the cached keys ``0 .. cache_seqlens[b] - 1`` (through
@@ -122,6 +141,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         appended rows are quantised (round to nearest, saturated at 448).
     k_scale, v_scale : float or float array (Hk,), optional
         The fp8 caches' scales, per tensor or per kv head (MLA: ``k_scale`` for both).
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`attention_forward`, with ``b`` the sequence, ``q_idx = i + T_b - Sq`` for new
+        token ``i`` (its absolute position) and ``kv_idx`` the key's position in the sequence.
 
     Returns
     -------
@@ -149,7 +171,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     problems, k_after, v_after = _decode_sequences(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
         v_new=v_new, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-        scale=scale, mask=mask)
+        scale=scale, mask=mask, score_mod=score_mod, mask_mod=mask_mod)
     B, Sq, Hq, D = _host(q).shape
     out = np.zeros((B, Sq, Hq, v_after.shape[-1]))
     lse = np.zeros((B, Hq, Sq))

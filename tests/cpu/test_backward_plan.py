@@ -69,7 +69,7 @@ def test_heads_per_cta(batch, heads_k, group, key_blocks, sms):
 
 
 def test_param_structs_pack():
-    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 10 * 8 + 18 * 8 + 6 * 4
+    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 12 * 8 + 18 * 8 + 6 * 4
     raw = _params.BWD.pack({"fwd.q": 1, "fwd.scale": 0.5, "fwd.heads_q": 8, "dout": 2, "seqlen_q_pad": 256,
                             "heads_per_cta": 4, "tail_pairs": 5, "dq_tail_pairs": 6})
     p = np.frombuffer(raw, dtype=_params.BWD_PARAMS)[0]
@@ -105,7 +105,7 @@ def test_dropout_origin_fields():
 def test_precompile_list():
     variants = precompile_backward_variants()
     families = {v.family for v in variants}
-    assert families == {"bwd_preprocess", "bwd_convert", "bwd_sm80", "bwd_sm90", "bwd_simt"}
+    assert families == {"bwd_preprocess", "bwd_convert", "bwd_dsinks", "bwd_sm80", "bwd_sm90", "bwd_simt"}
     assert "bwd_sm90" not in {v.family for v in precompile_backward_variants(arch="sm_80")}
     assert len(variants) == len(set(variants))
     for v in variants:
