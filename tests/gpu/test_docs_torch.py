@@ -18,7 +18,7 @@ DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "torch.md"
 
 def test_the_torch_page_runs():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 3, "docs/torch.md should hold the eager, compile and graph examples"
+    assert len(blocks) == 4, "docs/torch.md should hold the eager, compile, graph and modifier examples"
     namespace = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)
@@ -37,3 +37,8 @@ def test_the_torch_page_runs():
     got = namespace["out"]
     # Not bit for bit: the appending call and this one are different kernels' variants.
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # The modifier block: gradients through a ScoreMod, and a MaskMod window in decode equal to the
+    # built-in window that hides the same keys (decode is causal: query at T - 1 sees j >= T - 257).
+    assert all(bool(torch.isfinite(namespace[n].grad).all()) for n in ("qm", "km", "vm"))
+    want_near = ct.decode(q_step, k_cache, v_cache, cache_seqlens=lens, window=(256, 0))
+    torch.testing.assert_close(namespace["out_near"], want_near, rtol=2e-2, atol=2e-2)
