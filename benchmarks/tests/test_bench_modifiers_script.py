@@ -1,0 +1,42 @@
+"""benchmarks/bench_modifiers.py without a GPU: its document lengths and visible-work counts."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(HERE))
+    spec = importlib.util.spec_from_file_location("bench_modifiers", HERE / "bench_modifiers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_documents_fill_the_sequence(bench):
+    rng = np.random.default_rng()
+    lengths = bench.document_lengths(rng, 16384)
+    assert lengths.sum() == 16384 and (lengths[:-1] >= 512).all() and (lengths <= 4096).all()
+
+
+def test_visible_pairs_count_what_each_mask_leaves(bench, monkeypatch):
+    monkeypatch.setattr(bench, "WINDOW", 2)
+    monkeypatch.setattr(bench, "PREFIX", 3)
+    # window 2, causal: rows see 1, 2, 3, 3, 3 keys
+    assert bench.visible_pairs("window+softcap", 5) == 12
+    # documents of 2 and 3: causal triangles 3 + 6
+    assert bench.visible_pairs("document", 5, np.array([2, 3])) == 9
+    # prefix 3: rows 0..2 see 3 keys, row 3 sees 4, row 4 sees 5
+    assert bench.visible_pairs("prefix-lm", 5) == 18
+    with pytest.raises(ValueError):
+        bench.visible_pairs("other", 5)
+
+
+def test_step_flops_are_fourteen_per_pair_and_head_dim(bench):
+    assert bench.step_tflops(10**6, 1, 1.0) == pytest.approx(14 * bench.HEADS * bench.HEAD_DIM * 10**6 / 1e-3 / 1e12)
