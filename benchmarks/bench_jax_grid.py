@@ -10,7 +10,11 @@ timed once a round in a new random order. The last table gives, per problem, cuf
 cuDNN (higher is better: cuDNN's time over ours) and cuflash-in-jit / CuPy (ours from CuPy over
 ours in jit), with the bars: >= 1.0x cuDNN, >= 0.95x CuPy.
 
-Run on a GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_jax_grid.py [--quick]``.
+Run on a GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_jax_grid.py [--quick] [--only fwd,decode]
+[--calls N] [--command-buffers]``. In the 2026-11-29 run (benchmarks/results/jax_grid_h200.md) the
+calls of under ~1.2 ms missed the CuPy bar by 25-45 us each, about what one jitted call costs the
+host: ``--command-buffers`` (no Python callback per call) and a larger ``--calls`` tell whether that
+time serialises with the GPU's.
 """
 
 from __future__ import annotations
@@ -124,10 +128,21 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one head dim, one length, 3 rounds")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--only", default="", help="comma-separated name prefixes of the problems to run")
+    parser.add_argument("--command-buffers", action="store_true",
+                        help="cuflash.interop.jax.COMMAND_BUFFERS = True (XLA records cuflash's launches in its "
+                             "CUDA graphs: no Python callback per call)")
     args = parser.parse_args(argv)
+    if args.command_buffers:
+        import cuflash.interop.jax as cj
+
+        cj.COMMAND_BUFFERS = True
+    only = [x for x in args.only.split(",") if x]
     rounds = 3 if args.quick else args.rounds
     rows = []
     for name, kind, shape, causal in problems(args.quick):
+        if only and not any(name.startswith(prefix) for prefix in only):
+            continue
         contenders = _contenders(kind, shape, causal)
         for fn in contenders.values():   # compile, plan, warm up
             _time(fn, 2)
