@@ -249,13 +249,15 @@ struct DkDvRow {
              bytes * (s.b * bp.dv_batch_stride + head * bp.dv_head_stride + (s.k_row0 + r) * bp.dv_row_stride);
     }
     __device__ __forceinline__ void store(int col, float dk0, float dk1, float dv0, float dv1) const {
-        if (partial) {
-            *reinterpret_cast<float2*>(dk + 4 * col) = make_float2(dk0, dk1);
-            *reinterpret_cast<float2*>(dv + 4 * col) = make_float2(dv0, dv1);
-        } else {
-            *reinterpret_cast<unsigned*>(dk + 2 * col) = pack2<Elem>(dk0, dk1);
-            *reinterpret_cast<unsigned*>(dv + 2 * col) = pack2<Elem>(dv0, dv1);
-        }
+        store_one(dk, col, dk0, dk1);
+        store_one(dv, col, dv0, dv1);
+    }
+    // dK and dV alone: their columns differ when v has a head dim of its own.
+    __device__ __forceinline__ void store_dk(int col, float x0, float x1) const { store_one(dk, col, x0, x1); }
+    __device__ __forceinline__ void store_dv(int col, float x0, float x1) const { store_one(dv, col, x0, x1); }
+    __device__ __forceinline__ void store_one(char* row, int col, float x0, float x1) const {
+        if (partial) *reinterpret_cast<float2*>(row + 4 * col) = make_float2(x0, x1);
+        else *reinterpret_cast<unsigned*>(row + 2 * col) = pack2<Elem>(x0, x1);
     }
 };
 

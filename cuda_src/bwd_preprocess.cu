@@ -61,7 +61,7 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
                           (s.q_row0 + i) * p.o_row_stride;
         const elem_t* d_o = static_cast<const elem_t*>(bp.dout) + s.b * bp.do_batch_stride + s.h * bp.do_head_stride +
                             (s.q_row0 + i) * bp.do_row_stride;
-        for (int c = lane8 * kPerChunk; c < p.head_dim; c += 8 * kPerChunk)
+        for (int c = lane8 * kPerChunk; c < p.head_dim_v; c += 8 * kPerChunk)   // dO and O: v's head dim
             acc += dot_chunk<elem_t>(*reinterpret_cast<const uint4*>(o + c), *reinterpret_cast<const uint4*>(d_o + c));
     }
     if (bp.dq_accum != nullptr) {

@@ -16,8 +16,11 @@
 // (x < kRows; large head dims keep 16 rows so that the accumulators fit in registers). Tiles of
 // head-dim rows are padded by 4 floats so that both access patterns are free of bank conflicts.
 //
-// Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 2, CUFLASH_HEAD_DIM
-// (multiple of 32), CUFLASH_BLOCK_R (16 or 32), CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
+// v's head dim may differ (CUFLASH_HEAD_DIM_V): V, dO and dV have kHeadDimV columns (the a2/b2 tiles,
+// the dV accumulator), Q, K, dQ, dK kHeadDim; with equal head dims S and dP share one loop.
+//
+// Compile-time configuration (cuflash/kernels/bwd_simt.py): CUFLASH_DTYPE 2, CUFLASH_HEAD_DIM
+// (multiple of 32), CUFLASH_HEAD_DIM_V (multiple of 32, default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_R (16 or 32), CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
 // CUFLASH_MIN_BLOCKS.
 #include "common.cuh"
 #include "params.cuh"
@@ -31,23 +34,29 @@
 #if CUFLASH_DTYPE != 2
 #error "bwd_simt computes float32 (CUFLASH_DTYPE=2)"
 #endif
+#ifndef CUFLASH_HEAD_DIM_V
+#define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
+#endif
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockR_, bool kPassDq_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockR_, bool kPassDq_, int kMods_, bool kDropout_>
 struct BwdSimtConfig {
-    static constexpr int kHeadDim = kHeadDim_, kBlockR = kBlockR_;
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_, kBlockR = kBlockR_;
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
     static constexpr bool kPassDq = kPassDq_, kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kBlockC = 32, kNThreads = 128;
     static constexpr int kRows = kBlockR / 16;      // kept rows per thread (the accumulators' registers)
-    static constexpr int kStride = kHeadDim + 4;    // floats per row of the head-dim tiles
+    static constexpr int kStride = kHeadDim + 4;    // floats per row of the head-dim tiles (Q, K)
+    static constexpr int kStrideV = kHeadDimV + 4;  // (V, dO)
     static constexpr int kWStride = kBlockC + 1;    // floats per row of the P^T / dS^T tiles
     static constexpr int kChunks = kHeadDim / 32;   // float4 columns per thread in the accumulations
-    static constexpr int kSmemFloats = 2 * kBlockR * kStride + 2 * kBlockC * kStride +
+    static constexpr int kChunksV = kHeadDimV / 32; // (dV)
+    static constexpr int kChunksMax = kChunks > kChunksV ? kChunks : kChunksV;
+    static constexpr int kSmemFloats = kBlockR * (kStride + kStrideV) + kBlockC * (kStride + kStrideV) +
                                        (kPassDq ? 1 : 2) * kBlockR * kWStride + (kPassDq ? 0 : 2 * kBlockC);
     static constexpr int kSmemBytes = 4 * kSmemFloats;
-    static_assert(kHeadDim % 32 == 0, "head dim in whole groups of 8 float4 columns");
+    static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0, "head dims in whole groups of 8 float4 columns");
     static_assert(kBlockR == 16 || kBlockR == 32, "16 groups of 8 threads own one or two kept rows each");
 };
 
@@ -67,15 +76,39 @@ __device__ __forceinline__ void load_rows_f32(float* tile_smem, const float* gme
     }
 }
 
+// acc[x][y] += a row (sr0 + 16 x) . b row (sc0 + 8 y) over kDim columns of two padded tiles.
+template <int kRows, int kDim, int kStride>
+__device__ __forceinline__ void dot_rows(float (&acc)[kRows][4], const float* a_smem, const float* b_smem, int sr0,
+                                         int sc0) {
+#pragma unroll 2
+    for (int kc = 0; kc < kDim / 4; ++kc) {
+        float4 a[kRows];
+#pragma unroll
+        for (int x = 0; x < kRows; ++x) a[x] = *reinterpret_cast<const float4*>(a_smem + (sr0 + 16 * x) * kStride + 4 * kc);
+#pragma unroll
+        for (int y = 0; y < 4; ++y) {
+            const float4 bb = *reinterpret_cast<const float4*>(b_smem + (sc0 + 8 * y) * kStride + 4 * kc);
+#pragma unroll
+            for (int x = 0; x < kRows; ++x) {
+                float v = acc[x][y];
+                v = fmaf(a[x].x, bb.x, v);
+                v = fmaf(a[x].y, bb.y, v);
+                v = fmaf(a[x].z, bb.z, v);
+                acc[x][y] = fmaf(a[x].w, bb.w, v);
+            }
+        }
+    }
+}
+
 template <class C>
 __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
     const FwdParams& p = bp.fwd;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* a1_smem = reinterpret_cast<float*>(smem_raw);     // [kBlockR][kStride]: K (pass 0) / Q (pass 1)
-    float* a2_smem = a1_smem + C::kBlockR * C::kStride;      // V / dO
-    float* b1_smem = a2_smem + C::kBlockR * C::kStride;      // [kBlockC][kStride]: Q / K
-    float* b2_smem = b1_smem + C::kBlockC * C::kStride;      // dO / V
-    float* ds_smem = b2_smem + C::kBlockC * C::kStride;      // [kBlockR][kWStride]: dS^T (pass 0) / dS (pass 1)
+    float* a2_smem = a1_smem + C::kBlockR * C::kStride;      // [kBlockR][kStrideV]: V / dO
+    float* b1_smem = a2_smem + C::kBlockR * C::kStrideV;     // [kBlockC][kStride]: Q / K
+    float* b2_smem = b1_smem + C::kBlockC * C::kStride;      // [kBlockC][kStrideV]: dO / V
+    float* ds_smem = b2_smem + C::kBlockC * C::kStrideV;     // [kBlockR][kWStride]: dS^T (pass 0) / dS (pass 1)
     float* p_smem = ds_smem + C::kBlockR * C::kWStride;      // [kBlockR][kWStride]: P^T (pass 0)
     float* lse2_smem = p_smem + (C::kPassDq ? 0 : C::kBlockR * C::kWStride);   // [kBlockC] (pass 0)
     float* dsum_smem = lse2_smem + C::kBlockC;
@@ -118,7 +151,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
     const float* v_gmem = static_cast<const float*>(p.v) + b * p.v_batch_stride + s.h_kv * p.v_head_stride +
                           s.k_row0 * p.v_row_stride;
 
-    constexpr int kStride = C::kStride, kWStride = C::kWStride;
+    constexpr int kStride = C::kStride, kStrideV = C::kStrideV, kWStride = C::kWStride;
     constexpr int kRows = C::kRows;
     // Score products: kept rows sr0 + 16 x (x < kRows), streamed rows sc0 + {0, 8, 16, 24}.
     const int sr0 = threadIdx.x / 8, sc0 = threadIdx.x % 8;
@@ -129,13 +162,13 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
     if constexpr (C::kPassDq) {
         load_rows_f32<C::kBlockR, C::kHeadDim, kStride, C::kNThreads>(a1_smem, q_gmem + h0 * p.q_head_stride,
                                                                       p.q_row_stride, r_lo, r_len, p.head_dim);
-        load_rows_f32<C::kBlockR, C::kHeadDim, kStride, C::kNThreads>(a2_smem, do_gmem + h0 * bp.do_head_stride,
-                                                                      bp.do_row_stride, r_lo, r_len, p.head_dim);
+        load_rows_f32<C::kBlockR, C::kHeadDimV, kStrideV, C::kNThreads>(a2_smem, do_gmem + h0 * bp.do_head_stride,
+                                                                        bp.do_row_stride, r_lo, r_len, p.head_dim_v);
     } else {
         load_rows_f32<C::kBlockR, C::kHeadDim, kStride, C::kNThreads>(a1_smem, k_gmem, p.k_row_stride, r_lo, r_len,
                                                                       p.head_dim);
-        load_rows_f32<C::kBlockR, C::kHeadDim, kStride, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len,
-                                                                      p.head_dim);
+        load_rows_f32<C::kBlockR, C::kHeadDimV, kStrideV, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len,
+                                                                        p.head_dim_v);
     }
     cp_async_commit();
 
@@ -150,15 +183,15 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
     }
 
     float acc_1[kRows][C::kChunks][4];                      // dK (pass 0) / dQ (pass 1)
-    float acc_2[C::kPassDq ? 1 : kRows][C::kChunks][4];     // dV (pass 0)
+    float acc_2[C::kPassDq ? 1 : kRows][C::kChunksV][4];    // dV (pass 0)
 #pragma unroll
     for (int x = 0; x < kRows; ++x)
 #pragma unroll
-        for (int k = 0; k < C::kChunks; ++k)
+        for (int k = 0; k < C::kChunksMax; ++k)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                acc_1[x][k][e] = 0.f;
-                if (!C::kPassDq) acc_2[C::kPassDq ? 0 : x][k][e] = 0.f;
+                if (k < C::kChunks) acc_1[x][k][e] = 0.f;
+                if (!C::kPassDq && k < C::kChunksV) acc_2[C::kPassDq ? 0 : x][k][e] = 0.f;
             }
 
     int hh = 0, c = c_begin - 1;
@@ -169,13 +202,13 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
         if constexpr (C::kPassDq) {
             load_rows_f32<C::kBlockC, C::kHeadDim, kStride, C::kNThreads>(b1_smem, k_gmem, p.k_row_stride, c_lo,
                                                                           c_len, p.head_dim);
-            load_rows_f32<C::kBlockC, C::kHeadDim, kStride, C::kNThreads>(b2_smem, v_gmem, p.v_row_stride, c_lo,
-                                                                          c_len, p.head_dim);
+            load_rows_f32<C::kBlockC, C::kHeadDimV, kStrideV, C::kNThreads>(b2_smem, v_gmem, p.v_row_stride, c_lo,
+                                                                            c_len, p.head_dim_v);
         } else {
             load_rows_f32<C::kBlockC, C::kHeadDim, kStride, C::kNThreads>(b1_smem, q_gmem + s.h * p.q_head_stride,
                                                                           p.q_row_stride, c_lo, c_len, p.head_dim);
-            load_rows_f32<C::kBlockC, C::kHeadDim, kStride, C::kNThreads>(b2_smem, do_gmem + s.h * bp.do_head_stride,
-                                                                          bp.do_row_stride, c_lo, c_len, p.head_dim);
+            load_rows_f32<C::kBlockC, C::kHeadDimV, kStrideV, C::kNThreads>(b2_smem, do_gmem + s.h * bp.do_head_stride,
+                                                                            bp.do_row_stride, c_lo, c_len, p.head_dim_v);
             if (threadIdx.x < C::kBlockC / 2) {   // lse2 and D: padded buffers, whole chunks
                 const bool is_lse = threadIdx.x < C::kBlockC / 4;
                 const int chunk = is_lse ? threadIdx.x : threadIdx.x - C::kBlockC / 4;
@@ -194,6 +227,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
         for (int x = 0; x < kRows; ++x)
 #pragma unroll
             for (int y = 0; y < 4; ++y) acc_s[x][y] = acc_dp[x][y] = 0.f;
+        if constexpr (C::kHeadDim == C::kHeadDimV) {
 #pragma unroll 2
         for (int kc = 0; kc < C::kHeadDim / 4; ++kc) {
             float4 a1[kRows], a2[kRows];
@@ -219,6 +253,10 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
                     acc_dp[x][y] = fmaf(a2[x].w, b2.w, dp_xy);
                 }
             }
+        }
+        } else {   // S over kHeadDim columns, then dP over kHeadDimV
+            dot_rows<kRows, C::kHeadDim, kStride>(acc_s, a1_smem, b1_smem, sr0, sc0);
+            dot_rows<kRows, C::kHeadDimV, kStrideV>(acc_dp, a2_smem, b2_smem, sr0, sc0);
         }
 
         // With score modifiers, the scores in log2 units (modify_scores; acc_s keeps the raw q.k for
@@ -292,7 +330,8 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
                 w2[x] = C::kPassDq ? 0.f : p_smem[(ar0 + x) * kWStride + cc];
             }
 #pragma unroll
-            for (int k = 0; k < C::kChunks; ++k) {
+            for (int k = 0; k < C::kChunksMax; ++k) {
+                if (k < C::kChunks) {
                 const float4 b1 = *reinterpret_cast<const float4*>(b1_smem + cc * kStride + 4 * (col4 + 8 * k));
 #pragma unroll
                 for (int x = 0; x < kRows; ++x) {
@@ -301,8 +340,9 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
                     acc_1[x][k][2] = fmaf(w1[x], b1.z, acc_1[x][k][2]);
                     acc_1[x][k][3] = fmaf(w1[x], b1.w, acc_1[x][k][3]);
                 }
-                if constexpr (!C::kPassDq) {
-                    const float4 b2 = *reinterpret_cast<const float4*>(b2_smem + cc * kStride + 4 * (col4 + 8 * k));
+                }
+                if (!C::kPassDq && k < C::kChunksV) {
+                    const float4 b2 = *reinterpret_cast<const float4*>(b2_smem + cc * kStrideV + 4 * (col4 + 8 * k));
 #pragma unroll
                     for (int x = 0; x < kRows; ++x) {
                         acc_2[x][k][0] = fmaf(w2[x], b2.x, acc_2[x][k][0]);
@@ -357,9 +397,18 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
         const int r = r_lo + ar0 + x;
         if (r >= r_len) continue;
 #pragma unroll
-        for (int k = 0; k < C::kChunks; ++k) {
+        for (int k = 0; k < C::kChunksMax; ++k) {
             const int col = 4 * (col4 + 8 * k);
-            if (col >= p.head_dim) continue;
+            if constexpr (!C::kPassDq && C::kHeadDimV != C::kHeadDim) {   // dV's columns alone, then dK's
+                if (k < C::kChunksV && col < p.head_dim_v) {
+                    const int head = bp.dkv_partial ? h0 / bp.heads_per_cta : s.h_kv;
+                    float* dv = static_cast<float*>(bp.dv) + b * bp.dv_batch_stride + head * bp.dv_head_stride +
+                                (s.k_row0 + r) * bp.dv_row_stride + col;
+                    *reinterpret_cast<float4*>(dv) =
+                        make_float4(acc_2[x][k][0], acc_2[x][k][1], acc_2[x][k][2], acc_2[x][k][3]);
+                }
+            }
+            if (k >= C::kChunks || col >= p.head_dim) continue;
             const float4 a = make_float4(acc_1[x][k][0] * p.scale, acc_1[x][k][1] * p.scale, acc_1[x][k][2] * p.scale,
                                          acc_1[x][k][3] * p.scale);
             if constexpr (C::kPassDq) {
@@ -374,8 +423,9 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
                 float* dv = static_cast<float*>(bp.dv) + b * bp.dv_batch_stride + head * bp.dv_head_stride +
                             (s.k_row0 + r) * bp.dv_row_stride + col;
                 *reinterpret_cast<float4*>(dk) = a;
-                *reinterpret_cast<float4*>(dv) =
-                    make_float4(acc_2[x][k][0], acc_2[x][k][1], acc_2[x][k][2], acc_2[x][k][3]);
+                if constexpr (C::kHeadDimV == C::kHeadDim)
+                    *reinterpret_cast<float4*>(dv) =
+                        make_float4(acc_2[x][k][0], acc_2[x][k][1], acc_2[x][k][2], acc_2[x][k][3]);
             }
         }
     }
@@ -383,7 +433,7 @@ __device__ __forceinline__ void bwd_simt(const BwdParams& bp) {
 
 }  // namespace cuflash
 
-using Config = cuflash::BwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_R, CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS,
+using Config = cuflash::BwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_R, CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");

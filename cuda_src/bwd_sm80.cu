@@ -21,8 +21,11 @@
 // Only tiles on a window edge or the key tail pay for per-element masking (plain variants); rows
 // past the end and rows that see no key are silenced by lse2 = +inf from bwd_preprocess.cu.
 //
-// Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0 fp16 / 1 bf16,
-// CUFLASH_HEAD_DIM (multiple of 64), CUFLASH_BLOCK_R, CUFLASH_BLOCK_C, CUFLASH_WARPS, CUFLASH_DSPLIT,
+// v's head dim may differ from q's and k's (CUFLASH_HEAD_DIM_V): V, dO and dV have kHeadDimV columns
+// (the a2/b2 tiles and the dV accumulator), Q, K, dQ and dK kHeadDim; dP = dO V^T runs over kHeadDimV.
+//
+// Compile-time configuration (cuflash/kernels/bwd_sm80.py): CUFLASH_DTYPE 0 fp16 / 1 bf16,
+// CUFLASH_HEAD_DIM (multiple of 64), CUFLASH_HEAD_DIM_V (default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_R, CUFLASH_BLOCK_C, CUFLASH_WARPS, CUFLASH_DSPLIT,
 // CUFLASH_MIN_BLOCKS, CUFLASH_BWD_PASS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
@@ -36,13 +39,17 @@
 #if CUFLASH_DTYPE == 2
 #error "bwd_sm80 computes float16/bfloat16 (CUFLASH_DTYPE 0 or 1)"
 #endif
+#ifndef CUFLASH_HEAD_DIM_V
+#define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
+#endif
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockR_, int kBlockC_, int kSubC_, int kNWarps_, int kDSplit_, bool kPassDq_,
-          int kMods_, bool kDropout_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockR_, int kBlockC_, int kSubC_, int kNWarps_, int kDSplit_,
+          bool kPassDq_, int kMods_, bool kDropout_>
 struct BwdSm80Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockR = kBlockR_, kBlockC = kBlockC_, kSubC = kSubC_;
+    static constexpr int kHeadDimV = kHeadDimV_;           // columns of V, dO, dV
     static constexpr int kNWarps = kNWarps_, kDSplit = kDSplit_;
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
     static constexpr bool kPassDq = kPassDq_, kScoreMods = kMods != 0, kDropout = kDropout_;
@@ -51,6 +58,8 @@ struct BwdSm80Config {
     static constexpr int kCTiles = kSubC / 8;              // 8-column mma tiles of S in one slice of the streamed tile
     static constexpr int kDCols = kHeadDim / kDSplit;      // head-dim columns of one warp's accumulators
     static constexpr int kDTiles = kDCols / 8;
+    static constexpr int kDColsV = kHeadDimV / kDSplit;    // the same for dV
+    static constexpr int kDTilesV = kDColsV / 8;
     // Pass 0's atomic product dQ (kBlockC x kHeadDim) = dS (kBlockC x kBlockR) K: the warps tile it
     // kDqWarpRows x kDqWarpCols, 16 query rows by kDqCols head-dim columns each.
     static constexpr int kDqWarpRows = kBlockC / 16;
@@ -60,12 +69,13 @@ struct BwdSm80Config {
     static constexpr int kDqSliceTiles = kDqTiles % 8 == 0 ? 8 : kDqTiles;   // tiles of dQ live at once
     // Shared memory: two R tiles, two stages of two C tiles, dS^T and two stages of lse2 / D (pass 0).
     static constexpr int kSmemElems =
-        2 * kBlockR * kHeadDim + 4 * kBlockC * kHeadDim + (kPassDq ? 0 : kBlockR * kBlockC);
+        kBlockR * (kHeadDim + kHeadDimV) + 2 * kBlockC * (kHeadDim + kHeadDimV) + (kPassDq ? 0 : kBlockR * kBlockC);
     static constexpr int kSmemFloats = kPassDq ? 0 : 4 * kBlockC;
     static constexpr int kSmemBytes = 2 * kSmemElems + 4 * kSmemFloats;
 
     static_assert(kNWarps % kDSplit == 0 && kBlockR == 16 * kRowGroups, "each warp owns 16 rows");
-    static_assert(kHeadDim % 64 == 0 && kDCols % 16 == 0, "head-dim slices of whole 16-column steps");
+    static_assert(kHeadDim % 64 == 0 && kDCols % 16 == 0 && kHeadDimV % 64 == 0 && kDColsV % 16 == 0,
+                  "head-dim slices of whole 16-column steps");
     static_assert(kSubC % 16 == 0 && kBlockC % kSubC == 0, "streamed tiles in slices of whole 16-row steps");
     static_assert(kPassDq || (kBlockC % 64 == 0 && kNWarps % kDqWarpRows == 0 && kDqCols % 16 == 0),
                   "pass 0 stores dS^T with the 64-column swizzle and tiles the dQ product over all warps");
@@ -93,14 +103,14 @@ struct SwizzledLanesFrom {
     }
 };
 
-// acc (16 x kSubC per warp) += A B^T over the head dim: A = the warp's 16 rows of a kept tile,
-// B = rows c0 .. c0 + kSubC - 1 of a streamed tile, both row-major in shared memory.
-template <class C>
-__device__ __forceinline__ void gemm_abt(float (&acc)[C::kCTiles][4], const SwizzledLanesFrom<C::kHeadDim>& a_lanes,
-                                         unsigned a_tile, const SwizzledLanesFrom<C::kHeadDim>& b_lanes,
+// acc (16 x kSubC per warp) += A B^T over a head dim of kDim columns: A = the warp's 16 rows of a kept
+// tile, B = rows c0 .. c0 + kSubC - 1 of a streamed tile, both row-major in shared memory.
+template <class C, int kDim>
+__device__ __forceinline__ void gemm_abt(float (&acc)[C::kCTiles][4], const SwizzledLanesFrom<kDim>& a_lanes,
+                                         unsigned a_tile, const SwizzledLanesFrom<kDim>& b_lanes,
                                          unsigned b_tile, int c0) {
 #pragma unroll
-    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < kDim / 16; ++kk) {
         unsigned a[4];
         ldmatrix_x4(a, a_lanes.at(a_tile, kk, 0));
 #pragma unroll
@@ -126,10 +136,10 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     const FwdParams& p = bp.fwd;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     elem_t* a1_smem = reinterpret_cast<elem_t*>(smem_raw);       // [kBlockR][kHeadDim]: K (pass 0) / Q (pass 1)
-    elem_t* a2_smem = a1_smem + C::kBlockR * C::kHeadDim;        // V / dO
-    elem_t* b1_smem = a2_smem + C::kBlockR * C::kHeadDim;        // [2][kBlockC][kHeadDim]: Q / K
-    elem_t* b2_smem = b1_smem + 2 * C::kBlockC * C::kHeadDim;    // dO / V
-    elem_t* ds_smem = b2_smem + 2 * C::kBlockC * C::kHeadDim;    // [kBlockR][kBlockC]: dS^T (pass 0)
+    elem_t* a2_smem = a1_smem + C::kBlockR * C::kHeadDim;        // [kBlockR][kHeadDimV]: V / dO
+    elem_t* b1_smem = a2_smem + C::kBlockR * C::kHeadDimV;       // [2][kBlockC][kHeadDim]: Q / K
+    elem_t* b2_smem = b1_smem + 2 * C::kBlockC * C::kHeadDim;    // [2][kBlockC][kHeadDimV]: dO / V
+    elem_t* ds_smem = b2_smem + 2 * C::kBlockC * C::kHeadDimV;   // [kBlockR][kBlockC]: dS^T (pass 0)
     float* lse2_smem = reinterpret_cast<float*>(ds_smem + (C::kPassDq ? 0 : C::kBlockR * C::kBlockC));  // [2][kBlockC]
     float* dsum_smem = lse2_smem + 2 * C::kBlockC;                                                      // [2][kBlockC]
 
@@ -185,16 +195,16 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     auto load_stage = [&](int stage, int hh, int c) {
         const int c_lo = c * C::kBlockC;
         elem_t* b1 = b1_smem + stage * C::kBlockC * C::kHeadDim;
-        elem_t* b2 = b2_smem + stage * C::kBlockC * C::kHeadDim;
+        elem_t* b2 = b2_smem + stage * C::kBlockC * C::kHeadDimV;
         if constexpr (C::kPassDq) {
             load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b1, k_gmem, p.k_row_stride, c_lo, c_len, p.head_dim);
-            load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b2, v_gmem, p.v_row_stride, c_lo, c_len, p.head_dim);
+            load_tile<C::kBlockC, C::kHeadDimV, C::kNThreads>(b2, v_gmem, p.v_row_stride, c_lo, c_len, p.head_dim_v);
         } else {
             const int h = h0 + hh;
             load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b1, q_gmem + h * p.q_head_stride, p.q_row_stride, c_lo,
                                                               c_len, p.head_dim);
-            load_tile<C::kBlockC, C::kHeadDim, C::kNThreads>(b2, do_gmem + h * bp.do_head_stride, bp.do_row_stride,
-                                                              c_lo, c_len, p.head_dim);
+            load_tile<C::kBlockC, C::kHeadDimV, C::kNThreads>(b2, do_gmem + h * bp.do_head_stride, bp.do_row_stride,
+                                                               c_lo, c_len, p.head_dim_v);
             // lse2 and D are padded to a multiple of every block size: whole chunks, no bounds.
             const long long row = bwd_row_index(bp, b, h, c_lo);
             for (int x = threadIdx.x; x < C::kBlockC / 2; x += C::kNThreads) {
@@ -209,11 +219,11 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     if constexpr (C::kPassDq) {
         load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a1_smem, q_gmem + h0 * p.q_head_stride, p.q_row_stride, r_lo,
                                                           r_len, p.head_dim);
-        load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, do_gmem + h0 * bp.do_head_stride, bp.do_row_stride,
-                                                          r_lo, r_len, p.head_dim);
+        load_tile<C::kBlockR, C::kHeadDimV, C::kNThreads>(a2_smem, do_gmem + h0 * bp.do_head_stride,
+                                                           bp.do_row_stride, r_lo, r_len, p.head_dim_v);
     } else {
         load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a1_smem, k_gmem, p.k_row_stride, r_lo, r_len, p.head_dim);
-        load_tile<C::kBlockR, C::kHeadDim, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len, p.head_dim);
+        load_tile<C::kBlockR, C::kHeadDimV, C::kNThreads>(a2_smem, v_gmem, p.v_row_stride, r_lo, r_len, p.head_dim_v);
     }
     int hh = 0, c = c_begin - 1;
     bool have = next_tile<C::kBlockC, C::kMods, !C::kPassDq>(p, s, h0, heads, r_lo, r_hi, c_begin, c_end, hh, c);
@@ -233,7 +243,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
 
     // acc_1: dK (pass 0) or dQ (pass 1), acc_2: dV (pass 0); rows of this warp x its head-dim slice.
     float acc_1[C::kDTiles][4];
-    float acc_2[C::kPassDq ? 1 : C::kDTiles][4];
+    float acc_2[C::kPassDq ? 1 : C::kDTilesV][4];
     zero(acc_1);
     zero(acc_2);
 
@@ -242,6 +252,11 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
     const SwizzledLanesFrom<C::kHeadDim> b_lanes(lane % 8 + (lane / 16) * 8, (lane / 8) % 2, 0);
     const SwizzledLanesFrom<C::kHeadDim> bt_lanes(lane % 8 + ((lane / 8) % 2) * 8, lane / 16,
                                                   dsplit * C::kDCols / 16);
+    // The same over the kHeadDimV-wide tiles (V, dO); equal to the above when the head dims are.
+    const SwizzledLanesFrom<C::kHeadDimV> a_lanes_v(warp_row0 + lane % 16, lane / 16, 0);
+    const SwizzledLanesFrom<C::kHeadDimV> b_lanes_v(lane % 8 + (lane / 16) * 8, (lane / 8) % 2, 0);
+    const SwizzledLanesFrom<C::kHeadDimV> bt_lanes_v(lane % 8 + ((lane / 8) % 2) * 8, lane / 16,
+                                                     dsplit * C::kDColsV / 16);
     const unsigned a1_tile = smem_addr(a1_smem), a2_tile = smem_addr(a2_smem);
 
     int stage = 0;
@@ -255,7 +270,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
         cp_async_commit();
         s.h = h0 + hh;
         const unsigned b1_tile = smem_addr(b1_smem + stage * C::kBlockC * C::kHeadDim);
-        const unsigned b2_tile = smem_addr(b2_smem + stage * C::kBlockC * C::kHeadDim);
+        const unsigned b2_tile = smem_addr(b2_smem + stage * C::kBlockC * C::kHeadDimV);
         const int c_lo = c * C::kBlockC;
 
         bool check_window = false;
@@ -279,10 +294,10 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
             // dP = dO V^T (pass 1) / dP^T = V dO^T (pass 0), then S likewise.
             float acc_dp[C::kCTiles][4];
             zero(acc_dp);
-            gemm_abt<C>(acc_dp, a_lanes, a2_tile, b_lanes, b2_tile, c0);
+            gemm_abt<C, C::kHeadDimV>(acc_dp, a_lanes_v, a2_tile, b_lanes_v, b2_tile, c0);
             float acc_s[C::kCTiles][4];
             zero(acc_s);
-            gemm_abt<C>(acc_s, a_lanes, a1_tile, b_lanes, b1_tile, c0);
+            gemm_abt<C, C::kHeadDim>(acc_s, a_lanes, a1_tile, b_lanes, b1_tile, c0);
 
             // With score modifiers, the scores in log2 units (modify_scores; acc_s keeps the raw q.k
             // for the softcap's derivative, or takes the chain factor of a user ScoreMod). This thread's elements: kept rows warp_row0 + g (+ 8) x
@@ -372,9 +387,9 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
                     p_frag[2] = pack2<elem_t>(acc_s[2 * kk + 1][0], acc_s[2 * kk + 1][1]);
                     p_frag[3] = pack2<elem_t>(acc_s[2 * kk + 1][2], acc_s[2 * kk + 1][3]);
 #pragma unroll
-                    for (int dj = 0; dj < C::kDTiles / 2; ++dj) {
+                    for (int dj = 0; dj < C::kDTilesV / 2; ++dj) {
                         unsigned bb[4];
-                        ldmatrix_x4_trans(bb, bt_lanes.at(b2_tile, dj, c0 + kk * 16));
+                        ldmatrix_x4_trans(bb, bt_lanes_v.at(b2_tile, dj, c0 + kk * 16));
                         mma_16816<elem_t>(acc_2[2 * dj], p_frag, bb[0], bb[1]);
                         mma_16816<elem_t>(acc_2[2 * dj + 1], p_frag, bb[2], bb[3]);
                     }
@@ -461,18 +476,34 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
         const int r = r_lo + warp_row0 + g + 8 * half;
         if (r >= r_len) continue;
         const DkDvRow<elem_t> dkdv(bp, s, h0 / bp.heads_per_cta, C::kPassDq ? 0 : r);
+        if constexpr (!C::kPassDq && C::kHeadDimV == C::kHeadDim) {
 #pragma unroll
-        for (int dj = 0; dj < C::kDTiles; ++dj) {
-            const int col = dsplit * C::kDCols + dj * 8 + 2 * t;
-            if (col >= p.head_dim) continue;
-            if constexpr (C::kPassDq) {
-                elem_t* dq = static_cast<elem_t*>(bp.dq) + b * bp.dq_batch_stride + s.h * bp.dq_head_stride +
-                             (s.q_row0 + r) * bp.dq_row_stride + col;
-                *reinterpret_cast<unsigned*>(dq) =
-                    pack2<elem_t>(acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale);
-            } else {
+            for (int dj = 0; dj < C::kDTiles; ++dj) {
+                const int col = dsplit * C::kDCols + dj * 8 + 2 * t;
+                if (col >= p.head_dim) continue;
                 dkdv.store(col, acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale, acc_2[dj][2 * half],
                            acc_2[dj][2 * half + 1]);
+            }
+        } else {
+#pragma unroll
+            for (int dj = 0; dj < C::kDTiles; ++dj) {
+                const int col = dsplit * C::kDCols + dj * 8 + 2 * t;
+                if (col >= p.head_dim) continue;
+                if constexpr (C::kPassDq) {
+                    elem_t* dq = static_cast<elem_t*>(bp.dq) + b * bp.dq_batch_stride + s.h * bp.dq_head_stride +
+                                 (s.q_row0 + r) * bp.dq_row_stride + col;
+                    *reinterpret_cast<unsigned*>(dq) =
+                        pack2<elem_t>(acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale);
+                } else {
+                    dkdv.store_dk(col, acc_1[dj][2 * half] * p.scale, acc_1[dj][2 * half + 1] * p.scale);
+                }
+            }
+            if constexpr (!C::kPassDq) {
+#pragma unroll
+                for (int dj = 0; dj < C::kDTilesV; ++dj) {
+                    const int col = dsplit * C::kDColsV + dj * 8 + 2 * t;
+                    if (col < p.head_dim_v) dkdv.store_dv(col, acc_2[dj][2 * half], acc_2[dj][2 * half + 1]);
+                }
             }
         }
     }
@@ -480,7 +511,7 @@ __device__ __forceinline__ void bwd_sm80(const BwdParams& bp) {
 
 }  // namespace cuflash
 
-using Config = cuflash::BwdSm80Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_R, CUFLASH_BLOCK_C, CUFLASH_SUB_C, CUFLASH_WARPS,
+using Config = cuflash::BwdSm80Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_R, CUFLASH_BLOCK_C, CUFLASH_SUB_C, CUFLASH_WARPS,
                                       CUFLASH_DSPLIT,
                                       CUFLASH_BWD_PASS == 1, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES

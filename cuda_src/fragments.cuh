@@ -152,7 +152,7 @@ __device__ __forceinline__ void store_output(const float (&acc_o)[kMTiles][kDTil
 #pragma unroll
             for (int di = 0; di < kDTiles; ++di) {
                 const int col = di * 8 + 2 * t;
-                if (col < p.head_dim)
+                if (col < p.head_dim_v)
                     *reinterpret_cast<unsigned*>(row + col) =
                         no_keys ? 0u
                                 : pack2<elem_t>(acc_o[mi][di][2 * half] * factor, acc_o[mi][di][2 * half + 1] * factor);

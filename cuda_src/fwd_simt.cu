@@ -17,7 +17,8 @@
 // softmax and P V run, V of the next tile while the next S = Q K^T runs.
 //
 // Compile-time configuration (set by cuflash/_heuristics.py, one module per combination):
-//   CUFLASH_DTYPE 2 (float32), CUFLASH_HEAD_DIM (multiple of 32), CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
+//   CUFLASH_DTYPE 2 (float32), CUFLASH_HEAD_DIM (multiple of 32), CUFLASH_HEAD_DIM_V (v's and out's,
+//   multiple of 32; default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
 //   CUFLASH_WARPS, CUFLASH_MIN_BLOCKS, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT.
 #include "common.cuh"
 #include "params.cuh"
@@ -29,12 +30,16 @@
 #if CUFLASH_DTYPE != 2
 #error "fwd_simt computes float32 (CUFLASH_DTYPE=2)"
 #endif
+#ifndef CUFLASH_HEAD_DIM_V
+#define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
+#endif
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kMods_, bool kDropout_>
 struct FwdSimtConfig {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr int kHeadDimV = kHeadDimV_;   // columns of V and O
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kNThreads = 32 * kNWarps;
@@ -42,12 +47,13 @@ struct FwdSimtConfig {
     static constexpr int kThreadsPerRow = kBlockN / kThreadKeys;
     static constexpr int kRowGroups = kNThreads / kThreadsPerRow;
     static constexpr int kThreadRows = kBlockM / kRowGroups;    // rows of S and O per thread
-    static constexpr int kOChunks = kHeadDim / 4 / kThreadsPerRow;   // float4 columns of O per thread
-    static constexpr int kSmemFloats = kBlockM * kHeadDim + 2 * kBlockN * kHeadDim + kBlockM * kBlockN;
+    static constexpr int kOChunks = kHeadDimV / 4 / kThreadsPerRow;   // float4 columns of O per thread
+    static constexpr int kSmemFloats = kBlockM * kHeadDim + kBlockN * kHeadDim + kBlockN * kHeadDimV + kBlockM * kBlockN;
     static_assert(kThreadsPerRow <= 32 && (kThreadsPerRow & (kThreadsPerRow - 1)) == 0,
                   "the threads of a row are a power-of-two group of lanes in one warp");
     static_assert(kRowGroups * kThreadRows == kBlockM && kThreadRows >= 1, "whole rows per thread");
-    static_assert(kHeadDim % (4 * kThreadsPerRow) == 0 && kHeadDim % 16 == 0, "O columns split evenly");
+    static_assert(kHeadDimV % (4 * kThreadsPerRow) == 0 && kHeadDim % 16 == 0 && kHeadDimV % 16 == 0,
+                  "O columns split evenly");
     static_assert(kBlockM % (8 * kThreadRows) == 0 && kBlockN % 32 == 0, "copy patches of 8 rows");
 };
 
@@ -187,8 +193,8 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     float* q_smem = reinterpret_cast<float*>(smem_raw);   // chunk-major, kBlockM rows x kHeadDim
     float* k_smem = q_smem + C::kBlockM * C::kHeadDim;     // chunk-major, kBlockN keys x kHeadDim
-    float* v_smem = k_smem + C::kBlockN * C::kHeadDim;     // row-major [kBlockN][kHeadDim]
-    float* p_smem = v_smem + C::kBlockN * C::kHeadDim;     // chunk-major, kBlockM rows x kBlockN
+    float* v_smem = k_smem + C::kBlockN * C::kHeadDim;     // row-major [kBlockN][kHeadDimV]
+    float* p_smem = v_smem + C::kBlockN * C::kHeadDimV;    // chunk-major, kBlockM rows x kBlockN
 
     const int m_block = gridDim.x - 1 - blockIdx.x;   // longest causal rows first
     const SeqInfo s = make_seq_info(p, blockIdx.z, blockIdx.y);
@@ -216,15 +222,15 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
     auto q_chunk = [&](int r, int kc) { return q_smem + 4 * (kc * C::kBlockM + r * (C::kBlockM / kRows) + tg); };
     auto k_chunk = [&](int c, int kc) { return k_smem + 4 * (kc * C::kBlockN + c * (C::kBlockN / kKeys) + tc); };
     auto p_chunk = [&](int r, int jc) { return p_smem + 4 * (jc * C::kBlockM + r * (C::kBlockM / kRows) + tg); };
-    auto v_chunk = [&](int j, int c) { return v_smem + 4 * (j * (C::kHeadDim / 4) + tc + kGroup * c); };
+    auto v_chunk = [&](int j, int c) { return v_smem + 4 * (j * (C::kHeadDimV / 4) + tc + kGroup * c); };
 
     auto load_k = [&](int tile) {
         load_tile<C::kBlockN, C::kHeadDim, C::kNWarps, true, kKeys>(k_smem, k_gmem, p.k_row_stride,
                                                                     tile * C::kBlockN, s.seqlen_k, p.head_dim);
     };
     auto load_v = [&](int tile) {
-        load_tile<C::kBlockN, C::kHeadDim, C::kNWarps, false>(v_smem, v_gmem, p.v_row_stride, tile * C::kBlockN,
-                                                              s.seqlen_k, p.head_dim);
+        load_tile<C::kBlockN, C::kHeadDimV, C::kNWarps, false>(v_smem, v_gmem, p.v_row_stride, tile * C::kBlockN,
+                                                               s.seqlen_k, p.head_dim_v);
     };
 
     // cp.async groups, always committed in pairs so that wait_group<1> means "all but the newest":
@@ -378,7 +384,7 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
 #pragma unroll
         for (int c = 0; c < C::kOChunks; ++c) {
             const int col = 4 * (tc + kGroup * c);
-            if (col < p.head_dim)
+            if (col < p.head_dim_v)
                 *reinterpret_cast<float4*>(row + col) =
                     no_keys ? make_float4(0.f, 0.f, 0.f, 0.f)
                             : make_float4(acc_o[r][c][0] * factor, acc_o[r][c][1] * factor, acc_o[r][c][2] * factor,
@@ -390,7 +396,7 @@ __device__ __forceinline__ void fwd_simt(const FwdParams& p) {
 
 }  // namespace cuflash
 
-using Config = cuflash::FwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
+using Config = cuflash::FwdSimtConfig<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
                                       CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemFloats * sizeof(float),

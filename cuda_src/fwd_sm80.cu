@@ -7,7 +7,8 @@
 // diagonal tile first; tiles that the window or block_mask hide entirely are never loaded.
 //
 // Compile-time configuration (set by cuflash/_heuristics.py, one module per combination):
-//   CUFLASH_DTYPE 0 fp16 / 1 bf16, CUFLASH_HEAD_DIM (multiple of 64), CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
+//   CUFLASH_DTYPE 0 fp16 / 1 bf16, CUFLASH_HEAD_DIM (multiple of 64), CUFLASH_HEAD_DIM_V (v's and out's,
+//   multiple of 64; default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
 //   CUFLASH_WARPS, CUFLASH_MIN_BLOCKS (CTAs per SM the register budget aims at),
 //   CUFLASH_SCORE_MODS (bit mask of softcap / alibi / bias / mask / block_mask: mask.cuh), CUFLASH_DROPOUT.
 #include "common.cuh"
@@ -19,20 +20,26 @@
 #include "philox.cuh"
 #include "fragments.cuh"
 
+#ifndef CUFLASH_HEAD_DIM_V
+#define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
+#endif
+
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kBlockN_, int kNWarps_, int kMods_, bool kDropout_>
 struct FwdSm80Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr int kHeadDimV = kHeadDimV_;   // columns of V and O
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
     static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kMTiles = kBlockM / (16 * kNWarps);   // 16-row mma tiles per warp
     static constexpr int kNTiles = kBlockN / 8;                 // 8-key mma tiles of S
-    static constexpr int kDTiles = kHeadDim / 8;                // 8-column mma tiles of O
-    static constexpr int kSmemElems = (kBlockM + 4 * kBlockN) * kHeadDim;   // Q + 2 stages of K and V
+    static constexpr int kDTiles = kHeadDimV / 8;               // 8-column mma tiles of O
+    // Q + 2 stages of K and of V
+    static constexpr int kSmemElems = (kBlockM + 2 * kBlockN) * kHeadDim + 2 * kBlockN * kHeadDimV;
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row tiles");
-    static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "tile shape");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0 && kHeadDimV % 64 == 0, "tile shape");
 };
 
 // The last key tile at or before n that block_mask leaves visible (n_first - 1 if none).
@@ -52,7 +59,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* k_smem = q_smem + C::kBlockM * C::kHeadDim;          // [2][kBlockN][kHeadDim]
-    elem_t* v_smem = k_smem + 2 * C::kBlockN * C::kHeadDim;      // [2][kBlockN][kHeadDim]
+    elem_t* v_smem = k_smem + 2 * C::kBlockN * C::kHeadDim;      // [2][kBlockN][kHeadDimV]
 
     const int m_block = gridDim.x - 1 - blockIdx.x;   // longest causal rows first
     const SeqInfo s = make_seq_info(p, blockIdx.z, blockIdx.y);
@@ -81,8 +88,8 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
     if (n >= n_first) {
         load_tile<C::kBlockN, C::kHeadDim, C::kNThreads>(k_smem, k_gmem, p.k_row_stride, n * C::kBlockN,
                                                           s.seqlen_k, p.head_dim);
-        load_tile<C::kBlockN, C::kHeadDim, C::kNThreads>(v_smem, v_gmem, p.v_row_stride, n * C::kBlockN,
-                                                          s.seqlen_k, p.head_dim);
+        load_tile<C::kBlockN, C::kHeadDimV, C::kNThreads>(v_smem, v_gmem, p.v_row_stride, n * C::kBlockN,
+                                                           s.seqlen_k, p.head_dim_v);
     }
     cp_async_commit();
 
@@ -99,7 +106,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
     // ldmatrix lanes: Q and K read rows (A / non-transposed B), V reads keys (transposed B).
     const SwizzledLanes<C::kHeadDim> q_lanes(warp_row0 + lane % 16, lane / 16);
     const SwizzledLanes<C::kHeadDim> k_lanes(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-    const SwizzledLanes<C::kHeadDim> v_lanes(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const SwizzledLanes<C::kHeadDimV> v_lanes(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
     const unsigned q_tile = smem_addr(q_smem);
 
     int stage = 0;
@@ -109,15 +116,16 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
         cp_async_wait<0>();
         __syncthreads();   // tile n has landed, and every warp is done with the other stage
         if (n_next >= n_first) {
-            const int other = (stage ^ 1) * C::kBlockN * C::kHeadDim;
-            load_tile<C::kBlockN, C::kHeadDim, C::kNThreads>(k_smem + other, k_gmem, p.k_row_stride,
+            const int other = (stage ^ 1) * C::kBlockN;
+            load_tile<C::kBlockN, C::kHeadDim, C::kNThreads>(k_smem + other * C::kHeadDim, k_gmem, p.k_row_stride,
                                                               n_next * C::kBlockN, s.seqlen_k, p.head_dim);
-            load_tile<C::kBlockN, C::kHeadDim, C::kNThreads>(v_smem + other, v_gmem, p.v_row_stride,
-                                                              n_next * C::kBlockN, s.seqlen_k, p.head_dim);
+            load_tile<C::kBlockN, C::kHeadDimV, C::kNThreads>(v_smem + other * C::kHeadDimV, v_gmem,
+                                                               p.v_row_stride, n_next * C::kBlockN, s.seqlen_k,
+                                                               p.head_dim_v);
         }
         cp_async_commit();
         const unsigned k_tile = smem_addr(k_smem + stage * C::kBlockN * C::kHeadDim);
-        const unsigned v_tile = smem_addr(v_smem + stage * C::kBlockN * C::kHeadDim);
+        const unsigned v_tile = smem_addr(v_smem + stage * C::kBlockN * C::kHeadDimV);
 
         // S = Q K^T
         float acc_s[C::kMTiles][C::kNTiles][4];
@@ -183,7 +191,7 @@ __device__ __forceinline__ void fwd_sm80(const FwdParams& p) {
 
 }  // namespace cuflash
 
-using Config = cuflash::FwdSm80Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
+using Config = cuflash::FwdSm80Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
                                       CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemElems * sizeof(cuflash::elem_t),

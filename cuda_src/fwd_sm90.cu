@@ -141,7 +141,7 @@ __device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::k
         }
         // Varlen (no batch stride): threads copy rows, consecutive threads consecutive chunks.
         elem_t* o_gmem = static_cast<elem_t*>(p.o) + s.h * p.o_head_stride + (s.q_row0 + wg_row0) * p.o_row_stride;
-        const int chunks_used = min(C::kOutCols / 8, p.head_dim / 8 - pass * C::kOutCols / 8);
+        const int chunks_used = min(C::kOutCols / 8, p.head_dim_v / 8 - pass * C::kOutCols / 8);
         for (int idx = threadIdx.x % 128; idx < 64 * C::kOutCols / 8; idx += 128) {
             const int r = idx / (C::kOutCols / 8), c = idx % (C::kOutCols / 8);
             if (wg_row0 + r >= s.seqlen_q || c >= chunks_used) continue;

@@ -48,7 +48,8 @@ struct FwdParams {
     int batch;                         // number of sequences
     int seqlen_q, seqlen_k;            // varlen: the maxima (they size the grid)
     int heads_q, heads_k;
-    int head_dim;                      // run-time head dim (<= kHeadDim; the rest is zero-filled)
+    int head_dim;                      // run-time head dim of q and k (<= kHeadDim; the rest is zero-filled)
+    int head_dim_v;                    // run-time head dim of v, out, dout and dv (<= kHeadDimV); decode: unused
     int window_left, window_right;     // -1: unbounded; causal has already become window_right = 0
     int block_q, block_k;              // block_mask block size
     int bias_dtype;                    // see load_as_float

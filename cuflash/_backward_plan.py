@@ -29,13 +29,15 @@ def _family_for(dtype_name: str) -> str | None:
     return family
 
 
-def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts) -> str | None:
+def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts, dv_pad: int | None = None) -> str | None:
     """Why bwd_sm90 cannot run this call, or None: it needs an sm_90 GPU, a head dim and options it
     compiles (kernels.bwd_sm90.bwd_sm90_obstacle), and q, k, v, dout that TMA can read (16-byte aligned
     bases, positive strides that are multiples of 16 bytes)."""
+    obstacle = kernels.bwd_sm90.bwd_sm90_obstacle(d_pad, score_mods, dropout, dv_pad)
+    if obstacle is not None and dv_pad not in (None, d_pad):
+        return obstacle
     if device_arch() != "sm_90a":
         return "bwd_sm90 needs an sm_90 GPU (H100/H200)"
-    obstacle = kernels.bwd_sm90.bwd_sm90_obstacle(d_pad, score_mods, dropout)
     if obstacle is not None:
         return obstacle
     if not all(_tma.tma_compatible(layouts[name]) for name in ("q", "k", "v", "dout")):
@@ -43,14 +45,15 @@ def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts) -> str | None
     return None
 
 
-def _choose_family(dtype_name: str, forced: str | None, d_pad: int, score_mods, dropout: bool, layouts) -> str:
-    """The forced family, or the default for the dtype: bwd_sm90 on sm_90 where it can run the call,
-    bwd_sm80 otherwise (bwd_simt for float32)."""
+def _choose_family(dtype_name: str, forced: str | None, d_pad: int, score_mods, dropout: bool, layouts,
+                   dv_pad: int | None = None) -> str:
+    """The forced family, or the default for the dtype: bwd_sm90 on sm_90 where it can run the call
+    (not with a value head dim of its own, ``dv_pad``), bwd_sm80 otherwise (bwd_simt for float32)."""
     if forced is not None and forced != "bwd_sm90":
         return forced
     if dtype_name == "float32":
         return "bwd_simt"
-    obstacle = _sm90_obstacle(d_pad, score_mods, dropout, layouts)
+    obstacle = _sm90_obstacle(d_pad, score_mods, dropout, layouts, dv_pad)
     if forced == "bwd_sm90" and obstacle is not None:
         raise ValueError(f"the forced kernel family bwd_sm90 cannot run this call: {obstacle}")
     return "bwd_sm90" if obstacle is None else "bwd_sm80"
@@ -124,7 +127,7 @@ def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_di
 
 
 def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
-                   d_pad, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
+                   d_pad, dv=None, dv_pad=None, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
                    check=None, user_mods=(), user_source="", dsinks=None):
     """The plan of one backward call: [index check], preprocess, dK/dV pass (+ atomic dQ), then the
     dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
@@ -134,11 +137,14 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     (:func:`cuflash._scores.user_operands` with ``backward=True``; their fields are in ``score_fields``).
     ``dsinks``: (operand index of sinks, operand index of dsinks) when the call returns dL/dsinks
     (bwd_preprocess sums each CTA's rows, bwd_dsinks each head's CTAs: cuda_src/bwd_dsinks.cu), else None;
-    dsinks is then an output of the plan, its fourth result."""
+    dsinks is then an output of the plan, its fourth result. ``dv``, ``dv_pad``: v's head dim (out, dout
+    and dv have it) and its padding to 8; None: ``d``'s."""
+    dv, dv_pad = (d, d_pad) if dv is None else (dv, dv_pad)
+    own_v = dv_pad if dv_pad != d_pad else None   # v's compiled head dim, where it differs
     score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
         ("softcap",) if fwd_fields.get("softcap", 0.0) > 0 else ()) + tuple(user_mods)
     dropout = dropout_p > 0
-    family = _choose_family(dtype_name, family, d_pad, score_mods, dropout, layouts)
+    family = _choose_family(dtype_name, family, d_pad, score_mods, dropout, layouts, dv_pad)
     device_id = _launch.device_id()
     # Deterministic bwd_sm90 adds dQ in a fixed order (cuda_src/dq_order.cuh) where it can; else, and
     # on the other families, a dQ pass computes dQ after the dK/dV pass (bwd_sm90 has none: bwd_sm80's).
@@ -150,10 +156,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     all_seen = kernels.bwd_sm90.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
-                                      all_keys_seen=all_seen, user_source=user_source)
+                                      all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
-                                       dropout=dropout, user_source=user_source) if dq_pass else None)
+                                       dropout=dropout, user_source=user_source, head_dim_v=own_v) if dq_pass else None)
     for p in (plan0, plan1):
         if p is not None and p.smem_bytes > _max_smem(device_id):
             raise ValueError(f"the backward for head_dim {d} needs {p.smem_bytes // 1024} KiB of shared memory "
@@ -201,8 +207,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     if splits > 1:
         # float32 partial sums per head chunk: (rows, Hk * splits, d_pad); bwd_convert adds them.
         rows_k = dk_t.shape[:-2]
-        for name in ("dk_part", "dv_part"):
-            temps.append(_step.Buffer(rows_k + (heads_k * splits, d_pad), np.float32))
+        for name, pad in (("dk_part", d_pad), ("dv_part", dv_pad)):
+            temps.append(_step.Buffer(rows_k + (heads_k * splits, pad), np.float32))
             names.append(name)
     if dsinks is not None:
         # Per (sequence, query head, 16-row CTA of bwd_preprocess): that CTA's terms of dL/dsinks. Every
@@ -225,7 +231,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     if check is not None:
         plan.steps.append(_faults.check_step(plan, check, device_id))
 
-    fwd = dict(**fwd_fields, heads_q=heads_q, heads_k=heads_k, head_dim=d_pad, batch=batch,
+    fwd = dict(**fwd_fields, heads_q=heads_q, heads_k=heads_k, head_dim=d_pad, head_dim_v=dv_pad, batch=batch,
                lse_batch_stride=0 if varlen else heads_q * max_q, lse_head_stride=lse_head_stride)
     slots = {"fwd.q": 1, "fwd.k": 2, "fwd.v": 3, "fwd.o": 4, "fwd.lse": 5, "dout": 0, "dq": 6,
              "lse2": temp["lse2"], "dsum": temp["dsum"]}
@@ -318,10 +324,10 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                         dst_head_stride=qt["head"], scale=fwd_fields["scale"]))
     if splits > 1:
         rows_k = dk_t.shape[0] if varlen else dk_t.shape[0] * dk_t.shape[1]
-        for part, target, index in (("dk_part", dk_t, 7), ("dv_part", dv_t, 8)):
+        for part, target, index, width in (("dk_part", dk_t, 7, d), ("dv_part", dv_t, 8, dv)):
             pr, tr = _rows(shaped[part], varlen), _rows(target, varlen)
             plan.steps.append(_convert_step(plan, dtype_name, device_id, src=temp[part], dst=index, rows=rows_k,
-                                            heads=heads_k, head_dim=d, src_row_stride=pr["row"],
+                                            heads=heads_k, head_dim=width, src_row_stride=pr["row"],
                                             src_head_stride=splits * pr["head"], dst_row_stride=tr["row"],
                                             dst_head_stride=tr["head"], num_partials=splits,
                                             partial_stride=pr["head"]))

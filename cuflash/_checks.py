@@ -142,7 +142,7 @@ def check_qkv(q, k, v, rank: int, layout: str):
     for x, xname in ((q, "q"), (k, "k"), (v, "v")):
         check_rank(x, rank, xname, layout)
     check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
-    check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], MAX_HEAD_DIM)
+    check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], MAX_HEAD_DIM, own_value_dim=True)
     if k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"v must have the batch and length of k {tuple(k.shape[:-2])}, got {tuple(v.shape[:-2])}")
     return q, k, v, name
@@ -191,13 +191,18 @@ def check_heads(hq: int, hk: int, v_heads: int) -> None:
         raise ValueError(f"v must have the heads of k ({hk}), got {v_heads}")
 
 
-def check_head_dim(d: int, d_k: int, d_v: int, max_head_dim: int) -> None:
+def check_head_dim(d: int, d_k: int, d_v: int, max_head_dim: int, *, own_value_dim: bool = False) -> None:
+    """q's and k's head dim ``d`` in [1, max_head_dim]; v's ``d_v`` the same, or with ``own_value_dim``
+    (attention, its backward and varlen: docs/design.md §2b) any in [1, max_head_dim] too."""
     if d_k != d:
         raise ValueError(f"k must have the head dim of q ({d}), got {d_k}")
-    if d_v != d:
+    if d_v != d and not own_value_dim:
         raise ValueError(f"v must have the head dim of q ({d}); a different value head dim is not supported, got {d_v}")
     if not 1 <= d <= max_head_dim:
         raise ValueError(f"the head dim (last axis of q) must be in [1, {max_head_dim}], got {d}")
+    if not 1 <= d_v <= max_head_dim:
+        raise ValueError(f"the value head dim (last axis of v) must be in [1, {max_head_dim}], got {d_v} "
+                         f"(the pair (D_qk, D_v) = ({d}, {d_v}))")
 
 
 def check_scale(scale, head_dim: int) -> float:

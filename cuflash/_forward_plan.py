@@ -31,9 +31,12 @@ def _family_for(dtype_name: str) -> str | None:
 
 
 def _sm90_obstacle(q, k, v) -> str | None:
-    """Why fwd_sm90 cannot run this call, or None: its TMA loads need a 16-byte aligned base and
-    positive strides that are multiples of 16 bytes. (Every option, varlen and head dims up to 256
-    run there.)"""
+    """Why fwd_sm90 cannot run this call, or None: v needs the head dim of q and k, and its TMA
+    loads need a 16-byte aligned base and positive strides that are multiples of 16 bytes. (Every
+    option, varlen and head dims up to 256 run there.)"""
+    obstacle = kernels.fwd_sm90.value_head_dim_obstacle(q.shape[-1], v.shape[-1])
+    if obstacle is not None:
+        return obstacle
     if not all(_tma.tma_compatible(x) for x in (q, k, v)):
         return "the strides of q, k or v are negative or not multiples of 16 bytes"
     return None
@@ -57,7 +60,7 @@ def _is_hopper() -> bool:
     return device_arch() == "sm_90a"
 
 
-def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_fields, row_layout, opts,
+def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_v=None, seq_fields, row_layout, opts,
                  score_fields, grid_rows, batch, heads_q, check=None, lse_output=True, dropout_origin=None,
                  user_mods=(), user_source=""):
     """Choose the kernel and build the plan of one forward call.
@@ -68,8 +71,9 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
     index-check step's fields (varlen on the GPU), or None. ``dropout_origin``: the FwdParams fields
     of :func:`_checks.check_dropout_origin`, or None (origin (0, 0)). ``user_mods``, ``user_source``:
     the call's ScoreMod/MaskMod (:func:`cuflash._scores.user_operands`; their fields are in
-    ``score_fields``).
+    ``score_fields``). ``head_dim_v``: v's and out's head dim (padded to 8), None: ``head_dim``.
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     family = _choose_family(dtype_name, q, k, v)
     dropout = opts.dropout_p > 0
     score_mods = (tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
@@ -79,7 +83,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
         consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
                                                full=opts.window == (-1, -1), seqlen_q=q.shape[1])
     plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
-                                      consumers=consumers, user_source=user_source)
+                                      consumers=consumers, user_source=user_source,
+                                      head_dim_v=head_dim_v if head_dim_v != head_dim else None)
     b, hq = batch, heads_q
     if family == "fwd_sm90" and entry == "attention_varlen":
         # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks
@@ -100,7 +105,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, seq_field
                           checked=check is not None, results=(3, 4) if lse_output else (3,))
     lse_slot = 4 if lse_output else plan.temp_index(0)
     left, right = opts.window
-    fields = dict(**row_layout, **seq_fields, heads_q=hq, heads_k=k.shape[-2], head_dim=head_dim, batch=b,
+    fields = dict(**row_layout, **seq_fields, heads_q=hq, heads_k=k.shape[-2], head_dim=head_dim,
+                  head_dim_v=head_dim_v, batch=b,
                   window_left=left, window_right=right, scale=opts.scale, scale_log2=opts.scale * math.log2(math.e),
                   softcap=opts.softcap)
     slots = {"q": 0, "k": 1, "v": 2, "o": 3, "lse": lse_slot}

@@ -64,7 +64,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         cores, float32 on a full-precision path.
     k : CUDA array (B, Sk, Hk, D), the dtype of q
         ``Hq % Hk == 0``: query head h reads kv head ``h // (Hq // Hk)`` (GQA; Hk = 1 is MQA).
-    v : CUDA array (B, Sk, Hk, D), the dtype of q
+    v : CUDA array (B, Sk, Hk, D_v), the dtype of q
+        D_v, v's head dim, may differ from D (design.md §2b); out (and dout, dv) have it.
         Any strides for q, k and v (BHSD data as ``x.transpose(0, 2, 1, 3)`` views); a last axis that
         is not contiguous, rows that are not 16-byte aligned, or a head dim D that is not a multiple
         of 8 cost a padded copy. D from 1 to 256; Sq and Sk may differ.
@@ -119,7 +120,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         ``score_mod``). ``lse`` includes it; a row that sees no key gets ``out = 0`` and
         ``lse = sinks[h]``; ``-inf`` is no sink for that head. Read at each call (new values need no
         new kernel); its gradient comes from :func:`attention_backward` (``return_dsinks``).
-    out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
+    out : CUDA array (B, Sq, Hq, D_v), the dtype of q, optional
     lse : CUDA float32 array (B, Hq, Sq), optional
         C-contiguous buffers to write the results into (returned as given); they may not overlap
         each other or any input.
@@ -254,6 +255,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks = operands[:10]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
+    dv = v.shape[-1]   # out has v's head dim (design.md §2b)
     if k.shape[0] != b:
         raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
     sk = k.shape[1]
@@ -269,7 +271,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=10)
     out_user = out
     if out is not None:
-        out = _checks.check_out(out, "out", (b, sq, hq, d), q.dtype)
+        out = _checks.check_out(out, "out", (b, sq, hq, dv), q.dtype)
     if lse is not None:
         lse = _checks.check_out(lse, "lse", (b, hq, sq), np.float32)
     _checks.check_disjoint((("out", out), ("lse", lse)),
@@ -279,7 +281,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
 
     if b * sq * hq * d == 0 or sk == 0:
         _memo.nothing_to_plan()
-        out = cupy.empty((b, sq, hq, d), dtype=q.dtype) if out is None else out
+        out = cupy.empty((b, sq, hq, dv), dtype=q.dtype) if out is None else out
         lse = cupy.empty((b, hq, sq), dtype=np.float32) if lse is None else lse
         rng_state = opts.generator.next_state() if opts.dropout_p else None
         if sk == 0:   # no key: out 0, lse the sink (-inf without)
@@ -290,12 +292,12 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
                 lse[...] = sinks[None, :, None]
         return None, None, (out_user if out_user is not None else out, lse, rng_state)
 
-    d_pad = -(-d // 8) * 8
-    qk, kk, vk = (_checks.kernel_ready(x, d_pad) for x in (q, k, v))
+    d_pad, dv_pad = -(-d // 8) * 8, -(-dv // 8) * 8
+    qk, kk, vk = _checks.kernel_ready(q, d_pad), _checks.kernel_ready(k, d_pad), _checks.kernel_ready(v, dv_pad)
     o_kernel = out
-    if d_pad != d or (out is not None and out.data.ptr % 16):   # the kernels write whole 16-byte rows
-        o_kernel = cupy.empty((b, sq, hq, d_pad), dtype=q.dtype)
-    o_layout = o_kernel if o_kernel is not None else _checks.Shaped((b, sq, hq, d_pad), q.dtype)
+    if dv_pad != dv or (out is not None and out.data.ptr % 16):   # the kernels write whole 16-byte rows
+        o_kernel = cupy.empty((b, sq, hq, dv_pad), dtype=q.dtype)
+    o_layout = o_kernel if o_kernel is not None else _checks.Shaped((b, sq, hq, dv_pad), q.dtype)
     row_layout = {}
     for name, x in (("q", qk), ("k", kk), ("v", vk), ("o", o_layout)):
         sb, sr, sh, _ = _checks.element_strides(x)
@@ -303,7 +305,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     row_layout.update(lse_batch_stride=hq * sq, lse_head_stride=sq)
     kernel_operands = (qk, kk, vk, o_kernel, lse, *score_arrays, sinks, *user_arrays)
     plan = forward_plan("attention", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
-                        seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
+                        head_dim_v=dv_pad, seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
                         score_fields={**score_fields, **user_fields}, grid_rows=sq, batch=b, heads_q=hq,
                         lse_output=lse_output, dropout_origin=origin_fields, user_mods=user_mods,
                         user_source=user_source)
@@ -312,7 +314,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
     if not in_place:
         _capture.refuse_capture("attention", _capture.COPIES_NOT_CAPTURED)
     _memo.remember(key if in_place else None, plan)
-    return plan, ptrs, _copy_out(out, out_user, o_kernel, d)
+    return plan, ptrs, _copy_out(out, out_user, o_kernel, dv)
 
 
 def _copy_out(out, out_user, o_kernel, d):
@@ -348,7 +350,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         cores, float32 on a full-precision path.
     k : CUDA array (B, Sk, Hk, D), the dtype of q
         ``Hq % Hk == 0``: query head h reads kv head ``h // (Hq // Hk)`` (GQA; Hk = 1 is MQA).
-    v : CUDA array (B, Sk, Hk, D), the dtype of q
+    v : CUDA array (B, Sk, Hk, D_v), the dtype of q
+        D_v, v's head dim, may differ from D (design.md §2b); out (and dout, dv) have it.
         Any strides for q, k and v (BHSD data as ``x.transpose(0, 2, 1, 3)`` views); a last axis that
         is not contiguous, rows that are not 16-byte aligned, or a head dim D that is not a multiple
         of 8 cost a padded copy. D from 1 to 256; Sq and Sk may differ.
@@ -405,7 +408,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         new kernel); its gradient comes from :func:`attention_backward` (``return_dsinks``).
     return_lse : bool, default False
         Also return the log-sum-exp of every row.
-    out : CUDA array (B, Sq, Hq, D), the dtype of q, optional
+    out : CUDA array (B, Sq, Hq, D_v), the dtype of q, optional
         C-contiguous buffer to write the result into (returned as given); it may not overlap any
         input.
 
@@ -497,7 +500,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         float16, bfloat16 or float32 (CuPy or any CUDA DLPack array), as in :func:`attention`.
     k : CUDA array (total_k, Hk, D), the dtype of q
         ``Hq % Hk == 0`` (GQA/MQA as in :func:`attention`).
-    v : CUDA array (total_k, Hk, D), the dtype of q
+    v : CUDA array (total_k, Hk, D_v), the dtype of q
+        D_v, v's head dim, may differ from D; out has it.
     cu_seqlens_q : CUDA int32 array (B + 1,)
         Offsets of the query sequences: 0 first, never decreasing, at most total_q. They stay on the
         GPU: a kernel checks them before the attention runs, and a call with bad offsets writes
@@ -541,7 +545,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         new kernel); its gradient comes from :func:`attention_backward` (``return_dsinks``).
     return_lse : bool, default False
         Also return the log-sum-exp of every row.
-    out : CUDA array (total_q, Hq, D), the dtype of q, optional
+    out : CUDA array (total_q, Hq, D_v), the dtype of q, optional
         C-contiguous buffer to write the result into (returned as given), sharing no memory with the
         inputs.
     mask, bias, block_mask : None
@@ -640,6 +644,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = operands[:9]
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
+    dv = v.shape[-1]
     total_k = k.shape[0]
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
@@ -654,7 +659,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=9)
     out_user = out
     if out is not None:
-        out = _checks.check_out(out, "out", (total_q, hq, d), q.dtype)
+        out = _checks.check_out(out, "out", (total_q, hq, dv), q.dtype)
     if lse is not None:   # only given by _varlen_with_rng_words
         lse = _checks.check_out(lse, "lse", (hq, total_q), np.float32)
     _checks.check_disjoint((("out", out), ("lse", lse)),
@@ -665,7 +670,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
 
     if total_q * hq * d == 0 or batch == 0 or max_q == 0:
         _memo.nothing_to_plan()
-        out = cupy.empty((total_q, hq, d), dtype=q.dtype) if out is None else out
+        out = cupy.empty((total_q, hq, dv), dtype=q.dtype) if out is None else out
         if lse is None:
             lse = cupy.empty((hq, total_q), dtype=np.float32)
         lse.fill(-np.inf)
@@ -673,12 +678,12 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
             opts.generator.next_state()
         return None, None, (out_user if out_user is not None else out, lse)
 
-    d_pad = -(-d // 8) * 8
-    qk, kk, vk = (_checks.kernel_ready(x, d_pad) for x in (q, k, v))
+    d_pad, dv_pad = -(-d // 8) * 8, -(-dv // 8) * 8
+    qk, kk, vk = _checks.kernel_ready(q, d_pad), _checks.kernel_ready(k, d_pad), _checks.kernel_ready(v, dv_pad)
     o_kernel = out
-    if d_pad != d or (out is not None and out.data.ptr % 16):
-        o_kernel = cupy.empty((total_q, hq, d_pad), dtype=q.dtype)
-    o_layout = o_kernel if o_kernel is not None else _checks.Shaped((total_q, hq, d_pad), q.dtype)
+    if dv_pad != dv or (out is not None and out.data.ptr % 16):
+        o_kernel = cupy.empty((total_q, hq, dv_pad), dtype=q.dtype)
+    o_layout = o_kernel if o_kernel is not None else _checks.Shaped((total_q, hq, dv_pad), q.dtype)
     row_layout = {}
     for name, x in (("q", qk), ("k", kk), ("v", vk), ("o", o_layout)):
         sr, sh, _ = _checks.element_strides(x)
@@ -689,7 +694,7 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
                  total_k=total_k, max_seqlen_q=max_q if max_seqlen_q is not None else 0,
                  max_seqlen_k=max_k if max_seqlen_k is not None else 0)
     plan = forward_plan("attention_varlen", operands, qk, kk, vk, o_layout, dtype_name=dtype_name, head_dim=d_pad,
-                        seq_fields={}, row_layout=row_layout, opts=opts,
+                        head_dim_v=dv_pad, seq_fields={}, row_layout=row_layout, opts=opts,
                         score_fields={**score_fields, **seq_fields, **user_fields}, grid_rows=max_q, batch=batch,
                         heads_q=hq, check=check, lse_output=return_lse, user_mods=user_mods, user_source=user_source)
     kernel_operands = (qk, kk, vk, o_kernel, lse, cu_q, cu_k, score_arrays[0], sinks, *user_arrays)
@@ -698,4 +703,4 @@ def _plan_varlen(operands, key, *, max_seqlen_q, max_seqlen_k, causal, scale, wi
     if not in_place:
         _capture.refuse_capture("attention_varlen", _capture.COPIES_NOT_CAPTURED)
     _memo.remember(key if in_place else None, plan)
-    return plan, ptrs, _copy_out(out, out_user, o_kernel, d)
+    return plan, ptrs, _copy_out(out, out_user, o_kernel, dv)

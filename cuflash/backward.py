@@ -67,12 +67,16 @@ def force_kernel(family: str):
 
 # ----------------------------------------------------------------------------- argument checks
 
-def _check_like(x, name: str, ref, ref_name: str = "q"):
-    """dout / out: a CUDA array with the shape and dtype of ``ref``."""
+def _check_like(x, name: str, ref, ref_name: str = "q", head_dim_v: int | None = None):
+    """dout / out: a CUDA array with the shape and dtype of ``ref``; with ``head_dim_v``, the shape of
+    ``ref`` with v's head dim as its last axis (out's shape: design.md §2b)."""
     x = _checks.as_cuda_array(x, name)
     _checks.check_same_dtype(ref, ref_name, x, name)
-    if tuple(x.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(x.shape)}")
+    shape = tuple(ref.shape) if head_dim_v is None else tuple(ref.shape[:-1]) + (head_dim_v,)
+    if tuple(x.shape) != shape:
+        if shape == tuple(ref.shape):
+            raise ValueError(f"{name} must have the shape of {ref_name} {shape}, got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have the shape of {ref_name} with v's head dim {shape}, got {tuple(x.shape)}")
     return x
 
 
@@ -166,15 +170,16 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
 
     Parameters
     ----------
-    dout : CUDA array (B, Sq, Hq, D), the dtype of q
+    dout : CUDA array (B, Sq, Hq, D_v), the dtype of q
         Gradient of the loss with respect to ``out``. Any strides (copied if the last axis is not
         contiguous, e.g. a broadcast ``ones``).
     q : CUDA array (B, Sq, Hq, D)
         float16, bfloat16 or float32, as given to the forward.
     k : CUDA array (B, Sk, Hk, D), the dtype of q
-    v : CUDA array (B, Sk, Hk, D), the dtype of q
+    v : CUDA array (B, Sk, Hk, D_v), the dtype of q
+        D_v, v's head dim, may differ from D (design.md §2b); out (and dout, dv) have it.
         As given to the forward (GQA/MQA: ``Hq % Hk == 0``).
-    out : CUDA array (B, Sq, Hq, D), the dtype of q
+    out : CUDA array (B, Sq, Hq, D_v), the dtype of q
         The forward's output.
     lse : CUDA float32 array (B, Hq, Sq)
         The forward's log-sum-exp (``-inf`` rows saw no key: their gradients are 0).
@@ -205,7 +210,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         Summed in a fixed order, so bitwise reproducible from run to run whatever ``deterministic``.
     dq : CUDA array (B, Sq, Hq, D), the dtype of q, optional
     dk : CUDA array (B, Sk, Hk, D), the dtype of q, optional
-    dv : CUDA array (B, Sk, Hk, D), the dtype of q, optional
+    dv : CUDA array (B, Sk, Hk, D_v), the dtype of q, optional
         C-contiguous buffers to write the gradients into (returned as given); they may not overlap
         each other or any input.
 
@@ -213,7 +218,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     -------
     dq : CuPy array (B, Sq, Hq, D)
     dk : CuPy array (B, Sk, Hk, D)
-    dv : CuPy array (B, Sk, Hk, D)
+    dv : CuPy array (B, Sk, Hk, D_v)
         In the dtype of q; dk and dv summed over the query heads that share each kv head.
     dbias : CuPy array of the shape and dtype of ``bias``
         Only with ``return_dbias``.
@@ -311,30 +316,32 @@ def _backward_at(dout, q, k, v, out, lse, *, dropout_origin=(0, 0), rng_state=No
     return finish(grads, temps, plan) if finish is not None else tuple(grads)
 
 
-def _gradient_targets(dq, dk, dv, shapes, dtype, d, d_pad):
-    """The caller's gradient buffers and the kernels' targets: (results, targets, layouts)."""
+def _gradient_targets(dq, dk, dv, shapes, dtype, d, d_pad, dv_pad=None):
+    """The caller's gradient buffers and the kernels' targets: (results, targets, layouts). dv has
+    its own head dim (``shapes[2][-1]``, padded ``dv_pad``)."""
     results, targets, layouts = [], [], []
-    for buf, name, shape in zip((dq, dk, dv), ("dq", "dk", "dv"), shapes):
-        result, target = _out_buffer(buf, name, shape, dtype, d_pad)
-        if result is None and d_pad != d:   # the kernels write d_pad columns: a private target
+    pads = (d_pad, d_pad, dv_pad or d_pad)
+    for buf, name, shape, pad in zip((dq, dk, dv), ("dq", "dk", "dv"), shapes, pads):
+        result, target = _out_buffer(buf, name, shape, dtype, pad)
+        if result is None and pad != shape[-1]:   # the kernels write pad columns: a private target
             import cupy
 
-            target = cupy.empty(shape[:-1] + (d_pad,), dtype=dtype)
+            target = cupy.empty(shape[:-1] + (pad,), dtype=dtype)
         results.append(result)
         targets.append(target)
         layouts.append(target if target is not None else _checks.Shaped(shape, dtype))
     return results, targets, layouts
 
 
-def _finisher(users, results, targets, d, reduce_dbias=None):
+def _finisher(users, results, targets, dims, reduce_dbias=None):
     """What a call does after its launches: copy private targets into the caller's buffers (or
     new ones), reduce dbias; returns the gradients as the caller sees them (dsinks, a result of the
-    plan after dq, dk, dv, last)."""
+    plan after dq, dk, dv, last). ``dims``: the head dims of dq, dk, dv."""
     import cupy
 
     def finish(grads, temps, plan):
         final = []
-        for user, result, target, grad in zip(users, results, targets, grads[:3]):
+        for user, result, target, grad, d in zip(users, results, targets, grads[:3], dims):
             if target is not None and target is not result:
                 if result is None:
                     result = cupy.empty(target.shape[:-1] + (d,), dtype=target.dtype)
@@ -359,12 +366,13 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     return_dsinks = _checks.check_return_dsinks(return_dsinks, sinks)
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 4, "(batch, seqlen, heads, head_dim)")
     b, sq, hq, d = q.shape
+    dv_dim = v.shape[-1]   # out, dout and dv have v's head dim (design.md §2b)
     if k.shape[0] != b:
         raise ValueError(f"k must have the batch size of q ({b}), got {k.shape[0]}")
     sk, hk = k.shape[1], k.shape[2]
     _checks.check_problem_size(q, k, batch=b, seqlen_q=sq, seqlen_k=sk, varlen=False)
-    dout = _check_like(dout, "dout", q)
-    out = _check_like(out, "out", q)
+    dout = _check_like(dout, "dout", q, head_dim_v=dv_dim)
+    out = _check_like(out, "out", q, head_dim_v=dv_dim)
     lse = _check_lse(lse, (b, hq, sq))
     scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
@@ -383,10 +391,10 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=15, backward=True)
     bias_arr = _checks.as_cuda_array(bias, "bias") if return_dbias else None
     family = _family_for(dtype_name)
-    d_pad = -(-d // 8) * 8
+    d_pad, dv_pad = -(-d // 8) * 8, -(-dv_dim // 8) * 8
     users = (dq, dk, dv)
-    results, targets, layouts = _gradient_targets(dq, dk, dv, ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)),
-                                                  q.dtype, d, d_pad)
+    shapes = ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, dv_dim))
+    results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad, dv_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
                             *zip(SCORE_OPERANDS, score_arrays), ("sinks", sinks),
@@ -396,7 +404,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
         # No score at all: every gradient is zero (and dq/dk/dv may be empty).
         _memo.nothing_to_plan()
         grads = []
-        for user, result, shape in zip(users, results, ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d))):
+        for user, result, shape in zip(users, results, shapes):
             x = result if result is not None else cupy.empty(shape, dtype=q.dtype)
             x.fill(0)
             grads.append(user if user is not None else x)
@@ -406,12 +414,13 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
             grads.append(cupy.zeros((hq,), dtype=np.float32))
         return None, None, tuple(grads)
 
-    kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
+    kernel = [_checks.kernel_ready(x, pad) for x, pad in zip((q, k, v, out, dout), (d_pad, d_pad, dv_pad, dv_pad, dv_pad))]
     lse_k = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
     fwd_fields = dict(seqlen_q=sq, seqlen_k=sk, window_left=window[0], window_right=window[1], scale=scale,
                       scale_log2=scale * math.log2(math.e), softcap=softcap, **origin_fields)
     plan = _backward_plan("attention_backward", len(operands), family=family, dtype_name=dtype_name,
                           varlen=False, batch=b, max_q=sq, max_k=sk, heads_q=hq, heads_k=hk, d=d, d_pad=d_pad,
+                          dv=dv_dim, dv_pad=dv_pad,
                           layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel[:4] + [kernel[4]]),
                                        dq=layouts[0], dk=layouts[1], dv=layouts[2]),
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields,
@@ -431,7 +440,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     needs_finish = return_dbias or any(t is not None and t is not r for t, r in zip(targets, results)) or any(
         u is not None and type(u) is not cupy.ndarray for u in users)
     reduce = (lambda full: _reduce_dbias(full, bias_arr)) if return_dbias else None
-    return plan, ptrs, _finisher(users, results, targets, d, reduce) if needs_finish else None
+    return plan, ptrs, _finisher(users, results, targets, (d, d, dv_dim), reduce) if needs_finish else None
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -446,13 +455,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
     Parameters
     ----------
-    dout : CUDA array (total_q, Hq, D), the dtype of q
+    dout : CUDA array (total_q, Hq, D_v), the dtype of q
         Gradient of the loss with respect to ``out``.
     q : CUDA array (total_q, Hq, D)
     k : CUDA array (total_k, Hk, D)
-    v : CUDA array (total_k, Hk, D)
+    v : CUDA array (total_k, Hk, D_v)
         As given to the forward.
-    out : CUDA array (total_q, Hq, D)
+    out : CUDA array (total_q, Hq, D_v)
         The forward's output.
     lse : CUDA float32 array (Hq, total_q)
         As ``attention_varlen(..., return_lse=True)`` returns it.
@@ -488,7 +497,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     -------
     dq : CuPy array (total_q, Hq, D)
     dk : CuPy array (total_k, Hk, D)
-    dv : CuPy array (total_k, Hk, D)
+    dv : CuPy array (total_k, Hk, D_v)
         In the dtype of q; dk and dv summed over the query heads that share each kv head.
     dsinks : CuPy float32 array (Hq,)
         Only with ``return_dsinks``.
@@ -550,9 +559,10 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     return_dsinks = _checks.check_return_dsinks(return_dsinks, sinks)
     q, k, v, dtype_name = _checks.check_qkv(q, k, v, 3, "(total, heads, head_dim)")
     total_q, hq, d = q.shape
+    dv_dim = v.shape[-1]
     total_k, hk = k.shape[0], k.shape[1]
-    dout = _check_like(dout, "dout", q)
-    out = _check_like(out, "out", q)
+    dout = _check_like(dout, "dout", q, head_dim_v=dv_dim)
+    out = _check_like(out, "out", q, head_dim_v=dv_dim)
     lse = _check_lse(lse, (hq, total_q))
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
@@ -565,10 +575,10 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     sinks = _checks.check_sinks(sinks, hq)
     user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=14, backward=True)
     family = _family_for(dtype_name)
-    d_pad = -(-d // 8) * 8
+    d_pad, dv_pad = -(-d // 8) * 8, -(-dv_dim // 8) * 8
     users = (dq, dk, dv)
-    shapes = ((total_q, hq, d), (total_k, hk, d), (total_k, hk, d))
-    results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad)
+    shapes = ((total_q, hq, d), (total_k, hk, d), (total_k, hk, dv_dim))
+    results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad, dv_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
                             ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0]),
@@ -585,7 +595,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
             grads.append(cupy.zeros((hq,), dtype=np.float32))
         return None, None, tuple(grads)
 
-    kernel = [_checks.kernel_ready(x, d_pad) for x in (q, k, v, out, dout)]
+    kernel = [_checks.kernel_ready(x, pad) for x, pad in zip((q, k, v, out, dout), (d_pad, d_pad, dv_pad, dv_pad, dv_pad))]
     lse_k = lse if lse.flags.c_contiguous else cupy.ascontiguousarray(lse)
     fwd_fields = dict(seqlen_q=max_q, seqlen_k=max_k, window_left=window[0], window_right=window[1], scale=scale,
                       scale_log2=scale * math.log2(math.e), softcap=softcap)
@@ -595,7 +605,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
                  max_seqlen_k=max_k if max_seqlen_k is not None else 0)
     plan = _backward_plan("attention_varlen_backward", len(operands), family=family, dtype_name=dtype_name,
                           varlen=True, batch=batch, max_q=max_q, max_k=max_k, heads_q=hq, heads_k=hk, d=d,
-                          d_pad=d_pad, layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel),
+                          d_pad=d_pad, dv=dv_dim, dv_pad=dv_pad, layouts=dict(zip(("q", "k", "v", "out", "dout"), kernel),
                                                     dq=layouts[0], dk=layouts[1], dv=layouts[2]),
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
                           dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check,
@@ -609,4 +619,4 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     _memo.remember(key if in_place else None, plan)
     needs_finish = any(t is not None and t is not r for t, r in zip(targets, results)) or any(
         u is not None and type(u) is not cupy.ndarray for u in users)
-    return plan, ptrs, _finisher(users, results, targets, d) if needs_finish else None
+    return plan, ptrs, _finisher(users, results, targets, (d, d, dv_dim)) if needs_finish else None

@@ -49,8 +49,8 @@ FWD_PARAMS = np.dtype(
         "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
         "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride"))
     + [("dropout_state", np.uint64), ("dropout_seed", np.uint64), ("user", USER_ARGS)]
-    + _fields(np.int32, ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "window_left",
-                         "window_right", "block_q", "block_k", "bias_dtype"))
+    + _fields(np.int32, ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "head_dim_v",
+                         "window_left", "window_right", "block_q", "block_k", "bias_dtype"))
     + _fields(np.uint32, ("dropout_offset", "dropout_threshold"))
     + _fields(np.float32, ("scale", "scale_log2", "softcap", "dropout_rescale"))
     + _fields(np.int32, ("dropout_row0", "dropout_col0", "tail_heads")),

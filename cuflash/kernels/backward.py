@@ -24,7 +24,8 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
                   dropout: bool, deterministic: bool | None = None, windowed: bool = True,
-                  seqlen_q: int = 0, all_keys_seen: bool = False, user_source: str = "") -> LaunchPlan:
+                  seqlen_q: int = 0, all_keys_seen: bool = False, user_source: str = "",
+                  head_dim_v: int | None = None) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -49,6 +50,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         the variant without dS's guard for P = 0, at BWD_SM90_UNGUARDED_HEAD_DIMS.
     user_source : str, default ""
         As in :func:`cuflash.kernels.forward.forward_plan` (the backward's, with the ScoreMod's grad).
+    head_dim_v : int, optional
+        Run-time head dim of v, out, dout and dv when it differs from ``head_dim``: bwd_sm80 and bwd_simt
+        compile it (CUFLASH_HEAD_DIM_V); bwd_sm90 refuses it (:func:`bwd_sm90.bwd_sm90_obstacle`).
 
     Returns
     -------
@@ -58,13 +62,18 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     if family == "bwd_sm90":
         if dq_pass:
             raise ValueError("bwd_sm90 has no dQ pass (deterministic dQ runs bwd_sm80's)")
+        obstacle = bwd_sm90.bwd_sm90_obstacle(head_dim, score_mods, dropout, head_dim_v)
+        if obstacle is not None:
+            raise ValueError(obstacle)
         plan = bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                              deterministic=deterministic, windowed=windowed, seqlen_q=seqlen_q,
                              all_keys_seen=all_keys_seen)
     elif family == "bwd_sm80":
-        plan = bwd_sm80.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout)
+        plan = bwd_sm80.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout,
+                             head_dim_v=head_dim_v)
     elif family == "bwd_simt":
-        plan = bwd_simt.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout)
+        plan = bwd_simt.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout,
+                             head_dim_v=head_dim_v)
     else:
         raise ValueError(f"unknown backward kernel family {family!r}")
     return with_user_source(plan, user_source)

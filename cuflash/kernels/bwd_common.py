@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .common import LaunchPlan
+from .common import LaunchPlan, value_head_dim_defines
 from .._runtime.params import BWD_PARAMS, CONVERT_PARAMS, FWD_PARAMS
 from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
@@ -46,10 +46,12 @@ def size_defines() -> dict:
 
 
 def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: BwdTiles, smem: int, *, dq_pass: bool,
-               score_mods, dropout: bool, **defines) -> LaunchPlan:
+               score_mods, dropout: bool, head_dim_v: int | None = None, **defines) -> LaunchPlan:
     """The launch plan of one pass of a backward family whose CTA shape is a :class:`BwdTiles`
-    (bwd_sm80, bwd_simt), for a compiled head dim; ``defines``: the family's own."""
+    (bwd_sm80, bwd_simt), for a compiled head dim (and v's, ``head_dim_v``, when it differs);
+    ``defines``: the family's own."""
     defines = {
+        **value_head_dim_defines(head_dim, head_dim_v),
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": head_dim,
         "CUFLASH_BLOCK_R": tiles.block_r,
@@ -62,7 +64,7 @@ def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: BwdTiles, sme
         **defines,
     }
     return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), tiles.block_r, 32 * tiles.warps, smem,
-                      head_dim)
+                      head_dim, head_dim_v if head_dim_v not in (None, head_dim) else 0)
 
 
 def bwd_preprocess_variant(dtype_name: str) -> Variant:

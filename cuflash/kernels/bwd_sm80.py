@@ -50,27 +50,33 @@ BWD_SM80_DQ_TILES_MODS = {
 }
 
 
-def bwd_sm80_smem_bytes(tiles: BwdTiles, head_dim: int, dq_pass: bool) -> int:
-    """Kept tiles (2), two stages of streamed tiles (2 each), and for the dK/dV pass dS^T (16-bit)
-    plus two stages of lse2 and D (float32). Mirrors BwdSm80Config::kSmemBytes."""
-    elems = 2 * tiles.block_r * head_dim + 4 * tiles.block_c * head_dim
+def bwd_sm80_smem_bytes(tiles: BwdTiles, head_dim: int, dq_pass: bool, head_dim_v: int | None = None) -> int:
+    """Kept tiles (2), two stages of streamed tiles (2 each; V and dO of v's head dim), and for the
+    dK/dV pass dS^T (16-bit) plus two stages of lse2 and D (float32). Mirrors BwdSm80Config::kSmemBytes."""
+    dims = head_dim + (head_dim_v or head_dim)
+    elems = tiles.block_r * dims + 2 * tiles.block_c * dims
     if dq_pass:
         return 2 * elems
     return 2 * (elems + tiles.block_r * tiles.block_c) + 4 * 4 * tiles.block_c
 
 
-def plan(dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods, dropout: bool) -> LaunchPlan:
-    """One pass of bwd_sm80 at a run-time head dim (rounded up to SM80_HEAD_DIMS)."""
+def plan(dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods, dropout: bool,
+         head_dim_v: int | None = None) -> LaunchPlan:
+    """One pass of bwd_sm80 at a run-time head dim (rounded up to SM80_HEAD_DIMS) and v's
+    (``head_dim_v``, default the same), with the tiles of the larger."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"bwd_sm80 runs float16/bfloat16, not {dtype_name}")
+    kdim_v = round_up(head_dim_v or head_dim, SM80_HEAD_DIMS)
     kdim = round_up(head_dim, SM80_HEAD_DIMS)
+    tile_dim = max(kdim, kdim_v)
     mods = score_mod_bits(score_mods)
     featured = bool(mods or dropout)
     if dq_pass:
         table = BWD_SM80_DQ_TILES_MODS if mods else BWD_SM80_DQ_TILES_FEATURED if featured else BWD_SM80_DQ_TILES
-        tiles = table[kdim]
+        tiles = table[tile_dim]
     else:
-        tiles = (BWD_SM80_DKDV_TILES_FEATURED if featured else BWD_SM80_DKDV_TILES)[kdim]
-    return tiled_plan("bwd_sm80", dtype_name, kdim, tiles, bwd_sm80_smem_bytes(tiles, kdim, dq_pass),
-                      dq_pass=dq_pass, score_mods=score_mods, dropout=dropout, CUFLASH_BLOCK_C=tiles.block_c,
+        tiles = (BWD_SM80_DKDV_TILES_FEATURED if featured else BWD_SM80_DKDV_TILES)[tile_dim]
+    return tiled_plan("bwd_sm80", dtype_name, kdim, tiles, bwd_sm80_smem_bytes(tiles, kdim, dq_pass, kdim_v),
+                      dq_pass=dq_pass, score_mods=score_mods, dropout=dropout, head_dim_v=kdim_v,
+                      CUFLASH_BLOCK_C=tiles.block_c,
                       CUFLASH_SUB_C=tiles.sub_c, CUFLASH_WARPS=tiles.warps, CUFLASH_DSPLIT=tiles.dsplit)

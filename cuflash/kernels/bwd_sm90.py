@@ -100,11 +100,15 @@ def bwd_sm90_dq_mode(head_dim: int, featured: bool, deterministic: bool):
     return True if bwd_sm90_orders_dq(head_dim, featured) else "pass"
 
 
-def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False) -> str | None:
+def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False, head_dim_v: int | None = None) -> str | None:
     """Why bwd_sm90 cannot run a backward with this (padded, multiple of 8) head dim, score
     modifiers and dropout, or None when it can: today only the head dim limits it (every
-    combination of modifiers and dropout compiles without spills up to 256). (The caller also needs
-    sm_90a and TMA-compatible layouts: cuflash/backward.py checks those.)"""
+    combination of modifiers and dropout compiles without spills up to 256), and v must have it too
+    (``head_dim_v``: its kernel has one head dim for Q, K, V, dO; such calls run on bwd_sm80). (The
+    caller also needs sm_90a and TMA-compatible layouts: cuflash/backward.py checks those.)"""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return (f"bwd_sm90 runs v with the head dim of q and k only, not the pair (D_qk, D_v) = ({head_dim}, "
+                f"{head_dim_v}); bwd_sm80 runs it")
     if head_dim > max(BWD_SM90_HEAD_DIMS):
         return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {head_dim}"
     return None

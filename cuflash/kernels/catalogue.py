@@ -93,6 +93,29 @@ def user_decode_variants() -> list[Variant]:
     return out
 
 
+#: (D_qk, D_v) pairs with a value head dim of their own that the sweep compiles: DeepSeek's (192, 128) and
+#: the two of issue 53 on the tensor-core families; one pair on the float32 ones (they compile any pair).
+VALUE_HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128))
+VALUE_HEAD_DIM_PAIRS_SIMT = ((192, 128),)
+
+
+def value_head_dim_variants(dtypes=("bfloat16", "float32")) -> list[Variant]:
+    """fwd_sm80/bwd_sm80 (both passes) at VALUE_HEAD_DIM_PAIRS and fwd_simt/bwd_simt at
+    VALUE_HEAD_DIM_PAIRS_SIMT, plain and with every score modifier and dropout (fwd_sm90/bwd_sm90 do
+    not run such pairs: docs/decisions.md, "A value head dim of its own")."""
+    out = []
+    for dtype_name in dtypes:
+        simt = dtype_name == "float32"
+        fwd, bwd = ("fwd_simt", "bwd_simt") if simt else ("fwd_sm80", "bwd_sm80")
+        for d, d_v in (VALUE_HEAD_DIM_PAIRS_SIMT if simt else VALUE_HEAD_DIM_PAIRS):
+            for mods, dropout in ((False, False), (True, True)):
+                out.append(forward_plan(fwd, dtype_name, d, score_mods=mods, dropout=dropout, head_dim_v=d_v).variant)
+                for dq_pass in (False, True):
+                    out.append(backward_plan(bwd, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout,
+                                             head_dim_v=d_v).variant)
+    return list(dict.fromkeys(out))
+
+
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
     sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
@@ -110,6 +133,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants += [v for v in singles if v not in variants]
         variants += [v for v in user_variants(arch) if v not in variants]
         variants += [v for v in user_decode_variants() if v not in variants]
+        variants += [v for v in value_head_dim_variants() if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -213,4 +237,7 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states
     out.setdefault(check_indices_variant())
     out.setdefault(rng_state_variant())
+    if head_dims is None:   # (a head-dim filter asks for equal head dims)
+        for variant in value_head_dim_variants(tuple(dtypes)):
+            out.setdefault(variant)
     return list(out)

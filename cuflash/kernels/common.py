@@ -38,6 +38,12 @@ class LaunchPlan:
     threads: int
     smem_bytes: int
     head_dim: int  # compiled head dim (>= the run-time one)
+    head_dim_v: int = 0  # compiled head dim of v and out; 0: head_dim's
+
+    @property
+    def value_head_dim(self) -> int:
+        """The compiled head dim of v, out, dout and dv."""
+        return self.head_dim_v or self.head_dim
 
 
 def round_up(x: int, options: tuple[int, ...]) -> int:
@@ -48,11 +54,20 @@ def round_up(x: int, options: tuple[int, ...]) -> int:
     raise ValueError(f"head dim {x} exceeds the maximum of {options[-1]}")
 
 
+def value_head_dim_defines(head_dim: int, head_dim_v: int | None) -> dict:
+    """CUFLASH_HEAD_DIM_V for a variant whose v has a compiled head dim of its own; none when it
+    equals q's (the kernels default it to CUFLASH_HEAD_DIM, so those variants keep their keys)."""
+    if head_dim_v is None or head_dim_v == head_dim:
+        return {}
+    return {"CUFLASH_HEAD_DIM_V": head_dim_v}
+
+
 def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: Tiles, smem: int, *, score_mods,
-               dropout: bool) -> LaunchPlan:
+               dropout: bool, head_dim_v: int | None = None) -> LaunchPlan:
     """The launch plan of a forward family whose CTA shape is a :class:`Tiles` (fwd_sm80, fwd_simt):
-    the defines its kernel reads, for a compiled head dim."""
+    the defines its kernel reads, for a compiled head dim (and ``head_dim_v``, v's, when it differs)."""
     defines = {
+        **value_head_dim_defines(head_dim, head_dim_v),
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": head_dim,
         "CUFLASH_BLOCK_M": tiles.block_m,
@@ -65,7 +80,7 @@ def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: Tiles, smem: 
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
     }
     return LaunchPlan(Variant(family, tuple(sorted(defines.items()))), tiles.block_m, 32 * tiles.warps, smem,
-                      head_dim)
+                      head_dim, head_dim_v if head_dim_v not in (None, head_dim) else 0)
 
 
 def with_user_source(plan: LaunchPlan, source: str) -> LaunchPlan:

@@ -17,7 +17,7 @@ FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 # typed: score_mods=True (every modifier) and score_mods=1 (the softcap alone) are equal as keys otherwise.
 @functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool,
-                 consumers: int = 2, user_source: str = "") -> LaunchPlan:
+                 consumers: int = 2, user_source: str = "", head_dim_v: int | None = None) -> LaunchPlan:
     """The forward variant for a problem.
 
     Parameters
@@ -36,13 +36,17 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
     user_source : str, default ""
         With ``"score_mod"``/``"mask_mod"`` among ``score_mods``: the functions written from the call's
         modifiers (:func:`cuflash.modifiers.kernel_source`), compiled into the variant.
+    head_dim_v : int, optional
+        Run-time head dim of v and out (a multiple of 8, at most 256), when it differs from
+        ``head_dim``: fwd_sm80 and fwd_simt compile it (CUFLASH_HEAD_DIM_V); fwd_sm90 refuses it.
     """
     if family == "fwd_sm90":
-        plan = fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers)
+        plan = fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers,
+                             head_dim_v=head_dim_v)
     elif family == "fwd_sm80":
-        plan = fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
+        plan = fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, head_dim_v=head_dim_v)
     elif family == "fwd_simt":
-        plan = fwd_simt.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout)
+        plan = fwd_simt.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, head_dim_v=head_dim_v)
     else:
         raise ValueError(f"unknown kernel family {family!r}")
     return with_user_source(plan, user_source)

@@ -28,16 +28,20 @@ SM80_TILES_FEATURED = {
 }
 
 
-def sm80_smem_bytes(tiles: Tiles, head_dim: int) -> int:
-    """Q tile plus two stages of K and V tiles, 16-bit elements."""
-    return (tiles.block_m + 4 * tiles.block_n) * head_dim * 2
+def sm80_smem_bytes(tiles: Tiles, head_dim: int, head_dim_v: int | None = None) -> int:
+    """Q tile plus two stages of K and V tiles (V of v's head dim), 16-bit elements."""
+    head_dim_v = head_dim_v or head_dim
+    return ((tiles.block_m + 2 * tiles.block_n) * head_dim + 2 * tiles.block_n * head_dim_v) * 2
 
 
-def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool) -> LaunchPlan:
-    """fwd_sm80's variant for a run-time head dim (rounded up to SM80_HEAD_DIMS)."""
+def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, head_dim_v: int | None = None) -> LaunchPlan:
+    """fwd_sm80's variant for a run-time head dim (rounded up to SM80_HEAD_DIMS) and v's (``head_dim_v``,
+    default the same; any pair of SM80_HEAD_DIMS, with the tiles of the larger: docs/decisions.md,
+    "A value head dim of its own")."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm80 runs float16/bfloat16, not {dtype_name}")
     kdim = round_up(head_dim, SM80_HEAD_DIMS)
-    tiles = (SM80_TILES_FEATURED if score_mod_bits(score_mods) or dropout else SM80_TILES)[kdim]
-    return tiled_plan("fwd_sm80", dtype_name, kdim, tiles, sm80_smem_bytes(tiles, kdim), score_mods=score_mods,
-                      dropout=dropout)
+    kdim_v = round_up(head_dim_v or head_dim, SM80_HEAD_DIMS)
+    tiles = (SM80_TILES_FEATURED if score_mod_bits(score_mods) or dropout else SM80_TILES)[max(kdim, kdim_v)]
+    return tiled_plan("fwd_sm80", dtype_name, kdim, tiles, sm80_smem_bytes(tiles, kdim, kdim_v), score_mods=score_mods,
+                      dropout=dropout, head_dim_v=kdim_v)

@@ -84,11 +84,25 @@ def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = Non
     return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * block_n * head_dim * 2 + out_bytes
 
 
-def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2) -> LaunchPlan:
+def value_head_dim_obstacle(head_dim: int, head_dim_v: int | None) -> str | None:
+    """Why fwd_sm90 cannot run v with head dim ``head_dim_v`` beside q's ``head_dim`` (run-time, padded
+    to 8), or None: its kernel has one head dim for Q, K, V and O (docs/decisions.md, "A value head dim
+    of its own"); such calls run on fwd_sm80."""
+    if head_dim_v is None or head_dim_v == head_dim:
+        return None
+    return (f"fwd_sm90 runs v with the head dim of q and k only, not the pair (D_qk, D_v) = ({head_dim}, "
+            f"{head_dim_v}); fwd_sm80 runs it")
+
+
+def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2,
+         head_dim_v: int | None = None) -> LaunchPlan:
     """fwd_sm90's variant for a run-time head dim (rounded up to SM90_HEAD_DIMS) and its consumer
-    warpgroups (:func:`sm90_consumers`)."""
+    warpgroups (:func:`sm90_consumers`). ``head_dim_v`` must equal ``head_dim`` (or be None)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
+    obstacle = value_head_dim_obstacle(head_dim, head_dim_v)
+    if obstacle is not None:
+        raise ValueError(obstacle)
     mods = score_mod_bits(score_mods)
     kdim = round_up(head_dim, SM90_HEAD_DIMS)
     if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout):

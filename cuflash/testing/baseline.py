@@ -148,3 +148,56 @@ def baseline_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse
         out[rows], lse[:, rows] = o[0], l[0]
     return (out, lse) if return_lse else out
 
+
+
+def baseline_attention_backward(dout, q, k, v, out, *, causal=False, scale=None, window=None, softcap=0.0):
+    """Plain same-dtype backward, the yardstick of the gradients' accuracy rule: P recomputed as
+    :func:`baseline_attention` does (S and P rounded to the dtype), dP = dO V^T and dS rounded to the
+    dtype, dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO in float32 then rounded; D = rowsum(dO * O)
+    from the stored ``out``. GQA sums over each kv head's query heads. v (and dout, out, dv) may have a
+    head dim of its own.
+
+    Parameters
+    ----------
+    dout, out : array (B, Sq, Hq, Dv)
+    q : array (B, Sq, Hq, D)
+    k : array (B, Sk, Hk, D)
+    v : array (B, Sk, Hk, Dv)
+        All NumPy or all CuPy, one dtype.
+    causal, scale, window, softcap
+        As in :func:`cuflash.reference.attention_forward` (no dropout, bias or masks here).
+
+    Returns
+    -------
+    dq, dk, dv : numpy.ndarray of float64, shapes of q, k, v
+    """
+    xp = _xp_of(q)
+    dtype = q.dtype
+    f32 = np.float32
+    B, Sq, Hq, D = q.shape
+    Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = Hq // Hk
+    if scale is None:
+        scale = 1.0 / np.sqrt(D)
+    t = lambda x: xp.asarray(x).astype(f32).transpose(0, 2, 1, 3)  # noqa: E731
+    qt, dot, ot = t(q), t(dout), t(out)
+    kt = xp.repeat(xp.asarray(k).astype(f32), group, axis=2).transpose(0, 2, 1, 3)   # (B, Hq, Sk, D)
+    vt = xp.repeat(xp.asarray(v).astype(f32), group, axis=2).transpose(0, 2, 1, 3)   # (B, Hq, Sk, Dv)
+    raw = _round_to(xp.matmul(qt, kt.transpose(0, 1, 3, 2)), dtype)
+    s = _reference._score_pipeline(xp, raw, scale=scale, causal=causal, window=window, softcap=softcap,
+                                   alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128))
+    m = s.max(axis=-1, keepdims=True)
+    empty = m == -np.inf
+    e = xp.exp(s - xp.where(empty, f32(0), m))
+    l = e.sum(axis=-1, keepdims=True)
+    p = _round_to(xp.where(empty, f32(0), e / xp.where(empty, f32(1), l)), dtype)
+    dp = _round_to(xp.matmul(dot, vt.transpose(0, 1, 3, 2)), dtype)
+    ds = xp.where(s != -np.inf, p * (dp - (dot * ot).sum(axis=-1, keepdims=True)), f32(0))
+    if softcap > 0:
+        ds = ds * (1 - xp.tanh(raw * f32(scale) / f32(softcap)) ** 2)
+    ds = _round_to(ds, dtype)
+    dq = _round_to(f32(scale) * xp.matmul(ds, kt), dtype)
+    dk = _round_to((f32(scale) * xp.matmul(ds.transpose(0, 1, 3, 2), qt)).reshape(B, Hk, group, Sk, D).sum(axis=2),
+                   dtype)
+    dv = _round_to(xp.matmul(p.transpose(0, 1, 3, 2), dot).reshape(B, Hk, group, Sk, Dv).sum(axis=2), dtype)
+    return tuple(_host64(x.transpose(0, 2, 1, 3)) for x in (dq, dk, dv))

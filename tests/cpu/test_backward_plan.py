@@ -85,7 +85,8 @@ def test_dropout_origin_fields():
     offsets = _params.FWD.offsets
     assert offsets["dropout_row0"] == offsets["dropout_rescale"] + 4
     assert offsets["dropout_col0"] == offsets["dropout_row0"] + 4
-    assert offsets["tail_heads"] == offsets["dropout_col0"] + 4 and _params.FWD.size == offsets["tail_heads"] + 4
+    assert offsets["tail_heads"] == offsets["dropout_col0"] + 4
+    assert _params.FWD.size == -(-(offsets["tail_heads"] + 4) // 8) * 8   # padded to its 8-byte alignment
     assert _params.FWD.size % 8 == 0
     p = _params.FWD.unpack(_params.FWD.pack({"dropout_row0": 12, "dropout_col0": 8}))
     assert (p["dropout_row0"], p["dropout_col0"]) == (12, 8)

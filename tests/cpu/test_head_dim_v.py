@@ -1,0 +1,144 @@
+"""A value head dim of its own (issue 53 item 2) without a GPU: the checks, the variants and their
+keys, the families that refuse it, and the float64 reference (the kernels: tests/gpu/test_head_dim_v.py;
+their compilation: tests/cpu/test_compile.py's sweep, cuflash.kernels.catalogue.value_head_dim_variants)."""
+
+import numpy as np
+import pytest
+
+from cuflash import _checks, reference
+from cuflash.kernels import backward as kbackward, catalogue, forward as kforward
+from cuflash.kernels import bwd_sm80, bwd_sm90, bwd_simt, fwd_sm80, fwd_sm90, fwd_simt
+
+PAIRS = ((192, 128), (128, 64), (64, 128))
+
+
+def test_check_head_dim_takes_a_value_head_dim_of_its_own():
+    _checks.check_head_dim(192, 192, 128, 256, own_value_dim=True)
+    with pytest.raises(ValueError, match=r"value head dim .*\(192, 300\)"):
+        _checks.check_head_dim(192, 192, 300, 256, own_value_dim=True)
+    with pytest.raises(ValueError, match="k must have the head dim of q"):
+        _checks.check_head_dim(192, 128, 128, 256, own_value_dim=True)
+    # decode (and every caller that does not ask) keeps its check
+    with pytest.raises(ValueError, match="v must have the head dim of q"):
+        _checks.check_head_dim(192, 192, 128, 256)
+
+
+@pytest.mark.parametrize("d, dv", PAIRS)
+def test_variant_keys_hold_the_value_head_dim(d, dv):
+    for mods, dropout in ((False, False), (True, True)):
+        plan = kforward.forward_plan("fwd_sm80", "bfloat16", d, score_mods=mods, dropout=dropout, head_dim_v=dv)
+        defines = dict(plan.variant.defines)
+        assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (d, dv)
+        assert plan.value_head_dim == dv and plan.head_dim == d
+        same = kforward.forward_plan("fwd_sm80", "bfloat16", d, score_mods=mods, dropout=dropout)
+        assert "CUFLASH_HEAD_DIM_V" not in dict(same.variant.defines) and same.variant != plan.variant
+        # equal head dims keep the variants (and keys) they had
+        assert kforward.forward_plan("fwd_sm80", "bfloat16", d, score_mods=mods, dropout=dropout,
+                                     head_dim_v=d).variant == same.variant
+        for dq_pass in (False, True):
+            bplan = kbackward.backward_plan("bwd_sm80", "bfloat16", d, dq_pass=dq_pass, score_mods=mods,
+                                            dropout=dropout, head_dim_v=dv)
+            assert dict(bplan.variant.defines)["CUFLASH_HEAD_DIM_V"] == dv
+
+
+def test_shared_memory_counts_v_at_its_head_dim():
+    tiles = fwd_sm80.SM80_TILES[192]
+    assert fwd_sm80.sm80_smem_bytes(tiles, 192, 128) == ((128 + 2 * 32) * 192 + 2 * 32 * 128) * 2
+    assert fwd_sm80.sm80_smem_bytes(tiles, 192) == fwd_sm80.sm80_smem_bytes(tiles, 192, 192)
+    t = fwd_simt.SIMT_TILES[192]
+    assert fwd_simt.simt_smem_bytes(t, 192, 128) == (64 * 192 + 32 * (192 + 128) + 64 * 32) * 4
+    bt = bwd_sm80.BWD_SM80_DKDV_TILES[192]
+    assert (bwd_sm80.bwd_sm80_smem_bytes(bt, 192, False, 128)
+            == 2 * (bt.block_r * 320 + 2 * bt.block_c * 320 + bt.block_r * bt.block_c) + 16 * bt.block_c)
+    st = bwd_simt._bwd_simt_tiles(192)
+    assert bwd_simt.bwd_simt_smem_bytes(st, 192, True, 192) == bwd_simt.bwd_simt_smem_bytes(st, 192, True)
+
+
+def test_tiles_are_those_of_the_larger_head_dim():
+    plan = fwd_sm80.plan("float16", 64, score_mods=False, dropout=False, head_dim_v=128)
+    defines = dict(plan.variant.defines)
+    tiles = fwd_sm80.SM80_TILES[128]
+    assert (defines["CUFLASH_BLOCK_N"], defines["CUFLASH_WARPS"]) == (tiles.block_n, tiles.warps)
+
+
+def test_simt_runs_any_pair():
+    for d, dv in ((8, 256), (256, 8), (40, 200), (96, 64)):
+        plan = fwd_simt.plan("float32", d, score_mods=False, dropout=False, head_dim_v=dv)
+        defines = dict(plan.variant.defines)
+        assert defines["CUFLASH_HEAD_DIM"] >= d and defines.get("CUFLASH_HEAD_DIM_V", defines["CUFLASH_HEAD_DIM"]) >= dv
+        bwd_simt.plan("float32", d, dq_pass=False, score_mods=False, dropout=False, head_dim_v=dv)
+
+
+@pytest.mark.parametrize("d, dv", PAIRS)
+def test_sm90_families_refuse_the_pair_by_name(d, dv):
+    assert fwd_sm90.value_head_dim_obstacle(d, d) is None
+    with pytest.raises(ValueError, match=rf"\({d}, {dv}\).*fwd_sm80"):
+        kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=False, dropout=False, head_dim_v=dv)
+    assert f"({d}, {dv})" in bwd_sm90.bwd_sm90_obstacle(d, (), False, dv)
+    assert bwd_sm90.bwd_sm90_obstacle(d, (), False, d) is None
+    with pytest.raises(ValueError, match=rf"\({d}, {dv}\).*bwd_sm80"):
+        kbackward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=False, dropout=False,
+                                deterministic=False, head_dim_v=dv)
+
+
+def test_backward_routes_the_pair_away_from_bwd_sm90(monkeypatch):
+    from cuflash import _backward_plan
+
+    monkeypatch.setattr(_backward_plan, "device_arch", lambda: "sm_90a")
+    layouts = {name: _checks.Shaped((1, 128, 2, 64), np.float16) for name in ("q", "k", "v", "dout")}
+    assert _backward_plan._choose_family("float16", None, 192, (), False, layouts, 128) == "bwd_sm80"
+    with pytest.raises(ValueError, match=r"bwd_sm90 cannot run this call: .*\(192, 128\)"):
+        _backward_plan._choose_family("float16", "bwd_sm90", 192, (), False, layouts, 128)
+
+
+def test_catalogue_compiles_the_pairs():
+    variants = catalogue.value_head_dim_variants()
+    pairs = {(v.family, dict(v.defines)["CUFLASH_HEAD_DIM"], dict(v.defines)["CUFLASH_HEAD_DIM_V"]) for v in variants}
+    for d, dv in PAIRS:
+        assert {("fwd_sm80", d, dv), ("bwd_sm80", d, dv)} <= pairs
+    assert ("fwd_simt", 192, 128) in pairs and ("bwd_simt", 192, 128) in pairs
+    ci = {v for v, arch in catalogue.ci_variants()}
+    assert set(variants) <= ci
+    assert set(variants) <= set(catalogue.reachable_variants("sm_90a"))
+
+
+@pytest.mark.parametrize("d, dv", PAIRS + ((40, 24),))
+def test_reference_takes_a_value_head_dim_of_its_own(d, dv):
+    rng = np.random.default_rng(d * 1000 + dv)
+    B, Sq, Sk, Hq, Hk = 2, 5, 7, 4, 2
+    q = rng.standard_normal((B, Sq, Hq, d))
+    k = rng.standard_normal((B, Sk, Hk, d))
+    v = rng.standard_normal((B, Sk, Hk, dv))
+    out, lse = reference.attention_forward(q, k, v, causal=True)
+    assert out.shape == (B, Sq, Hq, dv) and lse.shape == (B, Hq, Sq)
+    # the textbook formula, default scale 1/sqrt(D_qk)
+    kk, vv = np.repeat(k, Hq // Hk, axis=2), np.repeat(v, Hq // Hk, axis=2)
+    s = np.einsum("bihd,bjhd->bhij", q, kk) / np.sqrt(d)
+    s = np.where(np.arange(Sk)[None, :] <= np.arange(Sq)[:, None] + Sk - Sq, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out, np.einsum("bhij,bjhd->bihd", p, vv), rtol=1e-12, atol=1e-12)
+    # gradients against central differences of sum(out * dout)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv_ = reference.attention_backward(dout, q, k, v, causal=True)
+    assert (dq.shape, dk.shape, dv_.shape) == (q.shape, k.shape, v.shape)
+    eps = 1e-6
+    for x, g in ((q, dq), (k, dk), (v, dv_)):
+        idx = tuple(rng.integers(0, n) for n in x.shape)
+        old = x[idx]
+        x[idx] = old + eps
+        up = np.sum(reference.attention_forward(q, k, v, causal=True)[0] * dout)
+        x[idx] = old - eps
+        down = np.sum(reference.attention_forward(q, k, v, causal=True)[0] * dout)
+        x[idx] = old
+        assert abs((up - down) / (2 * eps) - g[idx]) < 1e-6
+
+
+def test_reference_varlen_takes_a_value_head_dim_of_its_own():
+    rng = np.random.default_rng(7)
+    cu_q, cu_k = np.array([0, 3, 8]), np.array([0, 4, 6])
+    q, k, v = rng.standard_normal((8, 2, 64)), rng.standard_normal((6, 1, 64)), rng.standard_normal((6, 1, 128))
+    out, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    assert out.shape == (8, 2, 128)
+    dq, dk, dv = reference.attention_varlen_backward(rng.standard_normal(out.shape), q, k, v, cu_q, cu_k, causal=True)
+    assert dv.shape == v.shape and dk.shape == k.shape

@@ -1,0 +1,232 @@
+"""A value head dim of its own (issue 53 item 2): v (B, Sk, Hk, D_v), out and dv with D_v != D_qk, in
+every forward and backward family that runs it, against the float64 reference.
+
+Semantics (docs/design.md §2b): out, dout and dv have v's head dim; the default scale stays
+1/sqrt(D_qk); lse is unchanged. fwd_sm80/bwd_sm80 (float16, bfloat16) run the pairs (192, 128),
+(128, 64), (64, 128) (and any pair of their compiled head dims), fwd_simt/bwd_simt (float32) any
+pair; fwd_sm90/bwd_sm90 do not (forcing them raises a ValueError naming the pair; unforced calls on a
+Hopper run on the sm80 families).
+
+Each test forces one family (``cuflash.force_kernel`` / ``cuflash.backward.force_kernel``).
+hypothesis draws Sq, Sk straddling the tiles (1, 17, 113, 300), GQA, causal and windows, the dtypes,
+the pairs and a softcap; the data is fresh for every example and outputs/gradients are poisoned with
+NaN before each call. The accuracy rule is docs/design.md §5's (cuflash.testing.assert_attention_close
+with cuflash.testing.baseline_attention / baseline_attention_backward, which take D_v != D_qk).
+
+Run: ``python -m pytest -q tests/gpu/test_head_dim_v.py`` (skipped without a GPU).
+"""
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupy
+
+import cuflash
+import cuflash.backward
+import cuflash.testing as tt
+from cuflash import reference
+
+
+def _gpu_available():
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver / no device
+        return False
+
+
+def _is_sm90():
+    try:
+        return _gpu_available() and cupy.cuda.Device().compute_capability == "90"
+    except Exception:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
+
+SM90 = pytest.mark.skipif(not _is_sm90(), reason="the sm90 families need an sm_90 GPU")
+PAIRS = ((192, 128), (128, 64), (64, 128))
+PAIRS_SIMT = ((192, 128), (128, 64), (64, 128), (96, 40), (40, 200))
+FAMILIES = [pytest.param("fwd_sm80", "bwd_sm80", "float16", id="sm80-fp16"),
+            pytest.param("fwd_sm80", "bwd_sm80", "bfloat16", id="sm80-bf16"),
+            pytest.param("fwd_simt", "bwd_simt", "float32", id="simt-fp32")]
+SEQLENS = (1, 17, 113, 300)
+HEADS = ((2, 1), (4, 2), (2, 2), (8, 2))
+NAN = float("nan")
+
+
+def _settings(n):
+    base = settings.default
+    return settings(max_examples=max(1, min(base.max_examples, n)), deadline=None,
+                    suppress_health_check=list(base.suppress_health_check)
+                    + [HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _problems(pairs):
+    return st.fixed_dictionaries(dict(
+        B=st.sampled_from((1, 2)), Sq=st.sampled_from(SEQLENS), Sk=st.sampled_from(SEQLENS),
+        heads=st.sampled_from(HEADS), pair=st.sampled_from(pairs), causal=st.booleans(),
+        window=st.sampled_from((None, (16, 0), (40, 40), (-1, 8))), softcap=st.sampled_from((0.0, 5.0)),
+        seed=st.integers(0, 2**31 - 1)))
+
+
+def _data(problem, dtype):
+    rng = np.random.default_rng(problem["seed"])
+    (hq, hk), (d, dv) = problem["heads"], problem["pair"]
+    B, Sq, Sk = problem["B"], problem["Sq"], problem["Sk"]
+    q = _dev(rng, (B, Sq, hq, d), dtype)
+    k = _dev(rng, (B, Sk, hk, d), dtype)
+    v = _dev(rng, (B, Sk, hk, dv), dtype)
+    dout = _dev(rng, (B, Sq, hq, dv), dtype)
+    return q, k, v, dout
+
+
+def _dev(rng, shape, dtype):
+    return cupy.asarray(tt.normal_data(rng, shape, dtype))
+
+
+def _options(problem):
+    return dict(causal=problem["causal"], window=problem["window"], softcap=problem["softcap"])
+
+
+def _poisoned(shape, dtype):
+    return cupy.full(shape, NAN, dtype=dtype)
+
+
+def _magnitude(*arrays):
+    values = [np.abs(a[np.isfinite(a)]) for a in arrays]
+    return max((float(v.max()) for v in values if v.size), default=0.0)
+
+
+def _assert_grad_close(got, ref, base, dtype, name, magnitude, unavoidable):
+    if dtype == "float32":
+        tt.assert_attention_close(got, ref, dtype="float32", rtol=1e-4,
+                                  atol=max(1e-5 * magnitude, 1e-12) + unavoidable, name=name)
+    else:
+        tt.assert_attention_close(got, ref, base, dtype=dtype,
+                                  atol=max(tt.DEFAULT_ATOL[dtype] * magnitude, 1e-7) + unavoidable, name=name)
+
+
+@pytest.mark.parametrize("fwd, bwd, dtype", FAMILIES)
+def test_forward_and_backward(fwd, bwd, dtype):
+    pairs = PAIRS_SIMT if dtype == "float32" else PAIRS
+
+    @_settings(30)
+    @given(problem=_problems(pairs))
+    def check(problem):
+        q, k, v, dout = _data(problem, dtype)
+        opts = _options(problem)
+        B, Sq, hq, _ = q.shape
+        dv_dim = v.shape[-1]
+        out = _poisoned((B, Sq, hq, dv_dim), q.dtype)
+        lse = _poisoned((B, hq, Sq), np.float32)
+        with cuflash.force_kernel(fwd):
+            got, got_lse, _ = cuflash.attention_forward(q, k, v, out=out, lse=lse, **opts)
+        assert got.shape == (B, Sq, hq, dv_dim)
+        ref, ref_lse = reference.attention_forward(q, k, v, **opts)   # default scale 1/sqrt(D_qk)
+        base, base_lse = tt.baseline_attention(q, k, v, return_lse=True, **opts)
+        tt.assert_attention_close(got, ref, base, dtype=dtype)
+        tt.assert_attention_close(got_lse, ref_lse, base_lse, dtype=dtype, name="lse")
+
+        grads = [_poisoned(x.shape, x.dtype) for x in (q, k, v)]
+        with cuflash.backward.force_kernel(bwd):
+            dq, dk, dv = cuflash.attention_backward(dout, q, k, v, got, got_lse, dq=grads[0], dk=grads[1],
+                                                    dv=grads[2], **opts)
+        assert dv.shape == v.shape and dk.shape == k.shape and dq.shape == q.shape
+        refs = reference.attention_backward(dout, q, k, v, out=got, **opts)
+        bases = tt.baseline_attention_backward(dout, q, k, v, got, **opts)
+        # The part of the error that the rounded stored out makes (D = rowsum(dO * O) from it).
+        unavoidable = 0.0
+        magnitude = _magnitude(*refs)
+        for name, g, r, b in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, bases):
+            _assert_grad_close(g, r, b, dtype, name, magnitude, unavoidable)
+
+    check()
+
+
+@pytest.mark.parametrize("fwd, bwd, dtype", FAMILIES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen(fwd, bwd, dtype, deterministic):
+    pairs = PAIRS_SIMT if dtype == "float32" else PAIRS
+
+    @_settings(12)
+    @given(lens=st.lists(st.tuples(st.sampled_from(SEQLENS), st.sampled_from(SEQLENS)), min_size=1, max_size=3),
+           heads=st.sampled_from(HEADS), pair=st.sampled_from(pairs), causal=st.booleans(),
+           seed=st.integers(0, 2**31 - 1))
+    def check(lens, heads, pair, causal, seed):
+        rng = np.random.default_rng(seed)
+        (hq, hk), (d, dv_dim) = heads, pair
+        cu_q = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+        tq, tk = int(cu_q[-1]), int(cu_k[-1])
+        q = _dev(rng, (tq, hq, d), dtype)
+        k = _dev(rng, (tk, hk, d), dtype)
+        v = _dev(rng, (tk, hk, dv_dim), dtype)
+        dout = _dev(rng, (tq, hq, dv_dim), dtype)
+        cq, ck = cupy.asarray(cu_q), cupy.asarray(cu_k)
+        mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
+        out = _poisoned((tq, hq, dv_dim), q.dtype)
+        with cuflash.force_kernel(fwd):
+            got, got_lse = cuflash.attention_varlen(q, k, v, cq, ck, max_seqlen_q=mq, max_seqlen_k=mk, causal=causal,
+                                                    return_lse=True, out=out)
+        ref, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+        base = tt.baseline_attention_varlen(q, k, v, cq, ck, causal=causal)
+        tt.assert_attention_close(got, ref, base, dtype=dtype)
+        grads = [_poisoned(x.shape, x.dtype) for x in (q, k, v)]
+        with cuflash.backward.force_kernel(bwd):
+            dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, got, got_lse, cq, ck, max_seqlen_q=mq,
+                                                           max_seqlen_k=mk, causal=causal, deterministic=deterministic,
+                                                           dq=grads[0], dk=grads[1], dv=grads[2])
+        refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=causal, out=got)
+        magnitude = _magnitude(*refs)
+        # Per sequence, the dense baseline of the same slice.
+        for name, g, r, idx in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, (0, 1, 2)):
+            base = np.zeros(r.shape)
+            for b in range(len(lens)):
+                sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+                one = tt.baseline_attention_backward(dout[None, sq_], q[None, sq_], k[None, sk_], v[None, sk_],
+                                                     got[None, sq_], causal=causal)[idx][0]
+                base[sq_ if idx == 0 else sk_] = one
+            _assert_grad_close(g, r, base, dtype, name, magnitude, 0.0)
+
+    check()
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_unforced_runs_where_it_can(pair):
+    """Without a forced family the call runs (on a Hopper: fwd_sm80/bwd_sm80) and matches the reference."""
+    problem = dict(B=1, Sq=113, Sk=300, heads=(4, 2), pair=pair, seed=_seed(pair))
+    q, k, v, dout = _data(problem, "bfloat16")
+    out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
+    ref, _ = reference.attention_forward(q, k, v, causal=True)
+    tt.assert_attention_close(out, ref, tt.baseline_attention(q, k, v, causal=True), dtype="bfloat16")
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert dv.shape == v.shape
+
+
+@SM90
+@pytest.mark.parametrize("pair", PAIRS)
+def test_forcing_sm90_names_the_pair(pair):
+    problem = dict(B=1, Sq=17, Sk=17, heads=(2, 1), pair=pair, seed=1)
+    q, k, v, dout = _data(problem, "float16")
+    with cuflash.force_kernel("fwd_sm90"), pytest.raises(ValueError, match=rf"\({pair[0]}, {pair[1]}\)"):
+        cuflash.attention(q, k, v)
+    out, lse, _ = cuflash.attention_forward(q, k, v)
+    with cuflash.backward.force_kernel("bwd_sm90"), pytest.raises(ValueError, match=rf"\({pair[0]}, {pair[1]}\)"):
+        cuflash.attention_backward(dout, q, k, v, out, lse)
+
+
+def _seed(*parts):
+    return zlib.crc32(repr(parts).encode())
+
+
+def test_scale_default_is_qk_head_dim():
+    problem = dict(B=1, Sq=17, Sk=113, heads=(2, 2), pair=(192, 128), seed=3)
+    q, k, v, _ = _data(problem, "float32")
+    got = cuflash.attention(q, k, v)
+    explicit = cuflash.attention(q, k, v, scale=1.0 / math.sqrt(192))
+    assert cupy.array_equal(got, explicit)
