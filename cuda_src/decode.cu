@@ -12,7 +12,9 @@
 //     S = Q K^T  ->  score pipeline / masks (mask.cuh)  ->  online softmax  ->  O += P V.
 // The result is the final output and lse (num_splits == 1) or a float32 partial (o, lse) per split;
 // the last split of a (sequence, kv head, row block) to finish combines the partials into the
-// output (merge.cu's formula), so a call is one launch.
+// output (merge.cu's formula), so a call is one launch. Attention sinks (p.score.sinks, per query
+// head) join each row's denominator once: where the CTA finishes the row itself (one split), or in
+// that combine (the partials have no sink).
 //
 // Appended tokens (k_new / v_new) are keys cache_len .. cache_len + seqlen_new - 1 of the sequence.
 // Every CTA reads them from k_new / v_new, and the CTAs of split 0, row block 0 also write them into
@@ -687,17 +689,22 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
     }
     __syncthreads();
     // Per row: m = max_s lse_s, the weights w_s = e^(lse_s - m) / sum_s e^(lse_s - m) in place, lse.
+    // The head's sink is one more term of the sum, with no value (the splits' partials have none, so it
+    // enters exactly once, here), and joins the max: a sink far above the scores cannot overflow.
     if (threadIdx.x < C::kBlockM) {
         const int r = threadIdx.x, i = row_query[r];
+        const float sink = p.score.sinks != nullptr ? p.score.sinks[row_head[r]] : -CUFLASH_INF;
         float m = -CUFLASH_INF;   // fmaxf skips NaN; a NaN lse still makes the sum NaN
         for (int split = 0; split < p.num_splits; ++split) m = fmaxf(m, weights[split * C::kBlockM + r]);
-        const float m_safe = m == -CUFLASH_INF ? 0.f : m;
-        float sum = 0.f;
+        const float top = fmaxf(m, sink);   // m without a sink; a NaN sink reaches the sum below
+        const float m_safe = top == -CUFLASH_INF ? 0.f : top;
+        float keys_sum = 0.f;
         for (int split = 0; split < p.num_splits; ++split) {
             const float x = weights[split * C::kBlockM + r];
-            if (x != -CUFLASH_INF) sum += expf(x - m_safe);
+            if (x != -CUFLASH_INF) keys_sum += expf(x - m_safe);
         }
-        const bool empty = sum == 0.f;   // no visible key: out = 0, lse = -inf
+        const bool empty = m == -CUFLASH_INF && keys_sum == 0.f;   // no key: out = 0, lse = -inf (the sink)
+        const float sum = sink != -CUFLASH_INF ? keys_sum + expf(sink - m_safe) : keys_sum;
         const float inv_sum = empty ? 0.f : 1.f / sum;
         for (int split = 0; split < p.num_splits; ++split) {
             const float x = weights[split * C::kBlockM + r];
@@ -705,7 +712,7 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
         }
         if (i >= 0)
             p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + i] =
-                empty ? -CUFLASH_INF : m_safe + logf(sum);
+                empty ? sink : m_safe + logf(sum);
     }
     __syncthreads();
     // out = sum_s w_s o_s. A split that saw no key for a row wrote 0 there (and has w_s = 0).
@@ -901,10 +908,26 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             factor[w] = fast_exp2(warp_m[w * C::kBlockM + r] * scale_log2 - m_scaled);
             row_sum += factor[w] * warp_l[w * C::kBlockM + r];   // a NaN sum stays NaN: it must propagate
         }
-        const bool empty = row_sum == 0.f;   // no visible key: out = 0, lse = -inf
+        const bool empty = row_sum == 0.f;   // no visible key: out = 0, lse = -inf (the sink with one)
+        // The head's sink joins the denominator here when this CTA finishes the row (one split); the
+        // splits' partials stay without it and combine_if_last_split adds it once. As in
+        // OnlineSoftmax::finish (online_softmax.cuh): against t = max(m, sink), l' = l 2^(m - t) +
+        // 2^(sink - t) >= 1, so a sink far above the scores cannot overflow.
+        const float sink = p.num_splits == 1 && p.score.sinks != nullptr ? p.score.sinks[row_head[r]] : -CUFLASH_INF;
+        if (sink == -CUFLASH_INF) {
 #pragma unroll
-        for (int w = 0; w < C::kNWarps; ++w) warp_w[w * C::kBlockM + r] = empty ? 0.f : factor[w] / row_sum;
-        row_lse[r] = empty ? -CUFLASH_INF : (m_scaled + log2f(row_sum)) * kLn2;
+            for (int w = 0; w < C::kNWarps; ++w) warp_w[w * C::kBlockM + r] = empty ? 0.f : factor[w] / row_sum;
+            row_lse[r] = empty ? -CUFLASH_INF : (m_scaled + log2f(row_sum)) * kLn2;
+        } else {
+            const float sink2 = sink * kLog2e;
+            const float top = empty ? sink2 : fmaxf(m_scaled, sink2);   // a NaN sink reaches total below
+            const float keys_part = empty ? 0.f : exp2f(m_scaled - top);
+            const float total = fmaf(row_sum, keys_part, exp2f(sink2 - top));
+#pragma unroll
+            for (int w = 0; w < C::kNWarps; ++w)
+                warp_w[w * C::kBlockM + r] = empty ? 0.f : factor[w] * keys_part / total;
+            row_lse[r] = empty ? sink : (top + log2f(total)) * kLn2;
+        }
     }
     __syncthreads();
 
@@ -920,7 +943,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
         if (i < 0 || c >= p.out_dim) continue;
         const int h = row_head[r];
         float o = 0.f;
-        if (row_lse[r] != -CUFLASH_INF) {
+        if (row_lse[r] != -CUFLASH_INF) {   // (with a sink, an empty row has weights 0)
 #pragma unroll
             for (int w = 0; w < C::kNWarps; ++w)
                 o += comb[(w * C::kBlockM + r) * C::kCombStride + c] * warp_w[w * C::kBlockM + r];

@@ -108,9 +108,10 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
                              f"{int(slots[b, t])}, which a sequence reads as a cached key")
 
 
-# Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned);
+# Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned;
+# sinks: float32 (Hq,) or None);
 # the array arguments of a ScoreMod / MaskMod follow, from _USER on.
-_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE, _USER = range(12)
+_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE, _SINKS, _USER = range(13)
 
 
 def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse, modifiers=(None, None)):
@@ -120,7 +121,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     """
     import cupy
 
-    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user = operands[:_USER]
+    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user, sinks = \
+        operands[:_USER]
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
@@ -207,6 +209,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         cols = m.shape[-1]
         mask_view = _checks.broadcast_operand(m, "mask", (batch, heads_q, seqlen_q, cols), "bool")
         mask_keys = 0 if cols == 1 else cols
+    sinks_dev = _checks.check_sinks(sinks, heads_q)
     user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=_USER)
     if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
         raise TypeError(f"num_splits must be an int (0 = heuristic), got {type(num_splits).__name__}")
@@ -221,7 +224,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
 
     # Memory the call writes must not be memory it reads: out always, the caches when it appends.
     reads = (("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", mask_view), ("alibi_slopes", alibi_dev),
-             ("cache_seqlens", seqlens_dev), ("block_table", table_dev),
+             ("cache_seqlens", seqlens_dev), ("block_table", table_dev), ("sinks", sinks_dev),
              *(("score_mod/mask_mod argument", x) for x in user_arrays))
     _checks.check_disjoint((("out", out), ("lse", lse_given)), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
     if seqlen_new:
@@ -352,6 +355,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         fields["block_table_batch_stride"] = _checks.element_strides(table_dev)[0]
     if alibi_dev is not None:
         slots["score.alibi_slopes"] = _ALIBI
+    if sinks_dev is not None:   # read per call: a new pointer or new values need no new plan
+        slots["score.sinks"] = _SINKS
     if mask_view is not None:
         mb, mh, mr, mc = _checks.element_strides(mask_view)
         slots["mask"] = _MASK
@@ -383,7 +388,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     plan.info.update(num_splits=num_splits)
 
     kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, lse_given,
-                       *user_arrays]
+                       sinks_dev, *user_arrays]
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -412,7 +417,7 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, score_mod=None,
-           mask_mod=None, return_lse=False, out=None, lse=None, check=None):
+           mask_mod=None, sinks=None, return_lse=False, out=None, lse=None, check=None):
     """Attention of a few new query tokens over a KV cache, appending their keys and values first.
 
     Sequence ``b`` has ``T_b = cache_seqlens[b] + S_new`` keys: its cached keys, then the ``S_new``
@@ -468,6 +473,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     mask_mod : cuflash.MaskMod, optional
         A bool expression over the same positions: False hides the key (ANDed with ``causal``,
         ``window`` and ``mask``). Its arrays' addresses and scalars' values are read at each call.
+    sinks : CUDA float32 array (Hq,), optional
+        Attention sinks (gpt-oss), as in :func:`cuflash.attention`: every row's softmax denominator
+        gains ``exp(sinks[h])`` (h the query head), with no value; ``lse`` includes it, and a row that
+        sees no key (an empty sequence) gets ``out = 0`` and ``lse = sinks[h]``; ``-inf`` is no sink
+        for that head. Split-KV adds it once, where the splits are combined. Read at each call (new
+        values or a new array of the same layout need no new plan).
     return_lse : bool, default False
         Also return lse.
     out : array (B, Sq, Hq, D), optional
@@ -485,19 +496,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     -------
     out : CuPy array (B, Sq, Hq, D), the dtype of q
     lse : CuPy float32 array (B, Hq, Sq), only when ``return_lse``
-        ``-inf`` (and out = 0) for a row that sees no key, e.g. an empty sequence.
+        ``-inf`` (``sinks[h]`` with sinks; and out = 0) for a row that sees no key, e.g. an empty
+        sequence.
 
     Raises
     ------
     TypeError
         An array that is not a CUDA array (index arrays may be NumPy), a dtype other than
         float16/bfloat16/float32 or one that differs from q's, index arrays that are not int32, a
-        mask that is not bool, ``num_splits``, ``score_mod``/``mask_mod`` (or an array argument of
-        theirs) or an option of the wrong type; the message names the argument.
+        mask that is not bool, ``sinks`` that are not float32, ``num_splits``,
+        ``score_mod``/``mask_mod`` (or an array argument of theirs) or an option of the wrong type;
+        the message names the argument.
     ValueError
-        For any other bad argument (shapes, heads, head dims, values out of range, appends that do
-        not fit, overlapping memory), before any launch: the cache is never half-written. Index
-        values on the GPU are checked by a kernel (see ``check``); given on the host, before any
+        For any other bad argument (shapes, ``sinks`` not of shape (Hq,), heads, head dims, values
+        out of range, appends that do not fit, overlapping memory), before any launch: the cache is
+        never half-written. Index values on the GPU are checked by a kernel (see ``check``); given on the host, before any
         launch, including appended rows that would land in a slot another (or the same) sequence
         reads.
     RuntimeError
@@ -526,7 +539,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (2, 1, 32, 128)
     >>> lens += 1                                             # the caller keeps the lengths
     """
-    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse)
+    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse, sinks)
     mod_key = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)

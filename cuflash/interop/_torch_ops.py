@@ -5,26 +5,29 @@ Importing it registers, in the namespace ``cuflash`` (``torch.ops.cuflash.<name>
 
     attention_forward(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None,
                       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128,
-                      block_k=128, dropout_p=0.0, deterministic=False) -> (out, lse, rng_state)
+                      block_k=128, dropout_p=0.0, deterministic=False, sinks=None) -> (out, lse, rng_state)
     attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes=None, mask=None, bias=None,
-                       block_mask=None, <the options>, deterministic=False, return_dbias=False)
-                       -> (dq, dk, dv, dbias)
+                       block_mask=None, <the options>, deterministic=False, return_dbias=False, sinks=None,
+                       return_dsinks=False) -> (dq, dk, dv, dbias, dsinks)
     attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None,
                              max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None,
                              window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-                             deterministic=False) -> (out, lse, rng_state)
+                             deterministic=False, sinks=None) -> (out, lse, rng_state)
     attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
-                              alibi_slopes=None, max_seqlen_q=None, ..., deterministic=False) -> (dq, dk, dv)
+                              alibi_slopes=None, max_seqlen_q=None, ..., deterministic=False, sinks=None,
+                              return_dsinks=False) -> (dq, dk, dv, dsinks)
     decode(q, k_cache!, v_cache!, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
            alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1,
-           softcap=0.0) -> (out, lse)
+           softcap=0.0, sinks=None) -> (out, lse)
     decode_out(q, k_cache!, v_cache!, out!, <the same>) -> lse
     merge_states(outs, lses) -> (out, lse)
 
 (``!``: mutated in place.) Every op has a fake (meta) implementation, so ``torch.compile``,
 ``torch.export`` and ``FakeTensorMode`` trace them without a GPU; the two forwards are
 differentiable (an autograd kernel at the Autograd key: the backward op computes dq, dk, dv and,
-when ``bias`` requires a gradient, dbias). The ops are defined with ``torch.library.Library``
+when ``bias`` requires a gradient, dbias, when ``sinks`` requires one, dsinks). ``sinks`` (attention
+sinks, float32 (Hq,)) come last in each schema, so calls written before them keep their meaning; a
+backward that is not asked for dbias / dsinks returns an empty float32 tensor in their place. The ops are defined with ``torch.library.Library``
 rather than ``torch.library.custom_op`` (see "registration" below for why). The functions of this module are the user-facing wrappers
 (``window=(left, right)``, ``block_size=(bq, bk)``, a ``generator``, a list of partial states...).
 Called eagerly on plain tensors, a wrapper runs what the dispatcher would run (the Autograd kernel,
@@ -237,12 +240,14 @@ class _CudaKernels:
                                   **options)
 
     @staticmethod
-    def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, rng_state, options, return_dbias):
+    def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, rng_state, options, return_dbias, return_dsinks):
+        """Writes dq, dk, dv; returns (dbias or None, dsinks or None)."""
         with torch_call(q.device):
-            grads = _cf_attention_backward(_plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), lse,
-                                           rng_state=rng_state, dq=dq, dk=dk, dv=dv, return_dbias=return_dbias,
-                                           **options)
-            return as_torch(grads[3]) if return_dbias else None
+            grads = list(_cf_attention_backward(_plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), lse,
+                                                rng_state=rng_state, dq=dq, dk=dk, dv=dv, return_dbias=return_dbias,
+                                                return_dsinks=return_dsinks, **options)[3:])
+            dbias = as_torch(grads.pop(0)) if return_dbias else None
+            return dbias, (as_torch(grads.pop(0)) if return_dsinks else None)
 
     @staticmethod
     def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, rng_state, options):
@@ -253,11 +258,13 @@ class _CudaKernels:
 
     @staticmethod
     def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, rng_state,
-                                  options):
+                                  options, return_dsinks):
+        """Writes dq, dk, dv; returns dsinks or None."""
         with torch_call(q.device):
-            _cf_attention_varlen_backward(_plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), lse,
-                                          cu_seqlens_q, cu_seqlens_k, rng_state=rng_state, dq=dq, dk=dk, dv=dv,
-                                          **options)
+            grads = _cf_attention_varlen_backward(_plain(dout), _plain(q), _plain(k), _plain(v), _plain(out), lse,
+                                                  cu_seqlens_q, cu_seqlens_k, rng_state=rng_state, dq=dq, dk=dk,
+                                                  dv=dv, return_dsinks=return_dsinks, **options)
+            return as_torch(grads[3]) if return_dsinks else None
 
     @staticmethod
     def decode(q, k_cache, v_cache, out, lse, options):
@@ -346,7 +353,7 @@ _THD = "(total, heads, head_dim)"
 # ----------------------------------------------------------------------------- attention
 
 def _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale, window_left,
-                           window_right, softcap, block_q, block_k, dropout_p, deterministic, mods=None):
+                           window_right, softcap, block_q, block_k, dropout_p, deterministic, sinks=None, mods=None):
     """The body of ``cuflash::attention_forward``; ``mods``: {"score_mod": ..., "mask_mod": ...} of an
     eager call with modifiers (:func:`_modifiers`), which the op's schema cannot carry."""
     kernels = _kernels_for(q)
@@ -357,7 +364,7 @@ def _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_st
     lse = _empty((b, hq, sq), torch.float32, q.device)
     options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
-                   block_size=(block_q, block_k), dropout_p=dropout_p)
+                   block_size=(block_q, block_k), dropout_p=dropout_p, sinks=_plain(sinks))
     if mods:
         options.update(mods)
     kernels.attention_forward(q, k, v, out, lse, state, options)
@@ -370,22 +377,32 @@ def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optiona
                           block_mask: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
                           causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
                           window_right: int = -1, softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
-                          dropout_p: float = 0.0, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                          dropout_p: float = 0.0, deterministic: bool = False,
+                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale,
-                                  window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
+                                  window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic,
+                                  sinks)
+
+
+def _check_sinks_shape(sinks, heads_q) -> None:
+    """The fakes' check of ``sinks``: a tensor of shape (Hq,) (its dtype, float32, is cuflash's check)."""
+    if sinks is not None and tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},) (one per query head), got {tuple(sinks.shape)}")
 
 
 @_attention_forward_op.register_fake
 def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None, causal=False, scale=None,
-      window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False):
+      window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False,
+      sinks=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
+    _check_sinks_shape(sinks, hq)
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
 def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale,
                             window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic,
-                            return_dbias, mods=None):
+                            return_dbias, sinks=None, return_dsinks=False, mods=None):
     """The body of ``cuflash::attention_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
@@ -394,13 +411,18 @@ def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, ma
     dv = _empty(v.shape, q.dtype, q.device)
     options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
-                   block_size=(block_q, block_k), dropout_p=dropout_p, deterministic=deterministic)
+                   block_size=(block_q, block_k), dropout_p=dropout_p, deterministic=deterministic,
+                   sinks=_plain(sinks))
     if mods:
         options.update(mods)
-    dbias = kernels.attention_backward(dout, q, k, v, out, lse, dq, dk, dv, state, options, return_dbias)
+    _checks.check_return_dsinks(return_dsinks, sinks)
+    dbias, dsinks = kernels.attention_backward(dout, q, k, v, out, lse, dq, dk, dv, state, options, return_dbias,
+                                               return_dsinks)
     if dbias is None:
         dbias = _empty((0,), torch.float32, q.device)
-    return dq, dk, dv, dbias
+    if dsinks is None:
+        dsinks = _empty((0,), torch.float32, q.device)
+    return dq, dk, dv, dbias, dsinks
 
 
 @_op("attention_backward")
@@ -410,43 +432,48 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            block_mask: Optional[Tensor] = None, causal: bool = False, scale: Optional[float] = None,
                            window_left: int = -1, window_right: int = -1, softcap: float = 0.0, block_q: int = 128,
                            block_k: int = 128, dropout_p: float = 0.0, deterministic: bool = False,
-                           return_dbias: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                           return_dbias: bool = False, sinks: Optional[Tensor] = None,
+                           return_dsinks: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal,
                                    scale, window_left, window_right, softcap, block_q, block_k, dropout_p,
-                                   deterministic, return_dbias)
+                                   deterministic, return_dbias, sinks, return_dsinks)
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bias=None, block_mask=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128,
-      dropout_p=0.0, deterministic=False, return_dbias=False):
+      dropout_p=0.0, deterministic=False, return_dbias=False, sinks=None, return_dsinks=False):
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
+    _checks.check_return_dsinks(return_dsinks, sinks)
+    _check_sinks_shape(sinks, q.shape[2])
     dbias = bias.new_empty(bias.shape) if return_dbias else q.new_empty((0,), dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dbias
+    dsinks = sinks.new_empty(sinks.shape) if return_dsinks else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dbias, dsinks
 
 
 class _AttentionForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_forward``: ``cuflash::attention_backward`` gives dq, dk,
-    dv and, when ``bias`` requires it, dbias; lse and rng_state are constants."""
+    dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks; lse and rng_state are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, constants, options):
+    def forward(ctx, q, k, v, bias, sinks, constants, options):
         alibi_slopes, mask, block_mask, rng_state = constants
         out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
-                                                               rng_state, *options)
+                                                               rng_state, *options, sinks)
         ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask)
+        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks)
         ctx.options = options
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask = ctx.saved_tensors
+        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _backward_op(_attention_backward_op, dout, q, k, v, out, lse, state, alibi_slopes, mask,
-                                         bias, block_mask, *ctx.options, want_dbias)
-        return dq, dk, dv, (dbias if want_dbias else None), None, None
+        want_dsinks = sinks is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias, dsinks = _backward_op(_attention_backward_op, dout, q, k, v, out, lse, state, alibi_slopes,
+                                                 mask, bias, block_mask, *ctx.options, want_dbias, sinks, want_dsinks)
+        return dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None
 
 
 _attention_forward_apply = direct_apply(_AttentionForward)
@@ -454,11 +481,13 @@ _attention_forward_apply = direct_apply(_AttentionForward)
 
 @_attention_forward_op.register_autograd
 def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None, causal=False, scale=None,
-      window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False):
+      window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False,
+      sinks=None):
     options = (causal, scale, window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
-    if _records_grad(q, k, v, bias):
-        return _attention_forward_apply(q, k, v, bias, (alibi_slopes, mask, block_mask, rng_state), options)
-    return _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options)
+    if _records_grad(q, k, v, bias, sinks):
+        return _attention_forward_apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state), options)
+    return _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options,
+                                                sinks)
 
 
 # ----------------------------------------------------------------------------- varlen
@@ -469,13 +498,16 @@ def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: 
                                  max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                                  causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
                                  window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0,
-                                 deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                 deterministic: bool = False, sinks: Optional[Tensor] = None
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
     return _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
-                               max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic)
+                               max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic,
+                               sinks)
 
 
 def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
-                        causal, scale, window_left, window_right, softcap, dropout_p, deterministic, mods=None):
+                        causal, scale, window_left, window_right, softcap, dropout_p, deterministic, sinks=None,
+                        mods=None):
     """The body of ``cuflash::attention_varlen_forward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     _check_rank(q, 3, "q", _THD)
@@ -483,7 +515,7 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_s
     out = _empty(q.shape, q.dtype, q.device)
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
-                   dropout_p=dropout_p)
+                   dropout_p=dropout_p, sinks=_plain(sinks))
     if mods:
         options.update(mods)
     lse = kernels.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, state, options)
@@ -492,9 +524,11 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_s
 
 @_attention_varlen_forward_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
-      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False):
+      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False,
+      sinks=None):
     _check_rank(q, 3, "q", _THD)
     total_q, hq, _ = q.shape
+    _check_sinks_shape(sinks, hq)
     return q.new_empty(q.shape), q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
@@ -504,16 +538,17 @@ def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   alibi_slopes: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
                                   max_seqlen_k: Optional[int] = None, causal: bool = False,
                                   scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
-                                  softcap: float = 0.0, dropout_p: float = 0.0,
-                                  deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                                  softcap: float = 0.0, dropout_p: float = 0.0, deterministic: bool = False,
+                                  sinks: Optional[Tensor] = None,
+                                  return_dsinks: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
                                 max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap,
-                                dropout_p, deterministic)
+                                dropout_p, deterministic, sinks, return_dsinks)
 
 
 def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q,
-                         max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic,
-                         mods=None):
+                         max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
+                         deterministic, sinks=None, return_dsinks=False, mods=None):
     """The body of ``cuflash::attention_varlen_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
@@ -522,39 +557,48 @@ def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rn
     dv = _empty(v.shape, q.dtype, q.device)
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
-                   dropout_p=dropout_p, deterministic=deterministic)
+                   dropout_p=dropout_p, deterministic=deterministic, sinks=_plain(sinks))
     if mods:
         options.update(mods)
-    kernels.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, state, options)
-    return dq, dk, dv
+    _checks.check_return_dsinks(return_dsinks, sinks)
+    dsinks = kernels.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, state,
+                                               options, return_dsinks)
+    if dsinks is None:
+        dsinks = _empty((0,), torch.float32, q.device)
+    return dq, dk, dv, dsinks
 
 
 @_attention_varlen_backward_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi_slopes=None, max_seqlen_q=None,
       max_seqlen_k=None, causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-      deterministic=False):
-    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
+      deterministic=False, sinks=None, return_dsinks=False):
+    _checks.check_return_dsinks(return_dsinks, sinks)
+    _check_sinks_shape(sinks, q.shape[1])
+    dsinks = sinks.new_empty(sinks.shape) if return_dsinks else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), dsinks
 
 
 class _AttentionVarlenForward(torch.autograd.Function):
-    """The autograd of ``cuflash::attention_varlen_forward`` (``cuflash::attention_varlen_backward``)."""
+    """The autograd of ``cuflash::attention_varlen_forward`` (``cuflash::attention_varlen_backward``):
+    dq, dk, dv and, when ``sinks`` requires it, dsinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, constants, options):
+    def forward(ctx, q, k, v, sinks, constants, options):
         cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
         out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                                      alibi_slopes, rng_state, *options)
+                                                                      alibi_slopes, rng_state, *options, sinks)
         ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks)
         ctx.options = options
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = _backward_op(_attention_varlen_backward_op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                  state, alibi_slopes, *ctx.options)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks = ctx.saved_tensors
+        want_dsinks = sinks is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dsinks = _backward_op(_attention_varlen_backward_op, dout, q, k, v, out, lse, cu_seqlens_q,
+                                          cu_seqlens_k, state, alibi_slopes, *ctx.options, sinks, want_dsinks)
+        return dq, dk, dv, (dsinks if want_dsinks else None), None, None
 
 
 _attention_varlen_forward_apply = direct_apply(_AttentionVarlenForward)
@@ -562,22 +606,24 @@ _attention_varlen_forward_apply = direct_apply(_AttentionVarlenForward)
 
 @_attention_varlen_forward_op.register_autograd
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
-      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False):
+      causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False,
+      sinks=None):
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
                deterministic)
-    if _records_grad(q, k, v):
-        return _attention_varlen_forward_apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state), options)
+    if _records_grad(q, k, v, sinks):
+        return _attention_varlen_forward_apply(q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state),
+                                               options)
     return _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
-                                                       *options)
+                                                       *options, sinks)
 
 
 # ----------------------------------------------------------------------------- decode
 
 def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale,
-                    window_left, window_right, softcap, mods=None):
+                    window_left, window_right, softcap, sinks=None, mods=None):
     options = dict(cache_seqlens=cache_seqlens, block_table=block_table, k_new=_plain(k_new), v_new=_plain(v_new),
                    mask=mask, alibi_slopes=_plain(alibi_slopes), num_splits=num_splits, causal=causal, scale=scale,
-                   window=_window(window_left, window_right), softcap=softcap)
+                   window=_window(window_left, window_right), softcap=softcap, sinks=_plain(sinks))
     if mods:
         options.update(mods)
     return options
@@ -605,7 +651,7 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optio
                block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                mask: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                causal: bool = True, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
-               softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+               softcap: float = 0.0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
@@ -613,15 +659,17 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optio
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap))
+        window_right, softcap, sinks))
     return out, lse
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
-      alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0):
+      alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
+      sinks=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
+    _check_sinks_shape(sinks, hq)
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
@@ -631,22 +679,24 @@ def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, cac
                    v_new: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                    alibi_slopes: Optional[Tensor] = None, num_splits: int = 0, causal: bool = True,
                    scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
-                   softcap: float = 0.0) -> Tensor:
+                   softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap))
+        window_right, softcap, sinks))
     return lse
 
 
 @_decode_out_op.register_fake
 def _(q, k_cache, v_cache, out, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
-      alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0):
+      alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
+      sinks=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
+    _check_sinks_shape(sinks, hq)
     return q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
@@ -743,47 +793,51 @@ def _check_dbias_beside(mods, bias) -> None:
 
 class _ModifiedAttentionForward(torch.autograd.Function):
     """:func:`attention_forward` with a ScoreMod/MaskMod: the bodies of ``cuflash::attention_forward``
-    and ``cuflash::attention_backward`` with them; gradients for q, k, v and (beside a MaskMod alone)
-    bias."""
+    and ``cuflash::attention_backward`` with them; gradients for q, k, v, sinks and (beside a MaskMod
+    alone) bias."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, constants, options, mods):
+    def forward(ctx, q, k, v, bias, sinks, constants, options, mods):
         alibi_slopes, mask, block_mask, rng_state = constants
         out, lse, state = _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options,
-                                                 mods=mods)
+                                                 sinks=sinks, mods=mods)
         ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask)
+        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks)
         ctx.options, ctx.mods = options, mods
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask = ctx.saved_tensors
+        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dbias = _run_attention_backward(dout, q, k, v, out, lse, state, alibi_slopes, mask, bias,
-                                                    block_mask, *ctx.options, want_dbias, mods=ctx.mods)
-        return dq, dk, dv, (dbias if want_dbias else None), None, None, None
+        want_dsinks = sinks is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias, dsinks = _run_attention_backward(dout, q, k, v, out, lse, state, alibi_slopes, mask, bias,
+                                                            block_mask, *ctx.options, want_dbias, sinks, want_dsinks,
+                                                            mods=ctx.mods)
+        return (dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None,
+                None)
 
 
 class _ModifiedVarlenForward(torch.autograd.Function):
-    """:func:`attention_varlen` with a ScoreMod/MaskMod; gradients for q, k, v."""
+    """:func:`attention_varlen` with a ScoreMod/MaskMod; gradients for q, k, v and sinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, constants, options, mods):
+    def forward(ctx, q, k, v, sinks, constants, options, mods):
         cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
         out, lse, state = _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, *options,
-                                              mods=mods)
+                                              sinks=sinks, mods=mods)
         ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks)
         ctx.options, ctx.mods = options, mods
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes,
-                                          *ctx.options, mods=ctx.mods)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks = ctx.saved_tensors
+        want_dsinks = sinks is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dsinks = _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state,
+                                                  alibi_slopes, *ctx.options, sinks, want_dsinks, mods=ctx.mods)
+        return dq, dk, dv, (dsinks if want_dsinks else None), None, None, None
 
 
 # ----------------------------------------------------------------------------- the functions users call
@@ -812,7 +866,7 @@ def _call_state(dropout_p, rng_state, generator):
 
 def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
                       bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None,
-                      generator=None, deterministic=False, score_mod=None, mask_mod=None):
+                      generator=None, deterministic=False, score_mod=None, mask_mod=None, sinks=None):
     """``torch.ops.cuflash.attention_forward``: differentiable exact attention with its lse and rng_state.
 
     Parameters
@@ -834,6 +888,9 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         constants: a tensor that requires a gradient is refused while autograd records). Eager mode
         only (no op schema carries them: the op's kernels run without ``torch.ops.cuflash``); under
         ``torch.compile`` they are an error.
+    sinks : float32 torch.Tensor (Hq,), optional
+        Attention sinks, as in :func:`cuflash.attention_forward` (each row's denominator gains
+        ``exp(sinks[h])``; lse includes it). Receives a gradient when it requires one.
 
     Returns
     -------
@@ -849,21 +906,21 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     if score_mod is None and mask_mod is None:
         return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
                                      scale, left, right, softcap, block_q, block_k, dropout_p,
-                                     deterministic)
-    grad = _records_grad(q, k, v, bias)
+                                     deterministic, sinks)
+    grad = _records_grad(q, k, v, bias, sinks)
     mods = _modifiers(score_mod, mask_mod, backward=grad)
     _check_dbias_beside(mods, bias)
     options = (causal, scale, left, right, softcap, block_q, block_k, dropout_p, deterministic)
     if grad:
-        return _ModifiedAttentionForward.apply(q, k, v, bias, (alibi_slopes, mask, block_mask, rng_state), options,
-                                               mods)
+        return _ModifiedAttentionForward.apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state),
+                                               options, mods)
     return _run_attention_forward(_plain(q), _plain(k), _plain(v), alibi_slopes, mask, _plain(bias), block_mask,
-                                  rng_state, *options, mods=mods)
+                                  rng_state, *options, sinks=_plain(sinks), mods=mods)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None, generator=None,
-              deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
+              deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
     """Differentiable exact attention through the custom op (see :func:`attention_forward`; with
     ``score_mod``/``mask_mod``, eagerly without it).
 
@@ -875,35 +932,38 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
                                     alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                                     block_size=block_size, dropout_p=dropout_p, rng_state=rng_state,
                                     generator=generator, deterministic=deterministic, score_mod=score_mod,
-                                    mask_mod=mask_mod)
+                                    mask_mod=mask_mod, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
-                       deterministic=False, return_dbias=False, score_mod=None, mask_mod=None):
-    """``torch.ops.cuflash.attention_backward``: dq, dk, dv (and dbias) from the forward's out, lse, rng_state.
+                       deterministic=False, return_dbias=False, score_mod=None, mask_mod=None, sinks=None,
+                       return_dsinks=False):
+    """``torch.ops.cuflash.attention_backward``: dq, dk, dv (and dbias, dsinks) from the forward's out, lse,
+    rng_state.
 
     Takes the forward's options (see :func:`cuflash.attention_backward`), ``score_mod``/``mask_mod``
-    included (eagerly, without the op, as in :func:`attention_forward`). Returns (dq, dk, dv), or
-    (dq, dk, dv, dbias) with ``return_dbias`` (dbias in the shape and dtype of ``bias``).
+    included (eagerly, without the op, as in :func:`attention_forward`). Returns (dq, dk, dv), then
+    dbias with ``return_dbias`` (in the shape and dtype of ``bias``), then dsinks (float32 (Hq,)) with
+    ``return_dsinks`` (which needs ``sinks``).
     """
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
     args = (dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale, left, right,
-            softcap, block_q, block_k, dropout_p, deterministic, return_dbias)
+            softcap, block_q, block_k, dropout_p, deterministic, return_dbias, sinks, return_dsinks)
     if score_mod is None and mask_mod is None:
-        dq, dk, dv, dbias = _attention_backward_op(*args)
+        dq, dk, dv, dbias, dsinks = _attention_backward_op(*args)
     else:
         mods = _modifiers(score_mod, mask_mod, backward=True)
-        dq, dk, dv, dbias = _run_attention_backward(*(_plain(x) if isinstance(x, Tensor) else x for x in args),
-                                                    mods=mods)
-    return (dq, dk, dv, dbias) if return_dbias else (dq, dk, dv)
+        dq, dk, dv, dbias, dsinks = _run_attention_backward(
+            *(_plain(x) if isinstance(x, Tensor) else x for x in args), mods=mods)
+    return (dq, dk, dv) + ((dbias,) if return_dbias else ()) + ((dsinks,) if return_dsinks else ())
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     generator=None, deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
+                     generator=None, deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
     """``torch.ops.cuflash.attention_varlen_forward``: differentiable packed-sequence attention.
 
     Parameters
@@ -912,8 +972,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on q's device (never read back)
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p
         As in :func:`cuflash.attention_varlen`.
-    rng_state, generator, deterministic, score_mod, mask_mod
-        As in :func:`attention_forward` (the modifiers' positions within each sequence).
+    rng_state, generator, deterministic, score_mod, mask_mod, sinks
+        As in :func:`attention_forward` (the modifiers' positions within each sequence; ``sinks`` gets a
+        gradient when it requires one).
 
     Returns
     -------
@@ -926,36 +987,39 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     options = (max_seqlen_q, max_seqlen_k, causal, scale, left, right, softcap, dropout_p, deterministic)
     if score_mod is None and mask_mod is None:
         out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
-                                                   *options)
+                                                   *options, sinks)
     else:
-        grad = _records_grad(q, k, v)
+        grad = _records_grad(q, k, v, sinks)
         mods = _modifiers(score_mod, mask_mod, backward=grad)
         constants = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
         if grad:
-            out, lse, _ = _ModifiedVarlenForward.apply(q, k, v, constants, options, mods)
+            out, lse, _ = _ModifiedVarlenForward.apply(q, k, v, sinks, constants, options, mods)
         else:
-            out, lse, _ = _run_varlen_forward(_plain(q), _plain(k), _plain(v), *constants, *options, mods=mods)
+            out, lse, _ = _run_varlen_forward(_plain(q), _plain(k), _plain(v), *constants, *options,
+                                              sinks=_plain(sinks), mods=mods)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, rng_state=None,
                               max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None,
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, score_mod=None,
-                              mask_mod=None):
-    """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`
-    (``score_mod``/``mask_mod`` eagerly, without the op)."""
+                              mask_mod=None, sinks=None, return_dsinks=False):
+    """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`, and
+    dsinks (float32 (Hq,)) last with ``return_dsinks`` (``score_mod``/``mask_mod`` eagerly, without the op)."""
     left, right = _pair(window, "window", (-1, -1))
     args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
-            causal, scale, left, right, softcap, dropout_p, deterministic)
+            causal, scale, left, right, softcap, dropout_p, deterministic, sinks, return_dsinks)
     if score_mod is None and mask_mod is None:
-        return tuple(_attention_varlen_backward_op(*args))
-    mods = _modifiers(score_mod, mask_mod, backward=True)
-    return tuple(_run_varlen_backward(*(_plain(x) if isinstance(x, Tensor) else x for x in args), mods=mods))
+        grads = tuple(_attention_varlen_backward_op(*args))
+    else:
+        mods = _modifiers(score_mod, mask_mod, backward=True)
+        grads = tuple(_run_varlen_backward(*(_plain(x) if isinstance(x, Tensor) else x for x in args), mods=mods))
+    return grads if return_dsinks else grads[:3]
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, score_mod=None, mask_mod=None):
+           out=None, score_mod=None, mask_mod=None, sinks=None):
     """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache.
 
     Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
@@ -963,7 +1027,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (the ops declare the caches mutated). ``out`` (C-contiguous, q's shape and dtype) is written in
     place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` (an eager call of the
     same shapes anywhere first moves compiling and planning out of the capture). ``score_mod`` /
-    ``mask_mod``: eagerly, without the op (as in :func:`attention_forward`).
+    ``mask_mod``: eagerly, without the op (as in :func:`attention_forward`). ``sinks`` (float32 (Hq,)):
+    attention sinks as in :func:`cuflash.decode` (decode has no backward).
 
     Returns
     -------
@@ -971,7 +1036,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     """
     left, right = _pair(window, "window", (-1, -1))
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
-            softcap)
+            softcap, sinks)
     if score_mod is not None or mask_mod is not None:
         out, lse = _run_decode(_plain(q), k_cache, v_cache, out, args, _modifiers(score_mod, mask_mod))
     elif out is None:

@@ -29,7 +29,8 @@ Example
 >>> block = torch.compile(lambda q, k, v: ct.attention(q, k, v, causal=True), fullgraph=True)
 
 Tensor options (``alibi_slopes``, ``mask``, ``bias``, ``block_mask``, ``cu_seqlens_*``,
-``cache_seqlens``, ``block_table``) are torch tensors; ``bias`` gets a gradient when it requires one.
+``cache_seqlens``, ``block_table``, ``sinks``) are torch tensors; ``bias`` and ``sinks`` (attention sinks,
+float32 (Hq,)) get a gradient when they require one.
 ``score_mod=`` / ``mask_mod=`` (:class:`cuflash.ScoreMod`, :class:`cuflash.MaskMod`, their arrays torch
 tensors) work eagerly and in CUDA graphs, not yet under ``torch.compile`` (an error naming them).
 """
@@ -55,10 +56,11 @@ __all__ = ["attention", "attention_varlen", "decode", "merge_states", "ops", "ri
 _compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
 
 
-def _needs_grad(q, k, v, bias) -> bool:
+def _needs_grad(q, k, v, bias, sinks=None) -> bool:
     """Whether autograd must record the call (grad mode on and an input that requires grad)."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (bias is not None and bias.requires_grad))
+                                        or (bias is not None and bias.requires_grad)
+                                        or (sinks is not None and sinks.requires_grad))
 
 
 def _check_cuda(*tensors):
@@ -70,39 +72,44 @@ def _check_cuda(*tensors):
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v, bias, generator=generator, **options); gradients for q, k, v and bias."""
+    """out = attention(q, k, v, bias, sinks=sinks, generator=generator, **options); gradients for q, k, v,
+    bias and sinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, options, generator, deterministic):
+    def forward(ctx, q, k, v, bias, sinks, options, generator, deterministic):
         # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
         # memory that a torch.cuda.graph capture keeps in its pool.
         out = q.new_empty(q.shape)
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if q.dim() == 4 else None
         with _torch_call(q.device):
-            _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, out=out, lse=lse, generator=generator,
-                                                    **options)
-        ctx.save_for_backward(q, k, v, out, lse, bias)
+            _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, sinks=sinks, out=out, lse=lse,
+                                                    generator=generator, **options)
+        ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
         ctx.rng_state, ctx.options, ctx.deterministic = rng_state, options, deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, bias = ctx.saved_tensors
+        q, k, v, out, lse, bias, sinks = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
+        want_dsinks = sinks is not None and ctx.needs_input_grad[4]
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         with _torch_call(q.device):
-            grads = _cf_attention_backward(dout, q, k, v, out, lse, bias=bias, rng_state=ctx.rng_state,
-                                           return_dbias=want_dbias, dq=dq, dk=dk, dv=dv,
-                                           deterministic=ctx.deterministic, **ctx.options)
-            dbias = _as_torch(grads[3]) if want_dbias else None
-        return dq, dk, dv, dbias, None, None, None
+            grads = list(_cf_attention_backward(dout, q, k, v, out, lse, bias=bias, sinks=sinks,
+                                                rng_state=ctx.rng_state, return_dbias=want_dbias,
+                                                return_dsinks=want_dsinks, dq=dq, dk=dk, dv=dv,
+                                                deterministic=ctx.deterministic, **ctx.options)[3:])
+            dbias = _as_torch(grads.pop(0)) if want_dbias else None
+            dsinks = _as_torch(grads.pop(0)) if want_dsinks else None
+        return dq, dk, dv, dbias, dsinks, None, None, None
 
 
 class _AttentionVarlen(torch.autograd.Function):
-    """out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...); gradients for q, k, v."""
+    """out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=sinks, ...); gradients for q, k, v
+    and sinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options):
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options):
         options = dict(options)
         deterministic = options.pop("deterministic", False)
         generator = options.pop("generator", None) or default_generator()
@@ -117,21 +124,23 @@ class _AttentionVarlen(torch.autograd.Function):
         with _torch_call(q.device):
             _, lse = _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, generator=generator, return_lse=True,
-                                          out=out, **options)
+                                          out=out, sinks=sinks, **options)
             lse = _as_torch(lse)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
         ctx.rng_state = rng_state
         ctx.options = dict(options, deterministic=deterministic, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+        want_dsinks = sinks is not None and ctx.needs_input_grad[3]
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
         with _torch_call(q.device):
-            _cf_attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, rng_state=ctx.rng_state, dq=dq, dk=dk,
-                                          dv=dv, **ctx.options)
-        return dq, dk, dv, None, None, None, None, None
+            grads = _cf_attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, rng_state=ctx.rng_state, dq=dq,
+                                                  dk=dk, dv=dv, sinks=sinks, return_dsinks=want_dsinks, **ctx.options)
+            dsinks = _as_torch(grads[3]) if want_dsinks else None
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 _attention_apply = _direct_apply(_Attention)
@@ -140,7 +149,7 @@ _attention_varlen_apply = _direct_apply(_AttentionVarlen)
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
-              deterministic=False, score_mod=None, mask_mod=None):
+              deterministic=False, score_mod=None, mask_mod=None, sinks=None):
     """Differentiable :func:`cuflash.attention` for torch tensors: eager, compiled or captured.
 
     Runs cuflash's forward on torch's current stream of the inputs' device and saves q, k, v, out,
@@ -171,11 +180,16 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         alone), not to the modifiers' arrays: one that requires a gradient is refused while autograd
         records. A ScoreMod whose derivative is not 1 needs its ``grad`` when the call is
         differentiated. Not under ``torch.compile`` yet (an error, not a graph break).
+    sinks : float32 torch.Tensor (Hq,), optional
+        Attention sinks (gpt-oss), as in :func:`cuflash.attention`: each row's softmax denominator
+        gains ``exp(sinks[h])``, with no value. Receives a gradient when it requires one (the backward
+        asks :func:`cuflash.attention_backward` for ``return_dsinks``); eager, compiled and captured.
 
     Returns
     -------
     torch.Tensor (B, Sq, Hq, D)
-        C-contiguous, on the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias).
+        C-contiguous, on the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias,
+        dsinks).
 
     Raises
     ------
@@ -207,26 +221,28 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         return ops.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                              alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                              block_size=block_size, dropout_p=dropout_p, generator=generator,
-                             deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod)
+                             deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     _check_cuda(("q", q), ("k", k), ("v", v))
+    if sinks is not None:
+        _check_cuda(("sinks", sinks))
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if score_mod is not None or mask_mod is not None:
-        mods = ops._modifiers(score_mod, mask_mod, backward=_needs_grad(q, k, v, bias))
+        mods = ops._modifiers(score_mod, mask_mod, backward=_needs_grad(q, k, v, bias, sinks))
         ops._check_dbias_beside(mods, bias)
         options.update(mods)
-    if _needs_grad(q, k, v, bias):
-        return _attention_apply(q, k, v, bias, options, generator, deterministic)
+    if _needs_grad(q, k, v, bias, sinks):
+        return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
     out = q.new_empty(q.shape)
     with _torch_call(q.device):
-        _cf_attention(q, k, v, bias=bias, out=out, generator=generator, **options)
+        _cf_attention(q, k, v, bias=bias, sinks=sinks, out=out, generator=generator, **options)
     return out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, generator=None,
-                     deterministic=False, score_mod=None, mask_mod=None):
+                     deterministic=False, score_mod=None, mask_mod=None, sinks=None):
     """Differentiable :func:`cuflash.attention_varlen` for torch tensors: eager, compiled or captured.
 
     Parameters
@@ -239,14 +255,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on the same device
         Offsets of the packed sequences (see :func:`cuflash.attention_varlen`); never read on the host.
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, generator,
-    deterministic, score_mod, mask_mod
+    deterministic, score_mod, mask_mod, sinks
         As in :func:`cuflash.attention_varlen` and :func:`attention` (the modifiers' positions within
-        each sequence; eager mode only).
+        each sequence, eager mode only; ``sinks`` gets a gradient when it requires one).
 
     Returns
     -------
     torch.Tensor (total_q, Hq, D)
-        Its backward gives dq, dk, dv.
+        Its backward gives dq, dk, dv (and dsinks).
 
     Raises
     ------
@@ -271,25 +287,28 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                     max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                     generator=generator, deterministic=deterministic, score_mod=score_mod,
-                                    mask_mod=mask_mod)
+                                    mask_mod=mask_mod, sinks=sinks)
     _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
-    grad = _needs_grad(q, k, v, None)
+    if sinks is not None:
+        _check_cuda(("sinks", sinks))
+    grad = _needs_grad(q, k, v, None, sinks)
     mods = ops._modifiers(score_mod, mask_mod, backward=grad) or {}
     if grad:
         options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
                        generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes, **mods)
-        return _attention_varlen_apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options)
+        return _attention_varlen_apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       options)
     out = q.new_empty(q.shape)
     with _torch_call(q.device):
         _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                              causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                             dropout_p=dropout_p, generator=generator, out=out, **mods)
+                             dropout_p=dropout_p, generator=generator, out=out, sinks=sinks, **mods)
     return out
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, score_mod=None, mask_mod=None):
+           out=None, score_mod=None, mask_mod=None, sinks=None):
     """:func:`cuflash.decode` for torch tensors: eager, compiled or captured (a serving loop's graph).
 
     Parameters
@@ -309,6 +328,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         As in :func:`cuflash.decode` (absolute positions in each sequence), in eager mode and CUDA
         graphs; their array arguments may be torch tensors. Not under ``torch.compile`` yet (an error).
+    sinks : float32 torch.Tensor (Hq,), optional
+        Attention sinks, as in :func:`cuflash.decode` (an empty sequence's rows: out 0, lse = sinks[h]);
+        eager, compiled and captured (read at each call or replay). Decode has no backward.
 
     Returns
     -------
@@ -332,8 +354,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         return ops.decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                           v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
                           alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out,
-                          score_mod=score_mod, mask_mod=mask_mod)
+                          score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
     _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    if sinks is not None:
+        _check_cuda(("sinks", sinks))
     mods = ops._modifiers(score_mod, mask_mod) or {}
     if out is None:
         out = q.new_empty(q.shape)
@@ -342,7 +366,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     with _torch_call(q.device):
         _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                    v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, **mods)
+                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, sinks=sinks, **mods)
     return (out, lse) if return_lse else out
 
 

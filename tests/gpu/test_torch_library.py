@@ -111,26 +111,43 @@ def test_fake_shapes_match_the_contract(dropout_p):
         assert rng.shape == ((2,) if dropout_p else (0,)) and rng.dtype == torch.int64
         assert rng.device.type == ("cpu" if dropout_p else device)
 
-        dq, dk, dv, dbias = torch.ops.cuflash.attention_backward(out, q, k, k, out, lse, rng, bias=bias,
-                                                                 dropout_p=dropout_p, return_dbias=True)
+        dq, dk, dv, dbias, dsinks = torch.ops.cuflash.attention_backward(out, q, k, k, out, lse, rng, bias=bias,
+                                                                         dropout_p=dropout_p, return_dbias=True)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape and dq.is_contiguous()
-        assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+        assert dbias.shape == bias.shape and dbias.dtype == bias.dtype and dsinks.numel() == 0
         assert torch.ops.cuflash.attention_backward(out, q, k, k, out, lse, rng)[3].numel() == 0
+        sinks = torch.empty(Hq, device=device, dtype=torch.float32)
+        assert torch.ops.cuflash.attention_forward(q, k, k, sinks=sinks)[1].shape == (B, Hq, Sq)
+        dsinks = torch.ops.cuflash.attention_backward(out, q, k, k, out, lse, rng, dropout_p=dropout_p, sinks=sinks,
+                                                      return_dsinks=True)[4]
+        assert dsinks.shape == (Hq,) and dsinks.dtype == torch.float32
+        with pytest.raises(ValueError, match="sinks must have shape"):
+            torch.ops.cuflash.attention_forward(q, k, k, sinks=torch.empty(Hq + 1, device=device))
+        with pytest.raises(ValueError, match="return_dsinks=True needs sinks"):
+            torch.ops.cuflash.attention_backward(out, q, k, k, out, lse, rng, dropout_p=dropout_p, return_dsinks=True)
 
         qv = torch.empty(50, Hq, D, device=device, dtype=torch.float16)
         kv = torch.empty(70, Hk, D, device=device, dtype=torch.float16)
         cu = torch.empty(4, device=device, dtype=torch.int32)
         out, lse, rng = torch.ops.cuflash.attention_varlen_forward(qv, kv, kv, cu, cu, dropout_p=dropout_p)
         assert out.shape == qv.shape and lse.shape == (Hq, 50) and lse.dtype == torch.float32
-        dq, dk, dv = torch.ops.cuflash.attention_varlen_backward(out, qv, kv, kv, out, lse, cu, cu, rng,
-                                                                 dropout_p=dropout_p)
-        assert dq.shape == qv.shape and dk.shape == kv.shape and dv.dtype == torch.float16
+        dq, dk, dv, dsinks = torch.ops.cuflash.attention_varlen_backward(out, qv, kv, kv, out, lse, cu, cu, rng,
+                                                                         dropout_p=dropout_p)
+        assert dq.shape == qv.shape and dk.shape == kv.shape and dv.dtype == torch.float16 and dsinks.numel() == 0
+        dsinks = torch.ops.cuflash.attention_varlen_backward(out, qv, kv, kv, out, lse, cu, cu, rng,
+                                                             dropout_p=dropout_p, sinks=sinks, return_dsinks=True)[3]
+        assert dsinks.shape == (Hq,) and dsinks.dtype == torch.float32
 
         q1 = torch.empty(B, 3, Hq, D, device=device, dtype=torch.bfloat16)
         cache = torch.empty(B, 256, Hk, D, device=device, dtype=torch.bfloat16)
         out, lse = torch.ops.cuflash.decode(q1, cache, cache.clone())
         assert out.shape == q1.shape and out.dtype == q1.dtype and lse.shape == (B, Hq, 3)
         assert torch.ops.cuflash.decode_out(q1, cache, cache.clone(), torch.empty_like(q1)).shape == (B, Hq, 3)
+        assert torch.ops.cuflash.decode(q1, cache, cache.clone(), sinks=sinks)[1].shape == (B, Hq, 3)
+        assert torch.ops.cuflash.decode_out(q1, cache, cache.clone(), torch.empty_like(q1), sinks=sinks).shape == \
+            (B, Hq, 3)
+        with pytest.raises(ValueError, match="sinks must have shape"):
+            torch.ops.cuflash.decode(q1, cache, cache.clone(), sinks=torch.empty(1, device=device))
 
         outs = torch.empty(3, B, 5, Hq, D, device=device, dtype=torch.float16)
         lses = torch.empty(3, B, Hq, 5, device=device, dtype=torch.float32)
@@ -184,12 +201,17 @@ class ReferenceKernels:
         _into(lse, s)
 
     @staticmethod
-    def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, rng_state, options, return_dbias):
+    def attention_backward(dout, q, k, v, out, lse, dq, dk, dv, rng_state, options, return_dbias, return_dsinks):
         grads = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), rng_state=rng_state,
-                                             return_dbias=return_dbias, **_host(options, ("deterministic",)))
+                                             return_dbias=return_dbias, return_dsinks=return_dsinks,
+                                             **_host(options, ("deterministic",)))
         for target, g in zip((dq, dk, dv), grads):
             _into(target, g)
-        return torch.from_numpy(np.ascontiguousarray(grads[3])).to(options["bias"].dtype) if return_dbias else None
+        extra = list(grads[3:])
+        dbias = torch.from_numpy(np.ascontiguousarray(extra.pop(0))).to(options["bias"].dtype) if return_dbias else None
+        dsinks = torch.from_numpy(np.ascontiguousarray(extra.pop(0))).to(options["sinks"].dtype) if return_dsinks \
+            else None
+        return dbias, dsinks
 
     @staticmethod
     def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, rng_state, options):
@@ -200,12 +222,13 @@ class ReferenceKernels:
 
     @staticmethod
     def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, rng_state,
-                                  options):
+                                  options, return_dsinks):
         grads = reference.attention_varlen_backward(_np(dout), _np(q), _np(k), _np(v), _np(cu_seqlens_q),
-                                                    _np(cu_seqlens_k), rng_state=rng_state,
+                                                    _np(cu_seqlens_k), rng_state=rng_state, return_dsinks=return_dsinks,
                                                     **_host(options, ("deterministic",)))
         for target, g in zip((dq, dk, dv), grads):
             _into(target, g)
+        return torch.from_numpy(np.ascontiguousarray(grads[3])).to(options["sinks"].dtype) if return_dsinks else None
 
     @staticmethod
     def decode(q, k_cache, v_cache, out, lse, options):
@@ -232,9 +255,18 @@ def _opcheck(op, args, kwargs=None, **tolerance):
     torch.library.opcheck(op, args, kwargs or {}, **tolerance)
 
 
+def _sinks(heads, device, requires_grad=False):
+    """Attention sinks (Hq,): float32 for the CUDA kernels, float64 for the reference under "cpu" (so that
+    gradcheck's finite differences are exact); one head without a sink (-inf)."""
+    x = torch.randn(heads, dtype=torch.float32 if device == "cuda" else torch.float64, device=device)
+    x[1] = -math.inf
+    return x.requires_grad_(requires_grad)
+
+
 def _forward_cases(device, dtype):
     """(args, kwargs) of attention_forward: GQA causal; every score modifier with a bias that
-    requires a gradient; dropout with a given state; a mask and a block mask."""
+    requires a gradient; dropout with a given state; a mask and a block mask; sinks that require a
+    gradient, with a window."""
     B, Sq, Sk, Hq, Hk, D = 2, 37, 45, 4, 2, 32
     mk = lambda *s: _rand(*s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
     cases = [((mk(B, Sq, Hq, D), mk(B, Sk, Hk, D), mk(B, Sk, Hk, D)), dict(causal=True, deterministic=True))]
@@ -250,6 +282,9 @@ def _forward_cases(device, dtype):
     block_mask[:, :, :, 0] = False   # every row still sees keys beyond the first block
     cases.append(((mk(B, Sq, Hq, D), mk(B, Sk, Hk, D), mk(B, Sk, Hk, D)),
                   dict(mask=mask, block_mask=block_mask, block_q=16, block_k=16, deterministic=True)))
+    cases.append(((mk(B, Sq, Hq, D), mk(B, Sk, Hk, D), mk(B, Sk, Hk, D)),
+                  dict(sinks=_sinks(Hq, device, requires_grad=True), causal=True, window_left=9, window_right=0,
+                       deterministic=True)))
     return cases
 
 
@@ -268,7 +303,8 @@ def _decode_cases(device, dtype):
     mk = lambda *s: _rand(*s, dtype=dtype, device=device)  # noqa: E731
     lens = torch.tensor([0, 17, 60], dtype=torch.int32, device=device)
     cases = [((mk(B, Sq, Hq, D), mk(B, 64, Hk, D), mk(B, 64, Hk, D)),
-              dict(cache_seqlens=lens, k_new=mk(B, Sq, Hk, D), v_new=mk(B, Sq, Hk, D), num_splits=2))]
+              dict(cache_seqlens=lens, k_new=mk(B, Sq, Hk, D), v_new=mk(B, Sq, Hk, D), num_splits=2,
+                   sinks=_sinks(Hq, device)))]
     page_size, max_pages = 16, 5
     table = torch.randperm(B * max_pages + 2, device=device)[:B * max_pages].reshape(B, max_pages).to(torch.int32)
     cases.append(((mk(B, Sq, Hq, D), mk(B * max_pages + 2, page_size, Hk, D), mk(B * max_pages + 2, page_size, Hk, D)),
@@ -290,15 +326,18 @@ def _opcheck_all(device, dtype):
         dout = torch.randn_like(out)
         bwd = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in kwargs.items() if n != "rng_state"}
         bwd["return_dbias"] = "bias" in kwargs
+        bwd["return_dsinks"] = "sinks" in kwargs
         _opcheck(torch.ops.cuflash.attention_backward.default,
                  (dout, *(x.detach() for x in args), out.detach(), lse, rng), bwd)
     q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(device, dtype)
-    for kwargs in (dict(causal=True, deterministic=True), dict(dropout_p=0.2, rng_state=_state(), deterministic=True)):
+    for kwargs in (dict(causal=True, deterministic=True), dict(dropout_p=0.2, rng_state=_state(), deterministic=True),
+                   dict(causal=True, sinks=_sinks(q.shape[1], device, requires_grad=True), deterministic=True)):
         args = (q, k, v, cu_q, cu_k)
         kwargs = dict(kwargs, max_seqlen_q=max_q, max_seqlen_k=max_k)
         _opcheck(torch.ops.cuflash.attention_varlen_forward.default, args, kwargs)
         out, lse, rng = torch.ops.cuflash.attention_varlen_forward(*args, **kwargs)
-        bwd = {n: v for n, v in kwargs.items() if n != "rng_state"}
+        bwd = {n: (v.detach() if isinstance(v, torch.Tensor) else v) for n, v in kwargs.items() if n != "rng_state"}
+        bwd["return_dsinks"] = "sinks" in kwargs
         _opcheck(torch.ops.cuflash.attention_varlen_backward.default,
                  (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, cu_q, cu_k, rng), bwd)
     for args, kwargs in _decode_cases(device, dtype):
@@ -314,7 +353,8 @@ def test_opcheck_every_op_with_host_kernels(host_kernels):
 
 def test_gradcheck_of_the_autograd_formulas(host_kernels):
     """torch.autograd.gradcheck (finite differences in float64) through the ops: the backward op is
-    wired to the right inputs, GQA gradients summed, dbias reduced to bias's broadcast shape."""
+    wired to the right inputs, GQA gradients summed, dbias reduced to bias's broadcast shape, dsinks
+    (the backward asked for return_dsinks) per query head."""
     q, k, v = (_rand(*s, dtype=torch.float64, requires_grad=True) for s in ((1, 5, 4, 8), (1, 7, 2, 8), (1, 7, 2, 8)))
     bias = _rand(4, 1, 7, dtype=torch.float64, requires_grad=True)
     slopes = torch.rand(4, dtype=torch.float32)
@@ -325,6 +365,18 @@ def test_gradcheck_of_the_autograd_formulas(host_kernels):
     fv = lambda q, k, v: ops.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,  # noqa: E731
                                               causal=True)
     assert torch.autograd.gradcheck(fv, (qv, kv, vv), eps=1e-6, atol=1e-6)
+
+    # Sinks (one head without: -inf, whose gradient is 0), beside a window and dropout off.
+    sinks = _sinks(4, "cpu", requires_grad=True)
+    fs = lambda q, k, v, sinks: ops.attention(q, k, v, sinks=sinks, causal=True, window=(3, -1))  # noqa: E731
+    assert torch.autograd.gradcheck(fs, (q, k, v, sinks), eps=1e-6, atol=1e-6)
+    fvs = lambda q, k, v, sinks: ops.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=max_q,  # noqa: E731
+                                                      max_seqlen_k=max_k, causal=True, sinks=sinks)
+    assert torch.autograd.gradcheck(fvs, (qv, kv, vv, sinks), eps=1e-6, atol=1e-6)
+    # The gradient reaches sinks alone too (q, k, v constants), and through the eager functions.
+    out = ops.attention(q.detach(), k.detach(), v.detach(), sinks=sinks, causal=True)
+    (g,) = torch.autograd.grad(out.square().sum(), sinks)
+    assert g.shape == (4,) and g[1].item() == 0.0 and bool(torch.isfinite(g).all())
 
 
 class Block(torch.nn.Module):
