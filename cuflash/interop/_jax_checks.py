@@ -53,6 +53,14 @@ def _check_alibi(x, batch: int, heads_q: int) -> None:
         raise ValueError(f"alibi_slopes must have shape ({heads_q},) or ({batch}, {heads_q}), got {tuple(x.shape)}")
 
 
+def _check_sinks(x, heads_q: int) -> None:
+    """Attention sinks: float32 (Hq,), one logit per query head (as :func:`cuflash._checks.check_sinks`)."""
+    if x.dtype != np.float32:
+        raise TypeError(f"sinks must be float32, got {x.dtype}")
+    if tuple(x.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape ({heads_q},) (one per query head), got {tuple(x.shape)}")
+
+
 def _check_int32(x, name: str, shape: tuple) -> None:
     if x.dtype != np.int32:
         raise TypeError(f"{name} must be int32, got {x.dtype}")
@@ -86,7 +94,7 @@ def check_dropout_rng(dropout_rng, dropout_p: float) -> None:
 
 
 def check_attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size,
-                    dropout_p, deterministic) -> tuple:
+                    dropout_p, deterministic, sinks=None) -> tuple:
     """The checks of :func:`cuflash.attention_forward` and :func:`cuflash.attention_backward` that
     need no data. Returns the static options (scale, window, softcap, dropout_p, block_size,
     deterministic)."""
@@ -106,11 +114,13 @@ def check_attention(q, k, v, *, causal, scale, window, softcap, alibi_slopes, ma
         _checks.check_broadcast(bias, "bias", (b, hq, sq, sk), "float")
     if block_mask is not None:
         _checks.check_broadcast(block_mask, "block_mask", (b, hq, math.ceil(sq / bq), math.ceil(sk / bk)), "bool")
+    if sinks is not None:
+        _check_sinks(sinks, hq)
     return (*options, (bq, bk), _checks.check_flag(deterministic, "deterministic"))
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
-                 alibi_slopes, dropout_p, deterministic) -> tuple:
+                 alibi_slopes, dropout_p, deterministic, sinks=None) -> tuple:
     """The checks of :func:`cuflash.attention_varlen` that need no data (the offsets' values are
     checked by a kernel). Returns (max_seqlen_q, max_seqlen_k, scale, window, softcap, dropout_p,
     deterministic)."""
@@ -132,11 +142,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqle
     options = _check_options(d, causal, scale, window, softcap, dropout_p, (max_q, max_k))
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, batch, hq)
+    if sinks is not None:
+        _check_sinks(sinks, hq)
     return (int(max_seqlen_q), int(max_seqlen_k), *options, _checks.check_flag(deterministic, "deterministic"))
 
 
 def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window,
-                 softcap, alibi_slopes, scale, mask) -> tuple:
+                 softcap, alibi_slopes, scale, mask, sinks=None) -> tuple:
     """The checks of :func:`cuflash.decode` that need no data (the lengths' and the page table's
     values are checked by the decode kernels). Returns (num_splits, causal, window, softcap, scale)."""
     paged = block_table is not None
@@ -175,6 +187,8 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
     scale, window, softcap, _ = _check_options(d, causal, scale, window, softcap, 0.0, (seqlen_q, capacity))
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, batch, heads_q)
+    if sinks is not None:
+        _check_sinks(sinks, heads_q)
     if mask is not None:
         if mask.dtype != np.bool_:
             raise TypeError(f"mask must be a bool array (True = may attend), got {mask.dtype}")

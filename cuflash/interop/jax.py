@@ -9,7 +9,7 @@ cuflash's kernels are compiled with NVRTC at their first use, as from CuPy.
 
 - :func:`attention`: :func:`cuflash.attention` with its options, differentiable
   (``jax.custom_vjp``: the backward is :func:`cuflash.attention_backward`; residuals q, k, v, out,
-  lse and the dropout words, never the probabilities; gradients for q, k, v and ``bias``).
+  lse and the dropout words, never the probabilities; gradients for q, k, v, ``bias`` and ``sinks``).
 - :func:`attention_varlen`: packed sequences of different lengths, differentiable.
 - :func:`decode`: new tokens against a (paged) KV cache, appending into it; the new caches alias
   the given ones, so a donated cache is updated in place.
@@ -57,7 +57,7 @@ __all__ = ["COMMAND_BUFFERS", "attention", "attention_varlen", "decode", "dropou
 #: when a function is traced. Off by default: docs/jax.md says why and what it was measured to change.
 COMMAND_BUFFERS = False
 
-_SCORE_ARRAYS = ("alibi_slopes", "mask", "bias", "block_mask")
+_SCORE_ARRAYS = ("alibi_slopes", "mask", "bias", "block_mask", "sinks")
 _RNG_LAYOUT = ((2,), np.uint64)   # the four uint32 words of _jax_rng, read as cuflash's (seed, offset)
 
 
@@ -167,19 +167,21 @@ def _forward_call(spec: _AttentionSpec):
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_call(spec: _AttentionSpec, want_dbias: bool):
+def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = False):
     """The buffer_callback of the backward: (dout, q, k, v, out, lse, *score arrays, [words]) ->
-    (dq, dk, dv[, dbias])."""
+    (dq, dk, dv[, dbias][, dsinks])."""
     b, sq, hq, _ = spec.q
     dtype, dropout = spec.dtype, spec.dropout_p > 0
     inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
                     ((b, hq, sq), np.float32), *spec.array_layouts, *((_RNG_LAYOUT,) if dropout else ())))
     bias_layout = spec.array_layouts[spec.arrays.index("bias")] if want_dbias else None
-    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((bias_layout,) if want_dbias else ()))
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((bias_layout,) if want_dbias else ()),
+                      *((((hq,), np.float32),) if want_dsinks else ()))
     outputs = Views(result_layouts)
     options, names = spec.options(), spec.arrays
-    # dbias sums dS over the axes bias was broadcast along, in CuPy's pool: not capturable.
-    command_buffers = spec.command_buffers and not want_dbias
+    # dbias sums dS over the axes bias was broadcast along, and dsinks comes from per-CTA partial sums,
+    # both in CuPy's pool: not capturable.
+    command_buffers = spec.command_buffers and not want_dbias and not want_dsinks
 
     def callback(ctx, results, *args):
         with on_xla_stream(ctx, args[0]) as where:
@@ -189,10 +191,12 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool):
             if _jax_buffers.POISON:
                 poison(grads)
             found = attention_backward(dout, q, k, v, out, lse, rng_state=rng_state, deterministic=spec.deterministic,
-                                       return_dbias=want_dbias, dq=grads[0], dk=grads[1], dv=grads[2], **options,
-                                       **dict(zip(names, arrays)))
+                                       return_dbias=want_dbias, return_dsinks=want_dsinks, dq=grads[0], dk=grads[1],
+                                       dv=grads[2], **options, **dict(zip(names, arrays)))
             if want_dbias:
                 _copy_bits(grads[3], found[3])
+            if want_dsinks:   # last of both
+                _copy_bits(grads[-1], found[-1])
 
     return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
                            command_buffer_compatible=command_buffers)
@@ -211,26 +215,31 @@ def _attention(spec, q, k, v, arrays, words):
 
 def _attention_fwd(spec, q, k, v, arrays, words):
     # symbolic_zeros: every leaf comes as CustomVJPPrimal (value, perturbed); only a perturbed bias
-    # needs dbias, whose float32 (B, Hq, Sq, Sk) buffer the backward then makes.
+    # needs dbias, whose float32 (B, Hq, Sq, Sk) buffer the backward then makes, and only perturbed
+    # sinks need dsinks (the backward asks return_dsinks).
     want_dbias = "bias" in spec.arrays and arrays[spec.arrays.index("bias")].perturbed
+    want_dsinks = "sinks" in spec.arrays and arrays[spec.arrays.index("sinks")].perturbed
     q, k, v = q.value, k.value, v.value
     arrays = tuple(x.value for x in arrays)
     words = tuple(x.value for x in words)
     out, lse = _forward_call(spec)(q, k, v, *arrays, *words)
-    return (out, lse), (q, k, v, arrays, words, out, lse, ((),) if want_dbias else ())
+    # The two flags travel as pytree structure (an empty tuple or a tuple holding one), not as data.
+    wanted = (((),) if want_dbias else (), ((),) if want_dsinks else ())
+    return (out, lse), (q, k, v, arrays, words, out, lse, wanted)
 
 
 def _attention_bwd(spec, residuals, cotangents):
-    q, k, v, arrays, words, out, lse, want_dbias = residuals
+    q, k, v, arrays, words, out, lse, wanted = residuals
+    want_dbias, want_dsinks = bool(wanted[0]), bool(wanted[1])
     dout = cotangents[0]   # lse leaves attention() under stop_gradient: its cotangent is unused
     none = tuple(None for _ in arrays)
     if isinstance(dout, SymbolicZero):
         return None, None, None, none, tuple(None for _ in words)
     words_u64 = words   # the same four words; the backward's callback views them as uint64 (2,)
-    grads = _backward_call(spec, bool(want_dbias))(dout.astype(spec.dtype), q, k, v, out, lse, *arrays, *words_u64)
-    array_grads = none
-    if want_dbias:
-        array_grads = tuple(grads[3] if name == "bias" else None for name in spec.arrays)
+    grads = _backward_call(spec, want_dbias, want_dsinks)(dout.astype(spec.dtype), q, k, v, out, lse, *arrays,
+                                                          *words_u64)
+    extra = {"bias": grads[3] if want_dbias else None, "sinks": grads[-1] if want_dsinks else None}
+    array_grads = tuple(extra.get(name) for name in spec.arrays)
     return grads[0], grads[1], grads[2], array_grads, tuple(None for _ in words)
 
 
@@ -239,7 +248,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, dropout_rng=None,
-              deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
+              deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
     """Exact attention of JAX arrays on cuflash's kernels, differentiable, inside ``jax.jit``.
 
     :func:`cuflash.attention` as a JAX function: the same options and layout, run on XLA's stream
@@ -288,12 +297,16 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     score_mod, mask_mod : None
         Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
         modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
+    sinks : jax.Array float32 (Hq,), optional
+        Attention sinks (gpt-oss), as in :func:`cuflash.attention`: each row's softmax denominator
+        gains ``exp(sinks[h])``, with no value; lse includes it. Differentiable: when it is
+        differentiated the backward also returns dL/dsinks (``return_dsinks``).
 
     Returns
     -------
     out : jax.Array (B, Sq, Hq, D), the dtype of q
     lse : jax.Array float32 (B, Hq, Sq)
-        Only with ``return_lse``; ``-inf`` for a row that sees no key.
+        Only with ``return_lse``; ``-inf`` (``sinks[h]`` with sinks) for a row that sees no key.
 
     Raises
     ------
@@ -322,8 +335,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     """
     _refuse_modifiers(score_mod, mask_mod, "attention")
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
-    given = {name: check_array(x, name) for name, x in zip(_SCORE_ARRAYS, (alibi_slopes, mask, bias, block_mask))
-             if x is not None}
+    given = {name: check_array(x, name) for name, x in zip(_SCORE_ARRAYS, (alibi_slopes, mask, bias, block_mask,
+                                                                           sinks)) if x is not None}
     scale, window, softcap, dropout_p, block_size, deterministic = check_attention(
         q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
         dropout_p=dropout_p, deterministic=deterministic, **{n: given.get(n) for n in _SCORE_ARRAYS})
@@ -355,6 +368,7 @@ class _VarlenSpec(NamedTuple):
     deterministic: bool
     alibi: object        # the layout of alibi_slopes, or None
     command_buffers: bool
+    sinks: bool = False  # sinks (float32 (Hq,)) given: an operand after alibi_slopes
 
     def options(self) -> dict:
         return dict(max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, causal=self.causal,
@@ -363,15 +377,22 @@ class _VarlenSpec(NamedTuple):
 
 def _varlen_inputs(spec: _VarlenSpec) -> tuple:
     cu = ((spec.batch + 1,), np.int32)
-    return (cu, cu, *((spec.alibi,) if spec.alibi is not None else ()))
+    return (cu, cu, *((spec.alibi,) if spec.alibi is not None else ()),
+            *((((spec.q[1],), np.float32),) if spec.sinks else ()))
+
+
+def _varlen_arrays(spec: _VarlenSpec, rest) -> dict:
+    """alibi_slopes and sinks of a varlen callback from its operands after the offsets."""
+    alibi = spec.alibi is not None
+    return dict(alibi_slopes=rest[0] if alibi else None, sinks=rest[alibi] if spec.sinks else None)
 
 
 @functools.lru_cache(maxsize=256)
 def _varlen_forward_call(spec: _VarlenSpec):
-    """(q, k, v, cu_q, cu_k, [alibi], [words]) -> (out, lse (Hq, total_q))."""
+    """(q, k, v, cu_q, cu_k, [alibi], [sinks], [words]) -> (out, lse (Hq, total_q))."""
     total_q, hq, _ = spec.q
     dtype, dropout, alibi = spec.dtype, spec.dropout_p > 0, spec.alibi is not None
-    n_in = 5 + alibi
+    n_in = 5 + alibi + spec.sinks
     inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *_varlen_inputs(spec)))
     outputs = Views(((spec.q, dtype), ((hq, total_q), np.float32)))
     options = spec.options()
@@ -384,8 +405,8 @@ def _varlen_forward_call(spec: _VarlenSpec):
                 poison((out, lse))
             # check=False: a bad offset is found on the GPU, makes the call write nothing, and is
             # raised by the next varlen call on this stream (cuflash.check_errors() asks at once).
-            _varlen_with_rng_words(q, k, v, cu_q, cu_k, _ptr(args[n_in]) if dropout else None,
-                                   alibi_slopes=rest[0] if alibi else None, out=out, lse=lse, check=False, **options)
+            _varlen_with_rng_words(q, k, v, cu_q, cu_k, _ptr(args[n_in]) if dropout else None, out=out, lse=lse,
+                                   check=False, **_varlen_arrays(spec, rest), **options)
 
     return buffer_callback(callback, (_sds(spec.q, dtype), _sds((hq, total_q), np.float32)),
                            command_buffer_compatible=spec.command_buffers)
@@ -393,14 +414,18 @@ def _varlen_forward_call(spec: _VarlenSpec):
 
 @functools.lru_cache(maxsize=256)
 def _varlen_backward_call(spec: _VarlenSpec):
-    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [words]) -> (dq, dk, dv)."""
+    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [sinks], [words]) -> (dq, dk, dv[, dsinks]).
+
+    With sinks the backward always returns dsinks (the varlen vjp does not see which inputs are
+    differentiated): one more small launch."""
     total_q, hq, _ = spec.q
-    dtype, dropout, alibi = spec.dtype, spec.dropout_p > 0, spec.alibi is not None
+    dtype, dropout = spec.dtype, spec.dropout_p > 0
     inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
                     ((hq, total_q), np.float32), *_varlen_inputs(spec), *((_RNG_LAYOUT,) if dropout else ())))
-    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype))
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((((hq,), np.float32),) if spec.sinks else ()))
     outputs = Views(result_layouts)
     options = spec.options()
+    command_buffers = spec.command_buffers and not spec.sinks   # dsinks' partial sums: CuPy's pool
 
     def callback(ctx, results, *args):
         with on_xla_stream(ctx, args[0]) as where:
@@ -408,12 +433,15 @@ def _varlen_backward_call(spec: _VarlenSpec):
             grads = outputs(results, where.device)
             if _jax_buffers.POISON:
                 poison(grads)
-            attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, rng_state=rest[-1] if dropout else None,
-                                      alibi_slopes=rest[0] if alibi else None, deterministic=spec.deterministic,
-                                      dq=grads[0], dk=grads[1], dv=grads[2], check=False, **options)
+            found = attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                              rng_state=rest[-1] if dropout else None, return_dsinks=spec.sinks,
+                                              deterministic=spec.deterministic, dq=grads[0], dk=grads[1], dv=grads[2],
+                                              check=False, **_varlen_arrays(spec, rest), **options)
+            if spec.sinks:
+                _copy_bits(grads[3], found[3])
 
     return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
-                           command_buffer_compatible=spec.command_buffers)
+                           command_buffer_compatible=command_buffers)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -428,8 +456,11 @@ def _varlen_fwd(spec, q, k, v, cu_q, cu_k, arrays):
 
 def _varlen_bwd(spec, residuals, cotangents):
     q, k, v, cu_q, cu_k, arrays, out, lse = residuals
-    dq, dk, dv = _varlen_backward_call(spec)(cotangents[0].astype(spec.dtype), q, k, v, out, lse, cu_q, cu_k, *arrays)
-    return dq, dk, dv, None, None, tuple(None for _ in arrays)
+    grads = _varlen_backward_call(spec)(cotangents[0].astype(spec.dtype), q, k, v, out, lse, cu_q, cu_k, *arrays)
+    array_grads = [None] * len(arrays)
+    if spec.sinks:   # arrays: [alibi], sinks, [words]
+        array_grads[int(spec.alibi is not None)] = grads[3]
+    return grads[0], grads[1], grads[2], None, None, tuple(array_grads)
 
 
 _attention_varlen.defvjp(_varlen_fwd, _varlen_bwd)
@@ -437,7 +468,7 @@ _attention_varlen.defvjp(_varlen_fwd, _varlen_bwd)
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
                      window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
-                     deterministic=False, return_lse=False, score_mod=None, mask_mod=None):
+                     deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
     """Attention over sequences of different lengths packed without padding, differentiable.
 
     :func:`cuflash.attention_varlen` as a JAX function; ``jax.grad`` runs
@@ -460,8 +491,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
         A bound of the longest query sequence (static: it sizes the grid; checked on the GPU).
     max_seqlen_k : int
         A bound of the longest key sequence.
-    causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_rng, deterministic
-        As in :func:`attention` (per sequence, bottom-right aligned; alibi_slopes (Hq,) or (B, Hq)).
+    causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_rng, deterministic, sinks
+        As in :func:`attention` (per sequence, bottom-right aligned; alibi_slopes (Hq,) or (B, Hq);
+        sinks float32 (Hq,), differentiable: with sinks the backward always computes dsinks).
     return_lse : bool, default False
         Also return the lse, float32 (Hq, total_q), under ``jax.lax.stop_gradient``.
     score_mod, mask_mod : None
@@ -496,24 +528,27 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
     cu_q, cu_k = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cu_seqlens_k, "cu_seqlens_k")
     alibi = check_array(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None
+    sinks = check_array(sinks, "sinks") if sinks is not None else None
     if max_seqlen_q is None or max_seqlen_k is None:
         raise TypeError("max_seqlen_q and max_seqlen_k must be ints (static bounds of the sequence lengths)")
     max_q, max_k, scale, window, softcap, dropout_p, deterministic = check_varlen(
         q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
-        window=window, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, deterministic=deterministic)
+        window=window, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, deterministic=deterministic,
+        sinks=sinks)
     check_dropout_rng(dropout_rng, dropout_p)
     return_lse = _checks.check_flag(return_lse, "return_lse")
     spec = _VarlenSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), cu_q.shape[0] - 1, max_q, max_k,
                        bool(causal), scale, window, softcap, dropout_p, deterministic,
-                       _layout(alibi) if alibi is not None else None, _command_buffers(q.shape[-1]))
-    arrays = ((alibi,) if alibi is not None else ()) + ((state_words(dropout_rng),) if dropout_p else ())
+                       _layout(alibi) if alibi is not None else None, _command_buffers(q.shape[-1]), sinks is not None)
+    arrays = ((alibi,) if alibi is not None else ()) + ((sinks,) if sinks is not None else ()) + \
+        ((state_words(dropout_rng),) if dropout_p else ())
     out, lse = _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- decode and merge
 
-_DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes")
+_DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes", "sinks")
 
 
 @functools.lru_cache(maxsize=256)
@@ -550,7 +585,7 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           score_mod=None, mask_mod=None):
+           score_mod=None, mask_mod=None, sinks=None):
     """A few new query tokens against a KV cache (contiguous or paged), appending their keys first.
 
     :func:`cuflash.decode` as a JAX function (no gradient). With ``k_new``/``v_new`` the call
@@ -585,6 +620,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     score_mod, mask_mod : None
         Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
         modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
+    sinks : jax.Array float32 (Hq,), optional
+        Attention sinks, as in :func:`cuflash.decode` (an empty sequence's rows: out 0, lse =
+        ``sinks[h]``).
 
     Returns
     -------
@@ -620,7 +658,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     k_cache, v_cache = check_array(k_cache, "k_cache"), check_array(v_cache, "v_cache")
     lens = check_array(cache_seqlens, "cache_seqlens")
     given = {name: check_array(x, name) for name, x in zip(_DECODE_ARRAYS, (block_table, k_new, v_new, mask,
-                                                                            alibi_slopes)) if x is not None}
+                                                                            alibi_slopes, sinks)) if x is not None}
     num_splits, causal, window, softcap, scale = check_decode(
         q, k_cache, v_cache, cache_seqlens=lens, num_splits=num_splits, causal=causal, window=window,
         softcap=softcap, scale=scale, **{n: given.get(n) for n in _DECODE_ARRAYS})

@@ -73,6 +73,38 @@ def test_dbias_only_when_the_bias_is_differentiated():
     assert grads[1].shape == bias.shape and grads[1].dtype == bias.dtype
 
 
+def test_dsinks_only_when_the_sinks_are_differentiated():
+    q, k, sinks = S((1, 64, 4, 64), BF16), S((1, 80, 2, 64), BF16), S((4,), F32)
+
+    def loss(q, k, v, sinks):
+        return cj.attention(q, k, v, sinks=sinks, causal=True).astype(F32).sum()
+
+    def backward_outputs(argnums):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, sinks).jaxpr
+        backward = [e for e in _callbacks(jaxpr) if len(e.outvars) >= 3]
+        assert len(backward) == 1
+        return [v.aval.shape for v in backward[0].outvars]
+
+    assert backward_outputs((0, 1, 2)) == [q.shape, k.shape, k.shape]
+    assert backward_outputs((0, 3)) == [q.shape, k.shape, k.shape, sinks.shape]
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 3)), q, k, k, sinks)
+    assert (grads[1].shape, grads[1].dtype) == (sinks.shape, F32)
+    # The sinks go into the forward's callback as an operand (a buffer, read at each call).
+    forward = [e for e in _callbacks(jax.make_jaxpr(loss)(q, k, k, sinks).jaxpr)]
+    assert len(forward) == 1 and any(v.aval.shape == (4,) for v in forward[0].invars)
+
+    # varlen: dsinks beside dq, dk, dv; decode: an operand, shapes unchanged.
+    qv, kv, cu = S((300, 4, 64), F16), S((400, 2, 64), F16), S((4,), jnp.int32)
+    fv = lambda q, k, v, cq, ck, s: cj.attention_varlen(q, k, v, cq, ck, max_seqlen_q=200,  # noqa: E731
+                                                         max_seqlen_k=300, sinks=s, alibi_slopes=jnp.ones(4, F32))
+    grads = jax.eval_shape(jax.grad(lambda *a: fv(*a).astype(F32).sum(), argnums=(0, 5)), qv, kv, kv, cu, cu, sinks)
+    assert grads[0].shape == qv.shape and (grads[1].shape, grads[1].dtype) == ((4,), F32)
+    qd, cache, lens = S((2, 1, 4, 128), BF16), S((2, 512, 2, 128), BF16), S((2,), jnp.int32)
+    out, lse = jax.eval_shape(lambda q, kc, vc, l, s: cj.decode(q, kc, vc, cache_seqlens=l, sinks=s, return_lse=True),
+                              qd, cache, cache, lens, sinks)
+    assert out.shape == qd.shape and lse.shape == (2, 4, 1)
+
+
 def test_varlen_decode_and_merge_shapes():
     q, k, cu = S((300, 8, 64), F16), S((400, 4, 64), F16), S((4,), jnp.int32)
     fn = lambda q, k, v, cq, ck: cj.attention_varlen(q, k, v, cq, ck, max_seqlen_q=200, max_seqlen_k=300,  # noqa: E731
@@ -144,6 +176,19 @@ ERRORS = [
      "num_splits"),
     (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), block_table=jnp.zeros((2, 3), jnp.int32)),
      ValueError, "block_table must have one row"),
+    (lambda q, k: cj.attention(q, k, k, sinks=jnp.zeros(4, F16)), TypeError, "sinks must be float32"),
+    (lambda q, k: cj.attention(q, k, k, sinks=jnp.zeros(2, F32)), ValueError, r"sinks must have shape \(4,\)"),
+    (lambda q, k: cj.attention(q, k, k, sinks=[0.0] * 4), TypeError, "sinks must be a JAX array"),
+    (lambda q, k: cj.attention_varlen(q[0], k[0], k[0], jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32),
+                                      max_seqlen_q=8, max_seqlen_k=8, sinks=jnp.zeros((1, 4), F32)), ValueError,
+     "sinks must have shape"),
+    (lambda q, k: cj.attention_varlen(q[0], k[0], k[0], jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.int32),
+                                      max_seqlen_q=8, max_seqlen_k=8, sinks=jnp.zeros(4, jnp.int32)), TypeError,
+     "sinks must be float32"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), sinks=jnp.zeros(3, F32)), ValueError,
+     "sinks must have shape"),
+    (lambda q, k: cj.decode(q, k, k, cache_seqlens=jnp.zeros(1, jnp.int32), sinks=jnp.zeros(4, BF16)), TypeError,
+     "sinks must be float32"),
     (lambda q, k: cj.merge_states(q[None], jnp.zeros((1, 1, 4, 15), F32)), ValueError, "lses must have shape"),
     (lambda q, k: cj.merge_states(q[None], jnp.zeros((1, 1, 4, 16), F16)), TypeError, "lses must be float32"),
     (lambda q, k: cj.merge_states([], []), ValueError, "at least one"),
