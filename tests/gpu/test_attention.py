@@ -34,13 +34,7 @@ import cupy
 import cuflash
 import cuflash.testing as tt
 from cuflash import reference
-
-
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver / no device
-        return False
+from tests.gpu._hardware import gpu_available as _gpu_available  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu,

@@ -60,22 +60,7 @@ from cuflash import backward as bw
 from cuflash import reference
 from cuflash.reference import attention_backward as reference_backward
 from cuflash.reference import attention_varlen_backward as reference_varlen_backward
-
-
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver / no device
-        return False
-
-
-def _is_sm90():
-    if not _gpu_available():
-        return False
-    try:
-        return cupy.cuda.Device().compute_capability == "90"
-    except Exception:
-        return False
+from tests.gpu._hardware import gpu_available as _gpu_available, is_sm90 as _is_sm90  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]

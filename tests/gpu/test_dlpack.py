@@ -22,13 +22,7 @@ from cuflash import reference
 # JAX would otherwise grab 75% of the GPU's memory at its first array, starving the CuPy tests
 # that run after this module in the same process.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver / no device
-        return False
+from tests.gpu._hardware import gpu_available as _gpu_available  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu,

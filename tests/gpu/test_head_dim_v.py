@@ -30,25 +30,11 @@ import cuflash
 import cuflash.backward
 import cuflash.testing as tt
 from cuflash import reference
-
-
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver / no device
-        return False
-
-
-def _is_sm90():
-    try:
-        return _gpu_available() and cupy.cuda.Device().compute_capability == "90"
-    except Exception:
-        return False
+from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
 
-SM90 = pytest.mark.skipif(not _is_sm90(), reason="the sm90 families need an sm_90 GPU")
 PAIRS = ((192, 128), (128, 64), (64, 128))
 PAIRS_SIMT = ((192, 128), (128, 64), (64, 128), (96, 40), (40, 200))
 FAMILIES = [pytest.param("fwd_sm80", "bwd_sm80", "float16", id="sm80-fp16"),

@@ -40,25 +40,11 @@ import cuflash.testing as tt
 from cuflash import reference
 from cuflash.random import as_rng_state, dropout_keep
 from cuflash.reference import _forward as _ref_forward
-
-
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver / no device
-        return False
-
-
-def _is_sm90():
-    try:
-        return _gpu_available() and cupy.cuda.Device().compute_capability == "90"
-    except Exception:
-        return False
+from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
 
-SM90 = pytest.mark.skipif(not _is_sm90(), reason="the sm90 families need an sm_90 GPU")
 FORWARD = [pytest.param("fwd_sm80", "float16", id="fwd_sm80-fp16"),
            pytest.param("fwd_sm80", "bfloat16", id="fwd_sm80-bf16"),
            pytest.param("fwd_simt", "float32", id="fwd_simt-fp32"),

@@ -30,13 +30,7 @@ from tests.gpu.test_decode import _bits, build_case
 from tests.gpu.test_sinks import baseline_forward, make_sinks
 
 NAN = float("nan")
-
-
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver / no device
-        return False
+from tests.gpu._hardware import gpu_available as _gpu_available  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
