@@ -152,7 +152,7 @@ class _Op:
         if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args):
             return self.default(*args)
         for index in self._mutated:
-            if args[index] is not None:
+            if index < len(args) and args[index] is not None:
                 torch.autograd.graph.increment_version(args[index])
         return self.kernel(*args)
 
