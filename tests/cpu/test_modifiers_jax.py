@@ -146,6 +146,10 @@ def test_a_score_mod_without_its_grad_fails_when_the_gradient_is_traced():
         jax.eval_shape(jax.grad(lambda q: attention(q).astype(F32).sum()), q)
     with pytest.raises(ValueError, match=r"cuflash.interop.jax.attention_varlen: score_mod .* pass grad="):
         jax.eval_shape(jax.grad(lambda q, cu: varlen(q, cu).astype(F32).sum()), t, cu)
+    qz = jnp.zeros((1, 16, 2, 64), BF16)
+    table_only = lambda t: cj.attention(qz, qz, qz, score_mod=cuflash.ScoreMod(  # noqa: E731
+        CAP[0] + " + t[0]", c=20.0, t=t)).astype(F32).sum()
+    assert jax.eval_shape(jax.grad(table_only), S((1,), F32)).shape == (1,)   # no backward runs: zeros, no error
     with_grad = cuflash.ScoreMod(*CAP, c=20.0)
     grad = jax.eval_shape(jax.grad(lambda q: cj.attention(q, q, q, score_mod=with_grad).astype(F32).sum()), q)
     assert grad.shape == q.shape
