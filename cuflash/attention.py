@@ -204,7 +204,7 @@ def _forward_at(q, k, v, *, dropout_origin=(0, 0), causal=False, scale=None, win
 
 def _forward_with_rng_words(q, k, v, rng_words, *, causal=False, scale=None, window=None, softcap=0.0,
                             alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
-                            dropout_p=0.0, sinks=None, out=None, lse=None):
+                            dropout_p=0.0, sinks=None, out=None, lse=None, score_mod=None, mask_mod=None):
     """:func:`attention_forward` whose dropout (seed, offset) the kernels read from the GPU: ``rng_words``
     is the address of a uint64 (2,) array ``[seed, offset]`` on the call's device (as
     ``attention_backward(rng_state=<device array>)`` reads it). For callers whose state is device data
@@ -212,7 +212,8 @@ def _forward_with_rng_words(q, k, v, rng_words, *, causal=False, scale=None, win
     Returns (out, lse); nothing is drawn from a generator. Private: the public signatures hold only
     what users pass."""
     out, lse, _ = _forward((q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks), causal, scale, window,
-                           softcap, block_size, dropout_p, None, True, False, (0, 0), rng_words)
+                           softcap, block_size, dropout_p, None, True, False, (0, 0), rng_words,
+                           (score_mod, mask_mod))
     return out, lse
 
 
@@ -603,12 +604,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
 def _varlen_with_rng_words(q, k, v, cu_seqlens_q, cu_seqlens_k, rng_words, *, max_seqlen_q=None, max_seqlen_k=None,
                            causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                           sinks=None, out=None, lse=None, check=None):
+                           sinks=None, out=None, lse=None, check=None, score_mod=None, mask_mod=None):
     """:func:`attention_varlen` with ``return_lse=True``, writing ``lse`` (float32 (Hq, total_q),
     C-contiguous) when given, and reading its dropout (seed, offset) from the device words at address
     ``rng_words`` (see :func:`_forward_with_rng_words`). Returns (out, lse)."""
     return _varlen((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks), max_seqlen_q, max_seqlen_k,
-                   causal, scale, window, softcap, dropout_p, None, True, check, rng_words)
+                   causal, scale, window, softcap, dropout_p, None, True, check, rng_words, (score_mod, mask_mod))
 
 
 def _varlen(operands, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, generator, return_lse,

@@ -16,6 +16,11 @@ cuflash's kernels are compiled with NVRTC at their first use, as from CuPy.
 - :func:`merge_states`: combine partial results over disjoint keys.
 - :func:`dropout_state`: the (seed, offset) that a dropout key gives, for the float64 reference.
 
+User modifiers (``score_mod=`` a :class:`cuflash.ScoreMod`, ``mask_mod=`` a :class:`cuflash.MaskMod`) are
+taken by :func:`attention`, :func:`attention_varlen` and :func:`decode` with JAX arrays as their array
+arguments: split when traced into their static part (expression, grad, scalars) and their arrays, which
+become operands of the callback, around whose buffers the modifiers are rebuilt (:mod:`._jax_modifiers`).
+
 Shapes, dtypes and options are checked when the function is traced (``jax.eval_shape`` raises the
 same TypeError/ValueError, naming the argument); the options are static (Python values). Layouts are
 cuflash's: (B, S, H, D), lse (B, H, S).
@@ -48,6 +53,8 @@ from ..merge import merge_states as _merge_states
 from . import _jax_buffers
 from ._jax_buffers import Views, poison
 from ._jax_checks import check_array, check_attention, check_decode, check_dropout_rng, check_merge, check_varlen
+from ._jax_modifiers import check_differentiable
+from ._jax_modifiers import split as split_modifiers
 from ._jax_rng import state_words
 from ._jax_stream import on_xla_stream
 
@@ -104,15 +111,6 @@ def dropout_state(key):
     return state_words(key)
 
 
-def _refuse_modifiers(score_mod, mask_mod, function: str) -> None:
-    """score_mod= / mask_mod= are not taken by the JAX functions yet (docs/decisions.md, "jax: no
-    modifiers yet"): a NotImplementedError naming the argument, at trace time, rather than a dropped one."""
-    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if value is not None:
-            raise NotImplementedError(f"cuflash.interop.jax.{function} does not take {name} yet (cuflash.attention, "
-                                      f"cuflash.decode and cuflash.interop.torch do); call it without {name}")
-
-
 # ----------------------------------------------------------------------------- attention
 
 
@@ -132,10 +130,14 @@ class _AttentionSpec(NamedTuple):
     arrays: tuple        # names of the score arrays given, in _SCORE_ARRAYS order
     array_layouts: tuple
     command_buffers: bool
+    mods: object = None  # _jax_modifiers.Modifiers: score_mod / mask_mod, their arrays operands after the above
 
     def options(self) -> dict:
         return dict(causal=self.causal, scale=self.scale, window=self.window, softcap=self.softcap,
                     block_size=self.block_size, dropout_p=self.dropout_p)
+
+    def mod_layouts(self) -> tuple:
+        return self.mods.layouts if self.mods is not None else ()
 
 
 def _command_buffers(head_dim: int) -> bool:
@@ -145,11 +147,12 @@ def _command_buffers(head_dim: int) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _forward_call(spec: _AttentionSpec):
-    """The buffer_callback of the forward: (q, k, v, *score arrays, [words]) -> (out, lse)."""
+    """The buffer_callback of the forward: (q, k, v, *score arrays, *modifier arrays, [words]) -> (out, lse)."""
     b, sq, hq, _ = spec.q
-    dtype, dropout = spec.dtype, spec.dropout_p > 0
-    n_in = 3 + len(spec.arrays)
-    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *spec.array_layouts))
+    dtype, dropout, mods = spec.dtype, spec.dropout_p > 0, spec.mods
+    n_arrays = len(spec.arrays)
+    n_in = 3 + n_arrays + len(spec.mod_layouts())
+    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *spec.array_layouts, *spec.mod_layouts()))
     outputs = Views(((spec.q, dtype), ((b, hq, sq), np.float32)))
     options, names = spec.options(), spec.arrays
 
@@ -159,8 +162,10 @@ def _forward_call(spec: _AttentionSpec):
             out, lse = outputs(results, where.device)
             if _jax_buffers.POISON:
                 poison((out, lse))
+            score_mod, mask_mod = mods.rebuild(arrays[n_arrays:]) if mods is not None else (None, None)
             _forward_with_rng_words(q, k, v, _ptr(args[n_in]) if dropout else None, out=out, lse=lse,
-                                    **options, **dict(zip(names, arrays)))
+                                    score_mod=score_mod, mask_mod=mask_mod, **options,
+                                    **dict(zip(names, arrays)))
 
     return buffer_callback(callback, (_sds(spec.q, dtype), _sds((b, hq, sq), np.float32)),
                            command_buffer_compatible=spec.command_buffers)
@@ -168,12 +173,14 @@ def _forward_call(spec: _AttentionSpec):
 
 @functools.lru_cache(maxsize=256)
 def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = False):
-    """The buffer_callback of the backward: (dout, q, k, v, out, lse, *score arrays, [words]) ->
-    (dq, dk, dv[, dbias][, dsinks])."""
+    """The buffer_callback of the backward: (dout, q, k, v, out, lse, *score arrays, *modifier arrays,
+    [words]) -> (dq, dk, dv[, dbias][, dsinks])."""
     b, sq, hq, _ = spec.q
-    dtype, dropout = spec.dtype, spec.dropout_p > 0
+    dtype, dropout, mods = spec.dtype, spec.dropout_p > 0, spec.mods
+    n_arrays = len(spec.arrays)
     inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
-                    ((b, hq, sq), np.float32), *spec.array_layouts, *((_RNG_LAYOUT,) if dropout else ())))
+                    ((b, hq, sq), np.float32), *spec.array_layouts, *spec.mod_layouts(),
+                    *((_RNG_LAYOUT,) if dropout else ())))
     bias_layout = spec.array_layouts[spec.arrays.index("bias")] if want_dbias else None
     result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((bias_layout,) if want_dbias else ()),
                       *((((hq,), np.float32),) if want_dsinks else ()))
@@ -190,9 +197,11 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
             grads = outputs(results, where.device)
             if _jax_buffers.POISON:
                 poison(grads)
+            score_mod, mask_mod = mods.rebuild(arrays[n_arrays:]) if mods is not None else (None, None)
             found = attention_backward(dout, q, k, v, out, lse, rng_state=rng_state, deterministic=spec.deterministic,
                                        return_dbias=want_dbias, return_dsinks=want_dsinks, dq=grads[0], dk=grads[1],
-                                       dv=grads[2], **options, **dict(zip(names, arrays)))
+                                       dv=grads[2], score_mod=score_mod, mask_mod=mask_mod, **options,
+                                       **dict(zip(names, arrays[:n_arrays])))
             if want_dbias:
                 _copy_bits(grads[3], found[3])
             if want_dsinks:   # last of both
@@ -209,38 +218,49 @@ def _copy_bits(target, source) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec, q, k, v, arrays, words):
-    return tuple(_forward_call(spec)(q, k, v, *arrays, *words))
+def _attention(spec, q, k, v, arrays, mod_arrays, words):
+    return tuple(_forward_call(spec)(q, k, v, *arrays, *mod_arrays, *words))
 
 
-def _attention_fwd(spec, q, k, v, arrays, words):
+def _attention_fwd(spec, q, k, v, arrays, mod_arrays, words):
     # symbolic_zeros: every leaf comes as CustomVJPPrimal (value, perturbed); only a perturbed bias
     # needs dbias, whose float32 (B, Hq, Sq, Sk) buffer the backward then makes, and only perturbed
     # sinks need dsinks (the backward asks return_dsinks).
     want_dbias = "bias" in spec.arrays and arrays[spec.arrays.index("bias")].perturbed
     want_dsinks = "sinks" in spec.arrays and arrays[spec.arrays.index("sinks")].perturbed
+    if want_dbias and spec.mods is not None and spec.mods.score_mod is not None:
+        raise ValueError("the gradient of cuflash.interop.jax.attention with respect to bias is not computed beside a "
+                         "score_mod (cuflash.attention_backward refuses return_dbias with one): put the bias in the "
+                         "score_mod as an array argument, or pass jax.lax.stop_gradient(bias)")
+    # Differentiated with respect to nothing that has a gradient (a modifier's arrays alone): no backward.
+    backward = q.perturbed or k.perturbed or v.perturbed or want_dbias or want_dsinks
+    if backward:
+        check_differentiable(spec.mods, "attention")
     q, k, v = q.value, k.value, v.value
     arrays = tuple(x.value for x in arrays)
+    mod_arrays = tuple(x.value for x in mod_arrays)
     words = tuple(x.value for x in words)
-    out, lse = _forward_call(spec)(q, k, v, *arrays, *words)
+    out, lse = _forward_call(spec)(q, k, v, *arrays, *mod_arrays, *words)
     # The two flags travel as pytree structure (an empty tuple or a tuple holding one), not as data.
-    wanted = (((),) if want_dbias else (), ((),) if want_dsinks else ())
-    return (out, lse), (q, k, v, arrays, words, out, lse, wanted)
+    wanted = (((),) if want_dbias else (), ((),) if want_dsinks else (), ((),) if backward else ())
+    return (out, lse), (q, k, v, arrays, mod_arrays, words, out, lse, wanted)
 
 
 def _attention_bwd(spec, residuals, cotangents):
-    q, k, v, arrays, words, out, lse, wanted = residuals
-    want_dbias, want_dsinks = bool(wanted[0]), bool(wanted[1])
+    q, k, v, arrays, mod_arrays, words, out, lse, wanted = residuals
+    want_dbias, want_dsinks, backward = bool(wanted[0]), bool(wanted[1]), bool(wanted[2])
     dout = cotangents[0]   # lse leaves attention() under stop_gradient: its cotangent is unused
     none = tuple(None for _ in arrays)
-    if isinstance(dout, SymbolicZero):
-        return None, None, None, none, tuple(None for _ in words)
+    # No gradient for a modifier's arrays: their cotangents are symbolic zeros (docs/jax.md).
+    no_mod_grads = tuple(None for _ in mod_arrays)
+    if isinstance(dout, SymbolicZero) or not backward:
+        return None, None, None, none, no_mod_grads, tuple(None for _ in words)
     words_u64 = words   # the same four words; the backward's callback views them as uint64 (2,)
     grads = _backward_call(spec, want_dbias, want_dsinks)(dout.astype(spec.dtype), q, k, v, out, lse, *arrays,
-                                                          *words_u64)
+                                                          *mod_arrays, *words_u64)
     extra = {"bias": grads[3] if want_dbias else None, "sinks": grads[-1] if want_dsinks else None}
     array_grads = tuple(extra.get(name) for name in spec.arrays)
-    return grads[0], grads[1], grads[2], array_grads, tuple(None for _ in words)
+    return grads[0], grads[1], grads[2], array_grads, no_mod_grads, tuple(None for _ in words)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
@@ -294,9 +314,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     return_lse : bool, default False
         Also return the log-sum-exp of every row, under ``jax.lax.stop_gradient`` (no gradient
         flows through it).
-    score_mod, mask_mod : None
-        Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
-        modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
+    score_mod : cuflash.ScoreMod, optional
+        A user-written score modifier, applied as in :func:`cuflash.attention`. Its array arguments
+        are JAX arrays (traced values too; NumPy arrays become constants), operands of the call; its
+        expression and scalars are static (a new scalar value traces again, as any option). Under
+        ``jax.grad`` a ScoreMod whose derivative is not 1 needs its ``grad`` (a ValueError naming
+        score_mod when the gradient is traced), and no gradient flows to its arrays (zeros).
+    mask_mod : cuflash.MaskMod, optional
+        A user-written mask (True = may attend), ANDed with the other masks; its arguments as
+        ``score_mod``'s.
     sinks : jax.Array float32 (Hq,), optional
         Attention sinks (gpt-oss), as in :func:`cuflash.attention`: each row's softmax denominator
         gains ``exp(sinks[h])``, with no value; lse includes it. Differentiable: when it is
@@ -312,10 +338,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     ------
     TypeError
         When traced: a non-array argument, a dtype out of contract (q's, mixed dtypes, a mask that is
-        not bool, ...), an option of the wrong type, a ``dropout_rng`` that is not a key.
+        not bool, ...), an option of the wrong type, a ``dropout_rng`` that is not a key; a
+        ``score_mod``/``mask_mod`` that is not a ScoreMod/MaskMod, an array argument of theirs that
+        is not a JAX array or of a dtype their expression refuses (named).
     ValueError
         When traced: shapes, heads or head dims that do not match, options out of range, an array
-        option that does not broadcast, ``dropout_p > 0`` without ``dropout_rng``.
+        option that does not broadcast, ``dropout_p > 0`` without ``dropout_rng``, more than 8 array
+        or scalar modifier arguments. When the gradient is traced: a ``score_mod`` without the
+        ``grad`` it needs, a differentiated ``bias`` beside a ``score_mod``.
 
     See Also
     --------
@@ -333,7 +363,6 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     >>> loss = lambda q, k, v: jnp.mean(jnp.square(cj.attention(q, k, v, causal=True).astype(jnp.float32)))
     >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     """
-    _refuse_modifiers(score_mod, mask_mod, "attention")
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
     given = {name: check_array(x, name) for name, x in zip(_SCORE_ARRAYS, (alibi_slopes, mask, bias, block_mask,
                                                                            sinks)) if x is not None}
@@ -342,11 +371,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         dropout_p=dropout_p, deterministic=deterministic, **{n: given.get(n) for n in _SCORE_ARRAYS})
     check_dropout_rng(dropout_rng, dropout_p)
     return_lse = _checks.check_flag(return_lse, "return_lse")
+    mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     spec = _AttentionSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), bool(causal), scale, window, softcap,
                           block_size, dropout_p, deterministic, tuple(given), tuple(_layout(x) for x in given.values()),
-                          _command_buffers(q.shape[-1]))
+                          _command_buffers(q.shape[-1]), mods)
     words = (state_words(dropout_rng),) if dropout_p else ()
-    out, lse = _attention(spec, q, k, v, tuple(given.values()), words)
+    out, lse = _attention(spec, q, k, v, tuple(given.values()), mod_arrays, words)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -369,6 +399,7 @@ class _VarlenSpec(NamedTuple):
     alibi: object        # the layout of alibi_slopes, or None
     command_buffers: bool
     sinks: bool = False  # sinks (float32 (Hq,)) given: an operand after alibi_slopes
+    mods: object = None  # _jax_modifiers.Modifiers: score_mod / mask_mod, their arrays operands after sinks
 
     def options(self) -> dict:
         return dict(max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, causal=self.causal,
@@ -378,21 +409,24 @@ class _VarlenSpec(NamedTuple):
 def _varlen_inputs(spec: _VarlenSpec) -> tuple:
     cu = ((spec.batch + 1,), np.int32)
     return (cu, cu, *((spec.alibi,) if spec.alibi is not None else ()),
-            *((((spec.q[1],), np.float32),) if spec.sinks else ()))
+            *((((spec.q[1],), np.float32),) if spec.sinks else ()), *(spec.mods.layouts if spec.mods else ()))
 
 
 def _varlen_arrays(spec: _VarlenSpec, rest) -> dict:
-    """alibi_slopes and sinks of a varlen callback from its operands after the offsets."""
+    """alibi_slopes, sinks, score_mod and mask_mod of a varlen callback from its operands after the offsets."""
     alibi = spec.alibi is not None
-    return dict(alibi_slopes=rest[0] if alibi else None, sinks=rest[alibi] if spec.sinks else None)
+    n = alibi + spec.sinks
+    score_mod, mask_mod = spec.mods.rebuild(rest[n:n + len(spec.mods.layouts)]) if spec.mods else (None, None)
+    return dict(alibi_slopes=rest[0] if alibi else None, sinks=rest[alibi] if spec.sinks else None,
+                score_mod=score_mod, mask_mod=mask_mod)
 
 
 @functools.lru_cache(maxsize=256)
 def _varlen_forward_call(spec: _VarlenSpec):
-    """(q, k, v, cu_q, cu_k, [alibi], [sinks], [words]) -> (out, lse (Hq, total_q))."""
+    """(q, k, v, cu_q, cu_k, [alibi], [sinks], *modifier arrays, [words]) -> (out, lse (Hq, total_q))."""
     total_q, hq, _ = spec.q
     dtype, dropout, alibi = spec.dtype, spec.dropout_p > 0, spec.alibi is not None
-    n_in = 5 + alibi + spec.sinks
+    n_in = 5 + alibi + spec.sinks + (len(spec.mods.layouts) if spec.mods else 0)
     inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *_varlen_inputs(spec)))
     outputs = Views(((spec.q, dtype), ((hq, total_q), np.float32)))
     options = spec.options()
@@ -414,7 +448,8 @@ def _varlen_forward_call(spec: _VarlenSpec):
 
 @functools.lru_cache(maxsize=256)
 def _varlen_backward_call(spec: _VarlenSpec):
-    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [sinks], [words]) -> (dq, dk, dv[, dsinks]).
+    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [sinks], *modifier arrays, [words]) -> (dq, dk, dv[,
+    dsinks]).
 
     With sinks the backward always returns dsinks (the varlen vjp does not see which inputs are
     differentiated): one more small launch."""
@@ -450,6 +485,7 @@ def _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays):
 
 
 def _varlen_fwd(spec, q, k, v, cu_q, cu_k, arrays):
+    check_differentiable(spec.mods, "attention_varlen")
     out, lse = _varlen_forward_call(spec)(q, k, v, cu_q, cu_k, *arrays)
     return (out, lse), (q, k, v, cu_q, cu_k, arrays, out, lse)
 
@@ -457,8 +493,10 @@ def _varlen_fwd(spec, q, k, v, cu_q, cu_k, arrays):
 def _varlen_bwd(spec, residuals, cotangents):
     q, k, v, cu_q, cu_k, arrays, out, lse = residuals
     grads = _varlen_backward_call(spec)(cotangents[0].astype(spec.dtype), q, k, v, out, lse, cu_q, cu_k, *arrays)
+    # arrays: [alibi], [sinks], *modifier arrays, [words]; only sinks get a gradient (a modifier's
+    # arrays none: zeros, docs/jax.md)
     array_grads = [None] * len(arrays)
-    if spec.sinks:   # arrays: [alibi], sinks, [words]
+    if spec.sinks:
         array_grads[int(spec.alibi is not None)] = grads[3]
     return grads[0], grads[1], grads[2], None, None, tuple(array_grads)
 
@@ -496,9 +534,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
         sinks float32 (Hq,), differentiable: with sinks the backward always computes dsinks).
     return_lse : bool, default False
         Also return the lse, float32 (Hq, total_q), under ``jax.lax.stop_gradient``.
-    score_mod, mask_mod : None
-        Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
-        modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`attention`; ``b`` is the sequence's index and ``q_idx``, ``kv_idx`` positions within
+        the sequence.
 
     Returns
     -------
@@ -524,7 +562,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     >>> out = jax.jit(lambda q, k, v, cu: cj.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512,
     ...                                                       max_seqlen_k=512, causal=True))(q, k, v, cu)
     """
-    _refuse_modifiers(score_mod, mask_mod, "attention_varlen")
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
     cu_q, cu_k = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cu_seqlens_k, "cu_seqlens_k")
     alibi = check_array(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None
@@ -537,10 +574,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
         sinks=sinks)
     check_dropout_rng(dropout_rng, dropout_p)
     return_lse = _checks.check_flag(return_lse, "return_lse")
+    mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     spec = _VarlenSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), cu_q.shape[0] - 1, max_q, max_k,
                        bool(causal), scale, window, softcap, dropout_p, deterministic,
-                       _layout(alibi) if alibi is not None else None, _command_buffers(q.shape[-1]), sinks is not None)
-    arrays = ((alibi,) if alibi is not None else ()) + ((sinks,) if sinks is not None else ()) + \
+                       _layout(alibi) if alibi is not None else None, _command_buffers(q.shape[-1]), sinks is not None,
+                       mods)
+    arrays = ((alibi,) if alibi is not None else ()) + ((sinks,) if sinks is not None else ()) + mod_arrays + \
         ((state_words(dropout_rng),) if dropout_p else ())
     out, lse = _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
@@ -553,11 +592,12 @@ _DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes", "sink
 
 @functools.lru_cache(maxsize=256)
 def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_splits, causal, window, softcap, scale,
-                 return_lse, command_buffers):
-    """(q, k_cache, v_cache, cache_seqlens, *arrays) -> (out, [lse], [k_cache, v_cache])."""
+                 return_lse, command_buffers, mods=None):
+    """(q, k_cache, v_cache, cache_seqlens, *arrays, *modifier arrays) -> (out, [lse], [k_cache, v_cache])."""
     (b, sq, hq, _), dtype = q_layout
     append = "k_new" in names
-    inputs = Views((q_layout, cache_layout, cache_layout, seqlens_layout, *layouts))
+    n_arrays = len(names)
+    inputs = Views((q_layout, cache_layout, cache_layout, seqlens_layout, *layouts, *(mods.layouts if mods else ())))
     lse_layout = ((b, hq, sq), np.float32)
     result_layouts = (q_layout, *((lse_layout,) if return_lse else ()), *((cache_layout,) * 2 if append else ()))
     outputs = Views(result_layouts)
@@ -573,8 +613,9 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
                 k_cache, v_cache = found[n_new:]
             if _jax_buffers.POISON:
                 poison(found[:n_new])
-            made = _decode(q, k_cache, v_cache, cache_seqlens=lens, out=found[0], check=False, **options,
-                           **dict(zip(names, arrays)))
+            score_mod, mask_mod = mods.rebuild(arrays[n_arrays:]) if mods is not None else (None, None)
+            made = _decode(q, k_cache, v_cache, cache_seqlens=lens, out=found[0], check=False, score_mod=score_mod,
+                           mask_mod=mask_mod, **options, **dict(zip(names, arrays[:n_arrays])))
             if return_lse:
                 found[1][...] = made[1]
 
@@ -617,9 +658,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
         As in :func:`cuflash.decode`.
     return_lse : bool, default False
         Also return the lse, float32 (B, Hq, Sq).
-    score_mod, mask_mod : None
-        Not taken yet: a NotImplementedError names the one given (docs/decisions.md, "jax: no
-        modifiers yet"); :mod:`cuflash.interop.torch` and the CuPy entry points take them.
+    score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
+        As in :func:`attention` (arrays as JAX arrays, scalars static); positions are absolute in each
+        sequence, as in :func:`cuflash.decode`: new token i has ``q_idx = i + T_b - Sq``.
     sinks : jax.Array float32 (Hq,), optional
         Attention sinks, as in :func:`cuflash.decode` (an empty sequence's rows: out 0, lse =
         ``sinks[h]``).
@@ -653,7 +694,6 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     >>> out, k_cache, v_cache = step(f16(2, 2, 1, 32, 128), k_cache, v_cache, f16(3, 2, 1, 8, 128),
     ...                              f16(4, 2, 1, 8, 128), lens)
     """
-    _refuse_modifiers(score_mod, mask_mod, "decode")
     q = check_array(q, "q")
     k_cache, v_cache = check_array(k_cache, "k_cache"), check_array(v_cache, "v_cache")
     lens = check_array(cache_seqlens, "cache_seqlens")
@@ -663,10 +703,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
         q, k_cache, v_cache, cache_seqlens=lens, num_splits=num_splits, causal=causal, window=window,
         softcap=softcap, scale=scale, **{n: given.get(n) for n in _DECODE_ARRAYS})
     return_lse = _checks.check_flag(return_lse, "return_lse")
+    mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     call = _decode_call(_layout(q), _layout(k_cache), _layout(lens), tuple(given),
                         tuple(_layout(x) for x in given.values()), num_splits, causal, window, softcap, scale,
-                        return_lse, _command_buffers(q.shape[-1]))
-    results = call(q, k_cache, v_cache, lens, *given.values())
+                        return_lse, _command_buffers(q.shape[-1]), mods)
+    results = call(q, k_cache, v_cache, lens, *given.values(), *mod_arrays)
     return results[0] if len(results) == 1 else tuple(results)
 
 

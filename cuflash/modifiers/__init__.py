@@ -19,8 +19,9 @@ are absolute in each sequence: new token i has ``q_idx = i + T_b - Sq``.
 
 :mod:`cuflash.interop.torch` (``attention``, ``attention_varlen``, ``decode`` and the functions of its
 ``ops``) takes them in eager mode, with torch tensors as arrays (gradients for q, k, v, not for the
-arrays); not under ``torch.compile`` yet (an error naming them). :mod:`cuflash.interop.jax` refuses them
-with a NotImplementedError naming the argument.
+arrays); not under ``torch.compile`` yet (an error naming them). :mod:`cuflash.interop.jax` takes them
+inside ``jax.jit`` with JAX arrays as arrays (operands of its callbacks, the modifiers rebuilt around
+XLA's buffers with :meth:`ScoreMod.with_arrays`; gradients for q, k, v, zeros for the arrays).
 """
 
 from __future__ import annotations
@@ -115,8 +116,18 @@ class _Arguments:
 
     def arrays(self) -> tuple:
         """The array arguments in slot order."""
-        return tuple(self.values[name] for name, (array, _, _) in sorted(self.slots.items(), key=lambda kv: kv[1][1])
-                     if array)
+        return tuple(self.values[name] for name in self.array_names())
+
+    def array_names(self) -> tuple:
+        """The names of the array arguments in slot order."""
+        return tuple(name for name, (array, _, _) in sorted(self.slots.items(), key=lambda kv: kv[1][1]) if array)
+
+    def replaced(self, arrays: dict) -> "_Arguments":
+        """These arguments with some arrays swapped for others of the same dtypes (kinds and slots
+        shared, nothing checked: :meth:`_Modifier.with_arrays` checks)."""
+        new = object.__new__(_Arguments)
+        new.kinds, new.slots, new.values = self.kinds, self.slots, {**self.values, **arrays}
+        return new
 
     def scalars(self) -> tuple:
         """(slot, type, value) of each scalar argument: the kernels read the value at run time."""
@@ -192,6 +203,43 @@ class _Modifier:
         check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
         if getattr(self, "grad", None) is not None:
             check(self.grad, new.args.kinds, "grad")
+        return new
+
+    def with_arrays(self, arrays: dict):
+        """The same modifier around other arrays of the same dtypes: expression, grad, scalars and
+        :attr:`key` kept, nothing parsed or typed again (a few dict operations, cheap enough for each
+        call). For adapters that hand cuflash another object for the same data: inside ``jax.jit``,
+        XLA's buffers viewed as CuPy arrays (:mod:`cuflash.interop.jax`).
+
+        Parameters
+        ----------
+        arrays : dict
+            A new array (any object with ``dtype`` and ``shape``; a CUDA array to run) for every array
+            argument, by name.
+
+        Raises
+        ------
+        ValueError
+            ``arrays`` does not name exactly the modifier's array arguments.
+        TypeError
+            An array whose dtype is not the one it replaces (the compiled code depends on it; for a
+            new dtype use :meth:`with_args`).
+        """
+        names = self.args.array_names()
+        if arrays.keys() != set(names):
+            raise ValueError(f"{self._what}.with_arrays needs exactly the array arguments {list(names)}, got "
+                             f"{sorted(arrays)}")
+        for name in names:
+            want = _dtype_name(self.args.values[name].dtype)
+            got = getattr(arrays[name], "dtype", None)
+            if got is None or _dtype_name(got) != want:
+                raise TypeError(f"{self._what} argument {name} must stay {want} in with_arrays, got "
+                                f"{'no array' if got is None else _dtype_name(got)}")
+        memo_key = self.call_parts()[0]
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.args = self.args.replaced(arrays)
+        new._call_parts = (memo_key, tuple(arrays[name] for name in names))
         return new
 
     def _env(self, shape, score=None, b0=0, q0=0):
