@@ -33,8 +33,18 @@
 //   float32:   FFMA, kBlockM = 8 rows, kKeysPerWarp keys per warp step with 32 / kKeysPerWarp lanes
 //              per key for S = Q K^T and float4 columns of O per lane for O += P V.
 //
+// fp8 caches (CUFLASH_KV_FP8 = 1, fp16/bf16 q only): the cache holds float8_e4m3fn bytes standing for
+// value * k_scale (v_scale), a scale per tensor or per kv head (p.k_scale / p.v_scale, or the values
+// p.k_scale_value / p.v_scale_value). The stages hold the bytes (half the bytes of a 16-bit cache in
+// flight); each warp converts its own 16 keys of a stage into a 16-bit tile of its own (exactly: every
+// e4m3 value is an fp16 and a bf16 value; e4m3_pair_to below) and runs the mma path on it unchanged.
+// The scales stay out of the 16-bit values, so nothing is rounded twice: k_scale multiplies the
+// float32 scores S = Q K^T, v_scale the float32 output rows (before the splits' partials are
+// written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
+// even and saturated at 448 (quantize_e4m3), both into the cache and into the tile that attends them.
+//
 // Compile-time configuration (set by cuflash/_heuristics.py): CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
-// CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED,
+// CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED, CUFLASH_KV_FP8,
 // CUFLASH_SCORE_MODS (bit mask of softcap / ALiBi / mask / user ScoreMod / user MaskMod: mask.cuh),
 // CUFLASH_MIN_BLOCKS (CTAs per SM the shared memory allows; the register budget aims at it). Lengths,
 // splits, page size and the user modifiers' arguments are run-time.
@@ -48,10 +58,85 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, int kMods_>
+// The type of one of two paths (no <type_traits> under NVRTC); the other is never instantiated.
+template <bool kFirst, class A, class B> struct Select { using type = A; };
+template <class A, class B> struct Select<false, A, B> { using type = B; };
+
+// ---- float8_e4m3fn (fp8 caches)
+//
+// Two e4m3 bytes, each in the high byte of a 16-bit half of t (b << 8), to two 16-bit values of
+// elem_t, exactly. The byte's 7 magnitude bits eeeemmm are shifted into the half's exponent and
+// mantissa fields, which reads as the value times 2^-8 (fp16: exponent bias 15 = 7 + 8) or 2^-120
+// (bf16: 127 = 7 + 120), e4m3 subnormals (e = 0) as that type's subnormals; one packed fma by 2^8
+// (2^120) restores the value, exact for both (no .ftz: subnormals are kept). 0x7f (NaN) gets an
+// all-ones exponent first, so it stays NaN. No lookup table and no CUDA header (cuda_fp8.h); the same
+// instructions on sm_80 and sm_90 (one path to test).
+template <typename T> __device__ __forceinline__ unsigned e4m3_pair_to(unsigned t);
+template <> __device__ __forceinline__ unsigned e4m3_pair_to<half_t>(unsigned t) {
+    const unsigned mag = t & 0x7f007f00u;
+    const unsigned nan = ((mag + 0x01000100u) & 0x80008000u) >> 15;   // 1 in each half that held 0x7f
+    const unsigned h = (t & 0x80008000u) | (mag >> 1) | nan * 0x7c00u;
+    unsigned r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x5c005c00u), "r"(0x80008000u));   // x 256, + -0
+    return r;
+}
+template <> __device__ __forceinline__ unsigned e4m3_pair_to<bfloat16_t>(unsigned t) {
+    const unsigned mag = t & 0x7f007f00u;
+    const unsigned nan = ((mag + 0x01000100u) & 0x80008000u) >> 15;
+    const unsigned h = (t & 0x80008000u) | (mag >> 4) | nan * 0x7f80u;
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x7b807b80u), "r"(0x80008000u));   // x 2^120
+    return r;
+}
+
+// Eight e4m3 bytes to eight elem_t values (one 16-byte chunk), in memory order.
+template <typename T>
+__device__ __forceinline__ uint4 e4m3x8_to(uint2 x) {
+    return make_uint4(e4m3_pair_to<T>(__byte_perm(x.x, 0u, 0x1404)), e4m3_pair_to<T>(__byte_perm(x.x, 0u, 0x3424)),
+                      e4m3_pair_to<T>(__byte_perm(x.y, 0u, 0x1404)), e4m3_pair_to<T>(__byte_perm(x.y, 0u, 0x3424)));
+}
+
+// The e4m3 byte of x / scale, as cuflash.reference quantises (ml_dtypes): the quotient rounded to
+// float32 (div.rn: the same float as rounding the float64 quotient, 53 >= 2 * 24 + 2), NaN stays NaN
+// (0x7f with x's sign), |v| saturated at 448 (e4m3fn has no infinity), then rounded to nearest even
+// on e4m3's grid: 2^(e - 3) in the binade [2^e, 2^(e+1)), 2^-9 below 2^-6 (subnormals). The count n of
+// grid steps is 8..16 (16 = the next binade's first value) or 0..8 below 2^-6, so the byte is
+// ((e + 6) << 3) + n in both cases. IEEE operations without .ftz: tiny quotients round, not flush.
+__device__ __forceinline__ unsigned quantize_e4m3(float x, float scale) {
+    float v;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(v) : "f"(x), "f"(scale));
+    const unsigned sign = (__float_as_uint(v) >> 24) & 0x80u;
+    if (v != v) return sign | 0x7fu;
+    const float a = fminf(fabsf(v), 448.f);
+    const int e = max(int((__float_as_uint(a) >> 23) & 0xffu) - 127, -6);
+    float steps, n;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(steps) : "f"(a), "f"(__uint_as_float(static_cast<unsigned>(130 - e) << 23)));
+    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(n) : "f"(steps));
+    return sign | static_cast<unsigned>(((e + 6) << 3) + static_cast<int>(n));
+}
+
+// Sixteen elem_t values (two 16-byte chunks from src) quantised under `scale` into one 16-byte chunk.
+template <typename T>
+__device__ __forceinline__ uint4 quantize_e4m3x16(const T* src, float scale) {
+    const uint4 lo = *reinterpret_cast<const uint4*>(src), hi = *reinterpret_cast<const uint4*>(src + 8);
+    const unsigned words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    unsigned out[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        const float x0 = to_float(T{static_cast<unsigned short>(words[w] & 0xffffu)});
+        const float x1 = to_float(T{static_cast<unsigned short>(words[w] >> 16)});
+        out[w / 2] |= (quantize_e4m3(x0, scale) | (quantize_e4m3(x1, scale) << 8)) << (16 * (w % 2));
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, int kMods_, bool kFp8_>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kKeysPerWarp = kKeysPerWarp_;
     static constexpr int kStages = kStages_;
+    // fp8 caches: the stages hold e4m3 bytes (cache_t), converted per warp into conv tiles of elem_t.
+    static constexpr bool kFp8 = kFp8_;
+    using cache_t = typename Select<kFp8, unsigned char, elem_t>::type;
     // Score modifiers compiled in (mask.cuh): softcap and ALiBi from p.score, the mask is decode's own,
     // and a user ScoreMod / MaskMod (their functions compiled ahead of this source, their arguments in
     // p.score.user; see decode_score for the positions they see).
@@ -63,9 +148,13 @@ struct DecodeConfig {
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kBlockM = kSimt ? 8 : 16;                 // packed query rows per CTA
     static constexpr int kBlockN = kNWarps * kKeysPerWarp;         // keys per pipeline stage
-    static constexpr int kChunkElems = 16 / int(sizeof(elem_t));   // elements per 16-byte copy
-    static constexpr int kChunksPerRow = kHeadDim / kChunkElems;
-    static constexpr int kTileElems = kBlockN * kHeadDim;          // one K (or V) tile
+    static constexpr int kChunkElems = 16 / int(sizeof(elem_t));   // elements per 16-byte copy (q, k_new)
+    static constexpr int kCacheChunkElems = 16 / int(sizeof(cache_t));   // cache elements per 16-byte copy
+    static constexpr int kChunksPerRow = kHeadDim / kCacheChunkElems;     // 16-byte copies per cache row
+    static constexpr int kTileElems = kBlockN * kHeadDim;          // one K (or V) stage tile, cache_t
+    static constexpr int kTileBytes = kTileElems * int(sizeof(cache_t));
+    // fp8: per warp a K and a V tile of its kKeysPerWarp keys in elem_t (the mma path's swizzled layout).
+    static constexpr int kConvElems = kFp8 ? kNWarps * 2 * kKeysPerWarp * kHeadDim : 0;
     static constexpr int kLanesPerKey = 32 / kKeysPerWarp;         // float32 path: lanes sharing a key's dot
     static constexpr bool kQInRegs = !kSimt && kHeadDim <= 128;    // Q fragments fit beside the O accumulators
     // Copies unrolled per loop step: all of them, except beside the large O accumulators of head dims
@@ -79,8 +168,9 @@ struct DecodeConfig {
     static constexpr int kMaxSplits = 128;
     static_assert(kCombFloats >= kMaxSplits * kBlockM, "the split weights must fit the combine buffer");
     static constexpr int kPFloats = kSimt ? kNWarps * kBlockM * kKeysPerWarp : 0;   // float32 P per warp
-    static constexpr int kSmemBytes =
-        (kBlockM * kHeadDim + 2 * kStages * kTileElems) * int(sizeof(elem_t)) + 4 * kPFloats;
+    static constexpr int kSmemBytes = (kBlockM * kHeadDim + kConvElems) * int(sizeof(elem_t)) +
+                                      2 * kStages * kTileBytes + 4 * kPFloats;
+    static_assert(!kFp8 || (!kSimt && kKeysPerWarp == 16), "fp8 caches: fp16/bf16 queries (mma path)");
 
     static_assert(kStages >= 2, "the pipeline needs at least two stages");
     static_assert(kSimt || (kKeysPerWarp == 16 && kHeadDim % 64 == 0), "mma path: 16 keys per warp, swizzle");
@@ -89,14 +179,17 @@ struct DecodeConfig {
                   "float32 path: float4 columns per lane, whole lane groups per key");
     static_assert((kBlockN * kChunksPerRow) % kNThreads == 0, "every thread copies the same number of chunks");
     static_assert(kBlockN <= kNThreads, "paged caches: one thread looks up each key row of a tile");
-    static_assert(kCombFloats * 4 <= 2 * kStages * kTileElems * int(sizeof(elem_t)),
-                  "the combine buffer must fit in the K/V stages it reuses");
+    static_assert(kCombFloats * 4 <= 2 * kStages * kTileBytes + kConvElems * int(sizeof(elem_t)),
+                  "the combine buffer must fit in the K/V stages (and fp8 conv tiles) it reuses");
 };
 
-// Element offset of (row, col) inside a K/V tile; col is the first column of a 16-byte chunk.
+// Element offset of (row, col) inside a K/V stage tile; col is the first column of a 16-byte chunk.
 template <class C>
 __device__ __forceinline__ int tile_offset(int row, int col) {
-    if constexpr (C::kSimt) {
+    if constexpr (C::kFp8) {
+        // Bytes, unswizzled: a warp converts its rows with 8-byte reads of consecutive bytes.
+        return row * C::kHeadDim + col;
+    } else if constexpr (C::kSimt) {
         // float4 chunks XORed with (row * kLanesPerKey) % 8: one LDS.128 phase (8 lanes) reads
         // kLanesPerKey consecutive chunks of 8 / kLanesPerKey key rows in S = Q K^T, or 8 chunks of one
         // row in P V; either way 8 distinct bank groups.
@@ -110,12 +203,30 @@ __device__ __forceinline__ int tile_offset(int row, int col) {
 struct DecodeSeq {
     SeqInfo s;               // b, h_kv, seqlen_q = Sq, seqlen_k = cache_len + seqlen_new, diag
     int cache_len;           // keys held by the cache before the append
-    elem_t* k_cache;         // at kv head h_kv (and at sequence b for a contiguous cache)
-    elem_t* v_cache;
+    void* k_cache;           // at kv head h_kv (and at sequence b for a contiguous cache); C::cache_t
+    void* v_cache;
     const elem_t* k_new;     // at (b, h_kv); only read for keys >= cache_len
     const elem_t* v_new;
     const int* pages;        // block_table row of b (paged only)
+    float k_scale, v_scale;  // fp8 caches: this kv head's scales (1 otherwise, unused)
 };
+
+template <class C> __device__ __forceinline__ typename C::cache_t* k_cache_of(const DecodeSeq& sq) {
+    return static_cast<typename C::cache_t*>(sq.k_cache);
+}
+template <class C> __device__ __forceinline__ typename C::cache_t* v_cache_of(const DecodeSeq& sq) {
+    return static_cast<typename C::cache_t*>(sq.v_cache);
+}
+
+// fp8: an appended row's chunk (16 values from column c) quantised straight into a stage, as the
+// append writes it into the cache; a plain store beside the stage's cp.async copies, seen by every
+// warp after the same barrier.
+template <class C>
+__device__ __forceinline__ void store_new_chunk_fp8(typename C::cache_t* k_tile, typename C::cache_t* v_tile, int off,
+                                                    const DecodeParams& p, const DecodeSeq& sq, long long t, int c) {
+    *reinterpret_cast<uint4*>(k_tile + off) = quantize_e4m3x16<elem_t>(sq.k_new + t * p.k_new_row_stride + c, sq.k_scale);
+    *reinterpret_cast<uint4*>(v_tile + off) = quantize_e4m3x16<elem_t>(sq.v_new + t * p.v_new_row_stride + c, sq.v_scale);
+}
 
 // Whether a block_table entry names a page of the cache. Entries outside [0, num_pages) are never
 // dereferenced, even when no check_indices ran: rows on them read as zeros and receive no append.
@@ -146,17 +257,20 @@ __device__ __forceinline__ bool cache_offsets(const DecodeParams& p, const Decod
 // K and V rows j0 .. j0 + kBlockN - 1 into one stage; rows at or past j_end and columns past head_dim
 // are zero-filled, never read (cache slots past cache_seqlens cannot leak into a result).
 template <class C>
-__device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, const DecodeParams& p,
-                                             const DecodeSeq& sq, int j0, int j_end) {
+__device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typename C::cache_t* v_tile,
+                                             const DecodeParams& p, const DecodeSeq& sq, int j0, int j_end) {
+    using cache_t = typename C::cache_t;
     constexpr int kRowStep = C::kNThreads / C::kChunksPerRow;
+    const cache_t* k_cache = k_cache_of<C>(sq);
+    const cache_t* v_cache = v_cache_of<C>(sq);
     if constexpr (!C::kPaged && C::kNThreads % C::kChunksPerRow == 0) {
         // Most tiles of a contiguous cache lie wholly inside the cached keys: each thread walks down
         // its column with one pointer per tensor, a constant stride per step (no per-row checks).
         if (j0 + C::kBlockN <= min(sq.cache_len, j_end)) {
-            const int r = threadIdx.x / C::kChunksPerRow, c = (threadIdx.x % C::kChunksPerRow) * C::kChunkElems;
+            const int r = threadIdx.x / C::kChunksPerRow, c = (threadIdx.x % C::kChunksPerRow) * C::kCacheChunkElems;
             const bool valid = c < p.head_dim;
-            const elem_t* k_src = valid ? sq.k_cache + (j0 + r) * p.k_row_stride + c : sq.k_cache;
-            const elem_t* v_src = valid ? sq.v_cache + (j0 + r) * p.v_row_stride + c : sq.v_cache;
+            const cache_t* k_src = valid ? k_cache + (j0 + r) * p.k_row_stride + c : k_cache;
+            const cache_t* v_src = valid ? v_cache + (j0 + r) * p.v_row_stride + c : v_cache;
             const long long k_step = valid ? kRowStep * p.k_row_stride : 0;
             const long long v_step = valid ? kRowStep * p.v_row_stride : 0;
 #pragma unroll C::kLoadUnroll
@@ -173,11 +287,12 @@ __device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, con
 #pragma unroll C::kLoadUnroll
     for (int it = 0; it < C::kLoadIters; ++it) {
         const int idx = threadIdx.x + it * C::kNThreads;
-        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
+        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kCacheChunkElems;
         const int j = j0 + r;
         bool valid = j < j_end && c < p.head_dim;
-        const elem_t* k_src = sq.k_cache;
-        const elem_t* v_src = sq.v_cache;
+        const int off = tile_offset<C>(r, c);
+        const cache_t* k_src = k_cache;
+        const cache_t* v_src = v_cache;
         if (valid) {
             if (j < sq.cache_len) {
                 long long k_off, v_off;
@@ -189,11 +304,15 @@ __device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, con
                 }
             } else {   // an appended token: read from k_new / v_new, not from the slot being written
                 const long long t = j - sq.cache_len;
-                k_src = sq.k_new + t * p.k_new_row_stride + c;
-                v_src = sq.v_new + t * p.v_new_row_stride + c;
+                if constexpr (C::kFp8) {
+                    store_new_chunk_fp8<C>(k_tile, v_tile, off, p, sq, t, c);
+                    continue;
+                } else {
+                    k_src = sq.k_new + t * p.k_new_row_stride + c;
+                    v_src = sq.v_new + t * p.v_new_row_stride + c;
+                }
             }
         }
-        const int off = tile_offset<C>(r, c);
         cp_async_16(k_tile + off, k_src, valid);
         cp_async_16(v_tile + off, v_src, valid);
     }
@@ -215,10 +334,10 @@ __device__ __forceinline__ void load_kv_tile(elem_t* k_tile, elem_t* v_tile, con
 // the iteration that issues `tile` (before its __syncthreads) while buffer (tile - 1) % 2 may still
 // be read by a slower warp issuing tile - 1; the previous reader of (tile % 2), tile - 2, is behind
 // that iteration's barrier. nullptr: a row past key_end (zero-filled).
-template <int kRows>
+template <int kRows, typename cache_t>
 struct PagedRows {
-    const elem_t* k[2][kRows];
-    const elem_t* v[2][kRows];
+    const cache_t* k[2][kRows];
+    const cache_t* v[2][kRows];
 };
 
 // One key row's page, fetched by thread r = threadIdx.x < kBlockN for row r of a future tile.
@@ -239,24 +358,27 @@ struct PagedRowFetch {
 
     // The row's addresses into buffer `buf`; j0 as passed to fetch.
     template <class C>
-    __device__ __forceinline__ void publish(PagedRows<C::kBlockN>& rows, int buf, const DecodeParams& p,
-                                            const DecodeSeq& sq, int j0, int key_end) const {
+    __device__ __forceinline__ void publish(PagedRows<C::kBlockN, typename C::cache_t>& rows, int buf,
+                                            const DecodeParams& p, const DecodeSeq& sq, int j0, int key_end) const {
         if (threadIdx.x >= C::kBlockN) return;
         const int r = threadIdx.x, j = j0 + r;
-        const elem_t* k_row = nullptr;
-        const elem_t* v_row = nullptr;
+        const typename C::cache_t* k_row = nullptr;
+        const typename C::cache_t* v_row = nullptr;
         if (slot >= 0) {
             // The page is range-checked here, where its load has landed anyway (in fetch, the test
             // would wait on it); a row on a page that is not the cache's stays nullptr: zeros.
             if (page_in_cache(page, p.num_pages)) {
                 // 64-bit: a page pool can exceed 2^31 elements. Once per row per tile, not per copy.
-                k_row = sq.k_cache + static_cast<long long>(page) * p.k_batch_stride + slot * p.k_row_stride;
-                v_row = sq.v_cache + static_cast<long long>(page) * p.v_batch_stride + slot * p.v_row_stride;
+                k_row = k_cache_of<C>(sq) + static_cast<long long>(page) * p.k_batch_stride + slot * p.k_row_stride;
+                v_row = v_cache_of<C>(sq) + static_cast<long long>(page) * p.v_batch_stride + slot * p.v_row_stride;
             }
         } else if (j < key_end) {   // an appended token: read from k_new / v_new, not from the slot being written
-            const long long t = j - sq.cache_len;
-            k_row = sq.k_new + t * p.k_new_row_stride;
-            v_row = sq.v_new + t * p.v_new_row_stride;
+            // (fp8: left nullptr; load_kv_tile_paged quantises the row from k_new / v_new itself)
+            if constexpr (!C::kFp8) {
+                const long long t = j - sq.cache_len;
+                k_row = sq.k_new + t * p.k_new_row_stride;
+                v_row = sq.v_new + t * p.v_new_row_stride;
+            }
         }
         rows.k[buf][r] = k_row;
         rows.v[buf][r] = v_row;
@@ -264,19 +386,28 @@ struct PagedRowFetch {
 };
 
 // K and V rows of one tile into one stage from published row addresses (after a __syncthreads).
+// j0, key_end: the tile's first key and the split's end (fp8: appended rows are quantised here).
 template <class C>
-__device__ __forceinline__ void load_kv_tile_paged(elem_t* k_tile, elem_t* v_tile, const PagedRows<C::kBlockN>& rows, int buf,
-                                                   const DecodeParams& p, const DecodeSeq& sq) {
+__device__ __forceinline__ void load_kv_tile_paged(typename C::cache_t* k_tile, typename C::cache_t* v_tile,
+                                                   const PagedRows<C::kBlockN, typename C::cache_t>& rows, int buf,
+                                                   const DecodeParams& p, const DecodeSeq& sq, int j0, int key_end) {
 #pragma unroll C::kLoadUnroll
     for (int it = 0; it < C::kLoadIters; ++it) {
         const int idx = threadIdx.x + it * C::kNThreads;
-        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
-        const elem_t* k_row = rows.k[buf][r];
-        const elem_t* v_row = rows.v[buf][r];
+        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kCacheChunkElems;
+        const typename C::cache_t* k_row = rows.k[buf][r];
+        const typename C::cache_t* v_row = rows.v[buf][r];
         const bool valid = k_row != nullptr && c < p.head_dim;
         const int off = tile_offset<C>(r, c);
-        cp_async_16(k_tile + off, valid ? k_row + c : sq.k_cache, valid);
-        cp_async_16(v_tile + off, valid ? v_row + c : sq.v_cache, valid);
+        if constexpr (C::kFp8) {
+            const int j = j0 + r;
+            if (!valid && j >= sq.cache_len && j < key_end && c < p.head_dim) {
+                store_new_chunk_fp8<C>(k_tile, v_tile, off, p, sq, j - sq.cache_len, c);
+                continue;
+            }
+        }
+        cp_async_16(k_tile + off, valid ? k_row + c : k_cache_of<C>(sq), valid);
+        cp_async_16(v_tile + off, valid ? v_row + c : v_cache_of<C>(sq), valid);
     }
 }
 
@@ -300,19 +431,26 @@ __device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& 
     }
 }
 
-// k_new / v_new rows into the cache at cache_len + t (16-byte vectors; alignment checked by the host).
-// Rows whose page is not the cache's are dropped.
+// k_new / v_new rows into the cache at cache_len + t (16-byte vectors; alignment checked by the host;
+// fp8: 16 values quantised into 16 bytes per step). Rows whose page is not the cache's are dropped.
 template <class C>
 __device__ __forceinline__ void append_new_rows(const DecodeParams& p, const DecodeSeq& sq) {
-    const int chunks = p.head_dim / C::kChunkElems;
+    const int chunks = p.head_dim / C::kCacheChunkElems;
     for (int idx = threadIdx.x; idx < p.seqlen_new * chunks; idx += C::kNThreads) {
-        const int t = idx / chunks, c = (idx % chunks) * C::kChunkElems;
+        const int t = idx / chunks, c = (idx % chunks) * C::kCacheChunkElems;
         long long k_off, v_off;
         if (!cache_offsets<C>(p, sq, sq.cache_len + t, &k_off, &v_off)) continue;
-        *reinterpret_cast<uint4*>(sq.k_cache + k_off + c) =
-            *reinterpret_cast<const uint4*>(sq.k_new + t * p.k_new_row_stride + c);
-        *reinterpret_cast<uint4*>(sq.v_cache + v_off + c) =
-            *reinterpret_cast<const uint4*>(sq.v_new + t * p.v_new_row_stride + c);
+        const elem_t* k_src = sq.k_new + t * p.k_new_row_stride + c;
+        const elem_t* v_src = sq.v_new + t * p.v_new_row_stride + c;
+        uint4* k_dst = reinterpret_cast<uint4*>(k_cache_of<C>(sq) + k_off + c);
+        uint4* v_dst = reinterpret_cast<uint4*>(v_cache_of<C>(sq) + v_off + c);
+        if constexpr (C::kFp8) {
+            *k_dst = quantize_e4m3x16<elem_t>(k_src, sq.k_scale);
+            *v_dst = quantize_e4m3x16<elem_t>(v_src, sq.v_scale);
+        } else {
+            *k_dst = *reinterpret_cast<const uint4*>(k_src);
+            *v_dst = *reinterpret_cast<const uint4*>(v_src);
+        }
     }
 }
 
@@ -353,6 +491,26 @@ __device__ __forceinline__ float decode_score(const DecodeParams& p, const Decod
 }
 
 // ------------------------------------------------------------------------------ fp16/bf16: mma.sync
+
+// fp8: the warp's kKeysPerWarp K and V rows of a stage (bytes from row key0) into its conv tiles
+// (elem_t, swizzled as the mma path reads them, rows from 0). 8 bytes per lane and step: consecutive
+// lanes read consecutive bytes, and the 16-byte stores of 8 lanes fill one 128-byte swizzle group.
+template <class C>
+__device__ __forceinline__ void convert_warp_rows_fp8(elem_t* k_conv, elem_t* v_conv, const unsigned char* k_stage,
+                                                      const unsigned char* v_stage, int key0) {
+    constexpr int kPieces = C::kKeysPerWarp * C::kHeadDim / 8;
+    const int lane = threadIdx.x % 32;
+    static_assert(kPieces % 32 == 0, "whole warp steps");
+#pragma unroll
+    for (int it = 0; it < kPieces / 32; ++it) {
+        const int idx = lane + 32 * it;
+        const int row = idx / (C::kHeadDim / 8), col = (idx % (C::kHeadDim / 8)) * 8;
+        const int src = (key0 + row) * C::kHeadDim + col, dst = swizzled<C::kHeadDim>(row, col);
+        *reinterpret_cast<uint4*>(k_conv + dst) = e4m3x8_to<elem_t>(*reinterpret_cast<const uint2*>(k_stage + src));
+        *reinterpret_cast<uint4*>(v_conv + dst) = e4m3x8_to<elem_t>(*reinterpret_cast<const uint2*>(v_stage + src));
+    }
+    __syncwarp();   // the whole warp's rows before its ldmatrix reads
+}
 
 // A warp's running state: O for the CTA's 16 rows (this thread's fragments) and the online softmax.
 template <class C>
@@ -400,6 +558,12 @@ __device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
         ldmatrix_x4(kf, k_lanes.at(k_tile, kk, key0));
         mma_16816<elem_t>(acc_s[0][0], qf, kf[0], kf[1]);
         mma_16816<elem_t>(acc_s[0][1], qf, kf[2], kf[3]);
+    }
+    if constexpr (C::kFp8) {   // K holds the e4m3 values: the scores get the kv head's k_scale here
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[0][ni][e] *= sq.k_scale;
     }
 
     // Only tiles on a window edge, the split's end or with score modifiers pay for per-element work.
@@ -582,10 +746,6 @@ __device__ __forceinline__ void simt_warp_store(SimtWarpState<C>& st, float* com
 
 // ------------------------------------------------------------------------------ the kernel
 
-// The type of one of two paths (no <type_traits> under NVRTC); the other is never instantiated.
-template <bool kFirst, class A, class B> struct Select { using type = A; };
-template <class A, class B> struct Select<false, A, B> { using type = B; };
-
 // When the index arrays are small, the decode launch checks them itself instead of a check_indices
 // launch ahead of it (whose host and stream time a short decode cannot hide): every CTA applies
 // check_indices.cu's rules to all of them before its first write (code 1: 0 <= len,
@@ -743,10 +903,13 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     __shared__ int row_query[C::kBlockM];   // query index i of each packed row, -1 for padding
     __shared__ int row_head[C::kBlockM];    // its query head
     // Paged: K/V row addresses of the tile being issued (a 1-row dummy for contiguous caches).
-    __shared__ PagedRows<C::kPaged ? C::kBlockN : 1> paged_rows;
+    using cache_t = typename C::cache_t;
+    __shared__ PagedRows<C::kPaged ? C::kBlockN : 1, cache_t> paged_rows;
     elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
-    elem_t* kv_smem = q_smem + C::kBlockM * C::kHeadDim;   // [kStages][K, V][kBlockN][kHeadDim]
-    float* p_smem = reinterpret_cast<float*>(kv_smem + 2 * C::kStages * C::kTileElems);   // float32 path
+    // [kStages][K, V][kBlockN][kHeadDim] of cache_t, then (fp8) [kNWarps][K, V][kKeysPerWarp][kHeadDim] elem_t
+    cache_t* kv_smem = reinterpret_cast<cache_t*>(q_smem + C::kBlockM * C::kHeadDim);
+    elem_t* conv_smem = reinterpret_cast<elem_t*>(kv_smem + 2 * C::kStages * C::kTileElems);
+    float* p_smem = reinterpret_cast<float*>(conv_smem + C::kConvElems);   // float32 path
 
     const int row_block = blockIdx.x % p.row_blocks, split = blockIdx.x / p.row_blocks;
     const int h_kv = blockIdx.y, b = blockIdx.z;
@@ -773,8 +936,13 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     sq.s.k_row0 = 0;
     sq.s.diag = sq.s.seqlen_k - p.seqlen_q;   // bottom-right: query i lines up with key i + diag
     const long long cache_batch = C::kPaged ? 0 : b;
-    sq.k_cache = static_cast<elem_t*>(p.k_cache) + cache_batch * p.k_batch_stride + h_kv * p.k_head_stride;
-    sq.v_cache = static_cast<elem_t*>(p.v_cache) + cache_batch * p.v_batch_stride + h_kv * p.v_head_stride;
+    sq.k_cache = static_cast<cache_t*>(p.k_cache) + cache_batch * p.k_batch_stride + h_kv * p.k_head_stride;
+    sq.v_cache = static_cast<cache_t*>(p.v_cache) + cache_batch * p.v_batch_stride + h_kv * p.v_head_stride;
+    sq.k_scale = sq.v_scale = 1.f;
+    if constexpr (C::kFp8) {   // per tensor (stride 0, or a value given on the host) or per kv head
+        sq.k_scale = p.k_scale != nullptr ? p.k_scale[h_kv * p.k_scale_stride] : p.k_scale_value;
+        sq.v_scale = p.v_scale != nullptr ? p.v_scale[h_kv * p.v_scale_stride] : p.v_scale_value;
+    }
     sq.k_new = sq.v_new = nullptr;
     if (p.seqlen_new > 0) {
         sq.k_new = static_cast<const elem_t*>(p.k_new) + b * p.k_new_batch_stride + h_kv * p.k_new_head_stride;
@@ -851,7 +1019,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
         if (ahead < n_tiles) {
             if constexpr (C::kPaged) {
                 load_kv_tile_paged<C>(k_stage(ahead % C::kStages), v_stage(ahead % C::kStages), paged_rows,
-                                      ahead % 2, p, sq);
+                                      ahead % 2, p, sq, key_begin + ahead * C::kBlockN, key_end);
                 // The next tile's pages: issued now, consumed by next iteration's publish.
                 if (ahead + 1 < n_tiles)
                     next_rows.fetch<C>(p, sq, key_begin + (ahead + 1) * C::kBlockN, key_end);
@@ -878,8 +1046,18 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
                     for (int kk = 0; kk < C::kHeadDim / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lanes.at(q_tile, kk, 0));
                 }
             }
-            mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)),
-                             q_lanes, k_lanes, v_lanes, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
+            if constexpr (C::kFp8) {
+                // The warp's own keys, converted into its own tiles: no barrier beyond the warp's. (Its
+                // previous tile's ldmatrix reads are behind this iteration's __syncthreads.)
+                elem_t* k_conv = conv_smem + warp * 2 * C::kKeysPerWarp * C::kHeadDim;
+                elem_t* v_conv = k_conv + C::kKeysPerWarp * C::kHeadDim;
+                convert_warp_rows_fp8<C>(k_conv, v_conv, k_stage(stage), v_stage(stage), key0);
+                mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_conv), smem_addr(v_conv), q_lanes, k_lanes,
+                                 v_lanes, 0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
+            } else {
+                mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)),
+                                 q_lanes, k_lanes, v_lanes, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
+            }
         }
     }
 
@@ -947,6 +1125,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 #pragma unroll
             for (int w = 0; w < C::kNWarps; ++w)
                 o += comb[(w * C::kBlockM + r) * C::kCombStride + c] * warp_w[w * C::kBlockM + r];
+            if constexpr (C::kFp8) o *= sq.v_scale;   // V held the e4m3 values (partials get it too)
         }
         if (p.num_splits == 1)
             static_cast<elem_t*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c] =
@@ -970,8 +1149,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 
 }  // namespace cuflash
 
+#ifndef CUFLASH_KV_FP8
+#define CUFLASH_KV_FP8 0
+#endif
 using Config = cuflash::DecodeConfig<CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES,
-                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS>;
+                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS, CUFLASH_KV_FP8 != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

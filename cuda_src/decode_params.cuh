@@ -29,6 +29,8 @@ struct DecodeParams {
     int* report;                       // host-mapped fault record (check_indices.cu), self_check only
     int* split_counters;               // num_splits > 1: (B, Hk, row_blocks) zeroed int32 of the stream, each
                                        // counting the splits done; the last one combines and resets it
+    const float* k_scale;              // fp8 caches: float32 scales on the GPU, element h_kv * k_scale_stride;
+    const float* v_scale;              // nullptr: k_scale_value / v_scale_value (given on the host)
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;   // paged: the batch stride is the page stride
     long long v_batch_stride, v_row_stride, v_head_stride;
@@ -53,6 +55,8 @@ struct DecodeParams {
     int max_pages;                     // columns of block_table; 0 for a contiguous cache
     int self_check;                    // 1: index arrays on the GPU and no check_indices launch: the kernel
                                        // checks every length (and page) itself (decode.cu, indices_faulted)
+    int k_scale_stride, v_scale_stride;   // fp8: 1 for a scale per kv head, 0 for one per tensor
+    float k_scale_value, v_scale_value;   // fp8: the scales when k_scale / v_scale are nullptr
 };
 
 #ifdef CUFLASH_DECODE_PARAMS_SIZE

@@ -15,6 +15,7 @@ import numpy as np
 from ._build.cuda_status import import_cupy
 from .features import DTYPE_CODES
 from .kernels.common import MAX_HEAD_DIM
+from .kernels.decode import DECODE_KV_DTYPES
 
 try:
     import ml_dtypes
@@ -305,13 +306,72 @@ def element_strides(x) -> tuple[int, ...]:
     return tuple(s // x.itemsize for s in x.strides)
 
 
-def check_decode_operands(q, k_cache, v_cache, paged: bool, max_head_dim: int) -> str:
+#: Cache formats decode reads as bytes (docs/design.md §2b), held in uint8 arrays.
+KV_DTYPES = DECODE_KV_DTYPES
+
+
+def check_kv_dtype(q, k_cache, v_cache, kv_dtype) -> None:
+    """``kv_dtype`` against the caches' and q's dtypes: None for caches of q's dtype (uint8 caches
+    need it), ``"float8_e4m3fn"`` for e4m3 bytes in uint8 caches with float16/bfloat16 queries."""
+    if kv_dtype is None:
+        for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            if np.dtype(x.dtype) == np.uint8:
+                raise TypeError(f"{name} is uint8: an fp8 cache of e4m3 bytes needs kv_dtype='float8_e4m3fn' (and "
+                                "k_scale, v_scale); other caches have the dtype of q")
+        return
+    if not isinstance(kv_dtype, str):
+        raise TypeError(f"kv_dtype must be None or a str {KV_DTYPES}, got {type(kv_dtype).__name__}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None or one of {KV_DTYPES}, got {kv_dtype!r}")
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if np.dtype(x.dtype) != np.uint8:
+            raise TypeError(f"{name} must hold the e4m3 bytes as uint8 with kv_dtype={kv_dtype!r} (CuPy has no "
+                            f"float8 dtype), got {x.dtype}")
+    if check_float_dtype(q, "q") == "float32":
+        raise TypeError(f"q is float32, but an fp8 cache (kv_dtype={kv_dtype!r}) is read by the float16/bfloat16 "
+                        "tensor-core path (the e4m3 values are converted to q's 16-bit type exactly); pass q "
+                        "(and k_new, v_new) as float16 or bfloat16")
+
+
+def host_scale(x, name: str):
+    """An fp8 cache's scale given on the host as one number (a Python or NumPy number, a NumPy array
+    of one element): its float32 value, checked finite and positive; None for anything else (an
+    array on the GPU, checked by :func:`check_kv_scale`)."""
+    if x is None or isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, (int, float, np.integer, np.floating)) or (isinstance(x, np.ndarray) and x.size == 1
+                                                                  and x.ndim <= 1):
+        value = np.float32(np.asarray(x).reshape(()))
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite float32 scale > 0, got {float(value)!r}")
+        return float(value)
+    return None
+
+
+def check_kv_scale(x, name: str, heads_k: int):
+    """An fp8 cache's scale on the GPU: float32 of shape (), (1,) (per tensor) or (Hk,) (per kv head),
+    as (contiguous CuPy array, element stride between kv heads: 0 or 1)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a float32 scale (a number, or a CUDA float32 array), got a bool")
+    x = as_cuda_array(x, name)
+    if x.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if x.shape not in ((), (1,), (heads_k,)):
+        raise ValueError(f"{name} must be a scalar or have shape (1,) or ({heads_k},) (one per kv head), got shape "
+                         f"{tuple(x.shape)}")
+    return _cupy().ascontiguousarray(x), (1 if x.ndim == 1 and x.shape[0] > 1 else 0)
+
+
+def check_decode_operands(q, k_cache, v_cache, paged: bool, max_head_dim: int, kv_dtype=None) -> str:
     """The checks of a decode call's q and caches that read only dtypes and shapes (shared by
-    :func:`cuflash.decode` and the JAX adapter's trace-time checks); returns q's dtype name."""
+    :func:`cuflash.decode` and the JAX adapter's trace-time checks); returns q's dtype name.
+    ``kv_dtype``: the caches' format when it is not q's dtype (:func:`check_kv_dtype`)."""
     layout = "(batch, seqlen, heads, head_dim)"
+    check_kv_dtype(q, k_cache, v_cache, kv_dtype)
     dtype_name = check_float_dtype(q, "q")
-    check_same_dtype(q, "q", k_cache, "k_cache")
-    check_same_dtype(q, "q", v_cache, "v_cache")
+    if kv_dtype is None:
+        check_same_dtype(q, "q", k_cache, "k_cache")
+        check_same_dtype(q, "q", v_cache, "v_cache")
     check_rank(q, 4, "q", layout)
     cache_layout = "(num_pages, page_size, heads, head_dim)" if paged else layout
     check_rank(k_cache, 4, "k_cache", cache_layout)

@@ -53,7 +53,7 @@ def _bits(x):
     CuPy's support for the float type (ml_dtypes' bfloat16) is."""
     import cupy
 
-    return x.view({2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[x.itemsize])
+    return x.view({1: cupy.uint8, 2: cupy.uint16, 4: cupy.uint32, 8: cupy.uint64}[x.itemsize])
 
 
 def _padded_copy(x, d_pad: int):
@@ -109,28 +109,55 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
 
 
 # Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned;
-# sinks: float32 (Hq,) or None);
+# sinks: float32 (Hq,) or None; k_scale / v_scale: an fp8 cache's scales on the GPU, or None when given as
+# numbers on the host, which are then options);
 # the array arguments of a ScoreMod / MaskMod follow, from _USER on.
-_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE, _SINKS, _USER = range(13)
+(_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE, _SINKS, _K_SCALE, _V_SCALE,
+ _USER) = range(15)
 
 
-def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse, modifiers=(None, None)):
+def _scale_parts(k_scale, v_scale):
+    """(k_scale operand, v_scale operand, k_scale value, v_scale value): a scale given on the host as
+    one number is a float32 value (an option of the plan) and no operand; an array is an operand."""
+    k_value, v_value = _checks.host_scale(k_scale, "k_scale"), _checks.host_scale(v_scale, "v_scale")
+    return (None if k_value is not None else k_scale, None if v_value is not None else v_scale, k_value, v_value)
+
+
+def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse, modifiers=(None, None),
+                 kv_dtype=None, scale_values=(None, None)):
     """Check a decode call and plan its launches (see :func:`decode`); raises before any launch.
 
     Returns (plan, pointers, finish), or (None, None, result) for a call that launches nothing.
     """
     import cupy
 
-    q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user, sinks = \
-        operands[:_USER]
+    (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user, sinks,
+     k_scale, v_scale) = operands[:_USER]
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
     v_cache = _checks.as_cuda_array(v_cache, "v_cache")
     paged = block_table is not None
-    dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, kernels.common.MAX_HEAD_DIM)
+    dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, kernels.common.MAX_HEAD_DIM,
+                                               kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
     heads_k = k_cache.shape[2]
+    # fp8 caches: their scales, given as numbers (scale_values) or as float32 arrays on the GPU.
+    k_scale_dev = v_scale_dev = None
+    scale_strides = (0, 0)
+    if kv_dtype is None:
+        if k_scale is not None or v_scale is not None or scale_values != (None, None):
+            raise ValueError("k_scale / v_scale are the scales of an fp8 cache: they need kv_dtype='float8_e4m3fn'")
+    else:
+        for given, value, name in ((k_scale, scale_values[0], "k_scale"), (v_scale, scale_values[1], "v_scale")):
+            if given is None and value is None:
+                raise ValueError(f"{name} is required with kv_dtype={kv_dtype!r} (a float32 scale per tensor, or a "
+                                 f"CUDA float32 array of shape ({heads_k},), one per kv head)")
+        k_scale_dev, k_stride = (None, 0) if k_scale is None else _checks.check_kv_scale(k_scale, "k_scale",
+                                                                                          heads_k)
+        v_scale_dev, v_stride = (None, 0) if v_scale is None else _checks.check_kv_scale(v_scale, "v_scale",
+                                                                                          heads_k)
+        scale_strides = (k_stride, v_stride)
 
     # The cache, its capacity per sequence, and the lengths it holds (values checked on the host when
     # given there, else by the index check on the GPU).
@@ -225,6 +252,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # Memory the call writes must not be memory it reads: out always, the caches when it appends.
     reads = (("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", mask_view), ("alibi_slopes", alibi_dev),
              ("cache_seqlens", seqlens_dev), ("block_table", table_dev), ("sinks", sinks_dev),
+             ("k_scale", k_scale_dev), ("v_scale", v_scale_dev),
              *(("score_mod/mask_mod argument", x) for x in user_arrays))
     _checks.check_disjoint((("out", out), ("lse", lse_given)), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
     if seqlen_new:
@@ -253,11 +281,13 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         return None, None, (out_user if out_user is not None else out, lse)
 
     # Kernel-ready operands: 16-byte rows. q and k_new are small, so misaligned ones are copied; a
-    # misaligned cache is copied too (slow, documented) and the appended rows written back after.
+    # misaligned cache is copied too (slow, documented) and the appended rows written back after. An fp8
+    # cache moves 16 values per 16-byte copy, so its rows (and q's, padded alike) come in 16 columns.
     chunk = 16 // q.itemsize
-    d_pad = -(-d // chunk) * chunk
+    cache_chunk = 16 // k_cache.itemsize
+    d_pad = -(-d // cache_chunk) * cache_chunk
     q_k = q if _aligned(q, d_pad, chunk) else _padded_copy(q, d_pad)
-    cache_in_place = _aligned(k_cache, d_pad, chunk) and _aligned(v_cache, d_pad, chunk)
+    cache_in_place = _aligned(k_cache, d_pad, cache_chunk) and _aligned(v_cache, d_pad, cache_chunk)
     kc, vc = (k_cache, v_cache) if cache_in_place else (_padded_copy(k_cache, d_pad), _padded_copy(v_cache, d_pad))
     kn = vn = None
     if seqlen_new:
@@ -272,7 +302,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     score_mods = tuple(name for name, used in (("softcap", opts.softcap > 0), ("alibi", alibi_slopes is not None),
                                                 ("mask", mask is not None)) if used) + user_mods
     plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
-                                        smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source)
+                                        smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,
+                                        kv_dtype=kv_dtype)
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
     row_blocks = max(1, -(-rows // plan_k.block_m))
@@ -357,6 +388,14 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         slots["score.alibi_slopes"] = _ALIBI
     if sinks_dev is not None:   # read per call: a new pointer or new values need no new plan
         slots["score.sinks"] = _SINKS
+    if kv_dtype is not None:   # the scales: arrays read per call (like sinks), or values of this plan
+        for name, dev, slot, stride, value in (("k_scale", k_scale_dev, _K_SCALE, scale_strides[0], scale_values[0]),
+                                               ("v_scale", v_scale_dev, _V_SCALE, scale_strides[1], scale_values[1])):
+            if dev is not None:
+                slots[name] = slot
+                fields[f"{name}_stride"] = stride
+            else:
+                fields[f"{name}_value"] = value
     if mask_view is not None:
         mb, mh, mr, mc = _checks.element_strides(mask_view)
         slots["mask"] = _MASK
@@ -388,7 +427,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     plan.info.update(num_splits=num_splits)
 
     kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, lse_given,
-                       sinks_dev, *user_arrays]
+                       sinks_dev, k_scale_dev, v_scale_dev, *user_arrays]
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -396,12 +435,14 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     _memo.remember(key if in_place else None, plan)
     finish = None
     if seqlen_new and not cache_in_place:
-        finish = functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size)
+        finish = functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size,
+                                   (kc, vc) if kv_dtype is not None else None)
     return plan, ptrs, finish
 
 
-def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
-    """The slow path's append: k_new / v_new rows into a cache the kernel could not address in place."""
+def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size, copies=None):
+    """The slow path's append: k_new / v_new rows into a cache the kernel could not address in place;
+    for an fp8 cache, the rows the kernel quantised into its copies (``copies``: (kc, vc))."""
     import cupy
 
     batch, seqlen_new = k_new.shape[:2]
@@ -410,6 +451,11 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
     pos = lens[b] + t
     rows = (b, pos) if table is None else (table[b, pos // page_size], pos % page_size)
     rows = tuple(cupy.asarray(x) for x in rows)
+    if copies is not None:
+        d = k_cache.shape[-1]
+        _bits(k_cache)[rows] = _bits(copies[0])[rows][..., :d]
+        _bits(v_cache)[rows] = _bits(copies[1])[rows][..., :d]
+        return
     src = (cupy.asarray(b), cupy.asarray(t))
     _bits(k_cache)[rows] = _bits(k_new)[src]
     _bits(v_cache)[rows] = _bits(v_new)[src]
@@ -417,7 +463,8 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size):
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, score_mod=None,
-           mask_mod=None, sinks=None, return_lse=False, out=None, lse=None, check=None):
+           mask_mod=None, sinks=None, kv_dtype=None, k_scale=None, v_scale=None, return_lse=False, out=None, lse=None,
+           check=None):
     """Attention of a few new query tokens over a KV cache, appending their keys and values first.
 
     Sequence ``b`` has ``T_b = cache_seqlens[b] + S_new`` keys: its cached keys, then the ``S_new``
@@ -479,6 +526,19 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         sees no key (an empty sequence) gets ``out = 0`` and ``lse = sinks[h]``; ``-inf`` is no sink
         for that head. Split-KV adds it once, where the splits are combined. Read at each call (new
         values or a new array of the same layout need no new plan).
+    kv_dtype : {None, "float8_e4m3fn"}, optional
+        None: the caches have the dtype of q. ``"float8_e4m3fn"``: fp8 caches, whose uint8 elements
+        are e4m3 bytes (CuPy has no float8 dtype) standing for ``value * k_scale`` / ``value *
+        v_scale``; q (and out, k_new, v_new) float16 or bfloat16. The kernel converts the bytes to q's
+        16-bit type exactly and applies the scales in float32 (k_scale to the scores, v_scale to the
+        output rows). ``k_new`` / ``v_new`` (q's dtype) are quantised as they are appended, as
+        :func:`cuflash.reference.decode` does: ``e4m3(x / scale)`` rounded to nearest even, saturated
+        at +-448, NaN kept NaN; the new tokens attend to their quantised values. D a multiple of 16
+        for in-place caches (others are copied, as above).
+    k_scale, v_scale : float or CUDA float32 array, optional
+        The fp8 caches' scales (required with ``kv_dtype``, refused without): a number (or a NumPy
+        array of one element; a float32 value fixed in the call's plan), or a CUDA float32 array of
+        shape (), (1,) (per tensor) or (Hk,) (one per kv head), read at each call.
     return_lse : bool, default False
         Also return lse.
     out : array (B, Sq, Hq, D), optional
@@ -504,11 +564,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     TypeError
         An array that is not a CUDA array (index arrays may be NumPy), a dtype other than
         float16/bfloat16/float32 or one that differs from q's, index arrays that are not int32, a
-        mask that is not bool, ``sinks`` that are not float32, ``num_splits``,
+        mask that is not bool, ``sinks`` that are not float32, uint8 caches without ``kv_dtype``
+        (or ``kv_dtype`` with other caches, or with float32 q), scales that are not float32, ``num_splits``,
         ``score_mod``/``mask_mod`` (or an array argument of theirs) or an option of the wrong type;
         the message names the argument.
     ValueError
-        For any other bad argument (shapes, ``sinks`` not of shape (Hq,), heads, head dims, values
+        For any other bad argument (shapes, ``sinks`` not of shape (Hq,), an unknown ``kv_dtype``,
+        missing scales or scales of another shape than (), (1,) or (Hk,), heads, head dims, values
         out of range, appends that do not fit, overlapping memory), before any launch: the cache is
         never half-written. Index values on the GPU are checked by a kernel (see ``check``); given on the host, before any
         launch, including appended rows that would land in a slot another (or the same) sequence
@@ -539,18 +601,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (2, 1, 32, 128)
     >>> lens += 1                                             # the caller keeps the lengths
     """
-    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse, sinks)
+    k_scale_op, v_scale_op, k_value, v_value = _scale_parts(k_scale, v_scale)
+    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse, sinks,
+                k_scale_op, v_scale_op)
     mod_key = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         operands = operands + user_arrays
-    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key)
+    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value)
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
                                           softcap=softcap, scale=scale, return_lse=return_lse,
-                                          modifiers=(score_mod, mask_mod))
+                                          modifiers=(score_mod, mask_mod), kv_dtype=kv_dtype,
+                                          scale_values=(k_value, v_value))
         if plan is None:
             out, lse = finish
             return (out, lse) if return_lse else out

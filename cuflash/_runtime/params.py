@@ -88,7 +88,7 @@ DECODE_PARAMS = np.dtype(
     [("score", FWD_PARAMS)]
     + _fields(np.uint64, ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part",
                           "cache_seqlens", "block_table", "mask", "error", "report",
-                          "split_counters"))
+                          "split_counters", "k_scale", "v_scale"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -101,7 +101,8 @@ DECODE_PARAMS = np.dtype(
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride"))
     + _fields(np.int32, ("batch", "seqlen_q", "heads_q", "heads_k", "group", "head_dim", "out_dim", "seqlen_cache",
                          "seqlen_new", "page_size", "num_splits", "row_blocks", "mask_keys", "num_pages",
-                         "max_pages", "self_check")),
+                         "max_pages", "self_check", "k_scale_stride", "v_scale_stride"))
+    + _fields(np.float32, ("k_scale_value", "v_scale_value")),
     align=True,
 )
 

@@ -268,8 +268,10 @@ class _CudaKernels:
 
     @staticmethod
     def decode(q, k_cache, v_cache, out, lse, options):
+        k_cache, v_cache, cache_options = decode_cache_arguments(k_cache, v_cache, options["k_scale"],
+                                                                 options["v_scale"])
         with torch_call(q.device):
-            _cf_decode(_plain(q), k_cache, v_cache, out=out, lse=lse, **options)
+            _cf_decode(_plain(q), k_cache, v_cache, out=out, lse=lse, **dict(options, **cache_options))
 
     @staticmethod
     def merge_states(outs, lses, out, lse):
@@ -619,11 +621,56 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, ma
 
 # ----------------------------------------------------------------------------- decode
 
+def decode_cache_arguments(k_cache, v_cache, k_scale, v_scale):
+    """torch's fp8 caches as cuflash reads them: ``torch.float8_e4m3fn`` caches viewed as their uint8
+    bytes (the same memory: appends land in the caller's tensors) with ``kv_dtype`` implied, and the
+    scales: a float, or a tensor of one element on the host, as a number (no copy to the GPU);
+    a CUDA tensor as it is (read at each call or graph replay). Returns (k_cache, v_cache, options)."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    options = {}
+    caches = []
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if isinstance(cache, Tensor) and cache.dtype == torch.uint8:
+            raise TypeError(f"{name} is a uint8 tensor: pass an fp8 cache as torch.float8_e4m3fn "
+                            f"({name}.view(torch.float8_e4m3fn)); kv_dtype follows from it")
+        if isinstance(cache, Tensor) and fp8 is not None and cache.dtype == fp8:
+            options["kv_dtype"] = "float8_e4m3fn"
+            cache = cache.view(torch.uint8)
+        caches.append(cache)
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if isinstance(scale, Tensor):
+            scale = _plain(scale)
+            if scale.device.type == "cpu" and scale.numel() == 1:
+                scale = float(scale.reshape(()).to(torch.float32))
+        options[name] = scale
+    return caches[0], caches[1], options
+
+
+def _scale_tensor(x):
+    """A scale for the ops' schema (Optional[Tensor]): a Python number becomes a float32 host scalar."""
+    if x is None or isinstance(x, Tensor):
+        return x
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"a scale must be a float or a torch.Tensor, got {type(x).__name__}")
+    return torch.tensor(float(x), dtype=torch.float32)
+
+
+def _check_scale_shape(scale, name: str, k_cache) -> None:
+    """The fakes' check of an fp8 cache's scale: one element, or one per kv head (k_cache axis 2)."""
+    if scale is None:
+        return
+    heads_k = k_cache.shape[2] if k_cache.dim() == 4 else None
+    if scale.numel() != 1 and tuple(scale.shape) != (heads_k,):
+        raise ValueError(f"{name} must be a scalar or have shape ({heads_k},) (one per kv head), got "
+                         f"{tuple(scale.shape)}")
+
+
 def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale,
-                    window_left, window_right, softcap, sinks=None, mods=None):
+                    window_left, window_right, softcap, sinks=None, k_scale=None, v_scale=None, mods=None):
     options = dict(cache_seqlens=cache_seqlens, block_table=block_table, k_new=_plain(k_new), v_new=_plain(v_new),
                    mask=mask, alibi_slopes=_plain(alibi_slopes), num_splits=num_splits, causal=causal, scale=scale,
-                   window=_window(window_left, window_right), softcap=softcap, sinks=_plain(sinks))
+                   window=_window(window_left, window_right), softcap=softcap, sinks=_plain(sinks),
+                   k_scale=k_scale, v_scale=v_scale)
     if mods:
         options.update(mods)
     return options
@@ -651,7 +698,8 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optio
                block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                mask: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                causal: bool = True, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
-               softcap: float = 0.0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+               v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
@@ -659,17 +707,19 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optio
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap, sinks))
+        window_right, softcap, sinks, k_scale, v_scale))
     return out, lse
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
       alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
-      sinks=None):
+      sinks=None, k_scale=None, v_scale=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
+    _check_scale_shape(k_scale, "k_scale", k_cache)
+    _check_scale_shape(v_scale, "v_scale", k_cache)
     return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
@@ -679,24 +729,27 @@ def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, cac
                    v_new: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                    alibi_slopes: Optional[Tensor] = None, num_splits: int = 0, causal: bool = True,
                    scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
-                   softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
+                   softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                   v_scale: Optional[Tensor] = None) -> Tensor:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap, sinks))
+        window_right, softcap, sinks, k_scale, v_scale))
     return lse
 
 
 @_decode_out_op.register_fake
 def _(q, k_cache, v_cache, out, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
       alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
-      sinks=None):
+      sinks=None, k_scale=None, v_scale=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
+    _check_scale_shape(k_scale, "k_scale", k_cache)
+    _check_scale_shape(v_scale, "v_scale", k_cache)
     return q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
@@ -1019,7 +1072,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, score_mod=None, mask_mod=None, sinks=None):
+           out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None):
     """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache.
 
     Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
@@ -1028,7 +1081,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` (an eager call of the
     same shapes anywhere first moves compiling and planning out of the capture). ``score_mod`` /
     ``mask_mod``: eagerly, without the op (as in :func:`attention_forward`). ``sinks`` (float32 (Hq,)):
-    attention sinks as in :func:`cuflash.decode` (decode has no backward).
+    attention sinks as in :func:`cuflash.decode` (decode has no backward). fp8 caches:
+    ``torch.float8_e4m3fn`` ``k_cache`` / ``v_cache`` (``kv_dtype`` implied; ``q``, ``k_new``, ``v_new``
+    float16 or bfloat16) with ``k_scale`` / ``v_scale``: floats (carried by the ops as float32 host
+    scalars) or float32 tensors of one element or (Hk,), on the GPU (read at each call or replay).
 
     Returns
     -------
@@ -1036,7 +1092,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     """
     left, right = _pair(window, "window", (-1, -1))
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
-            softcap, sinks)
+            softcap, sinks, _scale_tensor(k_scale), _scale_tensor(v_scale))
     if score_mod is not None or mask_mod is not None:
         out, lse = _run_decode(_plain(q), k_cache, v_cache, out, args, _modifiers(score_mod, mask_mod))
     elif out is None:

@@ -308,7 +308,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, score_mod=None, mask_mod=None, sinks=None):
+           out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None):
     """:func:`cuflash.decode` for torch tensors: eager, compiled or captured (a serving loop's graph).
 
     Parameters
@@ -317,7 +317,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         float16, bfloat16 or float32, on a CUDA device.
     k_cache, v_cache : torch.Tensor
         (B, L, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``; ``k_new`` /
-        ``v_new`` are appended into them in place.
+        ``v_new`` are appended into them in place. q's dtype, or ``torch.float8_e4m3fn`` (an fp8
+        cache, :func:`cuflash.decode`'s ``kv_dtype="float8_e4m3fn"`` on its bytes; q float16 or
+        bfloat16, ``k_new`` / ``v_new`` in q's dtype, quantised as they are appended).
     cache_seqlens, block_table, k_new, v_new, num_splits, causal, window, softcap, alibi_slopes, scale, mask
         As in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table`` int32
         on the GPU, never read on the host).
@@ -331,6 +333,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     sinks : float32 torch.Tensor (Hq,), optional
         Attention sinks, as in :func:`cuflash.decode` (an empty sequence's rows: out 0, lse = sinks[h]);
         eager, compiled and captured (read at each call or replay). Decode has no backward.
+    k_scale, v_scale : float or float32 torch.Tensor (one element, or (Hk,) one per kv head), optional
+        The fp8 caches' scales (required with them): a float or a host tensor of one element is a
+        number fixed at the call (or at capture); a CUDA tensor is read at each call or replay.
 
     Returns
     -------
@@ -354,10 +359,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         return ops.decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                           v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
                           alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out,
-                          score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+                          score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if sinks is not None:
         _check_cuda(("sinks", sinks))
+    k_cache, v_cache, cache_options = ops.decode_cache_arguments(k_cache, v_cache, k_scale, v_scale)
     mods = ops._modifiers(score_mod, mask_mod) or {}
     if out is None:
         out = q.new_empty(q.shape)
@@ -366,7 +372,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     with _torch_call(q.device):
         _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                    v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, sinks=sinks, **mods)
+                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, sinks=sinks, **mods,
+                   **cache_options)
     return (out, lse) if return_lse else out
 
 

@@ -12,7 +12,8 @@ from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, bwd_sm90_obstacle, bwd_sm90_orders_dq
                        feature_plans)
 from .check_indices import check_indices_variant
 from .common import round_up
-from .decode import DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path, decode_plan, decode_precompile_variants
+from .decode import (DECODE_KV_DTYPES, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path, decode_plan,
+                     decode_precompile_variants)
 from .forward import default_family, forward_plan, forward_precompile_variants
 from .fwd_simt import SIMT_HEAD_DIMS
 from .fwd_sm80 import SM80_HEAD_DIMS
@@ -116,6 +117,17 @@ def value_head_dim_variants(dtypes=("bfloat16", "float32")) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
+def fp8_decode_variants() -> list[Variant]:
+    """The decode variants on fp8 (e4m3) caches that the CPU test compiles (for sm_80 and sm_90a
+    alike): bf16 at D = 128 and 256 (the most registers) and fp16 at D = 64, contiguous and paged,
+    plain and with every built-in modifier."""
+    out = []
+    for dtype_name, dims in (("bfloat16", (128, 256)), ("float16", (64,))):
+        out += [v for v in decode_precompile_variants((dtype_name,), dims, kv_dtypes=DECODE_KV_DTYPES)
+                if v.family == "decode"]
+    return out
+
+
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
     sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
@@ -134,6 +146,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants += [v for v in user_variants(arch) if v not in variants]
         variants += [v for v in user_decode_variants() if v not in variants]
         variants += [v for v in value_head_dim_variants() if v not in variants]
+        variants += [v for v in fp8_decode_variants() if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -232,6 +245,9 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):
                     out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods).variant)
+                    if dtype_name != "float32":   # fp8 (e4m3) caches
+                        out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
+                                                   kv_dtype="float8_e4m3fn").variant)
         out.setdefault(merge_plan("float32", dtype_name).variant)
         out.setdefault(merge_plan(dtype_name, dtype_name).variant)
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states

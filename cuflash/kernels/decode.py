@@ -56,6 +56,20 @@ _DECODE_TILE_CHOICES = {
 }
 
 
+#: fp8 (e4m3) caches with fp16/bf16 queries (the mma path): the stages hold bytes, so a stage is half
+#: a 16-bit one and a CTA keeps one stage more in flight; each warp adds a 16-bit K and V tile of its
+#: own keys (the converted rows the mma reads). Not measured yet: the 16-bit shapes with one stage more.
+_DECODE_FP8_TILE_CHOICES = {
+    64: (DecodeTiles(4, 16, 5), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
+    128: (DecodeTiles(8, 16, 4), DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2),
+          DecodeTiles(2, 16, 2)),
+    192: (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
+    256: (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
+}
+#: The cache formats decode reads besides the dtype of q (docs/design.md §2b): fp8 as uint8 bytes.
+DECODE_KV_DTYPES = ("float8_e4m3fn",)
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """What the decode launcher needs besides the parameters."""
@@ -83,17 +97,31 @@ def _decode_path(dtype_name: str) -> str:
     raise ValueError(f"decode runs float16, bfloat16 or float32, not {dtype_name}")
 
 
-def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles) -> int:
-    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages, and (float32) P per warp.
+def _check_kv_dtype(kv_dtype, path: str) -> None:
+    if kv_dtype is None:
+        return
+    if kv_dtype not in DECODE_KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None or one of {DECODE_KV_DTYPES}, got {kv_dtype!r}")
+    if path != "mma":
+        raise ValueError("an fp8 cache (kv_dtype) needs float16 or bfloat16 queries, not float32")
+
+
+def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dtype: str | None = None) -> int:
+    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages, (fp8 caches) each warp's
+    converted K and V rows, and (float32) P per warp.
 
     Mirrors ``DecodeConfig::kSmemBytes`` in cuda_src/decode.cu, which static_asserts the value.
     """
     path = _decode_path(dtype_name)
+    _check_kv_dtype(kv_dtype, path)
     itemsize = 2 if path == "mma" else 4
+    cache_itemsize = 1 if kv_dtype else itemsize
     block_m = DECODE_BLOCK_M[path]
     block_n = tiles.warps * tiles.keys_per_warp
     p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
-    return (block_m * head_dim + 2 * tiles.stages * block_n * head_dim) * itemsize + 4 * p_floats
+    conv = tiles.warps * 2 * tiles.keys_per_warp * head_dim if kv_dtype else 0
+    return ((block_m * head_dim + conv) * itemsize + 2 * tiles.stages * block_n * head_dim * cache_itemsize
+            + 4 * p_floats)
 
 
 _USER_BITS = {m.name: m.bit for m in USER_MODIFIERS}
@@ -117,7 +145,8 @@ def decode_mod_bits(score_mods) -> int:
 
 def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
                 smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
-                smem_per_sm: int = DEFAULT_SMEM_PER_SM, user_source: str = "") -> DecodePlan:
+                smem_per_sm: int = DEFAULT_SMEM_PER_SM, user_source: str = "",
+                kv_dtype: str | None = None) -> DecodePlan:
     """The decode variant and launch shape for a problem.
 
     Parameters
@@ -136,6 +165,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     user_source : str, default ""
         With a user modifier: the functions written from it (:func:`cuflash.modifiers.kernel_source`),
         compiled into the variant ahead of decode.cu.
+    kv_dtype : {None, "float8_e4m3fn"}
+        The caches' format: None, the dtype of q; ``"float8_e4m3fn"``, e4m3 bytes (float16/bfloat16
+        q only), a variant of its own (``CUFLASH_KV_FP8``).
 
     Raises
     ------
@@ -143,9 +175,10 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         For an unsupported dtype or head dim, or when no tile shape fits ``smem_per_block``.
     """
     path = _decode_path(dtype_name)
+    _check_kv_dtype(kv_dtype, path)
     kdim = round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
-    for tiles in _DECODE_TILE_CHOICES[(path, kdim)]:
-        smem = decode_smem_bytes(dtype_name, kdim, tiles)
+    for tiles in (_DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]):
+        smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype)
         reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
         if smem + reserve <= smem_per_block:
             break
@@ -168,8 +201,10 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
         "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS.itemsize,
     }
+    if kv_dtype:   # only fp8 variants carry the define (the others keep their compile keys)
+        defines["CUFLASH_KV_FP8"] = 1
     block_n = tiles.warps * tiles.keys_per_warp
-    in_flight = (tiles.stages - 1) * 2 * block_n * kdim * (2 if path == "mma" else 4)
+    in_flight = (tiles.stages - 1) * 2 * block_n * kdim * (1 if kv_dtype else 2 if path == "mma" else 4)
     plan = DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
                       block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
     return with_user_source(plan, user_source)
@@ -275,10 +310,11 @@ def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> 
 
 
 def decode_precompile_variants(dtypes=None, head_dims=None,
-                               smem_per_block: int = DEFAULT_SMEM_PER_BLOCK) -> list[Variant]:
+                               smem_per_block: int = DEFAULT_SMEM_PER_BLOCK, kv_dtypes=(None,)) -> list[Variant]:
     """Decode and merge variants worth compiling ahead of time.
 
-    Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for the shared memory
+    Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for each of ``kv_dtypes``
+    (None: caches of q's dtype; ``"float8_e4m3fn"``: fp8 caches, for float16/bfloat16 only), for the shared memory
     of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
     plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
     dtype into itself.
@@ -291,6 +327,8 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
         Default: 64, 128, 256.
     smem_per_block : int
         Shared memory budget the stage counts are chosen for.
+    kv_dtypes : sequence of {None, "float8_e4m3fn"}
+        The cache formats (default: q's dtype only; fp8 variants compile on first use unless asked).
     """
     dtypes = tuple(dtypes or ("float16", "bfloat16", "float32"))
     head_dims = tuple(head_dims or (64, 128, 256))
@@ -300,8 +338,9 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
         for d in head_dims:
             for paged in (False, True):
                 for mods in (False, True):
-                    out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
-                                           smem_per_block=smem_per_block).variant)
+                    for kv_dtype in (k for k in kv_dtypes if k is None or dtype_name != "float32"):
+                        out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
+                                               smem_per_block=smem_per_block, kv_dtype=kv_dtype).variant)
         out.append(merge_plan("float32", dtype_name).variant)
         out.append(merge_plan(dtype_name, dtype_name).variant)
     return list(dict.fromkeys(out))

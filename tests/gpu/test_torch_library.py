@@ -232,6 +232,10 @@ class ReferenceKernels:
 
     @staticmethod
     def decode(q, k_cache, v_cache, out, lse, options):
+        # fp8 caches as the CUDA kernels get them: uint8 views (written through), kv_dtype, the scales.
+        k_cache, v_cache, cache_options = _torch_ops.decode_cache_arguments(k_cache, v_cache, options["k_scale"],
+                                                                            options["v_scale"])
+        options = dict(options, **cache_options)
         o, s, k_after, v_after = reference.decode(_np(q), k_cache.detach().numpy(), v_cache.detach().numpy(),
                                                   return_cache=True, **_host(options, ("num_splits",)))
         _into(out, o)
@@ -312,6 +316,23 @@ def _decode_cases(device, dtype):
     return cases
 
 
+def _fp8_decode_case(device, dtype, per_head=False):
+    """(args, kwargs) of decode on torch.float8_e4m3fn caches (e4m3 of values within +-4 under scales),
+    with an append; scales per kv head (float32 tensors) or per tensor (floats)."""
+    B, Sq, Hq, Hk, D, L = 2, 2, 4, 2, 32, 24
+    mk = lambda *s: _rand(*s, dtype=dtype, device=device)  # noqa: E731
+    k_scale = torch.tensor([0.02, 0.05], device=device) if per_head else 0.03125
+    v_scale = torch.tensor([0.04, 0.01], device=device) if per_head else 0.0625
+    fp8 = lambda x, s: (x / s).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+    ks = k_scale.view(1, 1, Hk, 1) if per_head else k_scale
+    vs = v_scale.view(1, 1, Hk, 1) if per_head else v_scale
+    k_cache = fp8(torch.randn(B, L, Hk, D, device=device) * 2, ks)
+    v_cache = fp8(torch.randn(B, L, Hk, D, device=device) * 2, vs)
+    lens = torch.tensor([0, 13], dtype=torch.int32, device=device)
+    return ((mk(B, Sq, Hq, D), k_cache, v_cache),
+            dict(cache_seqlens=lens, k_new=mk(B, Sq, Hk, D), v_new=mk(B, Sq, Hk, D), k_scale=k_scale, v_scale=v_scale))
+
+
 def _merge_inputs(device, dtype):
     outs = _rand(3, 2, 5, 4, 32, dtype=dtype, device=device)
     lses = _rand(3, 2, 4, 5, device=device) * 3
@@ -344,6 +365,15 @@ def _opcheck_all(device, dtype):
         _opcheck(torch.ops.cuflash.decode.default, args, kwargs)
         out = torch.full_like(args[0], math.nan)
         _opcheck(torch.ops.cuflash.decode_out.default, (*args, out), kwargs)
+    if dtype != torch.float32:   # fp8 caches (the ops take the scales as tensors)
+        for per_head in (False, True):
+            args, kwargs = _fp8_decode_case(device, dtype, per_head)
+            kwargs = {n: (torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v) for n, v in kwargs.items()}
+            # (test_schema compares the mutated caches with float arithmetic torch lacks for float8 on the CPU)
+            utils = ("test_faketensor", "test_aot_dispatch_dynamic") if device == "cpu" else None
+            _opcheck(torch.ops.cuflash.decode.default, args, kwargs, **({"test_utils": utils} if utils else {}))
+            _opcheck(torch.ops.cuflash.decode_out.default, (*args, torch.full_like(args[0], math.nan)), kwargs,
+                     **({"test_utils": utils} if utils else {}))
     _opcheck(torch.ops.cuflash.merge_states.default, _merge_inputs(device, dtype))
 
 
@@ -562,6 +592,40 @@ def test_merge_of_a_list_and_decode_out_with_host_kernels(host_kernels):
                                                   **_host({n: v for n, v in kwargs.items() if n != "num_splits"}))
     np.testing.assert_allclose(out.double().numpy(), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(k_cache.double().numpy(), k_after, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_caches_through_the_ops_with_host_kernels(host_kernels, per_head):
+    # torch.float8_e4m3fn caches reach the kernels as their uint8 bytes with kv_dtype, the appended rows
+    # quantised into the caller's tensors; the scales as floats or float32 tensors.
+    (q, k_cache, v_cache), kwargs = _fp8_decode_case("cpu", torch.float16, per_head)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out, lse = ops.decode(q, k_cache, v_cache, return_lse=True, **kwargs)
+    scales = {n: (np.float32(v) if isinstance(v, float) else _np(v)) for n, v in kwargs.items() if n.endswith("scale")}
+    want, want_lse, k_after, v_after = reference.decode(
+        _np(q), k_before.view(torch.uint8).numpy(), v_before.view(torch.uint8).numpy(), return_cache=True,
+        kv_dtype="float8_e4m3fn", cache_seqlens=_np(kwargs["cache_seqlens"]), k_new=_np(kwargs["k_new"]),
+        v_new=_np(kwargs["v_new"]), **scales)
+    assert k_cache.dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(k_cache.view(torch.uint8).numpy(), k_after)
+    np.testing.assert_array_equal(v_cache.view(torch.uint8).numpy(), v_after)
+    np.testing.assert_allclose(out.double().numpy(), want, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(lse.double().numpy(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_cache_arguments_are_checked_in_the_adapter():
+    k = torch.zeros(1, 8, 2, 16, dtype=torch.uint8)
+    with pytest.raises(TypeError, match=r"k_cache is a uint8 tensor.*float8_e4m3fn"):
+        _torch_ops.decode_cache_arguments(k, k.clone(), 1.0, 1.0)
+    k8 = k.view(torch.float8_e4m3fn)
+    kc, vc, options = _torch_ops.decode_cache_arguments(k8, k8.clone(), torch.tensor(0.5), torch.tensor([0.25]))
+    assert kc.dtype == torch.uint8 and kc.data_ptr() == k8.data_ptr()
+    assert options == {"kv_dtype": "float8_e4m3fn", "k_scale": 0.5, "v_scale": 0.25}
+    with pytest.raises(TypeError, match="scale must be a float or a torch.Tensor"):
+        ops.decode(torch.zeros(1, 1, 2, 16), k8, k8.clone(), k_scale="1", v_scale=1.0)
+    _torch_ops._check_scale_shape(torch.ones(2), "k_scale", k8)   # the fakes' check: one, or one per kv head
+    with pytest.raises(ValueError, match=r"k_scale must be a scalar or have shape \(2,\)"):
+        _torch_ops._check_scale_shape(torch.ones(3), "k_scale", k8)
 
 
 # ----------------------------------------------------------------------------- on the GPU
