@@ -6,19 +6,28 @@ that module reads from a CuPy array (a pointer, strides) does not exist at trace
 options (ALiBi slopes, mask, bias, block mask, index arrays) are checked here by shape and dtype
 alone. The pointers' checks (alignment, overlap) need none: XLA's buffers are dense, aligned and
 distinct. Every function returns what the callback needs as hashable, static values.
+
+fp8 KV caches. ``jnp.float8_e4m3fn`` caches imply ``kv_dtype="float8_e4m3fn"`` (:func:`check_kv_format`);
+the adapter hands cuflash their bytes (uint8), which is what :mod:`cuflash._checks` then checks.
 """
 
 from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from .. import _checks
 from ..kernels import decode as _decode_kernels
 from ..kernels.common import MAX_HEAD_DIM
 
-__all__ = ["check_array", "check_attention", "check_decode", "check_dropout_rng", "check_merge", "check_varlen"]
+__all__ = ["check_array", "check_attention", "check_decode", "check_dropout_rng", "check_kv_format", "check_kv_scales",
+           "check_merge", "check_varlen"]
+
+#: The fp8 cache format that float8_e4m3fn caches imply (cuflash.decode's kv_dtype), and its dtype.
+FP8 = "float8_e4m3fn"
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def check_array(x, name: str):
@@ -147,12 +156,73 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqle
     return (int(max_seqlen_q), int(max_seqlen_k), *options, _checks.check_flag(deterministic, "deterministic"))
 
 
+def check_kv_format(k_cache, v_cache, kv_dtype) -> tuple:
+    """The caches' format, from their dtypes: ``jnp.float8_e4m3fn`` caches imply
+    ``kv_dtype="float8_e4m3fn"`` (given or not); uint8 caches are e4m3 bytes only with that
+    ``kv_dtype`` said (checked by :func:`cuflash._checks.check_kv_dtype`, as are unknown names).
+    Returns (kv_dtype, whether the caches are float8 arrays that the adapter views as their bytes)."""
+    e4m3, uint8 = np.dtype(FP8_DTYPE), np.dtype(np.uint8)
+    dtypes = (np.dtype(k_cache.dtype), np.dtype(v_cache.dtype))
+    for dtype, name in zip(dtypes, ("k_cache", "v_cache")):
+        if dtype.itemsize == 1 and dtype not in (uint8, e4m3):
+            raise TypeError(f"{name} is {dtype}: an fp8 cache is float8_e4m3fn (kv_dtype={FP8!r}), or its bytes as "
+                            f"uint8 with kv_dtype={FP8!r}")
+    if e4m3 not in dtypes:
+        if isinstance(kv_dtype, str) and kv_dtype in _checks.KV_DTYPES:
+            for dtype, name in zip(dtypes, ("k_cache", "v_cache")):
+                if dtype != uint8:
+                    raise TypeError(f"{name} must be float8_e4m3fn (or its bytes as uint8) with kv_dtype="
+                                    f"{kv_dtype!r}, got {dtype}")
+        return kv_dtype, False
+    if dtypes[0] != dtypes[1]:
+        raise TypeError(f"v_cache must have the dtype of k_cache ({dtypes[0]}), got {dtypes[1]}")
+    return (FP8 if kv_dtype is None else kv_dtype), True
+
+
+def _check_kv_scale(x, name: str, heads_k: int) -> None:
+    """An fp8 cache's scale as an array (as :func:`cuflash._checks.check_kv_scale`, by dtype and shape)."""
+    if x.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if tuple(x.shape) not in ((), (1,), (heads_k,)):
+        raise ValueError(f"{name} must be a scalar or have shape (1,) or ({heads_k},) (one per kv head), got shape "
+                         f"{tuple(x.shape)}")
+
+
+def check_kv_scales(kv_dtype, k_scale, v_scale, heads_k: int) -> tuple:
+    """An fp8 cache's scales: required with ``kv_dtype``, refused without. A number (or a NumPy array of
+    one element) is static, a float32 value (:func:`cuflash._checks.host_scale`: finite, > 0); a JAX
+    array (NumPy arrays of more elements are taken as constants) is float32 of shape (), (1,) or (Hk,),
+    an operand read at each call. Returns ((k value, v value), {name: array}) (None for an array)."""
+    import jax
+
+    if kv_dtype is None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale are the scales of an fp8 cache: they need float8_e4m3fn caches (or "
+                             f"uint8 ones with kv_dtype={FP8!r})")
+        return (None, None), {}
+    values, arrays = [], {}
+    for x, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if x is None:
+            raise ValueError(f"{name} is required with kv_dtype={kv_dtype!r} (a float32 scale per tensor: a float, or "
+                             f"a JAX float32 array of shape () or (1,); or one per kv head, of shape ({heads_k},))")
+        value = _checks.host_scale(x, name)
+        if value is None:
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (jax.Array, np.ndarray)):
+                raise TypeError(f"{name} must be a float or a JAX float32 array, got {type(x).__name__}")
+            x = check_array(x, name)
+            _check_kv_scale(x, name, heads_k)
+            arrays[name] = x
+        values.append(value)
+    return tuple(values), arrays
+
+
 def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window,
-                 softcap, alibi_slopes, scale, mask, sinks=None) -> tuple:
+                 softcap, alibi_slopes, scale, mask, sinks=None, kv_dtype=None) -> tuple:
     """The checks of :func:`cuflash.decode` that need no data (the lengths' and the page table's
-    values are checked by the decode kernels). Returns (num_splits, causal, window, softcap, scale)."""
+    values are checked by the decode kernels). ``kv_dtype``: fp8 caches, given here as their uint8
+    bytes (:func:`check_kv_format`). Returns (num_splits, causal, window, softcap, scale)."""
     paged = block_table is not None
-    _checks.check_decode_operands(q, k_cache, v_cache, paged, MAX_HEAD_DIM)
+    _checks.check_decode_operands(q, k_cache, v_cache, paged, MAX_HEAD_DIM, kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
     heads_k = k_cache.shape[2]
     if paged:
@@ -184,6 +254,12 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
         if k_new.shape[1] > capacity:
             raise ValueError(f"the {k_new.shape[1]} tokens of k_new/v_new do not fit a cache of {capacity} keys per "
                              "sequence")
+        # cuflash copies a cache whose rows are not whole 16-byte chunks, and appending to a copy needs
+        # the lengths on the host; here they are on the GPU, so the call could only fail when it runs.
+        chunk = 16 // np.dtype(k_cache.dtype).itemsize
+        if d % chunk:
+            raise ValueError(f"appending into a cache needs its head dim ({d}) to be a multiple of {chunk} "
+                             f"({np.dtype(k_cache.dtype)} rows of whole 16-byte chunks, updated in place)")
     scale, window, softcap, _ = _check_options(d, causal, scale, window, softcap, 0.0, (seqlen_q, capacity))
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, batch, heads_q)

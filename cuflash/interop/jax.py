@@ -52,7 +52,8 @@ from ..decode import decode as _decode
 from ..merge import merge_states as _merge_states
 from . import _jax_buffers
 from ._jax_buffers import Views, poison
-from ._jax_checks import check_array, check_attention, check_decode, check_dropout_rng, check_merge, check_varlen
+from ._jax_checks import (check_array, check_attention, check_decode, check_dropout_rng, check_kv_format, check_kv_scales,
+                          check_merge, check_varlen)
 from ._jax_modifiers import check_differentiable
 from ._jax_modifiers import split as split_modifiers
 from ._jax_rng import state_words
@@ -140,9 +141,10 @@ class _AttentionSpec(NamedTuple):
         return self.mods.layouts if self.mods is not None else ()
 
 
-def _command_buffers(head_dim: int) -> bool:
-    # A head dim that is not a multiple of 8 costs cuflash padded copies, which a capture refuses.
-    return bool(COMMAND_BUFFERS) and head_dim % 8 == 0
+def _command_buffers(head_dim: int, chunk: int = 8) -> bool:
+    # A head dim that is not a multiple of 8 (16 for an fp8 cache: its rows' 16-byte chunks) costs
+    # cuflash padded copies, which a capture refuses.
+    return bool(COMMAND_BUFFERS) and head_dim % chunk == 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -592,8 +594,12 @@ _DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes", "sink
 
 @functools.lru_cache(maxsize=256)
 def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_splits, causal, window, softcap, scale,
-                 return_lse, command_buffers, mods=None):
-    """(q, k_cache, v_cache, cache_seqlens, *arrays, *modifier arrays) -> (out, [lse], [k_cache, v_cache])."""
+                 return_lse, command_buffers, mods=None, kv_dtype=None, scale_values=(None, None)):
+    """(q, k_cache, v_cache, cache_seqlens, *arrays, *modifier arrays) -> (out, [lse], [k_cache, v_cache]).
+
+    ``arrays`` are cuflash.decode's keyword arguments ``names`` (fp8 scales given as arrays among them).
+    fp8 caches (float8_e4m3fn buffers, or uint8) are viewed as their bytes (``Views``); ``kv_dtype`` and
+    the scales given as numbers (``scale_values``, None for an array) are fixed here."""
     (b, sq, hq, _), dtype = q_layout
     append = "k_new" in names
     n_arrays = len(names)
@@ -603,6 +609,9 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
     outputs = Views(result_layouts)
     options = dict(num_splits=num_splits, causal=causal, window=window, softcap=softcap, scale=scale,
                    return_lse=return_lse)
+    if kv_dtype is not None:
+        options["kv_dtype"] = kv_dtype
+        options.update({name: value for name, value in zip(("k_scale", "v_scale"), scale_values) if value is not None})
     n_new = 1 + return_lse   # outputs before the caches
 
     def callback(ctx, results, *args):
@@ -626,7 +635,7 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           score_mod=None, mask_mod=None, sinks=None):
+           score_mod=None, mask_mod=None, sinks=None, kv_dtype=None, k_scale=None, v_scale=None):
     """A few new query tokens against a KV cache (contiguous or paged), appending their keys first.
 
     :func:`cuflash.decode` as a JAX function (no gradient). With ``k_new``/``v_new`` the call
@@ -638,9 +647,11 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     Parameters
     ----------
     q : jax.Array (B, Sq, Hq, D)
-        float16, bfloat16 or float32.
-    k_cache : jax.Array, the dtype of q
+        float16, bfloat16 or float32 (float16 or bfloat16 with an fp8 cache).
+    k_cache : jax.Array, the dtype of q, or float8_e4m3fn
         (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``.
+        ``jnp.float8_e4m3fn`` caches (or uint8 ones holding e4m3 bytes, with ``kv_dtype``) are fp8
+        caches: see ``kv_dtype``.
     v_cache : jax.Array, the shape and dtype of k_cache
     cache_seqlens : jax.Array int32 (B,)
         Keys each sequence holds before the append; checked on the GPU (a bad value makes the call
@@ -664,6 +675,17 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     sinks : jax.Array float32 (Hq,), optional
         Attention sinks, as in :func:`cuflash.decode` (an empty sequence's rows: out 0, lse =
         ``sinks[h]``).
+    kv_dtype : {None, "float8_e4m3fn"}, optional
+        As in :func:`cuflash.decode`: the caches hold e4m3 values standing for ``value * k_scale`` /
+        ``value * v_scale``. Implied by ``jnp.float8_e4m3fn`` caches (which cuflash reads as their
+        bytes); say it for uint8 caches of e4m3 bytes. ``k_new``/``v_new`` (q's dtype) are quantised
+        into the caches as :func:`cuflash.decode` does (``e4m3(x / scale)``, nearest even, saturated at
+        +-448, NaN kept) and the returned caches have the dtype given. Appending needs D a multiple of 16.
+    k_scale, v_scale : float or jax.Array float32, optional
+        The fp8 caches' scales (required with an fp8 cache, refused without): a number (static: a
+        float32 value fixed when the function is traced, like ``scale``) or a float32 array of shape
+        (), (1,) (per tensor) or (Hk,) (one per kv head), an operand read at each call (traced values
+        that change from call to call go this way).
 
     Returns
     -------
@@ -671,16 +693,19 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     lse : jax.Array float32 (B, Hq, Sq)
         Only with ``return_lse``.
     k_cache, v_cache : jax.Array
-        Only with ``k_new``/``v_new``: the caches after the append.
+        Only with ``k_new``/``v_new``: the caches after the append (their dtype as given).
 
     Raises
     ------
     TypeError
-        When traced: a non-array argument, dtypes out of contract (index arrays not int32, ...),
-        an option of the wrong type.
+        When traced: a non-array argument, dtypes out of contract (index arrays not int32, float8
+        caches other than float8_e4m3fn, uint8 caches without ``kv_dtype``, float32 q or scales that
+        are not float32 with an fp8 cache, ...), an option of the wrong type.
     ValueError
-        When traced: shapes that do not match, options out of range, ``k_new`` without ``v_new``,
-        appends longer than the cache.
+        When traced: shapes that do not match (scales of another shape than (), (1,) or (Hk,)),
+        options out of range (an unknown ``kv_dtype``, a scale that is not finite and > 0), missing
+        scales (or scales without an fp8 cache), ``k_new`` without ``v_new``, appends longer than the
+        cache or into a cache whose rows are not whole 16-byte chunks (D a multiple of 8, 16 for fp8).
 
     Examples
     --------
@@ -699,14 +724,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     lens = check_array(cache_seqlens, "cache_seqlens")
     given = {name: check_array(x, name) for name, x in zip(_DECODE_ARRAYS, (block_table, k_new, v_new, mask,
                                                                             alibi_slopes, sinks)) if x is not None}
+    # fp8 caches: float8_e4m3fn arrays go to the callback as they are (aliased in place), and become
+    # uint8 views of their bytes there (_jax_buffers.Views); cuflash's checks read them as such.
+    kv_dtype, as_bytes = check_kv_format(k_cache, v_cache, kv_dtype)
+    k_checked, v_checked = ((_sds(x.shape, np.uint8) for x in (k_cache, v_cache)) if as_bytes else (k_cache, v_cache))
     num_splits, causal, window, softcap, scale = check_decode(
-        q, k_cache, v_cache, cache_seqlens=lens, num_splits=num_splits, causal=causal, window=window,
-        softcap=softcap, scale=scale, **{n: given.get(n) for n in _DECODE_ARRAYS})
+        q, k_checked, v_checked, cache_seqlens=lens, num_splits=num_splits, causal=causal, window=window,
+        softcap=softcap, scale=scale, kv_dtype=kv_dtype, **{n: given.get(n) for n in _DECODE_ARRAYS})
+    scale_values, scale_arrays = check_kv_scales(kv_dtype, k_scale, v_scale, k_cache.shape[2])
+    given.update(scale_arrays)
     return_lse = _checks.check_flag(return_lse, "return_lse")
     mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     call = _decode_call(_layout(q), _layout(k_cache), _layout(lens), tuple(given),
                         tuple(_layout(x) for x in given.values()), num_splits, causal, window, softcap, scale,
-                        return_lse, _command_buffers(q.shape[-1]), mods)
+                        return_lse, _command_buffers(q.shape[-1], 16 if kv_dtype is not None else 8), mods,
+                        kv_dtype, scale_values)
     results = call(q, k_cache, v_cache, lens, *given.values(), *mod_arrays)
     return results[0] if len(results) == 1 else tuple(results)
 
