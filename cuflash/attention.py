@@ -8,6 +8,7 @@ import numpy as np
 from . import _checks
 from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._forward_plan import _family_for, _forced_family, forward_plan
+from ._mask_blocks import call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
 
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
@@ -112,7 +113,10 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         arrays' addresses and scalars' values are read at each call: new values need no new kernel).
     mask_mod : cuflash.MaskMod, optional
         A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
-        gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
+        gives False (ANDed with the other masks).
+        Unless ``MaskMod(..., sparse=False)``, the tiles it hides entirely are skipped, never
+        loaded: a block mask derived from it on the GPU once per shapes and arguments, and cached
+        (an argument array written in place needs :func:`cuflash.clear_mask_cache`).
     sinks : CUDA float32 array (Hq,), optional
         Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator,
         ``exp(sinks[h])`` beside the keys' ``exp(s)``, with no value (the row's probabilities then sum
@@ -227,6 +231,10 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     mod_key = None
     if modifiers[0] is not None or modifiers[1] is not None:
         mod_key, user_arrays = modifier_parts(*modifiers)
+        if modifiers[1] is not None and modifiers[1].derives_blocks:   # the tiles it hides are skipped
+            block_mask, block_size = call_block_mask("attention", modifiers[1], operands[0], operands[1],
+                                                     operands[8], block_size)
+            operands = operands[:8] + (block_mask,) + operands[9:]
         operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output, dropout_origin, mod_key)
@@ -399,7 +407,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         arrays' addresses and scalars' values are read at each call: new values need no new kernel).
     mask_mod : cuflash.MaskMod, optional
         A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
-        gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
+        gives False (ANDed with the other masks).
+        Unless ``MaskMod(..., sparse=False)``, the tiles it hides entirely are skipped, never
+        loaded: a block mask derived from it on the GPU once per shapes and arguments, and cached
+        (an argument array written in place needs :func:`cuflash.clear_mask_cache`).
     sinks : CUDA float32 array (Hq,), optional
         Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator,
         ``exp(sinks[h])`` beside the keys' ``exp(s)``, with no value (the row's probabilities then sum
@@ -536,7 +547,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         per expression (its arrays' addresses and scalars' values are read at each call).
     mask_mod : cuflash.MaskMod, optional
         A mask written as one bool expression: key ``kv_idx`` is hidden from query ``q_idx`` where it
-        gives False (ANDed with the other masks). Tiles are loaded and computed all the same.
+        gives False (ANDed with the other masks). Tiles are loaded and computed all
+        the same (no block mask is derived in varlen).
     sinks : CUDA float32 array (Hq,), optional
         Attention sinks (gpt-oss): a logit per query head that joins every row's softmax denominator,
         ``exp(sinks[h])`` beside the keys' ``exp(s)``, with no value (the row's probabilities then sum

@@ -27,6 +27,7 @@ import numpy as np
 from . import _checks, kernels
 from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._backward_plan import _backward_plan, _family_for, _forced_family
+from ._mask_blocks import call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
 from .random import as_rng_state
 
@@ -267,10 +268,13 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     >>> dk.shape, dbias.shape
     ((2, 512, 2, 64), (1, 8, 512, 512))
     """
-    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
     mod_key = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
+        if mask_mod is not None and mask_mod.derives_blocks:   # the tiles it hides are skipped
+            block_mask, block_size = call_block_mask("attention_backward", mask_mod, q, k, block_mask, block_size)
+    operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
+    if mod_key is not None:
         operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
                _forced_family.get(), (0, 0), mod_key, return_dsinks)

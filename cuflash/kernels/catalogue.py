@@ -54,14 +54,17 @@ def ci_user_modifiers():
     return score_mod, mask_mod
 
 
-def user_variants(arch: str, head_dims=(64, 128)) -> list[Variant]:
+def user_variants(arch: str, head_dims=(64, 128), sparse: bool = False) -> list[Variant]:
     """One variant of each forward and backward family with :func:`ci_user_modifiers`, at ``head_dims``,
-    for ``arch`` (the sm90 families for sm_90a only): what the CPU test compiles of the user modifiers."""
+    for ``arch`` (the sm90 families for sm_90a only): what the CPU test compiles of the user modifiers.
+    ``sparse``: the MaskMod alone with the block mask derived from it (:mod:`cuflash._mask_blocks`)."""
     from ..modifiers import kernel_source
 
     score_mod, mask_mod = ci_user_modifiers()
+    if sparse:   # the MaskMod alone (with the ScoreMod too, fwd_simt at D = 64 spilled 16 B on sm_80)
+        score_mod = None
     forward_source, backward_source = kernel_source(score_mod, mask_mod), kernel_source(score_mod, mask_mod, backward=True)
-    mods = ("score_mod", "mask_mod")
+    mods = ("block_mask", "mask_mod") if sparse else ("score_mod", "mask_mod")
     out = []
     for d in head_dims:
         plans = [forward_plan("fwd_sm80", "bfloat16", d, score_mods=mods, dropout=False, user_source=forward_source),
@@ -117,6 +120,18 @@ def value_head_dim_variants(dtypes=("bfloat16", "float32")) -> list[Variant]:
     return list(dict.fromkeys(out))
 
 
+def ci_mask_blocks_variants() -> list[Variant]:
+    """The block-mask evaluations (cuda_src/mask_blocks.cu) the CPU test compiles: of
+    :func:`ci_user_modifiers`' MaskMod, a causal document mask and a prefix-LM mask."""
+    from ..modifiers import MaskMod, kernel_source
+    from .mask_blocks import mask_blocks_variant
+
+    doc = np.zeros(64, np.int32)
+    masks = (ci_user_modifiers()[1], MaskMod("doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx", doc=doc),
+             MaskMod("kv_idx < prefix || kv_idx <= q_idx", prefix=16))
+    return [mask_blocks_variant(kernel_source(None, m)) for m in masks]
+
+
 def fp8_decode_variants() -> list[Variant]:
     """The decode variants on fp8 (e4m3) caches that the CPU test compiles (for sm_80 and sm_90a
     alike): bf16 at D = 128 and 256 (the most registers) and fp16 at D = 64, contiguous and paged,
@@ -131,8 +146,9 @@ def fp8_decode_variants() -> list[Variant]:
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
     sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
-    score modifier alone (forward, backward, decode at D=128, no dropout), and the user modifiers of
-    :func:`user_variants` (D = 64 and 128) and :func:`user_decode_variants`."""
+    score modifier alone (forward, backward, decode at D=128, no dropout), the user modifiers of
+    :func:`user_variants` (D = 64 and 128; with and without the block mask derived from the MaskMod)
+    and :func:`user_decode_variants`, and the block-mask evaluations of :func:`ci_mask_blocks_variants`."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -144,6 +160,8 @@ def ci_variants() -> list[tuple[Variant, str]]:
                    if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
         variants += [v for v in singles if v not in variants]
         variants += [v for v in user_variants(arch) if v not in variants]
+        variants += [v for v in user_variants(arch, sparse=True) if v not in variants]
+        variants += [v for v in ci_mask_blocks_variants() if v not in variants]
         variants += [v for v in user_decode_variants() if v not in variants]
         variants += [v for v in value_head_dim_variants() if v not in variants]
         variants += [v for v in fp8_decode_variants() if v not in variants]

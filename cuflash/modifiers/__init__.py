@@ -36,7 +36,7 @@ from cuflash.modifiers import cuda as _cuda
 from cuflash.modifiers.check import ArgKind, check
 from cuflash.modifiers.derivative import d_score, reads_score
 from cuflash.modifiers.numpy_eval import evaluate, grids
-from cuflash.modifiers.parse import FUNCTIONS, VARIABLES, Node, Num, parse, unparse
+from cuflash.modifiers.parse import FUNCTIONS, VARIABLES, Node, Num, parse, unparse, variables
 
 __all__ = ["ScoreMod", "MaskMod", "kernel_source"]
 
@@ -198,7 +198,7 @@ class _Modifier:
         if unknown:
             raise ValueError(f"{self._what} has no arguments {sorted(unknown)}")
         new = object.__new__(type(self))
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_call_parts"})
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_call_parts", "_owns_arrays")})
         new.args = _Arguments({**self.args.values, **values}, self._what)
         check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
         if getattr(self, "grad", None) is not None:
@@ -240,6 +240,8 @@ class _Modifier:
         new.__dict__.update(self.__dict__)
         new.args = self.args.replaced(arrays)
         new._call_parts = (memo_key, tuple(arrays[name] for name in names))
+        if names:
+            new._owns_arrays = False   # views: their memory may hold new data at the same address
         return new
 
     def _env(self, shape, score=None, b0=0, q0=0):
@@ -353,6 +355,14 @@ class MaskMod(_Modifier):
     expr : str
         One bool expression of the grammar over ``b``, ``h``, ``q_idx``, ``kv_idx`` and the named
         arguments (not ``score``: a mask that depends on the scores is a ScoreMod giving -inf).
+    sparse : bool, default True
+        Derive a block mask from the expression (evaluated on the GPU over every element of every
+        64 x 64 block, once per call shape and arguments, then cached), so that the kernels never load
+        the tiles it hides entirely: a document mask runs like varlen. The cache assumes that an array
+        argument's contents do not change while its address does not: after writing into one in place,
+        call :func:`cuflash.clear_mask_cache` (or pass a new array). ``False``: every tile is loaded and
+        masked element by element. Not derived in ``attention_varlen`` and ``decode`` (see
+        docs/design.md). The name ``sparse`` is therefore not available to the arguments.
     **args
         Named arguments, as for :class:`ScoreMod`.
 
@@ -368,8 +378,14 @@ class MaskMod(_Modifier):
     """
 
     _what = "mask_mod"
+    #: Whether this object's arrays own their memory (False for :meth:`with_arrays`' views of another
+    #: framework's buffers, which it may reuse for new data at the same address: no derived sparsity).
+    _owns_arrays = True
 
-    def __init__(self, expr, **args):
+    def __init__(self, expr, *, sparse=True, **args):
+        if not isinstance(sparse, (bool, np.bool_)):
+            raise TypeError(f"mask_mod: sparse must be a bool, got {type(sparse).__name__}")
+        self.sparse = bool(sparse)
         self.args = _Arguments(args, "mask_mod")
         self.expr = parse(expr, "mask_mod")
         if reads_score(self.expr):
@@ -381,6 +397,19 @@ class MaskMod(_Modifier):
 
     def _canonical(self):
         return unparse(self.expr)
+
+    @property
+    def reads(self) -> frozenset:
+        """The position variables the expression reads, among ``b``, ``h``, ``q_idx``, ``kv_idx``: the
+        block mask derived from it (:mod:`cuflash._mask_blocks`) has a batch axis only if it reads
+        ``b``, a head axis only if it reads ``h``."""
+        return variables(self.expr)
+
+    @property
+    def derives_blocks(self) -> bool:
+        """Whether calls derive a block mask from this MaskMod (``sparse`` and arrays that own their
+        memory, see :mod:`cuflash._mask_blocks`)."""
+        return self.sparse and self._owns_arrays
 
     def reference(self, shape, b0: int = 0, q0: int = 0) -> np.ndarray:
         """Where pairs may attend, a bool array of ``shape`` (B, H, Sq, Sk) (``b`` counts from ``b0``,
@@ -394,7 +423,8 @@ class MaskMod(_Modifier):
                               with_score=False)
 
     def __repr__(self):
-        return f"cuflash.MaskMod({self.text!r}, args={sorted(self.args.values)})"
+        sparse = "" if self.sparse else ", sparse=False"
+        return f"cuflash.MaskMod({self.text!r}{sparse}, args={sorted(self.args.values)})"
 
 
 def argument_slots(score_mod, mask_mod) -> tuple[dict, dict]:

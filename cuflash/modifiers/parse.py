@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple, Union
 
-__all__ = ["FUNCTIONS", "VARIABLES", "Num", "Name", "Index", "Unary", "Binary", "Call", "Node", "parse", "unparse"]
+__all__ = ["FUNCTIONS", "VARIABLES", "Num", "Name", "Index", "Unary", "Binary", "Call", "Node", "parse", "unparse", "variables"]
 
 #: The positions an expression reads: the score (after ``scale``), the batch, the query head, and the
 #: query's and key's positions in their sequence.
@@ -236,3 +236,19 @@ def unparse(node: Node) -> str:
     if isinstance(node, Binary):
         return f"({unparse(node.left)} {node.op} {unparse(node.right)})"
     return f"{node.function}({', '.join(unparse(a) for a in node.args)})"
+
+
+def variables(node: Node) -> frozenset:
+    """The variables of :data:`VARIABLES` that ``node`` reads (array names and scalar arguments are
+    not among them; an index expression's variables are)."""
+    if isinstance(node, Num):
+        return frozenset()
+    if isinstance(node, Name):
+        return frozenset((node.id,)) if node.id in VARIABLES else frozenset()
+    if isinstance(node, Index):
+        return variables(node.index)
+    if isinstance(node, Unary):
+        return variables(node.operand)
+    if isinstance(node, Binary):
+        return variables(node.left) | variables(node.right)
+    return frozenset().union(*(variables(a) for a in node.args))

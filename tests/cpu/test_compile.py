@@ -145,7 +145,11 @@ def test_sweep_covers_every_family_and_arch():
     families = {p.stem for p in _compile.CUDA_SRC.glob("*.cu")}
     wanted = {(v.family, a) for a in ARCHS for v in precompile_variants(arch=a)}
     assert wanted <= covered, f"not in the sweep: {sorted(wanted - covered)}"
-    never = families - {f for f, _ in wanted}
+    # Families compiled per user expression (cuda_src/mask_blocks.cu: a MaskMod's block mask) cannot be
+    # precompiled; the sweep compiles them for the catalogue's sample expressions.
+    per_expression = {"mask_blocks"}
+    assert {(f, a) for f in per_expression for a in ARCHS} <= covered
+    never = families - {f for f, _ in wanted} - per_expression
     assert not never, f"kernel sources no variant compiles: {sorted(never)}"
     missing = {v.family for v, _ in _sweep_jobs()} - families
     assert not missing, f"variants of families without a source: {sorted(missing)}"
