@@ -9,7 +9,7 @@ from .backward import attention_backward, attention_varlen_backward
 from .decode import decode
 from .merge import merge_states
 from .modifiers import MaskMod, ScoreMod
-from ._mask_blocks import clear_mask_cache  # noqa: F401 - public; joins __all__ once benchmarks/tests lists it
+from ._mask_blocks import clear_mask_cache
 from .random import Generator, default_generator, manual_seed
 from ._build.compile import precompile
 from ._runtime.faults import check_errors
@@ -27,6 +27,7 @@ __all__ = [
     "merge_states",
     "ScoreMod",
     "MaskMod",
+    "clear_mask_cache",
     "force_kernel",
     "Generator",
     "default_generator",

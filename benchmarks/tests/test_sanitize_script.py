@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "sanitize_all.py"
 
 # Public names that launch nothing of their own.
 NOT_ENTRY_POINTS = {"force_kernel", "Generator", "default_generator", "manual_seed", "precompile", "plan", "Plan",
-                    "check_errors", "ScoreMod", "MaskMod"}
+                    "check_errors", "ScoreMod", "MaskMod", "clear_mask_cache"}
 
 
 def _load():
