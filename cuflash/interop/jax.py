@@ -52,8 +52,8 @@ from ..decode import decode as _decode
 from ..merge import merge_states as _merge_states
 from . import _jax_buffers
 from ._jax_buffers import Views, poison
-from ._jax_checks import (check_array, check_attention, check_decode, check_dropout_rng, check_kv_format, check_kv_scales,
-                          check_merge, check_varlen)
+from ._jax_checks import (check_array, check_attention, check_decode, check_dropout_rng, check_kv_format,
+                          check_kv_scales, check_merge, check_varlen)
 from ._jax_modifiers import check_differentiable
 from ._jax_modifiers import split as split_modifiers
 from ._jax_rng import state_words
