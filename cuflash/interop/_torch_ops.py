@@ -28,10 +28,10 @@ differentiable (an autograd kernel at the Autograd key: the backward op computes
 when ``bias`` requires a gradient, dbias, when ``sinks`` requires one, dsinks). ``sinks`` (attention
 sinks, float32 (Hq,)) come last in each schema, so calls written before them keep their meaning; a
 backward that is not asked for dbias / dsinks returns an empty float32 tensor in their place. The ops are defined with ``torch.library.Library``
-rather than ``torch.library.custom_op`` (see "registration" below for why). The functions of this module are the user-facing wrappers
+rather than ``torch.library.custom_op`` (:mod:`cuflash.interop._torch_library` says why). The functions of this module are the user-facing wrappers
 (``window=(left, right)``, ``block_size=(bq, bk)``, a ``generator``, a list of partial states...).
 Called eagerly on plain tensors, a wrapper runs what the dispatcher would run (the Autograd kernel,
-version bumps, the kernel) without the dispatcher's Python hops (:meth:`_Op.__call__`); while
+version bumps, the kernel) without the dispatcher's Python hops (:meth:`cuflash.interop._torch_library._Op.__call__`); while
 ``torch.compile`` traces, under a dispatch mode or a functorch transform, and whenever
 ``torch.ops.cuflash.*`` is called itself, the dispatcher runs them.
 
@@ -61,7 +61,6 @@ exempts only aten's random ops, so two calls with identical inputs and dropout i
 may be merged into one: pass distinct ``rng_state`` tensors if that matters.
 """
 
-import inspect
 import numbers
 from typing import Optional
 
@@ -77,140 +76,12 @@ from ..decode import decode as _cf_decode
 from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, as_rng_state, default_generator
 from ._torch_autograd import direct_apply
+from ._torch_library import RANDOM as _RANDOM, backward_op as _backward_op, compiling as _compiling
+from ._torch_library import op as _op, records_grad as _records_grad
 from ._torch_stream import as_torch, torch_call
 
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "decode", "merge_states"]
-
-# ----------------------------------------------------------------------------- registration
-
-# The ops are defined on torch.library's lower layer (Library.define / impl) rather than with
-# torch.library.custom_op, whose eager path runs Python layers at every call (defaults filled from
-# the schema, an aliasing check, a Python autograd wrapper; the host time it cost is in
-# docs/decisions.md#torch-ops-on-torchlibrarys-lower-layer). What custom_op added is written here:
-# the schema inferred from the kernel's annotations, one kernel for every device type, the fake,
-# version counters bumped for mutated arguments, and the forwards' autograd as
-# torch.autograd.Functions registered at the Autograd key.
-_LIB = torch.library.Library("cuflash", "DEF")
-
-# The forwards draw dropout's random numbers; the tag keeps compilers from folding or reordering them
-# as if they were pure.
-_RANDOM = (torch.Tag.nondeterministic_seeded,)
-
-# What runs below autograd, and below the version-counter layer, inside an op's own kernels (the
-# same guards torch.library's register_autograd and custom_op use).
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_AFTER_INPLACE_OR_VIEW = torch._C._after_ADInplaceOrView_keyset
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_jit_tracing = torch._C._get_tracing_state
-_functorch_active = torch._C._are_functorch_transforms_active
-_compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
-
-
-def _direct(args) -> bool:
-    """Whether a call may run what the dispatcher would run without it: every tensor a plain
-    ``torch.Tensor`` (no fake, functional or other subclass), no TorchDispatchMode, no functorch
-    transform and no ``torch.jit`` trace active. The dispatcher would then pick the same Python
-    kernels (the op's kernel is registered for CPU and CUDA alike), each a Python hop later: ~8 us
-    of host time per hop on an H200 host (a no-op op with these argument lists: 17.1 us with one
-    hop, 25.1 with two)."""
-    if _dispatch_modes() or _functorch_active() or _jit_tracing() is not None:
-        return False
-    for x in args:
-        if isinstance(x, Tensor) and type(x) is not Tensor:
-            return False
-    return True
-
-
-class _Op:
-    """``torch.ops.cuflash.<name>`` defined from ``kernel``'s annotated signature, ``kernel``
-    registered for the CPU and CUDA keys (it picks cuflash's kernels, or a test's, by device)."""
-
-    def __init__(self, name: str, kernel, mutates_args=(), tags=()):
-        self.name = name
-        self.kernel = kernel
-        _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates_args), tags=tags)
-        for key in ("CPU", "CUDA"):
-            _LIB.impl(name, kernel, key)
-        self.default = getattr(torch.ops.cuflash, name).default
-        self._autograd = None
-        names = list(inspect.signature(kernel).parameters)
-        self._mutated = tuple(names.index(n) for n in mutates_args)
-        if mutates_args:
-            self._bump_versions(kernel, mutates_args)
-
-    def __call__(self, *args):
-        """The op as the functions of this module call it (every argument positional). Eagerly on
-        plain tensors (:func:`_direct`, not while ``torch.compile`` traces) it runs what the
-        dispatcher would, without it: the Autograd kernel; for an op without one, the version bumps
-        of the tensors it mutates and the kernel (or the dispatcher, whose autograd fallback has its
-        say, when an input requires a gradient). Otherwise the dispatcher (``torch.ops.cuflash.*``)."""
-        if _compiling() or not _direct(args):
-            return self.default(*args)
-        if self._autograd is not None:
-            return self._autograd(*args)
-        if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args):
-            return self.default(*args)
-        for index in self._mutated:
-            if index < len(args) and args[index] is not None:
-                torch.autograd.graph.increment_version(args[index])
-        return self.kernel(*args)
-
-    def below_autograd(self, *args):
-        """The op called from its Autograd kernel (or an autograd.Function) with every argument
-        positional: its kernel directly when :func:`_direct` allows, else a dispatch below autograd."""
-        if _direct(args):
-            return self.kernel(*args)
-        with _below_autograd():
-            return self.default(*args)
-
-    def register_fake(self, fake):
-        torch.library.register_fake(f"cuflash::{self.name}", fake, lib=_LIB)
-        return fake
-
-    def register_autograd(self, kernel):
-        """``kernel`` (the op's signature) runs at the Autograd key: it applies a
-        torch.autograd.Function, or calls the op below autograd when nothing needs a gradient."""
-        _LIB.impl(self.name, kernel, "Autograd")
-        self._autograd = kernel
-        return kernel
-
-    def _bump_versions(self, kernel, mutates_args):
-        """Mutated tensors get their version counter bumped, as torch's own in-place ops do (so
-        autograd notices a saved tensor that was written since)."""
-        names = list(inspect.signature(kernel).parameters)
-        where = [(names.index(n), n) for n in mutates_args]
-        op, bump = self.default, torch.autograd.graph.increment_version
-
-        def inplace_or_view(keyset, *args, **kwargs):
-            for index, name in where:
-                x = args[index] if index < len(args) else kwargs.get(name)
-                if x is not None:
-                    bump(x)
-            if not kwargs and _direct(args):
-                return kernel(*args)
-            return op.redispatch(keyset & _AFTER_INPLACE_OR_VIEW, *args, **kwargs)
-
-        _LIB.impl(self.name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
-
-
-def _op(name: str, *, mutates_args=(), tags=()):
-    return lambda kernel: _Op(name, kernel, mutates_args, tags)
-
-
-def _backward_op(op, *args):
-    """A backward op called from an autograd.Function's backward. With ``create_graph=True`` (grad
-    mode on) it goes through the dispatcher, whose autograd fallback says that the op has no
-    derivative of its own; otherwise its kernel runs directly when :func:`_direct` allows."""
-    if not torch.is_grad_enabled() and _direct(args):
-        return op.kernel(*args)
-    return op.default(*args)
-
-
-def _records_grad(*tensors) -> bool:
-    """Whether autograd must record a call: grad mode on and an input that requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
 
 # ----------------------------------------------------------------------------- the kernels behind the ops
 

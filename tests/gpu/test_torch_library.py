@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import cuflash  # noqa: E402
 import cuflash.interop.torch as ct  # noqa: E402
 from cuflash import reference  # noqa: E402
-from cuflash.interop import _torch_ops  # noqa: E402
+from cuflash.interop import _torch_library, _torch_ops  # noqa: E402
 
 ops = ct.ops
 OPS = ("attention_forward", "attention_backward", "attention_varlen_forward", "attention_varlen_backward", "decode",
@@ -546,8 +546,8 @@ def test_kernels_run_directly_only_on_plain_tensors_outside_modes(host_kernels):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     q, k, v = _rand(1, 6, 2, 8), _rand(1, 9, 2, 8), _rand(1, 9, 2, 8)
-    assert _torch_ops._direct((q, k, v, None, True, 0.5))
-    assert not _torch_ops._direct((q, torch.nn.Parameter(k), v))
+    assert _torch_library.direct((q, k, v, None, True, 0.5))
+    assert not _torch_library.direct((q, torch.nn.Parameter(k), v))
 
     class Seen(TorchDispatchMode):
         def __init__(self):
@@ -560,13 +560,13 @@ def test_kernels_run_directly_only_on_plain_tensors_outside_modes(host_kernels):
 
     plain = ops.attention(q, k, v, causal=True)
     with Seen() as seen:
-        assert not _torch_ops._direct((q, k, v))
+        assert not _torch_library.direct((q, k, v))
         moded = ops.attention(q, k, v, causal=True)
     assert any("cuflash.attention_forward" in name for name in seen.ops), seen.ops
     assert torch.equal(plain, moded)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        assert not _torch_ops._direct((fq, fk, fv))
+        assert not _torch_library.direct((fq, fk, fv))
         assert ops.attention(fq, fk, fv, causal=True).shape == q.shape
 
 
