@@ -327,16 +327,22 @@ def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bia
 
 class _AttentionForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_forward``: ``cuflash::attention_backward`` gives dq, dk,
-    dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks; lse and rng_state are constants."""
+    dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks; lse and rng_state are constants.
+    With ``mods`` (a ScoreMod/MaskMod, which no schema carries: eager calls only) the ops' bodies run
+    with them instead of the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, constants, options):
+    def forward(ctx, q, k, v, bias, sinks, constants, options, mods):
         alibi_slopes, mask, block_mask, rng_state = constants
-        out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
-                                                               rng_state, *options, sinks)
+        if mods is None:
+            out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
+                                                                   rng_state, *options, sinks)
+        else:
+            out, lse, state = _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state,
+                                                     *options, sinks=sinks, mods=mods)
         ctx.mark_non_differentiable(lse, state)
         ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks)
-        ctx.options = options
+        ctx.options, ctx.mods = options, mods
         return out, lse, state
 
     @staticmethod
@@ -344,9 +350,13 @@ class _AttentionForward(torch.autograd.Function):
         q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias, dsinks = _backward_op(_attention_backward_op, dout, q, k, v, out, lse, state, alibi_slopes,
-                                                 mask, bias, block_mask, *ctx.options, want_dbias, sinks, want_dsinks)
-        return dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None
+        args = (dout, q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, *ctx.options, want_dbias, sinks,
+                want_dsinks)
+        if ctx.mods is None:
+            dq, dk, dv, dbias, dsinks = _backward_op(_attention_backward_op, *args)
+        else:
+            dq, dk, dv, dbias, dsinks = _run_attention_backward(*args, mods=ctx.mods)
+        return dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None, None
 
 
 _attention_forward_apply = direct_apply(_AttentionForward)
@@ -358,7 +368,8 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
       sinks=None):
     options = (causal, scale, window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
     if _records_grad(q, k, v, bias, sinks):
-        return _attention_forward_apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state), options)
+        return _attention_forward_apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state), options,
+                                        None)
     return _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options,
                                                 sinks)
 
@@ -453,25 +464,32 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi
 
 class _AttentionVarlenForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_varlen_forward`` (``cuflash::attention_varlen_backward``):
-    dq, dk, dv and, when ``sinks`` requires it, dsinks."""
+    dq, dk, dv and, when ``sinks`` requires it, dsinks; ``mods`` as for :class:`_AttentionForward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, constants, options):
+    def forward(ctx, q, k, v, sinks, constants, options, mods):
         cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
-        out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                                      alibi_slopes, rng_state, *options, sinks)
+        if mods is None:
+            out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                          alibi_slopes, rng_state, *options, sinks)
+        else:
+            out, lse, state = _run_varlen_forward(q, k, v, *constants, *options, sinks=sinks, mods=mods)
         ctx.mark_non_differentiable(lse, state)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks)
-        ctx.options = options
+        ctx.options, ctx.mods = options, mods
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks = ctx.saved_tensors
         want_dsinks = sinks is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dsinks = _backward_op(_attention_varlen_backward_op, dout, q, k, v, out, lse, cu_seqlens_q,
-                                          cu_seqlens_k, state, alibi_slopes, *ctx.options, sinks, want_dsinks)
-        return dq, dk, dv, (dsinks if want_dsinks else None), None, None
+        args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, *ctx.options, sinks,
+                want_dsinks)
+        if ctx.mods is None:
+            dq, dk, dv, dsinks = _backward_op(_attention_varlen_backward_op, *args)
+        else:
+            dq, dk, dv, dsinks = _run_varlen_backward(*args, mods=ctx.mods)
+        return dq, dk, dv, (dsinks if want_dsinks else None), None, None, None
 
 
 _attention_varlen_forward_apply = direct_apply(_AttentionVarlenForward)
@@ -485,7 +503,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, ma
                deterministic)
     if _records_grad(q, k, v, sinks):
         return _attention_varlen_forward_apply(q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state),
-                                               options)
+                                               options, None)
     return _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
                                                        *options, sinks)
 
@@ -648,9 +666,9 @@ def _(outs, lses):
 #
 # A ScoreMod/MaskMod is a Python object whose expression is compiled into the kernels: no schema type
 # carries it, so the ops themselves (torch.ops.cuflash.*) do not take one. The functions of this module
-# take them eagerly and run the ops' bodies (_run_*) with them, through the autograd.Functions below
-# for the forwards (the modifiers held by the node for its backward); while torch.compile traces, they
-# refuse them (_refuse_under_compile).
+# take them eagerly and run the ops' bodies (_run_*) with them, through the forwards' autograd.Functions
+# (which hold the modifiers for the backward); while torch.compile traces, they refuse them
+# (_refuse_under_compile).
 
 _COMPILE_MESSAGE = ("score_mod/mask_mod are not supported under torch.compile yet: call cuflash outside the "
                     "compiled region (e.g. a function decorated with torch.compiler.disable), or without them")
@@ -713,55 +731,6 @@ def _check_dbias_beside(mods, bias) -> None:
         raise ValueError("bias requires a gradient, and dbias is not computed beside a score_mod (the kernels keep "
                          "the ScoreMod's chain factor where dbias would need the raw scores): detach bias, or add "
                          "it inside the score_mod")
-
-
-class _ModifiedAttentionForward(torch.autograd.Function):
-    """:func:`attention_forward` with a ScoreMod/MaskMod: the bodies of ``cuflash::attention_forward``
-    and ``cuflash::attention_backward`` with them; gradients for q, k, v, sinks and (beside a MaskMod
-    alone) bias."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, constants, options, mods):
-        alibi_slopes, mask, block_mask, rng_state = constants
-        out, lse, state = _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options,
-                                                 sinks=sinks, mods=mods)
-        ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks)
-        ctx.options, ctx.mods = options, mods
-        return out, lse, state
-
-    @staticmethod
-    def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks = ctx.saved_tensors
-        want_dbias = bias is not None and ctx.needs_input_grad[3]
-        want_dsinks = sinks is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias, dsinks = _run_attention_backward(dout, q, k, v, out, lse, state, alibi_slopes, mask, bias,
-                                                            block_mask, *ctx.options, want_dbias, sinks, want_dsinks,
-                                                            mods=ctx.mods)
-        return (dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None,
-                None)
-
-
-class _ModifiedVarlenForward(torch.autograd.Function):
-    """:func:`attention_varlen` with a ScoreMod/MaskMod; gradients for q, k, v and sinks."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, constants, options, mods):
-        cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
-        out, lse, state = _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, *options,
-                                              sinks=sinks, mods=mods)
-        ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks)
-        ctx.options, ctx.mods = options, mods
-        return out, lse, state
-
-    @staticmethod
-    def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks = ctx.saved_tensors
-        want_dsinks = sinks is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dsinks = _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state,
-                                                  alibi_slopes, *ctx.options, sinks, want_dsinks, mods=ctx.mods)
-        return dq, dk, dv, (dsinks if want_dsinks else None), None, None, None
 
 
 # ----------------------------------------------------------------------------- the functions users call
@@ -836,8 +805,8 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     _check_dbias_beside(mods, bias)
     options = (causal, scale, left, right, softcap, block_q, block_k, dropout_p, deterministic)
     if grad:
-        return _ModifiedAttentionForward.apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state),
-                                               options, mods)
+        return _attention_forward_apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state), options,
+                                        mods)
     return _run_attention_forward(_plain(q), _plain(k), _plain(v), alibi_slopes, mask, _plain(bias), block_mask,
                                   rng_state, *options, sinks=_plain(sinks), mods=mods)
 
@@ -917,7 +886,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         mods = _modifiers(score_mod, mask_mod, backward=grad)
         constants = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
         if grad:
-            out, lse, _ = _ModifiedVarlenForward.apply(q, k, v, sinks, constants, options, mods)
+            out, lse, _ = _attention_varlen_forward_apply(q, k, v, sinks, constants, options, mods)
         else:
             out, lse, _ = _run_varlen_forward(_plain(q), _plain(k), _plain(v), *constants, *options,
                                               sinks=_plain(sinks), mods=mods)
