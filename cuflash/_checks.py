@@ -348,17 +348,23 @@ def host_scale(x, name: str):
     return None
 
 
+def check_kv_scale_layout(x, name: str, heads_k: int) -> None:
+    """An fp8 cache's scale as an array, by dtype and shape only (also a traced JAX array): float32 of
+    shape (), (1,) (per tensor) or (Hk,) (per kv head)."""
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"{name} must be float32, got {x.dtype}")
+    if tuple(x.shape) not in ((), (1,), (heads_k,)):
+        raise ValueError(f"{name} must be a scalar or have shape (1,) or ({heads_k},) (one per kv head), got shape "
+                         f"{tuple(x.shape)}")
+
+
 def check_kv_scale(x, name: str, heads_k: int):
-    """An fp8 cache's scale on the GPU: float32 of shape (), (1,) (per tensor) or (Hk,) (per kv head),
-    as (contiguous CuPy array, element stride between kv heads: 0 or 1)."""
+    """An fp8 cache's scale on the GPU (:func:`check_kv_scale_layout`), as (contiguous CuPy array,
+    element stride between kv heads: 0 or 1)."""
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name} must be a float32 scale (a number, or a CUDA float32 array), got a bool")
     x = as_cuda_array(x, name)
-    if x.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, got {x.dtype}")
-    if x.shape not in ((), (1,), (heads_k,)):
-        raise ValueError(f"{name} must be a scalar or have shape (1,) or ({heads_k},) (one per kv head), got shape "
-                         f"{tuple(x.shape)}")
+    check_kv_scale_layout(x, name, heads_k)
     return _cupy().ascontiguousarray(x), (1 if x.ndim == 1 and x.shape[0] > 1 else 0)
 
 

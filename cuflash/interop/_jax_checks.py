@@ -179,15 +179,6 @@ def check_kv_format(k_cache, v_cache, kv_dtype) -> tuple:
     return (FP8 if kv_dtype is None else kv_dtype), True
 
 
-def _check_kv_scale(x, name: str, heads_k: int) -> None:
-    """An fp8 cache's scale as an array (as :func:`cuflash._checks.check_kv_scale`, by dtype and shape)."""
-    if x.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, got {x.dtype}")
-    if tuple(x.shape) not in ((), (1,), (heads_k,)):
-        raise ValueError(f"{name} must be a scalar or have shape (1,) or ({heads_k},) (one per kv head), got shape "
-                         f"{tuple(x.shape)}")
-
-
 def check_kv_scales(kv_dtype, k_scale, v_scale, heads_k: int) -> tuple:
     """An fp8 cache's scales: required with ``kv_dtype``, refused without. A number (or a NumPy array of
     one element) is static, a float32 value (:func:`cuflash._checks.host_scale`: finite, > 0); a JAX
@@ -210,7 +201,7 @@ def check_kv_scales(kv_dtype, k_scale, v_scale, heads_k: int) -> tuple:
             if isinstance(x, (bool, np.bool_)) or not isinstance(x, (jax.Array, np.ndarray)):
                 raise TypeError(f"{name} must be a float or a JAX float32 array, got {type(x).__name__}")
             x = check_array(x, name)
-            _check_kv_scale(x, name, heads_k)
+            _checks.check_kv_scale_layout(x, name, heads_k)
             arrays[name] = x
         values.append(value)
     return tuple(values), arrays
