@@ -20,7 +20,7 @@ def _round_to(x, dtype):
 
 def _baseline(q, k, v, batch_ids, *, causal=False, scale=None, window=None, softcap=0.0,
               alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
-              dropout_p=0.0, rng_state=None):
+              dropout_p=0.0, rng_state=None, score_mod=None, mask_mod=None, sinks=None):
     xp = _xp_of(q)
     dtype = q.dtype
     if k.dtype != dtype or v.dtype != dtype:
@@ -33,19 +33,28 @@ def _baseline(q, k, v, batch_ids, *, causal=False, scale=None, window=None, soft
     qt = xp.asarray(q).astype(f32).transpose(0, 2, 1, 3)                   # (B, Hq, Sq, D)
     kt = xp.repeat(xp.asarray(k).astype(f32), Hq // Hk, axis=2).transpose(0, 2, 3, 1)
     vt = xp.repeat(xp.asarray(v).astype(f32), Hq // Hk, axis=2).transpose(0, 2, 1, 3)
-    if B * Hq * Sq == 0 or Sk == 0:
-        return (np.zeros((B, Sq, Hq, Dv)),
-                np.full((B, Hq, Sq), -np.inf if Sk == 0 else 0.0))
+    if B * Hq * Sq == 0 or Sk == 0:   # no key: out 0, lse -inf (the sink's logit with sinks)
+        lse = np.full((B, Hq, Sq), -np.inf if Sk == 0 else 0.0)
+        if sinks is not None and Sk == 0:
+            lse[...] = np.asarray(sinks.get() if hasattr(sinks, "get") else sinks, dtype=np.float64)[:, None]
+        return np.zeros((B, Sq, Hq, Dv)), lse
     if scale is None:
         scale = 1.0 / np.sqrt(D)
     s = _round_to(xp.matmul(qt, kt), dtype)                                # S = q k^T
     s = _reference._score_pipeline(xp, s, scale=scale, causal=causal, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, mask=mask,
-                                   bias=bias, block_mask=block_mask, block_size=block_size)
+                                   bias=bias, block_mask=block_mask, block_size=block_size,
+                                   score_mod=score_mod, mask_mod=mask_mod)
     m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:   # the row's denominator also holds exp(sinks[h]); no value is added
+        sink = xp.asarray(sinks.get() if xp is np and hasattr(sinks, "get") else sinks).astype(f32)
+        sink = sink.reshape(1, -1, 1, 1)
+        m = xp.maximum(m, sink)
     empty = m == -np.inf
     e = xp.exp(s - xp.where(empty, f32(0), m))
     l = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + xp.exp(sink - xp.where(empty, f32(0), m))
     p = _round_to(xp.where(empty, f32(0), e / xp.where(empty, f32(1), l)), dtype)
     lse = xp.where(empty, f32(-np.inf), m + xp.log(xp.where(empty, f32(1), l)))[..., 0]
     if dropout_p > 0:
@@ -78,7 +87,8 @@ def baseline_attention(q, k, v, *, return_lse=False, **options):
     return_lse : bool
         Also return the float32 log-sum-exp.
     **options
-        Those of :func:`cuflash.reference.attention_forward` (``rng_state`` with dropout).
+        Those of :func:`cuflash.reference.attention_forward` (``rng_state`` with dropout;
+        ``score_mod``, ``mask_mod``, ``sinks``).
 
     Returns
     -------

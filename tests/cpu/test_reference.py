@@ -432,3 +432,30 @@ def test_baseline_varlen_matches_per_sequence_baseline():
     assert np.abs(out - ref).max() < 0.01
     second = testing.baseline_attention(q[None, 4:9], k[None, 6:8], v[None, 6:8], causal=True)
     assert_same(out[4:9], second[0])
+
+
+def test_baseline_takes_sinks_and_modifiers_as_the_reference_does():
+    """The same-dtype baseline with sinks (a denominator term, lse = the sink for a row with no key)
+    and with a ScoreMod/MaskMod stays within rounding of the float64 reference; without the sink
+    it would not."""
+    from cuflash.modifiers import MaskMod, ScoreMod
+
+    rng = np.random.default_rng()
+    q, k, v = testing.random_qkv(dict(B=2, Sq=17, Sk=23, Hq=4, Hk=2, D=32), "float16",
+                                 seed=int(rng.integers(1 << 30)))
+    sinks = (2 * rng.standard_normal(4)).astype(np.float32)
+    sinks[1] = -np.inf
+    ref, ref_lse = reference.attention_forward(q, k, v, causal=True, sinks=sinks)
+    base, base_lse = testing.baseline_attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    testing.assert_attention_close(base, ref, base, dtype="float16")
+    assert np.abs(base_lse - ref_lse).max() < 1e-2
+    without = testing.baseline_attention(q, k, v, causal=True)
+    assert np.abs(without - ref).max() > 10 * np.abs(base - ref).max()
+    _, empty_lse = testing.baseline_attention(q, k[:, :0], v[:, :0], sinks=sinks, return_lse=True)
+    assert (empty_lse == sinks[None, :, None]).all()
+
+    cap = ScoreMod("c * tanh(score / c)", grad="1.0 - tanh(score / c) * tanh(score / c)", c=2.0)
+    near = MaskMod("q_idx - kv_idx <= 5")
+    ref, _ = reference.attention_forward(q, k, v, causal=True, score_mod=cap, mask_mod=near)
+    base = testing.baseline_attention(q, k, v, causal=True, score_mod=cap, mask_mod=near)
+    testing.assert_attention_close(base, ref, base, dtype="float16")

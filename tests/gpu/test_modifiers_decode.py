@@ -20,7 +20,6 @@ the same modifiers.
 Run: ``python -m pytest -q tests/gpu/test_modifiers_decode.py`` (skipped without a GPU).
 """
 
-import math
 
 import numpy as np
 import pytest
@@ -30,7 +29,6 @@ import cupy
 import cuflash
 import cuflash.testing as tt
 from cuflash import reference
-from cuflash.reference import _forward as _ref_forward
 from tests.gpu.test_decode import _bits, build_case
 
 NAN = float("nan")
@@ -64,28 +62,6 @@ def modifiers(case, B, Hq, max_total, rng):
     return score_mod, mask_mod, {"softcap": 5.0, "alibi_slopes": slopes}
 
 
-def baseline(q, k, v, *, scale=None, **options):
-    """Plain same-dtype attention of one sequence with the modifiers (cuflash.testing.baseline_attention's
-    recipe: S and P rounded to the dtype, the score pipeline and the softmax in float32)."""
-    dtype = q.dtype
-    rnd = lambda x: tt._round_to(x, dtype)  # noqa: E731
-    f32 = lambda x: cupy.asarray(np.asarray(x, dtype=np.float32))  # noqa: E731
-    B, Sq, Hq, D = q.shape
-    if k.shape[1] == 0:   # a sequence with no key: its rows are 0, as the kernels write them
-        return np.zeros(q.shape, dtype=np.float64)
-    group = Hq // k.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qt = f32(q).transpose(0, 2, 1, 3)
-    kt = cupy.repeat(f32(k), group, axis=2).transpose(0, 2, 3, 1)
-    s = _ref_forward._score_pipeline(cupy, rnd(cupy.matmul(qt, kt)), scale=scale, **options)
-    m = s.max(axis=-1, keepdims=True)
-    empty = m == -np.inf
-    e = cupy.exp(s - cupy.where(empty, np.float32(0), m))
-    p = rnd(cupy.where(empty, np.float32(0), e / cupy.where(empty, np.float32(1), e.sum(axis=-1, keepdims=True))))
-    vt = cupy.repeat(f32(v), group, axis=2).transpose(0, 2, 1, 3)
-    return cupy.asnumpy(rnd(cupy.matmul(p, vt)).transpose(0, 2, 1, 3)).astype(np.float64)
-
-
 def expected(case, dtype, options):
     """Reference (out, lse, k_after, v_after) of a case, and the baseline for 16-bit dtypes."""
     problems, k_after, v_after = reference._decode._decode_sequences(
@@ -96,7 +72,7 @@ def expected(case, dtype, options):
     for b, p in enumerate(problems):
         o, l = reference.attention_forward(p["q"], p["k"], p["v"], **p["options"])
         out[b], lse[b] = o[0], l[0]
-    base = None if dtype == "float32" else np.concatenate([baseline(p["q"], p["k"], p["v"], **p["options"])
+    base = None if dtype == "float32" else np.concatenate([tt.baseline_attention(p["q"], p["k"], p["v"], **p["options"])
                                                            for p in problems])
     # The reference of cuflash.reference.decode itself (its public entry) agrees with the per-sequence one.
     public_out, public_lse = reference.decode(case["q"], case["k_cache"], case["v_cache"], cache_seqlens=case["lens"],

@@ -124,22 +124,6 @@ def _scores(q, k, scale, score_mod, mask_mod, causal, softcap, rnd):
     return raw, s
 
 
-def baseline_forward(q, k, v, *, causal=False, softcap=0.0, score_mod=None, mask_mod=None):
-    """A plain same-dtype attention (cuflash.testing.baseline_attention's recipe) with the modifiers:
-    S and P rounded to the dtype, the pipeline and the softmax in float32 (the modifiers evaluated
-    by NumPy and rounded to float32)."""
-    dtype = q.dtype
-    rnd = lambda x: tt._round_to(x, dtype)  # noqa: E731
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    _, s = _scores(q, k, scale, score_mod, mask_mod, causal, softcap, rnd)
-    m = s.max(axis=-1, keepdims=True)
-    empty = m == -np.inf
-    e = cupy.exp(s - cupy.where(empty, np.float32(0), m))
-    p = rnd(cupy.where(empty, np.float32(0), e / cupy.where(empty, np.float32(1), e.sum(axis=-1, keepdims=True))))
-    vt = cupy.repeat(_f32(v), q.shape[2] // v.shape[2], axis=2).transpose(0, 2, 1, 3)
-    return cupy.asnumpy(rnd(cupy.matmul(p, vt)).transpose(0, 2, 1, 3)).astype(np.float64)
-
-
 def baseline_backward(dout, q, k, v, out, *, causal=False, softcap=0.0, score_mod=None, mask_mod=None):
     """A plain same-dtype backward (tests/gpu/test_backward.py's recipe) with the modifiers: dS goes
     through the ScoreMod's grad at its input and then through the built-in softcap."""
@@ -215,7 +199,7 @@ def test_forward_against_the_reference(family, dtype, problem):
                                   **options)
     ref_out, ref_lse = reference.attention_forward(q, k, v, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
                                                    **options)
-    base = None if dtype == "float32" else baseline_forward(q, k, v, causal=causal, score_mod=score_mod,
+    base = None if dtype == "float32" else tt.baseline_attention(q, k, v, causal=causal, score_mod=score_mod,
                                                             mask_mod=mask_mod, **options)
     tt.assert_attention_close(out, ref_out, base, dtype=dtype, name="out")
     tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")
@@ -234,7 +218,7 @@ def test_a_repeat_call_reads_the_new_arrays(family, dtype):
         with cuflash.force_kernel(family):
             cuflash.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, out=out)
         ref, _ = reference.attention_forward(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
-        base = None if dtype == "float32" else baseline_forward(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+        base = None if dtype == "float32" else tt.baseline_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
         tt.assert_attention_close(out, ref, base, dtype=dtype, name="out")
 
 
@@ -257,7 +241,7 @@ def test_varlen_positions_count_from_each_sequence(family, dtype):
                                               mask_mod=mask_mod)
     base = None
     if dtype != "float32":
-        base = np.concatenate([baseline_forward(q[None, a:b_], k[None, c:d], v[None, c:d],
+        base = np.concatenate([tt.baseline_attention(q[None, a:b_], k[None, c:d], v[None, c:d],
                                                 score_mod=_ref_forward.at_sequence(score_mod, i),
                                                 mask_mod=_ref_forward.at_sequence(mask_mod, i))[0]
                                for i, (a, b_, c, d) in enumerate(zip(cu_q.get()[:-1], cu_q.get()[1:],

@@ -126,15 +126,6 @@ def _probabilities(q, k, sinks, rnd, scale, dropout_p=0.0, rng_state=None, **opt
     return raw, s, p
 
 
-def baseline_forward(q, k, v, sinks, **options):
-    """A plain same-dtype attention (cuflash.testing.baseline_attention's recipe) whose softmax
-    denominator holds the sink: S and P rounded to the dtype, the softmax in float32."""
-    rnd = lambda x: tt._round_to(x, q.dtype)  # noqa: E731
-    _, _, p = _probabilities(q, k, sinks, rnd, 1.0 / math.sqrt(q.shape[-1]), **options)
-    vt = cupy.repeat(_f32(v), q.shape[2] // v.shape[2], axis=2).transpose(0, 2, 1, 3)
-    return cupy.asnumpy(rnd(cupy.matmul(p, vt)).transpose(0, 2, 1, 3)).astype(np.float64)
-
-
 def baseline_backward(dout, q, k, v, out, sinks, softcap=0.0, **options):
     """A plain same-dtype backward (tests/gpu/test_backward.py's recipe) with P from the sink's
     denominator."""
@@ -213,7 +204,7 @@ def test_forward_against_the_reference(family, dtype, problem):
     with cuflash.force_kernel(family):
         cuflash.attention_forward(q, k, v, sinks=sinks, out=out, lse=lse, **options)
     ref_out, ref_lse = reference.attention_forward(q, k, v, sinks=sinks, **options)
-    base = None if dtype == "float32" else baseline_forward(q, k, v, sinks, **options)
+    base = None if dtype == "float32" else tt.baseline_attention(q, k, v, sinks=sinks, **options)
     tt.assert_attention_close(out, ref_out, base, dtype=dtype, name="out")
     tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")
 
@@ -233,7 +224,7 @@ def test_rows_that_see_no_key_are_zero_with_the_sink_as_lse(family, dtype):
     assert bool((out[:, :empty] == 0).all())
     expected = np.broadcast_to(cupy.asnumpy(sinks).reshape(1, Hq, 1), (B, Hq, empty))
     np.testing.assert_array_equal(cupy.asnumpy(lse[:, :, :empty]), expected)
-    base = None if dtype == "float32" else baseline_forward(q, k, v, sinks, window=(4, 0))
+    base = None if dtype == "float32" else tt.baseline_attention(q, k, v, sinks=sinks, window=(4, 0))
     tt.assert_attention_close(out, ref_out, base, dtype=dtype, name="out")
     tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")
 
@@ -255,7 +246,7 @@ def test_sinks_beside_every_other_option(family, dtype):
     with cuflash.force_kernel(family):
         cuflash.attention_forward(q, k, v, sinks=sinks, out=out, lse=lse, **kw)
     ref_out, ref_lse = reference.attention_forward(q, k, v, sinks=sinks, **kw)
-    base = None if dtype == "float32" else baseline_forward(q, k, v, sinks, **kw)
+    base = None if dtype == "float32" else tt.baseline_attention(q, k, v, sinks=sinks, **kw)
     tt.assert_attention_close(out, ref_out, base, dtype=dtype, name="out")
     tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")
     # Dropout: the keep mask is the reference's (same rng_state); lse is taken before dropout.
@@ -266,7 +257,7 @@ def test_sinks_beside_every_other_option(family, dtype):
                                                         generator=generator, out=out_d)
     ref_d, ref_lse_d = reference.attention_forward(q, k, v, sinks=sinks, causal=True, dropout_p=0.2,
                                                    rng_state=rng_state)
-    base_d = None if dtype == "float32" else baseline_forward(q, k, v, sinks, causal=True, dropout_p=0.2,
+    base_d = None if dtype == "float32" else tt.baseline_attention(q, k, v, sinks=sinks, causal=True, dropout_p=0.2,
                                                               rng_state=rng_state)
     tt.assert_attention_close(out_d, ref_d, base_d, dtype=dtype, name="out (dropout)")
     tt.assert_attention_close(lse_d, ref_lse_d, dtype="float32", name="lse (dropout)")
@@ -284,7 +275,7 @@ def test_a_repeat_call_reads_the_new_sinks(family, dtype):
             sinks = make_sinks("normal", Hq, rng)
             out, lse = cuflash.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
             ref, ref_lse = reference.attention_forward(q, k, v, causal=True, sinks=sinks)
-            base = None if dtype == "float32" else baseline_forward(q, k, v, sinks, causal=True)
+            base = None if dtype == "float32" else tt.baseline_attention(q, k, v, sinks=sinks, causal=True)
             tt.assert_attention_close(out, ref, base, dtype=dtype, name="out")
             tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")
         again, again_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)   # no sinks: as before
@@ -314,7 +305,8 @@ def test_varlen(family, dtype):
             if d == c:
                 pieces.append(np.zeros((b_ - a, Hq, D)))
             else:
-                pieces.append(baseline_forward(q[None, a:b_], k[None, c:d], v[None, c:d], sinks, causal=True)[0])
+                pieces.append(tt.baseline_attention(q[None, a:b_], k[None, c:d], v[None, c:d], sinks=sinks,
+                                                    causal=True)[0])
         base = np.concatenate(pieces)
     tt.assert_attention_close(out, ref, base, dtype=dtype, name="out")
     tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")

@@ -13,7 +13,7 @@ overflow) and with heads that have none (-inf). Sequences of 0 keys are among th
 Caches are poisoned past the sequences (tests/gpu/test_decode.py's build_case), outputs are
 NaN-poisoned ``out=`` / ``lse=`` buffers, the data is fresh at every run (the seed is in the failure
 message). Accuracy: docs/design.md §5 (cuflash.testing.assert_attention_close) against a plain
-same-dtype baseline with the sink in its denominator (tests/gpu/test_sinks.py's baseline_forward).
+same-dtype baseline with the sink in its denominator (cuflash.testing.baseline_attention with sinks=).
 
 Run: ``python -m pytest -q tests/gpu/test_sinks_decode.py`` (skipped without a GPU).
 """
@@ -27,7 +27,7 @@ import cuflash
 import cuflash.testing as tt
 from cuflash import reference
 from tests.gpu.test_decode import _bits, build_case
-from tests.gpu.test_sinks import baseline_forward, make_sinks
+from tests.gpu.test_sinks import make_sinks
 
 NAN = float("nan")
 from tests.gpu._hardware import gpu_available as _gpu_available  # noqa: E402
@@ -41,14 +41,6 @@ DTYPES = ("float16", "bfloat16", "float32")
 SINKS = ("normal", "large", "some_none")
 
 
-def baseline(q, k, v, sinks, **options):
-    """The same-dtype baseline of one sequence; a sequence with no key has rows of 0 (as the kernels
-    write them; the baseline's max over an empty key axis has no value)."""
-    if k.shape[1] == 0:
-        return np.zeros(q.shape, dtype=np.float64)
-    return baseline_forward(q, k, v, sinks, **options)
-
-
 def expected(case, sinks, dtype, options):
     """Reference (out, lse, k_after, v_after) of a case, and the baseline for 16-bit dtypes."""
     args = dict(cache_seqlens=case["lens"], block_table=case["table"], k_new=case["k_new"], v_new=case["v_new"],
@@ -59,7 +51,8 @@ def expected(case, sinks, dtype, options):
     base = None
     if dtype != "float32":
         problems, _, _ = reference._decode._decode_sequences(case["q"], case["k_cache"], case["v_cache"], **args)
-        base = np.concatenate([baseline(p["q"], p["k"], p["v"], sinks, **p["options"]) for p in problems])
+        base = np.concatenate([tt.baseline_attention(p["q"], p["k"], p["v"], sinks=sinks, **p["options"])
+                               for p in problems])
     return out, lse, k_after, v_after, base
 
 
