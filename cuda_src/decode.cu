@@ -115,6 +115,17 @@ __device__ __forceinline__ unsigned quantize_e4m3(float x, float scale) {
     return sign | static_cast<unsigned>(((e + 6) << 3) + static_cast<int>(n));
 }
 
+// The e4m3 byte of one 16-bit value under `scale`. A NaN's byte is taken from its bits: the
+// conversion to float32 and the division return the canonical NaN, whose sign is not the value's
+// (ml_dtypes keeps it: -NaN is 0xff).
+__device__ __forceinline__ unsigned infinity_bits(half_t) { return 0x7c00u; }
+__device__ __forceinline__ unsigned infinity_bits(bfloat16_t) { return 0x7f80u; }
+template <typename T>
+__device__ __forceinline__ unsigned quantize_e4m3_bits(unsigned short bits, float scale) {
+    if ((bits & 0x7fffu) > infinity_bits(T{})) return ((bits >> 8) & 0x80u) | 0x7fu;
+    return quantize_e4m3(to_float(T{bits}), scale);
+}
+
 // Sixteen elem_t values (two 16-byte chunks from src) quantised under `scale` into one 16-byte chunk.
 template <typename T>
 __device__ __forceinline__ uint4 quantize_e4m3x16(const T* src, float scale) {
@@ -123,9 +134,9 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const T* src, float scale) {
     unsigned out[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
-        const float x0 = to_float(T{static_cast<unsigned short>(words[w] & 0xffffu)});
-        const float x1 = to_float(T{static_cast<unsigned short>(words[w] >> 16)});
-        out[w / 2] |= (quantize_e4m3(x0, scale) | (quantize_e4m3(x1, scale) << 8)) << (16 * (w % 2));
+        const unsigned b0 = quantize_e4m3_bits<T>(static_cast<unsigned short>(words[w] & 0xffffu), scale);
+        const unsigned b1 = quantize_e4m3_bits<T>(static_cast<unsigned short>(words[w] >> 16), scale);
+        out[w / 2] |= (b0 | (b1 << 8)) << (16 * (w % 2));
     }
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
@@ -415,8 +426,10 @@ __device__ __forceinline__ void load_kv_tile_paged(typename C::cache_t* k_tile, 
 template <class C>
 __device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& p, int b, int h_kv, int row0,
                                             int rows_total) {
-    for (int idx = threadIdx.x; idx < C::kBlockM * C::kChunksPerRow; idx += C::kNThreads) {
-        const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kChunkElems;
+    // Chunks of q's own type: an fp8 cache row has half as many 16-byte chunks as a q row.
+    constexpr int kQChunksPerRow = C::kHeadDim / C::kChunkElems;
+    for (int idx = threadIdx.x; idx < C::kBlockM * kQChunksPerRow; idx += C::kNThreads) {
+        const int r = idx / kQChunksPerRow, c = (idx % kQChunksPerRow) * C::kChunkElems;
         const int pr = row0 + r;
         const bool valid = pr < rows_total && c < p.head_dim;
         const elem_t* src = static_cast<const elem_t*>(p.q);

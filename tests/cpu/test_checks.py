@@ -117,7 +117,10 @@ DENSE_CASES = {
     "v_seqlen": (lambda c: dict(v=c.rand((B, SK + 1, HK, D))), ValueError, [r"\bv\b"]),
     "v_heads": (lambda c: dict(v=c.rand((B, SK, 2 * HK, D))), ValueError, [r"\bv\b"]),
     "k_head_dim": (lambda c: dict(k=c.rand((B, SK, HK, D // 2))), ValueError, [r"\bk\b"]),
-    "v_head_dim": (lambda c: dict(v=c.rand((B, SK, HK, D // 2))), ValueError, [r"\bv\b"]),
+    "v_head_dim_over_256": (lambda c: dict(v=c.rand((B, SK, HK, 264))), ValueError, [r"\bv\b", r"256|264"]),
+    # v may have a head dim of its own; out must then have it
+    "out_head_dim_of_q": (lambda c: dict(v=c.rand((B, SK, HK, D // 2))), ValueError,
+                          [r"\bout\b", rf"\({B}, {SQ}, {HQ}, {D // 2}\)"]),
     "heads_not_divisible": (lambda c: dict(k=c.rand((B, SK, 3, D)), v=c.rand((B, SK, 3, D))),
                             ValueError, [r"(?i)head"]),
     "head_dim_over_256": (lambda c: dict(q=c.rand((B, SQ, HQ, 264)), k=c.rand((B, SK, HK, 264)),

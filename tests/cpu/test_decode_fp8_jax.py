@@ -120,10 +120,13 @@ def test_views_read_float8_buffers_as_bytes():
         seen["address"], seen["numpy"] = _jax_buffers.byte_address(x), np.asarray(x).__array_interface__["data"][0]
         np.asarray(out)[...] = np.asarray(x).view(np.uint8)
 
-    x = (jnp.arange(64, dtype=F32).reshape(4, 16) / 7).astype(E4M3)
+    # On the host's buffers (np.asarray reads them) also where JAX's default device is a GPU.
+    cpu = jax.devices("cpu")[0]
+    x = jax.device_put((jnp.arange(64, dtype=F32).reshape(4, 16) / 7).astype(E4M3), cpu)
     from jax.experimental.buffer_callback import buffer_callback
 
-    y = jax.jit(buffer_callback(callback, S((4, 16), U8)))(x)
+    with jax.default_device(cpu):
+        y = jax.jit(buffer_callback(callback, S((4, 16), U8)))(x)
     assert seen["address"] == seen["numpy"] != 0
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x).view(np.uint8))
 

@@ -51,7 +51,7 @@ def expected(case, sinks, dtype, options):
     base = None
     if dtype != "float32":
         problems, _, _ = reference._decode._decode_sequences(case["q"], case["k_cache"], case["v_cache"], **args)
-        base = np.concatenate([tt.baseline_attention(p["q"], p["k"], p["v"], sinks=sinks, **p["options"])
+        base = np.concatenate([tt.baseline_attention(p["q"], p["k"], p["v"], sinks=host_sinks, **p["options"])
                                for p in problems])
     return out, lse, k_after, v_after, base
 

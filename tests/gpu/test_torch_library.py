@@ -369,11 +369,11 @@ def _opcheck_all(device, dtype):
         for per_head in (False, True):
             args, kwargs = _fp8_decode_case(device, dtype, per_head)
             kwargs = {n: (torch.tensor(v, dtype=torch.float32) if isinstance(v, float) else v) for n, v in kwargs.items()}
-            # (test_schema compares the mutated caches with float arithmetic torch lacks for float8 on the CPU)
-            utils = ("test_faketensor", "test_aot_dispatch_dynamic") if device == "cpu" else None
-            _opcheck(torch.ops.cuflash.decode.default, args, kwargs, **({"test_utils": utils} if utils else {}))
+            # (test_schema compares the mutated caches with float arithmetic torch lacks for float8)
+            utils = ("test_faketensor", "test_aot_dispatch_dynamic")
+            _opcheck(torch.ops.cuflash.decode.default, args, kwargs, test_utils=utils)
             _opcheck(torch.ops.cuflash.decode_out.default, (*args, torch.full_like(args[0], math.nan)), kwargs,
-                     **({"test_utils": utils} if utils else {}))
+                     test_utils=utils)
     _opcheck(torch.ops.cuflash.merge_states.default, _merge_inputs(device, dtype))
 
 
