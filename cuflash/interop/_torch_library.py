@@ -7,6 +7,7 @@ run, in eager calls on plain tensors, the Python kernels the dispatcher would pi
 """
 
 import inspect
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -48,6 +49,8 @@ def direct(args) -> bool:
     for x in args:
         if isinstance(x, Tensor) and type(x) is not Tensor:
             return False
+        if type(x) is list and not direct(x):   # a Tensor[] argument (a modifier's arrays)
+            return False
     return True
 
 
@@ -58,7 +61,7 @@ class _Op:
     def __init__(self, name: str, kernel, mutates_args=(), tags=()):
         self.name = name
         self.kernel = kernel
-        LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates_args), tags=tags)
+        LIB.define(name + _schema(kernel, mutates_args), tags=tags)
         for key in ("CPU", "CUDA"):
             LIB.impl(name, kernel, key)
         self.default = getattr(torch.ops.cuflash, name).default
@@ -121,6 +124,27 @@ class _Op:
             return op.redispatch(keyset & _AFTER_INPLACE_OR_VIEW, *args, **kwargs)
 
         LIB.impl(self.name, inplace_or_view, "ADInplaceOrView", with_keyset=True)
+
+
+# An optional list of tensors ("Tensor[]?" in a schema), which infer_schema does not write: a
+# modifier's arrays (cuflash.modifiers.spec), None without one.
+_OPTIONAL_TENSORS = Optional[list[Tensor]]
+
+
+def _schema(kernel, mutates_args) -> str:
+    """The schema of ``kernel`` from its annotations (torch.library.infer_schema), parameters annotated
+    ``Optional[list[Tensor]]`` (default None) written as ``Tensor[]?``."""
+    signature = inspect.signature(kernel)
+    lists = [p.name for p in signature.parameters.values() if p.annotation == _OPTIONAL_TENSORS]
+    if not lists:
+        return torch.library.infer_schema(kernel, mutates_args=mutates_args)
+    prototype = lambda *args, **kwargs: None  # noqa: E731
+    prototype.__signature__ = signature.replace(parameters=[
+        p.replace(annotation=Optional[Tensor]) if p.name in lists else p for p in signature.parameters.values()])
+    schema = torch.library.infer_schema(prototype, mutates_args=mutates_args)
+    for name in lists:
+        schema = schema.replace(f"Tensor? {name}=None", f"Tensor[]? {name}=None")
+    return schema
 
 
 def op(name: str, *, mutates_args=(), tags=()):

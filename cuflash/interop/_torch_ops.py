@@ -5,20 +5,21 @@ Importing it registers, in the namespace ``cuflash`` (``torch.ops.cuflash.<name>
 
     attention_forward(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None,
                       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128,
-                      block_k=128, dropout_p=0.0, deterministic=False, sinks=None) -> (out, lse, rng_state)
+                      block_k=128, dropout_p=0.0, deterministic=False, sinks=None, score_mod=None,
+                      mask_mod=None, mod_arrays=None) -> (out, lse, rng_state)
     attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes=None, mask=None, bias=None,
                        block_mask=None, <the options>, deterministic=False, return_dbias=False, sinks=None,
-                       return_dsinks=False) -> (dq, dk, dv, dbias, dsinks)
+                       return_dsinks=False, <the modifiers>) -> (dq, dk, dv, dbias, dsinks)
     attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None,
                              max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None,
                              window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-                             deterministic=False, sinks=None) -> (out, lse, rng_state)
+                             deterministic=False, sinks=None, <the modifiers>) -> (out, lse, rng_state)
     attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state,
                               alibi_slopes=None, max_seqlen_q=None, ..., deterministic=False, sinks=None,
-                              return_dsinks=False) -> (dq, dk, dv, dsinks)
+                              return_dsinks=False, <the modifiers>) -> (dq, dk, dv, dsinks)
     decode(q, k_cache!, v_cache!, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
            alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1,
-           softcap=0.0, sinks=None) -> (out, lse)
+           softcap=0.0, sinks=None, k_scale=None, v_scale=None, <the modifiers>) -> (out, lse)
     decode_out(q, k_cache!, v_cache!, out!, <the same>) -> lse
     merge_states(outs, lses) -> (out, lse)
 
@@ -35,10 +36,14 @@ version bumps, the kernel) without the dispatcher's Python hops (:meth:`cuflash.
 ``torch.compile`` traces, under a dispatch mode or a functorch transform, and whenever
 ``torch.ops.cuflash.*`` is called itself, the dispatcher runs them.
 
-Score and mask modifiers (``score_mod=``, ``mask_mod=``: :class:`cuflash.ScoreMod`, :class:`cuflash.MaskMod`)
-are taken by the functions of this module in eager mode only: no schema type carries one, so
-``torch.ops.cuflash.*`` do not take them, and the functions run the ops' kernels with them directly
-(gradients for q, k, v); while ``torch.compile`` traces they are an error naming them.
+Score and mask modifiers (:class:`cuflash.ScoreMod`, :class:`cuflash.MaskMod`) cross the schemas as
+``<the modifiers>`` = ``score_mod: str?, mask_mod: str?, mod_arrays: Tensor[]?``: each modifier's
+spec (:mod:`cuflash.modifiers.spec`, a string ``torch.compile`` keeps as a constant) and their array
+arguments (graph inputs), the ScoreMod's first, each in slot order; the ops rebuild the modifiers
+around the arrays they receive. The functions of this module take the objects (``score_mod=`` /
+``mask_mod=``) and write those arguments; gradients flow to q, k, v (and sinks), not to the arrays.
+While ``torch.compile`` traces, a MaskMod derives no block mask (its graph's inputs may be refilled
+at the same address, e.g. by ``mode="reduce-overhead"``, which a cached block mask would not see).
 
 Semantics are cuflash's (:func:`cuflash.attention_forward`, :func:`cuflash.decode`, ...): layouts
 (B, S, H, D), bottom-right causal, lse float32 (B, Hq, Sq) (varlen: (Hq, total_q)) and treated as a
@@ -227,8 +232,8 @@ _THD = "(total, heads, head_dim)"
 
 def _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale, window_left,
                            window_right, softcap, block_q, block_k, dropout_p, deterministic, sinks=None, mods=None):
-    """The body of ``cuflash::attention_forward``; ``mods``: {"score_mod": ..., "mask_mod": ...} of an
-    eager call with modifiers (:func:`_modifiers`), which the op's schema cannot carry."""
+    """The body of ``cuflash::attention_forward``; ``mods``: {"score_mod": ..., "mask_mod": ...} rebuilt
+    from the op's modifier arguments (:func:`_rebuilt`)."""
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
@@ -250,11 +255,12 @@ def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optiona
                           block_mask: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
                           causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
                           window_right: int = -1, softcap: float = 0.0, block_q: int = 128, block_k: int = 128,
-                          dropout_p: float = 0.0, deterministic: bool = False,
-                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                          dropout_p: float = 0.0, deterministic: bool = False, sinks: Optional[Tensor] = None,
+                          score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                          mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale,
                                   window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic,
-                                  sinks)
+                                  sinks, _rebuilt(score_mod, mask_mod, mod_arrays))
 
 
 def _check_sinks_shape(sinks, heads_q) -> None:
@@ -266,7 +272,7 @@ def _check_sinks_shape(sinks, heads_q) -> None:
 @_attention_forward_op.register_fake
 def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None, causal=False, scale=None,
       window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False,
-      sinks=None):
+      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
@@ -306,16 +312,20 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            window_left: int = -1, window_right: int = -1, softcap: float = 0.0, block_q: int = 128,
                            block_k: int = 128, dropout_p: float = 0.0, deterministic: bool = False,
                            return_dbias: bool = False, sinks: Optional[Tensor] = None,
-                           return_dsinks: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           return_dsinks: bool = False, score_mod: Optional[str] = None,
+                           mask_mod: Optional[str] = None, mod_arrays: Optional[list[Tensor]] = None
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal,
                                    scale, window_left, window_right, softcap, block_q, block_k, dropout_p,
-                                   deterministic, return_dbias, sinks, return_dsinks)
+                                   deterministic, return_dbias, sinks, return_dsinks,
+                                   _rebuilt(score_mod, mask_mod, mod_arrays))
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bias=None, block_mask=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128,
-      dropout_p=0.0, deterministic=False, return_dbias=False, sinks=None, return_dsinks=False):
+      dropout_p=0.0, deterministic=False, return_dbias=False, sinks=None, return_dsinks=False, score_mod=None,
+      mask_mod=None, mod_arrays=None):
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
     _checks.check_return_dsinks(return_dsinks, sinks)
@@ -328,34 +338,26 @@ def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bia
 class _AttentionForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_forward``: ``cuflash::attention_backward`` gives dq, dk,
     dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks; lse and rng_state are constants.
-    With ``mods`` (a ScoreMod/MaskMod, which no schema carries: eager calls only) the ops' bodies run
-    with them instead of the ops."""
+    ``mods``: the op's modifier arguments (score_mod, mask_mod, mod_arrays), handed to the backward op."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, constants, options, mods):
         alibi_slopes, mask, block_mask, rng_state = constants
-        if mods is None:
-            out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
-                                                                   rng_state, *options, sinks)
-        else:
-            out, lse, state = _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state,
-                                                     *options, sinks=sinks, mods=mods)
+        out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
+                                                               rng_state, *options, sinks, *mods)
         ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks)
-        ctx.options, ctx.mods = options, mods
+        ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks, *(mods[2] or ()))
+        ctx.options, ctx.specs = options, mods[:2]
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks = ctx.saved_tensors
+        q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks, *arrays = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
-        args = (dout, q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, *ctx.options, want_dbias, sinks,
-                want_dsinks)
-        if ctx.mods is None:
-            dq, dk, dv, dbias, dsinks = _backward_op(_attention_backward_op, *args)
-        else:
-            dq, dk, dv, dbias, dsinks = _run_attention_backward(*args, mods=ctx.mods)
+        dq, dk, dv, dbias, dsinks = _backward_op(
+            _attention_backward_op, dout, q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, *ctx.options,
+            want_dbias, sinks, want_dsinks, *ctx.specs, arrays or None)
         return dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None, None
 
 
@@ -365,13 +367,13 @@ _attention_forward_apply = direct_apply(_AttentionForward)
 @_attention_forward_op.register_autograd
 def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_state=None, causal=False, scale=None,
       window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128, dropout_p=0.0, deterministic=False,
-      sinks=None):
+      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None):
     options = (causal, scale, window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic)
     if _records_grad(q, k, v, bias, sinks):
         return _attention_forward_apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state), options,
-                                        None)
+                                        (score_mod, mask_mod, mod_arrays))
     return _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, *options,
-                                                sinks)
+                                                sinks, score_mod, mask_mod, mod_arrays)
 
 
 # ----------------------------------------------------------------------------- varlen
@@ -382,11 +384,12 @@ def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: 
                                  max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                                  causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
                                  window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0,
-                                 deterministic: bool = False, sinks: Optional[Tensor] = None
-                                 ) -> tuple[Tensor, Tensor, Tensor]:
+                                 deterministic: bool = False, sinks: Optional[Tensor] = None,
+                                 score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                                 mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
                                max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic,
-                               sinks)
+                               sinks, _rebuilt(score_mod, mask_mod, mod_arrays))
 
 
 def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
@@ -409,7 +412,7 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_s
 @_attention_varlen_forward_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False,
-      sinks=None):
+      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None):
     _check_rank(q, 3, "q", _THD)
     total_q, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
@@ -423,11 +426,12 @@ def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   max_seqlen_k: Optional[int] = None, causal: bool = False,
                                   scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
                                   softcap: float = 0.0, dropout_p: float = 0.0, deterministic: bool = False,
-                                  sinks: Optional[Tensor] = None,
-                                  return_dsinks: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                  sinks: Optional[Tensor] = None, return_dsinks: bool = False,
+                                  score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                                  mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
                                 max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap,
-                                dropout_p, deterministic, sinks, return_dsinks)
+                                dropout_p, deterministic, sinks, return_dsinks, _rebuilt(score_mod, mask_mod, mod_arrays))
 
 
 def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q,
@@ -455,7 +459,7 @@ def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rn
 @_attention_varlen_backward_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi_slopes=None, max_seqlen_q=None,
       max_seqlen_k=None, causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-      deterministic=False, sinks=None, return_dsinks=False):
+      deterministic=False, sinks=None, return_dsinks=False, score_mod=None, mask_mod=None, mod_arrays=None):
     _checks.check_return_dsinks(return_dsinks, sinks)
     _check_sinks_shape(sinks, q.shape[1])
     dsinks = sinks.new_empty(sinks.shape) if return_dsinks else q.new_empty((0,), dtype=torch.float32)
@@ -469,26 +473,21 @@ class _AttentionVarlenForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, constants, options, mods):
         cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
-        if mods is None:
-            out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                                          alibi_slopes, rng_state, *options, sinks)
-        else:
-            out, lse, state = _run_varlen_forward(q, k, v, *constants, *options, sinks=sinks, mods=mods)
+        out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                      alibi_slopes, rng_state, *options, sinks, *mods)
         ctx.mark_non_differentiable(lse, state)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks)
-        ctx.options, ctx.mods = options, mods
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks,
+                              *(mods[2] or ()))
+        ctx.options, ctx.specs = options, mods[:2]
         return out, lse, state
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dstate):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks, *arrays = ctx.saved_tensors
         want_dsinks = sinks is not None and ctx.needs_input_grad[3]
-        args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, *ctx.options, sinks,
-                want_dsinks)
-        if ctx.mods is None:
-            dq, dk, dv, dsinks = _backward_op(_attention_varlen_backward_op, *args)
-        else:
-            dq, dk, dv, dsinks = _run_varlen_backward(*args, mods=ctx.mods)
+        dq, dk, dv, dsinks = _backward_op(
+            _attention_varlen_backward_op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes,
+            *ctx.options, sinks, want_dsinks, *ctx.specs, arrays or None)
         return dq, dk, dv, (dsinks if want_dsinks else None), None, None, None
 
 
@@ -498,14 +497,14 @@ _attention_varlen_forward_apply = direct_apply(_AttentionVarlenForward)
 @_attention_varlen_forward_op.register_autograd
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False,
-      sinks=None):
+      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None):
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
                deterministic)
     if _records_grad(q, k, v, sinks):
         return _attention_varlen_forward_apply(q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state),
-                                               options, None)
+                                               options, (score_mod, mask_mod, mod_arrays))
     return _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
-                                                       *options, sinks)
+                                                       *options, sinks, score_mod, mask_mod, mod_arrays)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -565,30 +564,14 @@ def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes
     return options
 
 
-def _run_decode(q, k_cache, v_cache, out, args, mods):
-    """An eager decode call with a ScoreMod/MaskMod (the ops' schemas cannot carry one): what
-    ``cuflash::decode`` / ``decode_out`` do, their version bumps of the mutated tensors included.
-    Returns (out, lse)."""
-    kernels = _kernels_for(q)
-    _check_rank(q, 4, "q", _BSHD)
-    b, sq, hq, _ = q.shape
-    for x in (k_cache, v_cache, out):
-        if x is not None:
-            torch.autograd.graph.increment_version(x)
-    if out is None:
-        out = _empty(q.shape, q.dtype, q.device)
-    lse = _empty((b, hq, sq), torch.float32, q.device)
-    kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(*args, mods=mods))
-    return out, lse
-
-
 @_op("decode", mutates_args=("k_cache", "v_cache"))
 def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
                block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                mask: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                causal: bool = True, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
                softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-               v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               v_scale: Optional[Tensor] = None, score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+               mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor]:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
@@ -596,14 +579,14 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optio
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap, sinks, k_scale, v_scale))
+        window_right, softcap, sinks, k_scale, v_scale, _rebuilt(score_mod, mask_mod, mod_arrays)))
     return out, lse
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
       alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
-      sinks=None, k_scale=None, v_scale=None):
+      sinks=None, k_scale=None, v_scale=None, score_mod=None, mask_mod=None, mod_arrays=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
@@ -619,21 +602,22 @@ def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, cac
                    alibi_slopes: Optional[Tensor] = None, num_splits: int = 0, causal: bool = True,
                    scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
                    softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                   v_scale: Optional[Tensor] = None) -> Tensor:
+                   v_scale: Optional[Tensor] = None, score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
+                   mod_arrays: Optional[list[Tensor]] = None) -> Tensor:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap, sinks, k_scale, v_scale))
+        window_right, softcap, sinks, k_scale, v_scale, _rebuilt(score_mod, mask_mod, mod_arrays)))
     return lse
 
 
 @_decode_out_op.register_fake
 def _(q, k_cache, v_cache, out, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
       alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
-      sinks=None, k_scale=None, v_scale=None):
+      sinks=None, k_scale=None, v_scale=None, score_mod=None, mask_mod=None, mod_arrays=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
@@ -662,72 +646,85 @@ def _(outs, lses):
     return outs.new_empty(outs.shape[1:]), outs.new_empty((b, h, s), dtype=torch.float32)
 
 
-# ----------------------------------------------------------------------------- score_mod / mask_mod (eager)
+# ----------------------------------------------------------------------------- score_mod / mask_mod
 #
-# A ScoreMod/MaskMod is a Python object whose expression is compiled into the kernels: no schema type
-# carries it, so the ops themselves (torch.ops.cuflash.*) do not take one. The functions of this module
-# take them eagerly and run the ops' bodies (_run_*) with them, through the forwards' autograd.Functions
-# (which hold the modifiers for the backward); while torch.compile traces, they refuse them
-# (_refuse_under_compile).
+# A ScoreMod/MaskMod crosses an op's schema as its spec (a string) and its arrays (a Tensor[]), see the
+# module docstring; the functions of this module write those arguments (_mod_operands) and the ops'
+# kernels rebuild the modifiers (_rebuilt). cuflash.interop.torch's eager route hands cuflash the
+# objects themselves (_modifiers).
 
-_COMPILE_MESSAGE = ("score_mod/mask_mod are not supported under torch.compile yet: call cuflash outside the "
-                    "compiled region (e.g. a function decorated with torch.compiler.disable), or without them")
-try:
-    from torch._dynamo import graph_break as _graph_break
-except ImportError:   # pragma: no cover - a torch without Dynamo's graph_break(msg=)
-    _graph_break = None
-
-
-def _refuse_under_compile():
-    """The error, raised while Dynamo traces, that stops the compile with the message. A plain raise is
-    not enough: without fullgraph=True Dynamo would then run the call eagerly (a graph break, the
-    modifiers applied after all), and with it bury the message under "Observed exception". A
-    graph_break carrying the message first: with fullgraph=True, Dynamo's error says it; without,
-    the break resumes eagerly at the raise below (torch 2.13)."""
-    if _graph_break is not None:
-        _graph_break(msg=_COMPILE_MESSAGE)
-    raise NotImplementedError(_COMPILE_MESSAGE)
-
-
-def _modifiers(score_mod, mask_mod, *, backward: bool = False):
-    """{"score_mod": ..., "mask_mod": ...} for cuflash from a call's modifiers, or None without.
-
-    Types are checked (TypeError naming the argument). Their array arguments may be torch tensors
-    (cuflash reads them through DLPack or ``data_ptr``); gradients are computed for q, k, v only, so a
-    tensor argument that requires a gradient is a ValueError while autograd records (its gradient would
-    be silently missing) and is used detached otherwise. ``backward``: the call will be differentiated,
-    so a ScoreMod whose derivative is not 1 must have its ``grad`` (ValueError now, not in the backward).
-    Under torch.compile: the error of :func:`_refuse_under_compile`.
-    """
-    if score_mod is None and mask_mod is None:
+def _rebuilt(score_spec, mask_spec, arrays):
+    """{"score_mod": ..., "mask_mod": ...} for cuflash from an op's modifier arguments, or None without."""
+    if score_spec is None and mask_spec is None:
         return None
-    if _compiling():
-        _refuse_under_compile()
+    from ..modifiers.spec import rebuild
+
+    arrays, mods = tuple(arrays or ()), {}
+    if score_spec is not None:
+        mods["score_mod"], used = rebuild(score_spec, arrays)
+        arrays = arrays[used:]
+    if mask_spec is not None:
+        mods["mask_mod"], used = rebuild(mask_spec, arrays)
+        arrays = arrays[used:]
+    if arrays:
+        raise ValueError(f"mod_arrays has {len(arrays)} more tensors than the modifiers' specs name")
+    return mods
+
+
+def _checked_modifiers(score_mod, mask_mod, backward: bool):
+    """The call's (name, modifier) pairs, checked: types (TypeError naming the argument); no array
+    that requires a gradient while autograd records (ValueError: cuflash computes gradients for q, k,
+    v, not for a modifier's arrays, so it would be silently missing); with ``backward`` (the call will
+    be differentiated), a ScoreMod whose derivative is not 1 must have its ``grad`` (ValueError now,
+    not in the backward). Only attribute reads: Dynamo traces it without a graph break."""
     from ..modifiers import MaskMod, ScoreMod
 
-    mods = {}
+    pairs = []
     for name, mod, kind in (("score_mod", score_mod, ScoreMod), ("mask_mod", mask_mod, MaskMod)):
         if mod is None:
             continue
         if not isinstance(mod, kind):
             raise TypeError(f"{name} must be a cuflash.{kind.__name__} or None, got {type(mod).__name__}")
-        detached = {}
-        for arg, value in mod.args.values.items():
-            if isinstance(value, Tensor) and value.requires_grad:
-                if torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            for arg, value in mod.args.values.items():
+                if isinstance(value, Tensor) and value.requires_grad:
                     raise ValueError(f"{name} argument {arg} requires a gradient, which cuflash does not compute "
                                      f"for a modifier's arrays (only q, k, v get gradients): pass {arg}.detach()")
-                detached[arg] = value.detach()
-        if detached:
-            mod = mod.with_args(**detached)
-        if backward and name == "score_mod":
-            mod.gradient()   # ValueError naming the grad= to pass
-        mods[name] = mod
+        if backward and name == "score_mod" and mod.missing_grad is not None:
+            raise ValueError(mod.missing_grad)
+        pairs.append((name, mod))
+    return pairs
+
+
+def _modifiers(score_mod, mask_mod, *, backward: bool = False):
+    """{"score_mod": ..., "mask_mod": ...} for cuflash from a call's modifiers (checked as in
+    :func:`_checked_modifiers`, tensors that require a gradient detached), or None without."""
+    if score_mod is None and mask_mod is None:
+        return None
+    mods = {}
+    for name, mod in _checked_modifiers(score_mod, mask_mod, backward):
+        detached = {arg: value.detach() for arg, value in mod.args.values.items()
+                    if isinstance(value, Tensor) and value.requires_grad}
+        mods[name] = mod.with_args(**detached) if detached else mod
     return mods
 
 
-def _check_dbias_beside(mods, bias) -> None:
-    if mods and "score_mod" in mods and bias is not None and bias.requires_grad and torch.is_grad_enabled():
+def _mod_operands(score_mod, mask_mod, *, backward: bool = False):
+    """The ops' modifier arguments (score_mod spec, mask_mod spec, mod_arrays) of a call's modifiers,
+    checked as in :func:`_checked_modifiers`; (None, None, None) without. While torch.compile traces, a
+    MaskMod's spec is the one that derives no block mask (see the module docstring)."""
+    if score_mod is None and mask_mod is None:
+        return None, None, None
+    specs, arrays = {"score_mod": None, "mask_mod": None}, []
+    for name, mod in _checked_modifiers(score_mod, mask_mod, backward):
+        specs[name] = mod.spec_without_blocks if name == "mask_mod" and _compiling() else mod.spec
+        values = mod.args.values
+        arrays.extend(values[arg] for arg in mod.array_names)
+    return specs["score_mod"], specs["mask_mod"], arrays or None
+
+
+def _check_dbias_beside(score_mod, bias) -> None:
+    if score_mod is not None and bias is not None and bias.requires_grad and torch.is_grad_enabled():
         raise ValueError("bias requires a gradient, and dbias is not computed beside a score_mod (the kernels keep "
                          "the ScoreMod's chain factor where dbias would need the raw scores): detach bias, or add "
                          "it inside the score_mod")
@@ -778,9 +775,9 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
         Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         As in :func:`cuflash.attention_forward`; their array arguments may be torch tensors (used as
-        constants: a tensor that requires a gradient is refused while autograd records). Eager mode
-        only (no op schema carries them: the op's kernels run without ``torch.ops.cuflash``); under
-        ``torch.compile`` they are an error.
+        constants: a tensor that requires a gradient is refused while autograd records). Eager, under
+        ``torch.compile`` (made outside the compiled function; a MaskMod then derives no block mask)
+        and in CUDA graphs.
     sinks : float32 torch.Tensor (Hq,), optional
         Attention sinks, as in :func:`cuflash.attention_forward` (each row's denominator gains
         ``exp(sinks[h])``; lse includes it). Receives a gradient when it requires one.
@@ -791,31 +788,23 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
     lse : float32 torch.Tensor (B, Hq, Sq) (a constant for autograd)
     rng_state : int64 torch.Tensor: the state used, (2,) on the CPU, with dropout; empty on q's device without
     """
-    if (score_mod is not None or mask_mod is not None) and _compiling():
-        _refuse_under_compile()   # before a generator draws anything
     left, right = _pair(window, "window", (-1, -1))
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
-    rng_state = _call_state(dropout_p, rng_state, generator)
     if score_mod is None and mask_mod is None:
-        return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal,
-                                     scale, left, right, softcap, block_q, block_k, dropout_p,
-                                     deterministic, sinks)
-    grad = _records_grad(q, k, v, bias, sinks)
-    mods = _modifiers(score_mod, mask_mod, backward=grad)
-    _check_dbias_beside(mods, bias)
-    options = (causal, scale, left, right, softcap, block_q, block_k, dropout_p, deterministic)
-    if grad:
-        return _attention_forward_apply(q, k, v, bias, sinks, (alibi_slopes, mask, block_mask, rng_state), options,
-                                        mods)
-    return _run_attention_forward(_plain(q), _plain(k), _plain(v), alibi_slopes, mask, _plain(bias), block_mask,
-                                  rng_state, *options, sinks=_plain(sinks), mods=mods)
+        return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask,
+                                     _call_state(dropout_p, rng_state, generator), causal, scale, left, right, softcap,
+                                     block_q, block_k, dropout_p, deterministic, sinks)
+    mods = _mod_operands(score_mod, mask_mod, backward=_records_grad(q, k, v, bias, sinks))
+    _check_dbias_beside(score_mod, bias)
+    return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask,
+                                 _call_state(dropout_p, rng_state, generator), causal, scale, left, right, softcap,
+                                 block_q, block_k, dropout_p, deterministic, sinks, *mods)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None, generator=None,
               deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
-    """Differentiable exact attention through the custom op (see :func:`attention_forward`; with
-    ``score_mod``/``mask_mod``, eagerly without it).
+    """Differentiable exact attention through the custom op (see :func:`attention_forward`).
 
     Returns
     -------
@@ -837,7 +826,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     rng_state.
 
     Takes the forward's options (see :func:`cuflash.attention_backward`), ``score_mod``/``mask_mod``
-    included (eagerly, without the op, as in :func:`attention_forward`). Returns (dq, dk, dv), then
+    included (as in :func:`attention_forward`). Returns (dq, dk, dv), then
     dbias with ``return_dbias`` (in the shape and dtype of ``bias``), then dsinks (float32 (Hq,)) with
     ``return_dsinks`` (which needs ``sinks``).
     """
@@ -848,9 +837,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     if score_mod is None and mask_mod is None:
         dq, dk, dv, dbias, dsinks = _attention_backward_op(*args)
     else:
-        mods = _modifiers(score_mod, mask_mod, backward=True)
-        dq, dk, dv, dbias, dsinks = _run_attention_backward(
-            *(_plain(x) if isinstance(x, Tensor) else x for x in args), mods=mods)
+        dq, dk, dv, dbias, dsinks = _attention_backward_op(*args, *_mod_operands(score_mod, mask_mod, backward=True))
     return (dq, dk, dv) + ((dbias,) if return_dbias else ()) + ((dsinks,) if return_dsinks else ())
 
 
@@ -873,23 +860,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     -------
     out : torch.Tensor (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when ``return_lse``.
     """
-    if (score_mod is not None or mask_mod is not None) and _compiling():
-        _refuse_under_compile()
     left, right = _pair(window, "window", (-1, -1))
-    rng_state = _call_state(dropout_p, rng_state, generator)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, left, right, softcap, dropout_p, deterministic)
     if score_mod is None and mask_mod is None:
-        out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
-                                                   *options, sinks)
+        out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                   _call_state(dropout_p, rng_state, generator), *options, sinks)
     else:
-        grad = _records_grad(q, k, v, sinks)
-        mods = _modifiers(score_mod, mask_mod, backward=grad)
-        constants = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-        if grad:
-            out, lse, _ = _attention_varlen_forward_apply(q, k, v, sinks, constants, options, mods)
-        else:
-            out, lse, _ = _run_varlen_forward(_plain(q), _plain(k), _plain(v), *constants, *options,
-                                              sinks=_plain(sinks), mods=mods)
+        mods = _mod_operands(score_mod, mask_mod, backward=_records_grad(q, k, v, sinks))
+        out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                   _call_state(dropout_p, rng_state, generator), *options, sinks,
+                                                   *mods)
     return (out, lse) if return_lse else out
 
 
@@ -898,15 +878,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, score_mod=None,
                               mask_mod=None, sinks=None, return_dsinks=False):
     """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`, and
-    dsinks (float32 (Hq,)) last with ``return_dsinks`` (``score_mod``/``mask_mod`` eagerly, without the op)."""
+    dsinks (float32 (Hq,)) last with ``return_dsinks``."""
     left, right = _pair(window, "window", (-1, -1))
     args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
             causal, scale, left, right, softcap, dropout_p, deterministic, sinks, return_dsinks)
     if score_mod is None and mask_mod is None:
         grads = tuple(_attention_varlen_backward_op(*args))
     else:
-        mods = _modifiers(score_mod, mask_mod, backward=True)
-        grads = tuple(_run_varlen_backward(*(_plain(x) if isinstance(x, Tensor) else x for x in args), mods=mods))
+        grads = tuple(_attention_varlen_backward_op(*args, *_mod_operands(score_mod, mask_mod, backward=True)))
     return grads if return_dsinks else grads[:3]
 
 
@@ -920,7 +899,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (the ops declare the caches mutated). ``out`` (C-contiguous, q's shape and dtype) is written in
     place; otherwise the op allocates it. Capturable in ``torch.cuda.graph`` (an eager call of the
     same shapes anywhere first moves compiling and planning out of the capture). ``score_mod`` /
-    ``mask_mod``: eagerly, without the op (as in :func:`attention_forward`). ``sinks`` (float32 (Hq,)):
+    ``mask_mod`` as in :func:`attention_forward`. ``sinks`` (float32 (Hq,)):
     attention sinks as in :func:`cuflash.decode` (decode has no backward). fp8 caches:
     ``torch.float8_e4m3fn`` ``k_cache`` / ``v_cache`` (``kv_dtype`` implied; ``q``, ``k_new``, ``v_new``
     float16 or bfloat16) with ``k_scale`` / ``v_scale``: floats (carried by the ops as float32 host
@@ -934,8 +913,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
             softcap, sinks, _scale_tensor(k_scale), _scale_tensor(v_scale))
     if score_mod is not None or mask_mod is not None:
-        out, lse = _run_decode(_plain(q), k_cache, v_cache, out, args, _modifiers(score_mod, mask_mod))
-    elif out is None:
+        args += _mod_operands(score_mod, mask_mod)
+    if out is None:
         out, lse = _decode_op(q, k_cache, v_cache, *args)
     else:
         lse = _decode_out_op(q, k_cache, v_cache, out, *args)

@@ -32,7 +32,8 @@ Tensor options (``alibi_slopes``, ``mask``, ``bias``, ``block_mask``, ``cu_seqle
 ``cache_seqlens``, ``block_table``, ``sinks``) are torch tensors; ``bias`` and ``sinks`` (attention sinks,
 float32 (Hq,)) get a gradient when they require one.
 ``score_mod=`` / ``mask_mod=`` (:class:`cuflash.ScoreMod`, :class:`cuflash.MaskMod`, their arrays torch
-tensors) work eagerly and in CUDA graphs, not yet under ``torch.compile`` (an error naming them).
+tensors) work eagerly, in CUDA graphs and under ``torch.compile`` (the op carries each modifier as a
+string and its arrays as tensors; make the modifiers outside the compiled function).
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         torch tensors, read at each call. Gradients flow to q, k, v (and to ``bias`` beside a MaskMod
         alone), not to the modifiers' arrays: one that requires a gradient is refused while autograd
         records. A ScoreMod whose derivative is not 1 needs its ``grad`` when the call is
-        differentiated. Not under ``torch.compile`` yet (an error, not a graph break).
+        differentiated. Under ``torch.compile`` too (made outside the compiled function; a MaskMod then
+        derives no block mask: the graph's inputs may be refilled at the same address).
     sinks : float32 torch.Tensor (Hq,), optional
         Attention sinks (gpt-oss), as in :func:`cuflash.attention`: each row's softmax denominator
         gains ``exp(sinks[h])``, with no value. Receives a gradient when it requires one (the backward
@@ -198,9 +200,6 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     ValueError
         q, k or v not on a CUDA device, a modifier's tensor that requires a gradient, or any error of
         :func:`cuflash.attention`.
-    NotImplementedError
-        ``score_mod``/``mask_mod`` while ``torch.compile`` traces (with ``fullgraph=True``, torch's
-        Unsupported error carrying the same message).
 
     Notes
     -----
@@ -229,7 +228,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if score_mod is not None or mask_mod is not None:
         mods = ops._modifiers(score_mod, mask_mod, backward=_needs_grad(q, k, v, bias, sinks))
-        ops._check_dbias_beside(mods, bias)
+        ops._check_dbias_beside(score_mod, bias)
         options.update(mods)
     if _needs_grad(q, k, v, bias, sinks):
         return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)
@@ -329,7 +328,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         C-contiguous, q's dtype: written in place; otherwise allocated by torch.
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         As in :func:`cuflash.decode` (absolute positions in each sequence), in eager mode and CUDA
-        graphs; their array arguments may be torch tensors. Not under ``torch.compile`` yet (an error).
+        graphs and under ``torch.compile``; their array arguments may be torch tensors.
     sinks : float32 torch.Tensor (Hq,), optional
         Attention sinks, as in :func:`cuflash.decode` (an empty sequence's rows: out 0, lse = sinks[h]);
         eager, compiled and captured (read at each call or replay). Decode has no backward.

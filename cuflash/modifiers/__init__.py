@@ -37,6 +37,7 @@ from cuflash.modifiers.check import ArgKind, check
 from cuflash.modifiers.derivative import d_score, reads_score
 from cuflash.modifiers.numpy_eval import evaluate, grids
 from cuflash.modifiers.parse import FUNCTIONS, VARIABLES, Node, Num, parse, unparse, variables
+from cuflash.modifiers.spec import spec_of
 
 __all__ = ["ScoreMod", "MaskMod", "kernel_source"]
 
@@ -203,6 +204,7 @@ class _Modifier:
         check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
         if getattr(self, "grad", None) is not None:
             check(self.grad, new.args.kinds, "grad")
+        new._write_specs()
         return new
 
     def with_arrays(self, arrays: dict):
@@ -297,7 +299,19 @@ class ScoreMod(_Modifier):
             self.grad = parse(grad, "grad")
             if check(self.grad, self.args.kinds, "grad") == "bool":
                 raise ValueError(f"grad must give a number, and {grad!r} gives a bool")
-        self.text = expr
+        self.text, self.grad_text = expr, grad
+        # The backward's complaint, written now: a traced call (torch.compile) reads it, computes nothing.
+        self.missing_grad = None
+        if self.needs_grad:
+            self.missing_grad = (f"score_mod {expr!r} has a derivative with respect to score that is not 1, so the "
+                                 f"backward needs it: pass grad=, e.g. grad={unparse(self.derivative)!r}")
+        self._write_specs()
+
+    def _write_specs(self):
+        #: The modifier as one string (:mod:`cuflash.modifiers.spec`): how it crosses an op schema,
+        #: beside its array arguments in slot order (these names).
+        self.spec = spec_of(self)
+        self.array_names = self.args.array_names()
 
     def _canonical(self):
         return unparse(self.expr), None if self.grad is None else unparse(self.grad)
@@ -313,8 +327,7 @@ class ScoreMod(_Modifier):
             return self.grad
         if self.derivative == Num(1):
             return self.derivative
-        raise ValueError(f"score_mod {self.text!r} has a derivative with respect to score that is not 1, so the "
-                         f"backward needs it: pass grad=, e.g. grad={unparse(self.derivative)!r}")
+        raise ValueError(self.missing_grad)
 
     def reference(self, score: np.ndarray, b0: int = 0, q0: int = 0) -> np.ndarray:
         """The modified scores, float64, for a (B, H, Sq, Sk) float64 array of scores (``b`` counts
@@ -394,6 +407,14 @@ class MaskMod(_Modifier):
         if check(self.expr, self.args.kinds, "mask_mod") != "bool":
             raise ValueError(f"mask_mod must give a bool (True = may attend), and {expr!r} gives a number")
         self.text = expr
+        self._write_specs()
+
+    def _write_specs(self):
+        #: The modifier as one string (:mod:`cuflash.modifiers.spec`), and as one that derives no block
+        #: mask (what torch.compile's graphs take: their inputs may be refilled at the same address).
+        self.spec = spec_of(self)
+        self.spec_without_blocks = spec_of(self, sparse=False)
+        self.array_names = self.args.array_names()
 
     def _canonical(self):
         return unparse(self.expr)

@@ -3,10 +3,10 @@
 Without a GPU (torch needed), with cuflash's float64 reference standing in for the kernels under
 the "cpu" device (tests/gpu/test_torch_library.py's ReferenceKernels): the ops' functions pass the
 modifiers to the kernels (forward, backward through autograd, gradcheck, varlen, decode with its
-appends), their torch tensor arguments included; a modifier's tensor that requires a gradient is
-refused while autograd records, a ScoreMod that would need its grad is refused before the forward,
-and under torch.compile (fullgraph or not) a modifier is an error naming score_mod/mask_mod, not a
-graph break.
+appends), their torch tensor arguments included, eagerly and under torch.compile (fullgraph, the
+arrays read at each call, a MaskMod deriving no block mask there); the ops take the modifiers' specs
+and arrays; a modifier's tensor that requires a gradient is refused while autograd records, and a
+ScoreMod that would need its grad is refused before the forward.
 
 On a GPU: ct.attention, ct.attention_varlen, ct.decode and the ops with modifiers whose arrays are
 torch tensors, eager forward and backward, equal to cuflash's own calls on the same data (CuPy arrays,
@@ -172,27 +172,116 @@ def test_modifiers_of_the_wrong_type_are_named(host_kernels, fn):
         getattr(ops, fn)(*args, mask_mod="kv_idx <= q_idx")
 
 
-@pytest.mark.parametrize("fullgraph", [True, False])
-@pytest.mark.parametrize("entry", ["ops.attention", "ct.attention", "ct.attention_varlen", "ct.decode"])
-def test_torch_compile_refuses_modifiers_with_their_name(host_kernels, fullgraph, entry):
-    # An error that names them (not a graph break that would run them eagerly, not a dropped argument).
+def _compiled(fn):
+    """fn compiled whole (fullgraph: a graph break is an error) through AOTAutograd, no Inductor."""
     torch._dynamo.reset()
-    q = _rand(1, 4, 2, 8)
-    cu = torch.tensor([0, 4], dtype=torch.int32)
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.parametrize("entry", ["ops", "ct"])
+def test_torch_compile_takes_modifiers_forward_and_backward(host_kernels, entry):
+    # Made outside the compiled function, as users write them; the arrays are the graph's inputs,
+    # read at every call (a write into the table between calls is seen, with no recompile).
+    B, Sq, Sk, Hq, Hk, D = 2, 6, 9, 4, 2, 8
+    table = torch.randn(2 * 16 + 1)
+    score_mod = ScoreMod("c * tanh(score / c) + table[q_idx - kv_idx + off]",
+                         grad="1.0 - tanh(score / c) * tanh(score / c)", table=table, off=16, c=3.0)
+    mask_mod = MaskMod("kv_idx <= q_idx + w || kv_idx == 0", w=2)
+    fn = ops.attention if entry == "ops" else ct.attention
+    compiled = _compiled(lambda q, k, v: fn(q, k, v, score_mod=score_mod, mask_mod=mask_mod))
+    for step in range(2):
+        q, k, v = (_rand(*s, requires_grad=True) for s in ((B, Sq, Hq, D), (B, Sk, Hk, D), (B, Sk, Hk, D)))
+        out = compiled(q, k, v)
+        want, _ = reference.attention_forward(_np(q), _np(k), _np(v), score_mod=score_mod, mask_mod=mask_mod)
+        np.testing.assert_allclose(_np(out), want, rtol=1e-12, atol=1e-12, err_msg=f"step {step}")
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        grads = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), score_mod=score_mod,
+                                             mask_mod=mask_mod)
+        for got, ref, name in zip((q.grad, k.grad, v.grad), grads, ("dq", "dk", "dv")):
+            np.testing.assert_allclose(_np(got), ref, rtol=1e-10, atol=1e-12, err_msg=f"{name}, step {step}")
+        table.mul_(-2.0)   # new values at the same address
+    torch._dynamo.reset()
+
+
+def test_torch_compile_takes_modifiers_in_varlen_and_decode(host_kernels):
+    lengths = [5, 3, 9]
+    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
+    bonus = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float32)
+    score_mod = ScoreMod("score + bonus[b] - 0.1 * abs(q_idx - kv_idx)", bonus=bonus)
     mask_mod = MaskMod("kv_idx <= q_idx")
+    q, k, v = (_rand(sum(lengths), h, 8, requires_grad=True) for h in (4, 2, 2))
+    varlen = _compiled(lambda q, k, v: ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=9, max_seqlen_k=9,
+                                                           score_mod=score_mod, mask_mod=mask_mod))
+    out = varlen(q, k, v)
+    ref, _ = reference.attention_varlen(_np(q), _np(k), _np(v), _np(cu), _np(cu), score_mod=score_mod,
+                                        mask_mod=mask_mod)
+    np.testing.assert_allclose(_np(out), ref, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    grads = reference.attention_varlen_backward(_np(dout), _np(q), _np(k), _np(v), _np(cu), _np(cu),
+                                                score_mod=score_mod, mask_mod=mask_mod)
+    for got, want in zip((q.grad, k.grad, v.grad), grads):
+        np.testing.assert_allclose(_np(got), want, rtol=1e-10, atol=1e-12)
 
-    def call(q):
-        if entry == "ops.attention":
-            return ops.attention(q, q, q, mask_mod=mask_mod)
-        if entry == "ct.attention":
-            return ct.attention(q, q, q, mask_mod=mask_mod)
-        if entry == "ct.attention_varlen":
-            return ct.attention_varlen(q[0], q[0], q[0], cu, cu, max_seqlen_q=4, max_seqlen_k=4, mask_mod=mask_mod)
-        return ct.decode(q, q.clone(), q.clone(), mask_mod=mask_mod)
-
-    with pytest.raises(Exception, match="score_mod/mask_mod are not supported under torch.compile"):
-        torch.compile(call, backend="eager", fullgraph=fullgraph)(q)
+    B, Sq, Hq, Hk, D, cap = 2, 3, 4, 2, 8, 40
+    table = torch.randn(2 * cap + 1)
+    relative = ScoreMod(RELATIVE, table=table, off=cap)
+    near = MaskMod("q_idx - kv_idx <= w", w=6)
+    q = _rand(B, Sq, Hq, D)
+    k_cache, v_cache, k_new, v_new = _rand(B, cap, Hk, D), _rand(B, cap, Hk, D), _rand(B, Sq, Hk, D), \
+        _rand(B, Sq, Hk, D)
+    lens = torch.tensor([4, 30], dtype=torch.int32)
+    want, want_lse, k_after, v_after = reference.decode(_np(q), _np(k_cache), _np(v_cache), cache_seqlens=_np(lens),
+                                                        k_new=_np(k_new), v_new=_np(v_new), score_mod=relative,
+                                                        mask_mod=near, return_cache=True)
+    decode = _compiled(lambda q, kc, vc, kn, vn: ct.decode(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn,
+                                                           score_mod=relative, mask_mod=near, return_lse=True))
+    out, lse = decode(q, k_cache, v_cache, k_new, v_new)
+    np.testing.assert_allclose(_np(out), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_np(lse), want_lse, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(_np(k_cache), k_after)   # appended in place, as the op declares
+    np.testing.assert_array_equal(_np(v_cache), v_after)
     torch._dynamo.reset()
+
+
+def test_under_compile_a_mask_mod_derives_no_block_mask(host_kernels, monkeypatch):
+    # A compiled graph's inputs may be refilled at the same address (mode="reduce-overhead"), which a
+    # block mask cached by address would not see: the traced call asks for none; an eager call keeps it.
+    seen = []
+    forward = ReferenceKernels.attention_forward
+
+    def spy(q, k, v, out, lse, rng_state, options):
+        seen.append(options["mask_mod"].derives_blocks)
+        return forward(q, k, v, out, lse, rng_state, options)
+
+    monkeypatch.setattr(ReferenceKernels, "attention_forward", staticmethod(spy))
+    mask_mod = MaskMod("kv_idx <= q_idx")
+    q = _rand(1, 4, 2, 8)
+    ops.attention(q, q, q, mask_mod=mask_mod)
+    _compiled(lambda q: ops.attention(q, q, q, mask_mod=mask_mod))(q)
+    assert seen[0] is True and seen[-1] is False
+    torch._dynamo.reset()
+
+
+def test_the_ops_take_modifier_specs_and_arrays(host_kernels):
+    # torch.ops.cuflash.* themselves: specs as strings, arrays as a Tensor[] (the ScoreMod's first),
+    # checked by opcheck (schema, fake, autograd registration, AOT dispatch); a spec naming more
+    # arrays than given, or arrays left over, is a ValueError.
+    B, S, H, D = 1, 6, 2, 8
+    q, k, v = (_rand(B, S, H, D, requires_grad=True) for _ in range(3))
+    table, doc = torch.randn(2 * S + 1), torch.tensor([0, 0, 1, 1, 1, 2], dtype=torch.int32)
+    score_mod = ScoreMod("score + table[q_idx - kv_idx + S]", table=table, S=S)
+    mask_mod = MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc)
+    specs = dict(score_mod=score_mod.spec, mask_mod=mask_mod.spec, mod_arrays=[table, doc])
+    out, lse, _ = torch.ops.cuflash.attention_forward(q, k, v, **specs)
+    want, _ = reference.attention_forward(_np(q), _np(k), _np(v), score_mod=score_mod, mask_mod=mask_mod)
+    np.testing.assert_allclose(_np(out), want, rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v), specs)
+    with pytest.raises(ValueError, match="names 1 arrays"):
+        torch.ops.cuflash.attention_forward(q, k, v, score_mod=score_mod.spec, mod_arrays=[])
+    with pytest.raises(ValueError, match="more tensors"):
+        torch.ops.cuflash.attention_forward(q, k, v, score_mod=score_mod.spec, mod_arrays=[table, doc])
 
 
 def test_without_modifiers_the_ops_are_unchanged_under_compile(host_kernels):
@@ -311,3 +400,33 @@ def test_torch_decode_equals_cuflash(entry, page_size):
     np.testing.assert_array_equal(_cupy(out).view(cupy.uint8).get(), want.view(cupy.uint8).get())
     np.testing.assert_array_equal(_cupy(lse).get(), want_lse.get())
     assert torch.equal(k_cache, kc0) and torch.equal(v_cache, vc0)   # both appended the same rows
+
+
+@_gpu
+def test_torch_compile_with_modifiers_equals_cuflash():
+    # fullgraph through Inductor, forward and backward; under compile the MaskMod derives no block mask,
+    # so the CuPy call it must equal bit for bit takes the same MaskMod with sparse=False.
+    import cupy
+
+    from cuflash.modifiers.spec import rebuild
+
+    B, S, Hq, Hk, D = 2, 200, 4, 2, 64
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (Hq, Hk, Hk))
+    (score_t, mask_t), (score_c, mask_c) = _mods_on("cuda", S, Hq, B)
+    dense_c, _ = rebuild(mask_c.spec_without_blocks, [mask_c.args.values["doc"]])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: ct.attention(q, k, v, causal=True, score_mod=score_t, mask_mod=mask_t,
+                                                          deterministic=True), fullgraph=True)
+    out = compiled(q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    qc, kc, vc = (_cupy(x) for x in (q, k, v))
+    want, lse, _ = cuflash.attention_forward(qc, kc, vc, causal=True, score_mod=score_c, mask_mod=dense_c)
+    dq, dk, dv = cuflash.attention_backward(_cupy(dout), qc, kc, vc, want, lse, causal=True, score_mod=score_c,
+                                            mask_mod=dense_c, deterministic=True)
+    cupy.cuda.get_current_stream().synchronize()
+    for got, ref, name in ((out, want, "out"), (q.grad, dq, "dq"), (k.grad, dk, "dk"), (v.grad, dv, "dv")):
+        np.testing.assert_array_equal(_cupy(got).view(cupy.uint8).get(), ref.view(cupy.uint8).get(), err_msg=name)
+    torch._dynamo.reset()
