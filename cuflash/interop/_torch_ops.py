@@ -736,6 +736,8 @@ def _pair(value, name: str, unbounded):
     """(a, b) of a window or block_size argument (``unbounded`` for None)."""
     if value is None:
         return unbounded
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
+        return value   # the common case, checked in one line
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise ValueError(f"{name} must be a pair of ints, got {value!r}")
     for x in value:
