@@ -49,6 +49,13 @@ def _rand(*shape, requires_grad=False, dtype=torch.float64):
 
 # ----------------------------------------------------------------------------- CPU: plumbing
 
+def _compiled(fn):
+    """fn compiled whole (fullgraph: a graph break is an error) through AOTAutograd, no Inductor."""
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
+
+
+
 def test_ops_attention_passes_the_modifiers_forward_and_backward(host_kernels):
     B, Sq, Sk, Hq, Hk, D = 2, 7, 11, 4, 2, 8
     q, k, v = _rand(B, Sq, Hq, D, requires_grad=True), _rand(B, Sk, Hk, D, requires_grad=True), \
@@ -91,15 +98,17 @@ def test_bias_gets_its_gradient_beside_a_mask_mod(host_kernels):
         ops.attention(q, k, v, bias=bias, score_mod=ScoreMod("score + 1.0"))
 
 
-def test_ops_varlen_passes_the_modifiers(host_kernels):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ops_varlen_passes_the_modifiers(host_kernels, compiled):
+    # compiled: ct.attention_varlen under torch.compile(fullgraph=True), which becomes the op.
     lengths = [5, 3, 9]
     cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
     q, k, v = (_rand(sum(lengths), h, 8, requires_grad=True) for h in (4, 2, 2))
     bonus = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float32)
     score_mod = ScoreMod("score + bonus[b] * 1.0 - 0.1 * abs(q_idx - kv_idx)", bonus=bonus)
     mask_mod = MaskMod("kv_idx <= q_idx")
-    out = ops.attention_varlen(q, k, v, cu, cu, max_seqlen_q=9, max_seqlen_k=9, score_mod=score_mod,
-                               mask_mod=mask_mod)
+    fn = (_compiled(ct.attention_varlen) if compiled else ops.attention_varlen)
+    out = fn(q, k, v, cu, cu, max_seqlen_q=9, max_seqlen_k=9, score_mod=score_mod, mask_mod=mask_mod)
     ref, _ = reference.attention_varlen(_np(q), _np(k), _np(v), _np(cu), _np(cu), score_mod=score_mod,
                                         mask_mod=mask_mod)
     np.testing.assert_allclose(_np(out), ref, rtol=1e-12, atol=1e-12)
@@ -109,10 +118,11 @@ def test_ops_varlen_passes_the_modifiers(host_kernels):
                                                 score_mod=score_mod, mask_mod=mask_mod)
     for got, want in zip((q.grad, k.grad, v.grad), grads):
         np.testing.assert_allclose(_np(got), want, rtol=1e-10, atol=1e-12)
+    torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("with_out", [False, True])
-def test_ops_decode_passes_the_modifiers(host_kernels, with_out):
+@pytest.mark.parametrize("entry", ["ops", "ops with out", "ct compiled"])
+def test_ops_decode_passes_the_modifiers(host_kernels, entry):
     B, Sq, Hq, Hk, D, cap = 2, 3, 4, 2, 8, 40
     q = _rand(B, Sq, Hq, D)
     k_cache, v_cache = _rand(B, cap, Hk, D), _rand(B, cap, Hk, D)
@@ -125,16 +135,19 @@ def test_ops_decode_passes_the_modifiers(host_kernels, with_out):
                                                           k_new=_np(k_new), v_new=_np(v_new), score_mod=score_mod,
                                                           mask_mod=mask_mod, return_cache=True)
     version = k_cache._version
-    out = torch.full_like(q, math.nan) if with_out else None
-    got, lse = ops.decode(q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=v_new, score_mod=score_mod,
-                          mask_mod=mask_mod, return_lse=True, out=out)
-    if with_out:
+    out = torch.full_like(q, math.nan) if entry == "ops with out" else None
+    fn = _compiled(ct.decode) if entry == "ct compiled" else ops.decode
+    got, lse = fn(q, k_cache, v_cache, cache_seqlens=lens, k_new=k_new, v_new=v_new, score_mod=score_mod,
+                  mask_mod=mask_mod, return_lse=True, out=out)
+    if out is not None:
         assert got is out
     np.testing.assert_allclose(_np(got), ref_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(_np(lse), ref_lse, rtol=1e-6, atol=1e-6)   # float32
     np.testing.assert_array_equal(_np(k_cache), k_after)
     np.testing.assert_array_equal(_np(v_cache), v_after)
-    assert k_cache._version > version   # mutated in place, as the op declares
+    if entry != "ct compiled":
+        assert k_cache._version > version   # mutated in place, as the op declares
+    torch._dynamo.reset()
 
 
 def test_a_modifier_tensor_that_requires_grad_is_refused_while_recording(host_kernels):
@@ -172,12 +185,6 @@ def test_modifiers_of_the_wrong_type_are_named(host_kernels, fn):
         getattr(ops, fn)(*args, mask_mod="kv_idx <= q_idx")
 
 
-def _compiled(fn):
-    """fn compiled whole (fullgraph: a graph break is an error) through AOTAutograd, no Inductor."""
-    torch._dynamo.reset()
-    return torch.compile(fn, backend="aot_eager", fullgraph=True)
-
-
 @pytest.mark.parametrize("entry", ["ops", "ct"])
 def test_torch_compile_takes_modifiers_forward_and_backward(host_kernels, entry):
     # Made outside the compiled function, as users write them; the arrays are the graph's inputs,
@@ -201,47 +208,6 @@ def test_torch_compile_takes_modifiers_forward_and_backward(host_kernels, entry)
         for got, ref, name in zip((q.grad, k.grad, v.grad), grads, ("dq", "dk", "dv")):
             np.testing.assert_allclose(_np(got), ref, rtol=1e-10, atol=1e-12, err_msg=f"{name}, step {step}")
         table.mul_(-2.0)   # new values at the same address
-    torch._dynamo.reset()
-
-
-def test_torch_compile_takes_modifiers_in_varlen_and_decode(host_kernels):
-    lengths = [5, 3, 9]
-    cu = torch.tensor(np.cumsum([0] + lengths), dtype=torch.int32)
-    bonus = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float32)
-    score_mod = ScoreMod("score + bonus[b] - 0.1 * abs(q_idx - kv_idx)", bonus=bonus)
-    mask_mod = MaskMod("kv_idx <= q_idx")
-    q, k, v = (_rand(sum(lengths), h, 8, requires_grad=True) for h in (4, 2, 2))
-    varlen = _compiled(lambda q, k, v: ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=9, max_seqlen_k=9,
-                                                           score_mod=score_mod, mask_mod=mask_mod))
-    out = varlen(q, k, v)
-    ref, _ = reference.attention_varlen(_np(q), _np(k), _np(v), _np(cu), _np(cu), score_mod=score_mod,
-                                        mask_mod=mask_mod)
-    np.testing.assert_allclose(_np(out), ref, rtol=1e-12, atol=1e-12)
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    grads = reference.attention_varlen_backward(_np(dout), _np(q), _np(k), _np(v), _np(cu), _np(cu),
-                                                score_mod=score_mod, mask_mod=mask_mod)
-    for got, want in zip((q.grad, k.grad, v.grad), grads):
-        np.testing.assert_allclose(_np(got), want, rtol=1e-10, atol=1e-12)
-
-    B, Sq, Hq, Hk, D, cap = 2, 3, 4, 2, 8, 40
-    table = torch.randn(2 * cap + 1)
-    relative = ScoreMod(RELATIVE, table=table, off=cap)
-    near = MaskMod("q_idx - kv_idx <= w", w=6)
-    q = _rand(B, Sq, Hq, D)
-    k_cache, v_cache, k_new, v_new = _rand(B, cap, Hk, D), _rand(B, cap, Hk, D), _rand(B, Sq, Hk, D), \
-        _rand(B, Sq, Hk, D)
-    lens = torch.tensor([4, 30], dtype=torch.int32)
-    want, want_lse, k_after, v_after = reference.decode(_np(q), _np(k_cache), _np(v_cache), cache_seqlens=_np(lens),
-                                                        k_new=_np(k_new), v_new=_np(v_new), score_mod=relative,
-                                                        mask_mod=near, return_cache=True)
-    decode = _compiled(lambda q, kc, vc, kn, vn: ct.decode(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn,
-                                                           score_mod=relative, mask_mod=near, return_lse=True))
-    out, lse = decode(q, k_cache, v_cache, k_new, v_new)
-    np.testing.assert_allclose(_np(out), want, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(_np(lse), want_lse, rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(_np(k_cache), k_after)   # appended in place, as the op declares
-    np.testing.assert_array_equal(_np(v_cache), v_after)
     torch._dynamo.reset()
 
 
