@@ -475,7 +475,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     Parameters
     ----------
     q : array (B, Sq, Hq, D), float16, bfloat16 or float32 (CuPy or any CUDA DLPack array)
-        Sq (new tokens) from 1 up to a few dozen. Query heads that share a kv head
+        Sq (new tokens): any number. The kernel is built for a few dozen; a chunk of hundreds (chunked
+        prefill) runs on it too, each 16 packed query rows reading the keys they see: slower than a
+        forward kernel would be (not yet routed to one). Query heads that share a kv head
         (h // (Hq // Hk), GQA/MQA) are computed together, so the cache is read once per kv head.
     k_cache, v_cache : arrays, the dtype of q
         Contiguous (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``

@@ -357,6 +357,21 @@ def test_gqa_rows_past_one_block(xp_gpu):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16, 64, 3])
+def test_chunked_prefill_appends_and_attends_a_long_chunk(xp_gpu, dtype, page_size):
+    """A chunk of hundreds of new tokens (chunked prefill, prefix caching) into a cache that already
+    holds a prefix, one sequence with none: token i sees the prefix and new tokens j <= i (decode's
+    bottom-right rule), and the whole chunk is appended; under the default split heuristic."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    case = build_case(dtype=dtype, B=3, Hq=8, Hk=2, D=128, Sq=int(np.random.default_rng(seed).integers(200, 400)),
+                      lens=[700, 0, 129], page_size=page_size, append=True, seed=seed)
+    try:
+        run_case(case, dtype=dtype, options={"window": (300, 0)} if seed % 2 else None)
+    except AssertionError as failure:
+        raise AssertionError(f"seed {seed}: {failure}") from None
+
+
 @gpu
 @pytest.mark.parametrize("page_size, num_splits", [(None, 1), (16, 0), (None, 3)])
 def test_lse_buffer_is_written_in_place(xp_gpu, page_size, num_splits):
