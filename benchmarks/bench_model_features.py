@@ -16,6 +16,10 @@ events around back-to-back public calls on CuPy arrays (host included, outputs a
   4 * S_visible * (D_qk + D_v) per head for the forward and 2.5x that for the backward;
   ``pair / square`` = TFLOP/s of the pair over those of the square call (issue 53 asks for full
   speed on sm_90a: no fixed number; until the Hopper kernels take the pairs they run on fwd_sm80).
+- **MLA decode**: ``cuflash.decode(q, latent, None, v_head_dim=512)`` on a 576-column latent cache
+  (bf16, one kv head, 16 or 128 query heads, one new token, pages of 64), GB/s of the latent bytes the
+  sequences hold (B * L * 576 * 2) per call. No bar in the issue beyond "at full speed"; FlashMLA and
+  FlashInfer, the peers, are not on the GPU machine.
 
 Every timed call's output is also compared with a float32 CuPy computation of the same attention
 (``maxdiff``), a guard against a fast but wrong kernel.
@@ -38,12 +42,14 @@ DECODE_SHAPES = ((1, 32768), (8, 8192), (32, 4096), (1, 131072))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 TRAIN_TOKENS, TRAIN_HEADS, TRAIN_SEQLEN = 16384, 16, 4096
 VALUE_PAIRS = ((192, 128), (128, 64), (64, 128))
-PARTS = ("fp8", "sinks", "dv")
+PARTS = ("fp8", "sinks", "dv", "mla")
+MLA_SHAPES = ((1, 32768, 16), (32, 4096, 16), (32, 4096, 128), (128, 1024, 128))   # (B, L, Hq)
 FP8_BAR, SINKS_BAR = 1.7, 0.03
 
 FP8_COLUMNS = ["layout", "B", "L", "bf16 us", "fp8 us", "fp8 x", "maxdiff", "bar"]
 SINKS_COLUMNS = ["call", "shape", "plain us", "sinks us", "cost", "maxdiff", "bar"]
 DV_COLUMNS = ["D_qk", "D_v", "square us", "pair us", "square TFLOP/s", "pair TFLOP/s", "pair / square", "maxdiff"]
+MLA_COLUMNS = ["B", "L", "Hq", "us", "GB/s", "maxdiff"]
 
 
 def parse_args(argv=None):
@@ -141,14 +147,18 @@ def maxdiff(cupy, got, want):
     return float(cupy.abs(got.astype(cupy.float32) - want).max())
 
 
-def paged(cupy, rng, x):
-    """x (B, L, Hk, D) as a page pool (pages in random order) and its (B, L / PAGE_SIZE) table."""
+def paged_pages(cupy, rng, x, page_size):
+    """x (B, L, Hk, D) as a pool of pages (in random order) and its (B, L / page_size) table."""
     b, length = x.shape[:2]
-    per = length // PAGE_SIZE
+    per = length // page_size
     order = rng.permutation(b * per).astype("int32")
-    pool = cupy.empty((b * per, PAGE_SIZE) + x.shape[2:], dtype=x.dtype)
-    pool[cupy.asarray(order)] = x.reshape((b * per, PAGE_SIZE) + x.shape[2:])
+    pool = cupy.empty((b * per, page_size) + x.shape[2:], dtype=x.dtype)
+    pool[cupy.asarray(order)] = x.reshape((b * per, page_size) + x.shape[2:])
     return pool, cupy.asarray(order.reshape(b, per))
+
+
+def paged(cupy, rng, x):
+    return paged_pages(cupy, rng, x, PAGE_SIZE)
 
 
 def bench_fp8(cupy, ml_dtypes, np, cuflash, timer, shapes):
@@ -231,6 +241,26 @@ def bench_sinks(cupy, ml_dtypes, cuflash, timer, seqlen):
     return rows
 
 
+def bench_mla(cupy, ml_dtypes, np, cuflash, timer, shapes):
+    bf16 = cupy.dtype(ml_dtypes.bfloat16)
+    rows = []
+    for batch, length, heads_q in shapes:
+        latent = cupy.random.standard_normal((batch, length, 1, 576), dtype=cupy.float32).astype(bf16)
+        q = cupy.random.standard_normal((batch, 1, heads_q, 576), dtype=cupy.float32).astype(bf16)
+        pool, table = paged_pages(cupy, np.random.default_rng(0), latent, 64)
+        lens = cupy.full((batch,), length, dtype=cupy.int32)
+        call = {"mla": lambda i: cuflash.decode(q, pool, None, v_head_dim=512, cache_seqlens=lens, block_table=table)}
+        want = naive_attention(cupy, q, latent, latent[..., :512], causal=True)
+        diff = maxdiff(cupy, call["mla"](0), want)
+        ms = timer.median_ms_each(call)["mla"]
+        row = dict(B=batch, L=length, Hq=heads_q, us=1e3 * ms, maxdiff=diff,
+                   **{"GB/s": batch * length * 576 * 2 / (ms * 1e-3) / 1e9})
+        rows.append(row)
+        log(" ".join(f"{c}={fmt(row.get(c), 3)}" for c in MLA_COLUMNS))
+        cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def bench_value_dims(cupy, ml_dtypes, cuflash, timer, pairs, seqlen):
     bf16 = cupy.dtype(ml_dtypes.bfloat16)
     rows = []
@@ -290,6 +320,10 @@ def main(argv=None):
                                     seqlen)
             tables.append((f"a value head dim of its own (bf16, causal, {TRAIN_TOKENS} tokens, H {TRAIN_HEADS}, "
                            "forward + backward)", rows, DV_COLUMNS))
+        if "mla" in args.only:
+            rows = bench_mla(cupy, ml_dtypes, np, cuflash, timer, MLA_SHAPES[:1] if args.quick else MLA_SHAPES)
+            tables.append(("MLA decode (bf16 latent rows of 576, v_head_dim 512, one new token, pages of 64)", rows,
+                           MLA_COLUMNS))
     text = "\n\n".join(markdown_table(rows, f"{header}\n\n{title}", columns, CELL_FORMATS)
                        for title, rows, columns in tables)
     if args.md:

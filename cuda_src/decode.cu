@@ -43,8 +43,15 @@
 // written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
 // even and saturated at 448 (quantize_e4m3), both into the cache and into the tile that attends them.
 //
+// MLA (CUFLASH_MLA = 1, fp16/bf16, DeepSeek's latent cache): one cache whose rows are the keys and
+// whose first out_dim columns are the values (v_cache and v_new are the host's aliases of k_cache and
+// k_new). A stage holds the K tile only and P V reads its first columns. O's 512 columns would not fit
+// a warp's registers beside the rest, so a CTA holds kVCols (256) of them: the CTAs of a (row block,
+// split) come in value halves (blockIdx.x's slowest part), each computing S over every column of the
+// row and O over its own; the two read the same tiles at about the same time, the second mostly from L2.
+//
 // Compile-time configuration (set by cuflash/_heuristics.py): CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
-// CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED, CUFLASH_KV_FP8,
+// CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES, CUFLASH_PAGED, CUFLASH_KV_FP8, CUFLASH_MLA,
 // CUFLASH_SCORE_MODS (bit mask of softcap / ALiBi / mask / user ScoreMod / user MaskMod: mask.cuh),
 // CUFLASH_MIN_BLOCKS (CTAs per SM the shared memory allows; the register budget aims at it). Lengths,
 // splits, page size and the user modifiers' arguments are run-time.
@@ -141,10 +148,15 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const T* src, float scale) {
     return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
-template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, int kMods_, bool kFp8_>
+template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, int kMods_, bool kFp8_,
+          bool kMla_ = false>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kKeysPerWarp = kKeysPerWarp_;
     static constexpr int kStages = kStages_;
+    // MLA: the values are the first columns of the key rows (no V tile), kVCols of them per CTA.
+    static constexpr bool kMla = kMla_;
+    static constexpr int kVCols = kMla ? 256 : kHeadDim;      // O columns a CTA holds
+    static constexpr int kTilesPerStage = kMla ? 1 : 2;        // K and V, or K alone
     // fp8 caches: the stages hold e4m3 bytes (cache_t), converted per warp into conv tiles of elem_t.
     static constexpr bool kFp8 = kFp8_;
     using cache_t = typename Select<kFp8, unsigned char, elem_t>::type;
@@ -173,15 +185,16 @@ struct DecodeConfig {
     static constexpr int kLoadIters = kBlockN * kChunksPerRow / kNThreads;
     static constexpr int kLoadUnroll = kHeadDim > 128 && kLoadIters % 4 == 0 ? 4 : kLoadIters;
     // End-of-loop combine buffer (reuses the K/V stages): per warp its O rows, then m, l, weights, lse.
-    static constexpr int kCombStride = kHeadDim + 8;               // floats; float2 stores conflict-free
+    static constexpr int kCombStride = kVCols + 8;                 // floats; float2 stores conflict-free
     static constexpr int kCombFloats = kNWarps * kBlockM * kCombStride + 3 * kNWarps * kBlockM + kBlockM;
     // The last split's combine weights reuse it too: up to kMaxSplits (cuflash DECODE_MAX_SPLITS) per row.
     static constexpr int kMaxSplits = 128;
     static_assert(kCombFloats >= kMaxSplits * kBlockM, "the split weights must fit the combine buffer");
     static constexpr int kPFloats = kSimt ? kNWarps * kBlockM * kKeysPerWarp : 0;   // float32 P per warp
     static constexpr int kSmemBytes = (kBlockM * kHeadDim + kConvElems) * int(sizeof(elem_t)) +
-                                      2 * kStages * kTileBytes + 4 * kPFloats;
+                                      kTilesPerStage * kStages * kTileBytes + 4 * kPFloats;
     static_assert(!kFp8 || (!kSimt && kKeysPerWarp == 16), "fp8 caches: fp16/bf16 queries (mma path)");
+    static_assert(!kMla || (!kSimt && !kFp8 && kHeadDim >= kVCols), "MLA: fp16/bf16 latent rows of >= 256 columns");
 
     static_assert(kStages >= 2, "the pipeline needs at least two stages");
     static_assert(kSimt || (kKeysPerWarp == 16 && kHeadDim % 64 == 0), "mma path: 16 keys per warp, swizzle");
@@ -190,7 +203,7 @@ struct DecodeConfig {
                   "float32 path: float4 columns per lane, whole lane groups per key");
     static_assert((kBlockN * kChunksPerRow) % kNThreads == 0, "every thread copies the same number of chunks");
     static_assert(kBlockN <= kNThreads, "paged caches: one thread looks up each key row of a tile");
-    static_assert(kCombFloats * 4 <= 2 * kStages * kTileBytes + kConvElems * int(sizeof(elem_t)),
+    static_assert(kCombFloats * 4 <= kTilesPerStage * kStages * kTileBytes + kConvElems * int(sizeof(elem_t)),
                   "the combine buffer must fit in the K/V stages (and fp8 conv tiles) it reuses");
 };
 
@@ -288,7 +301,7 @@ __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typena
             for (int it = 0; it < C::kLoadIters; ++it) {
                 const int off = tile_offset<C>(r + it * kRowStep, c);
                 cp_async_16(k_tile + off, k_src, valid);
-                cp_async_16(v_tile + off, v_src, valid);
+                if constexpr (!C::kMla) cp_async_16(v_tile + off, v_src, valid);
                 k_src += k_step;
                 v_src += v_step;
             }
@@ -325,7 +338,7 @@ __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typena
             }
         }
         cp_async_16(k_tile + off, k_src, valid);
-        cp_async_16(v_tile + off, v_src, valid);
+        if constexpr (!C::kMla) cp_async_16(v_tile + off, v_src, valid);   // MLA: v_tile is k_tile
     }
 }
 
@@ -418,7 +431,7 @@ __device__ __forceinline__ void load_kv_tile_paged(typename C::cache_t* k_tile, 
             }
         }
         cp_async_16(k_tile + off, valid ? k_row + c : k_cache_of<C>(sq), valid);
-        cp_async_16(v_tile + off, valid ? v_row + c : v_cache_of<C>(sq), valid);
+        if constexpr (!C::kMla) cp_async_16(v_tile + off, valid ? v_row + c : v_cache_of<C>(sq), valid);
     }
 }
 
@@ -462,7 +475,7 @@ __device__ __forceinline__ void append_new_rows(const DecodeParams& p, const Dec
             *v_dst = quantize_e4m3x16<elem_t>(v_src, sq.v_scale);
         } else {
             *k_dst = *reinterpret_cast<const uint4*>(k_src);
-            *v_dst = *reinterpret_cast<const uint4*>(v_src);
+            if constexpr (!C::kMla) *v_dst = *reinterpret_cast<const uint4*>(v_src);   // MLA: the same row
         }
     }
 }
@@ -528,12 +541,12 @@ __device__ __forceinline__ void convert_warp_rows_fp8(elem_t* k_conv, elem_t* v_
 // A warp's running state: O for the CTA's 16 rows (this thread's fragments) and the online softmax.
 template <class C>
 struct MmaWarpState {
-    float acc_o[C::kHeadDim / 8][4];
+    float acc_o[C::kVCols / 8][4];
     OnlineSoftmax<1> softmax;
 
     __device__ __forceinline__ void init() {
 #pragma unroll
-        for (int di = 0; di < C::kHeadDim / 8; ++di)
+        for (int di = 0; di < C::kVCols / 8; ++di)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[di][e] = 0.f;
         softmax.init();
@@ -593,7 +606,7 @@ __device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
     float correction[2];
     st.softmax.update(acc_s, correction, C::kScoreMods ? 1.f : p.score.scale_log2);
 #pragma unroll
-    for (int di = 0; di < C::kHeadDim / 8; ++di)
+    for (int di = 0; di < C::kVCols / 8; ++di)
 #pragma unroll
         for (int e = 0; e < 4; ++e) st.acc_o[di][e] *= correction[e / 2];
 
@@ -604,7 +617,7 @@ __device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
     p_frag[2] = pack2<elem_t>(acc_s[0][1][0], acc_s[0][1][1]);
     p_frag[3] = pack2<elem_t>(acc_s[0][1][2], acc_s[0][1][3]);
 #pragma unroll
-    for (int dj = 0; dj < C::kHeadDim / 16; ++dj) {
+    for (int dj = 0; dj < C::kVCols / 16; ++dj) {
         unsigned vf[4];
         ldmatrix_x4_trans(vf, v_lanes.at(v_tile, dj, key0));
         mma_16816<elem_t>(st.acc_o[2 * dj], p_frag, vf[0], vf[1]);
@@ -622,7 +635,7 @@ __device__ __forceinline__ void mma_warp_store(MmaWarpState<C>& st, float* comb,
         const int row = g + 8 * half;
         float* dst = comb + (warp * C::kBlockM + row) * C::kCombStride + 2 * t;
 #pragma unroll
-        for (int di = 0; di < C::kHeadDim / 8; ++di)
+        for (int di = 0; di < C::kVCols / 8; ++di)
             *reinterpret_cast<float2*>(dst + di * 8) = make_float2(st.acc_o[di][2 * half], st.acc_o[di][2 * half + 1]);
         const float row_sum = quad_sum(st.softmax.l[half]);
         if (t == 0) {
@@ -827,6 +840,12 @@ __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
     return faulted;
 }
 
+// MLA: the CTAs that share a (row block, split), one per kVCols value columns (1 otherwise).
+template <class C>
+__device__ __forceinline__ int value_halves(const DecodeParams& p) {
+    return C::kMla ? (p.out_dim + C::kVCols - 1) / C::kVCols : 1;
+}
+
 // Split-KV: after writing its partial, a split counts itself done in the stream's counter for its
 // (sequence, kv head, row block); the last to arrive combines every split's float32 (o, lse) into
 // the output as cuda_src/merge.cu does (m = max_s lse_s, w_s = e^(lse_s - m),
@@ -834,14 +853,18 @@ __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
 // of a group count or none does (a faulted call or a skipped sequence returns before its writes in
 // every CTA), so no counter is left raised. Combining here instead of in a merge launch saves that
 // launch's host time (~3 us) and its stream gap.
+// MLA: each value half (c0 = its first column) counts and combines its own columns.
 template <class C>
 __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int b, int h_kv, int row_block,
-                                                      const int* row_query, const int* row_head, float* weights) {
+                                                      const int* row_query, const int* row_head, float* weights,
+                                                      int c0 = 0) {
     __shared__ int is_last;
     __threadfence();   // this CTA's partials, visible before it counts itself
     __syncthreads();   // (and every thread done with the combine buffer that `weights` reuses)
     if (threadIdx.x == 0) {
-        int* counter = p.split_counters + (static_cast<long long>(b) * p.heads_k + h_kv) * p.row_blocks + row_block;
+        const int half = c0 / C::kVCols, row_groups = p.row_blocks * (C::kMla ? value_halves<C>(p) : 1);
+        int* counter = p.split_counters + (static_cast<long long>(b) * p.heads_k + h_kv) * row_groups +
+                       half * p.row_blocks + row_block;
         is_last = atomicAdd(counter, 1) == p.num_splits - 1;
         if (is_last) *counter = 0;
     }
@@ -883,14 +906,15 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
             const float x = weights[split * C::kBlockM + r];
             weights[split * C::kBlockM + r] = x == -CUFLASH_INF ? 0.f : expf(x - m_safe) * inv_sum;
         }
-        if (i >= 0)
+        if (i >= 0 && c0 == 0)   // MLA: the first value half writes it
             p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + i] =
                 empty ? sink : m_safe + logf(sum);
     }
     __syncthreads();
     // out = sum_s w_s o_s. A split that saw no key for a row wrote 0 there (and has w_s = 0).
-    for (int idx = threadIdx.x; idx < C::kBlockM * p.out_dim; idx += C::kNThreads) {
-        const int r = idx / p.out_dim, c = idx % p.out_dim;
+    const int cols = min(C::kVCols, p.out_dim - c0);   // this CTA's output columns (all but for MLA)
+    for (int idx = threadIdx.x; idx < C::kBlockM * cols; idx += C::kNThreads) {
+        const int r = idx / cols, c = c0 + idx % cols;
         const int i = row_query[r];
         if (i < 0) continue;
         const int h = row_head[r];
@@ -921,10 +945,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
     // [kStages][K, V][kBlockN][kHeadDim] of cache_t, then (fp8) [kNWarps][K, V][kKeysPerWarp][kHeadDim] elem_t
     cache_t* kv_smem = reinterpret_cast<cache_t*>(q_smem + C::kBlockM * C::kHeadDim);
-    elem_t* conv_smem = reinterpret_cast<elem_t*>(kv_smem + 2 * C::kStages * C::kTileElems);
+    elem_t* conv_smem = reinterpret_cast<elem_t*>(kv_smem + C::kTilesPerStage * C::kStages * C::kTileElems);
     float* p_smem = reinterpret_cast<float*>(conv_smem + C::kConvElems);   // float32 path
 
-    const int row_block = blockIdx.x % p.row_blocks, split = blockIdx.x / p.row_blocks;
+    const int row_block = blockIdx.x % p.row_blocks, split = (blockIdx.x / p.row_blocks) % p.num_splits;
+    const int c0 = C::kMla ? blockIdx.x / (p.row_blocks * p.num_splits) * C::kVCols : 0;   // first value column
     const int h_kv = blockIdx.y, b = blockIdx.z;
     const int rows_total = p.seqlen_q * p.group;
     const int row0 = row_block * C::kBlockM;
@@ -965,7 +990,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 
     // Everything up to the writes only reads, with its own bounds checks, so it may overlap the index
     // check ahead of this launch (fault.cuh); the appends and the outputs wait for its verdict.
-    const bool appends = p.seqlen_new > 0 && split == 0 && row_block == 0;
+    const bool appends = p.seqlen_new > 0 && split == 0 && row_block == 0 && c0 == 0;
     const int rows_here = min(C::kBlockM, rows_total - row0);
     if (rows_here <= 0) {   // no query rows at all (Sq == 0): this launch only appends
         wait_for_prior_kernel();
@@ -988,8 +1013,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     const int key_end = min(key_begin + tiles_per_split * C::kBlockN, key_last);
     const int n_tiles = key_end > key_begin ? ceil_div(key_end - key_begin, C::kBlockN) : 0;
 
-    auto k_stage = [&](int stage) { return kv_smem + stage * 2 * C::kTileElems; };
-    auto v_stage = [&](int stage) { return kv_smem + stage * 2 * C::kTileElems + C::kTileElems; };
+    auto k_stage = [&](int stage) { return kv_smem + stage * C::kTilesPerStage * C::kTileElems; };
+    // MLA: the values are the key rows' first columns, this CTA's from c0 (a multiple of the swizzle's
+    // 64 columns, so the tile's swizzle holds there too).
+    auto v_stage = [&](int stage) { return C::kMla ? k_stage(stage) : k_stage(stage) + C::kTileElems; };
+    const unsigned v_col_bytes = C::kMla ? c0 * unsigned(sizeof(elem_t)) : 0u;
 
     load_q_tile<C>(q_smem, p, b, h_kv, row0, rows_total);
 #pragma unroll
@@ -1068,7 +1096,8 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
                 mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_conv), smem_addr(v_conv), q_lanes, k_lanes,
                                  v_lanes, 0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
             } else {
-                mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)),
+                mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)),
+                                 smem_addr(v_stage(stage)) + v_col_bytes,
                                  q_lanes, k_lanes, v_lanes, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
             }
         }
@@ -1128,8 +1157,8 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     if (call_faulted_here<C>(p)) return;
     if (appends) append_new_rows<C>(p, sq);
     const long long part_row0 = (static_cast<long long>(split) * p.batch + b) * p.seqlen_q;   // (split, b, i=0)
-    for (int idx = threadIdx.x; idx < C::kBlockM * C::kHeadDim; idx += C::kNThreads) {
-        const int r = idx / C::kHeadDim, c = idx % C::kHeadDim;
+    for (int idx = threadIdx.x; idx < C::kBlockM * C::kVCols; idx += C::kNThreads) {
+        const int r = idx / C::kVCols, cc = idx % C::kVCols, c = c0 + cc;   // cc: this CTA's column, c: out's
         const int i = row_query[r];
         if (i < 0 || c >= p.out_dim) continue;
         const int h = row_head[r];
@@ -1137,7 +1166,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
         if (row_lse[r] != -CUFLASH_INF) {   // (with a sink, an empty row has weights 0)
 #pragma unroll
             for (int w = 0; w < C::kNWarps; ++w)
-                o += comb[(w * C::kBlockM + r) * C::kCombStride + c] * warp_w[w * C::kBlockM + r];
+                o += comb[(w * C::kBlockM + r) * C::kCombStride + cc] * warp_w[w * C::kBlockM + r];
             if constexpr (C::kFp8) o *= sq.v_scale;   // V held the e4m3 values (partials get it too)
         }
         if (p.num_splits == 1)
@@ -1150,14 +1179,16 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
         const int r = threadIdx.x, i = row_query[r];
         if (i >= 0) {
             const int h = row_head[r];
-            if (p.num_splits == 1)
+            // MLA: lse by the first value half; every half writes its partials' (the same values), as
+            // each half's last split reads them after counting only its own half's CTAs.
+            if (p.num_splits == 1 && c0 == 0)
                 p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = row_lse[r];
-            else
+            else if (p.num_splits > 1)
                 p.lse_part[((static_cast<long long>(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] =
                     row_lse[r];
         }
     }
-    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head, comb);
+    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head, comb, c0);
 }
 
 }  // namespace cuflash
@@ -1165,8 +1196,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 #ifndef CUFLASH_KV_FP8
 #define CUFLASH_KV_FP8 0
 #endif
+#ifndef CUFLASH_MLA
+#define CUFLASH_MLA 0
+#endif
 using Config = cuflash::DecodeConfig<CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES,
-                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS, CUFLASH_KV_FP8 != 0>;
+                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS, CUFLASH_KV_FP8 != 0, CUFLASH_MLA != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

@@ -509,16 +509,21 @@ def distinct_elements(shape, strides, itemsize: int) -> bool:
 
 
 def check_cache_rows(k_cache, v_cache) -> None:
-    """Before an append into the caches (same shape): ValueError when two rows of a cache can share
-    memory (a zero or overlapping batch or page stride), or a row of k_cache one of v_cache
-    (``k_cache is v_cache``, overlapping views): an appended row would overwrite another's. Caches
-    interleaved in one allocation (k and v as views of a (..., 2, ...) array) are distinct."""
+    """Before an append into the caches (same shape; ``v_cache`` None for MLA's one latent cache):
+    ValueError when two rows of a cache can share memory (a zero or overlapping batch or page
+    stride), or a row of k_cache one of v_cache (``k_cache is v_cache``, overlapping views): an
+    appended row would overwrite another's. Caches interleaved in one allocation (k and v as views of
+    a (..., 2, ...) array) are distinct."""
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if x is None:   # one cache (MLA decode)
+            continue
         if not distinct_elements(x.shape, x.strides, x.itemsize):
             raise ValueError(f"{name} has rows that share memory (shape {tuple(x.shape)}, byte strides "
                              f"{tuple(x.strides)}: a zero or overlapping batch/page stride), and the call appends "
                              "k_new/v_new into it, which would overwrite another row: pass a cache whose rows are "
                              "distinct (without k_new/v_new it is only read, and that is allowed)")
+    if v_cache is None:
+        return
     if k_cache.strides == v_cache.strides:
         # v_cache is k_cache moved by delta bytes: the two are distinct iff the layout with a leading
         # axis of length 2 and stride delta is.

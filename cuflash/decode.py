@@ -116,6 +116,25 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
  _USER) = range(15)
 
 
+def _check_mla(mla: bool, v_head_dim, v_new, kv_dtype) -> None:
+    """The arguments that say whether a call is MLA decode (``v_cache=None``) and agree with it."""
+    if not mla:
+        if v_head_dim is not None:
+            raise ValueError("v_head_dim is for MLA decode (v_cache=None: the values are the first v_head_dim columns "
+                             "of k_cache); with a v_cache, its last axis is the value head dim")
+        return
+    if v_head_dim is None:
+        raise ValueError("v_cache=None (MLA decode) needs v_head_dim: the values are the first v_head_dim columns "
+                         "of k_cache")
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)):
+        raise TypeError(f"v_head_dim must be an int, got {type(v_head_dim).__name__}")
+    if v_new is not None:
+        raise ValueError("v_new must be None with v_cache=None (MLA decode): k_new holds the new latent rows, "
+                         "whose first v_head_dim columns are their values")
+    if kv_dtype is not None:
+        raise ValueError(f"MLA decode (v_cache=None) does not take kv_dtype={kv_dtype!r} yet")
+
+
 def _scale_parts(k_scale, v_scale):
     """(k_scale operand, v_scale operand, k_scale value, v_scale value): a scale given on the host as
     one number is a float32 value (an option of the plan) and no operand; an array is an operand."""
@@ -124,7 +143,7 @@ def _scale_parts(k_scale, v_scale):
 
 
 def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse, modifiers=(None, None),
-                 kv_dtype=None, scale_values=(None, None)):
+                 kv_dtype=None, scale_values=(None, None), v_head_dim=None):
     """Check a decode call and plan its launches (see :func:`decode`); raises before any launch.
 
     Returns (plan, pointers, finish), or (None, None, result) for a call that launches nothing.
@@ -136,11 +155,22 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
-    v_cache = _checks.as_cuda_array(v_cache, "v_cache")
+    # MLA: one latent cache, the values its first v_head_dim columns; v_cache / v_new stand for
+    # k_cache / k_new from here on (the kernel reads the values from the key tiles).
+    mla = v_cache is None
+    _check_mla(mla, v_head_dim, v_new, kv_dtype)
+    v_cache = k_cache if mla else _checks.as_cuda_array(v_cache, "v_cache")
     paged = block_table is not None
-    dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, kernels.common.MAX_HEAD_DIM,
-                                               kv_dtype=kv_dtype)
+    max_head_dim = kernels.decode.DECODE_MLA_HEAD_DIM if mla else kernels.common.MAX_HEAD_DIM
+    dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, max_head_dim, kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
+    d_out = int(v_head_dim) if mla else d   # columns of out
+    if mla and (dtype_name == "float32" or d != kernels.decode.DECODE_MLA_HEAD_DIM or d_out % 8
+                or not 0 < d_out <= 2 * kernels.decode.DECODE_MLA_VALUE_COLUMNS):
+        raise ValueError(f"MLA decode (v_cache=None) runs float16/bfloat16 latent rows of "
+                         f"{kernels.decode.DECODE_MLA_HEAD_DIM} columns with v_head_dim a multiple of 8 up to "
+                         f"{2 * kernels.decode.DECODE_MLA_VALUE_COLUMNS}, got {dtype_name} rows of {d} with "
+                         f"v_head_dim={d_out}")
     heads_k = k_cache.shape[2]
     # fp8 caches: their scales, given as numbers (scale_values) or as float32 arrays on the GPU.
     k_scale_dev = v_scale_dev = None
@@ -186,12 +216,12 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
             raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(seqlens_dev.shape)}")
 
     # Tokens to append.
-    if (k_new is None) != (v_new is None):
+    if not mla and (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together")
     seqlen_new = 0
     if k_new is not None:
         k_new = _checks.as_cuda_array(k_new, "k_new")
-        v_new = _checks.as_cuda_array(v_new, "v_new")
+        v_new = k_new if mla else _checks.as_cuda_array(v_new, "v_new")
         _checks.check_same_dtype(q, "q", k_new, "k_new")
         _checks.check_same_dtype(q, "q", v_new, "v_new")
         _checks.check_rank(k_new, 4, "k_new", layout)
@@ -245,7 +275,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                          f"{num_splits}")
     out_user = out
     if out is not None:
-        out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d), q.dtype)
+        out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d_out), q.dtype)
     lse_given = None if lse_user is None else _checks.check_out(lse_user, "lse", (batch, heads_q, seqlen_q),
                                                                 np.float32)
 
@@ -257,8 +287,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     _checks.check_disjoint((("out", out), ("lse", lse_given)), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
     if seqlen_new:
         # Without an append the caches are only read: a broadcast cache, or k_cache is v_cache, is fine.
-        _checks.check_cache_rows(k_cache, v_cache)
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks.check_cache_rows(k_cache, None if mla else v_cache)
+        for name, cache in (("k_cache", k_cache),) if mla else (("k_cache", k_cache), ("v_cache", v_cache)):
             _checks.check_disjoint(((name, cache),), reads,
                                    why="the call appends k_new/v_new into the caches, so nothing it reads may "
                                        "share their memory")
@@ -276,7 +306,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     _checks.check_size(mask_keys, _checks.INT32_MAX, "the key columns of mask (last axis)", int32)
     if batch == 0:
         _memo.nothing_to_plan()
-        out = cupy.empty((batch, seqlen_q, heads_q, d), dtype=q.dtype) if out is None else out
+        out = cupy.empty((batch, seqlen_q, heads_q, d_out), dtype=q.dtype) if out is None else out
         lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32) if lse_user is None else lse_user
         return None, None, (out_user if out_user is not None else out, lse)
 
@@ -293,6 +323,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if seqlen_new:
         kn = k_new if _aligned(k_new, d_pad, chunk) else _padded_copy(k_new, d_pad)
         vn = v_new if _aligned(v_new, d_pad, chunk) else _padded_copy(v_new, d_pad)
+
     if not cache_in_place and seqlen_new and lens is None:
         raise ValueError("a cache whose rows are not 16-byte aligned is copied, and appending to it needs "
                          "cache_seqlens (and block_table) on the host: pass NumPy arrays, or align the cache")
@@ -303,10 +334,12 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                                                 ("mask", mask is not None)) if used) + user_mods
     plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
                                         smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,
-                                        kv_dtype=kv_dtype)
+                                        kv_dtype=kv_dtype, mla=mla)
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
     row_blocks = max(1, -(-rows // plan_k.block_m))
+    # MLA: the CTAs of a (row block, split) come in value halves (DECODE_MLA_VALUE_COLUMNS columns each).
+    halves = -(-d_out // kernels.decode.DECODE_MLA_VALUE_COLUMNS) if mla else 1
     if num_splits == 0:
         left, right = opts.window
         # The longest sequence when the lengths are known here, else the capacity: never read back.
@@ -321,27 +354,27 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys, whose
         # page-table start-up no longer hides.
         num_splits = kernels.decode.decode_num_splits(
-            batch, heads_k, keys, sms, row_blocks=row_blocks, block_n=plan_k.block_n,
+            batch, heads_k, keys, sms, row_blocks=row_blocks * halves, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
             saturating_ctas=None if paged else plan_k.saturating_ctas(memory_rate),
             min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
     num_splits = int(num_splits) if rows else 1
-    if row_blocks * num_splits >= 2**31:
+    if row_blocks * num_splits * halves >= 2**31:
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")
 
     lse_buffer = _step.Buffer((batch, heads_q, seqlen_q), np.float32)
     lse_output = return_lse or lse_given is not None   # else a temporary
     temps = [] if lse_output else [lse_buffer]
     if num_splits > 1:
-        temps += [_step.Buffer((num_splits, batch, seqlen_q, heads_q, d), np.float32),
+        temps += [_step.Buffer((num_splits, batch, seqlen_q, heads_q, d_out), np.float32),
                   _step.Buffer((num_splits, batch, heads_q, seqlen_q), np.float32)]
-    outputs = {_OUT: _step.Buffer((batch, seqlen_q, heads_q, d), q.dtype)}
+    outputs = {_OUT: _step.Buffer((batch, seqlen_q, heads_q, d_out), q.dtype)}
     if lse_output:
         outputs[_LSE] = lse_buffer
     plan = _plan.Plan("decode", len(operands), outputs=outputs, temps=temps,
                           aligned=(_Q, _K_CACHE, _V_CACHE, _K_NEW, _V_NEW), checked=check_on_gpu,
                           results=(_OUT, _LSE) if return_lse else (_OUT,),
-                          split_counters=batch * heads_k * row_blocks if num_splits > 1 else 0)
+                          split_counters=batch * heads_k * row_blocks * halves if num_splits > 1 else 0)
     lse_slot = _LSE if lse_output else plan.temp_index(0)
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
     # Small index arrays (every contiguous cache's lengths, small page tables) are checked by the
@@ -365,17 +398,19 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
               "score.softcap": opts.softcap}
     fields.update({k: v for k, v in score_fields.items() if v is not None})
     fields.update(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_k=heads_k, group=group, head_dim=d_pad,
-                  out_dim=d, seqlen_cache=capacity, seqlen_new=seqlen_new, page_size=page_size,
+                  out_dim=d_out, seqlen_cache=capacity, seqlen_new=seqlen_new, page_size=page_size,
                   num_splits=num_splits, row_blocks=row_blocks, mask_keys=mask_keys, num_pages=num_pages,
                   max_pages=max_pages)
-    out_layout = out if out is not None else _checks.Shaped((batch, seqlen_q, heads_q, d), q.dtype)
+    out_layout = out if out is not None else _checks.Shaped((batch, seqlen_q, heads_q, d_out), q.dtype)
     for name, x in (("q", q_k), ("k", kc), ("v", vc), ("o", out_layout)):
         fields.update(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), _row_strides(x)))
     lse_strides = _checks.element_strides(_checks.Shaped(lse_buffer.shape, np.float32))
     fields.update(lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1])
-    slots = {"q": _Q, "k_cache": _K_CACHE, "v_cache": _V_CACHE, "o": _OUT, "lse": lse_slot}
+    # MLA: the values are the key rows' first columns (the kernel reads them from the key tiles), so
+    # v_cache / v_new take k_cache's / k_new's pointers, from their operands (a repeat call's too).
+    slots = {"q": _Q, "k_cache": _K_CACHE, "v_cache": _K_CACHE if mla else _V_CACHE, "o": _OUT, "lse": lse_slot}
     if seqlen_new:
-        slots.update(k_new=_K_NEW, v_new=_V_NEW)
+        slots.update(k_new=_K_NEW, v_new=_K_NEW if mla else _V_NEW)
         for name, x in (("k_new", kn), ("v_new", vn)):
             fields.update(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"),
                               _row_strides(x)))
@@ -421,13 +456,13 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # On sm_90 the kernels behind the index check start before it ends and wait for its verdict
     # only before they write (cuda_src/fault.cuh): the check then costs the stream no time.
     dependent = device_arch() == "sm_90a"
-    plan.steps.append(_step.Step(func, (row_blocks * num_splits, heads_k, batch), plan_k.threads,
+    plan.steps.append(_step.Step(func, (row_blocks * num_splits * halves, heads_k, batch), plan_k.threads,
                                      plan_k.smem_bytes, (("struct", Template(DECODE, fields, slots)),),
                                      dependent=dependent and check_on_gpu and not check_in_kernel))
     plan.info.update(num_splits=num_splits)
 
-    kernel_operands = [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev, out, lse_given,
-                       sinks_dev, k_scale_dev, v_scale_dev, *user_arrays]
+    kernel_operands = [q_k, kc, None if mla else vc, seqlens_dev, table_dev, kn, None if mla else vn, mask_view,
+                       alibi_dev, out, lse_given, sinks_dev, k_scale_dev, v_scale_dev, *user_arrays]
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -463,8 +498,8 @@ def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size, copies=N
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, score_mod=None,
-           mask_mod=None, sinks=None, kv_dtype=None, k_scale=None, v_scale=None, return_lse=False, out=None, lse=None,
-           check=None):
+           mask_mod=None, sinks=None, kv_dtype=None, k_scale=None, v_scale=None, v_head_dim=None, return_lse=False,
+           out=None, lse=None, check=None):
     """Attention of a few new query tokens over a KV cache, appending their keys and values first.
 
     Sequence ``b`` has ``T_b = cache_seqlens[b] + S_new`` keys: its cached keys, then the ``S_new``
@@ -541,9 +576,16 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         The fp8 caches' scales (required with ``kv_dtype``, refused without): a number (or a NumPy
         array of one element; a float32 value fixed in the call's plan), or a CUDA float32 array of
         shape (), (1,) (per tensor) or (Hk,) (one per kv head), read at each call.
+    v_head_dim : int, optional
+        MLA (DeepSeek's latent cache): with ``v_cache=None``, the values are the first ``v_head_dim``
+        columns of ``k_cache``'s rows (one cache, the keys its whole rows), and ``out`` has
+        ``v_head_dim`` columns. ``k_new`` alone is appended (the new latent rows; ``v_new`` must be
+        None). float16/bfloat16, head dim 576 (512 values and 64 rope columns) and ``v_head_dim`` a
+        multiple of 8 up to 512; contiguous or paged, split-KV, modifiers and sinks as otherwise; not
+        with ``kv_dtype``.
     return_lse : bool, default False
         Also return lse.
-    out : array (B, Sq, Hq, D), optional
+    out : array (B, Sq, Hq, D) (D = ``v_head_dim`` for MLA), optional
         C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given), sharing no
         memory with the other arguments.
     lse : float32 array (B, Hq, Sq), optional
@@ -610,14 +652,14 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         operands = operands + user_arrays
-    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value)
+    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value, v_head_dim)
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
                                           softcap=softcap, scale=scale, return_lse=return_lse,
                                           modifiers=(score_mod, mask_mod), kv_dtype=kv_dtype,
-                                          scale_values=(k_value, v_value))
+                                          scale_values=(k_value, v_value), v_head_dim=v_head_dim)
         if plan is None:
             out, lse = finish
             return (out, lse) if return_lse else out

@@ -19,10 +19,10 @@ def bench():
 
 
 def test_parts_are_chosen_and_unknown_ones_refused(bench):
-    assert bench.parse_args([]).only == ["fp8", "sinks", "dv"]
+    assert bench.parse_args([]).only == ["fp8", "sinks", "dv", "mla"]
     assert bench.parse_args(["--only", "sinks, fp8"]).only == ["sinks", "fp8"]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--only", "mla"])
+        bench.parse_args(["--only", "chunked"])
 
 
 def test_visible_work_counts_the_causal_triangle(bench):

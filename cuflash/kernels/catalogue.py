@@ -12,8 +12,8 @@ from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, bwd_sm90_obstacle, bwd_sm90_orders_dq
                        feature_plans)
 from .check_indices import check_indices_variant
 from .common import round_up
-from .decode import (DECODE_KV_DTYPES, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path, decode_plan,
-                     decode_precompile_variants)
+from .decode import (DECODE_KV_DTYPES, DECODE_MLA_HEAD_DIM, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path,
+                     decode_plan, decode_precompile_variants)
 from .forward import default_family, forward_plan, forward_precompile_variants
 from .fwd_simt import SIMT_HEAD_DIMS
 from .fwd_sm80 import SM80_HEAD_DIMS
@@ -143,12 +143,21 @@ def fp8_decode_variants() -> list[Variant]:
     return out
 
 
+def mla_decode_variants(dtypes=("float16", "bfloat16"), score_mod_sets_=None) -> list[Variant]:
+    """MLA decode's variants (one latent cache, head dim DECODE_MLA_HEAD_DIM): per dtype, contiguous
+    and paged, each of decode's score-modifier sets (default: plain and all of them)."""
+    sets = score_mod_sets_ if score_mod_sets_ is not None else (False, True)
+    return [decode_plan(dtype_name, DECODE_MLA_HEAD_DIM, paged=paged, score_mods=mods, mla=True).variant
+            for dtype_name in dtypes for paged in (False, True) for mods in sets]
+
+
 def ci_variants() -> list[tuple[Variant, str]]:
     """(variant, arch) pairs the CPU test compiles: every family for sm_80 and sm_90a (fwd_sm90 for
     sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
     score modifier alone (forward, backward, decode at D=128, no dropout), the user modifiers of
     :func:`user_variants` (D = 64 and 128; with and without the block mask derived from the MaskMod)
-    and :func:`user_decode_variants`, and the block-mask evaluations of :func:`ci_mask_blocks_variants`."""
+    and :func:`user_decode_variants`, the block-mask evaluations of :func:`ci_mask_blocks_variants`, and
+    :func:`mla_decode_variants`."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -165,6 +174,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants += [v for v in user_decode_variants() if v not in variants]
         variants += [v for v in value_head_dim_variants() if v not in variants]
         variants += [v for v in fp8_decode_variants() if v not in variants]
+        variants += [v for v in mla_decode_variants() if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -266,6 +276,9 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                     if dtype_name != "float32":   # fp8 (e4m3) caches
                         out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
                                                    kv_dtype="float8_e4m3fn").variant)
+        if dtype_name != "float32" and (head_dims is None or DECODE_MLA_HEAD_DIM in head_dims):
+            for variant in mla_decode_variants((dtype_name,), score_mod_sets(DECODE_SCORE_MODS)):
+                out.setdefault(variant)
         out.setdefault(merge_plan("float32", dtype_name).variant)
         out.setdefault(merge_plan(dtype_name, dtype_name).variant)
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states

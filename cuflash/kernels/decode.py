@@ -20,6 +20,11 @@ from ..features import DECODE_SCORE_MODS, DTYPE_CODES, USER_MOD_BITS, USER_MODIF
 #: Padding columns are zero-filled in shared memory, never read from memory.
 DECODE_MMA_HEAD_DIMS = (64, 128, 192, 256)
 DECODE_SIMT_HEAD_DIMS = (128, 256)
+#: MLA (one latent cache, the values its first columns: cuda_src/decode.cu, CUFLASH_MLA): DeepSeek's
+#: latent row of 512 value and 64 rope columns, fp16/bf16. A CTA holds DECODE_MLA_VALUE_COLUMNS of the
+#: values (512 would not fit a warp's registers beside the rest): the CTAs come in value halves.
+DECODE_MLA_HEAD_DIM = 576
+DECODE_MLA_VALUE_COLUMNS = 256
 #: Packed query rows (Sq_new * Hq/Hk) per CTA: one 16-row mma tile, or 8 rows of FFMA.
 DECODE_BLOCK_M = {"mma": 16, "simt": 8}
 DECODE_MAX_SPLITS = 128
@@ -66,6 +71,9 @@ _DECODE_FP8_TILE_CHOICES = {
     192: (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
     256: (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
 }
+#: MLA: a stage is the K tile alone (the values are its first columns). Four warps of 16 keys and two
+#: stages take 162 KiB (three stages would not fit 227); not measured yet.
+_DECODE_MLA_TILE_CHOICES = (DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2))
 #: The cache formats decode reads besides the dtype of q (docs/design.md §2b): fp8 as uint8 bytes.
 DECODE_KV_DTYPES = ("float8_e4m3fn",)
 
@@ -106,9 +114,10 @@ def _check_kv_dtype(kv_dtype, path: str) -> None:
         raise ValueError("an fp8 cache (kv_dtype) needs float16 or bfloat16 queries, not float32")
 
 
-def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dtype: str | None = None) -> int:
-    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages, (fp8 caches) each warp's
-    converted K and V rows, and (float32) P per warp.
+def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dtype: str | None = None,
+                      mla: bool = False) -> int:
+    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages (MLA: K alone), (fp8 caches) each
+    warp's converted K and V rows, and (float32) P per warp.
 
     Mirrors ``DecodeConfig::kSmemBytes`` in cuda_src/decode.cu, which static_asserts the value.
     """
@@ -120,7 +129,8 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dty
     block_n = tiles.warps * tiles.keys_per_warp
     p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
     conv = tiles.warps * 2 * tiles.keys_per_warp * head_dim if kv_dtype else 0
-    return ((block_m * head_dim + conv) * itemsize + 2 * tiles.stages * block_n * head_dim * cache_itemsize
+    tiles_per_stage = 1 if mla else 2
+    return ((block_m * head_dim + conv) * itemsize + tiles_per_stage * tiles.stages * block_n * head_dim * cache_itemsize
             + 4 * p_floats)
 
 
@@ -146,7 +156,7 @@ def decode_mod_bits(score_mods) -> int:
 def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
                 smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
                 smem_per_sm: int = DEFAULT_SMEM_PER_SM, user_source: str = "",
-                kv_dtype: str | None = None) -> DecodePlan:
+                kv_dtype: str | None = None, mla: bool = False) -> DecodePlan:
     """The decode variant and launch shape for a problem.
 
     Parameters
@@ -168,6 +178,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     kv_dtype : {None, "float8_e4m3fn"}
         The caches' format: None, the dtype of q; ``"float8_e4m3fn"``, e4m3 bytes (float16/bfloat16
         q only), a variant of its own (``CUFLASH_KV_FP8``).
+    mla : bool
+        One latent cache whose first columns are the values (``CUFLASH_MLA``): float16/bfloat16,
+        ``head_dim`` = DECODE_MLA_HEAD_DIM, caches of q's dtype.
 
     Raises
     ------
@@ -176,9 +189,16 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     """
     path = _decode_path(dtype_name)
     _check_kv_dtype(kv_dtype, path)
-    kdim = round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
-    for tiles in (_DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]):
-        smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype)
+    if mla:
+        if path != "mma" or kv_dtype is not None or head_dim != DECODE_MLA_HEAD_DIM:
+            raise ValueError(f"MLA decode runs float16/bfloat16 latent caches of head dim {DECODE_MLA_HEAD_DIM}, not "
+                             f"{dtype_name} head dim {head_dim}" + (f" with kv_dtype={kv_dtype!r}" if kv_dtype else ""))
+        kdim, choices = DECODE_MLA_HEAD_DIM, _DECODE_MLA_TILE_CHOICES
+    else:
+        kdim = round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
+        choices = _DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]
+    for tiles in choices:
+        smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype, mla)
         reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
         if smem + reserve <= smem_per_block:
             break
@@ -201,10 +221,13 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
         "CUFLASH_DECODE_PARAMS_SIZE": DECODE_PARAMS.itemsize,
     }
-    if kv_dtype:   # only fp8 variants carry the define (the others keep their compile keys)
+    if kv_dtype:   # only fp8 (and MLA) variants carry their define (the others keep their compile keys)
         defines["CUFLASH_KV_FP8"] = 1
+    if mla:
+        defines["CUFLASH_MLA"] = 1
     block_n = tiles.warps * tiles.keys_per_warp
-    in_flight = (tiles.stages - 1) * 2 * block_n * kdim * (1 if kv_dtype else 2 if path == "mma" else 4)
+    in_flight = ((tiles.stages - 1) * (1 if mla else 2) * block_n * kdim *
+                 (1 if kv_dtype else 2 if path == "mma" else 4))
     plan = DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
                       block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
     return with_user_source(plan, user_source)

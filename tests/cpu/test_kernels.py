@@ -217,6 +217,29 @@ def test_decode_plan_rejects():
         kernels.decode.decode_plan("float16", 256, paged=False, score_mods=False, smem_per_block=32 * 1024)
 
 
+def test_mla_decode_plan():
+    """MLA's variants: one K tile per stage (the values are its first columns), head dim 576, float16 or
+    bfloat16 caches of q's dtype only, a define of their own; they fit the H100/H200 budget."""
+    for dtype in ("float16", "bfloat16"):
+        for paged in (False, True):
+            plan = kernels.decode.decode_plan(dtype, 576, paged=paged, score_mods=True, mla=True)
+            defines = dict(plan.variant.defines)
+            assert defines["CUFLASH_MLA"] == 1 and defines["CUFLASH_HEAD_DIM"] == 576 and plan.block_m == 16
+            tiles = kernels.decode.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
+                                               defines["CUFLASH_STAGES"])
+            assert kernels.decode.decode_smem_bytes(dtype, 576, tiles, mla=True) == plan.smem_bytes
+            # K alone: half the stage bytes of a K and V pipeline of the same shape
+            assert (kernels.decode.decode_smem_bytes(dtype, 576, tiles) - plan.smem_bytes ==
+                    tiles.stages * plan.block_n * 576 * 2)
+            assert plan.in_flight_bytes == (tiles.stages - 1) * plan.block_n * 576 * 2
+    plain = kernels.decode.decode_plan("bfloat16", 256, paged=False, score_mods=False)
+    assert "CUFLASH_MLA" not in dict(plain.variant.defines)   # the other variants keep their compile keys
+    for dtype, dim, extra in (("float32", 576, {}), ("bfloat16", 512, {}),
+                              ("bfloat16", 576, {"kv_dtype": "float8_e4m3fn"})):
+        with pytest.raises(ValueError, match="MLA decode runs"):
+            kernels.decode.decode_plan(dtype, dim, paged=False, score_mods=False, mla=True, **extra)
+
+
 def test_merge_plan():
     plan = kernels.merge.merge_plan("float32", "bfloat16")
     assert plan.variant.family == "merge" and plan.threads == 32 * plan.rows_per_block

@@ -1,0 +1,129 @@
+"""MLA decode (issue 53 item 3): ``cuflash.decode(q, kv_cache, None, v_head_dim=512, k_new=...)``, one
+latent cache whose rows (576 columns: 512 values, 64 rope) are the keys and whose first 512 columns are
+the values, against the float64 reference (cuflash.reference.decode with the same arguments).
+
+Cases: contiguous and paged caches (pages of 64, the MLA engines' size, 16 and 3), one kv head and 16
+or 128 query heads (one or eight blocks of 16 packed rows, each in two value halves), one or two new
+tokens appended (their latent rows, k_new alone), lengths with 0 among them, one split, three and the
+heuristic, with sinks and a ScoreMod sometimes; fresh data every run (the seed in the failure
+message), NaN-poisoned ``out=`` / ``lse=`` buffers and cache slots past each sequence. Arguments that
+do not agree with MLA are refused before any launch, the cache untouched.
+
+Run: ``python -m pytest -q tests/gpu/test_decode_mla.py`` (skipped without a GPU).
+"""
+
+import numpy as np
+import pytest
+
+from tests.gpu._hardware import gpu_available as _gpu_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
+
+if _gpu_available():
+    import cupy
+
+import cuflash  # noqa: E402
+import cuflash.testing as tt  # noqa: E402
+from cuflash import reference  # noqa: E402
+
+NAN = float("nan")
+D_LATENT, D_V = 576, 512
+TOL = {"float16": 4e-3, "bfloat16": 2e-2}
+
+
+def _case(rng, *, dtype, page_size, heads_q, seqlen_q, append, B=3, capacity=300):
+    """Host arrays: q, the latent cache (NaN past each sequence), lengths with a 0, a page table."""
+    dt = tt._dtype(dtype)
+    s_new = seqlen_q if append else 0
+    lens = rng.integers(0, capacity - s_new + 1, B)
+    lens[rng.integers(B)] = 0
+
+    def normal(*shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dt)
+
+    if page_size is None:
+        cache, table = np.full((B, capacity, 1, D_LATENT), NAN, dtype=dt), None
+        for b in range(B):
+            cache[b, :lens[b]] = normal(int(lens[b]), 1, D_LATENT)
+    else:
+        max_pages = -(-capacity // page_size)
+        pages = B * max_pages + 2
+        table = rng.permutation(pages)[:B * max_pages].reshape(B, max_pages).astype(np.int32)
+        cache = np.full((pages, page_size, 1, D_LATENT), NAN, dtype=dt)
+        for b in range(B):
+            pos = np.arange(lens[b])
+            cache[table[b, pos // page_size], pos % page_size] = normal(int(lens[b]), 1, D_LATENT)
+    k_new = normal(B, s_new, 1, D_LATENT) if append else None
+    return dict(q=normal(B, seqlen_q, heads_q, D_LATENT), cache=cache, lens=lens.astype(np.int32), table=table,
+                k_new=k_new)
+
+
+def _options(rng, heads_q, with_extras):
+    if not with_extras:
+        return {}
+    sinks = rng.standard_normal(heads_q).astype(np.float32)
+    return dict(sinks=sinks, score_mod=cuflash.ScoreMod("score - 0.01 * abs(q_idx - kv_idx)"))
+
+
+def _run(case, *, num_splits, options):
+    cache = cupy.asarray(case["cache"])
+    q = cupy.asarray(case["q"])
+    B, Sq, Hq, _ = q.shape
+    out = cupy.full((B, Sq, Hq, D_V), NAN, dtype=q.dtype)
+    lse = cupy.full((B, Hq, Sq), NAN, dtype=cupy.float32)
+    device_options = {k: (cupy.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in options.items()}
+    got, got_lse = cuflash.decode(q, cache, None, v_head_dim=D_V, cache_seqlens=cupy.asarray(case["lens"]),
+                                  block_table=None if case["table"] is None else cupy.asarray(case["table"]),
+                                  k_new=None if case["k_new"] is None else cupy.asarray(case["k_new"]),
+                                  num_splits=num_splits, out=out, lse=lse, return_lse=True, **device_options)
+    assert got.data.ptr == out.data.ptr and got_lse.data.ptr == lse.data.ptr
+    return out.get(), lse.get(), cache.get()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("page_size", [None, 64, 16, 3])
+@pytest.mark.parametrize("heads_q, seqlen_q", [(16, 1), (128, 1), (16, 2)])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_mla_decode_matches_the_reference(dtype, page_size, heads_q, seqlen_q, num_splits):
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    case = _case(rng, dtype=dtype, page_size=page_size, heads_q=heads_q, seqlen_q=seqlen_q, append=bool(seed % 2))
+    options = _options(rng, heads_q, with_extras=seed % 3 == 0)
+    out, lse, cache_after = _run(case, num_splits=num_splits, options=options)
+    want, want_lse, cache_want, _ = reference.decode(
+        case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"], block_table=case["table"],
+        k_new=case["k_new"], return_cache=True, **options)
+    msg = f"seed {seed}"
+    np.testing.assert_array_equal(cache_after.view(np.uint16), np.asarray(cache_want).view(np.uint16), err_msg=msg)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0, atol=TOL[dtype] * scale, err_msg=msg)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse[np.isfinite(
+        want_lse)]).max(initial=1.0))), err_msg=msg)
+
+
+@pytest.mark.parametrize("bad, exc, pattern", [
+    (dict(v_head_dim=None), ValueError, "needs v_head_dim"),
+    (dict(v_head_dim=520), ValueError, "v_head_dim"),
+    (dict(v_head_dim=512.0), TypeError, "v_head_dim must be an int"),
+    (dict(v_new=True), ValueError, "v_new must be None"),
+    (dict(q_dim=512), ValueError, "576"),
+])
+def test_arguments_that_do_not_fit_mla_are_refused_before_any_write(bad, exc, pattern):
+    rng = np.random.default_rng()
+    case = _case(rng, dtype="bfloat16", page_size=None, heads_q=16, seqlen_q=1, append=True)
+    d = bad.get("q_dim", D_LATENT)
+    cache = cupy.asarray(case["cache"][..., :d])
+    before = cache.get()
+    q = cupy.asarray(case["q"][..., :d])
+    k_new = cupy.asarray(case["k_new"][..., :d])
+    args = dict(v_head_dim=bad.get("v_head_dim", D_V), cache_seqlens=cupy.asarray(case["lens"]), k_new=k_new,
+                v_new=k_new if bad.get("v_new") else None)
+    with pytest.raises(exc, match=pattern):
+        cuflash.decode(q, cache, None, **args)
+    np.testing.assert_array_equal(cache.get().view(np.uint16), before.view(np.uint16))
+
+
+def test_v_head_dim_with_a_v_cache_is_refused():
+    x = cupy.zeros((1, 8, 1, 64), dtype=cupy.float16)
+    with pytest.raises(ValueError, match="v_head_dim is for MLA"):
+        cuflash.decode(x[:, :1], x, x, v_head_dim=32)
