@@ -19,7 +19,7 @@ Importing it registers, in the namespace ``cuflash`` (``torch.ops.cuflash.<name>
                               return_dsinks=False, <the modifiers>) -> (dq, dk, dv, dsinks)
     decode(q, k_cache!, v_cache!, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
            alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1,
-           softcap=0.0, sinks=None, k_scale=None, v_scale=None, <the modifiers>) -> (out, lse)
+           softcap=0.0, sinks=None, k_scale=None, v_scale=None, <the modifiers>, v_head_dim=None) -> (out, lse)
     decode_out(q, k_cache!, v_cache!, out!, <the same>) -> lse
     merge_states(outs, lses) -> (out, lse)
 
@@ -554,70 +554,78 @@ def _check_scale_shape(scale, name: str, k_cache) -> None:
 
 
 def _decode_options(cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale,
-                    window_left, window_right, softcap, sinks=None, k_scale=None, v_scale=None, mods=None):
+                    window_left, window_right, softcap, sinks=None, k_scale=None, v_scale=None, mods=None,
+                    v_head_dim=None):
     options = dict(cache_seqlens=cache_seqlens, block_table=block_table, k_new=_plain(k_new), v_new=_plain(v_new),
                    mask=mask, alibi_slopes=_plain(alibi_slopes), num_splits=num_splits, causal=causal, scale=scale,
                    window=_window(window_left, window_right), softcap=softcap, sinks=_plain(sinks),
                    k_scale=k_scale, v_scale=v_scale)
+    if v_head_dim is not None:   # MLA: v_cache is None, the values k_cache's first v_head_dim columns
+        options["v_head_dim"] = v_head_dim
     if mods:
         options.update(mods)
     return options
 
 
 @_op("decode", mutates_args=("k_cache", "v_cache"))
-def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
+def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], cache_seqlens: Optional[Tensor] = None,
                block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
                mask: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, num_splits: int = 0,
                causal: bool = True, scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
                softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
                v_scale: Optional[Tensor] = None, score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
-               mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor]:
+               mod_arrays: Optional[list[Tensor]] = None, v_head_dim: Optional[int] = None) -> tuple[Tensor, Tensor]:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
-    out = _empty(q.shape, q.dtype, q.device)
+    out = _empty(_decode_out_shape(q, v_head_dim), q.dtype, q.device)
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap, sinks, k_scale, v_scale, _rebuilt(score_mod, mask_mod, mod_arrays)))
+        window_right, softcap, sinks, k_scale, v_scale, _rebuilt(score_mod, mask_mod, mod_arrays), v_head_dim))
     return out, lse
+
+
+def _decode_out_shape(q, v_head_dim):
+    """out's shape: q's, with v_head_dim columns for MLA decode (v_cache None)."""
+    return tuple(q.shape) if v_head_dim is None else (*q.shape[:3], v_head_dim)
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
       alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
-      sinks=None, k_scale=None, v_scale=None, score_mod=None, mask_mod=None, mod_arrays=None):
+      sinks=None, k_scale=None, v_scale=None, score_mod=None, mask_mod=None, mod_arrays=None, v_head_dim=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
     _check_scale_shape(k_scale, "k_scale", k_cache)
     _check_scale_shape(v_scale, "v_scale", k_cache)
-    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32)
+    return q.new_empty(_decode_out_shape(q, v_head_dim)), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 @_op("decode_out", mutates_args=("k_cache", "v_cache", "out"))
-def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, cache_seqlens: Optional[Tensor] = None,
+def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], out: Tensor, cache_seqlens: Optional[Tensor] = None,
                    block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None,
                    v_new: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                    alibi_slopes: Optional[Tensor] = None, num_splits: int = 0, causal: bool = True,
                    scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
                    softcap: float = 0.0, sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
                    v_scale: Optional[Tensor] = None, score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
-                   mod_arrays: Optional[list[Tensor]] = None) -> Tensor:
+                   mod_arrays: Optional[list[Tensor]] = None, v_head_dim: Optional[int] = None) -> Tensor:
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
-        window_right, softcap, sinks, k_scale, v_scale, _rebuilt(score_mod, mask_mod, mod_arrays)))
+        window_right, softcap, sinks, k_scale, v_scale, _rebuilt(score_mod, mask_mod, mod_arrays), v_head_dim))
     return lse
 
 
 @_decode_out_op.register_fake
 def _(q, k_cache, v_cache, out, cache_seqlens=None, block_table=None, k_new=None, v_new=None, mask=None,
       alibi_slopes=None, num_splits=0, causal=True, scale=None, window_left=-1, window_right=-1, softcap=0.0,
-      sinks=None, k_scale=None, v_scale=None, score_mod=None, mask_mod=None, mod_arrays=None):
+      sinks=None, k_scale=None, v_scale=None, score_mod=None, mask_mod=None, mod_arrays=None, v_head_dim=None):
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
@@ -893,7 +901,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None):
+           out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None, v_head_dim=None):
     """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache.
 
     Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
@@ -905,7 +913,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     attention sinks as in :func:`cuflash.decode` (decode has no backward). fp8 caches:
     ``torch.float8_e4m3fn`` ``k_cache`` / ``v_cache`` (``kv_dtype`` implied; ``q``, ``k_new``, ``v_new``
     float16 or bfloat16) with ``k_scale`` / ``v_scale``: floats (carried by the ops as float32 host
-    scalars) or float32 tensors of one element or (Hk,), on the GPU (read at each call or replay).
+    scalars) or float32 tensors of one element or (Hk,), on the GPU (read at each call or replay). MLA:
+    ``v_cache=None`` with ``v_head_dim`` (the values are ``k_cache``'s first ``v_head_dim`` columns,
+    ``k_new`` the appended latent rows; out has ``v_head_dim`` columns), as in :func:`cuflash.decode`.
 
     Returns
     -------
@@ -914,8 +924,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     left, right = _pair(window, "window", (-1, -1))
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
             softcap, sinks, _scale_tensor(k_scale), _scale_tensor(v_scale))
-    if score_mod is not None or mask_mod is not None:
+    if score_mod is not None or mask_mod is not None or v_head_dim is not None:
         args += _mod_operands(score_mod, mask_mod)
+    if v_head_dim is not None:
+        args += (v_head_dim,)
     if out is None:
         out, lse = _decode_op(q, k_cache, v_cache, *args)
     else:

@@ -307,7 +307,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None):
+           out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None, v_head_dim=None):
     """:func:`cuflash.decode` for torch tensors: eager, compiled or captured (a serving loop's graph).
 
     Parameters
@@ -335,10 +335,14 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     k_scale, v_scale : float or float32 torch.Tensor (one element, or (Hk,) one per kv head), optional
         The fp8 caches' scales (required with them): a float or a host tensor of one element is a
         number fixed at the call (or at capture); a CUDA tensor is read at each call or replay.
+    v_head_dim : int, optional
+        MLA: with ``v_cache=None``, the values are the first ``v_head_dim`` columns of ``k_cache``'s
+        576-column latent rows (``k_new`` the appended latent rows), and out has ``v_head_dim``
+        columns, as in :func:`cuflash.decode`.
 
     Returns
     -------
-    torch.Tensor (B, Sq_new, Hq, D), or (out, lse) when ``return_lse``.
+    torch.Tensor (B, Sq_new, Hq, D) (D = ``v_head_dim`` for MLA), or (out, lse) when ``return_lse``.
 
     Raises
     ------
@@ -358,16 +362,19 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         return ops.decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                           v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
                           alibi_slopes=alibi_slopes, scale=scale, mask=mask, return_lse=return_lse, out=out,
-                          score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    _check_cuda(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+                          score_mod=score_mod, mask_mod=mask_mod, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                          v_head_dim=v_head_dim)
+    _check_cuda(("q", q), ("k_cache", k_cache), *((("v_cache", v_cache),) if v_cache is not None else ()))
     if sinks is not None:
         _check_cuda(("sinks", sinks))
     k_cache, v_cache, cache_options = ops.decode_cache_arguments(k_cache, v_cache, k_scale, v_scale)
     mods = ops._modifiers(score_mod, mask_mod) or {}
     if out is None:
-        out = q.new_empty(q.shape)
+        out = q.new_empty(q.shape if v_head_dim is None or q.dim() != 4 else (*q.shape[:3], v_head_dim))
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse and q.dim() == 4 \
         else None
+    if v_head_dim is not None:
+        cache_options["v_head_dim"] = v_head_dim
     with _torch_call(q.device):
         _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
                    v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,

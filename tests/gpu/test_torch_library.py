@@ -236,12 +236,14 @@ class ReferenceKernels:
         k_cache, v_cache, cache_options = _torch_ops.decode_cache_arguments(k_cache, v_cache, options["k_scale"],
                                                                             options["v_scale"])
         options = dict(options, **cache_options)
-        o, s, k_after, v_after = reference.decode(_np(q), k_cache.detach().numpy(), v_cache.detach().numpy(),
+        o, s, k_after, v_after = reference.decode(_np(q), k_cache.detach().numpy(),
+                                                  None if v_cache is None else v_cache.detach().numpy(),
                                                   return_cache=True, **_host(options, ("num_splits",)))
         _into(out, o)
         _into(lse, s)
         _into(k_cache, k_after)
-        _into(v_cache, v_after)
+        if v_cache is not None:   # (MLA: one latent cache)
+            _into(v_cache, v_after)
 
     @staticmethod
     def merge_states(outs, lses, out, lse):
@@ -379,6 +381,37 @@ def _opcheck_all(device, dtype):
 
 def test_opcheck_every_op_with_host_kernels(host_kernels):
     _opcheck_all("cpu", torch.float64)
+
+
+@pytest.mark.parametrize("entry", ["ops", "ops with out", "ct compiled"])
+def test_mla_decode_through_the_ops(host_kernels, entry):
+    """MLA decode (v_cache None, v_head_dim): the ops take an absent v_cache (schema ``Tensor(a!)?``) and
+    v_head_dim, out has v_head_dim columns, k_new's latent rows are appended to the one cache; eagerly,
+    into ``out=`` and compiled (ct.decode becomes the op); opcheck on both ops. The reference kernels
+    run any width (the CUDA kernel takes 576)."""
+    B, Sq, Hq, D, Dv, cap = 2, 2, 4, 24, 16, 30
+    q, latent, k_new = (_rand(*s, dtype=torch.float64) for s in ((B, Sq, Hq, D), (B, cap, 1, D), (B, Sq, 1, D)))
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    want, want_lse, after, _ = reference.decode(_np(q), _np(latent), None, v_head_dim=Dv, cache_seqlens=_np(lens),
+                                                k_new=_np(k_new), return_cache=True)
+    out = torch.full((B, Sq, Hq, Dv), math.nan, dtype=q.dtype) if entry == "ops with out" else None
+    kwargs = dict(cache_seqlens=lens, k_new=k_new, v_head_dim=Dv, return_lse=True, out=out)
+    if entry == "ct compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(ct.decode, backend="aot_eager", fullgraph=True)
+    else:
+        fn = ops.decode
+    got, lse = fn(q, latent, None, **kwargs)
+    assert got.shape == (B, Sq, Hq, Dv) and (out is None or got is out)
+    np.testing.assert_allclose(_np(got), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_np(lse), want_lse, rtol=1e-6, atol=1e-6)   # float32
+    np.testing.assert_array_equal(_np(latent), after)
+    torch._dynamo.reset()
+    args = (q, latent.clone(), None)
+    op_kwargs = dict(cache_seqlens=lens, k_new=k_new, v_head_dim=Dv)
+    _opcheck(torch.ops.cuflash.decode.default, args, op_kwargs)
+    _opcheck(torch.ops.cuflash.decode_out.default, (*args, torch.full((B, Sq, Hq, Dv), math.nan, dtype=q.dtype)),
+             op_kwargs)
 
 
 def test_gradcheck_of_the_autograd_formulas(host_kernels):
