@@ -127,3 +127,35 @@ def test_v_head_dim_with_a_v_cache_is_refused():
     x = cupy.zeros((1, 8, 1, 64), dtype=cupy.float16)
     with pytest.raises(ValueError, match="v_head_dim is for MLA"):
         cuflash.decode(x[:, :1], x, x, v_head_dim=32)
+
+
+def test_torch_mla_decode_equals_cupy():
+    """ct.decode and the op with v_cache None give cuflash.decode's bits (the same kernels), the appended
+    latent rows included."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    import cuflash.interop.torch as ct
+
+    rng = np.random.default_rng()
+    case = _case(rng, dtype="bfloat16", page_size=64, heads_q=128, seqlen_q=1, append=True)
+    want_cache = cupy.asarray(case["cache"])
+    want = cuflash.decode(cupy.asarray(case["q"]), want_cache, None, v_head_dim=D_V,
+                          cache_seqlens=cupy.asarray(case["lens"]), block_table=cupy.asarray(case["table"]),
+                          k_new=cupy.asarray(case["k_new"]), num_splits=3)
+    def on_torch(name):   # bf16 through its bits (int16), the index arrays as they are
+        x = case[name]
+        if x.dtype.itemsize == 2:
+            return torch.from_numpy(x.view(np.int16).copy()).cuda().view(torch.bfloat16)
+        return torch.from_numpy(x.copy()).cuda()
+
+    def bits(t):
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+
+    for fn in (ct.decode, ct.ops.decode):
+        q, cache, lens, table, k_new = (on_torch(n) for n in ("q", "cache", "lens", "table", "k_new"))
+        got = fn(q, cache, None, v_head_dim=D_V, cache_seqlens=lens, block_table=table, k_new=k_new, num_splits=3)
+        torch.cuda.synchronize()
+        assert tuple(got.shape) == want.shape
+        np.testing.assert_array_equal(bits(got), want.view(cupy.uint16).get())
+        np.testing.assert_array_equal(bits(cache), want_cache.view(cupy.uint16).get())
