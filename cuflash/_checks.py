@@ -389,6 +389,40 @@ def check_decode_operands(q, k_cache, v_cache, paged: bool, max_head_dim: int, k
     return dtype_name
 
 
+# MLA decode (one latent cache, the values its first v_head_dim columns): DeepSeek's latent row of 512
+# value and 64 rope columns, as the decode kernel's MLA variants take it (cuflash/kernels/decode.py).
+MLA_HEAD_DIM, MLA_MAX_VALUE_DIM = 576, 512
+
+
+def check_mla_arguments(mla: bool, v_head_dim, v_new, kv_dtype) -> None:
+    """The arguments that say whether a decode call is MLA (``v_cache=None``) agree with it."""
+    if not mla:
+        if v_head_dim is not None:
+            raise ValueError("v_head_dim is for MLA decode (v_cache=None: the values are the first v_head_dim columns "
+                             "of k_cache); with a v_cache, its last axis is the value head dim")
+        return
+    if v_head_dim is None:
+        raise ValueError("v_cache=None (MLA decode) needs v_head_dim: the values are the first v_head_dim columns "
+                         "of k_cache")
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)):
+        raise TypeError(f"v_head_dim must be an int, got {type(v_head_dim).__name__}")
+    if v_new is not None:
+        raise ValueError("v_new must be None with v_cache=None (MLA decode): k_new holds the new latent rows, "
+                         "whose first v_head_dim columns are their values")
+    if kv_dtype is not None:
+        raise ValueError(f"MLA decode (v_cache=None) does not take kv_dtype={kv_dtype!r} yet")
+
+
+def check_mla_shape(dtype_name: str, head_dim: int, v_head_dim: int) -> None:
+    """MLA decode runs float16/bfloat16 latent rows of MLA_HEAD_DIM columns, v_head_dim a multiple of 8
+    up to MLA_MAX_VALUE_DIM."""
+    if (dtype_name not in ("float16", "bfloat16") or head_dim != MLA_HEAD_DIM or v_head_dim % 8
+            or not 0 < v_head_dim <= MLA_MAX_VALUE_DIM):
+        raise ValueError(f"MLA decode (v_cache=None) runs float16/bfloat16 latent rows of {MLA_HEAD_DIM} columns "
+                         f"with v_head_dim a multiple of 8 up to {MLA_MAX_VALUE_DIM}, got {dtype_name} rows of "
+                         f"{head_dim} with v_head_dim={v_head_dim}")
+
+
 def check_broadcast(x, name: str, target: tuple[int, ...], kind: str) -> tuple[int, ...]:
     """The 4-d shape of a mask/bias/block_mask (``kind`` "bool" or "float") that broadcasts to
     ``target``, or an error naming it. Reads only ``dtype`` and ``shape``: an abstract array passes

@@ -116,25 +116,6 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
  _USER) = range(15)
 
 
-def _check_mla(mla: bool, v_head_dim, v_new, kv_dtype) -> None:
-    """The arguments that say whether a call is MLA decode (``v_cache=None``) and agree with it."""
-    if not mla:
-        if v_head_dim is not None:
-            raise ValueError("v_head_dim is for MLA decode (v_cache=None: the values are the first v_head_dim columns "
-                             "of k_cache); with a v_cache, its last axis is the value head dim")
-        return
-    if v_head_dim is None:
-        raise ValueError("v_cache=None (MLA decode) needs v_head_dim: the values are the first v_head_dim columns "
-                         "of k_cache")
-    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, (int, np.integer)):
-        raise TypeError(f"v_head_dim must be an int, got {type(v_head_dim).__name__}")
-    if v_new is not None:
-        raise ValueError("v_new must be None with v_cache=None (MLA decode): k_new holds the new latent rows, "
-                         "whose first v_head_dim columns are their values")
-    if kv_dtype is not None:
-        raise ValueError(f"MLA decode (v_cache=None) does not take kv_dtype={kv_dtype!r} yet")
-
-
 def _scale_parts(k_scale, v_scale):
     """(k_scale operand, v_scale operand, k_scale value, v_scale value): a scale given on the host as
     one number is a float32 value (an option of the plan) and no operand; an array is an operand."""
@@ -158,19 +139,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # MLA: one latent cache, the values its first v_head_dim columns; v_cache / v_new stand for
     # k_cache / k_new from here on (the kernel reads the values from the key tiles).
     mla = v_cache is None
-    _check_mla(mla, v_head_dim, v_new, kv_dtype)
+    _checks.check_mla_arguments(mla, v_head_dim, v_new, kv_dtype)
     v_cache = k_cache if mla else _checks.as_cuda_array(v_cache, "v_cache")
     paged = block_table is not None
-    max_head_dim = kernels.decode.DECODE_MLA_HEAD_DIM if mla else kernels.common.MAX_HEAD_DIM
+    max_head_dim = _checks.MLA_HEAD_DIM if mla else kernels.common.MAX_HEAD_DIM
     dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, max_head_dim, kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
     d_out = int(v_head_dim) if mla else d   # columns of out
-    if mla and (dtype_name == "float32" or d != kernels.decode.DECODE_MLA_HEAD_DIM or d_out % 8
-                or not 0 < d_out <= 2 * kernels.decode.DECODE_MLA_VALUE_COLUMNS):
-        raise ValueError(f"MLA decode (v_cache=None) runs float16/bfloat16 latent rows of "
-                         f"{kernels.decode.DECODE_MLA_HEAD_DIM} columns with v_head_dim a multiple of 8 up to "
-                         f"{2 * kernels.decode.DECODE_MLA_VALUE_COLUMNS}, got {dtype_name} rows of {d} with "
-                         f"v_head_dim={d_out}")
+    if mla:
+        _checks.check_mla_shape(dtype_name, d, d_out)
     heads_k = k_cache.shape[2]
     # fp8 caches: their scales, given as numbers (scale_values) or as float32 arrays on the GPU.
     k_scale_dev = v_scale_dev = None

@@ -208,13 +208,21 @@ def check_kv_scales(kv_dtype, k_scale, v_scale, heads_k: int) -> tuple:
 
 
 def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window,
-                 softcap, alibi_slopes, scale, mask, sinks=None, kv_dtype=None) -> tuple:
+                 softcap, alibi_slopes, scale, mask, sinks=None, kv_dtype=None, v_head_dim=None) -> tuple:
     """The checks of :func:`cuflash.decode` that need no data (the lengths' and the page table's
     values are checked by the decode kernels). ``kv_dtype``: fp8 caches, given here as their uint8
-    bytes (:func:`check_kv_format`). Returns (num_splits, causal, window, softcap, scale)."""
+    bytes (:func:`check_kv_format`). MLA: ``v_cache`` None with ``v_head_dim`` (the values are
+    k_cache's first columns; k_new alone). Returns (num_splits, causal, window, softcap, scale)."""
     paged = block_table is not None
-    _checks.check_decode_operands(q, k_cache, v_cache, paged, MAX_HEAD_DIM, kv_dtype=kv_dtype)
+    mla = v_cache is None
+    _checks.check_mla_arguments(mla, v_head_dim, v_new, kv_dtype)
+    if mla:   # one latent cache: it stands for v_cache, and k_new for v_new, in the checks below
+        v_cache, v_new = k_cache, k_new
+    max_head_dim = _checks.MLA_HEAD_DIM if mla else MAX_HEAD_DIM
+    dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, max_head_dim, kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
+    if mla:
+        _checks.check_mla_shape(dtype_name, d, int(v_head_dim))
     heads_k = k_cache.shape[2]
     if paged:
         if block_table.dtype != np.int32:

@@ -431,7 +431,8 @@ def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
                                 max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap,
-                                dropout_p, deterministic, sinks, return_dsinks, _rebuilt(score_mod, mask_mod, mod_arrays))
+                                dropout_p, deterministic, sinks, return_dsinks,
+                                _rebuilt(score_mod, mask_mod, mod_arrays))
 
 
 def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q,
@@ -604,7 +605,8 @@ def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_n
 
 
 @_op("decode_out", mutates_args=("k_cache", "v_cache", "out"))
-def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], out: Tensor, cache_seqlens: Optional[Tensor] = None,
+def _decode_out_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], out: Tensor,
+                   cache_seqlens: Optional[Tensor] = None,
                    block_table: Optional[Tensor] = None, k_new: Optional[Tensor] = None,
                    v_new: Optional[Tensor] = None, mask: Optional[Tensor] = None,
                    alibi_slopes: Optional[Tensor] = None, num_splits: int = 0, causal: bool = True,

@@ -594,21 +594,29 @@ _DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes", "sink
 
 @functools.lru_cache(maxsize=256)
 def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_splits, causal, window, softcap, scale,
-                 return_lse, command_buffers, mods=None, kv_dtype=None, scale_values=(None, None)):
+                 return_lse, command_buffers, mods=None, kv_dtype=None, scale_values=(None, None), v_head_dim=None):
     """(q, k_cache, v_cache, cache_seqlens, *arrays, *modifier arrays) -> (out, [lse], [k_cache, v_cache]).
 
     ``arrays`` are cuflash.decode's keyword arguments ``names`` (fp8 scales given as arrays among them).
     fp8 caches (float8_e4m3fn buffers, or uint8) are viewed as their bytes (``Views``); ``kv_dtype`` and
-    the scales given as numbers (``scale_values``, None for an array) are fixed here."""
+    the scales given as numbers (``scale_values``, None for an array) are fixed here. MLA (``v_head_dim``):
+    one latent cache, (q, k_cache, cache_seqlens, ...) -> (out with v_head_dim columns, [lse], [k_cache])."""
     (b, sq, hq, _), dtype = q_layout
+    mla = v_head_dim is not None
+    caches = 1 if mla else 2
     append = "k_new" in names
     n_arrays = len(names)
-    inputs = Views((q_layout, cache_layout, cache_layout, seqlens_layout, *layouts, *(mods.layouts if mods else ())))
+    inputs = Views((q_layout, *(cache_layout,) * caches, seqlens_layout, *layouts,
+                    *(mods.layouts if mods else ())))
     lse_layout = ((b, hq, sq), np.float32)
-    result_layouts = (q_layout, *((lse_layout,) if return_lse else ()), *((cache_layout,) * 2 if append else ()))
+    out_layout = ((b, sq, hq, v_head_dim), dtype) if mla else q_layout
+    result_layouts = (out_layout, *((lse_layout,) if return_lse else ()),
+                      *((cache_layout,) * caches if append else ()))
     outputs = Views(result_layouts)
     options = dict(num_splits=num_splits, causal=causal, window=window, softcap=softcap, scale=scale,
                    return_lse=return_lse)
+    if mla:
+        options["v_head_dim"] = v_head_dim
     if kv_dtype is not None:
         options["kv_dtype"] = kv_dtype
         options.update({name: value for name, value in zip(("k_scale", "v_scale"), scale_values) if value is not None})
@@ -616,10 +624,13 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
 
     def callback(ctx, results, *args):
         with on_xla_stream(ctx, args[0]) as where:
-            q, k_cache, v_cache, lens, *arrays = inputs(args, where.device)
+            viewed = inputs(args, where.device)
+            q, *caches_in, lens = viewed[:2 + caches]
+            arrays = viewed[2 + caches:]
             found = outputs(results, where.device)
             if append:   # the new caches alias the given ones: the kernels append into them in place
-                k_cache, v_cache = found[n_new:]
+                caches_in = found[n_new:]
+            k_cache, v_cache = caches_in if not mla else (caches_in[0], None)
             if _jax_buffers.POISON:
                 poison(found[:n_new])
             score_mod, mask_mod = mods.rebuild(arrays[n_arrays:]) if mods is not None else (None, None)
@@ -628,14 +639,14 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
             if return_lse:
                 found[1][...] = made[1]
 
-    aliases = {1: n_new, 2: n_new + 1} if append else None
+    aliases = ({1: n_new} if mla else {1: n_new, 2: n_new + 1}) if append else None
     return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
                            input_output_aliases=aliases, command_buffer_compatible=command_buffers)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
-           score_mod=None, mask_mod=None, sinks=None, kv_dtype=None, k_scale=None, v_scale=None):
+           score_mod=None, mask_mod=None, sinks=None, kv_dtype=None, k_scale=None, v_scale=None, v_head_dim=None):
     """A few new query tokens against a KV cache (contiguous or paged), appending their keys first.
 
     :func:`cuflash.decode` as a JAX function (no gradient). With ``k_new``/``v_new`` the call
@@ -652,7 +663,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
         (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``.
         ``jnp.float8_e4m3fn`` caches (or uint8 ones holding e4m3 bytes, with ``kv_dtype``) are fp8
         caches: see ``kv_dtype``.
-    v_cache : jax.Array, the shape and dtype of k_cache
+    v_cache : jax.Array, the shape and dtype of k_cache, or None (MLA, see ``v_head_dim``)
     cache_seqlens : jax.Array int32 (B,)
         Keys each sequence holds before the append; checked on the GPU (a bad value makes the call
         write nothing and is raised by the next decode call or ``cuflash.check_errors()``).
@@ -687,13 +698,19 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
         (), (1,) (per tensor) or (Hk,) (one per kv head), an operand read at each call (traced values
         that change from call to call go this way).
 
+    v_head_dim : int, optional
+        MLA: with ``v_cache=None``, the values are the first ``v_head_dim`` columns of ``k_cache``'s
+        576-column latent rows, ``k_new`` the appended latent rows (no ``v_new``), and ``out`` has
+        ``v_head_dim`` columns, as in :func:`cuflash.decode`; the call returns the one cache.
+
     Returns
     -------
-    out : jax.Array (B, Sq, Hq, D)
+    out : jax.Array (B, Sq, Hq, D) (D = ``v_head_dim`` for MLA)
     lse : jax.Array float32 (B, Hq, Sq)
         Only with ``return_lse``.
     k_cache, v_cache : jax.Array
-        Only with ``k_new``/``v_new``: the caches after the append (their dtype as given).
+        Only with ``k_new``/``v_new``: the caches after the append (their dtype as given); MLA: k_cache
+        alone.
 
     Raises
     ------
@@ -720,17 +737,22 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     ...                              f16(4, 2, 1, 8, 128), lens)
     """
     q = check_array(q, "q")
-    k_cache, v_cache = check_array(k_cache, "k_cache"), check_array(v_cache, "v_cache")
+    mla = v_cache is None   # MLA: one latent cache, the values its first v_head_dim columns
+    _checks.check_mla_arguments(mla, v_head_dim, v_new, kv_dtype)
+    k_cache = check_array(k_cache, "k_cache")
+    v_cache = None if mla else check_array(v_cache, "v_cache")
     lens = check_array(cache_seqlens, "cache_seqlens")
     given = {name: check_array(x, name) for name, x in zip(_DECODE_ARRAYS, (block_table, k_new, v_new, mask,
                                                                             alibi_slopes, sinks)) if x is not None}
     # fp8 caches: float8_e4m3fn arrays go to the callback as they are (aliased in place), and become
     # uint8 views of their bytes there (_jax_buffers.Views); cuflash's checks read them as such.
-    kv_dtype, as_bytes = check_kv_format(k_cache, v_cache, kv_dtype)
-    k_checked, v_checked = ((_sds(x.shape, np.uint8) for x in (k_cache, v_cache)) if as_bytes else (k_cache, v_cache))
+    kv_dtype, as_bytes = check_kv_format(k_cache, k_cache if mla else v_cache, kv_dtype)
+    k_checked, v_checked = ((_sds(x.shape, np.uint8) if x is not None else None for x in (k_cache, v_cache))
+                            if as_bytes else (k_cache, v_cache))
     num_splits, causal, window, softcap, scale = check_decode(
         q, k_checked, v_checked, cache_seqlens=lens, num_splits=num_splits, causal=causal, window=window,
-        softcap=softcap, scale=scale, kv_dtype=kv_dtype, **{n: given.get(n) for n in _DECODE_ARRAYS})
+        softcap=softcap, scale=scale, kv_dtype=kv_dtype, v_head_dim=v_head_dim,
+        **{n: given.get(n) for n in _DECODE_ARRAYS})
     scale_values, scale_arrays = check_kv_scales(kv_dtype, k_scale, v_scale, k_cache.shape[2])
     given.update(scale_arrays)
     return_lse = _checks.check_flag(return_lse, "return_lse")
@@ -738,8 +760,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     call = _decode_call(_layout(q), _layout(k_cache), _layout(lens), tuple(given),
                         tuple(_layout(x) for x in given.values()), num_splits, causal, window, softcap, scale,
                         return_lse, _command_buffers(q.shape[-1], 16 if kv_dtype is not None else 8), mods,
-                        kv_dtype, scale_values)
-    results = call(q, k_cache, v_cache, lens, *given.values(), *mod_arrays)
+                        kv_dtype, scale_values, None if v_head_dim is None else int(v_head_dim))
+    results = call(q, k_cache, *(() if mla else (v_cache,)), lens, *given.values(), *mod_arrays)
     return results[0] if len(results) == 1 else tuple(results)
 
 

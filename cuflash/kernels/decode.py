@@ -23,7 +23,7 @@ DECODE_SIMT_HEAD_DIMS = (128, 256)
 #: MLA (one latent cache, the values its first columns: cuda_src/decode.cu, CUFLASH_MLA): DeepSeek's
 #: latent row of 512 value and 64 rope columns, fp16/bf16. A CTA holds DECODE_MLA_VALUE_COLUMNS of the
 #: values (512 would not fit a warp's registers beside the rest): the CTAs come in value halves.
-DECODE_MLA_HEAD_DIM = 576
+DECODE_MLA_HEAD_DIM = 576   # cuflash._checks.MLA_HEAD_DIM (the argument check's)
 DECODE_MLA_VALUE_COLUMNS = 256
 #: Packed query rows (Sq_new * Hq/Hk) per CTA: one 16-row mma tile, or 8 rows of FFMA.
 DECODE_BLOCK_M = {"mma": 16, "simt": 8}
@@ -130,8 +130,8 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dty
     p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
     conv = tiles.warps * 2 * tiles.keys_per_warp * head_dim if kv_dtype else 0
     tiles_per_stage = 1 if mla else 2
-    return ((block_m * head_dim + conv) * itemsize + tiles_per_stage * tiles.stages * block_n * head_dim * cache_itemsize
-            + 4 * p_floats)
+    stages = tiles_per_stage * tiles.stages * block_n * head_dim * cache_itemsize
+    return (block_m * head_dim + conv) * itemsize + stages + 4 * p_floats
 
 
 _USER_BITS = {m.name: m.bit for m in USER_MODIFIERS}

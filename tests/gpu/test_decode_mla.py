@@ -159,3 +159,24 @@ def test_torch_mla_decode_equals_cupy():
         assert tuple(got.shape) == want.shape
         np.testing.assert_array_equal(bits(got), want.view(cupy.uint16).get())
         np.testing.assert_array_equal(bits(cache), want_cache.view(cupy.uint16).get())
+
+
+def test_jax_mla_decode_equals_cupy():
+    """cj.decode(q, latent, None, v_head_dim=512) inside jax.jit, the cache donated: cuflash.decode's bits,
+    the appended latent rows included."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash.interop.jax as cj
+
+    rng = np.random.default_rng()
+    case = _case(rng, dtype="bfloat16", page_size=64, heads_q=16, seqlen_q=2, append=True)
+    want_cache = cupy.asarray(case["cache"])
+    want = cuflash.decode(cupy.asarray(case["q"]), want_cache, None, v_head_dim=D_V,
+                          cache_seqlens=cupy.asarray(case["lens"]), block_table=cupy.asarray(case["table"]),
+                          k_new=cupy.asarray(case["k_new"]))
+    step = jax.jit(lambda q, c, l, t, kn: cj.decode(q, c, None, v_head_dim=D_V, cache_seqlens=l, block_table=t,
+                                                    k_new=kn), donate_argnums=(1,))
+    out, cache = step(*(jnp.asarray(case[n]) for n in ("q", "cache", "lens", "table", "k_new")))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), want.view(cupy.uint16).get())
+    np.testing.assert_array_equal(np.asarray(cache).view(np.uint16), want_cache.view(cupy.uint16).get())
