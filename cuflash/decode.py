@@ -300,7 +300,6 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if seqlen_new:
         kn = k_new if _aligned(k_new, d_pad, chunk) else _padded_copy(k_new, d_pad)
         vn = v_new if _aligned(v_new, d_pad, chunk) else _padded_copy(v_new, d_pad)
-
     if not cache_in_place and seqlen_new and lens is None:
         raise ValueError("a cache whose rows are not 16-byte aligned is copied, and appending to it needs "
                          "cache_seqlens (and block_table) on the host: pass NumPy arrays, or align the cache")
@@ -498,7 +497,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         of 16 bytes); otherwise the cache is copied on every call (slow) and the new rows written back.
         With ``k_new`` their rows must not share memory (no zero or overlapping batch/page stride, and
         ``k_cache`` and ``v_cache`` distinct, though they may interleave in one allocation); without
-        it they are only read, so a broadcast cache or ``v_cache is k_cache`` is accepted.
+        it they are only read, so a broadcast cache or ``v_cache is k_cache`` is accepted. ``v_cache``
+        None: MLA's one latent cache (see ``v_head_dim``).
     cache_seqlens : int32 array (B,), optional
         Keys each sequence holds before the append (0 allowed). On the GPU it is never read back: the
         index check kernel validates it before anything is written (see ``check``). Given as NumPy,
