@@ -133,9 +133,15 @@ __device__ __forceinline__ float element_grad(const FwdParams& p, float prob, fl
         prob = fabsf(prob);
     }
     const float grad = kGuard && prob == 0.f ? 0.f : prob * (dp_kept - dsum);
-    *ds = grad;   // dL/ds of the final score: dbias, which the host refuses beside a user ScoreMod
-    // A user ScoreMod's chain factor may be anything where P = 0 (its grad at a hidden element): 0 there.
-    if constexpr ((kMods & kModUserScore) != 0) return prob == 0.f ? 0.f : grad * qk;
+    *ds = grad;   // dL/ds of the final score: dbias (bias is added before a user ScoreMod: see below)
+    if constexpr ((kMods & kModUserScore) != 0) {
+        // A user ScoreMod's chain factor may be anything where P = 0 (its grad at a hidden element): 0
+        // there. The product is dL/dy at the ScoreMod's input y, where bias was added: dbias too. (The
+        // chain holds the softcap's factor as well, so the host refuses dbias beside both.)
+        const float dx = prob == 0.f ? 0.f : grad * qk;
+        *ds = dx;
+        return dx;
+    }
     return (kMods & kModSoftcap) ? grad * softcap_grad(p, qk) : grad;
 }
 

@@ -234,8 +234,8 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
         not bool, ``sinks`` not float32.
     ValueError
         As :func:`attention_forward`; ``dout``/``out``/``lse`` of the wrong shape, ``dropout_p > 0``
-        without ``rng_state``, ``return_dbias`` without ``bias`` or with ``score_mod``, ``return_dsinks``
-        without ``sinks``, ``sinks`` not of shape (Hq,), a ``score_mod``
+        without ``rng_state``, ``return_dbias`` without ``bias`` or with both ``score_mod`` and
+        ``softcap``, ``return_dsinks`` without ``sinks``, ``sinks`` not of shape (Hq,), a ``score_mod``
         whose derivative is not 1 without its ``grad``, ``dq``/``dk``/``dv`` of the wrong
         shape, not C-contiguous or overlapping an input. Nothing is launched and the output
         buffers are left untouched.
@@ -385,10 +385,12 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     return_dbias = _check_flag(return_dbias, "return_dbias")
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
-    if return_dbias and modifiers[0] is not None:
-        # The kernels keep one factor per score, d s / d (scale q.k), which dbias (dL/dbias: through the
-        # ScoreMod but not the softcap) cannot be read back from.
-        raise ValueError("return_dbias=True is not supported together with a score_mod")
+    if return_dbias and modifiers[0] is not None and softcap > 0:
+        # The kernels keep one factor per score, d s / d (scale q.k): the ScoreMod's derivative times the
+        # softcap's. dbias is dL/dy at the ScoreMod's input (through it, not through the softcap), which
+        # that product gives only without a softcap.
+        raise ValueError("return_dbias=True is not supported together with a score_mod and a softcap (put the "
+                         "cap inside the score_mod, or leave the bias without a gradient)")
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
                                                 block_mask=block_mask, block_size=block_size, first=9)
     sinks = _checks.check_sinks(sinks, hq)

@@ -733,11 +733,12 @@ def _mod_operands(score_mod, mask_mod, *, backward: bool = False):
     return specs["score_mod"], specs["mask_mod"], arrays or None
 
 
-def _check_dbias_beside(score_mod, bias) -> None:
-    if score_mod is not None and bias is not None and bias.requires_grad and torch.is_grad_enabled():
-        raise ValueError("bias requires a gradient, and dbias is not computed beside a score_mod (the kernels keep "
-                         "the ScoreMod's chain factor where dbias would need the raw scores): detach bias, or add "
-                         "it inside the score_mod")
+def _check_dbias_beside(score_mod, bias, softcap) -> None:
+    """dbias beside a ScoreMod needs no softcap (cuflash.attention_backward says why)."""
+    if (score_mod is not None and softcap and bias is not None and bias.requires_grad
+            and torch.is_grad_enabled()):
+        raise ValueError("bias requires a gradient, and dbias is not computed beside both a score_mod and a softcap: "
+                         "put the cap inside the score_mod, or detach bias")
 
 
 # ----------------------------------------------------------------------------- the functions users call
@@ -807,7 +808,7 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
                                      _call_state(dropout_p, rng_state, generator), causal, scale, left, right, softcap,
                                      block_q, block_k, dropout_p, deterministic, sinks)
     mods = _mod_operands(score_mod, mask_mod, backward=_records_grad(q, k, v, bias, sinks))
-    _check_dbias_beside(score_mod, bias)
+    _check_dbias_beside(score_mod, bias, softcap)
     return _attention_forward_op(q, k, v, alibi_slopes, mask, bias, block_mask,
                                  _call_state(dropout_p, rng_state, generator), causal, scale, left, right, softcap,
                                  block_q, block_k, dropout_p, deterministic, sinks, *mods)

@@ -230,10 +230,10 @@ def _attention_fwd(spec, q, k, v, arrays, mod_arrays, words):
     # sinks need dsinks (the backward asks return_dsinks).
     want_dbias = "bias" in spec.arrays and arrays[spec.arrays.index("bias")].perturbed
     want_dsinks = "sinks" in spec.arrays and arrays[spec.arrays.index("sinks")].perturbed
-    if want_dbias and spec.mods is not None and spec.mods.score_mod is not None:
-        raise ValueError("the gradient of cuflash.interop.jax.attention with respect to bias is not computed beside a "
-                         "score_mod (cuflash.attention_backward refuses return_dbias with one): put the bias in the "
-                         "score_mod as an array argument, or pass jax.lax.stop_gradient(bias)")
+    if want_dbias and spec.mods is not None and spec.mods.score_mod is not None and spec.softcap:
+        raise ValueError("the gradient of cuflash.interop.jax.attention with respect to bias is not computed beside "
+                         "both a score_mod and a softcap (cuflash.attention_backward refuses return_dbias with them): "
+                         "put the cap inside the score_mod, or pass jax.lax.stop_gradient(bias)")
     # Differentiated with respect to nothing that has a gradient (a modifier's arrays alone): no backward.
     backward = q.perturbed or k.perturbed or v.perturbed or want_dbias or want_dsinks
     if backward:

@@ -228,7 +228,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if score_mod is not None or mask_mod is not None:
         mods = ops._modifiers(score_mod, mask_mod, backward=_needs_grad(q, k, v, bias, sinks))
-        ops._check_dbias_beside(score_mod, bias)
+        ops._check_dbias_beside(score_mod, bias, softcap)
         options.update(mods)
     if _needs_grad(q, k, v, bias, sinks):
         return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)

@@ -6,6 +6,7 @@ ScoreMod without the grad its backward needs, when the gradient is traced; an ar
 array; too many arguments; a float scalar outside float32). The callbacks' rebuilding of the modifiers
 around buffer views is checked with stand-in views. Skipped where JAX or CuPy is missing."""
 
+import functools
 import numpy as np
 import pytest
 
@@ -155,16 +156,18 @@ def test_a_score_mod_without_its_grad_fails_when_the_gradient_is_traced():
     assert grad.shape == q.shape
 
 
-def test_bias_gradient_beside_a_score_mod_is_refused_when_traced():
+def test_bias_gradient_beside_a_score_mod_and_a_softcap_is_refused_when_traced():
     q, bias = S((1, 16, 2, 64), BF16), S((1, 2, 16, 16), F32)
     shift = cuflash.ScoreMod("score + 1.0")
 
-    def loss(q, bias):
-        return cj.attention(q, q, q, bias=bias, score_mod=shift).astype(F32).sum()
+    def loss(q, bias, softcap=0.0):
+        return cj.attention(q, q, q, bias=bias, score_mod=shift, softcap=softcap).astype(F32).sum()
 
-    assert jax.eval_shape(jax.grad(loss), q, bias).shape == q.shape   # bias not differentiated: fine
-    with pytest.raises(ValueError, match="bias .* score_mod"):
-        jax.eval_shape(jax.grad(loss, argnums=1), q, bias)
+    assert jax.eval_shape(jax.grad(loss, argnums=1), q, bias).shape == bias.shape   # beside a ScoreMod alone
+    capped = functools.partial(loss, softcap=30.0)
+    assert jax.eval_shape(jax.grad(capped), q, bias).shape == q.shape   # bias not differentiated: fine
+    with pytest.raises(ValueError, match="bias .* score_mod and a softcap"):
+        jax.eval_shape(jax.grad(capped, argnums=1), q, bias)
 
 
 class _NotAJaxArray:

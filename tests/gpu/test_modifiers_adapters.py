@@ -88,14 +88,18 @@ def test_gradcheck_through_a_score_mod(host_kernels):
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6)
 
 
-def test_bias_gets_its_gradient_beside_a_mask_mod(host_kernels):
+def test_bias_gets_its_gradient_beside_the_modifiers(host_kernels):
     q, k, v = (_rand(*s, requires_grad=True) for s in ((1, 5, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4)))
     bias = _rand(2, 1, 6, requires_grad=True)
     mask_mod = MaskMod("kv_idx != 2")
     fn = lambda q, k, v, bias: ops.attention(q, k, v, bias=bias, mask_mod=mask_mod)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="dbias"):
-        ops.attention(q, k, v, bias=bias, score_mod=ScoreMod("score + 1.0"))
+    # beside a ScoreMod (bias is added before it): dbias through the ScoreMod's grad
+    score_mod = ScoreMod(*CAP, c=2.0)
+    fn = lambda q, k, v, bias: ops.attention(q, k, v, bias=bias, score_mod=score_mod)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="dbias .* score_mod and a softcap"):   # not beside both
+        ops.attention(q, k, v, bias=bias, score_mod=ScoreMod("score + 1.0"), softcap=5.0)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

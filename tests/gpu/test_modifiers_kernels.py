@@ -305,6 +305,27 @@ def test_backward_deterministic_dq_pass(family, dtype):
         assert_grad_close(got, r, b, dtype, name, magnitude, r)
 
 
+@pytest.mark.parametrize("family, dtype", BACKWARD)
+def test_dbias_beside_a_score_mod(family, dtype):
+    # bias is added before the ScoreMod: dbias = dS times the ScoreMod's grad, against the reference.
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    q, k, v = tt.random_qkv(dict(B=2, Sq=70, Sk=130, Hq=4, Hk=2, D=64), dtype, seed, xp=cupy)
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    bias = cupy.asarray(rng.standard_normal((4, 70, 130)).astype(np.float32))
+    kw = dict(causal=True, bias=bias, score_mod=cuflash.ScoreMod("c * tanh(score / c)",
+                                                                 grad="1.0 - tanh(score / c) * tanh(score / c)", c=3.0))
+    ref_out, ref_lse = reference.attention_forward(q, k, v, **kw)
+    out = cupy.asarray(np.nan_to_num(ref_out)).astype(q.dtype)
+    lse = cupy.asarray(ref_lse.astype(np.float32))
+    with cuflash.backward.force_kernel(family):
+        *_, dbias = cuflash.attention_backward(dout, q, k, v, out, lse, return_dbias=True, **kw)
+    *_, want = reference.attention_backward(dout, q, k, v, out=out, return_dbias=True, **kw)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    err = float(np.abs(dbias.get().astype(np.float64) - want).max())
+    assert err <= tol * max(1e-3, float(np.abs(want).max())), f"seed {seed}: dbias off by {err}"
+
+
 # ----------------------------------------------------------------------------- errors before any launch
 
 def test_bad_arguments_are_refused_before_any_launch():
@@ -320,9 +341,9 @@ def test_bad_arguments_are_refused_before_any_launch():
     capped = cuflash.ScoreMod("c * tanh(score / c)", c=2.0)
     with pytest.raises(ValueError, match="grad"):
         cuflash.attention_backward(q, q, k, v, q, lse, score_mod=capped)
-    with pytest.raises(ValueError, match="return_dbias"):
+    with pytest.raises(ValueError, match="return_dbias"):   # beside a ScoreMod and a softcap
         cuflash.attention_backward(q, q, k, v, q, lse, bias=cupy.zeros((17, 17), cupy.float32), return_dbias=True,
-                                   score_mod=cuflash.ScoreMod("score * 2.0", grad="2.0"))
+                                   score_mod=cuflash.ScoreMod("score * 2.0", grad="2.0"), softcap=5.0)
 
 
 @pytest.mark.skipif(cupy.cuda.runtime.getDeviceCount() < 2 if _gpu_available() else True,
