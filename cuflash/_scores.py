@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from . import _checks
+from .modifiers import MaskMod, ScoreMod   # (a call's modifiers are checked on every repeat call)
 
 SCORE_OPERANDS = ("alibi_slopes", "mask", "bias", "block_mask")
 
@@ -56,8 +57,6 @@ def modifier_parts(score_mod, mask_mod):
     TypeError
         ``score_mod`` that is not a :class:`cuflash.ScoreMod`, ``mask_mod`` not a :class:`cuflash.MaskMod`.
     """
-    from .modifiers import MaskMod, ScoreMod
-
     if score_mod is not None and not isinstance(score_mod, ScoreMod):
         raise TypeError(f"score_mod must be a cuflash.ScoreMod or None, got {type(score_mod).__name__}")
     if mask_mod is not None and not isinstance(mask_mod, MaskMod):

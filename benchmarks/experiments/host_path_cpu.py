@@ -126,6 +126,15 @@ def cases():
 
     q, k, v, out = (array((1, 256, 8, 128)) for _ in range(4))
     yield "attention B1 S256 H8 D128", lambda: cuflash.attention(q, k, v, out=out)
+    # A user modifier's warm call against the built-in option it replaces (issue 52's host bar).
+    yield "attention softcap=30", lambda: cuflash.attention(q, k, v, softcap=30.0, out=out)
+    capped = cuflash.ScoreMod("30.0 * tanh(score / 30.0)", grad="1.0 - tanh(score / 30.0) * tanh(score / 30.0)")
+    yield "attention ScoreMod(cap)", lambda: cuflash.attention(q, k, v, score_mod=capped, out=out)
+    table, doc = array((8 * 511,), np.float32), array((256,), np.int32)
+    relative = cuflash.ScoreMod("score + table[h * 511 + q_idx - kv_idx + 255]", table=table)
+    document = cuflash.MaskMod("doc[q_idx] == doc[kv_idx]", doc=doc, sparse=False)
+    yield "attention ScoreMod(table)+MaskMod(doc)", \
+        lambda: cuflash.attention(q, k, v, score_mod=relative, mask_mod=document, out=out)
     dout, lse = array((1, 256, 8, 128)), array((1, 8, 256), np.float32)
     dq, dk, dv = (array((1, 256, 8, 128)) for _ in range(3))
     yield "attention_backward B1 S256 H8 D128", \
