@@ -1,22 +1,9 @@
 """benchmarks/bench_decode_serving.py without a GPU: its grid, lengths, page tables and byte counts."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(HERE))
-    spec = importlib.util.spec_from_file_location("bench_decode_serving", HERE / "bench_decode_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = "bench_decode_serving"   # the bench fixture (conftest.py) loads it
 
 
 def test_grid_covers_uniform_and_ragged_batches_of_1_to_256(bench):

@@ -1,21 +1,8 @@
 """benchmarks/bench_model_features.py without a GPU: its arguments, FLOP counts and bar cells."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(HERE))
-    spec = importlib.util.spec_from_file_location("bench_model_features", HERE / "bench_model_features.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = "bench_model_features"   # the bench fixture (conftest.py) loads it
 
 
 def test_parts_are_chosen_and_unknown_ones_refused(bench):

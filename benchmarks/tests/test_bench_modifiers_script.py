@@ -1,22 +1,9 @@
 """benchmarks/bench_modifiers.py without a GPU: its document lengths and visible-work counts."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(HERE))
-    spec = importlib.util.spec_from_file_location("bench_modifiers", HERE / "bench_modifiers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = "bench_modifiers"   # the bench fixture (conftest.py) loads it
 
 
 def test_documents_fill_the_sequence(bench):
