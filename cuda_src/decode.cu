@@ -436,9 +436,10 @@ __device__ __forceinline__ void load_kv_tile_paged(typename C::cache_t* k_tile, 
 }
 
 // The CTA's packed query rows; rows past Sq * group and columns past head_dim are zero-filled.
+// q_start: the sequence's first query row (ragged new tokens, p.cu_seqlens_q; 0 otherwise).
 template <class C>
 __device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& p, int b, int h_kv, int row0,
-                                            int rows_total) {
+                                            int rows_total, long long q_start) {
     // Chunks of q's own type: an fp8 cache row has half as many 16-byte chunks as a q row.
     constexpr int kQChunksPerRow = C::kHeadDim / C::kChunkElems;
     for (int idx = threadIdx.x; idx < C::kBlockM * kQChunksPerRow; idx += C::kNThreads) {
@@ -448,7 +449,7 @@ __device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& 
         const elem_t* src = static_cast<const elem_t*>(p.q);
         if (valid) {
             const int i = pr / p.group, h = h_kv * p.group + pr % p.group;
-            src += b * p.q_batch_stride + i * p.q_row_stride + h * p.q_head_stride + c;
+            src += b * p.q_batch_stride + (q_start + i) * p.q_row_stride + h * p.q_head_stride + c;
         }
         int off;
         if constexpr (C::kSimt) off = r * C::kHeadDim + c;   // read as broadcasts: no swizzle needed
@@ -857,7 +858,7 @@ __device__ __forceinline__ int value_halves(const DecodeParams& p) {
 template <class C>
 __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int b, int h_kv, int row_block,
                                                       const int* row_query, const int* row_head, float* weights,
-                                                      int c0 = 0) {
+                                                      int c0, long long q_start) {
     __shared__ int is_last;
     __threadfence();   // this CTA's partials, visible before it counts itself
     __syncthreads();   // (and every thread done with the combine buffer that `weights` reuses)
@@ -907,7 +908,7 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
             weights[split * C::kBlockM + r] = x == -CUFLASH_INF ? 0.f : expf(x - m_safe) * inv_sum;
         }
         if (i >= 0 && c0 == 0)   // MLA: the first value half writes it
-            p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + i] =
+            p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + q_start + i] =
                 empty ? sink : m_safe + logf(sum);
     }
     __syncthreads();
@@ -923,7 +924,7 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
 #pragma unroll 4
         for (int split = 0; split < p.num_splits; ++split)
             acc = fmaf(weights[split * C::kBlockM + r], __ldcg(o_in + split * o_split_stride), acc);
-        static_cast<elem_t*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c] =
+        static_cast<elem_t*>(p.o)[b * p.o_batch_stride + (q_start + i) * p.o_row_stride + h * p.o_head_stride + c] =
             from_float<elem_t>(acc);
     }
 }
@@ -951,7 +952,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     const int row_block = blockIdx.x % p.row_blocks, split = (blockIdx.x / p.row_blocks) % p.num_splits;
     const int c0 = C::kMla ? blockIdx.x / (p.row_blocks * p.num_splits) * C::kVCols : 0;   // first value column
     const int h_kv = blockIdx.y, b = blockIdx.z;
-    const int rows_total = p.seqlen_q * p.group;
+    // Ragged new tokens (p.cu_seqlens_q): this sequence's own count, its rows from q_start; the row
+    // blocks past them (the grid covers the longest) have nothing to do.
+    const long long q_start = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b] : 0;
+    const int seqlen_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b + 1] - static_cast<int>(q_start) : p.seqlen_q;
+    const int rows_total = seqlen_q * p.group;
     const int row0 = row_block * C::kBlockM;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
@@ -968,11 +973,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     sq.s.b = b;
     sq.s.h = h_kv * p.group;
     sq.s.h_kv = h_kv;
-    sq.s.seqlen_q = p.seqlen_q;
+    sq.s.seqlen_q = seqlen_q;
     sq.s.seqlen_k = sq.cache_len + p.seqlen_new;
     sq.s.q_row0 = 0;
     sq.s.k_row0 = 0;
-    sq.s.diag = sq.s.seqlen_k - p.seqlen_q;   // bottom-right: query i lines up with key i + diag
+    sq.s.diag = sq.s.seqlen_k - seqlen_q;   // bottom-right: query i lines up with key i + diag
     const long long cache_batch = C::kPaged ? 0 : b;
     sq.k_cache = static_cast<cache_t*>(p.k_cache) + cache_batch * p.k_batch_stride + h_kv * p.k_head_stride;
     sq.v_cache = static_cast<cache_t*>(p.v_cache) + cache_batch * p.v_batch_stride + h_kv * p.v_head_stride;
@@ -1019,7 +1024,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     auto v_stage = [&](int stage) { return C::kMla ? k_stage(stage) : k_stage(stage) + C::kTileElems; };
     const unsigned v_col_bytes = C::kMla ? c0 * unsigned(sizeof(elem_t)) : 0u;
 
-    load_q_tile<C>(q_smem, p, b, h_kv, row0, rows_total);
+    load_q_tile<C>(q_smem, p, b, h_kv, row0, rows_total, q_start);
 #pragma unroll
     for (int stage = 0; stage < C::kStages - 1; ++stage) {
         if (stage < n_tiles)
@@ -1170,7 +1175,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             if constexpr (C::kFp8) o *= sq.v_scale;   // V held the e4m3 values (partials get it too)
         }
         if (p.num_splits == 1)
-            static_cast<elem_t*>(p.o)[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c] =
+            static_cast<elem_t*>(p.o)[b * p.o_batch_stride + (q_start + i) * p.o_row_stride + h * p.o_head_stride + c] =
                 from_float<elem_t>(o);
         else
             p.o_part[((part_row0 + i) * p.heads_q + h) * p.out_dim + c] = o;
@@ -1182,13 +1187,13 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             // MLA: lse by the first value half; every half writes its partials' (the same values), as
             // each half's last split reads them after counting only its own half's CTAs.
             if (p.num_splits == 1 && c0 == 0)
-                p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = row_lse[r];
+                p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + q_start + i] = row_lse[r];
             else if (p.num_splits > 1)
                 p.lse_part[((static_cast<long long>(split) * p.batch + b) * p.heads_q + h) * p.seqlen_q + i] =
                     row_lse[r];
         }
     }
-    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head, comb, c0);
+    if (p.num_splits > 1) combine_if_last_split<C>(p, b, h_kv, row_block, row_query, row_head, comb, c0, q_start);
 }
 
 }  // namespace cuflash

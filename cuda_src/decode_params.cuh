@@ -31,6 +31,8 @@ struct DecodeParams {
                                        // counting the splits done; the last one combines and resets it
     const float* k_scale;              // fp8 caches: float32 scales on the GPU, element h_kv * k_scale_stride;
     const float* v_scale;              // nullptr: k_scale_value / v_scale_value (given on the host)
+    const int* cu_seqlens_q;           // (B + 1,) ragged new tokens (attention_varlen over a cache): sequence b's
+                                       // queries are rows cu_seqlens_q[b] .. of q, o and lse; nullptr: Sq each
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;   // paged: the batch stride is the page stride
     long long v_batch_stride, v_row_stride, v_head_stride;

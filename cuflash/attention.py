@@ -10,6 +10,7 @@ from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._forward_plan import _family_for, _forced_family, forward_plan
 from ._mask_blocks import call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
+from .decode import varlen_over_cache as _varlen_over_cache   # attention_varlen over a KV cache
 
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 
@@ -498,7 +499,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                      generator=None, score_mod=None, mask_mod=None, sinks=None, return_lse=False, out=None, mask=None,
-                     bias=None, block_mask=None, check=None):
+                     bias=None, block_mask=None, check=None, cache_seqlens=None, block_table=None):
     """Attention over a batch of sequences of different lengths, packed without padding.
 
     Sequence b holds query rows ``cu_seqlens_q[b]`` to ``cu_seqlens_q[b + 1] - 1`` of q and key rows
@@ -567,6 +568,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         True: wait for the check of the offsets and raise a bad one now. False: a bad offset is
         raised at the next varlen call on this stream or by :func:`cuflash.check_errors`. Default:
         the environment variable ``CUFLASH_CHECK`` (``1`` = True), else False.
+    cache_seqlens, block_table : int32 arrays (B,) and (B, max_pages), optional
+        Chunked prefill over a KV cache: with ``cache_seqlens``, ``k`` and ``v`` are the caches
+        (contiguous (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``),
+        which already hold each sequence's new keys, ``cu_seqlens_k`` must be None, and sequence b's
+        n_b queries attend to its ``cache_seqlens[b]`` keys aligned bottom-right as in
+        :func:`decode` (query i sees keys ``j <= i + cache_seqlens[b] - n_b`` with ``causal``).
+        Runs on the decode kernels (not yet the forward ones); no dropout. Index arrays are checked
+        as in :func:`decode`.
 
     Returns
     -------
@@ -608,6 +617,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     for value, name in ((mask, "mask"), (bias, "bias"), (block_mask, "block_mask")):
         if value is not None:
             raise ValueError(f"{name} is not supported by attention_varlen; pad and call attention instead")
+    if cache_seqlens is not None or block_table is not None:   # chunked prefill over a cache
+        if cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_k must be None with cache_seqlens/block_table: the caches hold the keys")
+        if dropout_p:
+            raise ValueError("dropout_p must be 0 with cache_seqlens/block_table (attention over a KV cache)")
+        out, lse = _varlen_over_cache(q, k, v, cu_seqlens_q, max_seqlen_q=max_seqlen_q, cache_seqlens=cache_seqlens,
+                                      block_table=block_table, causal=causal, window=window, softcap=softcap,
+                                      alibi_slopes=alibi_slopes, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                                      sinks=sinks, return_lse=return_lse, out=out, check=check)
+        return (out, lse) if return_lse else out
     out, lse = _varlen((q, k, v, out, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks), max_seqlen_q, max_seqlen_k,
                        causal, scale, window, softcap, dropout_p, generator, return_lse, check,
                        modifiers=(score_mod, mask_mod))

@@ -19,7 +19,7 @@ from ._runtime import capture as _capture, faults as _faults, launch as _launch,
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import DECODE, Template
 
-__all__ = ["decode"]
+__all__ = ["decode", "varlen_over_cache"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,9 +111,70 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
 # Operand positions of a decode call (lse: the caller's buffer, or None: the plan allocates it when returned;
 # sinks: float32 (Hq,) or None; k_scale / v_scale: an fp8 cache's scales on the GPU, or None when given as
 # numbers on the host, which are then options);
-# the array arguments of a ScoreMod / MaskMod follow, from _USER on.
+# cu_seqlens_q: ragged new tokens (attention_varlen over a cache, :func:`varlen_over_cache`), None for
+# decode; the array arguments of a ScoreMod / MaskMod follow, from _USER on.
 (_Q, _K_CACHE, _V_CACHE, _LENS, _TABLE, _K_NEW, _V_NEW, _MASK, _ALIBI, _OUT, _LSE, _SINKS, _K_SCALE, _V_SCALE,
- _USER) = range(15)
+ _CU_Q, _USER) = range(16)
+
+
+def _varlen_queries(cu_seqlens_q, max_seqlen_q, cache_seqlens, total_q, k_new, mask):
+    """The checks of ragged new tokens (:func:`varlen_over_cache`): int32 offsets (B + 1,), an int
+    ``max_seqlen_q``, the cache's lengths (required: their count is B); no append and no decode mask.
+    Offsets given on the host are checked here, on the GPU by the index check. Returns (offsets on the
+    GPU, offsets on the host or None, B, max_seqlen_q)."""
+    if cache_seqlens is None:
+        raise ValueError("attention_varlen over a cache needs cache_seqlens (the keys each sequence's cache holds)")
+    if k_new is not None or mask is not None:
+        raise ValueError("attention_varlen over a cache takes no k_new/v_new or mask (append the chunk's keys first)")
+    cu_dev, cu_host = _checks.int32_operand(cu_seqlens_q, "cu_seqlens_q", 1)
+    batch = cu_dev.shape[0] - 1
+    if batch < 0:
+        raise ValueError("cu_seqlens_q must hold B + 1 offsets, got an empty array")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)):
+        raise TypeError(f"max_seqlen_q must be an int (the longest sequence of new tokens), got "
+                        f"{type(max_seqlen_q).__name__}")
+    if max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    if cu_host is not None and batch:
+        steps = np.diff(cu_host.astype(np.int64))
+        if cu_host[0] != 0 or (steps < 0).any() or cu_host[-1] > total_q:
+            raise ValueError(f"cu_seqlens_q must start at 0, never decrease and end at most at q's {total_q} rows, "
+                             f"got {cu_host.tolist()[:8]}...")
+        if steps.max() > max_seqlen_q:
+            raise ValueError(f"max_seqlen_q = {max_seqlen_q} is smaller than sequence {int(np.argmax(steps))}'s "
+                             f"{int(steps.max())} new tokens")
+    return cu_dev, cu_host, batch, int(max_seqlen_q)
+
+
+def varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, *, max_seqlen_q, cache_seqlens, block_table=None,
+                      causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, score_mod=None,
+                      mask_mod=None, sinks=None, num_splits=0, return_lse=False, out=None, lse=None, check=None):
+    """:func:`cuflash.attention_varlen` with ``block_table`` / ``cache_seqlens``: a ragged batch of new
+    tokens (chunked prefill) against their sequences' caches, which already hold them.
+
+    Sequence b's queries are rows ``cu_seqlens_q[b] ..`` of ``q`` (n_b of them) and its keys the
+    ``cache_seqlens[b]`` of its cache (contiguous or paged), aligned bottom-right as in
+    :func:`decode`: query i sees keys ``j <= i + cache_seqlens[b] - n_b`` with ``causal``. Runs on
+    the decode kernel (rows packed per kv head, split-KV). Returns (out (total_q, Hq, D), lse (Hq,
+    total_q) or None)."""
+    operands = (q, k_cache, v_cache, cache_seqlens, block_table, None, None, None, alibi_slopes, out, lse, sinks,
+                None, None, cu_seqlens_q)
+    mod_key = None
+    if score_mod is not None or mask_mod is not None:
+        mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
+        operands = operands + user_arrays
+    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, None, None, None, None,
+               ("varlen", max_seqlen_q))
+    plan, ptrs, where = _memo.lookup("decode", operands, options)
+    if plan is None:
+        plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
+                                          softcap=softcap, scale=scale, return_lse=return_lse,
+                                          modifiers=(score_mod, mask_mod), max_seqlen_q=max_seqlen_q)
+        if plan is None:
+            out, lse = finish
+            return out, (lse if return_lse else None)
+    results, _, _ = plan.run(operands, ptrs, where, check=_checks.check_flag(check))
+    return results[0], (results[1] if return_lse else None)
 
 
 def _scale_parts(k_scale, v_scale):
@@ -124,7 +185,7 @@ def _scale_parts(k_scale, v_scale):
 
 
 def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, return_lse, modifiers=(None, None),
-                 kv_dtype=None, scale_values=(None, None), v_head_dim=None):
+                 kv_dtype=None, scale_values=(None, None), v_head_dim=None, max_seqlen_q=None):
     """Check a decode call and plan its launches (see :func:`decode`); raises before any launch.
 
     Returns (plan, pointers, finish), or (None, None, result) for a call that launches nothing.
@@ -132,9 +193,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     import cupy
 
     (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse_user, sinks,
-     k_scale, v_scale) = operands[:_USER]
+     k_scale, v_scale, cu_seqlens_q) = operands[:_USER]
     layout = "(batch, seqlen, heads, head_dim)"
     q = _checks.as_cuda_array(q, "q")
+    # Ragged new tokens (varlen_over_cache): q (total_q, Hq, D) is read as one (1, total_q, Hq, D) batch
+    # for the shape checks; the sequences are cu_seqlens_q's, their count cache_seqlens'.
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        _checks.check_rank(q, 3, "q", "(total_q, heads, head_dim)")
+        q = q[None]
     k_cache = _checks.as_cuda_array(k_cache, "k_cache")
     # MLA: one latent cache, the values its first v_head_dim columns; v_cache / v_new stand for
     # k_cache / k_new from here on (the kernel reads the values from the key tiles).
@@ -146,6 +213,11 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, max_head_dim, kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
     d_out = int(v_head_dim) if mla else d   # columns of out
+    cu_dev = cu_host = None
+    total_q = seqlen_q
+    if varlen:
+        cu_dev, cu_host, batch, seqlen_q = _varlen_queries(cu_seqlens_q, max_seqlen_q, cache_seqlens, total_q, k_new,
+                                                            mask)
     if mla:
         _checks.check_mla_shape(dtype_name, d, d_out)
     heads_k = k_cache.shape[2]
@@ -224,7 +296,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                                                                       f" (cache_seqlens[{b}])"))
         if paged and table is not None:
             _check_pages(table, lens, seqlen_new, page_size, num_pages)
-    check_on_gpu = batch > 0 and ((cache_seqlens is not None and lens is None) or (paged and table is None))
+    check_on_gpu = batch > 0 and ((cache_seqlens is not None and lens is None) or (paged and table is None)
+                                  or (varlen and cu_host is None))
 
     # Options (a sequence holds at most ``capacity`` keys: the bound of the window).
     opts = _checks.check_options(head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -251,14 +324,16 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         raise ValueError(f"num_splits must be in [0, {kernels.decode.DECODE_MAX_SPLITS}] (0 = heuristic), got "
                          f"{num_splits}")
     out_user = out
+    # Shapes of out and lse: (B, Sq, Hq, D) and (B, Hq, Sq); ragged: (total_q, Hq, D) and (Hq, total_q).
+    out_shape = (total_q, heads_q, d_out) if varlen else (batch, seqlen_q, heads_q, d_out)
+    lse_shape = (heads_q, total_q) if varlen else (batch, heads_q, seqlen_q)
     if out is not None:
-        out = _checks.check_out(out, "out", (batch, seqlen_q, heads_q, d_out), q.dtype)
-    lse_given = None if lse_user is None else _checks.check_out(lse_user, "lse", (batch, heads_q, seqlen_q),
-                                                                np.float32)
+        out = _checks.check_out(out, "out", out_shape, q.dtype)
+    lse_given = None if lse_user is None else _checks.check_out(lse_user, "lse", lse_shape, np.float32)
 
     # Memory the call writes must not be memory it reads: out always, the caches when it appends.
     reads = (("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", mask_view), ("alibi_slopes", alibi_dev),
-             ("cache_seqlens", seqlens_dev), ("block_table", table_dev), ("sinks", sinks_dev),
+             ("cache_seqlens", seqlens_dev), ("block_table", table_dev), ("sinks", sinks_dev), ("cu_seqlens_q", cu_dev),
              ("k_scale", k_scale_dev), ("v_scale", v_scale_dev),
              *(("score_mod/mask_mod argument", x) for x in user_arrays))
     _checks.check_disjoint((("out", out), ("lse", lse_given)), (*reads, ("k_cache", k_cache), ("v_cache", v_cache)))
@@ -283,8 +358,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     _checks.check_size(mask_keys, _checks.INT32_MAX, "the key columns of mask (last axis)", int32)
     if batch == 0:
         _memo.nothing_to_plan()
-        out = cupy.empty((batch, seqlen_q, heads_q, d_out), dtype=q.dtype) if out is None else out
-        lse = cupy.empty((batch, heads_q, seqlen_q), dtype=np.float32) if lse_user is None else lse_user
+        out = cupy.empty(out_shape, dtype=q.dtype) if out is None else out
+        lse = cupy.empty(lse_shape, dtype=np.float32) if lse_user is None else lse_user
         return None, None, (out_user if out_user is not None else out, lse)
 
     # Kernel-ready operands: 16-byte rows. q and k_new are small, so misaligned ones are copied; a
@@ -338,13 +413,13 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if row_blocks * num_splits * halves >= 2**31:
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")
 
-    lse_buffer = _step.Buffer((batch, heads_q, seqlen_q), np.float32)
+    lse_buffer = _step.Buffer(lse_shape, np.float32)
     lse_output = return_lse or lse_given is not None   # else a temporary
     temps = [] if lse_output else [lse_buffer]
     if num_splits > 1:
         temps += [_step.Buffer((num_splits, batch, seqlen_q, heads_q, d_out), np.float32),
                   _step.Buffer((num_splits, batch, heads_q, seqlen_q), np.float32)]
-    outputs = {_OUT: _step.Buffer((batch, seqlen_q, heads_q, d_out), q.dtype)}
+    outputs = {_OUT: _step.Buffer(out_shape, q.dtype)}
     if lse_output:
         outputs[_LSE] = lse_buffer
     plan = _plan.Plan("decode", len(operands), outputs=outputs, temps=temps,
@@ -355,7 +430,9 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     part = len(temps) - 2   # o_part, lse_part: the last two temporaries
     # Small index arrays (every contiguous cache's lengths, small page tables) are checked by the
     # decode kernel itself before it writes (cuda_src/decode.cu, indices_faulted): one launch fewer.
-    check_in_kernel = check_on_gpu and kernels.decode.decode_self_check(paged, batch, max_pages, plan_k.threads)
+    # (Not for ragged new tokens: a CTA with no rows of its sequence would return before publishing.)
+    check_in_kernel = (check_on_gpu and not varlen
+                       and kernels.decode.decode_self_check(paged, batch, max_pages, plan_k.threads))
     if check_in_kernel:
         plan.info.update(batch=batch, capacity=capacity, seqlen_new=seqlen_new, num_pages=num_pages,
                          max_pages=max_pages)
@@ -365,7 +442,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
             block_table=("operand", _TABLE) if paged else None,
             block_table_batch_stride=_checks.element_strides(table_dev)[0] if paged else 0,
             batch=batch, capacity=capacity, seqlen_new=seqlen_new, page_size=page_size, num_pages=num_pages,
-            max_pages=max_pages), device_id))
+            max_pages=max_pages, **(dict(cu_seqlens_q=("operand", _CU_Q), total_q=total_q, max_seqlen_q=seqlen_q)
+                                    if varlen else {})), device_id))
 
     left, right = opts.window
     fields = {"score.heads_q": heads_q, "score.heads_k": heads_k, "score.head_dim": d_pad, "score.batch": batch,
@@ -377,11 +455,16 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                   out_dim=d_out, seqlen_cache=capacity, seqlen_new=seqlen_new, page_size=page_size,
                   num_splits=num_splits, row_blocks=row_blocks, mask_keys=mask_keys, num_pages=num_pages,
                   max_pages=max_pages)
-    out_layout = out if out is not None else _checks.Shaped((batch, seqlen_q, heads_q, d_out), q.dtype)
+    out_layout = out if out is not None else _checks.Shaped(out_shape, q.dtype)
+    if varlen:   # one batch of rows, as q: the sequences start at cu_seqlens_q
+        out_layout = _checks.Shaped((1, *out_shape), q.dtype) if out is None else out[None]
     for name, x in (("q", q_k), ("k", kc), ("v", vc), ("o", out_layout)):
         fields.update(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), _row_strides(x)))
     lse_strides = _checks.element_strides(_checks.Shaped(lse_buffer.shape, np.float32))
-    fields.update(lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1])
+    if varlen:   # (Hq, total_q): the sequences' rows start at cu_seqlens_q in every head's row
+        fields.update(lse_batch_stride=0, lse_head_stride=lse_strides[0])
+    else:
+        fields.update(lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1])
     # MLA: the values are the key rows' first columns (the kernel reads them from the key tiles), so
     # v_cache / v_new take k_cache's / k_new's pointers, from their operands (a repeat call's too).
     slots = {"q": _Q, "k_cache": _K_CACHE, "v_cache": _K_CACHE if mla else _V_CACHE, "o": _OUT, "lse": lse_slot}
@@ -392,6 +475,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                               _row_strides(x)))
     if cache_seqlens is not None:
         slots["cache_seqlens"] = _LENS
+    if varlen:
+        slots["cu_seqlens_q"] = _CU_Q
     if paged:
         slots["block_table"] = _TABLE
         fields["block_table_batch_stride"] = _checks.element_strides(table_dev)[0]
@@ -438,7 +523,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     plan.info.update(num_splits=num_splits)
 
     kernel_operands = [q_k, kc, None if mla else vc, seqlens_dev, table_dev, kn, None if mla else vn, mask_view,
-                       alibi_dev, out, lse_given, sinks_dev, k_scale_dev, v_scale_dev, *user_arrays]
+                       alibi_dev, out, lse_given, sinks_dev, k_scale_dev, v_scale_dev, cu_dev, *user_arrays]
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:
@@ -624,7 +709,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     """
     k_scale_op, v_scale_op, k_value, v_value = _scale_parts(k_scale, v_scale)
     operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse, sinks,
-                k_scale_op, v_scale_op)
+                k_scale_op, v_scale_op, None)
     mod_key = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)

@@ -149,6 +149,13 @@ def cases():
     table = array((b, length // 16), np.int32)
     yield "decode paged16 B8 L1024 Hq32 Hk8", \
         lambda: cuflash.decode(qd, kp, vp, cache_seqlens=seqlens, block_table=table, out=outd)
+    # Chunked prefill: ragged chunks of new tokens against their paged caches (attention_varlen over a cache).
+    total, chunk = 8 * 64, 64
+    qv, outv = array((total, hq, d)), array((total, hq, d))
+    cu = array((b + 1,), np.int32)
+    yield "varlen over paged16 B8 64 new each", \
+        lambda: cuflash.attention_varlen(qv, kp, vp, cu, None, max_seqlen_q=chunk, cache_seqlens=seqlens,
+                                         block_table=table, causal=True, out=outv)
     outs, lses = array((2, 8, 1, 32, 128)), array((2, 8, 32, 1), np.float32)
     outm, lsem = array((8, 1, 32, 128)), array((8, 32, 1), np.float32)
     yield "merge_states 2 parts B8 S1 H32 D128", lambda: cuflash.merge_states(outs, lses, out=outm, lse=lsem)

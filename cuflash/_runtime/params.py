@@ -88,7 +88,7 @@ DECODE_PARAMS = np.dtype(
     [("score", FWD_PARAMS)]
     + _fields(np.uint64, ("q", "k_cache", "v_cache", "k_new", "v_new", "o", "lse", "o_part", "lse_part",
                           "cache_seqlens", "block_table", "mask", "error", "report",
-                          "split_counters", "k_scale", "v_scale"))
+                          "split_counters", "k_scale", "v_scale", "cu_seqlens_q"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",

@@ -373,6 +373,46 @@ def test_chunked_prefill_appends_and_attends_a_long_chunk(xp_gpu, dtype, page_si
 
 
 @gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [None, 16, 3])
+def test_ragged_chunks_through_attention_varlen_over_a_cache(xp_gpu, dtype, page_size):
+    """attention_varlen(q, k_cache, v_cache, cu_seqlens_q, None, cache_seqlens=, block_table=): each
+    sequence's chunk of new tokens (0 to ~200, already in its cache) attends to its cached keys,
+    bottom-right causal, as the reference's decode of that sequence alone with that chunk as q."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    n = rng.integers(0, 200, 3)
+    n[rng.integers(3)] = 0
+    lens = n + rng.integers(0, 300, 3)
+    case = build_case(dtype=dtype, B=3, Hq=8, Hk=2, D=128, Sq=1, lens=lens.tolist(), page_size=page_size,
+                      append=False, seed=seed)
+    cu = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    q = rng.standard_normal((int(cu[-1]), 8, 128), dtype=np.float32).astype(tt._dtype(dtype))
+    out = cupy.full(q.shape, NAN, dtype=q.dtype)
+    got, lse = cuflash.attention_varlen(cupy.asarray(q), cupy.asarray(case["k_cache"]), cupy.asarray(case["v_cache"]),
+                                        cupy.asarray(cu), None, max_seqlen_q=int(n.max()),
+                                        cache_seqlens=cupy.asarray(case["lens"]),
+                                        block_table=None if case["table"] is None else cupy.asarray(case["table"]),
+                                        causal=True, return_lse=True, out=out)
+    assert got.data.ptr == out.data.ptr and lse.shape == (8, int(cu[-1]))
+    for b in range(3):
+        if n[b] == 0:
+            continue
+        cache = {k: (case[k] if case["table"] is not None else case[k][b:b + 1]) for k in ("k_cache", "v_cache")}
+        want, want_lse = reference.decode(q[cu[b]:cu[b + 1]][None], cache["k_cache"], cache["v_cache"],
+                                          cache_seqlens=case["lens"][b:b + 1],
+                                          block_table=None if case["table"] is None else case["table"][b:b + 1])
+        base = None
+        if dtype != "float32":
+            problems, _, _ = reference._decode._decode_sequences(
+                q[cu[b]:cu[b + 1]][None], cache["k_cache"], cache["v_cache"], cache_seqlens=case["lens"][b:b + 1],
+                block_table=None if case["table"] is None else case["table"][b:b + 1])
+            base = tt.baseline_attention(problems[0]["q"], problems[0]["k"], problems[0]["v"], **problems[0]["options"])
+        tt.assert_attention_close(got[cu[b]:cu[b + 1]][None], want, base, dtype=dtype, name=f"out[{b}] (seed {seed})")
+        tt.assert_attention_close(lse[:, cu[b]:cu[b + 1]][None], want_lse, dtype="float32", name=f"lse[{b}]")
+
+
+@gpu
 @pytest.mark.parametrize("page_size, num_splits", [(None, 1), (16, 0), (None, 3)])
 def test_lse_buffer_is_written_in_place(xp_gpu, page_size, num_splits):
     """``lse=``: the caller's buffer (NaN-poisoned) receives the log-sum-exp, with or without
