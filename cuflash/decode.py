@@ -117,6 +117,15 @@ def _check_pages(table, lens, seqlen_new: int, page_size: int, num_pages: int) -
  _CU_Q, _USER) = range(16)
 
 
+def _with_modifiers(operands, score_mod, mask_mod):
+    """A call's operands with its modifiers' arrays after them (from _USER on), and the modifiers' part of
+    the plan memo's key (None without modifiers)."""
+    if score_mod is None and mask_mod is None:
+        return operands, None
+    mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
+    return operands + user_arrays, mod_key
+
+
 def _varlen_queries(cu_seqlens_q, max_seqlen_q, cache_seqlens, total_q, k_new, mask):
     """The checks of ragged new tokens (:func:`varlen_over_cache`): int32 offsets (B + 1,), an int
     ``max_seqlen_q``, the cache's lengths (required: their count is B); no append and no decode mask.
@@ -157,12 +166,8 @@ def varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, *, max_seqlen_q, cache_
     :func:`decode`: query i sees keys ``j <= i + cache_seqlens[b] - n_b`` with ``causal``. Runs on
     the decode kernel (rows packed per kv head, split-KV). Returns (out (total_q, Hq, D), lse (Hq,
     total_q) or None)."""
-    operands = (q, k_cache, v_cache, cache_seqlens, block_table, None, None, None, alibi_slopes, out, lse, sinks,
-                None, None, cu_seqlens_q)
-    mod_key = None
-    if score_mod is not None or mask_mod is not None:
-        mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
-        operands = operands + user_arrays
+    operands, mod_key = _with_modifiers((q, k_cache, v_cache, cache_seqlens, block_table, None, None, None,
+                                         alibi_slopes, out, lse, sinks, None, None, cu_seqlens_q), score_mod, mask_mod)
     options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, None, None, None, None,
                ("varlen", max_seqlen_q))
     plan, ptrs, where = _memo.lookup("decode", operands, options)
@@ -708,12 +713,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     >>> lens += 1                                             # the caller keeps the lengths
     """
     k_scale_op, v_scale_op, k_value, v_value = _scale_parts(k_scale, v_scale)
-    operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse, sinks,
-                k_scale_op, v_scale_op, None)
-    mod_key = None
-    if score_mod is not None or mask_mod is not None:
-        mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
-        operands = operands + user_arrays
+    operands, mod_key = _with_modifiers((q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask,
+                                         alibi_slopes, out, lse, sinks, k_scale_op, v_scale_op, None),
+                                        score_mod, mask_mod)
     options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value, v_head_dim)
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
