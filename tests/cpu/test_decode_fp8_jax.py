@@ -15,6 +15,7 @@ pytest.importorskip("cupy")
 import jax.numpy as jnp  # noqa: E402
 
 import cuflash.interop.jax as cj  # noqa: E402
+from tests.cpu._jax_trace import callbacks  # noqa: E402
 from cuflash.interop import _jax_buffers  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -23,18 +24,6 @@ FP8 = "float8_e4m3fn"
 B, HQ, HK, D = 2, 8, 2, 128
 Q, NEW, LENS = S((B, 1, HQ, D), BF16), S((B, 1, HK, D), BF16), S((B,), jnp.int32)
 CACHE, PAGES, TABLE = S((B, 300, HK, D), E4M3), S((40, 16, HK, D), E4M3), S((B, 20), jnp.int32)
-
-
-def _callbacks(jaxpr):
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "buffer_callback":
-            found.append(eqn)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                found += _callbacks(inner)
-    return found
 
 
 def _step(**kw):
@@ -53,7 +42,7 @@ def test_append_returns_the_caches_in_their_dtype(cache):
     assert [(c.shape, c.dtype) for c in (kc, vc)] == [(cache.shape, cache.dtype)] * 2
     # The caches are operands 1 and 2, aliased into results 2 and 3 (after out and lse): in place when donated.
     jaxpr = jax.make_jaxpr(_step(return_lse=True, **kw))(Q, cache, cache, LENS, NEW, NEW, 0.5, 0.25).jaxpr
-    [call] = _callbacks(jaxpr)
+    [call] = callbacks(jaxpr)
     assert dict(call.params["input_output_aliases"]) == {1: 2, 2: 3}
     assert [v.aval.dtype for v in call.invars[1:3]] == [cache.dtype] * 2
 
@@ -68,7 +57,7 @@ def test_paged_fp8_shapes_and_explicit_kv_dtype():
 def test_scales_static_as_numbers_operands_as_arrays():
     def operands(k_scale, v_scale):
         f = lambda q, kc, vc, l: cj.decode(q, kc, vc, cache_seqlens=l, k_scale=k_scale, v_scale=v_scale)  # noqa: E731
-        [call] = _callbacks(jax.make_jaxpr(f)(Q, CACHE, CACHE, LENS).jaxpr)
+        [call] = callbacks(jax.make_jaxpr(f)(Q, CACHE, CACHE, LENS).jaxpr)
         return call, [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars[4:]]
 
     a, none = operands(0.5, np.float32(0.25))        # numbers (and NumPy scalars): static, no operand
@@ -102,7 +91,7 @@ def test_command_buffers_only_for_whole_16_byte_rows(monkeypatch):
     def flag(d, dtype):
         q, cache = S((1, 1, 2, d), BF16), S((1, 64, 2, d), dtype)
         kw = dict(k_scale=1.0, v_scale=1.0) if dtype == E4M3 else {}
-        [call] = _callbacks(jax.make_jaxpr(lambda q, c, l: cj.decode(q, c, c, cache_seqlens=l, **kw))(
+        [call] = callbacks(jax.make_jaxpr(lambda q, c, l: cj.decode(q, c, c, cache_seqlens=l, **kw))(
             q, cache, S((1,), jnp.int32)).jaxpr)
         return call.params["command_buffer_compatible"]
 

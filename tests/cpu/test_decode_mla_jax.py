@@ -12,7 +12,7 @@ pytest.importorskip("cupy")
 import jax.numpy as jnp  # noqa: E402
 
 import cuflash.interop.jax as cj  # noqa: E402
-from tests.cpu.test_decode_fp8_jax import _callbacks  # noqa: E402
+from tests.cpu._jax_trace import callbacks  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 B, HQ, D, DV = 2, 16, 576, 512
@@ -28,7 +28,7 @@ def test_one_cache_in_and_out():
     assert (cache.shape, cache.dtype) == (LATENT.shape, LATENT.dtype)
     step = jax.jit(lambda q, c, l, kn: cj.decode(q, c, None, cache_seqlens=l, k_new=kn, v_head_dim=DV),
                    donate_argnums=(1,))
-    [call] = _callbacks(jax.make_jaxpr(step)(Q, LATENT, LENS, NEW).jaxpr)
+    [call] = callbacks(jax.make_jaxpr(step)(Q, LATENT, LENS, NEW).jaxpr)
     # operands q, the cache, the lengths, k_new; the cache aliased into result 1 (after out)
     assert [tuple(v.aval.shape) for v in call.invars] == [Q.shape, LATENT.shape, LENS.shape, NEW.shape]
     assert dict(call.params["input_output_aliases"]) == {1: 1}

@@ -12,24 +12,10 @@ pytest.importorskip("cupy")
 import jax.numpy as jnp  # noqa: E402
 
 import cuflash.interop.jax as cj  # noqa: E402
+from tests.cpu._jax_trace import callbacks  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-
-
-def _callbacks(jaxpr):
-    """The buffer_callback equations of a jaxpr, nested ones (scan, custom_vjp) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "buffer_callback":
-            found.append(eqn)
-        for sub in jax.core.subjaxprs(eqn.params) if hasattr(jax.core, "subjaxprs") else ():
-            found += _callbacks(sub)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                found += _callbacks(inner)
-    return found
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
@@ -63,7 +49,7 @@ def test_dbias_only_when_the_bias_is_differentiated():
 
     def backward_outputs(argnums):
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, bias).jaxpr
-        backward = [e for e in _callbacks(jaxpr) if len(e.outvars) >= 3]
+        backward = [e for e in callbacks(jaxpr) if len(e.outvars) >= 3]
         assert len(backward) == 1
         return [v.aval.shape for v in backward[0].outvars]
 
@@ -81,7 +67,7 @@ def test_dsinks_only_when_the_sinks_are_differentiated():
 
     def backward_outputs(argnums):
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, k, k, sinks).jaxpr
-        backward = [e for e in _callbacks(jaxpr) if len(e.outvars) >= 3]
+        backward = [e for e in callbacks(jaxpr) if len(e.outvars) >= 3]
         assert len(backward) == 1
         return [v.aval.shape for v in backward[0].outvars]
 
@@ -90,7 +76,7 @@ def test_dsinks_only_when_the_sinks_are_differentiated():
     grads = jax.eval_shape(jax.grad(loss, argnums=(0, 3)), q, k, k, sinks)
     assert (grads[1].shape, grads[1].dtype) == (sinks.shape, F32)
     # The sinks go into the forward's callback as an operand (a buffer, read at each call).
-    forward = [e for e in _callbacks(jax.make_jaxpr(loss)(q, k, k, sinks).jaxpr)]
+    forward = [e for e in callbacks(jax.make_jaxpr(loss)(q, k, k, sinks).jaxpr)]
     assert len(forward) == 1 and any(v.aval.shape == (4,) for v in forward[0].invars)
 
     # varlen: dsinks beside dq, dk, dv; decode: an operand, shapes unchanged.
@@ -121,7 +107,7 @@ def test_varlen_decode_and_merge_shapes():
     assert [r.shape for r in results] == [qd.shape, (2, 8, 1), cache.shape, cache.shape]
     jaxpr = jax.make_jaxpr(lambda q, kc, vc, l, kn, vn: cj.decode(q, kc, vc, cache_seqlens=l, k_new=kn, v_new=vn))(
         qd, cache, cache, lens, new, new).jaxpr
-    assert dict(_callbacks(jaxpr)[0].params["input_output_aliases"]) == {1: 1, 2: 2}   # the caches, in place
+    assert dict(callbacks(jaxpr)[0].params["input_output_aliases"]) == {1: 1, 2: 2}   # the caches, in place
     pages, table = S((64, 16, 2, 128), BF16), S((2, 32), jnp.int32)
     out = jax.eval_shape(lambda q, kc, vc, l, t: cj.decode(q, kc, vc, cache_seqlens=l, block_table=t), qd, pages,
                          pages, lens, table)
@@ -219,7 +205,7 @@ def test_command_buffer_option_is_read_when_traced(monkeypatch):
     def flags(d):
         q = S((1, 16, 2, d), F16)
         jaxpr = jax.make_jaxpr(lambda q: cj.attention(q, q, q))(q).jaxpr
-        return [e.params["command_buffer_compatible"] for e in _callbacks(jaxpr)]
+        return [e.params["command_buffer_compatible"] for e in callbacks(jaxpr)]
 
     assert flags(64) == [False]
     monkeypatch.setattr(cj, "COMMAND_BUFFERS", True)

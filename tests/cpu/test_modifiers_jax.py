@@ -17,6 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import cuflash  # noqa: E402
 import cuflash.interop.jax as cj  # noqa: E402
+from tests.cpu._jax_trace import callbacks  # noqa: E402
 from cuflash.interop import _jax_modifiers  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -24,19 +25,6 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 RELATIVE = "score + table[q_idx - kv_idx + off]"
 DOCUMENT = "doc[b * n + q_idx] == doc[b * n + kv_idx]"
 CAP = ("c * tanh(score / c)", "1.0 - tanh(score / c) * tanh(score / c)")
-
-
-def _callbacks(jaxpr):
-    """The buffer_callback equations of a jaxpr, nested ones (custom_vjp, pjit) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "buffer_callback":
-            found.append(eqn)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                found += _callbacks(inner)
-    return found
 
 
 def _operand_shapes(eqn):
@@ -59,7 +47,7 @@ def test_attention_takes_traced_modifier_arrays_as_operands():
 
     out = jax.eval_shape(jax.jit(fn), q, q, q, table, doc)
     assert (out.shape, out.dtype) == (q.shape, q.dtype)
-    forward = _callbacks(jax.make_jaxpr(fn)(q, q, q, table, doc).jaxpr)
+    forward = callbacks(jax.make_jaxpr(fn)(q, q, q, table, doc).jaxpr)
     assert len(forward) == 1 and _operand_shapes(forward[0]) == [q.shape] * 3 + [table.shape, doc.shape]
 
     def loss(q, k, v, table, doc):
@@ -67,7 +55,7 @@ def test_attention_takes_traced_modifier_arrays_as_operands():
 
     grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3)), q, q, q, table, doc)
     assert [(g.shape, g.dtype) for g in grads] == [(q.shape, BF16)] * 3 + [(table.shape, F32)]
-    backward = [e for e in _callbacks(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q, table, doc).jaxpr)
+    backward = [e for e in callbacks(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q, table, doc).jaxpr)
                 if len(e.outvars) == 3]
     assert len(backward) == 1
     assert _operand_shapes(backward[0])[6:] == [table.shape, doc.shape]   # after dout, q, k, v, out, lse
@@ -82,7 +70,7 @@ def test_modifier_arrays_get_no_gradient():
 
     # The cotangent is a symbolic zero: the gradient traces to zeros without a backward for the table.
     jaxpr = jax.make_jaxpr(jax.grad(loss))(table).jaxpr
-    assert all(len(e.outvars) != 3 for e in _callbacks(jaxpr))   # no backward call at all
+    assert all(len(e.outvars) != 3 for e in callbacks(jaxpr))   # no backward call at all
     assert jax.eval_shape(jax.grad(loss), table).shape == table.shape
 
 
@@ -92,7 +80,7 @@ def test_a_concrete_jax_array_closed_over_and_numpy_arrays_work():
     from_numpy = cuflash.ScoreMod(RELATIVE, table=np.arange(63, dtype=np.float64), off=31)
     for score_mod in (cuflash.ScoreMod(RELATIVE, table=table, off=31), from_numpy):
         jaxpr = jax.make_jaxpr(lambda q: cj.attention(q, q, q, score_mod=score_mod))(q).jaxpr
-        forward = _callbacks(jaxpr)
+        forward = callbacks(jaxpr)
         assert _operand_shapes(forward[0]) == [q.shape] * 3 + [(63,)]
         assert forward[0].invars[3].aval.dtype == F32   # NumPy float64 taken as JAX takes it (float32 by default)
 
@@ -108,7 +96,7 @@ def test_varlen_and_decode_take_modifiers():
                                    mask_mod=cuflash.MaskMod("kv_idx + w >= q_idx", w=64))
 
     assert jax.eval_shape(varlen, t, t, t, cu, table).shape == t.shape
-    forward = _callbacks(jax.make_jaxpr(varlen)(t, t, t, cu, table).jaxpr)
+    forward = callbacks(jax.make_jaxpr(varlen)(t, t, t, cu, table).jaxpr)
     assert _operand_shapes(forward[0])[5:] == [table.shape]
     grads = jax.eval_shape(jax.grad(lambda *a: varlen(*a).astype(F32).sum(), argnums=(0, 1, 2)), t, t, t, cu, table)
     assert [g.shape for g in grads] == [t.shape] * 3
@@ -129,7 +117,7 @@ def test_varlen_and_decode_take_modifiers():
 
     results = jax.eval_shape(decode, qd, cache, cache, lens, new, new, table, doc)
     assert [r.shape for r in results] == [qd.shape, (2, 4, 1), cache.shape, cache.shape]
-    call = _callbacks(jax.make_jaxpr(decode)(qd, cache, cache, lens, new, new, table, doc).jaxpr)[0]
+    call = callbacks(jax.make_jaxpr(decode)(qd, cache, cache, lens, new, new, table, doc).jaxpr)[0]
     assert _operand_shapes(call)[-2:] == [table.shape, doc.shape]
     assert dict(call.params["input_output_aliases"]) == {1: 2, 2: 3}   # the caches, still in place
 
@@ -224,12 +212,12 @@ def test_the_static_part_is_the_key_the_scalars_and_the_layouts():
     nan = [_jax_modifiers.split(cuflash.ScoreMod("score * c", c=float("nan")), None)[0] for _ in range(2)]
     assert nan[0] == nan[1]
 
-    def callbacks(off):
+    def callback_of(off):
         jaxpr = jax.make_jaxpr(lambda q: cj.attention(q, q, q, score_mod=cuflash.ScoreMod(RELATIVE, table=table,
                                                                                          off=off)))(Q).jaxpr
-        return _callbacks(jaxpr)[0].params["callback"]
+        return callbacks(jaxpr)[0].params["callback"]
 
-    assert callbacks(15) is callbacks(15) and callbacks(15) is not callbacks(16)
+    assert callback_of(15) is callback_of(15) and callback_of(15) is not callback_of(16)
     # The template holds no traced value (a cache may keep it).
     kept = static(15)
     assert isinstance(kept.score_mod.args.values["table"], jax.ShapeDtypeStruct)
