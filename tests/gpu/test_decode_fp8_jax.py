@@ -15,19 +15,14 @@ Run: ``python -m pytest -q tests/gpu/test_decode_fp8_jax.py`` (skipped without a
 """
 
 import functools
-import os
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave CuPy's pool room
 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-jax = pytest.importorskip("jax")
-try:
-    jax.devices("gpu")
-except RuntimeError:  # pragma: no cover - depends on the machine
-    pytest.skip("JAX has no GPU device", allow_module_level=True)
+from tests.gpu._hardware import jax_on_gpu  # noqa: E402
+
+jax = jax_on_gpu()
 
 import jax.numpy as jnp  # noqa: E402
 

@@ -18,18 +18,12 @@ tests/cpu/test_modifiers_jax.py.
 Run: ``python -m pytest -q tests/gpu/test_modifiers_jax.py`` (skipped without JAX on a GPU).
 """
 
-import os
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # leave CuPy's pool room
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-jax = pytest.importorskip("jax")
-try:
-    jax.devices("gpu")
-except RuntimeError:  # pragma: no cover - depends on the machine
-    pytest.skip("JAX has no GPU device", allow_module_level=True)
+from tests.gpu._hardware import jax_on_gpu  # noqa: E402
+
+jax = jax_on_gpu()
 
 import jax.numpy as jnp  # noqa: E402
 
