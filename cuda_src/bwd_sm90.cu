@@ -394,7 +394,8 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
                                                    const int (&keys)[2], int col, const float* lse2,
                                                    const unsigned (&keep)[C::kKeepWords],
                                                    float (&acc_s)[C::kMTiles][4],
-                                                   float (&score2)[C::kScoreMods ? C::kMTiles : 1][4]) {
+                                                   float (&score2)[C::kScoreMods ? C::kMTiles : 1][4],
+                                                   bool blocks_whole) {
     if constexpr (C::kScoreMods) {
         int queries[2 * C::kMTiles];
 #pragma unroll
@@ -405,7 +406,7 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
             for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
         modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
             p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; },
-            [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; });
+            [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; }, blocks_whole);
     }
     bool whole = false;
     if constexpr (!C::kScoreMods)
@@ -691,13 +692,17 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
             // registers, those carried addresses spilled 16 B).
             if constexpr (C::kDqHandOver) asm volatile("" : "+r"(c));
             const int m_lo = c * C::kBlockM;
+            int whole = 0;   // the tile's blocks hide nothing: the consumers skip the block mask and MaskMod
             if constexpr (C::kBlockMask) {
-                if (!block_mask_tile_visible_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo, min(n_lo + C::kBlockN, s.seqlen_k)))
-                    continue;
+                const int state = block_mask_tile_state_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo,
+                                                             min(n_lo + C::kBlockN, s.seqlen_k));
+                if ((state & kBlocksAny) == 0) continue;
+                whole = tile_blocks_whole<C::kMods>(state) ? 1 : 0;
             }
             if (lane == 0) {
                 mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
-                sh.tile_of_stage[stage] = (s.h << 16) | c;
+                // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
+                sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
                 mbar_arrive_expect_tx(sh.full(stage), 2 * C::kQBytes + 2 * C::kBlockM * 4);
                 for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
                     const unsigned off = stage * C::kQBytes + blk * C::kBlockM * 128;
@@ -725,17 +730,19 @@ __device__ __forceinline__ void zero_keys_past_sequence(const SeqInfo& s, const 
         zero_tile_rows<C::kBlockN, C::kHeadDim / 64, C::kConsumers>(tiles.k, s.seqlen_k - cta_key_block() * C::kBlockN);
 }
 
-// A consumer's next query tile from the stage ring: waits for the stage, sets s.h and the tile's
-// first row m_lo; false at the end of the walk. Under varlen the tile's rows past the sequence are
-// the next sequence's queries, made zeros in its Q and dO as the keys above.
+// A consumer's next query tile from the stage ring: waits for the stage, sets s.h, the tile's first
+// row m_lo and blocks_whole (the producer found that its blocks hide nothing: tile_blocks_whole);
+// false at the end of the walk. Under varlen the tile's rows past the sequence are the next
+// sequence's queries, made zeros in its Q and dO as the keys above.
 template <class C>
 __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles, int stage, int phase,
-                                                bool varlen, SeqInfo& s, int& m_lo) {
+                                                bool varlen, SeqInfo& s, int& m_lo, bool& blocks_whole) {
     mbar_wait(sh.full(stage), phase);
     const int tile = *static_cast<volatile int*>(&sh.tile_of_stage[stage]);
     if (tile < 0) return false;
-    s.h = tile >> 16;
+    s.h = (tile >> 16) & 0x3fff;
     m_lo = (tile & 0xffff) * C::kBlockM;
+    blocks_whole = (tile >> 30) != 0;
     if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
         zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.q + stage * C::kQBytes, s.seqlen_q - m_lo);
         zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.dout + stage * C::kQBytes, s.seqlen_q - m_lo);
@@ -927,7 +934,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     int stage = 0, phase = 0, ds_buf = 0, step = 0, prev_tile = 0;
     for (;;) {
         int m_lo;
-        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo)) break;
+        bool blocks_whole;
+        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo, blocks_whole)) break;
         if (C::kDeferDq && consumer == 1 && lag_step<C>(step))   // the lag
             named_barrier_sync(lag_barrier<C>(step), 128 * C::kConsumers);
         const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
@@ -959,7 +967,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
-        const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2);
+        const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2, blocks_whole);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {
@@ -1182,7 +1190,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     int stage = 0, phase = 0, pending = -1;   // pending: the stage whose dQ reduction may still read it
     for (;;) {
         int m_lo;
-        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo)) break;
+        bool blocks_whole;
+        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo, blocks_whole)) break;
         const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + col0 +
@@ -1214,7 +1223,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         const bool whole =
-            take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2);
+            take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2, blocks_whole);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         wgmma_wait<0>();
         fence_registers(dp_flat);

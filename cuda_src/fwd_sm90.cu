@@ -44,14 +44,20 @@ template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kConsumer
 struct FwdSm90Config {
     static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
-    static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
+    // Modifiers that only hide elements (block_mask, a user MaskMod: kMaskOnly) leave the scores raw,
+    // as without modifiers, and a tile pays for them element by element only where the producer found
+    // a block that is not visible throughout (hide_masked_scores). The others change scores
+    // (kScoreMods) and take every tile through modify_scores. Either kind runs the loop with one copy
+    // of the score code (kRotated).
+    static constexpr bool kMaskOnly = kMods_ != 0 && (kMods_ & ~(kModBlockMask | kModUserMask)) == 0;
+    static constexpr bool kScoreMods = kMods != 0 && !kMaskOnly, kRotated = kMods != 0, kDropout = kDropout_;
     // 64 query rows per consumer warpgroup.
     static constexpr int kConsumers = kConsumers_, kBlockM = 64 * kConsumers;
     static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
     // Exponentials before the tile's maximum is known (OnlineSoftmax::update_if_held); not with
-    // score modifiers or dropout, whose variants have no registers for a second P buffer, nor with
-    // three consumers (160 registers each: ptxas then serialized the wgmmas).
-    static constexpr bool kSpeculative = !kScoreMods && !kDropout && kConsumers == 2;
+    // modifiers (the masks' reads included) or dropout, whose variants have no registers for a second
+    // P buffer, nor with three consumers (160 registers each: ptxas then serialized the wgmmas).
+    static constexpr bool kSpeculative = kMods == 0 && !kDropout && kConsumers == 2;
     // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim, and with
     // the speculative softmax below it at every head dim (waiting first cost D = 64 0.08 of cuDNN).
     static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDim == 128;
@@ -205,19 +211,27 @@ struct WorkItem {
 
     // Which of the 32 key tiles base, base + 1, ..., base + 31 the item visits (bit i: tile
     // base + i): inside [n_first, n_end) and not hidden by the block mask. Each lane of the
-    // producer warp tests one tile; all 32 lanes must call it.
-    __device__ __forceinline__ unsigned tiles_from(const FwdParams& p, int base) const {
+    // producer warp tests one tile; all 32 lanes must call it. *masked (kMaskOnly): which of them
+    // have elements that the block mask or the MaskMod may hide (every tile without a block mask
+    // when there is a MaskMod).
+    __device__ __forceinline__ unsigned tiles_from(const FwdParams& p, int base, unsigned* masked) const {
         const int n = base + threadIdx.x % 32;
         bool visible = n < n_end;
-        if (C::kBlockMask && visible && p.block_mask != nullptr)
-            visible = block_mask_share_visible(p, s, m_lo, m_hi, n * C::kBlockN, min((n + 1) * C::kBlockN, s.seqlen_k),
-                                               0, 1);
+        bool partial = (C::kMods & kModUserMask) != 0;
+        if (C::kBlockMask && visible && p.block_mask != nullptr) {
+            const int state = block_mask_tile_state(p, s, m_lo, m_hi, n * C::kBlockN,
+                                                    min((n + 1) * C::kBlockN, s.seqlen_k));
+            visible = (state & kBlocksAny) != 0;
+            partial = !tile_blocks_whole<C::kMods>(state);
+        }
+        *masked = C::kMaskOnly ? __ballot_sync(0xffffffffu, visible && partial) : 0u;
         return __ballot_sync(0xffffffffu, visible);
     }
     __device__ __forceinline__ int count_tiles(const FwdParams& p) const {
         if (!C::kBlockMask || p.block_mask == nullptr) return n_end - n_first;
         int count = 0;
-        for (int base = n_first; base < n_end; base += 32) count += __popc(tiles_from(p, base));
+        unsigned masked;
+        for (int base = n_first; base < n_end; base += 32) count += __popc(tiles_from(p, base, &masked));
         return count;
     }
 };
@@ -233,6 +247,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // them) and how many key tiles it visits, and the key tile in a stage (the block mask is
     // evaluated once, by the producer).
     __shared__ int item_of_slot[C::kQSlots], tiles_of_slot[C::kQSlots], tile_of_stage[C::kStages];
+    __shared__ int masked_of_stage[C::kMaskOnly ? C::kStages : 1];   // the stage's tile needs hide_masked_scores
     __shared__ WorkItem<C> work_of_slot[C::kQSlots];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
     const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
@@ -318,13 +333,15 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                                     w.s.q_row0 + w.m_lo, w.s.h, w.batch_coord, q_full(slot));
                 }
                 if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
-                for (int base = w.n_first; base < w.n_end; base += 32)
-                for (unsigned todo = w.tiles_from(p, base); todo != 0; todo &= todo - 1) {
-                    const int n = base + __ffs(todo) - 1;   // the lowest tile not yet loaded
+                for (int base = w.n_first; base < w.n_end; base += 32) {
+                unsigned masked;
+                for (unsigned todo = w.tiles_from(p, base, &masked); todo != 0; todo &= todo - 1) {
+                    const int bit = __ffs(todo) - 1, n = base + bit;   // the lowest tile not yet loaded
                     if (lane == 0) {
                         const int key_row = w.s.k_row0 + n * C::kBlockN;
                         mbar_wait(k_empty(stage), phase ^ 1);
                         tile_of_stage[stage] = n;
+                        if constexpr (C::kMaskOnly) masked_of_stage[stage] = (masked >> bit) & 1u;
                         mbar_arrive_expect_tx(k_full(stage), C::kKVBytes);
                         for (int blk = 0; blk < C::kColBlocks; ++blk)
                             tma_load_4d(k_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
@@ -335,6 +352,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         v_batch = w.batch_coord;
                     }
                     if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+                }
                 }
             }
             item = __shfl_sync(0xffffffffu, next, 0);
@@ -405,6 +423,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             wgmma_commit();
         };
         const float scale_log2 = C::kScoreMods ? 1.f : p.scale_log2;   // mask_scores scales modified scores
+        bool masked_tile = false;   // kMaskOnly: the tile of the last wait_tile has elements to hide
         // S of tile n (retired) -> the scores, masked, in acc_s.
         auto score_step = [&](int n) {
             fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
@@ -413,8 +432,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // loop, live beside O's 128 registers: NVRTC 13.0's ptxas spilled 20-24 bytes. Made
             // opaque here, the row is taken anew each tile and those few instructions with it.
             int mod_row0 = row0;
-            if constexpr (C::kScoreMods && C::kHeadDim == 256) asm volatile("" : "+r"(mod_row0));
-            mask_scores<C::kMods>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
+            if constexpr (C::kRotated && C::kHeadDim == 256) asm volatile("" : "+r"(mod_row0));
+            mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
+            if constexpr (C::kMaskOnly)
+                if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
         };
         // The scores of tile n -> P in acc_s, returns the row corrections for O.
         auto softmax_step = [&](int n, float (&correction)[2]) {
@@ -427,11 +448,14 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
             fence_registers(p_frag);
         };
-        auto wait_tile = [&](int stage, int phase) {   // the key tile that fills this stage
+        // The key tile that fills this stage (and, kMaskOnly, whether it has elements to hide: read
+        // here, since the producer may reuse the stage's entries once S has retired).
+        auto wait_tile = [&](int stage, int phase) {
             mbar_wait(k_full(stage), phase);
+            if constexpr (C::kMaskOnly) masked_tile = *static_cast<volatile int*>(&masked_of_stage[stage]) != 0;
             return *static_cast<volatile int*>(&tile_of_stage[stage]);
         };
-        if constexpr (C::kScoreMods) {
+        if constexpr (C::kRotated) {
             // The pipeline of the loop below, rotated so that every tile, the first included, goes
             // through one copy of the per-element score code (that loop, with a first tile of its own
             // and unrolled by two, compiled it three times: 30-45 s of NVRTC per variant with every

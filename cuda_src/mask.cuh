@@ -125,6 +125,65 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
     return x;
 }
 
+// The masks of kMods (a user MaskMod, mask, block_mask) on a thread's grid of elements, as in
+// modify_scores: x(r, c) = -inf where one hides the element; elements where visible(r, c) is false are
+// neither read nor changed (their indices may lie past the arrays' ends). blocks_whole: the tile's
+// blocks of block_mask say that neither it nor the MaskMod hides any element of the tile
+// (block_mask_tile_state), so neither is read.
+template <int kMods, int kRows, int kCols, bool kKeysAreRows, class At, class Visible>
+__device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
+                                            const int (&cols)[kCols], At&& x, Visible&& visible,
+                                            bool blocks_whole = false) {
+    auto strides = [](long long query_stride, long long key_stride) {
+        return kKeysAreRows ? make_longlong2(key_stride, query_stride) : make_longlong2(query_stride, key_stride);
+    };
+    if constexpr ((kMods & kModUserMask) != 0) {
+        if (!blocks_whole) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+#pragma unroll
+                for (int c = 0; c < kCols; ++c) {
+                    const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
+                    if (visible(r, c) && !user_mask_mod(s.b, s.h, i, j, p.user)) x(r, c) = -CUFLASH_INF;
+                }
+        }
+    }
+    if constexpr ((kMods & kModMask) != 0) {
+        if (p.mask != nullptr) {
+            const longlong2 stride = strides(p.mask_row_stride, p.mask_col_stride);
+            long long row_off[kRows];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                row_off[r] = s.b * p.mask_batch_stride + s.h * p.mask_head_stride + rows[r] * stride.x;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const long long col_off = cols[c] * stride.y;
+#pragma unroll
+                for (int r = 0; r < kRows; ++r)
+                    if (visible(r, c) && !p.mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
+            }
+        }
+    }
+    if constexpr ((kMods & kModBlockMask) != 0) {
+        if (p.block_mask != nullptr && !blocks_whole) {
+            const longlong2 stride = strides(p.block_mask_row_stride, p.block_mask_col_stride);
+            const int row_block = kKeysAreRows ? p.block_k : p.block_q, col_block = kKeysAreRows ? p.block_q : p.block_k;
+            long long row_off[kRows];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r)
+                row_off[r] = s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
+                             (rows[r] / row_block) * stride.x;
+#pragma unroll
+            for (int c = 0; c < kCols; ++c) {
+                const long long col_off = (cols[c] / col_block) * stride.y;
+#pragma unroll
+                for (int r = 0; r < kRows; ++r)
+                    if (visible(r, c) && !p.block_mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
+            }
+        }
+    }
+}
+
 // modified_score for a thread's grid of kRows rows x kCols columns at once (rows[r], cols[c]; x(r, c)
 // is the element's raw q.k in, its score in log2 units out, -inf where hidden, positions past the
 // sequence's end included). The rows are queries and the columns keys, or the other way round when
@@ -143,7 +202,8 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
 // Without a user ScoreMod, chain is left alone. The forward passes none (kChain false).
 template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, bool kChain = true, class At, class Chain>
 __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
-                                              const int (&cols)[kCols], At&& x, Chain&& chain) {
+                                              const int (&cols)[kCols], At&& x, Chain&& chain,
+                                              bool blocks_whole = false) {
     // Visible columns of each row: [first, last) (window and sequence ends), none past the last row.
     int first[kRows], last[kRows];
 #pragma unroll
@@ -235,49 +295,7 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
             }
     }
     // The masks (read only where visible) set -inf; so do the window and the sequence ends.
-    if constexpr ((kMods & kModUserMask) != 0) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-            for (int c = 0; c < kCols; ++c) {
-                const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
-                if (visible(r, c) && !user_mask_mod(s.b, s.h, i, j, p.user)) x(r, c) = -CUFLASH_INF;
-            }
-    }
-    if constexpr ((kMods & kModMask) != 0) {
-        if (p.mask != nullptr) {
-            const longlong2 stride = strides(p.mask_row_stride, p.mask_col_stride);
-            long long row_off[kRows];
-#pragma unroll
-            for (int r = 0; r < kRows; ++r)
-                row_off[r] = s.b * p.mask_batch_stride + s.h * p.mask_head_stride + rows[r] * stride.x;
-#pragma unroll
-            for (int c = 0; c < kCols; ++c) {
-                const long long col_off = cols[c] * stride.y;
-#pragma unroll
-                for (int r = 0; r < kRows; ++r)
-                    if (visible(r, c) && !p.mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
-            }
-        }
-    }
-    if constexpr ((kMods & kModBlockMask) != 0) {
-        if (p.block_mask != nullptr) {
-            const longlong2 stride = strides(p.block_mask_row_stride, p.block_mask_col_stride);
-            const int row_block = kKeysAreRows ? p.block_k : p.block_q, col_block = kKeysAreRows ? p.block_q : p.block_k;
-            long long row_off[kRows];
-#pragma unroll
-            for (int r = 0; r < kRows; ++r)
-                row_off[r] = s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
-                             (rows[r] / row_block) * stride.x;
-#pragma unroll
-            for (int c = 0; c < kCols; ++c) {
-                const long long col_off = (cols[c] / col_block) * stride.y;
-#pragma unroll
-                for (int r = 0; r < kRows; ++r)
-                    if (visible(r, c) && !p.block_mask[row_off[r] + col_off]) x(r, c) = -CUFLASH_INF;
-            }
-        }
-    }
+    hide_scores<kMods, kRows, kCols, kKeysAreRows>(p, s, rows, cols, x, visible, blocks_whole);
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -307,6 +325,37 @@ __device__ __forceinline__ bool block_mask_share_visible(const FwdParams& p, con
     return any;
 }
 
+// What the blocks of block_mask that overlap the tile [m_lo, m_hi) x [n_lo, n_hi) say of it, as bits:
+// kBlocksAny, some block may attend (the tile is visited); kBlocksAll, every block may (no element of
+// the tile needs the block mask); kBlocksFull, every block is one whose elements all attend under the
+// MaskMod the mask was derived from (no element needs the MaskMod either). A user's bool block mask
+// holds bytes 0 and 1; a derived one 0, 1 (some element attends) and 3 (all do: cuda_src/mask_blocks.cu),
+// so the AND of the bytes has bit 0 where all are nonzero and bit 1 where all are full. One thread
+// tests every block (fwd_sm90's producer: a lane a tile), in one loop: with two nested loops and a
+// flag each, the producer's 40 registers spilled 8-20 bytes.
+enum BlockState : int { kBlocksAny = 1, kBlocksAll = 2, kBlocksFull = 4 };
+// Whether a tile whose blocks are in `state` needs neither the block mask nor the MaskMod (of kMods)
+// element by element.
+template <int kMods>
+__device__ __forceinline__ bool tile_blocks_whole(int state) {
+    return (state & kBlocksAll) != 0 && ((kMods & kModUserMask) == 0 || (state & kBlocksFull) != 0);
+}
+__device__ __forceinline__ int block_mask_tile_state(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
+                                                     int n_lo, int n_hi) {
+    const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
+    const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
+    const int cols = bk1 - bk0 + 1, count = (bq1 - bq0 + 1) * cols;
+    unsigned any = 0u, all = 0xffu;
+    for (int t = 0; t < count; ++t) {
+        const int bi = bq0 + t / cols, bj = bk0 + t % cols;
+        const unsigned byte = p.block_mask[s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
+                                           bi * p.block_mask_row_stride + bj * p.block_mask_col_stride];
+        any |= byte;
+        all &= byte;
+    }
+    return (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
+}
+
 // Whether any user block that overlaps the tile is True. Every thread of the CTA must call it (it
 // ends in a barrier); tiles it rejects are neither loaded nor computed.
 __device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, const SeqInfo& s, int m_lo,
@@ -315,23 +364,26 @@ __device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, cons
     return __syncthreads_or(block_mask_share_visible(p, s, m_lo, m_hi, n_lo, n_hi, threadIdx.x, blockDim.x)) != 0;
 }
 
-// The same test for a warp that decides on its own (bwd_sm90's producer, which meets the consumers
-// at no CTA barrier): every lane of the warp must call it. Lane l takes blocks t = l, l + 32, .. of
-// the rows x cols overlapping the tile, (bq0 + t / cols, bk0 + t % cols), stepping by whole rows and
-// leftover columns rather than dividing per block: with a division per block the producer needed
-// 56 registers, which left the consumers too few for every modifier with dropout at D = 256.
-// (block_mask_share_visible keeps the division: walking, bwd_sm80's dQ pass spilled 8 B there.)
-__device__ __forceinline__ bool block_mask_tile_visible_warp(const FwdParams& p, const SeqInfo& s, int m_lo,
-                                                             int m_hi, int n_lo, int n_hi) {
-    if (p.block_mask == nullptr) return true;
+// block_mask_tile_state for a warp that decides on its own (bwd_sm90's producer, which meets the
+// consumers at no CTA barrier): every lane of the warp must call it, and all get the state (a null
+// block_mask: kBlocksAny | kBlocksAll). Lane l takes blocks t = l, l + 32, .. of the rows x cols
+// overlapping the tile, (bq0 + t / cols, bk0 + t % cols), stepping by whole rows and leftover columns
+// rather than dividing per block: with a division per block the producer needed 56 registers, which
+// left the consumers too few for every modifier with dropout at D = 256. (block_mask_share_visible
+// keeps the division: walking, bwd_sm80's dQ pass spilled 8 B there.)
+__device__ __forceinline__ int block_mask_tile_state_warp(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
+                                                          int n_lo, int n_hi) {
+    if (p.block_mask == nullptr) return kBlocksAny | kBlocksAll;
     const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
     const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
     const int cols = bk1 - bk0 + 1, lane = threadIdx.x % 32;
     const int row_step = 32 / cols, col_step = 32 % cols;
     const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
-    bool any = false;
+    unsigned any = 0u, all = 0xffu;   // OR and AND of the bytes, as in block_mask_tile_state
     for (int bi = bq0 + lane / cols, bj = bk0 + lane % cols; bi <= bq1;) {
-        any |= mask[bi * p.block_mask_row_stride + bj * p.block_mask_col_stride] != 0;
+        const unsigned byte = mask[bi * p.block_mask_row_stride + bj * p.block_mask_col_stride];
+        any |= byte;
+        all &= byte;
         bi += row_step;
         bj += col_step;
         if (bj > bk1) {   // col_step < cols: one wrap at most
@@ -339,7 +391,9 @@ __device__ __forceinline__ bool block_mask_tile_visible_warp(const FwdParams& p,
             ++bi;
         }
     }
-    return __any_sync(0xffffffffu, any) != 0;
+    any = __reduce_or_sync(0xffffffffu, any);
+    all = __reduce_and_sync(0xffffffffu, all);
+    return (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
 }
 
 }  // namespace cuflash

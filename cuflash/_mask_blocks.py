@@ -1,14 +1,18 @@
 """Block sparsity derived from a MaskMod: which tiles its expression hides entirely, so that the
-attention kernels never load them (issue 52 item 4).
+attention kernels never load them (issue 52 item 4), and fwd_sm90 evaluates the MaskMod only on
+tiles where a block is partly visible.
 
 A call with a ``mask_mod`` whose :attr:`~cuflash.MaskMod.derives_blocks` holds (``sparse=True``, the
 default) gets a bool block mask of shape (B|1, Hq|1, ceil(Sq / bq), ceil(Sk / bk)) computed on the GPU
 by ``cuda_src/mask_blocks.cu``: a block is True where any of its elements may attend, evaluated
 element by element with the very function the kernels compile, so passing it as ``block_mask`` changes
 no score (a False block's elements are all hidden by the MaskMod already); it only lets every kernel
-family skip the tiles whose blocks are all False through the existing ``block_mask`` path. The batch
-and head axes are 1 unless the expression reads ``b`` / ``h`` (:attr:`~cuflash.MaskMod.reads`): a
-document mask over 32k tokens is 512 x 512 bytes at 64 x 64 blocks.
+family skip the tiles whose blocks are all False through the existing ``block_mask`` path. A block
+whose elements all attend holds the byte 3 rather than 1 (still True to every reader of a bool mask):
+on a tile of such blocks fwd_sm90 runs no per-element mask at all (cuda_src/mask.cuh,
+``block_mask_tile_state``), so a document mask pays for its expression only on the tiles that cross a
+document's edge. The batch and head axes are 1 unless the expression reads ``b`` / ``h``
+(:attr:`~cuflash.MaskMod.reads`): a document mask over 32k tokens is 512 x 512 bytes at 64 x 64 blocks.
 
 **Cache.** The mask is computed once per (the MaskMod's key and scalar values, its arrays' addresses,
 shapes, strides and dtypes, B|1, Hq|1, Sq, Sk, block size, device) and kept in a process-wide cache
@@ -138,8 +142,9 @@ def cache_key(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, bl
 
 def derived_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_size):
     """The block mask ``mask_mod`` implies for a call, from the cache or computed now (see the module's
-    notes): a C-contiguous CuPy bool array (B|1, Hq|1, ceil(Sq / bq), ceil(Sk / bk)), True where any
-    element of the block may attend. Sq, Sk, B and Hq must be positive."""
+    notes): a C-contiguous CuPy bool array (B|1, Hq|1, ceil(Sq / bq), ceil(Sk / bk)) whose bytes are 3
+    where every element of the block may attend, 1 where some may, 0 where none may (both nonzero
+    bytes read as True). Sq, Sk, B and Hq must be positive."""
     cupy = _checks._cupy()
     device = _launch.device_id()
     key = cache_key(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size, device)

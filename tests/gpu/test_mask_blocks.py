@@ -53,14 +53,16 @@ def _mask_mod(case, rng, batch, seqlen_q, seqlen_k, sparse=True):
 
 
 def _numpy_blocks(mask_mod, shape, block_size):
-    """The block mask from the reference's dense mask: any element of a block visible."""
+    """The block mask's bytes from the reference's dense mask: 3 where every element of a block (inside
+    the sequences) is visible, 1 where some is, 0 where none is."""
     dense = mask_mod.reference(shape)
     b, h, sq, sk = shape
     bq, bk = block_size
     nq, nk = -(-sq // bq), -(-sk // bk)
-    padded = np.zeros((b, h, nq * bq, nk * bk), bool)
-    padded[:, :, :sq, :sk] = dense
-    return padded.reshape(b, h, nq, bq, nk, bk).any(axis=(3, 5))
+    some, every = np.zeros((b, h, nq * bq, nk * bk), bool), np.ones((b, h, nq * bq, nk * bk), bool)
+    some[:, :, :sq, :sk] = every[:, :, :sq, :sk] = dense
+    blocks = (b, h, nq, bq, nk, bk)
+    return np.where(every.reshape(blocks).all(axis=(3, 5)), 3, some.reshape(blocks).any(axis=(3, 5)).astype(np.uint8))
 
 
 CASES = ("document", "sliding", "prefix", "per_head")
@@ -76,8 +78,9 @@ def test_derived_mask_equals_numpy(case, batch, heads, seqlen_q, seqlen_k, block
     got = _mask_blocks.derived_block_mask(mod, batch, heads, seqlen_q, seqlen_k, block).get()
     expected_shape = _mask_blocks.mask_shape(mod, batch, heads, seqlen_q, seqlen_k, block)
     assert got.shape == expected_shape
+    assert got.dtype == np.bool_   # bytes 0, 1 and 3: every bool reader takes both nonzero ones as True
     want = _numpy_blocks(mod, (batch, heads, seqlen_q, seqlen_k), block)
-    np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+    np.testing.assert_array_equal(np.broadcast_to(got.view(np.uint8), want.shape), want)
 
 
 def _data(rng, shape, dtype):
