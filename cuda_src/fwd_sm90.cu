@@ -24,8 +24,8 @@
 // +0.01-0.05 of cuDNN at first, and cost 0.00-0.03 once the producer issued V after the next K
 // (docs/decisions.md#fwd-sm90-uncoupled-consumers).
 //
-// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BLOCK_N
-// (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,
+// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256 (Q and K), CUFLASH_HEAD_DIM_V
+// 64/128/256 (V and O; default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_N (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,
 // CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
@@ -40,9 +40,12 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_,
+          bool kDropout_>
 struct FwdSm90Config {
-    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
+    // kHeadDim: Q's and K's columns (S = Q K^T); kHeadDimV: V's and O's (P V, the output).
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
+    static constexpr int kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
     static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
     // Modifiers that only hide elements (block_mask, a user MaskMod: kMaskOnly) leave the scores raw,
     // as without modifiers, and a tile pays for them element by element only where the producer found
@@ -60,7 +63,7 @@ struct FwdSm90Config {
     static constexpr bool kSpeculative = kMods == 0 && !kDropout && kConsumers == 2;
     // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim, and with
     // the speculative softmax below it at every head dim (waiting first cost D = 64 0.08 of cuDNN).
-    static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDim == 128;
+    static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDimV == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
     // test block masks; the consumers get the rest (160 each when there are three).
@@ -72,19 +75,21 @@ struct FwdSm90Config {
     // Asking for more than that hangs the kernel, so it is checked here.
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
-    static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+    static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDimV / 8;   // S's and O's 8-column n-tiles
     // P V runs in column chunks of at most 128 (one wgmma n each): D = 256 is two of them.
-    static constexpr int kPvN = kHeadDim < 128 ? kHeadDim : 128, kPvChunks = kHeadDim / kPvN;
+    static constexpr int kPvN = kHeadDimV < 128 ? kHeadDimV : 128, kPvChunks = kHeadDimV / kPvN;
     // Tiles are stored as column blocks of 64 elements (128 bytes: one swizzle row) x all rows.
-    static constexpr int kColBlocks = kHeadDim / 64;
-    static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kColBlocks = kHeadDim / 64, kVColBlocks = kHeadDimV / 64;
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kVBytes = kBlockN * kHeadDimV * 2;
     // Each consumer stages its 64-row output tile in shared memory, up to 128 columns at a time
     // (store_output_staged).
-    static constexpr int kOutCols = kHeadDim < 128 ? kHeadDim : 128;
+    static constexpr int kOutCols = kHeadDimV < 128 ? kHeadDimV : 128;
     static constexpr int kOutBytes = kConsumers * 64 * kOutCols * 2;
     static constexpr int kSmemBytes =
-        1024 /* alignment slack */ + kQSlots * kQBytes + 2 * kStages * kKVBytes + kOutBytes;
+        1024 /* alignment slack */ + kQSlots * kQBytes + kStages * (kKBytes + kVBytes) + kOutBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "wgmma tiles for head dims 64, 128, 256");
+    static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "P V's wgmma n: 64, 128 or 2 x 128");
     static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
 };
@@ -94,7 +99,7 @@ struct FwdSm90Config {
 // meet them as 0 * V: the consumers zero those rows of the V tile before P V (zero_tile_rows).
 template <class C>
 __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
-    zero_tile_rows<C::kBlockN, C::kColBlocks, C::kConsumers>(v_tile, first_row);
+    zero_tile_rows<C::kBlockN, C::kVColBlocks, C::kConsumers>(v_tile, first_row);
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -113,7 +118,7 @@ __device__ __forceinline__ void store_output_staged(const float (&acc_o)[1][C::k
     const bool leader = threadIdx.x % 128 == 0;
     const bool varlen = p.cu_seqlens_q != nullptr;
 #pragma unroll
-    for (int pass = 0; pass < C::kHeadDim / C::kOutCols; ++pass) {
+    for (int pass = 0; pass < C::kHeadDimV / C::kOutCols; ++pass) {
         if (leader) bulk_wait_read();             // the last TMA store has read the tile
         named_barrier_sync(2 + consumer, 128);   // ... and every thread's copy-out too
 #pragma unroll
@@ -252,8 +257,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
     const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
     const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
-    const unsigned v_smem = k_smem + C::kStages * C::kKVBytes;
-    const unsigned out_smem = v_smem + C::kStages * C::kKVBytes;     // [kConsumers][64][kOutCols], staged O
+    const unsigned v_smem = k_smem + C::kStages * C::kKBytes;         // [kStages][kVColBlocks][kBlockN][64]
+    const unsigned out_smem = v_smem + C::kStages * C::kVBytes;      // [kConsumers][64][kOutCols], staged O
     auto q_full = [&](int slot) { return smem_addr(&barriers[slot]); };
     auto q_empty = [&](int slot) { return smem_addr(&barriers[C::kQSlots + slot]); };
     auto k_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + stage]); };
@@ -301,9 +306,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             const int v_stage = stage == 0 ? C::kStages - 1 : stage - 1;
             const int v_phase = stage == 0 ? phase ^ 1 : phase;
             mbar_wait(v_empty(v_stage), v_phase ^ 1);
-            mbar_arrive_expect_tx(v_full(v_stage), C::kKVBytes);
-            for (int blk = 0; blk < C::kColBlocks; ++blk)
-                tma_load_4d(v_smem + v_stage * C::kKVBytes + blk * C::kBlockN * 128, &v_map, blk * 64, v_row,
+            mbar_arrive_expect_tx(v_full(v_stage), C::kVBytes);
+            for (int blk = 0; blk < C::kVColBlocks; ++blk)
+                tma_load_4d(v_smem + v_stage * C::kVBytes + blk * C::kBlockN * 128, &v_map, blk * 64, v_row,
                             v_head, v_batch, v_full(v_stage));
             v_row = -1;
         };
@@ -342,9 +347,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         mbar_wait(k_empty(stage), phase ^ 1);
                         tile_of_stage[stage] = n;
                         if constexpr (C::kMaskOnly) masked_of_stage[stage] = (masked >> bit) & 1u;
-                        mbar_arrive_expect_tx(k_full(stage), C::kKVBytes);
+                        mbar_arrive_expect_tx(k_full(stage), C::kKBytes);
                         for (int blk = 0; blk < C::kColBlocks; ++blk)
-                            tma_load_4d(k_smem + stage * C::kKVBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
+                            tma_load_4d(k_smem + stage * C::kKBytes + blk * C::kBlockN * 128, &k_map, blk * 64,
                                         key_row, w.s.h_kv, w.batch_coord, k_full(stage));
                         issue_v_due();   // the previous tile's
                         v_row = key_row;
@@ -397,7 +402,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // A descriptor's address field is the low bits, so a k-step's descriptor is the tile's
             // plus its byte offset / 16.
             const unsigned long long q_desc = smem_desc(q_tile + consumer * 64 * 128, 16, 1024);
-            const unsigned long long k_desc = smem_desc(k_smem + stage * C::kKVBytes, 16, 1024);
+            const unsigned long long k_desc = smem_desc(k_smem + stage * C::kKBytes, 16, 1024);
 #pragma unroll
             for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
                 // Each 64-column block of the head dim is its own swizzled region, 32 bytes per k-step.
@@ -412,7 +417,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // 16 keys per step (2048 bytes of V); a chunk's columns span column blocks (leading offset).
             // As in issue_s, each step's descriptor is the tile's plus an offset (one add, not a
             // mask, shift and or per wgmma: at D = 64 that was ~5% of a tile's instructions).
-            const unsigned long long v_desc = smem_desc(v_smem + stage * C::kKVBytes, C::kBlockN * 128, 1024);
+            const unsigned long long v_desc = smem_desc(v_smem + stage * C::kVBytes, C::kBlockN * 128, 1024);
 #pragma unroll
             for (int kk = 0; kk < C::kBlockN / 16; ++kk)
 #pragma unroll
@@ -432,7 +437,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // loop, live beside O's 128 registers: NVRTC 13.0's ptxas spilled 20-24 bytes. Made
             // opaque here, the row is taken anew each tile and those few instructions with it.
             int mod_row0 = row0;
-            if constexpr (C::kRotated && C::kHeadDim == 256) asm volatile("" : "+r"(mod_row0));
+            if constexpr (C::kRotated && C::kHeadDimV == 256) asm volatile("" : "+r"(mod_row0));
             mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
             if constexpr (C::kMaskOnly)
                 if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
@@ -445,7 +450,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
         auto retire_pv = [&] {   // waits for every wgmma of the warpgroup, then P V's registers are free
             wgmma_wait<0>();
-            fence_registers(*reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_o[0][0][0]));
+            fence_registers(*reinterpret_cast<float(*)[C::kHeadDimV / 2]>(&acc_o[0][0][0]));
             fence_registers(p_frag);
         };
         // The key tile that fills this stage (and, kMaskOnly, whether it has elements to hide: read
@@ -474,7 +479,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #pragma unroll 1
                 for (int i = 0;;) {
                     float correction[2];
-                    if constexpr (C::kHeadDim == 256) retire_pv();
+                    if constexpr (C::kHeadDimV == 256) retire_pv();
                     score_step(n);
                     if (!C::kPvWaitBelowSoftmax) retire_pv();
                     softmax_step(n, correction);
@@ -507,7 +512,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 mbar_wait(v_full(prev_stage), prev_phase);
                 const int first_row = s.seqlen_k - n * C::kBlockN;   // as below
                 if (p.cu_seqlens_k != nullptr && first_row < C::kBlockN)
-                    zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+                    zero_v_rows<C>(v_smem + prev_stage * C::kVBytes, first_row);
                 wgmma_fence();
                 issue_pv(prev_stage);
                 retire_pv();
@@ -581,7 +586,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // The last tile is the only one that can run past the sequence's end (tiles go up).
             const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
             if (p.cu_seqlens_k != nullptr && first_row < C::kBlockN)
-                zero_v_rows<C>(v_smem + prev_stage * C::kKVBytes, first_row);
+                zero_v_rows<C>(v_smem + prev_stage * C::kVBytes, first_row);
             wgmma_fence();
             issue_pv(prev_stage);
             retire_pv();
@@ -600,7 +605,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
 }  // namespace cuflash
 
-using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
+#ifndef CUFLASH_HEAD_DIM_V
+#define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
+#endif
+using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
                                       CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES

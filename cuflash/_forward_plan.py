@@ -31,9 +31,9 @@ def _family_for(dtype_name: str) -> str | None:
 
 
 def _sm90_obstacle(q, k, v) -> str | None:
-    """Why fwd_sm90 cannot run this call, or None: v needs the head dim of q and k, and its TMA
-    loads need a 16-byte aligned base and positive strides that are multiples of 16 bytes. (Every
-    option, varlen and head dims up to 256 run there.)"""
+    """Why fwd_sm90 cannot run this call, or None: its TMA loads need a 16-byte aligned base and
+    positive strides that are multiples of 16 bytes. (Every option, varlen, head dims up to 256 and any
+    pair of them for q/k and v run there.)"""
     obstacle = kernels.fwd_sm90.value_head_dim_obstacle(q.shape[-1], v.shape[-1])
     if obstacle is not None:
         return obstacle
@@ -79,7 +79,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     score_mods = (tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields)
                   + (("softcap",) if opts.softcap > 0 else ()) + tuple(user_mods))
     consumers = 2
-    if family == "fwd_sm90" and entry == "attention":
+    if family == "fwd_sm90" and entry == "attention" and head_dim_v == head_dim:
         consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
                                                full=opts.window == (-1, -1), seqlen_q=q.shape[1])
     plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,

@@ -103,10 +103,10 @@ VALUE_HEAD_DIM_PAIRS = ((192, 128), (128, 64), (64, 128))
 VALUE_HEAD_DIM_PAIRS_SIMT = ((192, 128),)
 
 
-def value_head_dim_variants(dtypes=("bfloat16", "float32")) -> list[Variant]:
-    """fwd_sm80/bwd_sm80 (both passes) at VALUE_HEAD_DIM_PAIRS and fwd_simt/bwd_simt at
-    VALUE_HEAD_DIM_PAIRS_SIMT, plain and with every score modifier and dropout (fwd_sm90/bwd_sm90 do
-    not run such pairs: docs/decisions.md, "A value head dim of its own")."""
+def value_head_dim_variants(dtypes=("bfloat16", "float32"), sm90: bool = True) -> list[Variant]:
+    """fwd_sm80/bwd_sm80 (both passes) and fwd_sm90 (``sm90``) at VALUE_HEAD_DIM_PAIRS and
+    fwd_simt/bwd_simt at VALUE_HEAD_DIM_PAIRS_SIMT, plain and with every score modifier and dropout
+    (bwd_sm90 does not run such pairs: docs/decisions.md, "A value head dim of its own")."""
     out = []
     for dtype_name in dtypes:
         simt = dtype_name == "float32"
@@ -114,6 +114,9 @@ def value_head_dim_variants(dtypes=("bfloat16", "float32")) -> list[Variant]:
         for d, d_v in (VALUE_HEAD_DIM_PAIRS_SIMT if simt else VALUE_HEAD_DIM_PAIRS):
             for mods, dropout in ((False, False), (True, True)):
                 out.append(forward_plan(fwd, dtype_name, d, score_mods=mods, dropout=dropout, head_dim_v=d_v).variant)
+                if sm90 and not simt:
+                    out.append(forward_plan("fwd_sm90", dtype_name, d, score_mods=mods, dropout=dropout,
+                                            head_dim_v=d_v).variant)
                 for dq_pass in (False, True):
                     out.append(backward_plan(bwd, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout,
                                              head_dim_v=d_v).variant)
@@ -172,7 +175,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants += [v for v in user_variants(arch, sparse=True) if v not in variants]
         variants += [v for v in ci_mask_blocks_variants() if v not in variants]
         variants += [v for v in user_decode_variants() if v not in variants]
-        variants += [v for v in value_head_dim_variants() if v not in variants]
+        variants += [v for v in value_head_dim_variants(sm90=arch.startswith("sm_90")) if v not in variants]
         variants += [v for v in fp8_decode_variants() if v not in variants]
         variants += [v for v in mla_decode_variants() if v not in variants]
         pairs += [(v, arch) for v in variants]
@@ -285,6 +288,6 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
     out.setdefault(check_indices_variant())
     out.setdefault(rng_state_variant())
     if head_dims is None:   # (a head-dim filter asks for equal head dims)
-        for variant in value_head_dim_variants(tuple(dtypes)):
+        for variant in value_head_dim_variants(tuple(dtypes), sm90=arch is None or arch.startswith("sm_90")):
             out.setdefault(variant)
     return list(out)

@@ -38,7 +38,7 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
         modifiers (:func:`cuflash.modifiers.kernel_source`), compiled into the variant.
     head_dim_v : int, optional
         Run-time head dim of v and out (a multiple of 8, at most 256), when it differs from
-        ``head_dim``: fwd_sm80 and fwd_simt compile it (CUFLASH_HEAD_DIM_V); fwd_sm90 refuses it.
+        ``head_dim``: every family compiles it (CUFLASH_HEAD_DIM_V).
     """
     if family == "fwd_sm90":
         plan = fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers,

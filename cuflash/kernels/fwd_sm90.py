@@ -3,7 +3,7 @@ producer warpgroup, two or three consumers), persistent CTAs; float16/bfloat16 o
 
 from __future__ import annotations
 
-from .common import LaunchPlan, round_up
+from .common import DEFAULT_SMEM_PER_BLOCK, LaunchPlan, round_up
 from .._runtime.params import FWD_PARAMS
 from .._build.variant import Variant
 from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
@@ -73,31 +73,49 @@ def fwd_tail_heads(m_blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool
     return min(pairs, -(-FWD_TAIL_WAVES * wave_ctas // m_blocks))
 
 
-def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = None) -> int:
-    """1 KB of slack to align the swizzled tiles, the Q slots, kStages of K and V, and the staged
-    output (16-bit elements), for a compiled head dim of SM90_HEAD_DIMS (``block_n``: keys per tile,
-    default SM90_BLOCK_N's)."""
+def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = None, head_dim_v: int | None = None,
+                    stages: int | None = None) -> int:
+    """Dynamic shared memory of fwd_sm90: Q slots, the K and V stages and the staged output (16-bit
+    elements), for compiled head dims of SM90_HEAD_DIMS (``head_dim`` Q's and K's, ``head_dim_v`` V's
+    and O's, default ``head_dim``; ``block_n``: keys per tile, default SM90_BLOCK_N's; ``stages``:
+    default SM90_STAGES')."""
+    head_dim_v = head_dim_v or head_dim
     block_m = 64 * consumers
     block_n = block_n or SM90_BLOCK_N[head_dim]
+    stages = stages or SM90_STAGES[head_dim]
     q_bytes = SM90_Q_SLOTS[head_dim] * block_m * head_dim * 2
-    out_bytes = block_m * min(head_dim, 128) * 2  # the output, staged <= 128 columns at a time
-    return 1024 + q_bytes + 2 * SM90_STAGES[head_dim] * block_n * head_dim * 2 + out_bytes
+    out_bytes = block_m * min(head_dim_v, 128) * 2  # the output, staged <= 128 columns at a time
+    return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes
 
 
 def value_head_dim_obstacle(head_dim: int, head_dim_v: int | None) -> str | None:
     """Why fwd_sm90 cannot run v with head dim ``head_dim_v`` beside q's ``head_dim`` (run-time, padded
-    to 8), or None: its kernel has one head dim for Q, K, V and O (docs/decisions.md, "A value head dim
-    of its own"); such calls run on fwd_sm80."""
+    to 8), or None. Each is compiled at the next of SM90_HEAD_DIMS (Q and K at one, V and O at the
+    other: ``CUFLASH_HEAD_DIM_V``), so every pair of head dims up to 256 runs (docs/decisions.md, "A
+    value head dim of its own")."""
     if head_dim_v is None or head_dim_v == head_dim:
         return None
-    return (f"fwd_sm90 runs v with the head dim of q and k only, not the pair (D_qk, D_v) = ({head_dim}, "
-            f"{head_dim_v}); fwd_sm80 runs it")
+    if max(head_dim, head_dim_v) > SM90_HEAD_DIMS[-1]:
+        return (f"fwd_sm90 runs head dims up to {SM90_HEAD_DIMS[-1]}, not the pair (D_qk, D_v) = ({head_dim}, "
+                f"{head_dim_v})")
+    return None
+
+
+def _pair_tiles(kdim: int, kdim_v: int, block_n: int, consumers: int) -> tuple[int, int]:
+    """(block_n, stages) of a variant whose V head dim differs from Q's: the narrower of the two dims'
+    key tiles, and the most stages up to SM90_STAGES[kdim] that fit the shared memory (at least 2)."""
+    block_n = min(block_n, SM90_BLOCK_N[kdim_v])
+    for stages in range(SM90_STAGES[kdim], 1, -1):
+        if sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages) <= DEFAULT_SMEM_PER_BLOCK:
+            return block_n, stages
+    return block_n, 2
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2,
          head_dim_v: int | None = None) -> LaunchPlan:
     """fwd_sm90's variant for a run-time head dim (rounded up to SM90_HEAD_DIMS) and its consumer
-    warpgroups (:func:`sm90_consumers`). ``head_dim_v`` must equal ``head_dim`` (or be None)."""
+    warpgroups (:func:`sm90_consumers`). ``head_dim_v``: v's and out's head dim when it differs (rounded
+    up the same way; two consumers; the key tile and stage count of :func:`_pair_tiles`)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
     obstacle = value_head_dim_obstacle(head_dim, head_dim_v)
@@ -105,22 +123,30 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
         raise ValueError(obstacle)
     mods = score_mod_bits(score_mods)
     kdim = round_up(head_dim, SM90_HEAD_DIMS)
-    if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout):
+    kdim_v = kdim if head_dim_v is None else round_up(head_dim_v, SM90_HEAD_DIMS)
+    if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout
+                                                      or kdim_v != kdim):
         raise ValueError(f"fwd_sm90 runs 2 consumer warpgroups, or 3 at head dims {SM90_WIDE_HEAD_DIMS} without "
-                         f"score modifiers or dropout; got {consumers} at head dim {kdim}")
+                         f"score modifiers, dropout or a value head dim of its own; got {consumers} at head dim "
+                         f"{kdim}")
     block_n = (SM90_BLOCK_N_USER if mods & USER_MOD_BITS else SM90_BLOCK_N)[kdim]
-    smem = sm90_smem_bytes(kdim, consumers, block_n)
+    stages = SM90_STAGES[kdim]
+    if kdim_v != kdim:
+        block_n, stages = _pair_tiles(kdim, kdim_v, block_n, consumers)
+    smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
         "CUFLASH_BLOCK_N": block_n,
         "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
-        "CUFLASH_STAGES": SM90_STAGES[kdim],
+        "CUFLASH_STAGES": stages,
         "CUFLASH_CONSUMERS": consumers,
         "CUFLASH_SCORE_MODS": mods,
         "CUFLASH_DROPOUT": int(dropout),
         "CUFLASH_SMEM_BYTES": smem,
         "CUFLASH_PARAMS_SIZE": FWD_PARAMS.itemsize,
     }
+    if kdim_v != kdim:   # only such variants carry it (the others keep their compile keys)
+        defines["CUFLASH_HEAD_DIM_V"] = kdim_v
     return LaunchPlan(Variant("fwd_sm90", tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
                       smem, kdim)

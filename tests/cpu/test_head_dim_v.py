@@ -1,5 +1,5 @@
 """A value head dim of its own (issue 53 item 2) without a GPU: the checks, the variants and their
-keys, the families that refuse it, and the float64 reference (the kernels: tests/gpu/test_head_dim_v.py;
+keys, the family that refuses it (bwd_sm90), and the float64 reference (the kernels: tests/gpu/test_head_dim_v.py;
 their compilation: tests/cpu/test_compile.py's sweep, cuflash.kernels.catalogue.value_head_dim_variants)."""
 
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 from cuflash import _checks, reference
 from cuflash.kernels import backward as kbackward, catalogue, forward as kforward
 from cuflash.kernels import bwd_sm80, bwd_sm90, bwd_simt, fwd_sm80, fwd_sm90, fwd_simt
+from cuflash.kernels.common import round_up
 
 PAIRS = ((192, 128), (128, 64), (64, 128))
 
@@ -69,11 +70,34 @@ def test_simt_runs_any_pair():
         bwd_simt.plan("float32", d, dq_pass=False, score_mods=False, dropout=False, head_dim_v=dv)
 
 
+@pytest.mark.parametrize("d, dv", PAIRS + ((256, 64), (64, 256)))
+def test_fwd_sm90_compiles_v_at_its_own_head_dim(d, dv):
+    """fwd_sm90 takes every pair up to 256: Q/K and V/O at their own compiled head dims (the define only
+    where they differ), the key tile of the wider one and as many stages as fit."""
+    assert fwd_sm90.value_head_dim_obstacle(d, dv) is None
+    for mods, dropout in ((False, False), (True, True)):
+        plan = kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=dropout, head_dim_v=dv)
+        defines = dict(plan.variant.defines)
+        kdim, kdim_v = (round_up(x, fwd_sm90.SM90_HEAD_DIMS) for x in (d, dv))
+        assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (kdim, kdim_v)
+        assert defines["CUFLASH_BLOCK_N"] <= min(fwd_sm90.SM90_BLOCK_N[kdim], fwd_sm90.SM90_BLOCK_N[kdim_v])
+        smem = fwd_sm90.sm90_smem_bytes(kdim, 2, defines["CUFLASH_BLOCK_N"], kdim_v, defines["CUFLASH_STAGES"])
+        assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == smem <= fwd_sm90.DEFAULT_SMEM_PER_BLOCK
+        assert 2 <= defines["CUFLASH_STAGES"] <= fwd_sm90.SM90_STAGES[kdim]
+    same = kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=False, dropout=False, head_dim_v=d)
+    assert "CUFLASH_HEAD_DIM_V" not in dict(same.variant.defines)
+    with pytest.raises(ValueError, match="3 at head dims"):
+        fwd_sm90.plan("bfloat16", d, score_mods=False, dropout=False, consumers=3, head_dim_v=dv)
+
+
+def test_fwd_sm90_refuses_head_dims_past_256():
+    assert "(64, 512)" in fwd_sm90.value_head_dim_obstacle(64, 512)
+    with pytest.raises(ValueError, match=r"\(64, 512\)"):
+        fwd_sm90.plan("bfloat16", 64, score_mods=False, dropout=False, head_dim_v=512)
+
+
 @pytest.mark.parametrize("d, dv", PAIRS)
-def test_sm90_families_refuse_the_pair_by_name(d, dv):
-    assert fwd_sm90.value_head_dim_obstacle(d, d) is None
-    with pytest.raises(ValueError, match=rf"\({d}, {dv}\).*fwd_sm80"):
-        kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=False, dropout=False, head_dim_v=dv)
+def test_bwd_sm90_refuses_the_pair_by_name(d, dv):
     assert f"({d}, {dv})" in bwd_sm90.bwd_sm90_obstacle(d, (), False, dv)
     assert bwd_sm90.bwd_sm90_obstacle(d, (), False, d) is None
     with pytest.raises(ValueError, match=rf"\({d}, {dv}\).*bwd_sm80"):
@@ -96,6 +120,7 @@ def test_catalogue_compiles_the_pairs():
     pairs = {(v.family, dict(v.defines)["CUFLASH_HEAD_DIM"], dict(v.defines)["CUFLASH_HEAD_DIM_V"]) for v in variants}
     for d, dv in PAIRS:
         assert {("fwd_sm80", d, dv), ("bwd_sm80", d, dv)} <= pairs
+        assert ("fwd_sm90", round_up(d, fwd_sm90.SM90_HEAD_DIMS), dv) in pairs
     assert ("fwd_simt", 192, 128) in pairs and ("bwd_simt", 192, 128) in pairs
     ci = {v for v, arch in catalogue.ci_variants()}
     assert set(variants) <= ci

@@ -345,9 +345,11 @@ def test_reachable_variants():
     assert {v.family for v in sm90} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "bwd_sm80", "bwd_simt", "decode",
                                         "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
     assert "fwd_sm90" not in {v.family for v in kernels.catalogue.reachable_variants("sm_80")}
-    # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off, and the three-warpgroup
-    # plain variant at D = 64 for each dtype.
-    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2 + 2
+    # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off, the three-warpgroup plain
+    # variant at D = 64 for each dtype, and per dtype the value head dim pairs, plain and with every
+    # modifier and dropout.
+    pairs = len(kernels.catalogue.VALUE_HEAD_DIM_PAIRS)
+    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2 + 2 + 2 * pairs * 2
     small = kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (100,))
     assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
 

@@ -3,9 +3,9 @@ every forward and backward family that runs it, against the float64 reference.
 
 Semantics (docs/design.md §2b): out, dout and dv have v's head dim; the default scale stays
 1/sqrt(D_qk); lse is unchanged. fwd_sm80/bwd_sm80 (float16, bfloat16) run the pairs (192, 128),
-(128, 64), (64, 128) (and any pair of their compiled head dims), fwd_simt/bwd_simt (float32) any
-pair; fwd_sm90/bwd_sm90 do not (forcing them raises a ValueError naming the pair; unforced calls on a
-Hopper run on the sm80 families).
+(128, 64), (64, 128) (and any pair of their compiled head dims), fwd_sm90 (float16, bfloat16, a
+Hopper) any pair up to 256, fwd_simt/bwd_simt (float32) any pair; bwd_sm90 does not (forcing it
+raises a ValueError naming the pair; unforced backward calls on a Hopper run on bwd_sm80).
 
 Each test forces one family (``cuflash.force_kernel`` / ``cuflash.backward.force_kernel``).
 hypothesis draws Sq, Sk straddling the tiles (1, 17, 113, 300), GQA, causal and windows, the dtypes,
@@ -39,6 +39,8 @@ PAIRS = ((192, 128), (128, 64), (64, 128))
 PAIRS_SIMT = ((192, 128), (128, 64), (64, 128), (96, 40), (40, 200))
 FAMILIES = [pytest.param("fwd_sm80", "bwd_sm80", "float16", id="sm80-fp16"),
             pytest.param("fwd_sm80", "bwd_sm80", "bfloat16", id="sm80-bf16"),
+            pytest.param("fwd_sm90", "bwd_sm80", "float16", id="sm90-fp16", marks=SM90),
+            pytest.param("fwd_sm90", "bwd_sm80", "bfloat16", id="sm90-bf16", marks=SM90),
             pytest.param("fwd_simt", "bwd_simt", "float32", id="simt-fp32")]
 SEQLENS = (1, 17, 113, 300)
 HEADS = ((2, 1), (4, 2), (2, 2), (8, 2))
@@ -184,7 +186,7 @@ def test_varlen(fwd, bwd, dtype, deterministic):
 
 @pytest.mark.parametrize("pair", PAIRS)
 def test_unforced_runs_where_it_can(pair):
-    """Without a forced family the call runs (on a Hopper: fwd_sm80/bwd_sm80) and matches the reference."""
+    """Without a forced family the call runs (on a Hopper: fwd_sm90/bwd_sm80) and matches the reference."""
     problem = dict(B=1, Sq=113, Sk=300, heads=(4, 2), pair=pair, seed=_seed(pair))
     q, k, v, dout = _data(problem, "bfloat16")
     out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
@@ -196,11 +198,9 @@ def test_unforced_runs_where_it_can(pair):
 
 @SM90
 @pytest.mark.parametrize("pair", PAIRS)
-def test_forcing_sm90_names_the_pair(pair):
+def test_forcing_bwd_sm90_names_the_pair(pair):
     problem = dict(B=1, Sq=17, Sk=17, heads=(2, 1), pair=pair, seed=1)
     q, k, v, dout = _data(problem, "float16")
-    with cuflash.force_kernel("fwd_sm90"), pytest.raises(ValueError, match=rf"\({pair[0]}, {pair[1]}\)"):
-        cuflash.attention(q, k, v)
     out, lse, _ = cuflash.attention_forward(q, k, v)
     with cuflash.backward.force_kernel("bwd_sm90"), pytest.raises(ValueError, match=rf"\({pair[0]}, {pair[1]}\)"):
         cuflash.attention_backward(dout, q, k, v, out, lse)
