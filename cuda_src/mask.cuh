@@ -91,11 +91,27 @@ enum ScoreMod : int { kModSoftcap = 1, kModAlibi = 2, kModBias = 4, kModMask = 8
                       kAllMods = kModSoftcap | kModAlibi | kModBias | kModMask | kModBlockMask,
                       kModUserScore = 32, kModUserMask = 64 };
 
+// 2 log2(e) / c: what softcap_tanh multiplies its argument by (one division per tile, not per element).
+__device__ __forceinline__ float softcap_rate(const FwdParams& p) { return 2.f * kLog2e / p.softcap; }
+
+// tanh(x / c) as 1 - 2 / (2^(x rate) + 1), rate = softcap_rate: a multiply, two MUFU operations (ex2,
+// rcp) and an FMA, where tanhf(x / c) took a division and ~20 instructions, at every element of a
+// softcapped tile, forward and backward (docs/decisions.md#softcap-tanh-from-ex2). Its absolute error
+// is a few 1e-7 (ex2.approx and rcp.approx are within about an ulp, then one rounding), so the score
+// c tanh is off by c times that at most; near 0 its relative error grows (1 - 2 / (2 + 2y) cancels),
+// which a score beside the others in a softmax does not feel. Infinities give +-1, NaN stays NaN.
+__device__ __forceinline__ float softcap_tanh(float x, float rate) {
+    const float e = fast_exp2(x * rate);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
+    return fmaf(-2.f, r, 1.f);
+}
+
 // d s / d x of the softcap at x = scale * qk (s = c tanh(x / c) gives 1 - tanh^2(x / c)); ALiBi and bias
 // are additive constants. The tanh is the same expression as in modified_score, so the two agree bit for bit.
 __device__ __forceinline__ float softcap_grad(const FwdParams& p, float qk) {
     if (p.softcap <= 0.f) return 1.f;
-    const float t = tanhf(qk * p.scale / p.softcap);
+    const float t = softcap_tanh(qk * p.scale, softcap_rate(p));
     return 1.f - t * t;
 }
 
@@ -105,7 +121,7 @@ template <int kMods = kAllMods>
 __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInfo& s, float qk, int i, int j) {
     if (!in_window(p, s, i, j)) return -CUFLASH_INF;
     float x = qk * p.scale;
-    if ((kMods & kModSoftcap) && p.softcap > 0.f) x = p.softcap * tanhf(x / p.softcap);
+    if ((kMods & kModSoftcap) && p.softcap > 0.f) x = p.softcap * softcap_tanh(x, softcap_rate(p));
     if ((kMods & kModAlibi) && p.alibi_slopes != nullptr)
         x -= p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * fabsf(float(i + s.diag - j));
     if ((kMods & kModBias) && p.bias != nullptr)
@@ -227,10 +243,11 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
         for (int c = 0; c < kCols; ++c) x(r, c) *= p.scale;
     if constexpr ((kMods & kModSoftcap) != 0) {
         if (p.softcap > 0.f) {
+            const float rate = softcap_rate(p);
 #pragma unroll
             for (int r = 0; r < kRows; ++r)
 #pragma unroll
-                for (int c = 0; c < kCols; ++c) x(r, c) = p.softcap * tanhf(x(r, c) / p.softcap);
+                for (int c = 0; c < kCols; ++c) x(r, c) = p.softcap * softcap_tanh(x(r, c), rate);
         }
     }
     if constexpr ((kMods & kModAlibi) != 0) {
