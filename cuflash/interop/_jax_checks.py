@@ -49,7 +49,7 @@ def _check_qkv(q, k, v, rank: int, layout: str) -> str:
     for x, xname in ((q, "q"), (k, "k"), (v, "v")):
         _checks.check_rank(x, rank, xname, layout)
     _checks.check_heads(q.shape[-2], k.shape[-2], v.shape[-2])
-    _checks.check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], MAX_HEAD_DIM)
+    _checks.check_head_dim(q.shape[-1], k.shape[-1], v.shape[-1], MAX_HEAD_DIM, own_value_dim=True)
     if k.shape[:-2] != v.shape[:-2]:
         raise ValueError(f"v must have the batch and length of k {tuple(k.shape[:-2])}, got {tuple(v.shape[:-2])}")
     return name

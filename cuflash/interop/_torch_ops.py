@@ -230,6 +230,12 @@ _THD = "(total, heads, head_dim)"
 
 # ----------------------------------------------------------------------------- attention
 
+def _out_shape(q, v) -> tuple:
+    """The attention output's shape: q's, with v's head dim (a value head dim of its own, issue 53).
+    A v of another rank keeps q's, for cuflash's checks to name it."""
+    return (*q.shape[:-1], v.shape[-1]) if v.dim() == q.dim() else tuple(q.shape)
+
+
 def _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_state, causal, scale, window_left,
                            window_right, softcap, block_q, block_k, dropout_p, deterministic, sinks=None, mods=None):
     """The body of ``cuflash::attention_forward``; ``mods``: {"score_mod": ..., "mask_mod": ...} rebuilt
@@ -238,7 +244,7 @@ def _run_attention_forward(q, k, v, alibi_slopes, mask, bias, block_mask, rng_st
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     state = _draw(dropout_p, rng_state)
-    out = _empty(q.shape, q.dtype, q.device)
+    out = _empty(_out_shape(q, v), q.dtype, q.device)
     lse = _empty((b, hq, sq), torch.float32, q.device)
     options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
@@ -276,7 +282,7 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
-    return q.new_empty(q.shape), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
+    return q.new_empty(_out_shape(q, v)), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
 def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale,
@@ -399,7 +405,7 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_s
     kernels = _kernels_for(q)
     _check_rank(q, 3, "q", _THD)
     state = _draw(dropout_p, rng_state)
-    out = _empty(q.shape, q.dtype, q.device)
+    out = _empty(_out_shape(q, v), q.dtype, q.device)
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    dropout_p=dropout_p, sinks=_plain(sinks))
@@ -416,7 +422,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, ma
     _check_rank(q, 3, "q", _THD)
     total_q, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
-    return q.new_empty(q.shape), q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
+    return q.new_empty(_out_shape(q, v)), q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
 @_op("attention_varlen_backward")

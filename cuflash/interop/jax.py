@@ -132,10 +132,18 @@ class _AttentionSpec(NamedTuple):
     array_layouts: tuple
     command_buffers: bool
     mods: object = None  # _jax_modifiers.Modifiers: score_mod / mask_mod, their arrays operands after the above
+    v: tuple = None      # v's shape when its head dim is its own (None: k's)
 
     def options(self) -> dict:
         return dict(causal=self.causal, scale=self.scale, window=self.window, softcap=self.softcap,
                     block_size=self.block_size, dropout_p=self.dropout_p)
+
+    def v_shape(self) -> tuple:
+        return self.v or self.k
+
+    def out_shape(self) -> tuple:
+        """out's (and dout's) shape: q's with v's head dim."""
+        return (*self.q[:-1], self.v_shape()[-1])
 
     def mod_layouts(self) -> tuple:
         return self.mods.layouts if self.mods is not None else ()
@@ -147,6 +155,12 @@ def _command_buffers(head_dim: int, chunk: int = 8) -> bool:
     return bool(COMMAND_BUFFERS) and head_dim % chunk == 0
 
 
+def _own_v(k, v):
+    """v's shape for a spec when its head dim is its own (issue 53), else None (the spec, and so its
+    cached callbacks, stay those of a call without one)."""
+    return tuple(v.shape) if v.shape[-1] != k.shape[-1] else None
+
+
 @functools.lru_cache(maxsize=256)
 def _forward_call(spec: _AttentionSpec):
     """The buffer_callback of the forward: (q, k, v, *score arrays, *modifier arrays, [words]) -> (out, lse)."""
@@ -154,8 +168,9 @@ def _forward_call(spec: _AttentionSpec):
     dtype, dropout, mods = spec.dtype, spec.dropout_p > 0, spec.mods
     n_arrays = len(spec.arrays)
     n_in = 3 + n_arrays + len(spec.mod_layouts())
-    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *spec.array_layouts, *spec.mod_layouts()))
-    outputs = Views(((spec.q, dtype), ((b, hq, sq), np.float32)))
+    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), *spec.array_layouts,
+                    *spec.mod_layouts()))
+    outputs = Views(((spec.out_shape(), dtype), ((b, hq, sq), np.float32)))
     options, names = spec.options(), spec.arrays
 
     def callback(ctx, results, *args):
@@ -169,7 +184,7 @@ def _forward_call(spec: _AttentionSpec):
                                     score_mod=score_mod, mask_mod=mask_mod, **options,
                                     **dict(zip(names, arrays)))
 
-    return buffer_callback(callback, (_sds(spec.q, dtype), _sds((b, hq, sq), np.float32)),
+    return buffer_callback(callback, (_sds(spec.out_shape(), dtype), _sds((b, hq, sq), np.float32)),
                            command_buffer_compatible=spec.command_buffers)
 
 
@@ -180,11 +195,12 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
     b, sq, hq, _ = spec.q
     dtype, dropout, mods = spec.dtype, spec.dropout_p > 0, spec.mods
     n_arrays = len(spec.arrays)
-    inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
+    o = spec.out_shape()
+    inputs = Views(((o, dtype), (spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), (o, dtype),
                     ((b, hq, sq), np.float32), *spec.array_layouts, *spec.mod_layouts(),
                     *((_RNG_LAYOUT,) if dropout else ())))
     bias_layout = spec.array_layouts[spec.arrays.index("bias")] if want_dbias else None
-    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((bias_layout,) if want_dbias else ()),
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), *((bias_layout,) if want_dbias else ()),
                       *((((hq,), np.float32),) if want_dsinks else ()))
     outputs = Views(result_layouts)
     options, names = spec.options(), spec.arrays
@@ -283,8 +299,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         float16, bfloat16 or float32, on a CUDA device.
     k : jax.Array (B, Sk, Hk, D), the dtype of q
         ``Hq % Hk == 0``: query head h reads kv head ``h // (Hq // Hk)`` (GQA; Hk = 1 is MQA).
-    v : jax.Array (B, Sk, Hk, D), the dtype of q
-        D from 1 to 256 (a multiple of 8 runs without padded copies).
+    v : jax.Array (B, Sk, Hk, D_v), the dtype of q
+        D and D_v from 1 to 256 (multiples of 8 run without padded copies); D_v may differ from D
+        (DeepSeek's (192, 128)): out then has D_v columns.
     causal : bool, default False
         Bottom-right aligned: query i sees key j iff ``j <= i + Sk - Sq``.
     scale : float, optional
@@ -332,7 +349,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
     Returns
     -------
-    out : jax.Array (B, Sq, Hq, D), the dtype of q
+    out : jax.Array (B, Sq, Hq, D_v), the dtype of q
     lse : jax.Array float32 (B, Hq, Sq)
         Only with ``return_lse``; ``-inf`` (``sinks[h]`` with sinks) for a row that sees no key.
 
@@ -376,7 +393,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     spec = _AttentionSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), bool(causal), scale, window, softcap,
                           block_size, dropout_p, deterministic, tuple(given), tuple(_layout(x) for x in given.values()),
-                          _command_buffers(q.shape[-1]), mods)
+                          _command_buffers(q.shape[-1]) and _command_buffers(v.shape[-1]), mods, _own_v(k, v))
     words = (state_words(dropout_rng),) if dropout_p else ()
     out, lse = _attention(spec, q, k, v, tuple(given.values()), mod_arrays, words)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
@@ -402,10 +419,13 @@ class _VarlenSpec(NamedTuple):
     command_buffers: bool
     sinks: bool = False  # sinks (float32 (Hq,)) given: an operand after alibi_slopes
     mods: object = None  # _jax_modifiers.Modifiers: score_mod / mask_mod, their arrays operands after sinks
+    v: tuple = None      # v's shape when its head dim is its own (None: k's)
 
     def options(self) -> dict:
         return dict(max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, causal=self.causal,
                     scale=self.scale, window=self.window, softcap=self.softcap, dropout_p=self.dropout_p)
+
+    v_shape, out_shape = _AttentionSpec.v_shape, _AttentionSpec.out_shape
 
 
 def _varlen_inputs(spec: _VarlenSpec) -> tuple:
@@ -429,8 +449,8 @@ def _varlen_forward_call(spec: _VarlenSpec):
     total_q, hq, _ = spec.q
     dtype, dropout, alibi = spec.dtype, spec.dropout_p > 0, spec.alibi is not None
     n_in = 5 + alibi + spec.sinks + (len(spec.mods.layouts) if spec.mods else 0)
-    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *_varlen_inputs(spec)))
-    outputs = Views(((spec.q, dtype), ((hq, total_q), np.float32)))
+    inputs = Views(((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), *_varlen_inputs(spec)))
+    outputs = Views(((spec.out_shape(), dtype), ((hq, total_q), np.float32)))
     options = spec.options()
 
     def callback(ctx, results, *args):
@@ -444,7 +464,7 @@ def _varlen_forward_call(spec: _VarlenSpec):
             _varlen_with_rng_words(q, k, v, cu_q, cu_k, _ptr(args[n_in]) if dropout else None, out=out, lse=lse,
                                    check=False, **_varlen_arrays(spec, rest), **options)
 
-    return buffer_callback(callback, (_sds(spec.q, dtype), _sds((hq, total_q), np.float32)),
+    return buffer_callback(callback, (_sds(spec.out_shape(), dtype), _sds((hq, total_q), np.float32)),
                            command_buffer_compatible=spec.command_buffers)
 
 
@@ -457,9 +477,11 @@ def _varlen_backward_call(spec: _VarlenSpec):
     differentiated): one more small launch."""
     total_q, hq, _ = spec.q
     dtype, dropout = spec.dtype, spec.dropout_p > 0
-    inputs = Views(((spec.q, dtype), (spec.q, dtype), (spec.k, dtype), (spec.k, dtype), (spec.q, dtype),
+    o = spec.out_shape()
+    inputs = Views(((o, dtype), (spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), (o, dtype),
                     ((hq, total_q), np.float32), *_varlen_inputs(spec), *((_RNG_LAYOUT,) if dropout else ())))
-    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.k, dtype), *((((hq,), np.float32),) if spec.sinks else ()))
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype),
+                      *((((hq,), np.float32),) if spec.sinks else ()))
     outputs = Views(result_layouts)
     options = spec.options()
     command_buffers = spec.command_buffers and not spec.sinks   # dsinks' partial sums: CuPy's pool
@@ -520,7 +542,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     q : jax.Array (total_q, Hq, D)
         float16, bfloat16 or float32.
     k : jax.Array (total_k, Hk, D), the dtype of q
-    v : jax.Array (total_k, Hk, D), the dtype of q
+    v : jax.Array (total_k, Hk, D_v), the dtype of q (D_v as in :func:`attention`)
     cu_seqlens_q : jax.Array int32 (B + 1,)
         Offsets of the query sequences (0 first, never decreasing, at most total_q); traced values,
         checked on the GPU: a call with bad offsets writes nothing (its results are undefined) and
@@ -542,7 +564,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
 
     Returns
     -------
-    out : jax.Array (total_q, Hq, D), the dtype of q
+    out : jax.Array (total_q, Hq, D_v), the dtype of q
         Rows past the last offset are not written (undefined).
     lse : jax.Array float32 (Hq, total_q)
         Only with ``return_lse``.
@@ -579,8 +601,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     spec = _VarlenSpec(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype), cu_q.shape[0] - 1, max_q, max_k,
                        bool(causal), scale, window, softcap, dropout_p, deterministic,
-                       _layout(alibi) if alibi is not None else None, _command_buffers(q.shape[-1]), sinks is not None,
-                       mods)
+                       _layout(alibi) if alibi is not None else None,
+                       _command_buffers(q.shape[-1]) and _command_buffers(v.shape[-1]), sinks is not None, mods,
+                       _own_v(k, v))
     arrays = ((alibi,) if alibi is not None else ()) + ((sinks,) if sinks is not None else ()) + mod_arrays + \
         ((state_words(dropout_rng),) if dropout_p else ())
     out, lse = _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays)

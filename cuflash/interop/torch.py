@@ -80,7 +80,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, sinks, options, generator, deterministic):
         # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
         # memory that a torch.cuda.graph capture keeps in its pool.
-        out = q.new_empty(q.shape)
+        out = q.new_empty(ops._out_shape(q, v))
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if q.dim() == 4 else None
         with _torch_call(q.device):
             _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, sinks=sinks, out=out, lse=lse,
@@ -121,7 +121,7 @@ class _AttentionVarlen(torch.autograd.Function):
             rng_state = generator.next_state()
             generator = Generator(0)
             generator.set_state(rng_state)
-        out = q.new_empty(q.shape)
+        out = q.new_empty(ops._out_shape(q, v))
         with _torch_call(q.device):
             _, lse = _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, generator=generator, return_lse=True,
@@ -163,8 +163,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     q : torch.Tensor (B, Sq, Hq, D)
         float16, bfloat16 or float32, on a CUDA device; BHSD tensors as ``x.transpose(1, 2)`` views.
     k : torch.Tensor (B, Sk, Hk, D)
-    v : torch.Tensor (B, Sk, Hk, D)
-        The dtype and device of q; ``Hq % Hk == 0`` (GQA/MQA).
+    v : torch.Tensor (B, Sk, Hk, D_v)
+        The dtype and device of q; ``Hq % Hk == 0`` (GQA/MQA). D_v may differ from D (DeepSeek's
+        (192, 128)): out and its gradient then have D_v columns.
     causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask, block_size, dropout_p
         As in :func:`cuflash.attention`; array options are torch tensors. ``bias`` receives a
         gradient when it requires one (dL/dbias summed over the axes it was broadcast along; this
@@ -189,7 +190,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
     Returns
     -------
-    torch.Tensor (B, Sq, Hq, D)
+    torch.Tensor (B, Sq, Hq, D_v)
         C-contiguous, on the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias,
         dsinks).
 
@@ -233,7 +234,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     if _needs_grad(q, k, v, bias, sinks):
         return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
-    out = q.new_empty(q.shape)
+    out = q.new_empty(ops._out_shape(q, v))
     with _torch_call(q.device):
         _cf_attention(q, k, v, bias=bias, sinks=sinks, out=out, generator=generator, **options)
     return out
@@ -249,8 +250,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     q : torch.Tensor (total_q, Hq, D)
         float16, bfloat16 or float32, on a CUDA device.
     k : torch.Tensor (total_k, Hk, D)
-    v : torch.Tensor (total_k, Hk, D)
-        The dtype and device of q.
+    v : torch.Tensor (total_k, Hk, D_v)
+        The dtype and device of q (D_v as in :func:`attention`).
     cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor (B + 1,) on the same device
         Offsets of the packed sequences (see :func:`cuflash.attention_varlen`); never read on the host.
     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes, dropout_p, generator,
@@ -260,7 +261,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
     Returns
     -------
-    torch.Tensor (total_q, Hq, D)
+    torch.Tensor (total_q, Hq, D_v)
         Its backward gives dq, dk, dv (and dsinks).
 
     Raises
@@ -297,7 +298,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                        generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes, **mods)
         return _attention_varlen_apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        options)
-    out = q.new_empty(q.shape)
+    out = q.new_empty(ops._out_shape(q, v))
     with _torch_call(q.device):
         _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                              causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -27,6 +27,22 @@ def test_attention_shapes(dtype):
     assert (lse.shape, lse.dtype) == ((2, 8, 100), F32)
 
 
+def test_a_value_head_dim_of_its_own():
+    """v with its own head dim (issue 53): out and dout take it, dv v's shape; dense and varlen, and the
+    callbacks of a square call stay those of before (the spec's v is None)."""
+    q, k, v = S((2, 100, 8, 192), BF16), S((2, 130, 2, 192), BF16), S((2, 130, 2, 128), BF16)
+    out, lse = jax.eval_shape(lambda q, k, v: cj.attention(q, k, v, causal=True, return_lse=True), q, k, v)
+    assert out.shape == (2, 100, 8, 128) and lse.shape == (2, 8, 100)
+    loss = lambda q, k, v: cj.attention(q, k, v, causal=True).astype(F32).sum()   # noqa: E731
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    qv, kv, vv, cu = S((300, 8, 64), F16), S((400, 4, 64), F16), S((400, 4, 128), F16), S((4,), jnp.int32)
+    fn = lambda q, k, v, c: cj.attention_varlen(q, k, v, c, c, max_seqlen_q=200, max_seqlen_k=300)  # noqa: E731
+    assert jax.eval_shape(fn, qv, kv, vv, cu).shape == (300, 8, 128)
+    grads = jax.eval_shape(jax.grad(lambda *a: fn(*a).astype(F32).sum(), argnums=(0, 1, 2)), qv, kv, vv, cu)
+    assert [g.shape for g in grads] == [qv.shape, kv.shape, vv.shape]
+
+
 def test_gradient_shapes_through_scan_and_checkpoint():
     x = S((2, 64, 4, 32), BF16)
     keys = S((3,), jax.random.key(0).dtype)
@@ -122,7 +138,8 @@ def test_varlen_decode_and_merge_shapes():
 
 Q, K = S((1, 16, 4, 64), F16), S((1, 24, 2, 64), F16)
 ERRORS = [
-    (lambda q, k: cj.attention(q, k, k[..., :32]), ValueError, "v must have the head dim"),
+    (lambda q, k: cj.attention(q, k[..., :32], k), ValueError, "k must have the head dim of q"),
+    (lambda q, k: cj.attention(q, k, jnp.zeros((1, 24, 2, 300), F16)), ValueError, r"value head dim .*\(64, 300\)"),
     (lambda q, k: cj.attention(q, k[:, :, :1].repeat(3, 2), k[:, :, :1].repeat(3, 2)), ValueError, "heads of q"),
     (lambda q, k: cj.attention(q.astype(jnp.int32), k, k), TypeError, "q must be float16"),
     (lambda q, k: cj.attention(q, k.astype(BF16), k), TypeError, "k must have the dtype of q"),

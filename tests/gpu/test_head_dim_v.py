@@ -216,3 +216,66 @@ def test_scale_default_is_qk_head_dim():
     got = cuflash.attention(q, k, v)
     explicit = cuflash.attention(q, k, v, scale=1.0 / math.sqrt(192))
     assert cupy.array_equal(got, explicit)
+
+
+def _cupy_reference_bits(problem):
+    """(q, k, v, dout) as bfloat16 host arrays, and cuflash's out, dq, dk, dv from CuPy (causal, dQ in a
+    fixed order) as uint16 bits: what the adapters must give."""
+    q, k, v, dout = _data(problem, "bfloat16")
+    out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    return [x.get() for x in (q, k, v, dout)], [x.view(cupy.uint16).get() for x in (out, *grads)]
+
+
+def test_torch_adapter_equals_cupy():
+    """ct.attention and ct.ops.attention through autograd with v's own head dim: cuflash's bits (the same
+    kernels), for out and the three gradients."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    import cuflash.interop.torch as ct
+
+    problem = dict(B=2, Sq=113, Sk=300, heads=(4, 2), pair=(192, 128), seed=_seed("torch"))
+    host, want = _cupy_reference_bits(problem)
+
+    def on_torch(x):   # bfloat16 through its bits
+        return torch.from_numpy(x.view(np.int16).copy()).cuda().view(torch.bfloat16)
+
+    def bits(t):
+        return t.detach().view(torch.int16).cpu().numpy().view(np.uint16)
+
+    for fn in (ct.attention, ct.ops.attention):
+        q, k, v, dout = (on_torch(x) for x in host)
+        for x in (q, k, v):
+            x.requires_grad_(True)
+        out = fn(q, k, v, causal=True, deterministic=True)
+        got = [out, *torch.autograd.grad(out, (q, k, v), dout)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert tuple(g.shape) == w.shape, name
+            np.testing.assert_array_equal(bits(g), w, err_msg=name)
+
+
+def test_jax_adapter_equals_cupy():
+    """cj.attention inside jax.jit and jax.grad with v's own head dim: cuflash's bits for out and the three
+    gradients."""
+    from tests.gpu._hardware import jax_on_gpu
+
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+
+    import cuflash.interop.jax as cj
+
+    problem = dict(B=2, Sq=113, Sk=300, heads=(4, 2), pair=(64, 128), seed=_seed("jax"))
+    host, want = _cupy_reference_bits(problem)
+    q, k, v, dout = (jnp.asarray(x) for x in host)
+
+    def attend(q, k, v):
+        return cj.attention(q, k, v, causal=True, deterministic=True)
+
+    def loss(q, k, v):   # its gradient with respect to out is dout, exactly (bfloat16 in float32)
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+
+    got = [jax.jit(attend)(q, k, v), *jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), w, err_msg=name)

@@ -414,6 +414,44 @@ def test_mla_decode_through_the_ops(host_kernels, entry):
              op_kwargs)
 
 
+@pytest.mark.parametrize("entry", ["ops", "ct compiled"])
+def test_value_head_dim_through_the_ops(host_kernels, entry):
+    """A value head dim of its own (issue 53): out and dout with v's head dim, dv with v's shape, from the
+    dense and the varlen ops, eagerly and compiled (ct.attention becomes the op); the gradients
+    against the float64 reference; opcheck on both forward ops (their fakes give out v's head dim)."""
+    B, Sq, Sk, Hq, Hk, D, Dv = 2, 5, 7, 4, 2, 12, 20
+    f64 = torch.float64
+    q, k = _rand(B, Sq, Hq, D, dtype=f64, requires_grad=True), _rand(B, Sk, Hk, D, dtype=f64, requires_grad=True)
+    v = _rand(B, Sk, Hk, Dv, dtype=f64, requires_grad=True)
+    dout = _rand(B, Sq, Hq, Dv, dtype=f64)
+    if entry == "ct compiled":
+        torch._dynamo.reset()
+        fn = torch.compile(lambda *a: ct.attention(*a, causal=True), backend="aot_eager", fullgraph=True)
+    else:
+        fn = lambda *a: ops.attention(*a, causal=True)   # noqa: E731
+    out = fn(q, k, v)
+    assert out.shape == (B, Sq, Hq, Dv)
+    want, _ = reference.attention_forward(_np(q), _np(k), _np(v), causal=True)
+    np.testing.assert_allclose(_np(out), want, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = reference.attention_backward(_np(dout), _np(q), _np(k), _np(v), causal=True)[:3]
+    for got, ref, x in zip(grads, refs, (q, k, v)):
+        assert got.shape == x.shape
+        np.testing.assert_allclose(_np(got), ref, rtol=1e-10, atol=1e-10)
+
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 7], dtype=torch.int32)
+    qv, kv, vv = q[0].detach(), k[0].detach(), v[0].detach()
+    got = ops.attention_varlen(qv, kv, vv, cu, cu_k, max_seqlen_q=3, max_seqlen_k=4)
+    assert got.shape == (Sq, Hq, Dv)
+    want_v, _ = reference.attention_varlen(_np(qv), _np(kv), _np(vv), _np(cu), _np(cu_k))
+    np.testing.assert_allclose(_np(got), want_v, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+    _opcheck(torch.ops.cuflash.attention_forward.default, (q.detach(), k.detach(), v.detach()), dict(causal=True))
+    _opcheck(torch.ops.cuflash.attention_varlen_forward.default, (qv, kv, vv, cu, cu_k),
+             dict(max_seqlen_q=3, max_seqlen_k=4))
+
+
 def test_gradcheck_of_the_autograd_formulas(host_kernels):
     """torch.autograd.gradcheck (finite differences in float64) through the ops: the backward op is
     wired to the right inputs, GQA gradients summed, dbias reduced to bias's broadcast shape, dsinks
