@@ -32,7 +32,7 @@ def _family_for(dtype_name: str) -> str | None:
 def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts, dv_pad: int | None = None) -> str | None:
     """Why bwd_sm90 cannot run this call, or None: it needs an sm_90 GPU, a head dim and options it
     compiles (kernels.bwd_sm90.bwd_sm90_obstacle), and q, k, v, dout that TMA can read (16-byte aligned
-    bases, positive strides that are multiples of 16 bytes)."""
+    bases, positive strides that are multiples of 16 bytes), and fewer than BWD_SM90_MAX_HEADS query heads."""
     obstacle = kernels.bwd_sm90.bwd_sm90_obstacle(d_pad, score_mods, dropout, dv_pad)
     if obstacle is not None and dv_pad not in (None, d_pad):
         return obstacle
@@ -42,6 +42,8 @@ def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts, dv_pad: int |
         return obstacle
     if not all(_tma.tma_compatible(layouts[name]) for name in ("q", "k", "v", "dout")):
         return "the strides of q, k, v or dout are negative or not multiples of 16 bytes"
+    if layouts["q"].shape[-2] >= kernels.bwd_sm90.BWD_SM90_MAX_HEADS:
+        return f"bwd_sm90 runs fewer than {kernels.bwd_sm90.BWD_SM90_MAX_HEADS} query heads"
     return None
 
 

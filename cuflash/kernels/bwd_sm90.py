@@ -19,6 +19,9 @@ from ..features import DTYPE_CODES, score_mod_bits
 # (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
 # takes 64 query rows per step (each consumer adds dQ over its own keys).
 BWD_SM90_HEAD_DIMS = (64, 128, 256)
+# The producer hands the consumers (flag, query head, query tile) in one int (cuda_src/bwd_sm90.cu:
+# bit 30 a tile whose blocks hide nothing, the head from bit 16): fewer query heads than this.
+BWD_SM90_MAX_HEADS = 1 << 14
 BWD_SM90_THREADS = 384
 BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}

@@ -5,6 +5,8 @@ Every backward variant is compiled for sm_80 and sm_90a by tests/cpu/test_compil
 cuflash.kernels.catalogue.precompile_variants() includes precompile_backward_variants().
 """
 
+import types
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,26 @@ def test_simt_plans(head_dim):
         assert plan.head_dim % 32 == 0 and plan.head_dim >= head_dim
         assert plan.threads == 128 and BWD_ROW_PAD % plan.block_m == 0
         assert dict(plan.variant.defines)["CUFLASH_SMEM_BYTES"] == plan.smem_bytes
+
+
+def test_bwd_sm90_takes_fewer_than_its_head_limit(monkeypatch):
+    """bwd_sm90's tile word holds the query head in 14 bits: from BWD_SM90_MAX_HEADS query heads the
+    backward runs on bwd_sm80, and forcing bwd_sm90 names the limit."""
+    from cuflash import _backward_plan
+
+    monkeypatch.setattr(_backward_plan, "device_arch", lambda: "sm_90a")
+    limit = kernels.bwd_sm90.BWD_SM90_MAX_HEADS
+
+    def layouts(heads):   # a layout TMA can read: contiguous, a 16-byte aligned base
+        shape = (1, 64, heads, 64)
+        strides = tuple(int(2 * np.prod(shape[i + 1:])) for i in range(4))
+        x = types.SimpleNamespace(shape=shape, strides=strides, itemsize=2, data=types.SimpleNamespace(ptr=256))
+        return {name: x for name in ("q", "k", "v", "dout")}
+
+    assert _backward_plan._choose_family("float16", None, 64, (), False, layouts(limit - 1)) == "bwd_sm90"
+    assert _backward_plan._choose_family("float16", None, 64, (), False, layouts(limit)) == "bwd_sm80"
+    with pytest.raises(ValueError, match=f"fewer than {limit} query heads"):
+        _backward_plan._choose_family("float16", "bwd_sm90", 64, (), False, layouts(limit))
 
 
 def test_wrong_family_for_dtype():
