@@ -384,24 +384,31 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
 
 # ----------------------------------------------------------------------------- varlen
 
+_NO_CACHE_GRAD = ("attention_varlen over a KV cache (cache_seqlens / block_table: chunked prefill) has no backward: "
+                  "call it under torch.no_grad() or with tensors that do not require a gradient")
+
+
 @_op("attention_varlen_forward", tags=_RANDOM)
-def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                                 alibi_slopes: Optional[Tensor] = None, rng_state: Optional[Tensor] = None,
-                                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                                 causal: bool = False, scale: Optional[float] = None, window_left: int = -1,
-                                 window_right: int = -1, softcap: float = 0.0, dropout_p: float = 0.0,
-                                 deterministic: bool = False, sinks: Optional[Tensor] = None,
-                                 score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
-                                 mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_varlen_forward_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                 cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor] = None,
+                                 rng_state: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                                 max_seqlen_k: Optional[int] = None, causal: bool = False,
+                                 scale: Optional[float] = None, window_left: int = -1, window_right: int = -1,
+                                 softcap: float = 0.0, dropout_p: float = 0.0, deterministic: bool = False,
+                                 sinks: Optional[Tensor] = None, score_mod: Optional[str] = None,
+                                 mask_mod: Optional[str] = None, mod_arrays: Optional[list[Tensor]] = None,
+                                 cache_seqlens: Optional[Tensor] = None,
+                                 block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     return _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q,
                                max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p, deterministic,
-                               sinks, _rebuilt(score_mod, mask_mod, mod_arrays))
+                               sinks, _rebuilt(score_mod, mask_mod, mod_arrays), (cache_seqlens, block_table))
 
 
 def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k,
                         causal, scale, window_left, window_right, softcap, dropout_p, deterministic, sinks=None,
-                        mods=None):
-    """The body of ``cuflash::attention_varlen_forward`` (``mods`` as in :func:`_run_attention_forward`)."""
+                        mods=None, cache=(None, None)):
+    """The body of ``cuflash::attention_varlen_forward`` (``mods`` as in :func:`_run_attention_forward`;
+    ``cache``: (cache_seqlens, block_table) of chunked prefill, k and v then the caches)."""
     kernels = _kernels_for(q)
     _check_rank(q, 3, "q", _THD)
     state = _draw(dropout_p, rng_state)
@@ -409,6 +416,8 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_s
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    dropout_p=dropout_p, sinks=_plain(sinks))
+    if cache[0] is not None or cache[1] is not None:
+        options.update(cache_seqlens=cache[0], block_table=cache[1])
     if mods:
         options.update(mods)
     lse = kernels.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, state, options)
@@ -418,7 +427,7 @@ def _run_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_s
 @_attention_varlen_forward_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False,
-      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None):
+      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None, cache_seqlens=None, block_table=None):
     _check_rank(q, 3, "q", _THD)
     total_q, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
@@ -504,9 +513,15 @@ _attention_varlen_forward_apply = direct_apply(_AttentionVarlenForward)
 @_attention_varlen_forward_op.register_autograd
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, max_seqlen_q=None, max_seqlen_k=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0, deterministic=False,
-      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None):
+      sinks=None, score_mod=None, mask_mod=None, mod_arrays=None, cache_seqlens=None, block_table=None):
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
                deterministic)
+    if cache_seqlens is not None or block_table is not None:   # chunked prefill: inference only
+        if _records_grad(q, k, v, sinks):
+            raise ValueError(_NO_CACHE_GRAD)
+        return _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                           rng_state, *options, sinks, score_mod, mask_mod, mod_arrays,
+                                                           cache_seqlens, block_table)
     if _records_grad(q, k, v, sinks):
         return _attention_varlen_forward_apply(q, k, v, sinks, (cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state),
                                                options, (score_mod, mask_mod, mod_arrays))
@@ -862,7 +877,8 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                     generator=None, deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
+                     generator=None, deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None,
+                     cache_seqlens=None, block_table=None):
     """``torch.ops.cuflash.attention_varlen_forward``: differentiable packed-sequence attention.
 
     Parameters
@@ -874,6 +890,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     rng_state, generator, deterministic, score_mod, mask_mod, sinks
         As in :func:`attention_forward` (the modifiers' positions within each sequence; ``sinks`` gets a
         gradient when it requires one).
+    cache_seqlens, block_table : int32 torch.Tensor (B,) and (B, max_pages), optional
+        Chunked prefill, as in :func:`cuflash.attention_varlen`: k and v are the KV caches (contiguous
+        (B, L, Hk, D) or paged) that already hold each sequence's new tokens, ``cu_seqlens_k`` is None.
+        Inference only: a call that records a gradient is refused (ValueError).
 
     Returns
     -------
@@ -881,14 +901,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     """
     left, right = _pair(window, "window", (-1, -1))
     options = (max_seqlen_q, max_seqlen_k, causal, scale, left, right, softcap, dropout_p, deterministic)
-    if score_mod is None and mask_mod is None:
+    cache = (cache_seqlens, block_table) if cache_seqlens is not None or block_table is not None else ()
+    if score_mod is None and mask_mod is None and not cache:
         out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                    _call_state(dropout_p, rng_state, generator), *options, sinks)
     else:
         mods = _mod_operands(score_mod, mask_mod, backward=_records_grad(q, k, v, sinks))
         out, lse, _ = _attention_varlen_forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                    _call_state(dropout_p, rng_state, generator), *options, sinks,
-                                                   *mods)
+                                                   *mods, *cache)
     return (out, lse) if return_lse else out
 
 

@@ -242,7 +242,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, generator=None,
-                     deterministic=False, score_mod=None, mask_mod=None, sinks=None):
+                     deterministic=False, score_mod=None, mask_mod=None, sinks=None, cache_seqlens=None,
+                     block_table=None):
     """Differentiable :func:`cuflash.attention_varlen` for torch tensors: eager, compiled or captured.
 
     Parameters
@@ -258,6 +259,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     deterministic, score_mod, mask_mod, sinks
         As in :func:`cuflash.attention_varlen` and :func:`attention` (the modifiers' positions within
         each sequence, eager mode only; ``sinks`` gets a gradient when it requires one).
+    cache_seqlens, block_table : int32 torch.Tensor (B,) and (B, max_pages), optional
+        Chunked prefill, as in :func:`cuflash.attention_varlen`: ``k`` and ``v`` are the KV caches
+        (contiguous (B, L, Hk, D) or paged) that already hold each sequence's new tokens, and
+        ``cu_seqlens_k`` is None. Inference only (no backward: a call that needs a gradient is a
+        ValueError); eager, compiled and captured.
 
     Returns
     -------
@@ -287,12 +293,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                                     max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
                                     softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                     generator=generator, deterministic=deterministic, score_mod=score_mod,
-                                    mask_mod=mask_mod, sinks=sinks)
-    _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+                                    mask_mod=mask_mod, sinks=sinks, cache_seqlens=cache_seqlens,
+                                    block_table=block_table)
+    cache = cache_seqlens is not None or block_table is not None
+    _check_cuda(("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
+                *((("cu_seqlens_k", cu_seqlens_k),) if not cache or cu_seqlens_k is not None else ()),
+                *((name, x) for name, x in (("cache_seqlens", cache_seqlens), ("block_table", block_table))
+                  if x is not None))
     if sinks is not None:
         _check_cuda(("sinks", sinks))
     grad = _needs_grad(q, k, v, None, sinks)
+    if cache and grad:
+        raise ValueError(ops._NO_CACHE_GRAD)
     mods = ops._modifiers(score_mod, mask_mod, backward=grad) or {}
+    if cache:
+        mods = dict(mods, cache_seqlens=cache_seqlens, block_table=block_table)
     if grad:
         options = dict(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
                        generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes, **mods)

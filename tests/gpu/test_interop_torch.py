@@ -206,3 +206,36 @@ def test_rejects_cpu_tensors():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="CUDA"):
         ct.attention(q, q, q)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_chunked_prefill_over_a_cache_equals_cupy(paged):
+    """ct.attention_varlen and ct.ops.attention_varlen over a KV cache (cache_seqlens, block_table):
+    cuflash.attention_varlen's bits from CuPy (the same kernel); a call that needs a gradient is refused."""
+    import cupy
+
+    B, Hq, Hk, D, L, page = 3, 8, 2, 128, 512, 64
+    g = torch.Generator(device="cuda").manual_seed(11 + paged)
+    n = torch.tensor([37, 0, 150])
+    lens = (n + torch.tensor([100, 5, 300])).to(torch.int32).cuda()
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32).cuda()
+    make = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    q = make(int(n.sum()), Hq, D)
+    if paged:
+        k_cache, v_cache = make(B * L // page, page, Hk, D), make(B * L // page, page, Hk, D)
+        table = torch.randperm(B * L // page, device="cuda", generator=g).to(torch.int32).reshape(B, L // page)
+    else:
+        k_cache, v_cache, table = make(B, L, Hk, D), make(B, L, Hk, D), None
+    kwargs = dict(max_seqlen_q=int(n.max()), causal=True, cache_seqlens=lens, block_table=table)
+    as_cupy = lambda x: None if x is None else cupy.from_dlpack(x)  # noqa: E731
+    want = cuflash.attention_varlen(as_cupy(q.view(torch.int16)).view(cuflash._checks.BFLOAT16),
+                                    *(as_cupy(x.view(torch.int16)).view(cuflash._checks.BFLOAT16)
+                                      for x in (k_cache, v_cache)),
+                                    as_cupy(cu), None, **{**kwargs, "cache_seqlens": as_cupy(lens),
+                                                          "block_table": as_cupy(table)})
+    for fn in (ct.attention_varlen, ct.ops.attention_varlen):
+        got = fn(q, k_cache, v_cache, cu, None, **kwargs)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(got.view(torch.int16).cpu().numpy(), want.view(cupy.int16).get())
+        with pytest.raises(ValueError, match="no backward"):
+            fn(q.clone().requires_grad_(True), k_cache, v_cache, cu, None, **kwargs)

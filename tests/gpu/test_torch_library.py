@@ -215,10 +215,29 @@ class ReferenceKernels:
 
     @staticmethod
     def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, rng_state, options):
+        if "cache_seqlens" in options:   # chunked prefill: each sequence's chunk as decode's queries
+            return ReferenceKernels._varlen_over_cache(q, k, v, cu_seqlens_q, out, options)
         o, s = reference.attention_varlen(_np(q), _np(k), _np(v), _np(cu_seqlens_q), _np(cu_seqlens_k),
                                           rng_state=rng_state, **_host(options))
         _into(out, o)
         return torch.from_numpy(s).float()
+
+    @staticmethod
+    def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, out, options):
+        cu, lens = _np(cu_seqlens_q), _np(options["cache_seqlens"])
+        table = _np(options["block_table"])
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float32)
+        for b in range(len(lens)):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            if rows.start == rows.stop:
+                continue
+            kc, vc = ((x if table is not None else x[b:b + 1]) for x in (_np(k_cache), _np(v_cache)))
+            o, s = reference.decode(_np(q)[rows][None], kc, vc, cache_seqlens=lens[b:b + 1],
+                                    block_table=None if table is None else table[b:b + 1], causal=options["causal"],
+                                    scale=options["scale"], window=options["window"], softcap=options["softcap"])
+            out[rows] = torch.from_numpy(o[0])
+            lse[:, rows] = torch.from_numpy(s[0]).float()
+        return lse
 
     @staticmethod
     def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, rng_state,
@@ -450,6 +469,40 @@ def test_value_head_dim_through_the_ops(host_kernels, entry):
     _opcheck(torch.ops.cuflash.attention_forward.default, (q.detach(), k.detach(), v.detach()), dict(causal=True))
     _opcheck(torch.ops.cuflash.attention_varlen_forward.default, (qv, kv, vv, cu, cu_k),
              dict(max_seqlen_q=3, max_seqlen_k=4))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_chunked_prefill_through_the_varlen_op(host_kernels, paged):
+    """attention_varlen over a KV cache (cache_seqlens, block_table; cu_seqlens_k None): ragged chunks of
+    new tokens already in their caches, through ops.attention_varlen and compiled ct.attention_varlen,
+    against each sequence's reference decode; inference only (a recorded gradient is refused, naming
+    the way out); opcheck of the op with the cache arguments."""
+    B, Hq, Hk, D, L, page = 3, 4, 2, 8, 40, 8
+    n = np.array([5, 0, 9])
+    lens = torch.tensor(n + np.array([7, 3, 20]), dtype=torch.int32)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32)
+    q = _rand(int(n.sum()), Hq, D, dtype=torch.float64)
+    if paged:
+        k_cache, v_cache = (_rand(B * L // page, page, Hk, D, dtype=torch.float64) for _ in range(2))
+        table = torch.randperm(B * L // page, dtype=torch.int32).reshape(B, L // page)
+    else:
+        k_cache, v_cache = (_rand(B, L, Hk, D, dtype=torch.float64) for _ in range(2))
+        table = None
+    want = torch.full(q.shape, math.nan, dtype=q.dtype)
+    want_lse = ReferenceKernels._varlen_over_cache(q, k_cache, v_cache, cu, want, dict(
+        cache_seqlens=lens, block_table=table, causal=True, scale=None, window=None, softcap=0.0))
+    kwargs = dict(max_seqlen_q=int(n.max()), causal=True, cache_seqlens=lens, block_table=table)
+    out, lse = ops.attention_varlen(q, k_cache, v_cache, cu, None, return_lse=True, **kwargs)
+    np.testing.assert_allclose(_np(out), _np(want), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_np(lse), _np(want_lse), rtol=1e-6, atol=1e-6)   # float32
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: ct.attention_varlen(*a, **kwargs), backend="aot_eager", fullgraph=True)
+    np.testing.assert_allclose(_np(compiled(q, k_cache, v_cache, cu, None)), _np(want), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="no backward.*torch.no_grad"):
+        ops.attention_varlen(q.clone().requires_grad_(True), k_cache, v_cache, cu, None, **kwargs)
+    torch._dynamo.reset()
+    _opcheck(torch.ops.cuflash.attention_varlen_forward.default, (q, k_cache, v_cache, cu, None),
+             dict(max_seqlen_q=int(n.max()), causal=True, cache_seqlens=lens, block_table=table))
 
 
 def test_gradcheck_of_the_autograd_formulas(host_kernels):
