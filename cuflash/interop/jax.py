@@ -48,7 +48,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from .. import _checks
 from ..attention import _forward_with_rng_words, _varlen_with_rng_words
 from ..backward import attention_backward, attention_varlen_backward
-from ..decode import decode as _decode
+from ..decode import decode as _decode, varlen_over_cache as _decode_varlen_over_cache
 from ..merge import merge_states as _merge_states
 from . import _jax_buffers
 from ._jax_buffers import Views, poison
@@ -528,9 +528,10 @@ def _varlen_bwd(spec, residuals, cotangents):
 _attention_varlen.defvjp(_varlen_fwd, _varlen_bwd)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                     window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
-                     deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k=None, causal=False,
+                     scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_rng=None,
+                     deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None,
+                     cache_seqlens=None, block_table=None):
     """Attention over sequences of different lengths packed without padding, differentiable.
 
     :func:`cuflash.attention_varlen` as a JAX function; ``jax.grad`` runs
@@ -561,6 +562,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         As in :func:`attention`; ``b`` is the sequence's index and ``q_idx``, ``kv_idx`` positions within
         the sequence.
+    cache_seqlens, block_table : jax.Array int32 (B,) and (B, max_pages), optional
+        Chunked prefill, as in :func:`cuflash.attention_varlen`: ``k`` and ``v`` are KV caches
+        (contiguous (B, L, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``) that
+        already hold each sequence's new tokens, ``cu_seqlens_k`` and ``max_seqlen_k`` are None; sequence
+        b's queries see its ``cache_seqlens[b]`` keys bottom-right aligned, as in :func:`decode`. Not
+        differentiable (a ValueError when differentiated), no dropout.
 
     Returns
     -------
@@ -586,6 +593,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     >>> out = jax.jit(lambda q, k, v, cu: cj.attention_varlen(q, k, v, cu, cu, max_seqlen_q=512,
     ...                                                       max_seqlen_k=512, causal=True))(q, k, v, cu)
     """
+    if cache_seqlens is not None or block_table is not None:
+        return _varlen_over_cache(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                  window, softcap, alibi_slopes, dropout_p, return_lse, score_mod, mask_mod, sinks,
+                                  cache_seqlens, block_table)
     q, k, v = check_array(q, "q"), check_array(k, "k"), check_array(v, "v")
     cu_q, cu_k = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cu_seqlens_k, "cu_seqlens_k")
     alibi = check_array(alibi_slopes, "alibi_slopes") if alibi_slopes is not None else None
@@ -608,6 +619,95 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
         ((state_words(dropout_rng),) if dropout_p else ())
     out, lse = _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+_CACHE_ARRAYS = ("block_table", "alibi_slopes", "sinks")
+_NO_CACHE_GRAD = ("cuflash.interop.jax.attention_varlen over a KV cache (cache_seqlens / block_table: chunked "
+                  "prefill) is not differentiable: apply jax.lax.stop_gradient to its inputs")
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_cache_call(q_layout, cache_layout, cu_layout, seqlens_layout, names, layouts, max_seqlen_q, causal, window,
+                       softcap, scale, command_buffers, mods=None):
+    """(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, *arrays, *modifier arrays) -> (out, lse (Hq, total_q)),
+    ``arrays`` cuflash's keyword arguments ``names`` (of _CACHE_ARRAYS)."""
+    (total_q, hq, _), _ = q_layout
+    n_arrays = len(names)
+    inputs = Views((q_layout, cache_layout, cache_layout, cu_layout, seqlens_layout, *layouts,
+                    *(mods.layouts if mods else ())))
+    result_layouts = (q_layout, ((hq, total_q), np.float32))
+    outputs = Views(result_layouts)
+    options = dict(max_seqlen_q=max_seqlen_q, causal=causal, window=window, softcap=softcap, scale=scale)
+
+    def callback(ctx, results, *args):
+        with on_xla_stream(ctx, args[0]) as where:
+            q, k_cache, v_cache, cu_q, lens, *arrays = inputs(args, where.device)
+            out, lse = outputs(results, where.device)
+            if _jax_buffers.POISON:
+                poison((out, lse))
+            score_mod, mask_mod = mods.rebuild(arrays[n_arrays:]) if mods is not None else (None, None)
+            # check=False: bad offsets or lengths are found on the GPU, as in attention_varlen.
+            _decode_varlen_over_cache(q, k_cache, v_cache, cu_q, cache_seqlens=lens, out=out, lse=lse,
+                                      return_lse=True, check=False, score_mod=score_mod, mask_mod=mask_mod,
+                                      **options, **dict(zip(names, arrays[:n_arrays])))
+
+    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                           command_buffer_compatible=command_buffers)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _refusing_grad(call, *operands):
+    return tuple(call(*operands))
+
+
+def _refusing_grad_fwd(call, *operands):
+    raise ValueError(_NO_CACHE_GRAD)
+
+
+def _refusing_grad_bwd(call, residuals, cotangents):   # pragma: no cover - the forward refuses first
+    raise ValueError(_NO_CACHE_GRAD)
+
+
+_refusing_grad.defvjp(_refusing_grad_fwd, _refusing_grad_bwd)
+
+
+def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                       window, softcap, alibi_slopes, dropout_p, return_lse, score_mod, mask_mod, sinks,
+                       cache_seqlens, block_table):
+    """:func:`attention_varlen` with ``cache_seqlens`` / ``block_table`` (chunked prefill): the checks
+    of :func:`cuflash.attention_varlen` over a cache at trace time (decode's on a (B, max_seqlen_q, Hq,
+    D) stand-in of q), then one buffer_callback."""
+    if cu_seqlens_k is not None or max_seqlen_k is not None:
+        raise ValueError("cu_seqlens_k and max_seqlen_k must be None with cache_seqlens/block_table: the caches "
+                         "hold the keys")
+    if dropout_p:
+        raise ValueError("dropout_p must be 0 with cache_seqlens/block_table (attention over a KV cache)")
+    if cache_seqlens is None:
+        raise ValueError("block_table needs cache_seqlens (each sequence's keys in its cache)")
+    q, k_cache, v_cache = check_array(q, "q"), check_array(k_cache, "k"), check_array(v_cache, "v")
+    cu_q, lens = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cache_seqlens, "cache_seqlens")
+    given = {name: check_array(x, name) for name, x in zip(_CACHE_ARRAYS, (block_table, alibi_slopes, sinks))
+             if x is not None}
+    _checks.check_rank(q, 3, "q", "(total_q, heads, head_dim)")
+    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 0:
+        raise TypeError(f"max_seqlen_q must be an int >= 0 (a static bound of the chunks' lengths), got {max_seqlen_q!r}")
+    batch = lens.shape[0] if lens.ndim == 1 else -1
+    if cu_q.dtype != np.int32 or tuple(cu_q.shape) != (batch + 1,):
+        raise ValueError(f"cu_seqlens_q must be int32 of shape (B + 1,) = ({batch + 1},) for the B of cache_seqlens, "
+                         f"got {cu_q.dtype} {tuple(cu_q.shape)}")
+    stand_in = _sds((batch, int(max_seqlen_q), *q.shape[1:]), q.dtype)
+    _, causal, window, softcap, scale = check_decode(
+        stand_in, k_cache, v_cache, cache_seqlens=lens, k_new=None, v_new=None, num_splits=0, causal=causal,
+        window=window, softcap=softcap, scale=scale, mask=None, **{n: given.get(n) for n in _CACHE_ARRAYS})
+    return_lse = _checks.check_flag(return_lse, "return_lse")
+    mods, mod_arrays = split_modifiers(score_mod, mask_mod)
+    call = _varlen_cache_call(_layout(q), _layout(k_cache), _layout(cu_q), _layout(lens), tuple(given),
+                              tuple(_layout(x) for x in given.values()), int(max_seqlen_q), causal, window, softcap,
+                              scale, _command_buffers(q.shape[-1]), mods)
+    out, lse = _refusing_grad(call, q, k_cache, v_cache, cu_q, lens, *given.values(), *mod_arrays)
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- decode and merge

@@ -43,6 +43,32 @@ def test_a_value_head_dim_of_its_own():
     assert [g.shape for g in grads] == [qv.shape, kv.shape, vv.shape]
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_chunked_prefill_over_a_cache(paged):
+    """attention_varlen with cache_seqlens / block_table: out (total_q, Hq, D) and lse (Hq, total_q) when
+    traced; refused when differentiated, with cu_seqlens_k or dropout, or with offsets that do not match
+    the batch of cache_seqlens (each naming the argument)."""
+    q, cu, lens = S((70, 8, 64), BF16), S((4,), jnp.int32), S((3,), jnp.int32)
+    cache = S((24, 16, 2, 64), BF16) if paged else S((3, 128, 2, 64), BF16)
+    table = S((3, 8), jnp.int32) if paged else None
+
+    def chunked(q, kc, vc, cu, lens, **extra):
+        return cj.attention_varlen(q, kc, vc, cu, None, max_seqlen_q=40, causal=True, cache_seqlens=lens,
+                                   block_table=None if table is None else jnp.zeros((3, 8), jnp.int32), **extra)
+
+    out, lse = jax.eval_shape(lambda *a: chunked(*a, return_lse=True), q, cache, cache, cu, lens)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((70, 8, 64), BF16, (8, 70), F32)
+    with pytest.raises(ValueError, match="not differentiable"):
+        jax.eval_shape(jax.grad(lambda q, *a: chunked(q, *a).astype(F32).sum()), q, cache, cache, cu, lens)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        jax.eval_shape(lambda q, kc, vc, cu, lens: cj.attention_varlen(q, kc, vc, cu, cu, max_seqlen_q=40,
+                                                                       cache_seqlens=lens), q, cache, cache, cu, lens)
+    with pytest.raises(ValueError, match="dropout_p"):
+        jax.eval_shape(lambda *a: chunked(*a, dropout_p=0.1), q, cache, cache, cu, lens)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        jax.eval_shape(chunked, q, cache, cache, S((5,), jnp.int32), lens)
+
+
 def test_gradient_shapes_through_scan_and_checkpoint():
     x = S((2, 64, 4, 32), BF16)
     keys = S((3,), jax.random.key(0).dtype)

@@ -480,3 +480,29 @@ def test_training_step_tracks_jax_attention():
     assert ours[-1] < 0.75 * ours[0], f"the loss did not fall: {ours[0]:.3f} -> {ours[-1]:.3f}"
     worst = np.max(np.abs(ours - theirs) / theirs)
     assert worst <= 0.01, f"losses differ by up to {worst:.2%} (ours {ours[-5:]}, jax's {theirs[-5:]})"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_chunked_prefill_over_a_cache_equals_cupy(paged):
+    """cj.attention_varlen over a KV cache inside jax.jit (cache_seqlens, block_table): out and lse are
+    cuflash.attention_varlen's bits from CuPy (the same kernel)."""
+    rng = np.random.default_rng()
+    B, Hq, Hk, D, L, page = 3, 8, 2, 128, 512, 64
+    n = np.array([37, 0, 150])
+    lens = (n + np.array([100, 5, 300])).astype(np.int32)
+    cu = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+    bf16 = cuflash._checks.BFLOAT16
+    q = rng.standard_normal((int(n.sum()), Hq, D), dtype=np.float32).astype(bf16)
+    cache_shape = (B * L // page, page, Hk, D) if paged else (B, L, Hk, D)
+    k_cache, v_cache = (rng.standard_normal(cache_shape, dtype=np.float32).astype(bf16) for _ in range(2))
+    table = rng.permutation(B * L // page).astype(np.int32).reshape(B, L // page) if paged else None
+    want, want_lse = cuflash.attention_varlen(
+        cupy.asarray(q), cupy.asarray(k_cache), cupy.asarray(v_cache), cupy.asarray(cu), None,
+        max_seqlen_q=int(n.max()), causal=True, cache_seqlens=cupy.asarray(lens),
+        block_table=None if table is None else cupy.asarray(table), return_lse=True)
+    step = jax.jit(lambda q, kc, vc, cu, lens, t: cj.attention_varlen(
+        q, kc, vc, cu, None, max_seqlen_q=int(n.max()), causal=True, cache_seqlens=lens, block_table=t,
+        return_lse=True))
+    out, lse = step(*(None if x is None else jnp.asarray(x) for x in (q, k_cache, v_cache, cu, lens, table)))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), want.view(cupy.uint16).get())
+    np.testing.assert_array_equal(np.asarray(lse), want_lse.get())
