@@ -90,6 +90,32 @@ def test_fwd_sm90_compiles_v_at_its_own_head_dim(d, dv):
         fwd_sm90.plan("bfloat16", d, score_mods=False, dropout=False, consumers=3, head_dim_v=dv)
 
 
+def test_a_hopper_routes_pairs_to_fwd_sm90_only_when_switched_on(monkeypatch):
+    """Unforced forwards of a pair stay on fwd_sm80 until SM90_PAIRS_BY_DEFAULT (fwd_sm90's pair path has
+    not run on a GPU yet); forcing fwd_sm90 runs it; square calls keep fwd_sm90."""
+    import types
+
+    from cuflash import _forward_plan
+
+    monkeypatch.setattr(_forward_plan, "device_arch", lambda: "sm_90a")
+
+    def layout(d):   # what TMA can read: contiguous, a 16-byte aligned base
+        shape = (1, 64, 2, d)
+        strides = tuple(int(2 * np.prod(shape[i + 1:])) for i in range(4))
+        return types.SimpleNamespace(shape=shape, strides=strides, itemsize=2, data=types.SimpleNamespace(ptr=256))
+
+    q, k, v = layout(192), layout(192), layout(128)
+    assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm80"
+    assert _forward_plan._choose_family("bfloat16", q, k, layout(192)) == "fwd_sm90"
+    token = _forward_plan._forced_family.set("fwd_sm90")
+    try:
+        assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm90"
+    finally:
+        _forward_plan._forced_family.reset(token)
+    monkeypatch.setattr(fwd_sm90, "SM90_PAIRS_BY_DEFAULT", True)
+    assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm90"
+
+
 def test_fwd_sm90_refuses_head_dims_past_256():
     assert "(64, 512)" in fwd_sm90.value_head_dim_obstacle(64, 512)
     with pytest.raises(ValueError, match=r"\(64, 512\)"):
