@@ -967,7 +967,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
-        const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2, blocks_whole);
+        const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2,
+                                                 blocks_whole);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {
@@ -1223,7 +1224,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         const bool whole =
-            take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2, blocks_whole);
+            take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2,
+                                  blocks_whole);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         wgmma_wait<0>();
         fence_registers(dp_flat);

@@ -78,7 +78,8 @@ __device__ __forceinline__ void hide_masked_scores(float (&acc_s)[kMTiles][kNTil
     hide_scores<kMods, 2 * kMTiles, 2 * kNTiles, false>(
         p, s, rows, cols, [&](int r, int c) -> float& { return acc_s[r / 2][c / 2][2 * (r % 2) + c % 2]; },
         [&](int r, int c) {
-            return rows[r] < s.seqlen_q && cols[c] < s.seqlen_k && acc_s[r / 2][c / 2][2 * (r % 2) + c % 2] != -CUFLASH_INF;
+            return rows[r] < s.seqlen_q && cols[c] < s.seqlen_k &&
+                   acc_s[r / 2][c / 2][2 * (r % 2) + c % 2] != -CUFLASH_INF;
         });
 }
 

@@ -24,9 +24,10 @@
 // +0.01-0.05 of cuDNN at first, and cost 0.00-0.03 once the producer issued V after the next K
 // (docs/decisions.md#fwd-sm90-uncoupled-consumers).
 //
-// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256 (Q and K), CUFLASH_HEAD_DIM_V
-// 64/128/256 (V and O; default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_N (64 or 128 keys), CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3,
-// CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
+// Compile-time configuration: CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM 64/128/256 (Q and K),
+// CUFLASH_HEAD_DIM_V 64/128/256 (V and O; default CUFLASH_HEAD_DIM), CUFLASH_BLOCK_N (64 or 128 keys),
+// CUFLASH_Q_SLOTS 1/2, CUFLASH_STAGES (K/V ring depth), CUFLASH_CONSUMERS 2/3, CUFLASH_SCORE_MODS (bit
+// mask, mask.cuh), CUFLASH_DROPOUT, CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE.
 #include "common.cuh"
 #include "params.cuh"
 #include "fault.cuh"
@@ -608,9 +609,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #ifndef CUFLASH_HEAD_DIM_V
 #define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
 #endif
-using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS, CUFLASH_STAGES,
-                                      CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS,
-                                      CUFLASH_DROPOUT != 0>;
+using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS,
+                                      CUFLASH_STAGES, CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

@@ -282,7 +282,8 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
-    return q.new_empty(_out_shape(q, v)), q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
+    out = q.new_empty(_out_shape(q, v))
+    return out, q.new_empty((b, hq, sq), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
 def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale,
@@ -431,7 +432,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes=None, rng_state=None, ma
     _check_rank(q, 3, "q", _THD)
     total_q, hq, _ = q.shape
     _check_sinks_shape(sinks, hq)
-    return q.new_empty(_out_shape(q, v)), q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
+    out = q.new_empty(_out_shape(q, v))
+    return out, q.new_empty((hq, total_q), dtype=torch.float32), _fake_state(dropout_p, q.device)
 
 
 @_op("attention_varlen_backward")

@@ -200,7 +200,8 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
                     ((b, hq, sq), np.float32), *spec.array_layouts, *spec.mod_layouts(),
                     *((_RNG_LAYOUT,) if dropout else ())))
     bias_layout = spec.array_layouts[spec.arrays.index("bias")] if want_dbias else None
-    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), *((bias_layout,) if want_dbias else ()),
+    result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype),
+                      *((bias_layout,) if want_dbias else ()),
                       *((((hq,), np.float32),) if want_dsinks else ()))
     outputs = Views(result_layouts)
     options, names = spec.options(), spec.arrays
@@ -692,7 +693,8 @@ def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
              if x is not None}
     _checks.check_rank(q, 3, "q", "(total_q, heads, head_dim)")
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 0:
-        raise TypeError(f"max_seqlen_q must be an int >= 0 (a static bound of the chunks' lengths), got {max_seqlen_q!r}")
+        raise TypeError(f"max_seqlen_q must be an int >= 0 (a static bound of the chunks' lengths), got "
+                        f"{max_seqlen_q!r}")
     batch = lens.shape[0] if lens.ndim == 1 else -1
     if cu_q.dtype != np.int32 or tuple(cu_q.shape) != (batch + 1,):
         raise ValueError(f"cu_seqlens_q must be int32 of shape (B + 1,) = ({batch + 1},) for the B of cache_seqlens, "
