@@ -23,7 +23,7 @@ from ..kernels import decode as _decode_kernels
 from ..kernels.common import MAX_HEAD_DIM
 
 __all__ = ["check_array", "check_attention", "check_decode", "check_dropout_rng", "check_kv_format", "check_kv_scales",
-           "check_merge", "check_varlen"]
+           "check_merge", "check_varlen", "check_varlen_over_cache"]
 
 #: The fp8 cache format that float8_e4m3fn caches imply (cuflash.decode's kv_dtype), and its dtype.
 FP8 = "float8_e4m3fn"
@@ -154,6 +154,36 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqle
     if sinks is not None:
         _check_sinks(sinks, hq)
     return (int(max_seqlen_q), int(max_seqlen_k), *options, _checks.check_flag(deterministic, "deterministic"))
+
+
+def check_varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k,
+                            cache_seqlens, block_table, causal, scale, window, softcap, alibi_slopes, dropout_p,
+                            sinks) -> tuple:
+    """The checks of :func:`cuflash.attention_varlen` over a KV cache (chunked prefill) that need no data:
+    q (total_q, Hq, D), ``cu_seqlens_q`` one longer than ``cache_seqlens``, no ``cu_seqlens_k`` nor dropout,
+    then :func:`check_decode`'s on a (B, max_seqlen_q, Hq, D) stand-in of q. Returns (max_seqlen_q,
+    causal, window, softcap, scale)."""
+    if cu_seqlens_k is not None or max_seqlen_k is not None:
+        raise ValueError("cu_seqlens_k and max_seqlen_k must be None with cache_seqlens/block_table: the caches "
+                         "hold the keys")
+    if dropout_p:
+        raise ValueError("dropout_p must be 0 with cache_seqlens/block_table (attention over a KV cache)")
+    if cache_seqlens is None:
+        raise ValueError("block_table needs cache_seqlens (each sequence's keys in its cache)")
+    _checks.check_rank(q, 3, "q", "(total_q, heads, head_dim)")
+    if cache_seqlens.ndim != 1:
+        raise ValueError(f"cache_seqlens must have shape (B,), got {tuple(cache_seqlens.shape)}")
+    batch = cache_seqlens.shape[0]
+    _check_int32(cu_seqlens_q, "cu_seqlens_q", (batch + 1,))
+    max_q = _checks.check_max_seqlen(max_seqlen_q, "max_seqlen_q", q.shape[0])
+    import jax
+
+    stand_in = jax.ShapeDtypeStruct((batch, max_q, *q.shape[1:]), q.dtype)
+    _, causal, window, softcap, scale = check_decode(
+        stand_in, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=None, v_new=None,
+        num_splits=0, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes, scale=scale,
+        mask=None, sinks=sinks)
+    return max_q, causal, window, softcap, scale
 
 
 def check_kv_format(k_cache, v_cache, kv_dtype) -> tuple:

@@ -53,7 +53,7 @@ from ..merge import merge_states as _merge_states
 from . import _jax_buffers
 from ._jax_buffers import Views, poison
 from ._jax_checks import (check_array, check_attention, check_decode, check_dropout_rng, check_kv_format,
-                          check_kv_scales, check_merge, check_varlen)
+                          check_kv_scales, check_merge, check_varlen, check_varlen_over_cache)
 from ._jax_modifiers import check_differentiable
 from ._jax_modifiers import split as split_modifiers
 from ._jax_rng import state_words
@@ -677,32 +677,17 @@ _refusing_grad.defvjp(_refusing_grad_fwd, _refusing_grad_bwd)
 def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                        window, softcap, alibi_slopes, dropout_p, return_lse, score_mod, mask_mod, sinks,
                        cache_seqlens, block_table):
-    """:func:`attention_varlen` with ``cache_seqlens`` / ``block_table`` (chunked prefill): the checks
-    of :func:`cuflash.attention_varlen` over a cache at trace time (decode's on a (B, max_seqlen_q, Hq,
-    D) stand-in of q), then one buffer_callback."""
-    if cu_seqlens_k is not None or max_seqlen_k is not None:
-        raise ValueError("cu_seqlens_k and max_seqlen_k must be None with cache_seqlens/block_table: the caches "
-                         "hold the keys")
-    if dropout_p:
-        raise ValueError("dropout_p must be 0 with cache_seqlens/block_table (attention over a KV cache)")
-    if cache_seqlens is None:
-        raise ValueError("block_table needs cache_seqlens (each sequence's keys in its cache)")
+    """:func:`attention_varlen` with ``cache_seqlens`` / ``block_table`` (chunked prefill): the trace-time
+    checks (:func:`check_varlen_over_cache`), then one buffer_callback."""
     q, k_cache, v_cache = check_array(q, "q"), check_array(k_cache, "k"), check_array(v_cache, "v")
-    cu_q, lens = check_array(cu_seqlens_q, "cu_seqlens_q"), check_array(cache_seqlens, "cache_seqlens")
+    cu_q = check_array(cu_seqlens_q, "cu_seqlens_q")
+    lens = check_array(cache_seqlens, "cache_seqlens") if cache_seqlens is not None else None
     given = {name: check_array(x, name) for name, x in zip(_CACHE_ARRAYS, (block_table, alibi_slopes, sinks))
              if x is not None}
-    _checks.check_rank(q, 3, "q", "(total_q, heads, head_dim)")
-    if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer)) or max_seqlen_q < 0:
-        raise TypeError(f"max_seqlen_q must be an int >= 0 (a static bound of the chunks' lengths), got "
-                        f"{max_seqlen_q!r}")
-    batch = lens.shape[0] if lens.ndim == 1 else -1
-    if cu_q.dtype != np.int32 or tuple(cu_q.shape) != (batch + 1,):
-        raise ValueError(f"cu_seqlens_q must be int32 of shape (B + 1,) = ({batch + 1},) for the B of cache_seqlens, "
-                         f"got {cu_q.dtype} {tuple(cu_q.shape)}")
-    stand_in = _sds((batch, int(max_seqlen_q), *q.shape[1:]), q.dtype)
-    _, causal, window, softcap, scale = check_decode(
-        stand_in, k_cache, v_cache, cache_seqlens=lens, k_new=None, v_new=None, num_splits=0, causal=causal,
-        window=window, softcap=softcap, scale=scale, mask=None, **{n: given.get(n) for n in _CACHE_ARRAYS})
+    max_seqlen_q, causal, window, softcap, scale = check_varlen_over_cache(
+        q, k_cache, v_cache, cu_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        cache_seqlens=lens, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
+        **{n: given.get(n) for n in _CACHE_ARRAYS})
     return_lse = _checks.check_flag(return_lse, "return_lse")
     mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     call = _varlen_cache_call(_layout(q), _layout(k_cache), _layout(cu_q), _layout(lens), tuple(given),
