@@ -53,8 +53,6 @@ def _choose_family(dtype_name: str, q, k, v) -> str:
         return forced
     if forced == "fwd_sm80":
         return forced
-    if q.shape[-1] != v.shape[-1] and not kernels.fwd_sm90.SM90_PAIRS_BY_DEFAULT:
-        return "fwd_sm80"   # (fwd_sm90 runs such pairs when forced, until its GPU tests have passed)
     return "fwd_sm90" if obstacle is None and _is_hopper() else "fwd_sm80"
 
 

@@ -88,12 +88,6 @@ def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = Non
     return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes
 
 
-#: Whether a Hopper runs the forward of a value head dim of its own on fwd_sm90 unless told otherwise
-#: (``cuflash.force_kernel``). Off until its GPU tests have run (tests/gpu/test_head_dim_v.py, the sm90
-#: families, force it): unforced calls keep the fwd_sm80 path those tests have checked.
-SM90_PAIRS_BY_DEFAULT = False
-
-
 def value_head_dim_obstacle(head_dim: int, head_dim_v: int | None) -> str | None:
     """Why fwd_sm90 cannot run v with head dim ``head_dim_v`` beside q's ``head_dim`` (run-time, padded
     to 8), or None. Each is compiled at the next of SM90_HEAD_DIMS (Q and K at one, V and O at the

@@ -90,9 +90,9 @@ def test_fwd_sm90_compiles_v_at_its_own_head_dim(d, dv):
         fwd_sm90.plan("bfloat16", d, score_mods=False, dropout=False, consumers=3, head_dim_v=dv)
 
 
-def test_a_hopper_routes_pairs_to_fwd_sm90_only_when_switched_on(monkeypatch):
-    """Unforced forwards of a pair stay on fwd_sm80 until SM90_PAIRS_BY_DEFAULT (fwd_sm90's pair path has
-    not run on a GPU yet); forcing fwd_sm90 runs it; square calls keep fwd_sm90."""
+def test_a_hopper_routes_pairs_to_fwd_sm90(monkeypatch):
+    """Unforced forwards of a pair run on fwd_sm90 on a Hopper, as square calls do; forcing fwd_sm80
+    keeps them there."""
     import types
 
     from cuflash import _forward_plan
@@ -105,15 +105,13 @@ def test_a_hopper_routes_pairs_to_fwd_sm90_only_when_switched_on(monkeypatch):
         return types.SimpleNamespace(shape=shape, strides=strides, itemsize=2, data=types.SimpleNamespace(ptr=256))
 
     q, k, v = layout(192), layout(192), layout(128)
-    assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm80"
     assert _forward_plan._choose_family("bfloat16", q, k, layout(192)) == "fwd_sm90"
-    token = _forward_plan._forced_family.set("fwd_sm90")
+    assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm90"
+    token = _forward_plan._forced_family.set("fwd_sm80")
     try:
-        assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm90"
+        assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm80"
     finally:
         _forward_plan._forced_family.reset(token)
-    monkeypatch.setattr(fwd_sm90, "SM90_PAIRS_BY_DEFAULT", True)
-    assert _forward_plan._choose_family("bfloat16", q, k, v) == "fwd_sm90"
 
 
 def test_fwd_sm90_refuses_head_dims_past_256():

@@ -5,9 +5,7 @@ Semantics (docs/design.md §2b): out, dout and dv have v's head dim; the default
 1/sqrt(D_qk); lse is unchanged. fwd_sm80/bwd_sm80 (float16, bfloat16) run the pairs (192, 128),
 (128, 64), (64, 128) (and any pair of their compiled head dims), fwd_sm90 (float16, bfloat16, a
 Hopper) any pair up to 256, fwd_simt/bwd_simt (float32) any pair; bwd_sm90 does not (forcing it
-raises a ValueError naming the pair; unforced backward calls on a Hopper run on bwd_sm80). Unforced
-forwards of a pair run on fwd_sm80 until fwd_sm90's are switched on by default
-(cuflash.kernels.fwd_sm90.SM90_PAIRS_BY_DEFAULT, once these tests have passed on a Hopper).
+raises a ValueError naming the pair; unforced backward calls on a Hopper run on bwd_sm80).
 
 Each test forces one family (``cuflash.force_kernel`` / ``cuflash.backward.force_kernel``).
 hypothesis draws Sq, Sk straddling the tiles (1, 17, 113, 300), GQA, causal and windows, the dtypes,
@@ -188,8 +186,8 @@ def test_varlen(fwd, bwd, dtype, deterministic):
 
 @pytest.mark.parametrize("pair", PAIRS)
 def test_unforced_runs_where_it_can(pair):
-    """Without a forced family the call runs (on a Hopper: fwd_sm80, or fwd_sm90 with
-    cuflash.kernels.fwd_sm90.SM90_PAIRS_BY_DEFAULT; bwd_sm80) and matches the reference."""
+    """Without a forced family the call runs (on a Hopper: fwd_sm90, then bwd_sm80) and matches the
+    reference."""
     problem = dict(B=1, Sq=113, Sk=300, heads=(4, 2), pair=pair, seed=_seed(pair))
     q, k, v, dout = _data(problem, "bfloat16")
     out, lse, _ = cuflash.attention_forward(q, k, v, causal=True)
