@@ -36,9 +36,12 @@
 // fp8 caches (CUFLASH_KV_FP8 = 1, fp16/bf16 q only): the cache holds float8_e4m3fn bytes standing for
 // value * k_scale (v_scale), a scale per tensor or per kv head (p.k_scale / p.v_scale, or the values
 // p.k_scale_value / p.v_scale_value). The stages hold the bytes (half the bytes of a 16-bit cache in
-// flight); each warp converts its own 16 keys of a stage into a 16-bit tile of its own (exactly: every
-// e4m3 value is an fp16 and a bf16 value; e4m3_pair_to below) and runs the mma path on it unchanged.
-// The scales stay out of the 16-bit values, so nothing is rounded twice: k_scale multiplies the
+// flight) and the mma reads them through ldmatrix as they are: each lane's bytes become fp16 mma
+// operands in registers (exactly: every e4m3 value is an fp16 value; e4m3x2_to_f16x2 below), with the
+// contraction's order permuted to fit where the bytes land (q's columns for S = Q K^T; O's columns for
+// P V, restored when O is stored; mma_scores_fp8, mma_pv_fp8). The products run in fp16 whatever q's
+// type: bf16 q rows are scaled by a power of two into fp16's range (load_q_tile_fp8), which the scores
+// undo. The scales stay out of the 16-bit values, so nothing is rounded twice: k_scale multiplies the
 // float32 scores S = Q K^T, v_scale the float32 output rows (before the splits' partials are
 // written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
 // even and saturated at 448 (quantize_e4m3), both into the cache and into the tile that attends them.
@@ -68,40 +71,32 @@ namespace cuflash {
 // The type of one of two paths (no <type_traits> under NVRTC); the other is never instantiated.
 template <bool kFirst, class A, class B> struct Select { using type = A; };
 template <class A, class B> struct Select<false, A, B> { using type = B; };
+template <class A, class B> struct Same { static constexpr bool value = false; };
+template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
 // ---- float8_e4m3fn (fp8 caches)
 //
-// Two e4m3 bytes, each in the high byte of a 16-bit half of t (b << 8), to two 16-bit values of
-// elem_t, exactly. The byte's 7 magnitude bits eeeemmm are shifted into the half's exponent and
-// mantissa fields, which reads as the value times 2^-8 (fp16: exponent bias 15 = 7 + 8) or 2^-120
-// (bf16: 127 = 7 + 120), e4m3 subnormals (e = 0) as that type's subnormals; one packed fma by 2^8
-// (2^120) restores the value, exact for both (no .ftz: subnormals are kept). 0x7f (NaN) gets an
-// all-ones exponent first, so it stays NaN. No lookup table and no CUDA header (cuda_fp8.h); the same
-// instructions on sm_80 and sm_90 (one path to test).
-template <typename T> __device__ __forceinline__ unsigned e4m3_pair_to(unsigned t);
-template <> __device__ __forceinline__ unsigned e4m3_pair_to<half_t>(unsigned t) {
+// Two e4m3 bytes (x's low byte to the low half) to an fp16 pair, exactly. sm_89 and later convert
+// them in one instruction. Before that: each byte is moved into the high byte of a 16-bit half, its 7
+// magnitude bits eeeemmm shifted into the half's exponent and mantissa fields, which reads as the
+// value times 2^-8 (exponent bias 15 = 7 + 8), e4m3 subnormals (e = 0) as fp16 subnormals; one packed
+// fma by 2^8 restores the value (no .ftz: subnormals are kept). 0x7f (NaN) gets an all-ones exponent
+// first, so it stays NaN. No lookup table and no CUDA header (cuda_fp8.h).
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short x) {
+    unsigned r;
+#if __CUDA_ARCH__ >= 890
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+#else
+    const unsigned t = __byte_perm(unsigned(x), 0u, 0x1404);   // byte 0 -> bits 8..15, byte 1 -> 24..31
     const unsigned mag = t & 0x7f007f00u;
     const unsigned nan = ((mag + 0x01000100u) & 0x80008000u) >> 15;   // 1 in each half that held 0x7f
     const unsigned h = (t & 0x80008000u) | (mag >> 1) | nan * 0x7c00u;
-    unsigned r;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x5c005c00u), "r"(0x80008000u));   // x 256, + -0
+#endif
     return r;
 }
-template <> __device__ __forceinline__ unsigned e4m3_pair_to<bfloat16_t>(unsigned t) {
-    const unsigned mag = t & 0x7f007f00u;
-    const unsigned nan = ((mag + 0x01000100u) & 0x80008000u) >> 15;
-    const unsigned h = (t & 0x80008000u) | (mag >> 4) | nan * 0x7f80u;
-    unsigned r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(h), "r"(0x7b807b80u), "r"(0x80008000u));   // x 2^120
-    return r;
-}
-
-// Eight e4m3 bytes to eight elem_t values (one 16-byte chunk), in memory order.
-template <typename T>
-__device__ __forceinline__ uint4 e4m3x8_to(uint2 x) {
-    return make_uint4(e4m3_pair_to<T>(__byte_perm(x.x, 0u, 0x1404)), e4m3_pair_to<T>(__byte_perm(x.x, 0u, 0x3424)),
-                      e4m3_pair_to<T>(__byte_perm(x.y, 0u, 0x1404)), e4m3_pair_to<T>(__byte_perm(x.y, 0u, 0x3424)));
-}
+__device__ __forceinline__ unsigned e4m3_low_pair(unsigned w) { return e4m3x2_to_f16x2(w & 0xffffu); }
+__device__ __forceinline__ unsigned e4m3_high_pair(unsigned w) { return e4m3x2_to_f16x2(w >> 16); }
 
 // The e4m3 byte of x / scale, as cuflash.reference quantises (ml_dtypes): the quotient rounded to
 // float32 (div.rn: the same float as rounding the float64 quotient, 53 >= 2 * 24 + 2), NaN stays NaN
@@ -157,9 +152,11 @@ struct DecodeConfig {
     static constexpr bool kMla = kMla_;
     static constexpr int kVCols = kMla ? 256 : kHeadDim;      // O columns a CTA holds
     static constexpr int kTilesPerStage = kMla ? 1 : 2;        // K and V, or K alone
-    // fp8 caches: the stages hold e4m3 bytes (cache_t), converted per warp into conv tiles of elem_t.
+    // fp8 caches: the stages hold e4m3 bytes (cache_t); the mma operands are fp16 (mma_t) whatever q's type.
     static constexpr bool kFp8 = kFp8_;
     using cache_t = typename Select<kFp8, unsigned char, elem_t>::type;
+    using mma_t = typename Select<kFp8, half_t, elem_t>::type;
+    static constexpr bool kScaledQ = kFp8 && Same<elem_t, bfloat16_t>::value;   // load_q_tile_fp8
     // Score modifiers compiled in (mask.cuh): softcap and ALiBi from p.score, the mask is decode's own,
     // and a user ScoreMod / MaskMod (their functions compiled ahead of this source, their arguments in
     // p.score.user; see decode_score for the positions they see).
@@ -176,8 +173,6 @@ struct DecodeConfig {
     static constexpr int kChunksPerRow = kHeadDim / kCacheChunkElems;     // 16-byte copies per cache row
     static constexpr int kTileElems = kBlockN * kHeadDim;          // one K (or V) stage tile, cache_t
     static constexpr int kTileBytes = kTileElems * int(sizeof(cache_t));
-    // fp8: per warp a K and a V tile of its kKeysPerWarp keys in elem_t (the mma path's swizzled layout).
-    static constexpr int kConvElems = kFp8 ? kNWarps * 2 * kKeysPerWarp * kHeadDim : 0;
     static constexpr int kLanesPerKey = 32 / kKeysPerWarp;         // float32 path: lanes sharing a key's dot
     static constexpr bool kQInRegs = !kSimt && kHeadDim <= 128;    // Q fragments fit beside the O accumulators
     // Copies unrolled per loop step: all of them, except beside the large O accumulators of head dims
@@ -191,8 +186,10 @@ struct DecodeConfig {
     static constexpr int kMaxSplits = 128;
     static_assert(kCombFloats >= kMaxSplits * kBlockM, "the split weights must fit the combine buffer");
     static constexpr int kPFloats = kSimt ? kNWarps * kBlockM * kKeysPerWarp : 0;   // float32 P per warp
-    static constexpr int kSmemBytes = (kBlockM * kHeadDim + kConvElems) * int(sizeof(elem_t)) +
-                                      kTilesPerStage * kStages * kTileBytes + 4 * kPFloats;
+    // The K/V stages, which the combine buffer reuses: fp8 stages of few keys can be the smaller.
+    static constexpr int kStageBytes = kTilesPerStage * kStages * kTileBytes;
+    static constexpr int kStageRegionBytes = kStageBytes > 4 * kCombFloats ? kStageBytes : 4 * kCombFloats;
+    static constexpr int kSmemBytes = kBlockM * kHeadDim * int(sizeof(elem_t)) + kStageRegionBytes + 4 * kPFloats;
     static_assert(!kFp8 || (!kSimt && kKeysPerWarp == 16), "fp8 caches: fp16/bf16 queries (mma path)");
     static_assert(!kMla || (!kSimt && !kFp8 && kHeadDim >= kVCols), "MLA: fp16/bf16 latent rows of >= 256 columns");
 
@@ -203,16 +200,46 @@ struct DecodeConfig {
                   "float32 path: float4 columns per lane, whole lane groups per key");
     static_assert((kBlockN * kChunksPerRow) % kNThreads == 0, "every thread copies the same number of chunks");
     static_assert(kBlockN <= kNThreads, "paged caches: one thread looks up each key row of a tile");
-    static_assert(kCombFloats * 4 <= kTilesPerStage * kStages * kTileBytes + kConvElems * int(sizeof(elem_t)),
-                  "the combine buffer must fit in the K/V stages (and fp8 conv tiles) it reuses");
+    static_assert(kFp8 || kCombFloats * 4 <= kStageBytes, "16-bit stages hold the combine buffer they become");
+};
+
+// fp8 stages: rows of kHeadDim bytes whose 16-byte chunks are XORed with a function of the row, so
+// that the 8 consecutive rows one ldmatrix phase reads at a chunk fall in 8 bank groups: row % 8 for
+// rows of a multiple of 128 bytes; (row / 2) % 4 for rows of 64 and 192 bytes, where rows 2r and 2r + 1
+// already sit 64 bytes apart (the XOR stays inside the row's aligned group of 4 chunks).
+template <int kHeadDim>
+__device__ __forceinline__ int fp8_chunk_xor(int row) {
+    return kHeadDim % 128 == 0 ? row & 7 : (row >> 1) & 3;
+}
+
+// A lane's ldmatrix addresses into an fp8 stage for the x4 reads of 16 keys x 32 bytes that
+// mma_scores_fp8 and mma_pv_fp8 make: lanes 8m..8m+7 give the rows of matrix m, keys (m % 2) * 8 + 0..7
+// and chunk 2 * step + m / 2. As SwizzledLanes: the XOR patterns repeat every kPeriod steps, so an
+// address is one of kPeriod registers plus an immediate.
+template <int kHeadDim>
+struct Fp8Lanes {
+    static constexpr int kPeriod = kHeadDim % 128 == 0 ? 4 : 2;   // steps per 128 (64) bytes of XOR pattern
+    unsigned row_offset;
+    unsigned xor_off[kPeriod];
+
+    __device__ __forceinline__ explicit Fp8Lanes(int lane) {
+        const int row = lane % 8 + ((lane / 8) % 2) * 8, half = lane / 16;
+        row_offset = row * kHeadDim;
+#pragma unroll
+        for (int v = 0; v < kPeriod; ++v) xor_off[v] = ((2 * v + half) ^ fp8_chunk_xor<kHeadDim>(row)) * 16;
+    }
+    // Shared-space address of 32-byte step `step` (compile-time after unrolling) for keys from key0 (a
+    // multiple of 16, which leaves the XOR pattern as it is).
+    __device__ __forceinline__ unsigned at(unsigned tile, int step, int key0) const {
+        return tile + row_offset + xor_off[step % kPeriod] + (step / kPeriod) * (kPeriod * 32) + key0 * kHeadDim;
+    }
 };
 
 // Element offset of (row, col) inside a K/V stage tile; col is the first column of a 16-byte chunk.
 template <class C>
 __device__ __forceinline__ int tile_offset(int row, int col) {
     if constexpr (C::kFp8) {
-        // Bytes, unswizzled: a warp converts its rows with 8-byte reads of consecutive bytes.
-        return row * C::kHeadDim + col;
+        return row * C::kHeadDim + (((col >> 4) ^ fp8_chunk_xor<C::kHeadDim>(row)) << 4);
     } else if constexpr (C::kSimt) {
         // float4 chunks XORed with (row * kLanesPerKey) % 8: one LDS.128 phase (8 lanes) reads
         // kLanesPerKey consecutive chunks of 8 / kLanesPerKey key rows in S = Q K^T, or 8 chunks of one
@@ -458,6 +485,50 @@ __device__ __forceinline__ void load_q_tile(elem_t* q_tile, const DecodeParams& 
     }
 }
 
+// fp8 caches, bf16 q: the CTA's rows as fp16 mma operands, stored as load_q_tile stores them. Each row
+// is scaled by 2^e so that its largest magnitude lies in [2^15, 2^16) (bf16's 8 significant bits keep
+// it below fp16's 65504), and q_unscale[r] = 2^-e undoes that on the row's float32 scores. A value
+// converts exactly unless it is below 2^-33 of its row's largest, where fp16's subnormals round it by
+// at most 2^-40 of that largest value: below float32's rounding of the dot product. An infinite largest
+// value keeps e = 0 (infinities and NaN convert to themselves); a zero one (or one below float32's
+// normal range) takes e = 126.
+template <class C>
+__device__ __forceinline__ void load_q_tile_fp8(elem_t* q_tile, float* q_unscale, const DecodeParams& p, int b,
+                                                int h_kv, int row0, int rows_total, long long q_start) {
+    constexpr int kPairSteps = C::kHeadDim / 64;   // column pairs per lane
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int r = warp; r < C::kBlockM; r += C::kNWarps) {
+        const int pr = row0 + r;
+        const elem_t* src = nullptr;
+        if (pr < rows_total) {
+            const int i = pr / p.group, h = h_kv * p.group + pr % p.group;
+            src = static_cast<const elem_t*>(p.q) + b * p.q_batch_stride + (q_start + i) * p.q_row_stride +
+                  h * p.q_head_stride;
+        }
+        float2 x[kPairSteps];
+        float top = 0.f;
+#pragma unroll
+        for (int it = 0; it < kPairSteps; ++it) {
+            const int c = 2 * lane + 64 * it;
+            const unsigned bits = src != nullptr && c < p.head_dim ? *reinterpret_cast<const unsigned*>(src + c) : 0u;
+            x[it] = make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+            top = fmaxf(top, fmaxf(fabsf(x[it].x), fabsf(x[it].y)));
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        const int biased = __float_as_uint(top) >> 23;   // top >= 0: its exponent field
+        const int e = biased == 0xff ? 0 : biased == 0 ? 126 : min(15 - (biased - 127), 126);
+        const float scale = __uint_as_float(unsigned(127 + e) << 23);
+#pragma unroll
+        for (int it = 0; it < kPairSteps; ++it) {
+            const int c = 2 * lane + 64 * it;
+            *reinterpret_cast<unsigned*>(q_tile + swizzled<C::kHeadDim>(r, c)) =
+                pack2<half_t>(x[it].x * scale, x[it].y * scale);
+        }
+        if (lane == 0) q_unscale[r] = __uint_as_float(unsigned(127 - e) << 23);
+    }
+}
+
 // k_new / v_new rows into the cache at cache_len + t (16-byte vectors; alignment checked by the host;
 // fp8: 16 values quantised into 16 bytes per step). Rows whose page is not the cache's are dropped.
 template <class C>
@@ -519,24 +590,68 @@ __device__ __forceinline__ float decode_score(const DecodeParams& p, const Decod
 
 // ------------------------------------------------------------------------------ fp16/bf16: mma.sync
 
-// fp8: the warp's kKeysPerWarp K and V rows of a stage (bytes from row key0) into its conv tiles
-// (elem_t, swizzled as the mma path reads them, rows from 0). 8 bytes per lane and step: consecutive
-// lanes read consecutive bytes, and the 16-byte stores of 8 lanes fill one 128-byte swizzle group.
+// fp8, the A fragment of Q's columns 16 kk.. for mma_scores_fp8's order of the contraction: logical
+// columns 2t, 2t + 1 are 16 kk + 4t + 0, 1 and logical 2t + 8, 2t + 9 are 16 kk + 4t + 2, 3, where a
+// K row's bytes land in ldmatrix (4 consecutive bytes per lane). Two 8-byte reads of the Q tile.
 template <class C>
-__device__ __forceinline__ void convert_warp_rows_fp8(elem_t* k_conv, elem_t* v_conv, const unsigned char* k_stage,
-                                                      const unsigned char* v_stage, int key0) {
-    constexpr int kPieces = C::kKeysPerWarp * C::kHeadDim / 8;
-    const int lane = threadIdx.x % 32;
-    static_assert(kPieces % 32 == 0, "whole warp steps");
+__device__ __forceinline__ void q_fragment_fp8(unsigned (&qf)[4], const elem_t* q_smem, int kk) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const uint2 top = *reinterpret_cast<const uint2*>(q_smem + swizzled<C::kHeadDim>(g, 16 * kk + 4 * t));
+    const uint2 bottom = *reinterpret_cast<const uint2*>(q_smem + swizzled<C::kHeadDim>(g + 8, 16 * kk + 4 * t));
+    qf[0] = top.x;
+    qf[1] = bottom.x;
+    qf[2] = top.y;
+    qf[3] = bottom.y;
+}
+
+// fp8: S = Q K^T for 16 rows x the warp's 16 keys, straight from the stage's bytes. One ldmatrix
+// reads 16 keys x 32 bytes; a lane holds 4 consecutive bytes of a key row per matrix, which are its
+// B fragment's two pairs once Q's columns are taken in q_fragment_fp8's order.
+template <class C>
+__device__ __forceinline__ void mma_scores_fp8(float (&acc_s)[1][2][4],
+                                               const unsigned (&q_frag)[C::kQInRegs ? C::kHeadDim / 16 : 1][4],
+                                               const elem_t* q_smem, unsigned k_tile,
+                                               const Fp8Lanes<C::kHeadDim>& lanes, int key0) {
 #pragma unroll
-    for (int it = 0; it < kPieces / 32; ++it) {
-        const int idx = lane + 32 * it;
-        const int row = idx / (C::kHeadDim / 8), col = (idx % (C::kHeadDim / 8)) * 8;
-        const int src = (key0 + row) * C::kHeadDim + col, dst = swizzled<C::kHeadDim>(row, col);
-        *reinterpret_cast<uint4*>(k_conv + dst) = e4m3x8_to<elem_t>(*reinterpret_cast<const uint2*>(k_stage + src));
-        *reinterpret_cast<uint4*>(v_conv + dst) = e4m3x8_to<elem_t>(*reinterpret_cast<const uint2*>(v_stage + src));
+    for (int step = 0; step < C::kHeadDim / 32; ++step) {
+        unsigned kf[4];   // keys 0..7 and 8..15 of chunk 2 step, then of chunk 2 step + 1
+        ldmatrix_x4(kf, lanes.at(k_tile, step, key0));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            unsigned qf[4];
+            if constexpr (C::kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) qf[e] = q_frag[2 * step + h][e];
+            } else {
+                q_fragment_fp8<C>(qf, q_smem, 2 * step + h);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 2; ++ni)
+                mma_16816<half_t>(acc_s[0][ni], qf, e4m3_low_pair(kf[2 * h + ni]), e4m3_high_pair(kf[2 * h + ni]));
+        }
     }
-    __syncwarp();   // the whole warp's rows before its ldmatrix reads
+}
+
+// fp8: O += P V from the stage's bytes. ldmatrix.trans of 16-bit elements hands a lane two keys'
+// byte pairs (columns 2g, 2g + 1) per matrix; the even bytes are column 2g of four keys, the odd ones
+// column 2g + 1, so chunk c's 16 columns go to two accumulator tiles, acc_o[2c] (n = g: column
+// 16c + 2g) and acc_o[2c + 1] (column 16c + 2g + 1), put back in order by mma_warp_store.
+template <class C>
+__device__ __forceinline__ void mma_pv_fp8(float (&acc_o)[C::kVCols / 8][4], const unsigned (&p_frag)[4],
+                                           unsigned v_tile, const Fp8Lanes<C::kHeadDim>& lanes, int key0) {
+#pragma unroll
+    for (int step = 0; step < C::kHeadDim / 32; ++step) {
+        unsigned vr[4];
+        ldmatrix_x4_trans(vr, lanes.at(v_tile, step, key0));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = 2 * step + h;
+            const unsigned even = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x6420);   // keys 2t, 2t+1, 2t+8, 2t+9
+            const unsigned odd = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x7531);
+            mma_16816<half_t>(acc_o[2 * c], p_frag, e4m3_low_pair(even), e4m3_high_pair(even));
+            mma_16816<half_t>(acc_o[2 * c + 1], p_frag, e4m3_low_pair(odd), e4m3_high_pair(odd));
+        }
+    }
 }
 
 // A warp's running state: O for the CTA's 16 rows (this thread's fragments) and the online softmax.
@@ -562,7 +677,9 @@ __device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
                                               unsigned q_tile, unsigned k_tile, unsigned v_tile,
                                               const SwizzledLanes<C::kHeadDim>& q_lanes,
                                               const SwizzledLanes<C::kHeadDim>& k_lanes,
-                                              const SwizzledLanes<C::kHeadDim>& v_lanes, int key0, int j_warp,
+                                              const SwizzledLanes<C::kHeadDim>& v_lanes,
+                                              const Fp8Lanes<C::kHeadDim>& kv8_lanes, const elem_t* q_smem,
+                                              const float (&score_factor)[2], int key0, int j_warp,
                                               bool masked, const DecodeParams& p, const DecodeSeq& sq,
                                               int key_end, const int (&rows_i)[2], const int (&rows_h)[2]) {
     const int t = threadIdx.x % 4;
@@ -572,25 +689,28 @@ __device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
     for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[0][ni][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
-        unsigned qf[4];
-        if constexpr (C::kQInRegs) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) qf[e] = q_frag[kk][e];
-        } else {
-            ldmatrix_x4(qf, q_lanes.at(q_tile, kk, 0));
-        }
-        unsigned kf[4];
-        ldmatrix_x4(kf, k_lanes.at(k_tile, kk, key0));
-        mma_16816<elem_t>(acc_s[0][0], qf, kf[0], kf[1]);
-        mma_16816<elem_t>(acc_s[0][1], qf, kf[2], kf[3]);
-    }
-    if constexpr (C::kFp8) {   // K holds the e4m3 values: the scores get the kv head's k_scale here
+    if constexpr (C::kFp8) {
+        mma_scores_fp8<C>(acc_s, q_frag, q_smem, k_tile, kv8_lanes, key0);
+        // K held the e4m3 values (and a bf16 q row its power of two 2^e): k_scale / 2^e per row.
 #pragma unroll
         for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[0][ni][e] *= sq.k_scale;
+            for (int e = 0; e < 4; ++e) acc_s[0][ni][e] *= score_factor[e / 2];
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+            unsigned qf[4];
+            if constexpr (C::kQInRegs) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) qf[e] = q_frag[kk][e];
+            } else {
+                ldmatrix_x4(qf, q_lanes.at(q_tile, kk, 0));
+            }
+            unsigned kf[4];
+            ldmatrix_x4(kf, k_lanes.at(k_tile, kk, key0));
+            mma_16816<elem_t>(acc_s[0][0], qf, kf[0], kf[1]);
+            mma_16816<elem_t>(acc_s[0][1], qf, kf[2], kf[3]);
+        }
     }
 
     // Only tiles on a window edge, the split's end or with score modifiers pay for per-element work.
@@ -613,16 +733,20 @@ __device__ __forceinline__ void mma_warp_tile(MmaWarpState<C>& st,
 
     // O += P V with P straight from the S accumulators (their layout is the A layout).
     unsigned p_frag[4];
-    p_frag[0] = pack2<elem_t>(acc_s[0][0][0], acc_s[0][0][1]);
-    p_frag[1] = pack2<elem_t>(acc_s[0][0][2], acc_s[0][0][3]);
-    p_frag[2] = pack2<elem_t>(acc_s[0][1][0], acc_s[0][1][1]);
-    p_frag[3] = pack2<elem_t>(acc_s[0][1][2], acc_s[0][1][3]);
+    p_frag[0] = pack2<typename C::mma_t>(acc_s[0][0][0], acc_s[0][0][1]);
+    p_frag[1] = pack2<typename C::mma_t>(acc_s[0][0][2], acc_s[0][0][3]);
+    p_frag[2] = pack2<typename C::mma_t>(acc_s[0][1][0], acc_s[0][1][1]);
+    p_frag[3] = pack2<typename C::mma_t>(acc_s[0][1][2], acc_s[0][1][3]);
+    if constexpr (C::kFp8) {
+        mma_pv_fp8<C>(st.acc_o, p_frag, v_tile, kv8_lanes, key0);
+    } else {
 #pragma unroll
-    for (int dj = 0; dj < C::kVCols / 16; ++dj) {
-        unsigned vf[4];
-        ldmatrix_x4_trans(vf, v_lanes.at(v_tile, dj, key0));
-        mma_16816<elem_t>(st.acc_o[2 * dj], p_frag, vf[0], vf[1]);
-        mma_16816<elem_t>(st.acc_o[2 * dj + 1], p_frag, vf[2], vf[3]);
+        for (int dj = 0; dj < C::kVCols / 16; ++dj) {
+            unsigned vf[4];
+            ldmatrix_x4_trans(vf, v_lanes.at(v_tile, dj, key0));
+            mma_16816<elem_t>(st.acc_o[2 * dj], p_frag, vf[0], vf[1]);
+            mma_16816<elem_t>(st.acc_o[2 * dj + 1], p_frag, vf[2], vf[3]);
+        }
     }
 }
 
@@ -634,10 +758,20 @@ __device__ __forceinline__ void mma_warp_store(MmaWarpState<C>& st, float* comb,
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = g + 8 * half;
-        float* dst = comb + (warp * C::kBlockM + row) * C::kCombStride + 2 * t;
+        if constexpr (C::kFp8) {   // mma_pv_fp8's tiles 2c, 2c + 1 hold columns 16c + 4t + 0, 2 and 1, 3
+            float* dst = comb + (warp * C::kBlockM + row) * C::kCombStride + 4 * t;
 #pragma unroll
-        for (int di = 0; di < C::kVCols / 8; ++di)
-            *reinterpret_cast<float2*>(dst + di * 8) = make_float2(st.acc_o[di][2 * half], st.acc_o[di][2 * half + 1]);
+            for (int c = 0; c < C::kVCols / 16; ++c)
+                *reinterpret_cast<float4*>(dst + c * 16) =
+                    make_float4(st.acc_o[2 * c][2 * half], st.acc_o[2 * c + 1][2 * half], st.acc_o[2 * c][2 * half + 1],
+                                st.acc_o[2 * c + 1][2 * half + 1]);
+        } else {
+            float* dst = comb + (warp * C::kBlockM + row) * C::kCombStride + 2 * t;
+#pragma unroll
+            for (int di = 0; di < C::kVCols / 8; ++di)
+                *reinterpret_cast<float2*>(dst + di * 8) =
+                    make_float2(st.acc_o[di][2 * half], st.acc_o[di][2 * half + 1]);
+        }
         const float row_sum = quad_sum(st.softmax.l[half]);
         if (t == 0) {
             warp_m[warp * C::kBlockM + row] = st.softmax.m[half];
@@ -940,14 +1074,14 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     __shared__ int row_query[C::kBlockM];   // query index i of each packed row, -1 for padding
     __shared__ int row_head[C::kBlockM];    // its query head
+    __shared__ float q_unscale[C::kScaledQ ? C::kBlockM : 1];   // fp8, bf16 q: 2^-e of load_q_tile_fp8
     // Paged: K/V row addresses of the tile being issued (a 1-row dummy for contiguous caches).
     using cache_t = typename C::cache_t;
     __shared__ PagedRows<C::kPaged ? C::kBlockN : 1, cache_t> paged_rows;
     elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);
-    // [kStages][K, V][kBlockN][kHeadDim] of cache_t, then (fp8) [kNWarps][K, V][kKeysPerWarp][kHeadDim] elem_t
+    // [kStages][K, V][kBlockN][kHeadDim] of cache_t (later the combine buffer), then the float32 path's P
     cache_t* kv_smem = reinterpret_cast<cache_t*>(q_smem + C::kBlockM * C::kHeadDim);
-    elem_t* conv_smem = reinterpret_cast<elem_t*>(kv_smem + C::kTilesPerStage * C::kStages * C::kTileElems);
-    float* p_smem = reinterpret_cast<float*>(conv_smem + C::kConvElems);   // float32 path
+    float* p_smem = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(kv_smem) + C::kStageRegionBytes);
 
     const int row_block = blockIdx.x % p.row_blocks, split = (blockIdx.x / p.row_blocks) % p.num_splits;
     const int c0 = C::kMla ? blockIdx.x / (p.row_blocks * p.num_splits) * C::kVCols : 0;   // first value column
@@ -1024,7 +1158,8 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     auto v_stage = [&](int stage) { return C::kMla ? k_stage(stage) : k_stage(stage) + C::kTileElems; };
     const unsigned v_col_bytes = C::kMla ? c0 * unsigned(sizeof(elem_t)) : 0u;
 
-    load_q_tile<C>(q_smem, p, b, h_kv, row0, rows_total, q_start);
+    if constexpr (C::kScaledQ) load_q_tile_fp8<C>(q_smem, q_unscale, p, b, h_kv, row0, rows_total, q_start);
+    else load_q_tile<C>(q_smem, p, b, h_kv, row0, rows_total, q_start);
 #pragma unroll
     for (int stage = 0; stage < C::kStages - 1; ++stage) {
         if (stage < n_tiles)
@@ -1034,22 +1169,26 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     // Paged: the pages of the first tile the loop issues (kStages - 1), one iteration early.
     PagedRowFetch next_rows;
     if constexpr (C::kPaged) next_rows.fetch<C>(p, sq, key_begin + (C::kStages - 1) * C::kBlockN, key_end);
-    __syncthreads();   // row_query / row_head
+    __syncthreads();   // row_query / row_head (and q_unscale)
 
     typename Select<C::kSimt, SimtWarpState<C>, MmaWarpState<C>>::type state;
     state.init();
     int rows_i[2], rows_h[2];   // mma path: this thread's rows g and g + 8
+    float score_factor[2];      // fp8: what the scores of rows g and g + 8 are multiplied by
     if constexpr (!C::kSimt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             rows_i[half] = row_query[lane / 4 + 8 * half];
             rows_h[half] = row_head[lane / 4 + 8 * half];
+            score_factor[half] = sq.k_scale;
+            if constexpr (C::kScaledQ) score_factor[half] *= q_unscale[lane / 4 + 8 * half];
         }
     }
     unsigned q_frag[C::kQInRegs ? C::kHeadDim / 16 : 1][4];
     const SwizzledLanes<C::kHeadDim> q_lanes(lane % 16, lane / 16);
     const SwizzledLanes<C::kHeadDim> k_lanes(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const SwizzledLanes<C::kHeadDim> v_lanes(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    const Fp8Lanes<C::kHeadDim> kv8_lanes(lane);
     const unsigned q_tile = smem_addr(q_smem);
 
     for (int tile = 0; tile < n_tiles; ++tile) {
@@ -1089,22 +1228,15 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             if constexpr (C::kQInRegs) {
                 if (tile == 0) {
 #pragma unroll
-                    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) ldmatrix_x4(q_frag[kk], q_lanes.at(q_tile, kk, 0));
+                    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+                        if constexpr (C::kFp8) q_fragment_fp8<C>(q_frag[kk], q_smem, kk);
+                        else ldmatrix_x4(q_frag[kk], q_lanes.at(q_tile, kk, 0));
+                    }
                 }
             }
-            if constexpr (C::kFp8) {
-                // The warp's own keys, converted into its own tiles: no barrier beyond the warp's. (Its
-                // previous tile's ldmatrix reads are behind this iteration's __syncthreads.)
-                elem_t* k_conv = conv_smem + warp * 2 * C::kKeysPerWarp * C::kHeadDim;
-                elem_t* v_conv = k_conv + C::kKeysPerWarp * C::kHeadDim;
-                convert_warp_rows_fp8<C>(k_conv, v_conv, k_stage(stage), v_stage(stage), key0);
-                mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_conv), smem_addr(v_conv), q_lanes, k_lanes,
-                                 v_lanes, 0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
-            } else {
-                mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)),
-                                 smem_addr(v_stage(stage)) + v_col_bytes,
-                                 q_lanes, k_lanes, v_lanes, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
-            }
+            mma_warp_tile<C>(state, q_frag, q_tile, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)) + v_col_bytes,
+                             q_lanes, k_lanes, v_lanes, kv8_lanes, q_smem, score_factor, key0, j_warp, masked, p, sq,
+                             key_end, rows_i, rows_h);
         }
     }
 

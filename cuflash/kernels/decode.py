@@ -62,11 +62,13 @@ _DECODE_TILE_CHOICES = {
 
 
 #: fp8 (e4m3) caches with fp16/bf16 queries (the mma path): the stages hold bytes, so a stage is half
-#: a 16-bit one and a CTA keeps one stage more in flight; each warp adds a 16-bit K and V tile of its
-#: own keys (the converted rows the mma reads). Not measured yet: the 16-bit shapes with one stage more.
+#: a 16-bit one, and the CTA keeps more of them in flight: at D = 128 five stages of 128 keys against
+#: the 16-bit cache's three (4 x 32 KiB in flight, as many bytes as 2 x 64), at D = 64 eight of 64 keys
+#: (three CTAs an SM as for 16-bit caches: with four, ptxas's 128 registers spill beside paging and
+#: the modifiers).
 _DECODE_FP8_TILE_CHOICES = {
-    64: (DecodeTiles(4, 16, 5), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
-    128: (DecodeTiles(8, 16, 4), DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2),
+    64: (DecodeTiles(4, 16, 8), DecodeTiles(4, 16, 5), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
+    128: (DecodeTiles(8, 16, 5), DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2),
           DecodeTiles(2, 16, 2)),
     192: (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
     256: (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
@@ -116,8 +118,8 @@ def _check_kv_dtype(kv_dtype, path: str) -> None:
 
 def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dtype: str | None = None,
                       mla: bool = False) -> int:
-    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages (MLA: K alone), (fp8 caches) each
-    warp's converted K and V rows, and (float32) P per warp.
+    """Dynamic shared memory of a decode CTA: Q rows, the K/V stages (MLA: K alone; at least the
+    combine buffer they become, which fp8 stages of few keys can be smaller than) and (float32) P per warp.
 
     Mirrors ``DecodeConfig::kSmemBytes`` in cuda_src/decode.cu, which static_asserts the value.
     """
@@ -128,10 +130,11 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dty
     block_m = DECODE_BLOCK_M[path]
     block_n = tiles.warps * tiles.keys_per_warp
     p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
-    conv = tiles.warps * 2 * tiles.keys_per_warp * head_dim if kv_dtype else 0
     tiles_per_stage = 1 if mla else 2
     stages = tiles_per_stage * tiles.stages * block_n * head_dim * cache_itemsize
-    return (block_m * head_dim + conv) * itemsize + stages + 4 * p_floats
+    v_cols = DECODE_MLA_VALUE_COLUMNS if mla else head_dim
+    comb_floats = tiles.warps * block_m * (v_cols + 8) + 3 * tiles.warps * block_m + block_m
+    return block_m * head_dim * itemsize + max(stages, 4 * comb_floats) + 4 * p_floats
 
 
 _USER_BITS = {m.name: m.bit for m in USER_MODIFIERS}
