@@ -14,8 +14,9 @@ the failure message); outputs are NaN-poisoned ``out=`` / ``lse=`` buffers. Ever
 values goes through the conversion (one visible key: out is the value itself, exactly); the torch path
 with torch.float8_e4m3fn tensors gives the CuPy path's bits.
 
-Accuracy: the kernel converts the bytes to q's 16-bit type exactly and applies the scales in float32,
-so its error is that of a 16-bit decode (P rounded to fp16/bf16 for the P V product): out within
+Accuracy: the kernel converts the bytes to fp16 exactly (bf16 q rows scaled by a power of two into
+fp16's range) and applies the scales in float32, so its error is that of a 16-bit decode (P rounded
+to fp16 for the P V product; the bound keeps bf16's): out within
 4e-3 (fp16) / 2e-2 (bf16) of the reference relative to the values' scale, lse within 1e-3.
 
 Run: ``python -m pytest -q tests/gpu/test_decode_fp8.py`` (skipped without a GPU).
