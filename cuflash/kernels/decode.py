@@ -62,13 +62,13 @@ _DECODE_TILE_CHOICES = {
 
 
 #: fp8 (e4m3) caches with fp16/bf16 queries (the mma path): the stages hold bytes, so a stage is half
-#: a 16-bit one, and the CTA keeps more of them in flight: at D = 128 five stages of 128 keys against
-#: the 16-bit cache's three (4 x 32 KiB in flight, as many bytes as 2 x 64), at D = 64 eight of 64 keys
-#: (three CTAs an SM as for 16-bit caches: with four, ptxas's 128 registers spill beside paging and
-#: the modifiers).
+#: a 16-bit one, and the CTA keeps more of them in flight: at D = 128 four stages of 128 keys against
+#: the 16-bit cache's three (H200, kernel alone: five were 2-4% slower contiguous and 7-12% paged, six
+#: slower still), at D = 64 eight of 64 keys (three CTAs an SM as for 16-bit caches: with four,
+#: ptxas's 128 registers spill beside paging and the modifiers).
 _DECODE_FP8_TILE_CHOICES = {
     64: (DecodeTiles(4, 16, 8), DecodeTiles(4, 16, 5), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
-    128: (DecodeTiles(8, 16, 5), DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2),
+    128: (DecodeTiles(8, 16, 4), DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2),
           DecodeTiles(2, 16, 2)),
     192: (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
     256: (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
