@@ -144,7 +144,7 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const T* src, float scale) {
 }
 
 template <int kHeadDim_, int kNWarps_, int kKeysPerWarp_, int kStages_, bool kPaged_, int kMods_, bool kFp8_,
-          bool kMla_ = false>
+          bool kMla_ = false, bool kKeysAsM_ = false>
 struct DecodeConfig {
     static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kKeysPerWarp = kKeysPerWarp_;
     static constexpr int kStages = kStages_;
@@ -166,7 +166,9 @@ struct DecodeConfig {
     static constexpr bool kPaged = kPaged_, kScoreMods = kMods != 0;
     static constexpr bool kSimt = sizeof(elem_t) == 4;
     static constexpr int kNThreads = 32 * kNWarps;
-    static constexpr int kBlockM = kSimt ? 8 : 16;                 // packed query rows per CTA
+    // The keys as the mma's M dimension and 8 query rows as its N (keys_m_warp_tile), or 16 rows as M.
+    static constexpr bool kKeysAsM = kKeysAsM_;
+    static constexpr int kBlockM = kSimt || kKeysAsM ? 8 : 16;     // packed query rows per CTA
     static constexpr int kBlockN = kNWarps * kKeysPerWarp;         // keys per pipeline stage
     static constexpr int kChunkElems = 16 / int(sizeof(elem_t));   // elements per 16-byte copy (q, k_new)
     static constexpr int kCacheChunkElems = 16 / int(sizeof(cache_t));   // cache elements per 16-byte copy
@@ -174,7 +176,7 @@ struct DecodeConfig {
     static constexpr int kTileElems = kBlockN * kHeadDim;          // one K (or V) stage tile, cache_t
     static constexpr int kTileBytes = kTileElems * int(sizeof(cache_t));
     static constexpr int kLanesPerKey = 32 / kKeysPerWarp;         // float32 path: lanes sharing a key's dot
-    static constexpr bool kQInRegs = !kSimt && kHeadDim <= 128;    // Q fragments fit beside the O accumulators
+    static constexpr bool kQInRegs = !kSimt && !kKeysAsM && kHeadDim <= 128;   // Q fragments beside O's accumulators
     // Copies unrolled per loop step: all of them, except beside the large O accumulators of head dims
     // above 128, where fully unrolled address arithmetic would crowd the 255-register budget.
     static constexpr int kLoadIters = kBlockN * kChunksPerRow / kNThreads;
@@ -192,6 +194,7 @@ struct DecodeConfig {
     static constexpr int kSmemBytes = kBlockM * kHeadDim * int(sizeof(elem_t)) + kStageRegionBytes + 4 * kPFloats;
     static_assert(!kFp8 || (!kSimt && kKeysPerWarp == 16), "fp8 caches: fp16/bf16 queries (mma path)");
     static_assert(!kMla || (!kSimt && !kFp8 && kHeadDim >= kVCols), "MLA: fp16/bf16 latent rows of >= 256 columns");
+    static_assert(!kKeysAsM || (!kSimt && !kMla && kKeysPerWarp == 16), "keys as M: fp16/bf16, 16 keys per warp");
 
     static_assert(kStages >= 2, "the pipeline needs at least two stages");
     static_assert(kSimt || (kKeysPerWarp == 16 && kHeadDim % 64 == 0), "mma path: 16 keys per warp, swizzle");
@@ -780,6 +783,184 @@ __device__ __forceinline__ void mma_warp_store(MmaWarpState<C>& st, float* comb,
     }
 }
 
+// ------------------------------------------------------------------- fp16/bf16: keys as the mma's M
+//
+// With at most 8 packed rows (one new token, a GQA group of up to 8: CUFLASH_KEYS_AS_M), the 16-row
+// layout above leaves half or more of every mma, of O's accumulators and of Q's fragments on padding
+// rows. Here the products are transposed: S^T = K Q^T (the warp's 16 keys as M, the CTA's 8 rows as
+// N) and O^T = V^T P^T (16 of O's columns as M per mma): half the mma and half the accumulator
+// registers of the 16-row tile. A lane holds S^T for keys g, g + 8 and rows 2t, 2t + 1, so a row's
+// maximum and sum reduce across the 8 lanes of its t (shuffles by 4, 8, 16), and P^T becomes the B
+// fragment of O^T = V^T P^T through one movmatrix (an 8x8 transpose in registers) per 8 keys.
+// K's A fragments are K's rows as they are (16-bit: ldmatrix; fp8: the bytes in q_fragment_fp8's
+// column order, as mma_scores_fp8); V^T's are ldmatrix.trans of V's rows (fp8: O^T's rows g and
+// g + 8 are columns 16c + 2g and 16c + 2g + 1, as in mma_pv_fp8).
+
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// Q^T's B fragments (d as K, the CTA's 8 rows as N) for every 16 columns of d, read once per CTA:
+// 16-bit, columns 2t, 2t + 1 and 2t + 8, 2t + 9 of row g; fp8, columns 4t .. 4t + 3 (q_fragment_fp8's order).
+template <class C>
+__device__ __forceinline__ void q_columns(unsigned (&q_cols)[C::kHeadDim / 16][2], const elem_t* q_smem) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+        if constexpr (C::kFp8) {
+            const uint2 x = *reinterpret_cast<const uint2*>(q_smem + swizzled<C::kHeadDim>(g, 16 * kk + 4 * t));
+            q_cols[kk][0] = x.x;
+            q_cols[kk][1] = x.y;
+        } else {
+            q_cols[kk][0] = *reinterpret_cast<const unsigned*>(q_smem + swizzled<C::kHeadDim>(g, 16 * kk + 2 * t));
+            q_cols[kk][1] = *reinterpret_cast<const unsigned*>(q_smem + swizzled<C::kHeadDim>(g, 16 * kk + 2 * t + 8));
+        }
+    }
+}
+
+// A warp's running state on this path: O^T (16 columns by 8 rows per tile: this lane's columns g and
+// g + 8 of each, rows 2t and 2t + 1), and the online softmax of rows 2t, 2t + 1 (l over this lane's keys).
+template <class C>
+struct KeysMWarpState {
+    float acc_o[C::kVCols / 16][4];
+    float m[2], l[2];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int c = 0; c < C::kVCols / 16; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[c][e] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) { m[r] = -CUFLASH_INF; l[r] = 0.f; }
+    }
+};
+
+// The warp's 16 keys of one stage; rows_i / rows_h: query index and head of rows 2t and 2t + 1.
+// Element e of S^T is key g + 8 (e / 2), row 2t + (e % 2).
+template <class C>
+__device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const unsigned (&q_cols)[C::kHeadDim / 16][2],
+                                                 unsigned k_tile, unsigned v_tile,
+                                                 const SwizzledLanes<C::kHeadDim>& k_lanes,
+                                                 const SwizzledLanes<C::kHeadDim>& v_lanes,
+                                                 const Fp8Lanes<C::kHeadDim>& kv8_lanes,
+                                                 const float (&score_factor)[2], int key0, int j_warp, bool masked,
+                                                 const DecodeParams& p, const DecodeSeq& sq, int key_end,
+                                                 const int (&rows_i)[2], const int (&rows_h)[2]) {
+    using mma_t = typename C::mma_t;
+    const int g = (threadIdx.x % 32) / 4;
+    float acc_s[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (C::kFp8) {
+#pragma unroll
+        for (int step = 0; step < C::kHeadDim / 32; ++step) {
+            unsigned kf[4];   // keys 0..7 and 8..15 of chunk 2 step, then of chunk 2 step + 1
+            ldmatrix_x4(kf, kv8_lanes.at(k_tile, step, key0));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned a[4] = {e4m3_low_pair(kf[2 * h]), e4m3_low_pair(kf[2 * h + 1]),
+                                       e4m3_high_pair(kf[2 * h]), e4m3_high_pair(kf[2 * h + 1])};
+                mma_16816<half_t>(acc_s, a, q_cols[2 * step + h][0], q_cols[2 * step + h][1]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
+            unsigned a[4];
+            ldmatrix_x4(a, k_lanes.at(k_tile, kk, key0));
+            mma_16816<elem_t>(acc_s, a, q_cols[kk][0], q_cols[kk][1]);
+        }
+    }
+    if constexpr (C::kFp8) {   // K held the e4m3 values (and a bf16 q row its power of two 2^e): k_scale / 2^e
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[e] *= score_factor[e % 2];
+    }
+    if (C::kScoreMods || masked) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            acc_s[e] = decode_score<C>(p, sq, acc_s[e], rows_i[e % 2], rows_h[e % 2], j_warp + g + 8 * (e / 2), key_end);
+    }
+
+    // The online softmax of rows 2t and 2t + 1, as OnlineSoftmax::update (the same lazy rescaling).
+    const float scale_log2 = C::kScoreMods ? 1.f : p.score.scale_log2;
+    float correction[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float top = fmaxf(acc_s[r], acc_s[r + 2]);
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+        float m_new = fmaxf(st.m[r], top);
+        if ((m_new - st.m[r]) * scale_log2 <= OnlineSoftmax<1>::kRescaleSlack) m_new = st.m[r];
+        const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
+        correction[r] = m_new == st.m[r] ? 1.f : fast_exp2(st.m[r] * scale_log2 - m_scaled);
+        st.m[r] = m_new;
+        acc_s[r] = fast_exp2(fmaf(acc_s[r], scale_log2, -m_scaled));
+        acc_s[r + 2] = fast_exp2(fmaf(acc_s[r + 2], scale_log2, -m_scaled));
+        st.l[r] = st.l[r] * correction[r] + (acc_s[r] + acc_s[r + 2]);
+    }
+    if (!__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f)) {
+#pragma unroll
+        for (int c = 0; c < C::kVCols / 16; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st.acc_o[c][e] *= correction[e % 2];
+    }
+
+    // P^T as O^T's B fragment: keys 2t, 2t + 1 (and + 8) of row g, transposed from this lane's keys g, g + 8.
+    const unsigned b0 = movmatrix_trans(pack2<mma_t>(acc_s[0], acc_s[1]));
+    const unsigned b1 = movmatrix_trans(pack2<mma_t>(acc_s[2], acc_s[3]));
+    if constexpr (C::kFp8) {
+#pragma unroll
+        for (int step = 0; step < C::kHeadDim / 32; ++step) {
+            unsigned vr[4];
+            ldmatrix_x4_trans(vr, kv8_lanes.at(v_tile, step, key0));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned even = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x6420);   // keys 2t, 2t+1, 2t+8, 2t+9
+                const unsigned odd = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x7531);
+                const unsigned a[4] = {e4m3_low_pair(even), e4m3_low_pair(odd), e4m3_high_pair(even),
+                                       e4m3_high_pair(odd)};
+                mma_16816<half_t>(st.acc_o[2 * step + h], a, b0, b1);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < C::kVCols / 16; ++c) {
+            unsigned vf[4];   // keys 0..7 and 8..15 of columns 16c.., then of 16c + 8..
+            ldmatrix_x4_trans(vf, v_lanes.at(v_tile, c, key0));
+            const unsigned a[4] = {vf[0], vf[2], vf[1], vf[3]};
+            mma_16816<elem_t>(st.acc_o[c], a, b0, b1);
+        }
+    }
+}
+
+// The warp's O rows, row maxima and full row sums into the combine buffer (as mma_warp_store).
+template <class C>
+__device__ __forceinline__ void keys_m_warp_store(KeysMWarpState<C>& st, float* comb, float* warp_m, float* warp_l) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 2 * t + r;
+        float* dst = comb + (warp * C::kBlockM + row) * C::kCombStride;
+#pragma unroll
+        for (int c = 0; c < C::kVCols / 16; ++c) {
+            if constexpr (C::kFp8) {   // O^T's rows g, g + 8: columns 16c + 2g, 16c + 2g + 1
+                *reinterpret_cast<float2*>(dst + 16 * c + 2 * g) = make_float2(st.acc_o[c][r], st.acc_o[c][2 + r]);
+            } else {
+                dst[16 * c + g] = st.acc_o[c][r];
+                dst[16 * c + 8 + g] = st.acc_o[c][2 + r];
+            }
+        }
+        float row_sum = st.l[r];
+#pragma unroll
+        for (int offset = 4; offset < 32; offset *= 2) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
+        if (g == 0) {
+            warp_m[warp * C::kBlockM + row] = st.m[r];
+            warp_l[warp * C::kBlockM + row] = row_sum;
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------ float32: FFMA
 
 template <class C>
@@ -1171,20 +1352,23 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     if constexpr (C::kPaged) next_rows.fetch<C>(p, sq, key_begin + (C::kStages - 1) * C::kBlockN, key_end);
     __syncthreads();   // row_query / row_head (and q_unscale)
 
-    typename Select<C::kSimt, SimtWarpState<C>, MmaWarpState<C>>::type state;
+    using MmaState = typename Select<C::kKeysAsM, KeysMWarpState<C>, MmaWarpState<C>>::type;
+    typename Select<C::kSimt, SimtWarpState<C>, MmaState>::type state;
     state.init();
-    int rows_i[2], rows_h[2];   // mma path: this thread's rows g and g + 8
-    float score_factor[2];      // fp8: what the scores of rows g and g + 8 are multiplied by
+    int rows_i[2], rows_h[2];   // mma path: this thread's rows g and g + 8 (keys as M: 2t and 2t + 1)
+    float score_factor[2];      // fp8: what the scores of those rows are multiplied by
     if constexpr (!C::kSimt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            rows_i[half] = row_query[lane / 4 + 8 * half];
-            rows_h[half] = row_head[lane / 4 + 8 * half];
+            const int row = C::kKeysAsM ? 2 * (lane % 4) + half : lane / 4 + 8 * half;
+            rows_i[half] = row_query[row];
+            rows_h[half] = row_head[row];
             score_factor[half] = sq.k_scale;
-            if constexpr (C::kScaledQ) score_factor[half] *= q_unscale[lane / 4 + 8 * half];
+            if constexpr (C::kScaledQ) score_factor[half] *= q_unscale[row];
         }
     }
     unsigned q_frag[C::kQInRegs ? C::kHeadDim / 16 : 1][4];
+    unsigned q_cols[C::kKeysAsM ? C::kHeadDim / 16 : 1][2];   // keys as M: Q^T's B fragments
     const SwizzledLanes<C::kHeadDim> q_lanes(lane % 16, lane / 16);
     const SwizzledLanes<C::kHeadDim> k_lanes(lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
     const SwizzledLanes<C::kHeadDim> v_lanes(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
@@ -1224,6 +1408,11 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             simt_warp_tile<C>(state, q_smem, k_stage(stage), v_stage(stage),
                               p_smem + warp * C::kBlockM * C::kKeysPerWarp, key0, j_warp, masked, p, sq, key_end,
                               row_query, row_head);
+        } else if constexpr (C::kKeysAsM) {
+            if (tile == 0) q_columns<C>(q_cols, q_smem);
+            // K's A fragments take Q's lane pattern of the 16-row path (rows lane % 16, halves lane / 16).
+            keys_m_warp_tile<C>(state, q_cols, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)), q_lanes, v_lanes,
+                                kv8_lanes, score_factor, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
         } else {
             if constexpr (C::kQInRegs) {
                 if (tile == 0) {
@@ -1249,6 +1438,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     float* warp_w = warp_l + C::kNWarps * C::kBlockM;
     float* row_lse = warp_w + C::kNWarps * C::kBlockM;
     if constexpr (C::kSimt) simt_warp_store<C>(state, comb, warp_m, warp_l);
+    else if constexpr (C::kKeysAsM) keys_m_warp_store<C>(state, comb, warp_m, warp_l);
     else mma_warp_store<C>(state, comb, warp_m, warp_l);
     __syncthreads();
     if (threadIdx.x < C::kBlockM) {
@@ -1336,8 +1526,12 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
 #ifndef CUFLASH_MLA
 #define CUFLASH_MLA 0
 #endif
+#ifndef CUFLASH_KEYS_AS_M
+#define CUFLASH_KEYS_AS_M 0
+#endif
 using Config = cuflash::DecodeConfig<CUFLASH_HEAD_DIM, CUFLASH_WARPS, CUFLASH_KEYS_PER_WARP, CUFLASH_STAGES,
-                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS, CUFLASH_KV_FP8 != 0, CUFLASH_MLA != 0>;
+                                     CUFLASH_PAGED != 0, CUFLASH_SCORE_MODS, CUFLASH_KV_FP8 != 0, CUFLASH_MLA != 0,
+                                     CUFLASH_KEYS_AS_M != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

@@ -388,11 +388,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     sms, smem_block, smem_sm, memory_rate = _device_limits(device_id)
     score_mods = tuple(name for name, used in (("softcap", opts.softcap > 0), ("alibi", alibi_slopes is not None),
                                                 ("mask", mask is not None)) if used) + user_mods
-    plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
-                                        smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,
-                                        kv_dtype=kv_dtype, mla=mla)
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
+    # A few packed rows (one new token, a GQA group of up to 8) fit the keys-as-M tile, where the
+    # 16-row one would compute half or more on padding; ragged new tokens keep the 16-row one.
+    keys_as_m = (kernels.decode.DECODE_KEYS_AS_M_BY_DEFAULT and dtype_name != "float32" and not mla and not varlen
+                 and rows <= kernels.decode.DECODE_KEYS_AS_M_ROWS)
+    plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
+                                        smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,
+                                        kv_dtype=kv_dtype, mla=mla, keys_as_m=keys_as_m)
     row_blocks = max(1, -(-rows // plan_k.block_m))
     # MLA: the CTAs of a (row block, split) come in value halves (DECODE_MLA_VALUE_COLUMNS columns each).
     halves = -(-d_out // kernels.decode.DECODE_MLA_VALUE_COLUMNS) if mla else 1

@@ -146,6 +146,15 @@ def fp8_decode_variants() -> list[Variant]:
     return out
 
 
+def keys_as_m_decode_variants() -> list[Variant]:
+    """The decode variants with the keys as the mma's M (DECODE_KEYS_AS_M_BY_DEFAULT) that the CPU test
+    compiles (for sm_80 and sm_90a alike): bf16 at D = 128 and 256 and fp16 at D = 64, on 16-bit and fp8
+    caches, contiguous and paged, plain and with every built-in modifier."""
+    return [decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype, keys_as_m=True).variant
+            for dtype_name, dims in (("bfloat16", (128, 256)), ("float16", (64,))) for d in dims
+            for kv_dtype in (None,) + DECODE_KV_DTYPES for paged in (False, True) for mods in (False, True)]
+
+
 def mla_decode_variants(dtypes=("float16", "bfloat16"), score_mod_sets_=None) -> list[Variant]:
     """MLA decode's variants (one latent cache, head dim DECODE_MLA_HEAD_DIM): per dtype, contiguous
     and paged, each of decode's score-modifier sets (default: plain and all of them)."""
@@ -159,8 +168,8 @@ def ci_variants() -> list[tuple[Variant, str]]:
     sm_90a only), forward at every default head dim, decode/merge and backward at D=128, each
     score modifier alone (forward, backward, decode at D=128, no dropout), the user modifiers of
     :func:`user_variants` (D = 64 and 128; with and without the block mask derived from the MaskMod)
-    and :func:`user_decode_variants`, the block-mask evaluations of :func:`ci_mask_blocks_variants`, and
-    :func:`mla_decode_variants`."""
+    and :func:`user_decode_variants`, the block-mask evaluations of :func:`ci_mask_blocks_variants`,
+    :func:`mla_decode_variants` and :func:`keys_as_m_decode_variants`."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -178,6 +187,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants += [v for v in value_head_dim_variants(sm90=arch.startswith("sm_90")) if v not in variants]
         variants += [v for v in fp8_decode_variants() if v not in variants]
         variants += [v for v in mla_decode_variants() if v not in variants]
+        variants += [v for v in keys_as_m_decode_variants() if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.

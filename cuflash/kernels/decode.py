@@ -27,6 +27,13 @@ DECODE_MLA_HEAD_DIM = 576   # cuflash._checks.MLA_HEAD_DIM (the argument check's
 DECODE_MLA_VALUE_COLUMNS = 256
 #: Packed query rows (Sq_new * Hq/Hk) per CTA: one 16-row mma tile, or 8 rows of FFMA.
 DECODE_BLOCK_M = {"mma": 16, "simt": 8}
+#: Packed rows per CTA with the keys as the mma's M (CUFLASH_KEYS_AS_M: S^T = K Q^T, the rows as N).
+DECODE_KEYS_AS_M_ROWS = 8
+#: Whether decode calls of at most DECODE_KEYS_AS_M_ROWS packed rows (fp16/bf16 q, not MLA, not ragged
+#: new tokens) take the keys-as-M variants unless told otherwise. Off until their GPU tests
+#: (tests/gpu/test_decode_keys_as_m.py, which switches it on) and their speed against the 16-row
+#: variants have been measured on a GPU.
+DECODE_KEYS_AS_M_BY_DEFAULT = False
 DECODE_MAX_SPLITS = 128
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
@@ -117,7 +124,7 @@ def _check_kv_dtype(kv_dtype, path: str) -> None:
 
 
 def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dtype: str | None = None,
-                      mla: bool = False) -> int:
+                      mla: bool = False, keys_as_m: bool = False) -> int:
     """Dynamic shared memory of a decode CTA: Q rows, the K/V stages (MLA: K alone; at least the
     combine buffer they become, which fp8 stages of few keys can be smaller than) and (float32) P per warp.
 
@@ -127,7 +134,7 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dty
     _check_kv_dtype(kv_dtype, path)
     itemsize = 2 if path == "mma" else 4
     cache_itemsize = 1 if kv_dtype else itemsize
-    block_m = DECODE_BLOCK_M[path]
+    block_m = DECODE_KEYS_AS_M_ROWS if keys_as_m else DECODE_BLOCK_M[path]
     block_n = tiles.warps * tiles.keys_per_warp
     p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
     tiles_per_stage = 1 if mla else 2
@@ -159,7 +166,7 @@ def decode_mod_bits(score_mods) -> int:
 def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
                 smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
                 smem_per_sm: int = DEFAULT_SMEM_PER_SM, user_source: str = "",
-                kv_dtype: str | None = None, mla: bool = False) -> DecodePlan:
+                kv_dtype: str | None = None, mla: bool = False, keys_as_m: bool = False) -> DecodePlan:
     """The decode variant and launch shape for a problem.
 
     Parameters
@@ -184,6 +191,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     mla : bool
         One latent cache whose first columns are the values (``CUFLASH_MLA``): float16/bfloat16,
         ``head_dim`` = DECODE_MLA_HEAD_DIM, caches of q's dtype.
+    keys_as_m : bool
+        The keys as the mma's M and DECODE_KEYS_AS_M_ROWS packed rows per CTA as its N
+        (``CUFLASH_KEYS_AS_M``): float16/bfloat16 q, not MLA.
 
     Raises
     ------
@@ -192,6 +202,9 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     """
     path = _decode_path(dtype_name)
     _check_kv_dtype(kv_dtype, path)
+    if keys_as_m and (path != "mma" or mla):
+        raise ValueError(f"keys as the mma's M need float16/bfloat16 q and no MLA, not {dtype_name}"
+                         + (" with MLA" if mla else ""))
     if mla:
         if path != "mma" or kv_dtype is not None or head_dim != DECODE_MLA_HEAD_DIM:
             raise ValueError(f"MLA decode runs float16/bfloat16 latent caches of head dim {DECODE_MLA_HEAD_DIM}, not "
@@ -201,7 +214,7 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         kdim = round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
         choices = _DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]
     for tiles in choices:
-        smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype, mla)
+        smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype, mla, keys_as_m)
         reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
         if smem + reserve <= smem_per_block:
             break
@@ -228,10 +241,13 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         defines["CUFLASH_KV_FP8"] = 1
     if mla:
         defines["CUFLASH_MLA"] = 1
+    if keys_as_m:
+        defines["CUFLASH_KEYS_AS_M"] = 1
     block_n = tiles.warps * tiles.keys_per_warp
     in_flight = ((tiles.stages - 1) * (1 if mla else 2) * block_n * kdim *
                  (1 if kv_dtype else 2 if path == "mma" else 4))
-    plan = DecodePlan(Variant("decode", tuple(sorted(defines.items()))), DECODE_BLOCK_M[path],
+    block_m = DECODE_KEYS_AS_M_ROWS if keys_as_m else DECODE_BLOCK_M[path]
+    plan = DecodePlan(Variant("decode", tuple(sorted(defines.items()))), block_m,
                       block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
     return with_user_source(plan, user_source)
 

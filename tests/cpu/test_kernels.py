@@ -217,6 +217,27 @@ def test_decode_plan_rejects():
         kernels.decode.decode_plan("float16", 256, paged=False, score_mods=False, smem_per_block=32 * 1024)
 
 
+def test_keys_as_m_decode_plan():
+    """Keys as the mma's M: 8 packed rows per CTA, a define of their own (the other variants keep their
+    compile keys), the shared memory of 8 Q rows; float16/bfloat16 q, 16-bit or fp8 caches, not MLA."""
+    for dtype in ("float16", "bfloat16"):
+        for kv_dtype in (None, "float8_e4m3fn"):
+            plan = kernels.decode.decode_plan(dtype, 128, paged=True, score_mods=True, kv_dtype=kv_dtype,
+                                              keys_as_m=True)
+            defines = dict(plan.variant.defines)
+            assert defines["CUFLASH_KEYS_AS_M"] == 1 and plan.block_m == kernels.decode.DECODE_KEYS_AS_M_ROWS == 8
+            tiles = kernels.decode.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
+                                               defines["CUFLASH_STAGES"])
+            assert kernels.decode.decode_smem_bytes(dtype, 128, tiles, kv_dtype, keys_as_m=True) == plan.smem_bytes
+            rows16 = kernels.decode.decode_plan(dtype, 128, paged=True, score_mods=True, kv_dtype=kv_dtype)
+            assert "CUFLASH_KEYS_AS_M" not in dict(rows16.variant.defines) and rows16.block_m == 16
+            assert rows16.smem_bytes - plan.smem_bytes == 8 * 128 * 2   # 8 Q rows fewer
+    for dtype, extra in (("float32", {}), ("bfloat16", {"mla": True})):
+        with pytest.raises(ValueError, match="keys as the mma's M"):
+            kernels.decode.decode_plan(dtype, 576 if extra else 128, paged=False, score_mods=False, keys_as_m=True,
+                                       **extra)
+
+
 def test_mla_decode_plan():
     """MLA's variants: one K tile per stage (the values are its first columns), head dim 576, float16 or
     bfloat16 caches of q's dtype only, a define of their own; they fit the H100/H200 budget."""
