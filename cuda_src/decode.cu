@@ -593,6 +593,29 @@ __device__ __forceinline__ float decode_score(const DecodeParams& p, const Decod
 
 // ------------------------------------------------------------------------------ fp16/bf16: mma.sync
 
+// fp8: 16-column chunk h (0 or 1) of an ldmatrix x4 of K's bytes (kf: keys 0..7 and 8..15 of chunk 0,
+// then of chunk 1) as fp16 pairs: k[n][0] is columns 4t, 4t + 1 and k[n][1] columns 4t + 2, 4t + 3 of
+// key g + 8n, a lane's 4 consecutive bytes of the key row.
+__device__ __forceinline__ void fp8_key_pairs(unsigned (&k)[2][2], const unsigned (&kf)[4], int h) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        k[n][0] = e4m3_low_pair(kf[2 * h + n]);
+        k[n][1] = e4m3_high_pair(kf[2 * h + n]);
+    }
+}
+
+// fp8: 16-column chunk h of an ldmatrix.trans x4 of V's bytes (vr: keys 0..7 and 8..15 of chunk 0, then
+// of chunk 1; a lane gets columns 2g, 2g + 1 of keys 2t, 2t + 1 per matrix) as fp16 pairs: v[0] column
+// 2g and v[1] column 2g + 1 of the chunk, [0] of keys 2t, 2t + 1 and [1] of keys 2t + 8, 2t + 9.
+__device__ __forceinline__ void fp8_value_pairs(unsigned (&v)[2][2], const unsigned (&vr)[4], int h) {
+    const unsigned even = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x6420);   // keys 2t, 2t+1, 2t+8, 2t+9
+    const unsigned odd = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x7531);
+    v[0][0] = e4m3_low_pair(even);
+    v[0][1] = e4m3_high_pair(even);
+    v[1][0] = e4m3_low_pair(odd);
+    v[1][1] = e4m3_high_pair(odd);
+}
+
 // fp8, the A fragment of Q's columns 16 kk.. for mma_scores_fp8's order of the contraction: logical
 // columns 2t, 2t + 1 are 16 kk + 4t + 0, 1 and logical 2t + 8, 2t + 9 are 16 kk + 4t + 2, 3, where a
 // K row's bytes land in ldmatrix (4 consecutive bytes per lane). Two 8-byte reads of the Q tile.
@@ -628,9 +651,10 @@ __device__ __forceinline__ void mma_scores_fp8(float (&acc_s)[1][2][4],
             } else {
                 q_fragment_fp8<C>(qf, q_smem, 2 * step + h);
             }
+            unsigned k[2][2];
+            fp8_key_pairs(k, kf, h);
 #pragma unroll
-            for (int ni = 0; ni < 2; ++ni)
-                mma_16816<half_t>(acc_s[0][ni], qf, e4m3_low_pair(kf[2 * h + ni]), e4m3_high_pair(kf[2 * h + ni]));
+            for (int ni = 0; ni < 2; ++ni) mma_16816<half_t>(acc_s[0][ni], qf, k[ni][0], k[ni][1]);
         }
     }
 }
@@ -649,10 +673,10 @@ __device__ __forceinline__ void mma_pv_fp8(float (&acc_o)[C::kVCols / 8][4], con
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int c = 2 * step + h;
-            const unsigned even = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x6420);   // keys 2t, 2t+1, 2t+8, 2t+9
-            const unsigned odd = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x7531);
-            mma_16816<half_t>(acc_o[2 * c], p_frag, e4m3_low_pair(even), e4m3_high_pair(even));
-            mma_16816<half_t>(acc_o[2 * c + 1], p_frag, e4m3_low_pair(odd), e4m3_high_pair(odd));
+            unsigned v[2][2];
+            fp8_value_pairs(v, vr, h);
+            mma_16816<half_t>(acc_o[2 * c], p_frag, v[0][0], v[0][1]);
+            mma_16816<half_t>(acc_o[2 * c + 1], p_frag, v[1][0], v[1][1]);
         }
     }
 }
@@ -858,8 +882,9 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
             ldmatrix_x4(kf, kv8_lanes.at(k_tile, step, key0));
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned a[4] = {e4m3_low_pair(kf[2 * h]), e4m3_low_pair(kf[2 * h + 1]),
-                                       e4m3_high_pair(kf[2 * h]), e4m3_high_pair(kf[2 * h + 1])};
+                unsigned k[2][2];
+                fp8_key_pairs(k, kf, h);
+                const unsigned a[4] = {k[0][0], k[1][0], k[0][1], k[1][1]};   // keys g, g + 8 as rows
                 mma_16816<half_t>(acc_s, a, q_cols[2 * step + h][0], q_cols[2 * step + h][1]);
             }
         }
@@ -915,10 +940,9 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
             ldmatrix_x4_trans(vr, kv8_lanes.at(v_tile, step, key0));
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned even = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x6420);   // keys 2t, 2t+1, 2t+8, 2t+9
-                const unsigned odd = __byte_perm(vr[2 * h], vr[2 * h + 1], 0x7531);
-                const unsigned a[4] = {e4m3_low_pair(even), e4m3_low_pair(odd), e4m3_high_pair(even),
-                                       e4m3_high_pair(odd)};
+                unsigned v[2][2];
+                fp8_value_pairs(v, vr, h);
+                const unsigned a[4] = {v[0][0], v[1][0], v[0][1], v[1][1]};   // columns 2g, 2g + 1 as rows g, g + 8
                 mma_16816<half_t>(st.acc_o[2 * step + h], a, b0, b1);
             }
         }
