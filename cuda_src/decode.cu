@@ -37,11 +37,11 @@
 // value * k_scale (v_scale), a scale per tensor or per kv head (p.k_scale / p.v_scale, or the values
 // p.k_scale_value / p.v_scale_value). The stages hold the bytes (half the bytes of a 16-bit cache in
 // flight) and the mma reads them through ldmatrix as they are: each lane's bytes become fp16 mma
-// operands in registers (exactly: every e4m3 value is an fp16 value; e4m3x2_to_f16x2 below), with the
-// contraction's order permuted to fit where the bytes land (q's columns for S = Q K^T; O's columns for
-// P V, restored when O is stored; mma_scores_fp8, mma_pv_fp8). The products run in fp16 whatever q's
-// type: bf16 q rows are scaled by a power of two into fp16's range (load_q_tile_fp8), which the scores
-// undo. The scales stay out of the 16-bit values, so nothing is rounded twice: k_scale multiplies the
+// operands in registers (exactly: every e4m3 value is an fp16 value; e4m3x2_to_f16x2 below), taken in
+// the order the bytes land: q's columns permuted alike in S = Q K^T (the contraction runs over them),
+// O's columns in P V, restored when O is stored (mma_scores_fp8, mma_pv_fp8). The products run in
+// fp16 whatever q's type: bf16 q rows are scaled by a power of two into fp16's range
+// (load_q_tile_fp8), which the scores undo. The scales stay out of the 16-bit values, so nothing is rounded twice: k_scale multiplies the
 // float32 scores S = Q K^T, v_scale the float32 output rows (before the splits' partials are
 // written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
 // even and saturated at 448 (quantize_e4m3), both into the cache and into the tile that attends them.
