@@ -41,9 +41,9 @@
 // the order the bytes land: q's columns permuted alike in S = Q K^T (the contraction runs over them),
 // O's columns in P V, restored when O is stored (mma_scores_fp8, mma_pv_fp8). The products run in
 // fp16 whatever q's type: bf16 q rows are scaled by a power of two into fp16's range
-// (load_q_tile_fp8), which the scores undo. The scales stay out of the 16-bit values, so nothing is rounded twice: k_scale multiplies the
-// float32 scores S = Q K^T, v_scale the float32 output rows (before the splits' partials are
-// written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
+// (load_q_tile_fp8), which the scores undo. The scales stay out of the 16-bit values, so nothing is
+// rounded twice: k_scale multiplies the float32 scores S = Q K^T, v_scale the float32 output rows
+// (before the splits' partials are written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
 // even and saturated at 448 (quantize_e4m3), both into the cache and into the tile that attends them.
 //
 // MLA (CUFLASH_MLA = 1, fp16/bf16, DeepSeek's latent cache): one cache whose rows are the keys and
@@ -903,7 +903,8 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
     if (C::kScoreMods || masked) {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            acc_s[e] = decode_score<C>(p, sq, acc_s[e], rows_i[e % 2], rows_h[e % 2], j_warp + g + 8 * (e / 2), key_end);
+            acc_s[e] = decode_score<C>(p, sq, acc_s[e], rows_i[e % 2], rows_h[e % 2], j_warp + g + 8 * (e / 2),
+                                       key_end);
     }
 
     // The online softmax of rows 2t and 2t + 1, as OnlineSoftmax::update (the same lazy rescaling).
