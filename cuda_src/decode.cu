@@ -43,8 +43,9 @@
 // fp16 whatever q's type: bf16 q rows are scaled by a power of two into fp16's range
 // (load_q_tile_fp8), which the scores undo. The scales stay out of the 16-bit values, so nothing is
 // rounded twice: k_scale multiplies the float32 scores S = Q K^T, v_scale the float32 output rows
-// (before the splits' partials are written). Appended rows are quantised as cuflash.reference does, e4m3(x / scale) rounded to nearest
-// even and saturated at 448 (quantize_e4m3), both into the cache and into the tile that attends them.
+// (before the splits' partials are written). Appended rows are quantised as cuflash.reference does,
+// e4m3(x / scale) rounded to nearest even and saturated at 448 (quantize_e4m3), both into the cache
+// and into the tile that attends them.
 //
 // MLA (CUFLASH_MLA = 1, fp16/bf16, DeepSeek's latent cache): one cache whose rows are the keys and
 // whose first out_dim columns are the values (v_cache and v_new are the host's aliases of k_cache and
