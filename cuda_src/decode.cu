@@ -850,15 +850,14 @@ __device__ __forceinline__ void q_columns(unsigned (&q_cols)[C::kHeadDim / 16][2
 template <class C>
 struct KeysMWarpState {
     float acc_o[C::kVCols / 16][4];
-    float m[2], l[2];
+    OnlineSoftmax<1> softmax;
 
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int c = 0; c < C::kVCols / 16; ++c)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[c][e] = 0.f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) { m[r] = -CUFLASH_INF; l[r] = 0.f; }
+        softmax.init();
     }
 };
 
@@ -908,7 +907,7 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
                                        key_end);
     }
 
-    // The online softmax of rows 2t and 2t + 1, as OnlineSoftmax::update (the same lazy rescaling).
+    // The online softmax of rows 2t and 2t + 1: a row's maximum reduces across the 8 lanes of its t.
     const float scale_log2 = C::kScoreMods ? 1.f : p.score.scale_log2;
     float correction[2];
 #pragma unroll
@@ -916,14 +915,10 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
         float top = fmaxf(acc_s[r], acc_s[r + 2]);
 #pragma unroll
         for (int offset = 4; offset < 32; offset *= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-        float m_new = fmaxf(st.m[r], top);
-        if ((m_new - st.m[r]) * scale_log2 <= OnlineSoftmax<1>::kRescaleSlack) m_new = st.m[r];
-        const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
-        correction[r] = m_new == st.m[r] ? 1.f : fast_exp2(st.m[r] * scale_log2 - m_scaled);
-        st.m[r] = m_new;
+        const float m_scaled = st.softmax.move_max(r, fmaxf(st.softmax.m[r], top), scale_log2, correction[r]);
         acc_s[r] = fast_exp2(fmaf(acc_s[r], scale_log2, -m_scaled));
         acc_s[r + 2] = fast_exp2(fmaf(acc_s[r + 2], scale_log2, -m_scaled));
-        st.l[r] = st.l[r] * correction[r] + (acc_s[r] + acc_s[r + 2]);
+        st.softmax.l[r] = st.softmax.l[r] * correction[r] + (acc_s[r] + acc_s[r + 2]);
     }
     if (!__all_sync(0xffffffffu, correction[0] == 1.f && correction[1] == 1.f)) {
 #pragma unroll
@@ -977,11 +972,11 @@ __device__ __forceinline__ void keys_m_warp_store(KeysMWarpState<C>& st, float* 
                 dst[16 * c + 8 + g] = st.acc_o[c][2 + r];
             }
         }
-        float row_sum = st.l[r];
+        float row_sum = st.softmax.l[r];
 #pragma unroll
         for (int offset = 4; offset < 32; offset *= 2) row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
         if (g == 0) {
-            warp_m[warp * C::kBlockM + row] = st.m[r];
+            warp_m[warp * C::kBlockM + row] = st.softmax.m[r];
             warp_l[warp * C::kBlockM + row] = row_sum;
         }
     }

@@ -63,15 +63,8 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = 2 * mi + half;
-                float m_new = quad_max(fmaxf(m[r], row_max(s[mi], half)));
-                // From m = -inf the difference is +inf (or NaN while the row has seen only masked
-                // keys): both fail the test, so a row's first visible keys always set m.
-                if ((m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
-                // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead makes
-                // its p exactly 0 rather than NaN from (-inf) - (-inf).
-                const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
-                correction[r] = m_new == m[r] ? 1.f : fast_exp2(m[r] * scale_log2 - m_scaled);
-                m[r] = m_new;
+                const float m_scaled = move_max(r, quad_max(fmaxf(m[r], row_max(s[mi], half))), scale_log2,
+                                                correction[r]);
                 float sum = 0.f;
 #pragma unroll
                 for (int ni = 0; ni < kNTiles; ++ni) {
@@ -84,6 +77,22 @@ struct OnlineSoftmax {
                 l[r] = l[r] * correction[r] + sum;
             }
         }
+    }
+
+    // Row r's running maximum after a tile that took it to m_new (reduced over the whole row), with
+    // the lazy rescaling: sets correction = 2^(m_old - m_new) (scaled; exactly 1 when m holds) and
+    // returns m * scale_log2, what the tile's exponentials subtract. For layouts whose rows update()
+    // does not reduce (decode's keys-as-M tile).
+    __device__ __forceinline__ float move_max(int r, float m_new, float scale_log2, float& correction) {
+        // From m = -inf the difference is +inf (or NaN while the row has seen only masked keys):
+        // both fail the test, so a row's first visible keys always set m.
+        if ((m_new - m[r]) * scale_log2 <= kRescaleSlack) m_new = m[r];
+        // A row that has seen only masked keys keeps m = -inf; subtracting 0 instead makes its p
+        // exactly 0 rather than NaN from (-inf) - (-inf).
+        const float m_scaled = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
+        correction = m_new == m[r] ? 1.f : fast_exp2(m[r] * scale_log2 - m_scaled);
+        m[r] = m_new;
+        return m_scaled;
     }
 
     // update(), speculatively, for one m-tile, with P packed into m16k16 A fragments of T as it is
