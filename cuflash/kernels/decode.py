@@ -30,10 +30,9 @@ DECODE_BLOCK_M = {"mma": 16, "simt": 8}
 #: Packed rows per CTA with the keys as the mma's M (CUFLASH_KEYS_AS_M: S^T = K Q^T, the rows as N).
 DECODE_KEYS_AS_M_ROWS = 8
 #: Whether decode calls of at most DECODE_KEYS_AS_M_ROWS packed rows (fp16/bf16 q, not MLA, not ragged
-#: new tokens) take the keys-as-M variants unless told otherwise. Off until their GPU tests
-#: (tests/gpu/test_decode_keys_as_m.py, which switches it on) and their speed against the 16-row
-#: variants have been measured on a GPU.
-DECODE_KEYS_AS_M_BY_DEFAULT = False
+#: new tokens) take the keys-as-M variants (docs/decisions.md, "decode: keys as the mma's M"); off
+#: gives the 16-row variants, the A/B's other side.
+DECODE_KEYS_AS_M_BY_DEFAULT = True
 DECODE_MAX_SPLITS = 128
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
@@ -356,8 +355,9 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
     """Decode and merge variants worth compiling ahead of time.
 
     Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for each of ``kv_dtypes``
-    (None: caches of q's dtype; ``"float8_e4m3fn"``: fp8 caches, for float16/bfloat16 only), for the shared memory
-    of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
+    (None: caches of q's dtype; ``"float8_e4m3fn"``: fp8 caches, for float16/bfloat16 only) and, for
+    float16/bfloat16, both tiles (16 packed rows; the keys as the mma's M, for calls of a few rows), for
+    the shared memory of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
     plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
     dtype into itself.
 
@@ -381,8 +381,10 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
             for paged in (False, True):
                 for mods in (False, True):
                     for kv_dtype in (k for k in kv_dtypes if k is None or dtype_name != "float32"):
-                        out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
-                                               smem_per_block=smem_per_block, kv_dtype=kv_dtype).variant)
+                        for keys_as_m in (False, True) if dtype_name != "float32" else (False,):
+                            out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
+                                                   smem_per_block=smem_per_block, kv_dtype=kv_dtype,
+                                                   keys_as_m=keys_as_m).variant)
         out.append(merge_plan("float32", dtype_name).variant)
         out.append(merge_plan(dtype_name, dtype_name).variant)
     return list(dict.fromkeys(out))

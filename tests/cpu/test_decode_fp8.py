@@ -90,9 +90,7 @@ def test_fp8_variants_carry_their_define_and_fit():
     assert any(dict(v.defines).get("CUFLASH_KV_FP8") for v in variants)
     from cuflash.kernels.catalogue import ci_variants, reachable_variants
 
-    # (The keys-as-M variants are compiled too but reached only with DECODE_KEYS_AS_M_BY_DEFAULT.)
-    fp8 = {v for v, _ in ci_variants()
-           if dict(v.defines).get("CUFLASH_KV_FP8") and not dict(v.defines).get("CUFLASH_KEYS_AS_M")}
+    fp8 = {v for v, _ in ci_variants() if dict(v.defines).get("CUFLASH_KV_FP8")}
     assert len(fp8) >= 12 and fp8 <= set(reachable_variants())
 
 

@@ -282,10 +282,13 @@ def test_decode_precompile_variants_cover_the_dispatcher():
             for paged in (False, True):
                 for mods in (False, True):
                     assert kernels.decode.decode_plan(dtype, d, paged=paged, score_mods=mods).variant in variants
+                    if dtype != "float32":
+                        assert kernels.decode.decode_plan(dtype, d, paged=paged, score_mods=mods,
+                                                          keys_as_m=True).variant in variants
         assert kernels.merge.merge_plan("float32", dtype).variant in variants
         assert kernels.merge.merge_plan(dtype, dtype).variant in variants
     only = kernels.decode.decode_precompile_variants(dtypes=["bfloat16"], head_dims=[128])
-    assert len([v for v in only if v.family == "decode"]) == 4
+    assert len([v for v in only if v.family == "decode"]) == 8   # (contiguous, paged) x (plain, mods) x 2 tiles
 
 
 # ----------------------------------------------------------------------------- score modifiers

@@ -591,6 +591,31 @@ def test_check_pages_accepts_ordinary_tables():
     _check_pages(_table([[4, 2, 0, -1], [1, 3, -1, -1]]), np.array([2, 1]), 1, 1, 5)
 
 
+@gpu
+@pytest.mark.parametrize("heads, seqlen_q, expected", [((8, 8), 1, True), ((32, 8), 2, True), ((64, 8), 1, True),
+                                                       ((32, 8), 3, False), ((16, 1), 1, False)])
+def test_calls_of_few_rows_take_keys_as_m(monkeypatch, heads, seqlen_q, expected):
+    """cuflash.decode plans the keys-as-M variant exactly when Sq * Hq / Hk <= 8 (and the call
+    matches the reference, run_case's checks)."""
+    from cuflash._runtime import memo
+    from cuflash.kernels import decode as kdecode
+
+    asked = []
+    plan = kdecode.decode_plan
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs.get("keys_as_m", False))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(kdecode, "decode_plan", recording)
+    memo.clear_memo()
+    hq, hk = heads
+    case = build_case(dtype="bfloat16", B=2, Hq=hq, Hk=hk, D=64, Sq=seqlen_q, lens=[300, 171], page_size=16,
+                      append=True, seed=int(np.random.default_rng().integers(1 << 30)))
+    run_case(case, dtype="bfloat16")
+    assert asked == [expected]
+
+
 @pytest.mark.parametrize("table, lens, s_new, page_size, num_pages, pattern", [
     ([[0, 5]], [20], 1, 16, 5, r"block_table\[0, 1\] = 5"),
     ([[0, -1]], [16], 1, 16, 5, r"block_table\[0, 1\] = -1"),
