@@ -395,20 +395,17 @@ struct PagedRows {
     const cache_t* v[2][kRows];
 };
 
-// One key row's page, fetched by thread r = threadIdx.x < kBlockN for row r of a future tile.
+// One key row's page, fetched by thread r = threadIdx.x < kBlockN for row r of a future tile. Only the
+// page is held across the iteration (publish recomputes the row inside it): at two CTAs an SM the fp8
+// keys-as-M tile has 128 registers, and a second one spilled.
 struct PagedRowFetch {
     int page;   // block_table entry (valid when the row is a cached key; checked by publish)
-    int slot;   // row inside the page; -1: not a cached key (appended token or past key_end)
 
     template <class C>
     __device__ __forceinline__ void fetch(const DecodeParams& p, const DecodeSeq& sq, int j0, int key_end) {
         const int j = j0 + int(threadIdx.x);
-        slot = -1;
-        if (threadIdx.x < C::kBlockN && j < key_end && j < sq.cache_len) {
-            const int page_idx = j / p.page_size;
-            slot = j - page_idx * p.page_size;
-            page = __ldg(sq.pages + page_idx);   // not waited on here: consumed by publish next iteration
-        }
+        if (threadIdx.x < C::kBlockN && j < key_end && j < sq.cache_len)
+            page = __ldg(sq.pages + j / p.page_size);   // not waited on here: consumed by publish next iteration
     }
 
     // The row's addresses into buffer `buf`; j0 as passed to fetch.
@@ -419,7 +416,8 @@ struct PagedRowFetch {
         const int r = threadIdx.x, j = j0 + r;
         const typename C::cache_t* k_row = nullptr;
         const typename C::cache_t* v_row = nullptr;
-        if (slot >= 0) {
+        if (j < key_end && j < sq.cache_len) {   // a cached key: fetch loaded its page
+            const int slot = j - (j / p.page_size) * p.page_size;
             // The page is range-checked here, where its load has landed anyway (in fetch, the test
             // would wait on it); a row on a page that is not the cache's stays nullptr: zeros.
             if (page_in_cache(page, p.num_pages)) {
@@ -861,8 +859,9 @@ struct KeysMWarpState {
     }
 };
 
-// The warp's 16 keys of one stage; rows_i / rows_h: query index and head of rows 2t and 2t + 1.
-// Element e of S^T is key g + 8 (e / 2), row 2t + (e % 2).
+// The warp's 16 keys of one stage; row_query / row_head: the CTA's packed rows (shared memory), read
+// for rows 2t and 2t + 1 on tiles that need them only (held in registers across the loop, they pushed
+// the fp8 tile of two CTAs an SM past its 128). Element e of S^T is key g + 8 (e / 2), row 2t + (e % 2).
 template <class C>
 __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const unsigned (&q_cols)[C::kHeadDim / 16][2],
                                                  unsigned k_tile, unsigned v_tile,
@@ -871,9 +870,9 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
                                                  const Fp8Lanes<C::kHeadDim>& kv8_lanes,
                                                  const float (&score_factor)[2], int key0, int j_warp, bool masked,
                                                  const DecodeParams& p, const DecodeSeq& sq, int key_end,
-                                                 const int (&rows_i)[2], const int (&rows_h)[2]) {
+                                                 const int* row_query, const int* row_head) {
     using mma_t = typename C::mma_t;
-    const int g = (threadIdx.x % 32) / 4;
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
     float acc_s[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (C::kFp8) {
 #pragma unroll
@@ -903,8 +902,8 @@ __device__ __forceinline__ void keys_m_warp_tile(KeysMWarpState<C>& st, const un
     if (C::kScoreMods || masked) {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            acc_s[e] = decode_score<C>(p, sq, acc_s[e], rows_i[e % 2], rows_h[e % 2], j_warp + g + 8 * (e / 2),
-                                       key_end);
+            acc_s[e] = decode_score<C>(p, sq, acc_s[e], row_query[2 * t + e % 2], row_head[2 * t + e % 2],
+                                       j_warp + g + 8 * (e / 2), key_end);
     }
 
     // The online softmax of rows 2t and 2t + 1: a row's maximum reduces across the 8 lanes of its t.
@@ -1433,7 +1432,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
             if (tile == 0) q_columns<C>(q_cols, q_smem);
             // K's A fragments take Q's lane pattern of the 16-row path (rows lane % 16, halves lane / 16).
             keys_m_warp_tile<C>(state, q_cols, smem_addr(k_stage(stage)), smem_addr(v_stage(stage)), q_lanes, v_lanes,
-                                kv8_lanes, score_factor, key0, j_warp, masked, p, sq, key_end, rows_i, rows_h);
+                                kv8_lanes, score_factor, key0, j_warp, masked, p, sq, key_end, row_query, row_head);
         } else {
             if constexpr (C::kQInRegs) {
                 if (tile == 0) {

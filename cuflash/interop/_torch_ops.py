@@ -31,8 +31,11 @@ sinks, float32 (Hq,)) come last in each schema, so calls written before them kee
 backward that is not asked for dbias / dsinks returns an empty float32 tensor in their place. The ops are defined with ``torch.library.Library``
 rather than ``torch.library.custom_op`` (:mod:`cuflash.interop._torch_library` says why). The functions of this module are the user-facing wrappers
 (``window=(left, right)``, ``block_size=(bq, bk)``, a ``generator``, a list of partial states...).
-Called eagerly on plain tensors, a wrapper runs what the dispatcher would run (the Autograd kernel,
-version bumps, the kernel) without the dispatcher's Python hops (:meth:`cuflash.interop._torch_library._Op.__call__`); while
+Called eagerly on plain CUDA tensors, :func:`attention`, :func:`attention_varlen` and :func:`decode`
+(without ``rng_state`` or ``return_lse`` for the first two) take :mod:`cuflash.interop.torch`'s eager
+route: the same kernels and results without the op. Otherwise, called eagerly on plain tensors, a
+wrapper runs what the dispatcher would run (the Autograd kernel, version bumps, the kernel) without
+the dispatcher's Python hops (:meth:`cuflash.interop._torch_library._Op.__call__`); while
 ``torch.compile`` traces, under a dispatch mode or a functorch transform, and whenever
 ``torch.ops.cuflash.*`` is called itself, the dispatcher runs them.
 
@@ -82,7 +85,7 @@ from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, as_rng_state, default_generator
 from ._torch_autograd import direct_apply
 from ._torch_library import RANDOM as _RANDOM, backward_op as _backward_op, compiling as _compiling
-from ._torch_library import op as _op, records_grad as _records_grad
+from ._torch_library import direct as _direct, op as _op, records_grad as _records_grad
 from ._torch_stream import as_torch, torch_call
 
 __all__ = ["attention", "attention_forward", "attention_backward", "attention_varlen", "attention_varlen_backward",
@@ -176,6 +179,12 @@ def _check_rank(x: Tensor, rank: int, name: str, layout: str) -> None:
 
 def _empty(shape, dtype, device) -> Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dense_like(x) -> Tensor:
+    """An uninitialised C-contiguous tensor like x: 3.4 us a call on an H200's host against 7.9 for
+    ``torch.empty(shape, dtype=, device=)``."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _window(window_left: int, window_right: int):
@@ -292,9 +301,9 @@ def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, ma
     """The body of ``cuflash::attention_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
-    dq = _empty(q.shape, q.dtype, q.device)
-    dk = _empty(k.shape, q.dtype, q.device)
-    dv = _empty(v.shape, q.dtype, q.device)
+    dq = _dense_like(q)
+    dk = _dense_like(k)
+    dv = _dense_like(v)
     options = dict(alibi_slopes=_plain(alibi_slopes), mask=mask, bias=_plain(bias), block_mask=block_mask,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    block_size=(block_q, block_k), dropout_p=dropout_p, deterministic=deterministic,
@@ -458,9 +467,9 @@ def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rn
     """The body of ``cuflash::attention_varlen_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
-    dq = _empty(q.shape, q.dtype, q.device)
-    dk = _empty(k.shape, q.dtype, q.device)
-    dv = _empty(v.shape, q.dtype, q.device)
+    dq = _dense_like(q)
+    dk = _dense_like(k)
+    dv = _dense_like(v)
     options = dict(alibi_slopes=_plain(alibi_slopes), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                    causal=causal, scale=scale, window=_window(window_left, window_right), softcap=softcap,
                    dropout_p=dropout_p, deterministic=deterministic, sinks=_plain(sinks))
@@ -764,6 +773,30 @@ def _check_dbias_beside(score_mod, bias, softcap) -> None:
                          "put the cap inside the score_mod, or detach bias")
 
 
+# ----------------------------------------------------------------------------- the eager route
+#
+# Called eagerly on plain CUDA tensors, attention, attention_varlen and decode below run
+# cuflash.interop.torch's eager route instead of the op: the same kernels with the same arguments
+# (outputs and gradients equal bit for bit, dropout drawn from the same generator), with an autograd
+# Function of one output and no op layer between (docs/decisions.md#torch-ops-eager-route).
+
+_eager = None   # cuflash.interop.torch, bound at the first eager call (that module imports this one)
+
+
+def _eager_module():
+    global _eager
+    if _eager is None:
+        from . import torch as eager
+        _eager = eager
+    return _eager
+
+
+def _runs_eagerly(q, tensors) -> bool:
+    """Whether a call may take the eager route: q a CUDA tensor, every tensor plain, and nothing that
+    must see the op (torch.compile, a dispatch mode, a functorch transform, a jit trace: :func:`direct`)."""
+    return type(q) is Tensor and q.is_cuda and not _compiling() and _direct(tensors)
+
+
 # ----------------------------------------------------------------------------- the functions users call
 
 def _pair(value, name: str, unbounded):
@@ -840,12 +873,20 @@ def attention_forward(q, k, v, *, causal=False, scale=None, window=None, softcap
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, rng_state=None, generator=None,
               deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None):
-    """Differentiable exact attention through the custom op (see :func:`attention_forward`).
+    """Differentiable exact attention through the custom op (see :func:`attention_forward`); eagerly on
+    plain CUDA tensors (no ``rng_state``, no ``return_lse``), :func:`cuflash.interop.torch.attention`.
 
     Returns
     -------
     torch.Tensor (B, Sq, Hq, D), or (out, lse) when ``return_lse``.
     """
+    if rng_state is None and not return_lse and _runs_eagerly(q, (q, k, v, alibi_slopes, mask, bias, block_mask,
+                                                                   sinks)):
+        return _eager_module().attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                         alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
+                                         block_size=block_size, dropout_p=dropout_p, generator=generator,
+                                         deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod,
+                                         sinks=sinks)
     out, lse, _ = attention_forward(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                                     alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                                     block_size=block_size, dropout_p=dropout_p, rng_state=rng_state,
@@ -881,7 +922,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                      scale=None, window=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
                      generator=None, deterministic=False, return_lse=False, score_mod=None, mask_mod=None, sinks=None,
                      cache_seqlens=None, block_table=None):
-    """``torch.ops.cuflash.attention_varlen_forward``: differentiable packed-sequence attention.
+    """``torch.ops.cuflash.attention_varlen_forward``: differentiable packed-sequence attention (eagerly
+    on plain CUDA tensors, no ``rng_state`` or ``return_lse``: :func:`cuflash.interop.torch.attention_varlen`).
 
     Parameters
     ----------
@@ -901,6 +943,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     -------
     out : torch.Tensor (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when ``return_lse``.
     """
+    if rng_state is None and not return_lse and _runs_eagerly(q, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                                                   sinks, cache_seqlens, block_table)):
+        return _eager_module().attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+            scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+            generator=generator, deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+            cache_seqlens=cache_seqlens, block_table=block_table)
     left, right = _pair(window, "window", (-1, -1))
     options = (max_seqlen_q, max_seqlen_k, causal, scale, left, right, softcap, dropout_p, deterministic)
     cache = (cache_seqlens, block_table) if cache_seqlens is not None or block_table is not None else ()
@@ -934,7 +983,9 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=None, v_new=None, num_splits=0,
            causal=True, window=None, softcap=0.0, alibi_slopes=None, scale=None, mask=None, return_lse=False,
            out=None, score_mod=None, mask_mod=None, sinks=None, k_scale=None, v_scale=None, v_head_dim=None):
-    """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache.
+    """``torch.ops.cuflash.decode`` (``decode_out`` with ``out``): attention of a few new tokens over a KV cache;
+    eagerly on plain CUDA tensors, :func:`cuflash.interop.torch.decode` (which moves the caches' version
+    counters only when rows are appended, and ``out``'s when given).
 
     Arguments as in :func:`cuflash.decode`, as torch tensors (``cache_seqlens`` and ``block_table``
     int32 on the GPU). ``k_new`` / ``v_new`` are appended into ``k_cache`` / ``v_cache`` in place
@@ -953,6 +1004,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     -------
     out : torch.Tensor (B, Sq, Hq, D), or (out, lse) with lse float32 (B, Hq, Sq) when ``return_lse``.
     """
+    if _runs_eagerly(q, (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, sinks,
+                         k_scale, v_scale, out)):
+        return _eager_module().decode(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new, v_new=v_new,
+            num_splits=num_splits, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            scale=scale, mask=mask, return_lse=return_lse, out=out, score_mod=score_mod, mask_mod=mask_mod,
+            sinks=sinks, k_scale=k_scale, v_scale=v_scale, v_head_dim=v_head_dim)
     left, right = _pair(window, "window", (-1, -1))
     args = (cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, left, right,
             softcap, sinks, _scale_tensor(k_scale), _scale_tensor(v_scale))

@@ -55,6 +55,22 @@ from ._torch_stream import as_torch as _as_torch, torch_call as _torch_call
 __all__ = ["attention", "attention_varlen", "decode", "merge_states", "ops", "ring_attention"]
 
 _compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
+_empty_like, _contiguous = torch.empty_like, torch.contiguous_format
+_bump_versions = torch.autograd.graph.increment_version
+
+
+def _dense_like(x):
+    """An uninitialised C-contiguous tensor of x's shape, dtype and device. ``torch.empty_like`` with the
+    format given reads no shape from Python: 3.4 us a call against 5.6 for ``x.new_empty(x.shape)``
+    on an H200's host, five times an autograd step."""
+    return _empty_like(x, memory_format=_contiguous)
+
+
+def _new_out(q, v):
+    """attention's output: q's shape with v's head dim (a value head dim of its own, issue 53)."""
+    if v.shape[-1] == q.shape[-1]:
+        return _empty_like(q, memory_format=_contiguous)
+    return q.new_empty(ops._out_shape(q, v))
 
 
 def _needs_grad(q, k, v, bias, sinks=None) -> bool:
@@ -80,7 +96,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, sinks, options, generator, deterministic):
         # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
         # memory that a torch.cuda.graph capture keeps in its pool.
-        out = q.new_empty(ops._out_shape(q, v))
+        out = _new_out(q, v)
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if q.dim() == 4 else None
         with _torch_call(q.device):
             _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, sinks=sinks, out=out, lse=lse,
@@ -94,7 +110,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, bias, sinks = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
-        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        dq, dk, dv = _dense_like(q), _dense_like(k), _dense_like(v)
         with _torch_call(q.device):
             grads = list(_cf_attention_backward(dout, q, k, v, out, lse, bias=bias, sinks=sinks,
                                                 rng_state=ctx.rng_state, return_dbias=want_dbias,
@@ -121,7 +137,7 @@ class _AttentionVarlen(torch.autograd.Function):
             rng_state = generator.next_state()
             generator = Generator(0)
             generator.set_state(rng_state)
-        out = q.new_empty(ops._out_shape(q, v))
+        out = _new_out(q, v)
         with _torch_call(q.device):
             _, lse = _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                           max_seqlen_k=max_seqlen_k, generator=generator, return_lse=True,
@@ -136,7 +152,7 @@ class _AttentionVarlen(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
         want_dsinks = sinks is not None and ctx.needs_input_grad[3]
-        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        dq, dk, dv = _dense_like(q), _dense_like(k), _dense_like(v)
         with _torch_call(q.device):
             grads = _cf_attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, rng_state=ctx.rng_state, dq=dq,
                                                   dk=dk, dv=dv, sinks=sinks, return_dsinks=want_dsinks, **ctx.options)
@@ -234,7 +250,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     if _needs_grad(q, k, v, bias, sinks):
         return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
-    out = q.new_empty(ops._out_shape(q, v))
+    out = _new_out(q, v)
     with _torch_call(q.device):
         _cf_attention(q, k, v, bias=bias, sinks=sinks, out=out, generator=generator, **options)
     return out
@@ -313,7 +329,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
                        generator=generator, deterministic=deterministic, alibi_slopes=alibi_slopes, **mods)
         return _attention_varlen_apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        options)
-    out = q.new_empty(ops._out_shape(q, v))
+    out = _new_out(q, v)
     with _torch_call(q.device):
         _cf_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                              causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -332,7 +348,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         float16, bfloat16 or float32, on a CUDA device.
     k_cache, v_cache : torch.Tensor
         (B, L, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``; ``k_new`` /
-        ``v_new`` are appended into them in place. q's dtype, or ``torch.float8_e4m3fn`` (an fp8
+        ``v_new`` are appended into them in place (their version counters move, as for torch's
+        in-place ops). q's dtype, or ``torch.float8_e4m3fn`` (an fp8
         cache, :func:`cuflash.decode`'s ``kv_dtype="float8_e4m3fn"`` on its bytes; q float16 or
         bfloat16, ``k_new`` / ``v_new`` in q's dtype, quantised as they are appended).
     cache_seqlens, block_table, k_new, v_new, num_splits, causal, window, softcap, alibi_slopes, scale, mask
@@ -341,7 +358,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     return_lse : bool, default False
         Also return the float32 (B, Hq, Sq_new) log-sum-exp (to merge with other partial states).
     out : torch.Tensor (B, Sq_new, Hq, D), optional
-        C-contiguous, q's dtype: written in place; otherwise allocated by torch.
+        C-contiguous, q's dtype: written in place (its version counter moves); otherwise allocated by
+        torch.
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         As in :func:`cuflash.decode` (absolute positions in each sequence), in eager mode and CUDA
         graphs and under ``torch.compile``; their array arguments may be torch tensors.
@@ -383,10 +401,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     _check_cuda(("q", q), ("k_cache", k_cache), *((("v_cache", v_cache),) if v_cache is not None else ()))
     if sinks is not None:
         _check_cuda(("sinks", sinks))
-    k_cache, v_cache, cache_options = ops.decode_cache_arguments(k_cache, v_cache, k_scale, v_scale)
+    caches = k_cache, v_cache
+    if k_scale is None and v_scale is None and k_cache.dtype == q.dtype and (v_cache is None or v_cache.dtype == q.dtype):
+        cache_options = {}   # caches in q's dtype: nothing to view or convert
+    else:
+        k_cache, v_cache, cache_options = ops.decode_cache_arguments(k_cache, v_cache, k_scale, v_scale)
     mods = ops._modifiers(score_mod, mask_mod) or {}
+    given = out
     if out is None:
-        out = q.new_empty(q.shape if v_head_dim is None or q.dim() != 4 else (*q.shape[:3], v_head_dim))
+        out = _dense_like(q) if v_head_dim is None or q.dim() != 4 else q.new_empty((*q.shape[:3], v_head_dim))
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse and q.dim() == 4 \
         else None
     if v_head_dim is not None:
@@ -396,6 +419,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
                    v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
                    alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, sinks=sinks, **mods,
                    **cache_options)
+    # Tensors written in place get their version counters moved, as torch's in-place ops do (autograd
+    # then refuses a saved tensor that was written since): the caches when rows were appended, out.
+    if k_new is not None:
+        _bump_versions(tuple(x for x in caches if x is not None))
+    if given is not None:
+        _bump_versions(given)
     return (out, lse) if return_lse else out
 
 
@@ -432,7 +461,7 @@ def merge_states(outs, lses):
     first = outs[0]
     _check_cuda(("outs", first))
     shape = first.shape
-    out = first.new_empty(shape)
+    out = _dense_like(first)
     lse = first.new_empty((shape[0], shape[2], shape[1]), dtype=torch.float32) if len(shape) == 4 else None
     with _torch_call(first.device):
         _cf_merge_states(outs, lses, out=out, lse=lse)

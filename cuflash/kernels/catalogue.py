@@ -149,10 +149,18 @@ def fp8_decode_variants() -> list[Variant]:
 def keys_as_m_decode_variants() -> list[Variant]:
     """The decode variants with the keys as the mma's M (DECODE_KEYS_AS_M_BY_DEFAULT) that the CPU test
     compiles (for sm_80 and sm_90a alike): bf16 at D = 128 and 256 and fp16 at D = 64, on 16-bit and fp8
-    caches, contiguous and paged, plain and with every built-in modifier."""
-    return [decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype, keys_as_m=True).variant
-            for dtype_name, dims in (("bfloat16", (128, 256)), ("float16", (64,))) for d in dims
-            for kv_dtype in (None,) + DECODE_KV_DTYPES for paged in (False, True) for mods in (False, True)]
+    caches, contiguous and paged, plain and with every built-in modifier; and bf16 at D = 128 with
+    :func:`ci_user_modifiers` (their tiles differ: decode_plan)."""
+    from ..modifiers import kernel_source
+
+    out = [decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype, keys_as_m=True).variant
+           for dtype_name, dims in (("bfloat16", (128, 256)), ("float16", (64,))) for d in dims
+           for kv_dtype in (None,) + DECODE_KV_DTYPES for paged in (False, True) for mods in (False, True)]
+    score_mod, mask_mod = ci_user_modifiers()
+    source = kernel_source(score_mod, mask_mod)
+    return out + [decode_plan("bfloat16", 128, paged=paged, score_mods=("score_mod", "mask_mod"), user_source=source,
+                              kv_dtype=kv_dtype, keys_as_m=True).variant
+                  for kv_dtype in (None,) + DECODE_KV_DTYPES for paged in (False, True)]
 
 
 def mla_decode_variants(dtypes=("float16", "bfloat16"), score_mod_sets_=None) -> list[Variant]:

@@ -79,6 +79,15 @@ _DECODE_FP8_TILE_CHOICES = {
     192: (DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
     256: (DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2)),
 }
+#: fp8 caches, paged, with the keys as the mma's M (128 registers at D = 128, where the 16-row tile
+#: needs ~200): three stages and two CTAs an SM. A paged copy waits on its page's lookup, and 16 warps
+#: an SM hide that where 8 did not (H200, GQA 32/8, one new token, pages of 16, kernel alone: (8, 8k)
+#: 67.2 -> 52.8 us, (1, 128k) 110.3 -> 90.2, (32, 4k) 109.6 -> 77.5, (1, 32k) 53.4 -> 48.9). Contiguous
+#: caches keep four stages at one CTA: two CTAs were 1-4% slower there except at (32, 4k). With user
+#: modifiers the 128 registers spill (40-88 bytes), so those keep the one-CTA tiles.
+_DECODE_FP8_KEYS_M_PAGED_TILE_CHOICES = {
+    128: (DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
+}
 #: MLA: a stage is the K tile alone (the values are its first columns). Four warps of 16 keys and two
 #: stages take 162 KiB (three stages would not fit 227); not measured yet.
 _DECODE_MLA_TILE_CHOICES = (DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 3), DecodeTiles(2, 16, 2))
@@ -212,6 +221,8 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     else:
         kdim = round_up(head_dim, DECODE_MMA_HEAD_DIMS if path == "mma" else DECODE_SIMT_HEAD_DIMS)
         choices = _DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]
+        if kv_dtype and keys_as_m and paged and not user_source:
+            choices = _DECODE_FP8_KEYS_M_PAGED_TILE_CHOICES.get(kdim, choices)
     for tiles in choices:
         smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype, mla, keys_as_m)
         reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)

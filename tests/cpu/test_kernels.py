@@ -222,16 +222,24 @@ def test_keys_as_m_decode_plan():
     compile keys), the shared memory of 8 Q rows; float16/bfloat16 q, 16-bit or fp8 caches, not MLA."""
     for dtype in ("float16", "bfloat16"):
         for kv_dtype in (None, "float8_e4m3fn"):
-            plan = kernels.decode.decode_plan(dtype, 128, paged=True, score_mods=True, kv_dtype=kv_dtype,
-                                              keys_as_m=True)
-            defines = dict(plan.variant.defines)
-            assert defines["CUFLASH_KEYS_AS_M"] == 1 and plan.block_m == kernels.decode.DECODE_KEYS_AS_M_ROWS == 8
-            tiles = kernels.decode.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
-                                               defines["CUFLASH_STAGES"])
-            assert kernels.decode.decode_smem_bytes(dtype, 128, tiles, kv_dtype, keys_as_m=True) == plan.smem_bytes
-            rows16 = kernels.decode.decode_plan(dtype, 128, paged=True, score_mods=True, kv_dtype=kv_dtype)
-            assert "CUFLASH_KEYS_AS_M" not in dict(rows16.variant.defines) and rows16.block_m == 16
-            assert rows16.smem_bytes - plan.smem_bytes == 8 * 128 * 2   # 8 Q rows fewer
+            for paged in (False, True):
+                plan = kernels.decode.decode_plan(dtype, 128, paged=paged, score_mods=True, kv_dtype=kv_dtype,
+                                                  keys_as_m=True)
+                defines = dict(plan.variant.defines)
+                assert defines["CUFLASH_KEYS_AS_M"] == 1
+                assert plan.block_m == kernels.decode.DECODE_KEYS_AS_M_ROWS == 8
+                tiles = kernels.decode.DecodeTiles(defines["CUFLASH_WARPS"], defines["CUFLASH_KEYS_PER_WARP"],
+                                                   defines["CUFLASH_STAGES"])
+                assert kernels.decode.decode_smem_bytes(dtype, 128, tiles, kv_dtype, keys_as_m=True) == plan.smem_bytes
+                rows16 = kernels.decode.decode_plan(dtype, 128, paged=paged, score_mods=True, kv_dtype=kv_dtype)
+                assert "CUFLASH_KEYS_AS_M" not in dict(rows16.variant.defines) and rows16.block_m == 16
+                if kv_dtype and paged:   # fp8 paged: two CTAs an SM of three stages (user modifiers: one)
+                    assert (tiles, plan.ctas_per_sm) == (kernels.decode.DecodeTiles(8, 16, 3), 2)
+                    user = kernels.decode.decode_plan(dtype, 128, paged=True, score_mods=("score_mod",),
+                                                      user_source="/* user */", kv_dtype=kv_dtype, keys_as_m=True)
+                    assert user.ctas_per_sm == 1
+                else:
+                    assert rows16.smem_bytes - plan.smem_bytes == 8 * 128 * 2   # 8 Q rows fewer
     for dtype, extra in (("float32", {}), ("bfloat16", {"mla": True})):
         with pytest.raises(ValueError, match="keys as the mma's M"):
             kernels.decode.decode_plan(dtype, 576 if extra else 128, paged=False, score_mods=False, keys_as_m=True,

@@ -787,6 +787,64 @@ def test_ops_equal_the_direct_path():
         assert torch.equal(a.grad, b.grad)
 
 
+@_gpu
+def test_ops_take_the_eager_route_on_cuda_tensors():
+    """Eagerly on plain CUDA tensors ops.attention runs cuflash.interop.torch's route (its autograd node,
+    not the op's) and equals the op bit for bit, outputs and gradients, dropout included; under a
+    dispatch mode the op is called."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    B, Sq, Sk, Hq, Hk, D = 2, 90, 120, 8, 2, 64
+    q, k, v = (_rand(*s, dtype=torch.bfloat16, device="cuda") for s in ((B, Sq, Hq, D), (B, Sk, Hk, D), (B, Sk, Hk, D)))
+    options = dict(causal=True, softcap=20.0, window=(40, -1), dropout_p=0.2, deterministic=True)
+    state, dout = _state(), _rand(B, Sq, Hq, D, dtype=torch.bfloat16, device="cuda")
+    leaves = [[x.clone().requires_grad_(True) for x in (q, k, v)] for _ in range(2)]
+    routed = ops.attention(*leaves[0], generator=_generator_of(state), **options)
+    through_op = ops.attention(*leaves[1], rng_state=state, **options)   # rng_state: the op itself
+    assert type(routed.grad_fn).__name__ == "_AttentionBackward"
+    assert type(through_op.grad_fn).__name__ == "_AttentionForwardBackward"
+    assert torch.equal(routed, through_op)
+    routed.backward(dout)
+    through_op.backward(dout)
+    for a, b in zip(*leaves):
+        assert torch.equal(a.grad, b.grad)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        moded = ops.attention(q, k, v, causal=True)
+    assert any("cuflash.attention_forward" in name for name in seen.ops), seen.ops
+    assert torch.equal(moded, ops.attention(q, k, v, causal=True))
+
+
+@_gpu
+@pytest.mark.parametrize("with_out", [False, True])
+def test_ops_decode_takes_the_eager_route_and_moves_versions(with_out):
+    """Eagerly on plain CUDA tensors ops.decode (cuflash.interop.torch.decode's route) equals the op
+    called through the dispatcher, caches included, and moves the version counters of the caches it
+    appends to and of ``out``."""
+    for (q, k_cache, v_cache), kwargs in _decode_cases("cuda", torch.float16):
+        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+        out = torch.full_like(q, math.nan) if with_out else None
+        versions = [x._version for x in caches[0]] + ([out._version] if with_out else [])
+        got, lse = ops.decode(q, *caches[0], out=out, return_lse=True, **kwargs)
+        if with_out:
+            assert got is out
+        after = [x._version for x in caches[0]] + ([out._version] if with_out else [])
+        assert all(b > a for a, b in zip(versions, after))
+        want, want_lse = torch.ops.cuflash.decode(q, *caches[1], **kwargs)
+        assert torch.equal(got, want) and torch.equal(lse, want_lse)
+        for a, b in zip(*caches):
+            assert torch.equal(a, b)
+
+
 def _generator_of(state):
     generator = cuflash.Generator(0)
     generator.set_state(state.numpy().view(np.uint64))
