@@ -29,6 +29,7 @@ import cuflash  # noqa: E402
 import cuflash.interop.torch as ct  # noqa: E402
 from cuflash import reference  # noqa: E402
 from cuflash.interop import _torch_library, _torch_ops  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 ops = ct.ops
 OPS = ("attention_forward", "attention_backward", "attention_varlen_forward", "attention_varlen_backward", "decode",
@@ -662,28 +663,30 @@ def test_generator_and_rng_state(host_kernels):
         ops.attention_forward(q, k, v, dropout_p=0.4, rng_state=torch.zeros(3, dtype=torch.int64))
 
 
+class _SeenOps(TorchDispatchMode):
+    """A dispatch mode that records the ops it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_kernels_run_directly_only_on_plain_tensors_outside_modes(host_kernels):
     """Below autograd an op runs its kernel without the dispatcher only for plain tensors with no
     dispatch mode active: a mode still sees the op (and the results agree), and fake tensors or
     subclasses (a Parameter) go through the dispatcher."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     q, k, v = _rand(1, 6, 2, 8), _rand(1, 9, 2, 8), _rand(1, 9, 2, 8)
     assert _torch_library.direct((q, k, v, None, True, 0.5))
     assert not _torch_library.direct((q, torch.nn.Parameter(k), v))
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     plain = ops.attention(q, k, v, causal=True)
-    with Seen() as seen:
+    with _SeenOps() as seen:
         assert not _torch_library.direct((q, k, v))
         moded = ops.attention(q, k, v, causal=True)
     assert any("cuflash.attention_forward" in name for name in seen.ops), seen.ops
@@ -792,8 +795,6 @@ def test_ops_take_the_eager_route_on_cuda_tensors():
     """Eagerly on plain CUDA tensors ops.attention runs cuflash.interop.torch's route (its autograd node,
     not the op's) and equals the op bit for bit, outputs and gradients, dropout included; under a
     dispatch mode the op is called."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     B, Sq, Sk, Hq, Hk, D = 2, 90, 120, 8, 2, 64
     q, k, v = (_rand(*s, dtype=torch.bfloat16, device="cuda") for s in ((B, Sq, Hq, D), (B, Sk, Hk, D), (B, Sk, Hk, D)))
     options = dict(causal=True, softcap=20.0, window=(40, -1), dropout_p=0.2, deterministic=True)
@@ -809,16 +810,7 @@ def test_ops_take_the_eager_route_on_cuda_tensors():
     for a, b in zip(*leaves):
         assert torch.equal(a.grad, b.grad)
 
-    class Seen(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with Seen() as seen:
+    with _SeenOps() as seen:
         moded = ops.attention(q, k, v, causal=True)
     assert any("cuflash.attention_forward" in name for name in seen.ops), seen.ops
     assert torch.equal(moded, ops.attention(q, k, v, causal=True))
