@@ -182,9 +182,14 @@ def _empty(shape, dtype, device) -> Tensor:
 
 
 def _dense_like(x) -> Tensor:
-    """An uninitialised C-contiguous tensor like x: 3.4 us a call on an H200's host against 7.9 for
-    ``torch.empty(shape, dtype=, device=)``."""
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    """An uninitialised C-contiguous tensor of x's shape, dtype and device. ``torch.empty_like`` with
+    the format given reads no shape from Python: 3.4 us a call on an H200's host against 5.6 for
+    ``x.new_empty(x.shape)`` and 7.9 for ``torch.empty(shape, dtype=, device=)``; an autograd step
+    allocates five."""
+    return _empty_like(x, memory_format=_contiguous)
+
+
+_empty_like, _contiguous = torch.empty_like, torch.contiguous_format
 
 
 def _window(window_left: int, window_right: int):

@@ -49,28 +49,19 @@ from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, default_generator
 from . import _torch_ops as ops
 from ._torch_autograd import direct_apply as _direct_apply
+from ._torch_ops import _dense_like
 from ._torch_ring import ring_attention   # context parallelism (cuflash.distributed) as autograd
 from ._torch_stream import as_torch as _as_torch, torch_call as _torch_call
 
 __all__ = ["attention", "attention_varlen", "decode", "merge_states", "ops", "ring_attention"]
 
 _compiling = torch.compiler.is_compiling   # Dynamo folds it to True while tracing
-_empty_like, _contiguous = torch.empty_like, torch.contiguous_format
 _bump_versions = torch.autograd.graph.increment_version
-
-
-def _dense_like(x):
-    """An uninitialised C-contiguous tensor of x's shape, dtype and device. ``torch.empty_like`` with the
-    format given reads no shape from Python: 3.4 us a call against 5.6 for ``x.new_empty(x.shape)``
-    on an H200's host, five times an autograd step."""
-    return _empty_like(x, memory_format=_contiguous)
 
 
 def _new_out(q, v):
     """attention's output: q's shape with v's head dim (a value head dim of its own, issue 53)."""
-    if v.shape[-1] == q.shape[-1]:
-        return _empty_like(q, memory_format=_contiguous)
-    return q.new_empty(ops._out_shape(q, v))
+    return _dense_like(q) if v.shape[-1] == q.shape[-1] else q.new_empty(ops._out_shape(q, v))
 
 
 def _needs_grad(q, k, v, bias, sinks=None) -> bool:
@@ -402,7 +393,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     if sinks is not None:
         _check_cuda(("sinks", sinks))
     caches = k_cache, v_cache
-    if k_scale is None and v_scale is None and k_cache.dtype == q.dtype and (v_cache is None or v_cache.dtype == q.dtype):
+    if (k_scale is None and v_scale is None and k_cache.dtype == q.dtype
+            and (v_cache is None or v_cache.dtype == q.dtype)):
         cache_options = {}   # caches in q's dtype: nothing to view or convert
     else:
         k_cache, v_cache, cache_options = ops.decode_cache_arguments(k_cache, v_cache, k_scale, v_scale)
