@@ -396,8 +396,8 @@ struct PagedRows {
 };
 
 // One key row's page, fetched by thread r = threadIdx.x < kBlockN for row r of a future tile. Only the
-// page is held across the iteration (publish recomputes the row inside it): at two CTAs an SM the fp8
-// keys-as-M tile has 128 registers, and a second one spilled.
+// page is held across the iteration and publish recomputes the row inside it: holding both spilled the
+// fp8 keys-as-M tile at two CTAs an SM (128 registers).
 struct PagedRowFetch {
     int page;   // block_table entry (valid when the row is a cached key; checked by publish)
 

@@ -716,7 +716,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (2, 1, 32, 128)
     >>> lens += 1                                             # the caller keeps the lengths
     """
-    # Without scales or modifiers (most calls) their helpers are not called: ~1 us of an H200 host's time.
+    # Without scales or modifiers (most calls) their helpers are not called (0.6 us a call on a CPU).
     k_scale_op = v_scale_op = k_value = v_value = mod_key = None
     if k_scale is not None or v_scale is not None:
         k_scale_op, v_scale_op, k_value, v_value = _scale_parts(k_scale, v_scale)

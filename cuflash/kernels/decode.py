@@ -368,8 +368,8 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
     Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for each of ``kv_dtypes``
     (None: caches of q's dtype; ``"float8_e4m3fn"``: fp8 caches, for float16/bfloat16 only) and, for
     float16/bfloat16, both tiles (16 packed rows; the keys as the mma's M, for calls of a few rows), for
-    the shared memory of an H100/H200 by default (another budget may pick other stage counts, compiled on first use),
-    plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
+    the shared memory of an H100/H200 by default (another budget may pick other stage counts, compiled
+    on first use), plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
     dtype into itself.
 
     Parameters
