@@ -680,20 +680,25 @@ __device__ __forceinline__ void mma_pv_fp8(float (&acc_o)[C::kVCols / 8][4], con
     }
 }
 
-// A warp's running state: O for the CTA's 16 rows (this thread's fragments) and the online softmax.
-template <class C>
-struct MmaWarpState {
-    float acc_o[C::kVCols / 8][4];
+// A warp's running state on the mma paths: this thread's fragments of O (kTiles accumulator tiles)
+// and the online softmax of its two rows.
+template <int kTiles>
+struct FragmentState {
+    float acc_o[kTiles][4];
     OnlineSoftmax<1> softmax;
 
     __device__ __forceinline__ void init() {
 #pragma unroll
-        for (int di = 0; di < C::kVCols / 8; ++di)
+        for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[di][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
         softmax.init();
     }
 };
+
+// O for the CTA's 16 rows: 8 columns a tile.
+template <class C>
+using MmaWarpState = FragmentState<C::kVCols / 8>;
 
 // The warp's 16 keys of one stage. key0: their first row in the tile; j_warp: the first key's index.
 // rows_i / rows_h: query index and head of this thread's rows g and g + 8 (-1: padding).
@@ -843,21 +848,10 @@ __device__ __forceinline__ void q_columns(unsigned (&q_cols)[C::kHeadDim / 16][2
     }
 }
 
-// A warp's running state on this path: O^T (16 columns by 8 rows per tile: this lane's columns g and
-// g + 8 of each, rows 2t and 2t + 1), and the online softmax of rows 2t, 2t + 1 (l over this lane's keys).
+// On this path O^T: 16 columns by 8 rows a tile (this lane's columns g and g + 8 of each, rows 2t and
+// 2t + 1), and the online softmax of rows 2t, 2t + 1 (l over this lane's keys).
 template <class C>
-struct KeysMWarpState {
-    float acc_o[C::kVCols / 16][4];
-    OnlineSoftmax<1> softmax;
-
-    __device__ __forceinline__ void init() {
-#pragma unroll
-        for (int c = 0; c < C::kVCols / 16; ++c)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[c][e] = 0.f;
-        softmax.init();
-    }
-};
+using KeysMWarpState = FragmentState<C::kVCols / 16>;
 
 // The warp's 16 keys of one stage; row_query / row_head: the CTA's packed rows (shared memory), read
 // for rows 2t and 2t + 1 on tiles that need them only (held in registers across the loop, they pushed
