@@ -9,8 +9,8 @@ microseconds), a large one the GPU time. Rows:
 - ``jax empty callback``: a buffer_callback that launches nothing: what JAX and XLA cost per call;
 - ``jax wrapper, no launch``: that, with the adapter's own work (XLA's stream made CuPy's, the
   buffers' CuPy views) and no cuflash call;
-- ``jax cuflash``: cuflash.interop.jax.attention (buffer_callback, no command buffers);
-- ``jax cuflash, command buffers``: the same with ``COMMAND_BUFFERS = True``;
+- ``jax cuflash``: cuflash.interop.jax.attention (buffer_callback, with ``COMMAND_BUFFERS = False``);
+- ``jax cuflash, command buffers``: the same with ``COMMAND_BUFFERS = True`` (the default);
 - ``cupy cuflash``: cuflash.attention called from Python in a loop on CuPy arrays;
 - ``cupy cuflash, out= lse=``: the call the adapter makes (the forward with given out and lse);
 - ``jax cudnn``: jax.nn.dot_product_attention(implementation="cudnn").
@@ -111,6 +111,16 @@ def _time_cupy_given(q, k, v, n, reps):
     return time.perf_counter() - start
 
 
+def _with_command_buffers(on: bool, calls: int, args, reps: int) -> float:
+    """The chained cuflash calls traced with ``COMMAND_BUFFERS = on``."""
+    default = cj.COMMAND_BUFFERS
+    cj.COMMAND_BUFFERS = on
+    try:
+        return _time_jax(_chained(lambda q, k, v: cj.attention(q, k, v, causal=True), calls), args, reps)
+    finally:
+        cj.COMMAND_BUFFERS = default
+
+
 def main(shapes=((1, 128, 8, 64), (4, 4096, 16, 128)), n=50, reps=10):
     print(f"{'shape (B, S, H, D) bf16 causal':34} {'route':32} {'us per call':>12}")
     for shape in shapes:
@@ -119,17 +129,8 @@ def main(shapes=((1, 128, 8, 64), (4, 4096, 16, 128)), n=50, reps=10):
         calls = n if shape[1] <= 1024 else 10
         rows = [("jax empty callback", lambda: _time_jax(_chained(_empty, calls), (q, k, v), reps)),
                 ("jax wrapper, no launch", lambda: _time_jax(_chained(_wrapper_only, calls), (q, k, v), reps)),
-                ("jax cuflash", lambda: _time_jax(_chained(lambda q, k, v: cj.attention(q, k, v, causal=True),
-                                                           calls), (q, k, v), reps))]
-
-        def graphed():
-            cj.COMMAND_BUFFERS = True
-            try:
-                return _time_jax(_chained(lambda q, k, v: cj.attention(q, k, v, causal=True), calls), (q, k, v), reps)
-            finally:
-                cj.COMMAND_BUFFERS = False
-
-        rows.append(("jax cuflash, command buffers", graphed))
+                ("jax cuflash", lambda: _with_command_buffers(False, calls, (q, k, v), reps)),
+                ("jax cuflash, command buffers", lambda: _with_command_buffers(True, calls, (q, k, v), reps))]
         cq, ck, cv = (cupy.asarray(np.asarray(x)) for x in (q, k, v))
         rows.append(("cupy cuflash", lambda: _time_cupy(cq, ck, cv, calls, reps, True)))
         rows.append(("cupy cuflash, out= lse=", lambda: _time_cupy_given(cq, ck, cv, calls, reps)))

@@ -11,10 +11,11 @@ cuDNN (higher is better: cuDNN's time over ours) and cuflash-in-jit / CuPy (ours
 ours in jit), with the bars: >= 1.0x cuDNN, >= 0.95x CuPy.
 
 Run on a GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_jax_grid.py [--quick] [--only fwd,decode]
-[--calls N] [--command-buffers]``. In the 2026-11-29 run (benchmarks/results/jax_grid_h200.md) the
-calls of under ~1.2 ms missed the CuPy bar by 25-45 us each, about what one jitted call costs the
-host: ``--command-buffers`` (no Python callback per call) and a larger ``--calls`` tell whether that
-time serialises with the GPU's.
+[--calls N] [--no-command-buffers]``. 30 calls a round by default: a round's first call waits for
+the host before the GPU starts (JAX's dispatch and the callback, ~80 us on an H200's host against
+~20 for a CuPy call), which 10 calls a round left at 4-6 us a call; the steady-state figure is
+what a training or serving loop sees. ``--no-command-buffers`` traces cuflash's calls with
+``COMMAND_BUFFERS = False`` (XLA then runs the Python callback at every call).
 """
 
 from __future__ import annotations
@@ -127,16 +128,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one head dim, one length, 3 rounds")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--only", default="", help="comma-separated name prefixes of the problems to run")
-    parser.add_argument("--command-buffers", action="store_true",
-                        help="cuflash.interop.jax.COMMAND_BUFFERS = True (XLA records cuflash's launches in its "
-                             "CUDA graphs: no Python callback per call)")
+    parser.add_argument("--no-command-buffers", action="store_true",
+                        help="cuflash.interop.jax.COMMAND_BUFFERS = False (a Python callback at every call, "
+                             "never recorded in XLA's CUDA graphs)")
     args = parser.parse_args(argv)
-    if args.command_buffers:
+    if args.no_command_buffers:
         import cuflash.interop.jax as cj
 
-        cj.COMMAND_BUFFERS = True
+        cj.COMMAND_BUFFERS = False
     only = [x for x in args.only.split(",") if x]
     rounds = 3 if args.quick else args.rounds
     rows = []

@@ -1,5 +1,5 @@
-"""What a call captured in a CUDA graph needs: dropout's (seed, offset) drawn on the GPU at each
-replay (cuda_src/rng_state.cu), and the calls that cannot be captured."""
+"""What a call captured in a CUDA graph needs: state of its own, dropout's (seed, offset) drawn on
+the GPU at each replay (cuda_src/rng_state.cu), and the calls that cannot be captured."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 from cuflash import kernels
 from cuflash._build import compile as _compile
 from cuflash._runtime import launch as _launch
-from cuflash._runtime.now import relaxed_capture_mode
+from cuflash._runtime.graph_lifetime import keep_with_capture
+from cuflash._runtime.now import done_now, relaxed_capture_mode
 from cuflash._runtime.step import Buffer, Step
 
 
@@ -31,6 +32,23 @@ def rng_step(device_id: int) -> Step:
         func = _launch.prepare_kernel(_compile.get_kernel(kernels.rng_state.rng_state_variant()), 0, device_id)
         step = _rng_steps[device_id] = Step(func, (1, 1, 1), 1, 0, (("pointer", 0), ("pointer", 1)))
     return step
+
+
+def call_state(device_id: int, stream: int) -> _launch.StreamState:
+    """The words, split counters and temporaries of one call that ``stream`` is capturing, its own.
+
+    Calls on a stream run one after the other, so uncaptured calls share their stream's state. Graphs
+    do not: XLA records the calls of a program into one graph, where two calls that share no buffer
+    may run at once, and graphs captured on one stream may be replayed on several. Two calls at once
+    on the same persistent kernels' counter, or the same split partials, would corrupt each other.
+    So a captured call gets state of its own, kept exactly as long as the graph
+    (:mod:`cuflash._runtime.graph_lifetime`); its faults go to the reports of ``stream``'s state.
+    Made once per captured call, never on a replay."""
+    shared = _launch.stream_state(device_id, stream)
+    with done_now(device_id):
+        state = _launch.StreamState(device_id, reports_of=shared)
+    keep_with_capture(stream, state)
+    return state
 
 
 def _graph_draw(cupy, generator, device_id: int, state, rng_output: bool):

@@ -175,9 +175,12 @@ class StreamState:
     each slot (its shapes word the error message). :meth:`arena`: the small temporaries of calls on
     this stream, and ``tails``: plan -> what its calls here pass after their operands (the
     temporaries' pointers and the stream's words, see :meth:`cuflash._runtime.plan.Plan.run`), made once.
+
+    ``reports_of``: the state whose fault reports (and their plans) this one shares; a captured
+    call's own state (:func:`cuflash._runtime.capture.call_state`) reports to its stream's.
     """
 
-    def __init__(self, device_id: int):
+    def __init__(self, device_id: int, reports_of: StreamState | None = None):
         cupy = _cupy()
         runtime = cupy.cuda.runtime
         self.device_id = device_id
@@ -185,12 +188,15 @@ class StreamState:
             self._words = cupy.zeros(8, dtype=np.int32)
         base = self._words.data.ptr
         self.counter, self.error, self.scratch = base, base + 4, base + 8
-        nbytes = 16 * len(REPORT_SLOTS)
-        # Mapped and portable: with unified addressing the host pointer is also the device pointer.
-        self._host = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
-        ctypes.memset(self._host, 0, nbytes)
-        self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
-        self.plans = [None] * len(REPORT_SLOTS)
+        if reports_of is not None:
+            self._host, self.reports, self.plans = reports_of._host, reports_of.reports, reports_of.plans
+        else:
+            nbytes = 16 * len(REPORT_SLOTS)
+            # Mapped and portable: with unified addressing the host pointer is also the device pointer.
+            self._host = runtime.hostAlloc(nbytes, runtime.hostAllocMapped | runtime.hostAllocPortable)
+            ctypes.memset(self._host, 0, nbytes)
+            self.reports = (ctypes.c_int32 * (4 * len(REPORT_SLOTS))).from_address(self._host)
+            self.plans = [None] * len(REPORT_SLOTS)
         self._workspaces = {}   # plan -> its temporaries on this stream
         with cupy.cuda.Device(device_id):
             self._counters = cupy.zeros(1024, dtype=np.int32)

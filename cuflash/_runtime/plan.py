@@ -21,7 +21,7 @@ import numpy as np
 
 from cuflash._runtime import graph as _graph, launch as _launch
 from cuflash._build.cuda_status import import_cupy
-from cuflash._runtime.capture import _graph_draw
+from cuflash._runtime.capture import _graph_draw, call_state as _call_state
 from cuflash._runtime.faults import _raise_fault
 
 #: Plans kept by the memo, and tails kept by a stream (each keeps its plan alive).
@@ -53,13 +53,11 @@ class Plan:
     REPORT, SPLIT_COUNTERS), then dropout's state (DROPOUT_STATE, SEED, OFFSET).
 
     Under CUDA graph capture (CuPy's current stream capturing), what a replay needs must outlive the
-    call and may not be read on the host: the temporaries come from memory that the stream keeps
-    (its arena for small ones, which it never frees, :meth:`cuflash._runtime.launch.StreamState.arena`; a
-    pinned plan's own workspace; :meth:`cuflash._runtime.launch.StreamState.workspace`), and a call that
-    draws dropout takes its (seed, offset) on the GPU, from its generator's graph state, by a launch
-    of ``cuda_src/rng_state.cu`` ahead of its steps; its kernels read them through DROPOUT_STATE.
-    Graphs captured on one stream share that stream's words and workspaces, as calls on it do: run
-    them one after the other (capture on separate streams the graphs that are to run at once).
+    call and may not be read on the host: the call gets words, split counters and temporaries of its
+    own, kept as long as its graph (:func:`cuflash._runtime.capture.call_state`), so that graphs, and
+    calls inside one graph, may run at once; and a call that draws dropout takes its (seed, offset)
+    on the GPU, from its generator's graph state, by a launch of ``cuda_src/rng_state.cu`` ahead of
+    its steps; its kernels read them through DROPOUT_STATE.
 
     Parameters
     ----------
@@ -177,18 +175,17 @@ class Plan:
             stream = _launch.current_stream_ptr(device_id)
         else:
             device_id, stream = where
-        state = _launch.stream_state(device_id, stream)
+        # Asked at every call (~0.2 us): a captured call's state is its own (capture.call_state).
+        capturing = cupy.cuda.runtime.streamIsCapturing(stream)
+        state = _call_state(device_id, stream) if capturing else _launch.stream_state(device_id, stream)
         if self.slot is not None:
             _raise_fault(state, self.slot)
-        capturing = None   # asked only where the answer changes what the call does
-        if check and self.checked:
-            capturing = cupy.cuda.runtime.streamIsCapturing(stream)
-            if capturing:
-                raise RuntimeError(f"{self.entry}(check=True) waits for the GPU's check of the index arrays, which a "
-                                   "stream capture cannot do: capture it with check=False (a bad index then makes "
-                                   "the replay write nothing and is raised by the next call on the stream or by "
-                                   "cuflash.check_errors())")
-        if workspace is None and self.temps:
+        if check and self.checked and capturing:
+            raise RuntimeError(f"{self.entry}(check=True) waits for the GPU's check of the index arrays, which a "
+                               "stream capture cannot do: capture it with check=False (a bad index then makes "
+                               "the replay write nothing and is raised by the next call on the stream or by "
+                               "cuflash.check_errors())")
+        if workspace is None and self.temps and not capturing:
             pinned = _pinned.get()
             if pinned is not None and pinned.plan is self:
                 workspace = pinned.workspace(device_id, stream)
@@ -197,16 +194,12 @@ class Plan:
         if workspace is None and self._temp_bytes <= _launch.ARENA_BYTES:
             temps, tail = state.tails.get(self) or self._arena_tail(state)
         else:
-            if workspace is None:
-                if stream == _launch.PER_THREAD_STREAM:
-                    # CuPy's pool files freed blocks under the stream's handle, which every thread's
-                    # per-thread stream shares: a block freed here could go to another thread while
-                    # this thread's kernels still use it. Each thread keeps its temporaries instead.
-                    workspace = state.workspace(self)
-                else:
-                    capturing = cupy.cuda.runtime.streamIsCapturing(stream)
-                    if capturing:   # the graph uses them at every replay: the stream keeps them
-                        workspace = state.workspace(self)
+            if workspace is None and (capturing or stream == _launch.PER_THREAD_STREAM):
+                # Captured: the graph uses them at every replay, so the call's state keeps them.
+                # The per-thread stream: CuPy's pool files freed blocks under the stream's handle,
+                # which every thread's per-thread stream shares, so a block freed here could go to
+                # another thread while this thread's kernels still use it; each thread keeps its own.
+                workspace = state.workspace(self)
             if workspace is not None:
                 temps = workspace
                 tail = [t.data.ptr for t in temps]
@@ -219,8 +212,6 @@ class Plan:
         draw = None
         if self.dropout is not None and rng_state is None:
             source = generator or _default_generator()
-            if capturing is None:
-                capturing = cupy.cuda.runtime.streamIsCapturing(stream)
             if capturing:   # drawn on the GPU at each replay, from the generator's graph state
                 draw = _graph_draw(cupy, source, device_id, state, rng_output)
             else:
@@ -263,8 +254,7 @@ class Plan:
                 cupy.cuda.runtime.streamSynchronize(stream)
                 _raise_fault(state, self.slot)
                 steps = steps[1:]
-        if len(steps) >= GRAPH_MIN_STEPS > 0 and draw is None and not (
-                capturing if capturing is not None else cupy.cuda.runtime.streamIsCapturing(stream)):
+        if len(steps) >= GRAPH_MIN_STEPS > 0 and draw is None and not capturing:
             for step in steps:
                 step.write(values)
             self._graph(device_id, stream, steps).launch(stream)

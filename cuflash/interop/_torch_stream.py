@@ -75,20 +75,28 @@ class torch_call:
 
     def __init__(self, device: torch.device):
         index = _device_index(device)
-        self._device = cupy.cuda.Device(index) if _cupy_device() != index else None
-        self._stream = _external_stream(index, _raw_stream(index))
+        raw = _raw_stream(index)
+        if _cupy_device() == index:
+            self._device = None
+            # CuPy's current stream is already torch's (both the default stream, most often): entering
+            # and leaving a CuPy stream costs 1.3 us on an H200's host, the comparison 0.2.
+            self._stream = None if _cupy_stream_ptr(index) == raw else _external_stream(index, raw)
+        else:
+            self._device, self._stream = cupy.cuda.Device(index), _external_stream(index, raw)
         self._allocator = _allocator(index)
 
     def __enter__(self):
         if self._device is not None:
             self._device.__enter__()
-        self._stream.__enter__()
+        if self._stream is not None:
+            self._stream.__enter__()
         self._previous = _get_allocator()
         _set_allocator(self._allocator)
 
     def __exit__(self, *exc):
         _set_allocator(self._previous)
-        self._stream.__exit__(*exc)
+        if self._stream is not None:
+            self._stream.__exit__(*exc)
         if self._device is not None:
             self._device.__exit__(*exc)
         return False
@@ -100,6 +108,10 @@ _set_allocator = cupy.cuda.memory._set_thread_local_allocator
 
 
 _cupy_device = cupy.cuda.runtime.getDevice
+
+
+def _cupy_stream_ptr(index: int) -> int:
+    return cupy.cuda.get_current_stream(index).ptr
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,9 +29,9 @@ Memory. cuflash's temporaries (split-KV partials, backward accumulators, the dbi
 CuPy's memory pool, beside XLA's: give CuPy room (``XLA_PYTHON_CLIENT_MEM_FRACTION``, by default XLA
 takes 75% of the GPU at its first use).
 
-Command buffers. XLA may record custom calls into CUDA graphs ("command buffers") and replay them.
-:data:`COMMAND_BUFFERS` (default False) chooses whether cuflash's callbacks let it (read when a
-function is traced); see docs/jax.md for why the default is off.
+Command buffers. XLA may record custom calls into CUDA graphs ("command buffers") and replay them
+with no Python callback. :data:`COMMAND_BUFFERS` (default True) chooses whether cuflash's callbacks
+let it (read when a function is traced); see docs/jax.md.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ from ._jax_stream import on_xla_stream
 __all__ = ["COMMAND_BUFFERS", "attention", "attention_varlen", "decode", "dropout_state", "merge_states"]
 
 #: Whether XLA may record cuflash's calls into its CUDA graphs (``command_buffer_compatible``); read
-#: when a function is traced. Off by default: docs/jax.md says why and what it was measured to change.
-COMMAND_BUFFERS = False
+#: when a function is traced. Each recorded call has state of its own (cuflash._runtime.capture.call_state),
+#: so XLA may run two of them at once; docs/jax.md says what it was measured to change.
+COMMAND_BUFFERS = True
 
 _SCORE_ARRAYS = ("alibi_slopes", "mask", "bias", "block_mask", "sinks")
 _RNG_LAYOUT = ((2,), np.uint64)   # the four uint32 words of _jax_rng, read as cuflash's (seed, offset)

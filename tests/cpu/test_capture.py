@@ -256,6 +256,7 @@ def fake_run(monkeypatch):
                                                                                                runtime=runtime)))
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: fake.state)
+    monkeypatch.setattr(_plan, "_call_state", lambda device, stream: fake.state)   # a captured call's own
     monkeypatch.setattr(_capture, "_rng_steps", {0: _Recorder("rng", fake.log)})
     monkeypatch.setattr(_capture, "relaxed_capture_mode", contextlib.nullcontext)
     return fake
@@ -287,14 +288,38 @@ def _dropout_plan(log, temps=()):
     return _plan.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", log)], dropout=(0.5, 2.0))
 
 
-def test_a_call_without_dropout_or_temporaries_never_asks_about_capture(fake_run):
+def test_every_call_asks_about_capture_once(fake_run):
     plan = _plan.Plan("attention", 5, outputs={3: _step.Buffer((4, 8), np.float32)},
                           steps=[_Recorder("fwd", fake_run.log)], results=(3,))
     for capturing in (False, True):
         fake_run.capturing = capturing
         plan.run((None,) * 5, [0x10, 0x20, 0x30, 0, 0])
-    assert fake_run.queries == 0
+    assert fake_run.queries == 2
     assert [entry[0] for entry in fake_run.log] == ["fwd", "fwd"]
+
+
+def test_a_captured_call_runs_on_state_of_its_own(fake_run, monkeypatch):
+    # Two captured calls of one plan on one stream get their own words and temporaries (a graph may
+    # run them at once); uncaptured calls keep sharing the stream's.
+    own = []
+
+    def call_state(device, stream):
+        state = _StreamState()
+        state.counter, state.error, state.scratch = (0xA000 * (len(own) + 2) + 4 * i for i in range(3))
+        state.arenas.append((_Memory(0x7000_0000 * (len(own) + 1)), 1 << 20))
+        own.append(state)
+        return state
+
+    monkeypatch.setattr(_plan, "_call_state", call_state)
+    temps = (_step.Buffer((32, 4), np.float32),)
+    plan = _plan.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
+    for capturing in (True, True, False, False):
+        fake_run.capturing = capturing
+        plan.run((None,) * 5, [0x10] * 5)
+    words = [entry[1][plan.index("counter")] for entry in fake_run.log]
+    arenas = [entry[1][plan.temp_index(0)] for entry in fake_run.log]
+    assert len(own) == 2 and words[:2] == [own[0].counter, own[1].counter] and words[2] == words[3] == 0x9000
+    assert len(set(arenas[:3])) == 3 and arenas[2] == arenas[3], "the captured calls' temporaries are their own"
 
 
 def test_dropout_outside_a_capture_draws_on_the_host(fake_run):
@@ -344,7 +369,7 @@ def test_dropout_under_capture_makes_the_graph_state_it_needs(fake_run):
 
 
 def test_small_temporaries_come_from_the_streams_arena(fake_run):
-    # Captured or not, without asking: the arena is never freed, so a graph may keep using it.
+    # The arena is never freed, so a graph may keep using it (a captured call's is its own state's).
     temps = (_step.Buffer((32, 4), np.float32), _step.Buffer((16,), np.float32, zero=True))
     plan = _plan.Plan("attention", 5, temps=temps, steps=[_Recorder("fwd", fake_run.log)])
     for capturing in (False, True, False):
@@ -356,7 +381,7 @@ def test_small_temporaries_come_from_the_streams_arena(fake_run):
         values = fake_run.log[0][1]
         assert values[plan.temp_index(0)] == arena.ptr and values[plan.temp_index(1)] == arena.ptr + 512
         assert values[5 + 2:5 + 5] == [0x9000, 0x9004, 0x9008]   # then the stream's words
-    assert fake_run.allocations == [] and fake_run.queries == 0 and len(fake_run.state.arenas) == 1
+    assert fake_run.allocations == [] and fake_run.queries == 3 and len(fake_run.state.arenas) == 1
     assert [m[0] for m in fake_run.memsets] == [arena.ptr + 512] * 3, "the accumulator is zeroed at every call"
     # A plan with more temporaries grows the arena; the first plan's calls then use the new one.
     bigger = _plan.Plan("attention", 5, temps=(_step.Buffer((4096,), np.float32),),
@@ -419,7 +444,6 @@ def test_a_device_rng_state_is_read_by_the_kernels(fake_run):
         assert [entry[0] for entry in fake_run.log] == ["fwd"] and drawn is None
         values = fake_run.log[0][1]
         assert values[plan.index("dropout_state")] == 0xABC0 and values[plan.index("seed")] == 0
-    assert fake_run.queries == 0, "a given state needs no capture query"
 
 
 # ----------------------------------------------------------------------------- refusals

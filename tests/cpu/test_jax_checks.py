@@ -250,7 +250,8 @@ def test_command_buffer_option_is_read_when_traced(monkeypatch):
         jaxpr = jax.make_jaxpr(lambda q: cj.attention(q, q, q))(q).jaxpr
         return [e.params["command_buffer_compatible"] for e in callbacks(jaxpr)]
 
+    assert flags(64) == [True]   # on by default
+    monkeypatch.setattr(cj, "COMMAND_BUFFERS", False)
     assert flags(64) == [False]
     monkeypatch.setattr(cj, "COMMAND_BUFFERS", True)
-    assert flags(64) == [True]
     assert flags(36) == [False]   # a head dim that costs padded copies is never recorded

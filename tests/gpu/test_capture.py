@@ -18,14 +18,16 @@ that state and bitwise the uncaptured forward's given that state, and a backward
 same graph, reading the device rng_state, must equal the uncaptured backward given the same state.
 
 Also: two graphs of one plan captured on two streams replay at the same time without sharing
-words or temporaries; two graphs on one stream; and calls that cannot be captured safely raise
-RuntimeError (a copied operand, check=True).
+words or temporaries, and so do two graphs captured on one stream (each captured call's state is
+its own, kept as long as its graph); and calls that cannot be captured safely raise RuntimeError
+(a copied operand, check=True).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 
 import numpy as np
 import pytest
@@ -568,6 +570,69 @@ def test_graphs_captured_on_two_streams_replay_at_once():
             stream.synchronize()
         for out, new in zip(outs, news):
             assert _same_bits(out, cuflash.attention(*new, **opts))
+
+
+def test_graphs_captured_on_one_stream_replay_at_once():
+    """Two graphs captured on one stream, replayed at the same time on two others (as XLA may run two
+    calls of its graph that share no buffer): each captured call has its own words (fwd_sm90's work
+    counter, decode's split counters) and temporaries (decode's split partials), so neither corrupts
+    the other. Many short rounds, so that the launches overlap."""
+    rng = np.random.default_rng()
+    case_args = dict(paged=False, append=False, dtype="bfloat16", **DECODE)
+    cases = [tt.decode_case(rng, DECODE_LENS[n], **case_args) for n in (1, 2)]
+    decodes = [tt.decode_on(c, cupy) for c in cases]
+    sets = [_qkv(int(rng.integers(2**31)), "bfloat16") for _ in range(2)]
+    outs = [_poisoned(sets[0][0].shape, sets[0][0].dtype) for _ in range(2)]
+    decode_outs = [_poisoned(d["q"].shape, d["q"].dtype) for d in decodes]
+    opts = dict(causal=True)
+
+    def call(i):
+        cuflash.attention(*sets[i], out=outs[i], **opts)
+        d = decodes[i]
+        cuflash.decode(d["q"], d["k_cache"], d["v_cache"], out=decode_outs[i], num_splits=4, check=False,
+                       **tt.decode_kwargs(d))
+
+    capturing = cupy.cuda.Stream(non_blocking=True)
+    graphs = [_capture(capturing, lambda i=i: call(i))[0] for i in range(2)]
+    want = [cuflash.attention(*x, **opts) for x in sets]
+    want_decode = [cuflash.decode(d["q"], d["k_cache"], d["v_cache"], num_splits=4, **tt.decode_kwargs(d))
+                   for d in decodes]
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    for _ in range(20):
+        for x in outs + decode_outs:
+            _poison(x)
+        cupy.cuda.Device().synchronize()
+        for graph, stream in zip(graphs, streams):
+            graph.launch(stream)
+        for stream in streams:
+            stream.synchronize()
+        for i in range(2):
+            assert _same_bits(outs[i], want[i]), "a forward replayed beside another graph differs"
+            assert _same_bits(decode_outs[i], want_decode[i]), "a decode replayed beside another graph differs"
+    cuflash.check_errors()
+
+
+def test_a_captured_calls_state_lives_as_long_as_its_graph():
+    """The state a captured call owns is kept while its graph exists and dropped once the graph is
+    destroyed (CUDA's user object, released after the graph's launches)."""
+    from cuflash._runtime import graph_lifetime
+
+    rng = np.random.default_rng()
+    q, k, v = _qkv(int(rng.integers(2**31)), "bfloat16")
+    out = _poisoned(q.shape, q.dtype)
+    before = graph_lifetime.kept_count()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph, _ = _capture(stream, lambda: cuflash.attention(q, k, v, out=out))
+    assert graph_lifetime.kept_count() == before + 1
+    _replay(graph, stream)
+    assert _same_bits(out, cuflash.attention(q, k, v))
+    del graph
+    cupy.cuda.Device().synchronize()
+    for _ in range(200):   # the destructor runs on a CUDA thread, soon after
+        if graph_lifetime.kept_count() == before:
+            break
+        time.sleep(0.005)
+    assert graph_lifetime.kept_count() == before, "the destroyed graph's state was not released"
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -386,6 +386,7 @@ def test_command_buffers_give_the_same_results(monkeypatch):
         out, pullback = jax.vjp(lambda q, k, v: cj.attention(q, k, v, causal=True, deterministic=True), q, k, v)
         return out, pullback(jnp.ones_like(out))
 
+    monkeypatch.setattr(cj, "COMMAND_BUFFERS", False)
     plain = jax.jit(run)
     monkeypatch.setattr(cj, "COMMAND_BUFFERS", True)
     graphed = jax.jit(lambda q, k, v: run(q, k, v))   # traced anew, with the option on
@@ -398,12 +399,14 @@ def test_command_buffers_give_the_same_results(monkeypatch):
 
 def test_command_buffers_with_independent_calls(monkeypatch):
     """Calls that do not depend on each other, recorded into one CUDA graph, which XLA may schedule
-    side by side: each must still give the plain route's result (they share their stream's words)."""
+    side by side: each must still give the plain route's result (each recorded call has its own
+    words and temporaries)."""
     args = _qkv(dict(B=4, Sq=512, Sk=512, Hq=8, Hk=8, D=64), "bfloat16", 32)
 
     def run(q, k, v):
         return [cj.attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal=bool(i % 2)) for i in range(4)]
 
+    monkeypatch.setattr(cj, "COMMAND_BUFFERS", False)
     want = jax.jit(run)(*args)
     monkeypatch.setattr(cj, "COMMAND_BUFFERS", True)
     graphed = jax.jit(lambda q, k, v: run(q, k, v))
