@@ -203,6 +203,7 @@ class StreamState:
         self._old_counters = []
         self._arena, self._arena_bytes, self._old_arenas = None, 0, []
         self.tails = {}
+        self.spares = {}   # (plan, output index) -> its outputs to hand out again (recycled.py)
 
     def split_counters(self, n: int) -> int:
         """The address of at least ``n`` zeroed int32 counters (kernels leave them at zero). A larger

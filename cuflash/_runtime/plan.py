@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from cuflash._runtime import graph as _graph, launch as _launch
+from cuflash._runtime import graph as _graph, launch as _launch, recycled as _recycled
 from cuflash._build.cuda_status import import_cupy
 from cuflash._runtime.capture import _graph_draw, call_state as _call_state
 from cuflash._runtime.faults import _raise_fault
@@ -223,7 +223,19 @@ class Plan:
             layout = self._output_layouts.get(missing)
             if layout is None:
                 layout = self._output_layouts[missing] = self._output_layout(missing)
-            if layout[1]:
+            if len(missing) == 1 and 0 < layout[1] <= _recycled.MAX_BYTES and not capturing:
+                # One small output: handed out again once the caller dropped it (recycled.py).
+                index, shape, dtype, _ = layout[0][0]
+                key = (self, index)
+                spare = state.spares.get(key)
+                if spare is None:
+                    if len(state.spares) >= _MEMO_ENTRIES:   # bounded like the memo
+                        state.spares.clear()
+                    spare = state.spares[key] = _recycled.spares()
+                x = _recycled.output(spare, cupy, shape, dtype, layout[1])
+                made = {index: x}
+                values[index] = x.data.ptr
+            elif layout[1]:
                 # One allocation for the outputs the caller did not give (an allocation costs
                 # about a microsecond of host time, cupy.empty nearly three).
                 memory = cupy.cuda.alloc(layout[1])

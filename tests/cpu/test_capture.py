@@ -257,6 +257,7 @@ def fake_run(monkeypatch):
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: fake.state)
     monkeypatch.setattr(_plan, "_call_state", lambda device, stream: fake.state)   # a captured call's own
+    monkeypatch.setattr(_plan._recycled, "MAX_BYTES", 0)   # outputs made at every call (test_recycled.py)
     monkeypatch.setattr(_capture, "_rng_steps", {0: _Recorder("rng", fake.log)})
     monkeypatch.setattr(_capture, "relaxed_capture_mode", contextlib.nullcontext)
     return fake

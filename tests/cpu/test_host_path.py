@@ -444,6 +444,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(_launch, "current_stream_ptr", lambda device_id=-1: 0x1234)
     monkeypatch.setattr(_launch, "stream_state", lambda device, stream: state)
     monkeypatch.setattr(_plan, "_call_state", lambda device, stream: state)   # a captured call's own
+    monkeypatch.setattr(_plan._recycled, "MAX_BYTES", 0)   # outputs made at every call (test_recycled.py)
     # Kernel by kernel (test_run_launches_several_kernels_as_one_graph covers the graph path).
     monkeypatch.setattr(_plan, "GRAPH_MIN_STEPS", 0)
     return SimpleNamespace(state=state, allocations=allocations)

@@ -1082,6 +1082,33 @@ def test_threads_on_per_thread_default_streams(workers):
 
 # ----------------------------------------------------------------------------- 5. plans as graphs
 
+def test_outputs_without_out_are_reused_only_once_dropped():
+    """A loop that drops its previous result gets outputs handed out again (recycled.py); a result
+    the caller still holds, or a view of it, is never written by a later call. Every result is
+    checked against an out= call on its own inputs, the held ones after all the calls."""
+    rng = np.random.default_rng()
+    cases = [tt.decode_on(_decode_case(int(rng.integers(2**31)), paged=False, append=False), cupy) for _ in range(6)]
+
+    def decode(d):
+        return cuflash.decode(d["q"], d["k_cache"], d["v_cache"], **tt.decode_kwargs(d))
+
+    def want(d):
+        return cuflash.decode(d["q"], d["k_cache"], d["v_cache"], out=_poisoned(d["q"].shape, d["q"].dtype),
+                              **tt.decode_kwargs(d))
+
+    result, addresses = None, set()
+    for d in cases:
+        result = decode(d)   # the previous result dropped after this call
+        addresses.add(result.data.ptr)
+        assert _same_bits(result, want(d))
+    assert len(addresses) <= 2, "a loop that drops its results should reuse their memory"
+    held = [decode(cases[0]), decode(cases[1])[1:]]   # an array, and a view whose base is dropped
+    later = [decode(d) for d in cases[2:]]
+    assert _same_bits(held[0], want(cases[0])) and _same_bits(held[1], want(cases[1])[1:])
+    for d, x in zip(cases[2:], later):
+        assert _same_bits(x, want(d))
+
+
 def test_plans_of_several_kernels_launch_as_one_graph(monkeypatch):
     # A backward (preprocess, main pass, dQ conversion: a programmatic edge on sm_90) and a varlen
     # call (index check, kernel) run as one CUDA graph per thread and stream; the same calls launched
