@@ -309,8 +309,9 @@ __device__ __forceinline__ bool cache_offsets(const DecodeParams& p, const Decod
     return true;
 }
 
-// K and V rows j0 .. j0 + kBlockN - 1 into one stage; rows at or past j_end and columns past head_dim
-// are zero-filled, never read (cache slots past cache_seqlens cannot leak into a result).
+// K and V rows j0 .. j0 + kBlockN - 1 into one stage; rows at or past j_end, K columns past head_dim
+// and V columns past out_dim (a value head dim of its own) are zero-filled, never read (cache slots
+// past cache_seqlens cannot leak into a result).
 template <class C>
 __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typename C::cache_t* v_tile,
                                              const DecodeParams& p, const DecodeSeq& sq, int j0, int j_end) {
@@ -323,16 +324,16 @@ __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typena
         // its column with one pointer per tensor, a constant stride per step (no per-row checks).
         if (j0 + C::kBlockN <= min(sq.cache_len, j_end)) {
             const int r = threadIdx.x / C::kChunksPerRow, c = (threadIdx.x % C::kChunksPerRow) * C::kCacheChunkElems;
-            const bool valid = c < p.head_dim;
+            const bool valid = c < p.head_dim, v_valid = c < p.out_dim;
             const cache_t* k_src = valid ? k_cache + (j0 + r) * p.k_row_stride + c : k_cache;
-            const cache_t* v_src = valid ? v_cache + (j0 + r) * p.v_row_stride + c : v_cache;
+            const cache_t* v_src = v_valid ? v_cache + (j0 + r) * p.v_row_stride + c : v_cache;
             const long long k_step = valid ? kRowStep * p.k_row_stride : 0;
-            const long long v_step = valid ? kRowStep * p.v_row_stride : 0;
+            const long long v_step = v_valid ? kRowStep * p.v_row_stride : 0;
 #pragma unroll C::kLoadUnroll
             for (int it = 0; it < C::kLoadIters; ++it) {
                 const int off = tile_offset<C>(r + it * kRowStep, c);
                 cp_async_16(k_tile + off, k_src, valid);
-                if constexpr (!C::kMla) cp_async_16(v_tile + off, v_src, valid);
+                if constexpr (!C::kMla) cp_async_16(v_tile + off, v_src, v_valid);
                 k_src += k_step;
                 v_src += v_step;
             }
@@ -344,18 +345,18 @@ __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typena
         const int idx = threadIdx.x + it * C::kNThreads;
         const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kCacheChunkElems;
         const int j = j0 + r;
-        bool valid = j < j_end && c < p.head_dim;
+        bool row = j < j_end && c < max(p.head_dim, p.out_dim);
         const int off = tile_offset<C>(r, c);
         const cache_t* k_src = k_cache;
         const cache_t* v_src = v_cache;
-        if (valid) {
+        if (row) {
             if (j < sq.cache_len) {
                 long long k_off, v_off;
                 if (cache_offsets<C>(p, sq, j, &k_off, &v_off)) {
                     k_src += k_off + c;
                     v_src += v_off + c;
                 } else {
-                    valid = false;   // a row on a page that is not the cache's reads as zeros
+                    row = false;   // a row on a page that is not the cache's reads as zeros
                 }
             } else {   // an appended token: read from k_new / v_new, not from the slot being written
                 const long long t = j - sq.cache_len;
@@ -368,8 +369,9 @@ __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typena
                 }
             }
         }
-        cp_async_16(k_tile + off, k_src, valid);
-        if constexpr (!C::kMla) cp_async_16(v_tile + off, v_src, valid);   // MLA: v_tile is k_tile
+        const bool valid = row && c < p.head_dim, v_valid = row && c < p.out_dim;
+        cp_async_16(k_tile + off, valid ? k_src : k_cache, valid);
+        if constexpr (!C::kMla) cp_async_16(v_tile + off, v_valid ? v_src : v_cache, v_valid);   // MLA: v_tile is k_tile
     }
 }
 
@@ -450,7 +452,7 @@ __device__ __forceinline__ void load_kv_tile_paged(typename C::cache_t* k_tile, 
         const int r = idx / C::kChunksPerRow, c = (idx % C::kChunksPerRow) * C::kCacheChunkElems;
         const typename C::cache_t* k_row = rows.k[buf][r];
         const typename C::cache_t* v_row = rows.v[buf][r];
-        const bool valid = k_row != nullptr && c < p.head_dim;
+        const bool valid = k_row != nullptr && c < p.head_dim, v_valid = k_row != nullptr && c < p.out_dim;
         const int off = tile_offset<C>(r, c);
         if constexpr (C::kFp8) {
             const int j = j0 + r;
@@ -460,7 +462,7 @@ __device__ __forceinline__ void load_kv_tile_paged(typename C::cache_t* k_tile, 
             }
         }
         cp_async_16(k_tile + off, valid ? k_row + c : k_cache_of<C>(sq), valid);
-        if constexpr (!C::kMla) cp_async_16(v_tile + off, valid ? v_row + c : v_cache_of<C>(sq), valid);
+        if constexpr (!C::kMla) cp_async_16(v_tile + off, v_valid ? v_row + c : v_cache_of<C>(sq), v_valid);
     }
 }
 
@@ -535,7 +537,8 @@ __device__ __forceinline__ void load_q_tile_fp8(elem_t* q_tile, float* q_unscale
 // fp8: 16 values quantised into 16 bytes per step). Rows whose page is not the cache's are dropped.
 template <class C>
 __device__ __forceinline__ void append_new_rows(const DecodeParams& p, const DecodeSeq& sq) {
-    const int chunks = p.head_dim / C::kCacheChunkElems;
+    // Columns: K's head_dim, V's out_dim (a value head dim of its own; fp8 and MLA: out_dim <= head_dim).
+    const int chunks = max(p.head_dim, C::kMla ? 0 : p.out_dim) / C::kCacheChunkElems;
     for (int idx = threadIdx.x; idx < p.seqlen_new * chunks; idx += C::kNThreads) {
         const int t = idx / chunks, c = (idx % chunks) * C::kCacheChunkElems;
         long long k_off, v_off;
@@ -548,8 +551,10 @@ __device__ __forceinline__ void append_new_rows(const DecodeParams& p, const Dec
             *k_dst = quantize_e4m3x16<elem_t>(k_src, sq.k_scale);
             *v_dst = quantize_e4m3x16<elem_t>(v_src, sq.v_scale);
         } else {
-            *k_dst = *reinterpret_cast<const uint4*>(k_src);
-            if constexpr (!C::kMla) *v_dst = *reinterpret_cast<const uint4*>(v_src);   // MLA: the same row
+            if (c < p.head_dim) *k_dst = *reinterpret_cast<const uint4*>(k_src);
+            if constexpr (!C::kMla) {   // MLA: the same row
+                if (c < p.out_dim) *v_dst = *reinterpret_cast<const uint4*>(v_src);
+            }
         }
     }
 }

@@ -45,8 +45,9 @@ struct DecodeParams {
 
     int batch, seqlen_q, heads_q, heads_k;
     int group;                         // heads_q / heads_k: query heads packed per kv head
-    int head_dim;                      // run-time head dim of q/k/v rows (multiple of 16 bytes)
-    int out_dim;                       // columns written to o / o_part (<= head_dim)
+    int head_dim;                      // run-time head dim of q/k rows (multiple of 16 bytes)
+    int out_dim;                       // columns of v rows (a value head dim of its own), written to o / o_part;
+                                       // MLA: the values are the key rows' first out_dim columns
     int seqlen_cache;                  // keys per sequence when cache_seqlens is null
     int seqlen_new;                    // rows of k_new / v_new (0: nothing appended)
     int page_size;                     // paged caches only

@@ -382,10 +382,15 @@ def check_decode_operands(q, k_cache, v_cache, paged: bool, max_head_dim: int, k
     cache_layout = "(num_pages, page_size, heads, head_dim)" if paged else layout
     check_rank(k_cache, 4, "k_cache", cache_layout)
     check_rank(v_cache, 4, "v_cache", cache_layout)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"v_cache must have the shape of k_cache {tuple(k_cache.shape)} but for its head dim (last "
+                         f"axis), got {tuple(v_cache.shape)}")
+    if kv_dtype is not None and v_cache.shape[3] != k_cache.shape[3]:
+        raise ValueError(f"an fp8 cache needs v_cache's head dim to be k_cache's: the pair (D_qk, D_v) = "
+                         f"({k_cache.shape[3]}, {v_cache.shape[3]}) is supported with 16-bit and float32 caches only")
     check_heads(q.shape[2], k_cache.shape[2], v_cache.shape[2])
-    check_head_dim(q.shape[3], k_cache.shape[3], v_cache.shape[3], max_head_dim)
+    # A value head dim of its own (DeepSeek's (192, 128)): out has v_cache's head dim.
+    check_head_dim(q.shape[3], k_cache.shape[3], v_cache.shape[3], max_head_dim, own_value_dim=kv_dtype is None)
     return dtype_name
 
 

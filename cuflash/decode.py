@@ -217,7 +217,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     max_head_dim = _checks.MLA_HEAD_DIM if mla else kernels.common.MAX_HEAD_DIM
     dtype_name = _checks.check_decode_operands(q, k_cache, v_cache, paged, max_head_dim, kv_dtype=kv_dtype)
     batch, seqlen_q, heads_q, d = q.shape
-    d_out = int(v_head_dim) if mla else d   # columns of out
+    d_out = int(v_head_dim) if mla else v_cache.shape[3]   # columns of out: v's head dim
     cu_dev = cu_host = None
     total_q = seqlen_q
     if varlen:
@@ -281,8 +281,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         _checks.check_rank(k_new, 4, "k_new", layout)
         _checks.check_rank(v_new, 4, "v_new", layout)
         seqlen_new = k_new.shape[1]
-        want = (batch, seqlen_new, heads_k, d)
-        for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+        for x, name, dim in ((k_new, "k_new", d), (v_new, "v_new", d if mla else d_out)):
+            want = (batch, seqlen_new, heads_k, dim)
             if tuple(x.shape) != want:
                 raise ValueError(f"{name} must have shape (batch, new tokens, kv heads, head_dim) = {want}, got "
                                  f"{tuple(x.shape)}")
@@ -373,13 +373,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     chunk = 16 // q.itemsize
     cache_chunk = 16 // k_cache.itemsize
     d_pad = -(-d // cache_chunk) * cache_chunk
+    # v's rows: their own head dim (MLA: the key rows themselves).
+    dv_pad = d_pad if mla else -(-d_out // cache_chunk) * cache_chunk
     q_k = q if _aligned(q, d_pad, chunk) else _padded_copy(q, d_pad)
-    cache_in_place = _aligned(k_cache, d_pad, cache_chunk) and _aligned(v_cache, d_pad, cache_chunk)
-    kc, vc = (k_cache, v_cache) if cache_in_place else (_padded_copy(k_cache, d_pad), _padded_copy(v_cache, d_pad))
+    cache_in_place = _aligned(k_cache, d_pad, cache_chunk) and _aligned(v_cache, dv_pad, cache_chunk)
+    kc, vc = (k_cache, v_cache) if cache_in_place else (_padded_copy(k_cache, d_pad), _padded_copy(v_cache, dv_pad))
     kn = vn = None
     if seqlen_new:
         kn = k_new if _aligned(k_new, d_pad, chunk) else _padded_copy(k_new, d_pad)
-        vn = v_new if _aligned(v_new, d_pad, chunk) else _padded_copy(v_new, d_pad)
+        vn = v_new if _aligned(v_new, dv_pad, chunk) else _padded_copy(v_new, dv_pad)
     if not cache_in_place and seqlen_new and lens is None:
         raise ValueError("a cache whose rows are not 16-byte aligned is copied, and appending to it needs "
                          "cache_seqlens (and block_table) on the host: pass NumPy arrays, or align the cache")
@@ -394,7 +396,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # 16-row one would compute half or more on padding; ragged new tokens keep the 16-row one.
     keys_as_m = (kernels.decode.DECODE_KEYS_AS_M_BY_DEFAULT and dtype_name != "float32" and not mla and not varlen
                  and rows <= kernels.decode.DECODE_KEYS_AS_M_ROWS)
-    plan_k = kernels.decode.decode_plan(dtype_name, d_pad, paged=paged, score_mods=score_mods,
+    # The kernel's columns: q.k's and v's, the larger (the other's loads zero-fill past their own).
+    plan_k = kernels.decode.decode_plan(dtype_name, max(d_pad, dv_pad), paged=paged, score_mods=score_mods,
                                         smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,
                                         kv_dtype=kv_dtype, mla=mla, keys_as_m=keys_as_m)
     row_blocks = max(1, -(-rows // plan_k.block_m))

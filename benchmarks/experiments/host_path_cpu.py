@@ -75,7 +75,7 @@ def stub_the_gpu() -> None:
     state.counter, state.error, state.scratch, state._host = BASE - 64, BASE - 60, BASE - 56, BASE - 48
     state.reports = (ctypes.c_int32 * (4 * len(_launch.REPORT_SLOTS)))()
     state.plans = [None] * len(_launch.REPORT_SLOTS)
-    state._workspaces, state.tails = {}, {}
+    state._workspaces, state.tails, state.spares = {}, {}, {}
     state._arena, state._arena_bytes, state._old_arenas = None, 0, []
     state._counters, state._old_counters = types.SimpleNamespace(size=1 << 20, data=types.SimpleNamespace(
         ptr=BASE - 4096)), []

@@ -275,8 +275,8 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
         for x, name in ((k_new, "k_new"), (v_new, "v_new")):
             _checks.check_same_dtype(q, "q", x, name)
             _checks.check_rank(x, 4, name, "(batch, seqlen, heads, head_dim)")
-        want = (batch, k_new.shape[1], heads_k, d)
-        for x, name in ((k_new, "k_new"), (v_new, "v_new")):
+        for x, name, dim in ((k_new, "k_new", d), (v_new, "v_new", v_cache.shape[3])):
+            want = (batch, k_new.shape[1], heads_k, dim)
             if tuple(x.shape) != want:
                 raise ValueError(f"{name} must have shape (batch, new tokens, kv heads, head_dim) = {want}, got "
                                  f"{tuple(x.shape)}")
@@ -286,9 +286,10 @@ def check_decode(q, k_cache, v_cache, *, cache_seqlens, block_table, k_new, v_ne
         # cuflash copies a cache whose rows are not whole 16-byte chunks, and appending to a copy needs
         # the lengths on the host; here they are on the GPU, so the call could only fail when it runs.
         chunk = 16 // np.dtype(k_cache.dtype).itemsize
-        if d % chunk:
-            raise ValueError(f"appending into a cache needs its head dim ({d}) to be a multiple of {chunk} "
-                             f"({np.dtype(k_cache.dtype)} rows of whole 16-byte chunks, updated in place)")
+        for dim in {d, v_cache.shape[3]}:
+            if dim % chunk:
+                raise ValueError(f"appending into a cache needs its head dim ({dim}) to be a multiple of {chunk} "
+                                 f"({np.dtype(k_cache.dtype)} rows of whole 16-byte chunks, updated in place)")
     scale, window, softcap, _ = _check_options(d, causal, scale, window, softcap, 0.0, (seqlen_q, capacity))
     if alibi_slopes is not None:
         _check_alibi(alibi_slopes, batch, heads_q)

@@ -616,7 +616,7 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], cache_seql
     kernels = _kernels_for(q)
     _check_rank(q, 4, "q", _BSHD)
     b, sq, hq, _ = q.shape
-    out = _empty(_decode_out_shape(q, v_head_dim), q.dtype, q.device)
+    out = _empty(_decode_out_shape(q, v_cache, v_head_dim), q.dtype, q.device)
     lse = _empty((b, hq, sq), torch.float32, q.device)
     kernels.decode(q, k_cache, v_cache, out, lse, _decode_options(
         cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, num_splits, causal, scale, window_left,
@@ -624,9 +624,14 @@ def _decode_op(q: Tensor, k_cache: Tensor, v_cache: Optional[Tensor], cache_seql
     return out, lse
 
 
-def _decode_out_shape(q, v_head_dim):
-    """out's shape: q's, with v_head_dim columns for MLA decode (v_cache None)."""
-    return tuple(q.shape) if v_head_dim is None else (*q.shape[:3], v_head_dim)
+def _decode_out_shape(q, v_cache, v_head_dim):
+    """out's shape: q's with the value head dim: v_cache's (its own may differ from q's), or v_head_dim
+    for MLA decode (v_cache None)."""
+    if v_head_dim is not None:
+        return (*q.shape[:3], v_head_dim)
+    if v_cache is not None and v_cache.dim() == 4 and v_cache.shape[-1] != q.shape[-1]:
+        return (*q.shape[:3], v_cache.shape[-1])
+    return tuple(q.shape)
 
 
 @_decode_op.register_fake
@@ -638,7 +643,7 @@ def _(q, k_cache, v_cache, cache_seqlens=None, block_table=None, k_new=None, v_n
     _check_sinks_shape(sinks, hq)
     _check_scale_shape(k_scale, "k_scale", k_cache)
     _check_scale_shape(v_scale, "v_scale", k_cache)
-    return q.new_empty(_decode_out_shape(q, v_head_dim)), q.new_empty((b, hq, sq), dtype=torch.float32)
+    return q.new_empty(_decode_out_shape(q, v_cache, v_head_dim)), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
 @_op("decode_out", mutates_args=("k_cache", "v_cache", "out"))

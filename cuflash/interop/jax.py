@@ -632,14 +632,16 @@ _NO_CACHE_GRAD = ("cuflash.interop.jax.attention_varlen over a KV cache (cache_s
 
 @functools.lru_cache(maxsize=256)
 def _varlen_cache_call(q_layout, cache_layout, cu_layout, seqlens_layout, names, layouts, max_seqlen_q, causal, window,
-                       softcap, scale, command_buffers, mods=None):
+                       softcap, scale, command_buffers, mods=None, v_layout=None):
     """(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, *arrays, *modifier arrays) -> (out, lse (Hq, total_q)),
-    ``arrays`` cuflash's keyword arguments ``names`` (of _CACHE_ARRAYS)."""
-    (total_q, hq, _), _ = q_layout
+    ``arrays`` cuflash's keyword arguments ``names`` (of _CACHE_ARRAYS); ``v_layout``: v_cache's layout
+    when its head dim is its own (out then has its columns)."""
+    (total_q, hq, _), dtype = q_layout
     n_arrays = len(names)
-    inputs = Views((q_layout, cache_layout, cache_layout, cu_layout, seqlens_layout, *layouts,
+    v_layout = v_layout or cache_layout
+    inputs = Views((q_layout, cache_layout, v_layout, cu_layout, seqlens_layout, *layouts,
                     *(mods.layouts if mods else ())))
-    result_layouts = (q_layout, ((hq, total_q), np.float32))
+    result_layouts = (((total_q, hq, v_layout[0][-1]), dtype), ((hq, total_q), np.float32))
     outputs = Views(result_layouts)
     options = dict(max_seqlen_q=max_seqlen_q, causal=causal, window=window, softcap=softcap, scale=scale)
 
@@ -693,7 +695,8 @@ def _varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seql
     mods, mod_arrays = split_modifiers(score_mod, mask_mod)
     call = _varlen_cache_call(_layout(q), _layout(k_cache), _layout(cu_q), _layout(lens), tuple(given),
                               tuple(_layout(x) for x in given.values()), int(max_seqlen_q), causal, window, softcap,
-                              scale, _command_buffers(q.shape[-1]), mods)
+                              scale, _command_buffers(q.shape[-1]), mods,
+                              None if v_cache.shape[-1] == k_cache.shape[-1] else _layout(v_cache))
     out, lse = _refusing_grad(call, q, k_cache, v_cache, cu_q, lens, *given.values(), *mod_arrays)
     return (out, lse) if return_lse else out
 
@@ -705,24 +708,25 @@ _DECODE_ARRAYS = ("block_table", "k_new", "v_new", "mask", "alibi_slopes", "sink
 
 @functools.lru_cache(maxsize=256)
 def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_splits, causal, window, softcap, scale,
-                 return_lse, command_buffers, mods=None, kv_dtype=None, scale_values=(None, None), v_head_dim=None):
+                 return_lse, command_buffers, mods=None, kv_dtype=None, scale_values=(None, None), v_head_dim=None,
+                 v_layout=None):
     """(q, k_cache, v_cache, cache_seqlens, *arrays, *modifier arrays) -> (out, [lse], [k_cache, v_cache]).
 
     ``arrays`` are cuflash.decode's keyword arguments ``names`` (fp8 scales given as arrays among them).
     fp8 caches (float8_e4m3fn buffers, or uint8) are viewed as their bytes (``Views``); ``kv_dtype`` and
     the scales given as numbers (``scale_values``, None for an array) are fixed here. MLA (``v_head_dim``):
-    one latent cache, (q, k_cache, cache_seqlens, ...) -> (out with v_head_dim columns, [lse], [k_cache])."""
+    one latent cache, (q, k_cache, cache_seqlens, ...) -> (out with v_head_dim columns, [lse], [k_cache]).
+    ``v_layout``: v_cache's layout when its head dim is its own (out then has its columns)."""
     (b, sq, hq, _), dtype = q_layout
     mla = v_head_dim is not None
     caches = 1 if mla else 2
     append = "k_new" in names
     n_arrays = len(names)
-    inputs = Views((q_layout, *(cache_layout,) * caches, seqlens_layout, *layouts,
-                    *(mods.layouts if mods else ())))
+    cache_layouts = (cache_layout,) if mla else (cache_layout, v_layout or cache_layout)
+    inputs = Views((q_layout, *cache_layouts, seqlens_layout, *layouts, *(mods.layouts if mods else ())))
     lse_layout = ((b, hq, sq), np.float32)
-    out_layout = ((b, sq, hq, v_head_dim), dtype) if mla else q_layout
-    result_layouts = (out_layout, *((lse_layout,) if return_lse else ()),
-                      *((cache_layout,) * caches if append else ()))
+    out_layout = ((b, sq, hq, v_head_dim), dtype) if mla else ((b, sq, hq, cache_layouts[1][0][-1]), dtype)
+    result_layouts = (out_layout, *((lse_layout,) if return_lse else ()), *(cache_layouts if append else ()))
     outputs = Views(result_layouts)
     options = dict(num_splits=num_splits, causal=causal, window=window, softcap=softcap, scale=scale,
                    return_lse=return_lse)
@@ -871,7 +875,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, 
     call = _decode_call(_layout(q), _layout(k_cache), _layout(lens), tuple(given),
                         tuple(_layout(x) for x in given.values()), num_splits, causal, window, softcap, scale,
                         return_lse, _command_buffers(q.shape[-1], 16 if kv_dtype is not None else 8), mods,
-                        kv_dtype, scale_values, None if v_head_dim is None else int(v_head_dim))
+                        kv_dtype, scale_values, None if v_head_dim is None else int(v_head_dim),
+                        None if mla or v_cache.shape[-1] == k_cache.shape[-1] else _layout(v_cache))
     results = call(q, k_cache, *(() if mla else (v_cache,)), lens, *given.values(), *mod_arrays)
     return results[0] if len(results) == 1 else tuple(results)
 

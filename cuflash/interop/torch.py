@@ -401,7 +401,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     mods = ops._modifiers(score_mod, mask_mod) or {}
     given = out
     if out is None:
-        out = _dense_like(q) if v_head_dim is None or q.dim() != 4 else q.new_empty((*q.shape[:3], v_head_dim))
+        own_dim = v_head_dim is not None or (v_cache is not None and v_cache.shape[-1] != q.shape[-1])
+        out = q.new_empty(ops._decode_out_shape(q, v_cache, v_head_dim)) if own_dim and q.dim() == 4 \
+            else _dense_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse and q.dim() == 4 \
         else None
     if v_head_dim is not None:

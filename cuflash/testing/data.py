@@ -84,12 +84,13 @@ DECODE_ARRAYS = ("q", "k_cache", "v_cache", "k_new", "v_new", "lens", "table")
 
 
 def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, page_size, max_pages,
-                num_pages=None):
+                num_pages=None, D_v=None):
     """Host arrays of a decode problem: q (B, Sq, Hq, D), a contiguous (B, capacity, Hk, D) or paged
     (num_pages, page_size, Hk, D) cache holding ``lens[b]`` keys per sequence, and with ``append``
     Sq new tokens (k_new, v_new) to write after them. Cache memory no sequence uses holds NaN (so a
     kernel that reads it shows), block_table is -1 past each sequence's pages, which are in random
-    order; ``num_pages`` defaults to the pages needed plus 3.
+    order; ``num_pages`` defaults to the pages needed plus 3. ``D_v``: v_cache's and v_new's head dim
+    when it is their own (default D).
 
     Returns
     -------
@@ -107,6 +108,7 @@ def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, 
     ((7, 16, 2, 64), (2, 4))
     """
     dt = _dtype(dtype)
+    D_v = D if D_v is None else D_v
     lens = np.asarray(lens, dtype=np.int64)
     s_new = Sq if append else 0
     q = normal_data(rng, (B, Sq, Hq, D), dtype)
@@ -118,7 +120,7 @@ def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, 
         order = rng.permutation(num_pages)
         table = np.full((B, max_pages), -1, dtype=np.int32)
         k_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
-        v_cache = np.full((num_pages, page_size, Hk, D), np.nan, dtype=dt)
+        v_cache = np.full((num_pages, page_size, Hk, D_v), np.nan, dtype=dt)
         used = 0
         for b in range(B):
             n = int(needed[b])
@@ -127,17 +129,17 @@ def decode_case(rng, lens, *, paged, append, dtype, B, Hq, Hk, D, Sq, capacity, 
             pos = np.arange(lens[b])
             rows = (table[b, pos // page_size], pos % page_size)
             k_cache[rows] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
-            v_cache[rows] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
+            v_cache[rows] = normal_data(rng, (int(lens[b]), Hk, D_v), dtype)
     else:
         assert lens.max() + s_new <= capacity
         table = None
         k_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
-        v_cache = np.full((B, capacity, Hk, D), np.nan, dtype=dt)
+        v_cache = np.full((B, capacity, Hk, D_v), np.nan, dtype=dt)
         for b in range(B):
             k_cache[b, :lens[b]] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
-            v_cache[b, :lens[b]] = normal_data(rng, (int(lens[b]), Hk, D), dtype)
+            v_cache[b, :lens[b]] = normal_data(rng, (int(lens[b]), Hk, D_v), dtype)
     k_new = normal_data(rng, (B, s_new, Hk, D), dtype) if append else None
-    v_new = normal_data(rng, (B, s_new, Hk, D), dtype) if append else None
+    v_new = normal_data(rng, (B, s_new, Hk, D_v), dtype) if append else None
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new, lens=lens.astype(np.int32),
                 table=table, dtype=dtype)
 

@@ -19,9 +19,20 @@ def test_check_head_dim_takes_a_value_head_dim_of_its_own():
         _checks.check_head_dim(192, 192, 300, 256, own_value_dim=True)
     with pytest.raises(ValueError, match="k must have the head dim of q"):
         _checks.check_head_dim(192, 128, 128, 256, own_value_dim=True)
-    # decode (and every caller that does not ask) keeps its check
+    # every caller that does not ask keeps its check
     with pytest.raises(ValueError, match="v must have the head dim of q"):
         _checks.check_head_dim(192, 192, 128, 256)
+
+
+def test_decode_operands_take_a_value_head_dim_of_their_own_but_fp8():
+    q = np.zeros((1, 1, 4, 192), np.float16)
+    k, v = np.zeros((1, 8, 2, 192), np.float16), np.zeros((1, 8, 2, 128), np.float16)
+    assert _checks.check_decode_operands(q, k, v, False, 256) == "float16"
+    with pytest.raises(ValueError, match="but for its head dim"):
+        _checks.check_decode_operands(q, k, np.zeros((1, 9, 2, 128), np.float16), False, 256)
+    k8, v8 = np.zeros(k.shape, np.uint8), np.zeros(v.shape, np.uint8)
+    with pytest.raises(ValueError, match=r"fp8 cache .*\(D_qk, D_v\) = \(192, 128\)"):
+        _checks.check_decode_operands(q, k8, v8, False, 256, kv_dtype="float8_e4m3fn")
 
 
 @pytest.mark.parametrize("d, dv", PAIRS)

@@ -1,5 +1,6 @@
 """A value head dim of its own (issue 53 item 2): v (B, Sk, Hk, D_v), out and dv with D_v != D_qk, in
-every forward and backward family that runs it, against the float64 reference.
+every forward and backward family that runs it and in decode (v_cache, v_new), against the float64
+reference.
 
 Semantics (docs/design.md §2b): out, dout and dv have v's head dim; the default scale stays
 1/sqrt(D_qk); lse is unchanged. fwd_sm80/bwd_sm80 (float16, bfloat16) run the pairs (192, 128),
@@ -280,3 +281,89 @@ def test_jax_adapter_equals_cupy():
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
         np.testing.assert_array_equal(np.asarray(g).view(np.uint16), w, err_msg=name)
+
+
+# ----------------------------------------------------------------------------- decode
+
+DECODE_SHAPE = dict(B=2, Hq=8, Hk=2, Sq=1, capacity=320, page_size=16, max_pages=20)
+
+
+def _decode_problem(pair, paged, append, dtype, seed, Sq=1):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 300, size=2)
+    shape = dict(DECODE_SHAPE, Sq=Sq)
+    return tt.decode_case(rng, lens, paged=paged, append=append, dtype=dtype, D=pair[0], D_v=pair[1], **shape)
+
+
+def _decode_reference(case):
+    """The float64 reference's out, the same-dtype baseline, and the caches after the append."""
+    problems, k_after, v_after = reference._decode._decode_sequences(
+        case["q"], case["k_cache"], case["v_cache"], cache_seqlens=case["lens"], block_table=case["table"],
+        k_new=case["k_new"], v_new=case["v_new"])
+    out = np.concatenate([reference.attention_forward(p["q"], p["k"], p["v"], **p["options"])[0] for p in problems])
+    base = np.concatenate([tt.baseline_attention(p["q"], p["k"], p["v"], **p["options"]) for p in problems])
+    return out, base, k_after, v_after
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("append", [False, True], ids=["read", "append"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("pair", PAIRS + ((96, 40),))
+def test_decode(pair, paged, append, num_splits, dtype):
+    """decode with v_cache (and v_new) of their own head dim: out has D_v columns, the appended rows
+    land in each cache whole; split-KV partials of D_v columns. One new token (the keys-as-M tile for
+    16-bit q) and four (the 16-row tile)."""
+    for Sq in (1, 4):
+        case = _decode_problem(pair, paged, append, dtype, _seed("decode", pair, paged, append, num_splits, dtype, Sq),
+                               Sq=Sq)
+        d = tt.decode_on(case, cupy)
+        out = _poisoned((2, Sq, 8, pair[1]), d["q"].dtype)
+        got = cuflash.decode(d["q"], d["k_cache"], d["v_cache"], out=out, num_splits=num_splits,
+                             **tt.decode_kwargs(d))
+        assert got is out
+        ref, base, k_after, v_after = _decode_reference(case)
+        tt.assert_attention_close(out, ref, base, dtype=dtype, name="out")
+        for name, after in (("k_cache", k_after), ("v_cache", v_after)):
+            same = np.array_equal(cupy.asnumpy(d[name]), after, equal_nan=True)
+            assert same, f"{name} is not the old cache plus the appended rows"
+
+
+def test_decode_fp8_cache_names_the_pair():
+    q = cupy.zeros((1, 1, 4, 128), dtype=cupy.float16)
+    k, v = cupy.zeros((1, 32, 2, 128), dtype=cupy.uint8), cupy.zeros((1, 32, 2, 64), dtype=cupy.uint8)
+    with pytest.raises(ValueError, match=r"\(D_qk, D_v\) = \(128, 64\)"):
+        cuflash.decode(q, k, v, kv_dtype="float8_e4m3fn", k_scale=1.0, v_scale=1.0)
+
+
+def test_decode_adapters_equal_cupy():
+    """ct.decode, ct.ops.decode and cj.decode (inside jax.jit) with a value head dim of its own give
+    cuflash's bits from CuPy, appending into both caches."""
+    case = _decode_problem((192, 128), True, True, "bfloat16", _seed("decode adapters"), Sq=2)
+    d = tt.decode_on(case, cupy)
+    want = cuflash.decode(d["q"], d["k_cache"].copy(), d["v_cache"].copy(), **tt.decode_kwargs(d))
+    want_bits = want.view(cupy.uint16).get()
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        import cuflash.interop.torch as ct
+
+        for fn in (ct.decode, ct.ops.decode):
+            t = {name: None if x is None else torch.from_dlpack(x.copy()) for name, x in d.items()
+                 if name in tt.DECODE_ARRAYS}
+            out = fn(t["q"], t["k_cache"], t["v_cache"], cache_seqlens=t["lens"], block_table=t["table"],
+                     k_new=t["k_new"], v_new=t["v_new"])
+            assert tuple(out.shape) == want.shape
+            np.testing.assert_array_equal(out.view(torch.int16).cpu().numpy().view(np.uint16), want_bits)
+    from tests.gpu._hardware import jax_on_gpu
+
+    jax = jax_on_gpu()
+    import jax.numpy as jnp
+
+    import cuflash.interop.jax as cj
+
+    j = {name: None if x is None else jnp.asarray(cupy.asnumpy(x)) for name, x in d.items() if name in tt.DECODE_ARRAYS}
+    step = jax.jit(lambda q, kc, vc, lens, table, kn, vn: cj.decode(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                                                     k_new=kn, v_new=vn))
+    out, k_cache, v_cache = step(j["q"], j["k_cache"], j["v_cache"], j["lens"], j["table"], j["k_new"], j["v_new"])
+    assert out.shape == want.shape and v_cache.shape == d["v_cache"].shape
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), want_bits)
