@@ -16,6 +16,11 @@ events around back-to-back public calls on CuPy arrays (host included, outputs a
   4 * S_visible * (D_qk + D_v) per head for the forward and 2.5x that for the backward;
   ``pair / square`` = TFLOP/s of the pair over those of the square call (issue 53 asks for full
   speed on sm_90a: no fixed number; until the Hopper kernels take the pairs they run on fwd_sm80).
+- **decode with a value head dim of its own**: ``cuflash.decode`` on a v_cache of head dim D_v beside a
+  k_cache of D_qk, at the same pairs, against the square call (v_cache of D_qk), GQA 32/8, one new
+  token, (B, L) = (8, 8k) and (1, 32k), contiguous and paged (page 16). GB/s count the K and V bytes
+  the sequences hold (B * L * Hk * (D_qk + D_v) * 2); ``pair / square`` = the pair's GB/s over the
+  square call's (decode is bound by those bytes: full speed is ~1).
 - **MLA decode**: ``cuflash.decode(q, latent, None, v_head_dim=512)`` on a 576-column latent cache
   (bf16, one kv head, 16 or 128 query heads, one new token, pages of 64), GB/s of the latent bytes the
   sequences hold (B * L * 576 * 2) per call. No bar in the issue beyond "at full speed"; FlashMLA and
@@ -42,7 +47,8 @@ DECODE_SHAPES = ((1, 32768), (8, 8192), (32, 4096), (1, 131072))
 HEADS_Q, HEADS_K, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 TRAIN_TOKENS, TRAIN_HEADS, TRAIN_SEQLEN = 16384, 16, 4096
 VALUE_PAIRS = ((192, 128), (128, 64), (64, 128))
-PARTS = ("fp8", "sinks", "dv", "mla")
+PARTS = ("fp8", "sinks", "dv", "dvdecode", "mla")
+DV_DECODE_SHAPES = ((8, 8192), (1, 32768))
 MLA_SHAPES = ((1, 32768, 16), (32, 4096, 16), (32, 4096, 128), (128, 1024, 128))   # (B, L, Hq)
 FP8_BAR, SINKS_BAR = 1.7, 0.03
 
@@ -50,6 +56,7 @@ FP8_COLUMNS = ["layout", "B", "L", "bf16 us", "fp8 us", "fp8 x", "maxdiff", "bar
 SINKS_COLUMNS = ["call", "shape", "plain us", "sinks us", "cost", "maxdiff", "bar"]
 DV_COLUMNS = ["D_qk", "D_v", "square us", "pair us", "square TFLOP/s", "pair TFLOP/s", "pair / square", "maxdiff"]
 MLA_COLUMNS = ["B", "L", "Hq", "us", "GB/s", "maxdiff"]
+DV_DECODE_COLUMNS = ["layout", "B", "L", "D_qk", "D_v", "square GB/s", "pair GB/s", "pair / square", "maxdiff"]
 
 
 def parse_args(argv=None):
@@ -289,6 +296,41 @@ def bench_value_dims(cupy, ml_dtypes, cuflash, timer, pairs, seqlen):
     return rows
 
 
+def bench_value_dims_decode(cupy, ml_dtypes, np, cuflash, timer, pairs, shapes):
+    bf16 = cupy.dtype(ml_dtypes.bfloat16)
+    rows = []
+    for batch, length in shapes:
+        for d_qk, d_v in pairs:
+            def rand(*shape):
+                return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(bf16)
+            q, k = rand(batch, 1, HEADS_Q, d_qk), rand(batch, length, HEADS_K, d_qk)
+            v_square, v_pair = rand(batch, length, HEADS_K, d_qk), rand(batch, length, HEADS_K, d_v)
+            want = naive_attention(cupy, q, k, v_pair, causal=True)
+            lens = cupy.full((batch,), length, dtype=cupy.int32)
+            for layout in ("contiguous", "paged16"):
+                if layout == "contiguous":
+                    caches, table = (k, v_square, v_pair), None
+                else:   # one page order for the three pools (the same seed), so one table serves them
+                    (kp, table), (vsp, _), (vpp, _) = (paged(cupy, np.random.default_rng(1), x)
+                                                       for x in (k, v_square, v_pair))
+                    caches = (kp, vsp, vpp)
+                calls = {"square": lambda i: cuflash.decode(q, caches[0], caches[1], cache_seqlens=lens,
+                                                             block_table=table),
+                         "pair": lambda i: cuflash.decode(q, caches[0], caches[2], cache_seqlens=lens,
+                                                           block_table=table)}
+                diff = maxdiff(cupy, calls["pair"](0), want)
+                ms = timer.median_ms_each(calls)
+                rate = {name: batch * length * HEADS_K * (d_qk + (d_qk if name == "square" else d_v)) * 2
+                        / (ms[name] * 1e-3) / 1e9 for name in ms}
+                row = {"layout": layout, "B": batch, "L": length, "D_qk": d_qk, "D_v": d_v, "maxdiff": diff,
+                       "square GB/s": rate["square"], "pair GB/s": rate["pair"],
+                       "pair / square": rate["pair"] / rate["square"]}
+                rows.append(row)
+                log(" ".join(f"{c}={fmt(row.get(c), 3)}" for c in DV_DECODE_COLUMNS))
+            cupy.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
 
@@ -320,6 +362,12 @@ def main(argv=None):
                                     seqlen)
             tables.append((f"a value head dim of its own (bf16, causal, {TRAIN_TOKENS} tokens, H {TRAIN_HEADS}, "
                            "forward + backward)", rows, DV_COLUMNS))
+        if "dvdecode" in args.only:
+            rows = bench_value_dims_decode(cupy, ml_dtypes, np, cuflash, timer,
+                                           VALUE_PAIRS[:1] if args.quick else VALUE_PAIRS,
+                                           DV_DECODE_SHAPES[:1] if args.quick else DV_DECODE_SHAPES)
+            tables.append(("decode with a value head dim of its own (bf16 q, GQA 32/8, one new token)", rows,
+                           DV_DECODE_COLUMNS))
         if "mla" in args.only:
             rows = bench_mla(cupy, ml_dtypes, np, cuflash, timer, MLA_SHAPES[:1] if args.quick else MLA_SHAPES)
             tables.append(("MLA decode (bf16 latent rows of 576, v_head_dim 512, one new token, pages of 64)", rows,

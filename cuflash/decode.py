@@ -589,7 +589,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         (h // (Hq // Hk), GQA/MQA) are computed together, so the cache is read once per kv head.
     k_cache, v_cache : arrays, the dtype of q
         Contiguous (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``
-        (any page size). Written in place when ``k_new`` is given. Rows should be 16-byte aligned
+        (any page size); ``v_cache`` (and ``v_new``) may have a head dim D_v of its own (16-bit and float32
+        caches, not fp8: DeepSeek's (192, 128)), and ``out`` then has D_v columns. Written in place when
+        ``k_new`` is given. Rows should be 16-byte aligned
         (last axis contiguous, D a multiple of 8 for 16-bit / 4 for float32 data, strides multiples
         of 16 bytes); otherwise the cache is copied on every call (slow) and the new rows written back.
         With ``k_new`` their rows must not share memory (no zero or overlapping batch/page stride, and
@@ -659,7 +661,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
         with ``kv_dtype``.
     return_lse : bool, default False
         Also return lse.
-    out : array (B, Sq, Hq, D) (D = ``v_head_dim`` for MLA), optional
+    out : array (B, Sq, Hq, D_v) (v_cache's head dim; ``v_head_dim`` for MLA), optional
         C-contiguous, the dtype of q (CuPy or a CUDA DLPack tensor; returned as given), sharing no
         memory with the other arguments.
     lse : float32 array (B, Hq, Sq), optional

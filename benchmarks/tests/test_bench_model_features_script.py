@@ -6,7 +6,7 @@ SCRIPT = "bench_model_features"   # the bench fixture (conftest.py) loads it
 
 
 def test_parts_are_chosen_and_unknown_ones_refused(bench):
-    assert bench.parse_args([]).only == ["fp8", "sinks", "dv", "mla"]
+    assert bench.parse_args([]).only == ["fp8", "sinks", "dv", "dvdecode", "mla"]
     assert bench.parse_args(["--only", "sinks, fp8"]).only == ["sinks", "fp8"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--only", "chunked"])
