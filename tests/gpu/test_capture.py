@@ -546,6 +546,17 @@ def test_dropout_of_attention_varies_per_replay():
 
 # ----------------------------------------------------------------------------- streams
 
+def _replay_at_once(graphs, streams, outputs):
+    """Poison the outputs, then launch each graph on its stream back to back, and wait for all."""
+    for x in outputs:
+        _poison(x)
+    cupy.cuda.Device().synchronize()
+    for graph, stream in zip(graphs, streams):
+        graph.launch(stream)
+    for stream in streams:
+        stream.synchronize()
+
+
 def test_graphs_captured_on_two_streams_replay_at_once():
     """One plan captured on two streams: each graph has its stream's words (fwd_sm90's work counter)
     and temporaries, so the two can run at the same time."""
@@ -561,13 +572,7 @@ def test_graphs_captured_on_two_streams_replay_at_once():
         for arrays, new in zip(sets, news):
             for dst, src in zip(arrays, new):
                 _write(dst, src)
-        for out in outs:
-            _poison(out)
-        cupy.cuda.Device().synchronize()
-        for graph, stream in zip(graphs, streams):
-            graph.launch(stream)
-        for stream in streams:
-            stream.synchronize()
+        _replay_at_once(graphs, streams, outs)
         for out, new in zip(outs, news):
             assert _same_bits(out, cuflash.attention(*new, **opts))
 
@@ -599,13 +604,7 @@ def test_graphs_captured_on_one_stream_replay_at_once():
                    for d in decodes]
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     for _ in range(20):
-        for x in outs + decode_outs:
-            _poison(x)
-        cupy.cuda.Device().synchronize()
-        for graph, stream in zip(graphs, streams):
-            graph.launch(stream)
-        for stream in streams:
-            stream.synchronize()
+        _replay_at_once(graphs, streams, outs + decode_outs)
         for i in range(2):
             assert _same_bits(outs[i], want[i]), "a forward replayed beside another graph differs"
             assert _same_bits(decode_outs[i], want_decode[i]), "a decode replayed beside another graph differs"
