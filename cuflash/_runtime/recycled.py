@@ -49,6 +49,8 @@ def output(spare, cupy, shape, dtype, nbytes: int):
     if x is not None and _counts(x) != _free:
         spare.append(x)       # the caller's still: kept, to be asked again
         x = None
+    elif x is not None and x.shape != shape:
+        x = None              # reshaped in place (``x.shape = ...``) before it was dropped: let it go
     if x is None:
         x = cupy.ndarray(shape, dtype, cupy.cuda.alloc(nbytes))
         if _pooled is None:

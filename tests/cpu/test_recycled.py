@@ -59,3 +59,13 @@ def test_a_framework_allocation_is_not_kept(call, monkeypatch):
     monkeypatch.setattr(recycled, "_pooled", type(None))   # nothing counts as CuPy's pool
     ids = {id(call()) for _ in range(4)}
     assert len(call.allocations) == 4 and len(ids) >= 1
+
+
+def test_an_output_reshaped_in_place_is_not_handed_out_again(call):
+    first = call()
+    first.shape = (32,)   # allowed on a contiguous array
+    ptr = first.data.ptr
+    del first
+    second = call()
+    third = call()
+    assert second.shape == third.shape == (4, 8) and ptr not in (second.data.ptr, third.data.ptr)
