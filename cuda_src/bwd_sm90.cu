@@ -43,7 +43,8 @@
 // sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (element_grad).
 //
 // Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
-// CUFLASH_HEAD_DIM 64/128/256, CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
+// CUFLASH_HEAD_DIM 64/128/256 (Q, K, dQ, dK), CUFLASH_HEAD_DIM_V (V, dO, dV: written only where it
+// differs; the pairs of cuflash/kernels/bwd_sm90.py's BWD_SM90_PAIRS), CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
 // CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128 and 256, so that dQ is made of
 // 64 x 64 shares), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
 // CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE, CUFLASH_ALL_KEYS_SEEN (1: every row
@@ -71,6 +72,9 @@
 #if CUFLASH_DTYPE == 2
 #error "bwd_sm90 computes float16/bfloat16 (CUFLASH_DTYPE 0 or 1)"
 #endif
+#ifndef CUFLASH_HEAD_DIM_V
+#define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
+#endif
 #ifndef CUFLASH_ALL_KEYS_SEEN
 #define CUFLASH_ALL_KEYS_SEEN 0
 #endif
@@ -95,9 +99,12 @@
 
 namespace cuflash {
 
-template <int kHeadDim_, int kBlockM_, int kStages_, int kDqMode_, int kMods_, bool kDropout_>
+template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kStages_, int kDqMode_, int kMods_, bool kDropout_>
 struct BwdSm90Config {
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kStages = kStages_;
+    // kHeadDim: Q's, K's, dQ's and dK's columns; kHeadDimV: V's, dO's and dV's (the contraction of
+    // dP^T = V dO^T and the columns of dV += P^T dO). The tiles, the split between the consumers and
+    // the dQ scheme follow kHeadDim; every kHeadDimV == kHeadDim branch is the code of a square call.
+    static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_, kBlockM = kBlockM_, kStages = kStages_;
     // dQ computed here and added into dq_accum (in a fixed order: kOrdered); kDq false: bwd_sm80's dQ
     // pass computes it. Compile-time: an in-flight wgmma on one side of a run-time branch made ptxas
     // serialize them all.
@@ -139,7 +146,13 @@ struct BwdSm90Config {
                   "the register split exceeds what the launch allocates");
     // A consumer's S^T is 64 keys x kQueryCols, its dK/dV 64 keys x kDimCols.
     static constexpr int kQueryCols = kSplitDims ? kBlockM / 2 : kBlockM, kDimCols = kSplitDims ? kHeadDim / 2 : kHeadDim;
-    static constexpr int kMTiles = kQueryCols / 8, kDTiles = kDimCols / 8;   // 8-column n-tiles of S^T and dK/dV
+    // ... and its dV 64 keys x kDimColsV.
+    static constexpr int kDimColsV = kSplitDims ? kHeadDimV / 2 : kHeadDimV;
+    static constexpr int kMTiles = kQueryCols / 8, kDTiles = kDimCols / 8;   // 8-column n-tiles of S^T and dK
+    static constexpr int kDTilesV = kDimColsV / 8;                            // ... and of dV
+    // dV's product: a register-A wgmma of n = kHeadDimV (by keys), or a shared-memory one of n =
+    // kDimColsV starting at a column block of dO (by columns): n of 64 or 128 either way.
+    static_assert(kDimColsV == 64 || kDimColsV == 128, "a consumer's dV has 64 or 128 columns");
     static constexpr int kKeepWords = kDropout ? (kMTiles + 7) / 8 : 1;   // dropout_keep_bits_cols' registers
     // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
     // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
@@ -212,7 +225,8 @@ struct BwdSm90Config {
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
     // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
     static constexpr bool kWindowed = !kDqTransposed;
-    static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;
+    static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
     // consumers meet after every step's products). kDqTransposed stores dS instead: [kBlockN / 64 key
     // blocks][kBlockM queries][64 keys], a K-major B operand for dQ^T.
@@ -232,13 +246,19 @@ struct BwdSm90Config {
     // two 0.99-1.01x (H100; docs/decisions.md#bwd-sm90-ordered-dq).
     static constexpr int kDqWriters = kDqBuffers;
     static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
+    // Split by columns, consumer 1's share passes through the step's dO buffer; where v's head dim
+    // is the smaller one that buffer is too small (64 rows x 128 columns of float32 in 16 KB at
+    // (256, 128)), and the share gets a buffer of its own.
+    static constexpr int kDqOwnBytes = kSplitDims && kDimCols * kBlockM * 4 > kDoBytes ? kDimCols * kBlockM * 4 : 0;
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
     static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
-    static_assert(kConsumers * 2 * 64 * kDimCols * 2 <= 2 * kStages * kQBytes,
+    static_assert(kConsumers * 64 * (kDimCols + kDimColsV) * 2 <= kStages * (kQBytes + kDoBytes),
                   "dK and dV of both consumers fit the stage ring's Q and dO buffers (store_dk_dv_chunks)");
-    static constexpr int kSmemBytes = 1024 /* alignment slack */ + 2 * kKVBytes + 2 * kStages * kQBytes +
-                                      kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes;
+    static constexpr int kSmemBytes = 1024 /* alignment slack */ + kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) +
+                                      kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes + kDqOwnBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
+    static_assert(kHeadDimV == kHeadDim || !kSplitDims || kHeadDim == 256,
+                  "split by columns, v's head dim of its own runs beside q's 256 only");
 };
 
 // kDqHandOver's named barriers, per consumer and its writer warp, both sides at bar.sync: the
@@ -289,8 +309,9 @@ struct BwdSm90Shared {
 };
 
 // Shared-memory addresses of the CTA's tiles (column blocks of 64 elements, 128B-swizzled):
-// K, V [kHeadDim / 64][kBlockN][64]; Q, dO [kStages][kHeadDim / 64][kBlockM][64]; ds [2][kBlockM / 64]
-// [kBlockN][64] (dS^T, or at D = 256 P^T then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float].
+// K [kHeadDim / 64][kBlockN][64], V [kHeadDimV / 64][kBlockN][64]; Q [kStages][kHeadDim / 64][kBlockM][64],
+// dO [kStages][kHeadDimV / 64][kBlockM][64]; ds [2][kBlockM / 64][kBlockN][64] (dS^T, or at D = 256 P^T
+// then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float], or consumer 1's share (kDqOwnBytes).
 struct BwdSm90Tiles {
     unsigned k, v, q, dout, ds, dq;
 };
@@ -466,10 +487,10 @@ __device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int
 }
 
 // dK (scaled) and dV of a consumer's keys (rows key_row0 and key_row0 + 8 of the CTA's block),
-// columns col0 + 8 di + 2 t (+1), once at the end of the walk.
+// columns col0 + 8 di + 2 t (+1) of dK and col0_v + ... of dV, once at the end of the walk.
 template <class C>
-__device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_row0, int col0,
-                                            const float (&acc_dk)[C::kDTiles][4], const float (&acc_dv)[C::kDTiles][4]) {
+__device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_row0, int col0, int col0_v,
+                                            const float (&acc_dk)[C::kDTiles][4], const float (&acc_dv)[C::kDTilesV][4]) {
     const FwdParams& p = bp.fwd;
     const int t = threadIdx.x % 4;
     const SeqInfo se = end_of_walk_seq_info(bp, b);
@@ -482,71 +503,93 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_
         for (int di = 0; di < C::kDTiles; ++di) {
             const int col = col0 + di * 8 + 2 * t;
             if (col < p.head_dim)
-                dkdv.store(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale,
-                           acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
+                dkdv.store_dk(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale);
+        }
+#pragma unroll
+        for (int di = 0; di < C::kDTilesV; ++di) {
+            const int col = col0_v + di * 8 + 2 * t;
+            if (col < p.head_dim_v) dkdv.store_dv(col, acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
         }
     }
 }
 
+// A consumer's staged 64 keys x kCols columns of dK or dV (store_dk_dv_chunks) to global memory as
+// whole 16-byte chunks of consecutive columns: rows r0 .. r0 + 63 of the sequence (below seqlen_k)
+// of `dst` (whose row 0 is the sequence's first), columns col0 .. (below head_dim). Every thread of
+// the consumer's warpgroup takes part.
+template <int kCols>
+__device__ __forceinline__ void copy_staged_key_rows(unsigned staging, elem_t* dst, long long row_stride, int r0,
+                                                     int seqlen_k, int col0, int head_dim) {
+    constexpr int kRowBytes = kCols * 2, kChunks = kCols / 8;
+#pragma unroll 4
+    for (int i = threadIdx.x % 128; i < 64 * kChunks; i += 128) {
+        const int row = i / kChunks, chunk = i % kChunks, col = col0 + chunk * 8;
+        if (r0 + row >= seqlen_k || col >= head_dim) continue;
+        uint4 x;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                     : "r"(staging + row * kRowBytes + ((chunk ^ (row % 8)) * 16)));
+        *reinterpret_cast<uint4*>(dst + (r0 + row) * row_stride + col) = x;
+    }
+}
+
 // The same through shared memory, as 16-byte row chunks: a consumer's 64 keys x kDimCols columns of
-// dK (scaled) and dV go to its staging area in the stage ring's Q/dO buffers at `ring` (row-major,
-// 16-byte chunks XOR-swizzled by row: conflict-free both ways), then each thread stores whole chunks
-// of consecutive columns. store_dk_dv's 4-byte stores, half a 32-byte sector each, took ~5 us of a
-// 30-50 us CTA at D = 128. `key0` is the consumer's first key inside the CTA's block. Every thread of
-// the consumer calls it, once the ring is no longer read; where 16-byte chunks cannot be used
-// (float32 partial sums, head_dim % 8, unaligned pointers or strides) it falls back to store_dk_dv.
+// dK (scaled) and 64 x kDimColsV of dV go to its staging area in the stage ring's Q/dO buffers at
+// `ring` (row-major, 16-byte chunks XOR-swizzled by row: conflict-free both ways), then each thread stores whole chunks of consecutive columns
+// (copy_staged_key_rows). store_dk_dv's 4-byte stores, half a 32-byte sector each, took ~5 us of a
+// 30-50 us CTA at D = 128. `key0` is the consumer's first key inside the CTA's block, `col0` /
+// `col0_v` its first column of dK / dV. Every thread of the consumer calls it, once the ring is no
+// longer read; where 16-byte chunks cannot be used (float32 partial sums, head dims % 8, unaligned
+// pointers or strides) it falls back to store_dk_dv.
 template <class C>
-__device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, unsigned ring,
-                                                   const float (&acc_dk)[C::kDTiles][4],
-                                                   const float (&acc_dv)[C::kDTiles][4]) {
+__device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, int col0_v,
+                                                   unsigned ring, const float (&acc_dk)[C::kDTiles][4],
+                                                   const float (&acc_dv)[C::kDTilesV][4]) {
     const FwdParams& p = bp.fwd;
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int consumer = threadIdx.x / 128 - 1;
-    const int g = lane / 4, t = lane % 4;
     const long long strides = bp.dk_batch_stride | bp.dk_head_stride | bp.dk_row_stride | bp.dv_batch_stride |
                               bp.dv_head_stride | bp.dv_row_stride;
-    const bool chunks = bp.dkv_partial == 0 && p.head_dim % 8 == 0 && strides % 8 == 0 &&
+    const bool chunks = bp.dkv_partial == 0 && p.head_dim % 8 == 0 && p.head_dim_v % 8 == 0 && strides % 8 == 0 &&
                         ((reinterpret_cast<unsigned long long>(bp.dk) | reinterpret_cast<unsigned long long>(bp.dv)) &
                          15) == 0;
     if (!chunks) {
-        store_dk_dv<C>(bp, b, key0 + warp * 16 + g, col0, acc_dk, acc_dv);
+        store_dk_dv<C>(bp, b, key0 + warp * 16 + lane / 4, col0, col0_v, acc_dk, acc_dv);
         return;
     }
-    constexpr int kRowBytes = C::kDimCols * 2, kChunks = C::kDimCols / 8, kTileBytes = 64 * kRowBytes;
-    const unsigned staging = ring + consumer * 2 * kTileBytes;   // this consumer's dK tile, then its dV tile
+    constexpr int kDkBytes = 64 * C::kDimCols * 2, kDvBytes = 64 * C::kDimColsV * 2;
+    const unsigned staging = ring + consumer * (kDkBytes + kDvBytes);   // this consumer's dK tile, then its dV tile
     // Fragment (di, e): row warp * 16 + g + 8 (e / 2), chunk di; rows % 8 = g, the swizzle's phase.
+    // dK's and dV's fragments of a chunk are stored together (all of dK's first, or the same loop as
+    // a function of its own, spilled 12 B at D = 64 with every key seen).
+    static_assert(C::kDimCols >= 64 && C::kDimColsV >= 64, "the swizzle XORs the chunk index with the row's 3 low bits");
+    const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int di = 0; di < C::kDTiles; ++di)
+    for (int di = 0; di < (C::kDTiles > C::kDTilesV ? C::kDTiles : C::kDTilesV); ++di)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const unsigned off = (warp * 16 + g + 8 * half) * kRowBytes + ((di ^ g) * 16) + t * 4;
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + off),
-                         "r"(pack2<elem_t>(acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale))
-                         : "memory");
-            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + kTileBytes + off),
-                         "r"(pack2<elem_t>(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]))
-                         : "memory");
+            const int row = warp * 16 + g + 8 * half;
+            const unsigned chunk = ((di ^ g) * 16) + t * 4;
+            if (di < C::kDTiles)
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + row * (C::kDimCols * 2) + chunk),
+                             "r"(pack2<elem_t>(acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale))
+                             : "memory");
+            if (di < C::kDTilesV)
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + kDkBytes + row * (C::kDimColsV * 2) + chunk),
+                             "r"(pack2<elem_t>(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]))
+                             : "memory");
         }
     named_barrier_sync(2 + consumer, 128);
 
     const SeqInfo se = end_of_walk_seq_info(bp, b);
     const int r0 = cta_key_block() * C::kBlockN + key0;   // the consumer's first key in the sequence
-    elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + se.h_kv * bp.dk_head_stride;
-    elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride;
-#pragma unroll 4
-    for (int i = wg_thread; i < 64 * kChunks; i += 128) {
-        const int row = i / kChunks, chunk = i % kChunks, col = col0 + chunk * 8;
-        if (r0 + row >= se.seqlen_k || col >= p.head_dim) continue;
-        const unsigned off = row * kRowBytes + ((chunk ^ (row % 8)) * 16);
-        const long long r = se.k_row0 + r0 + row;
-        uint4 k4, v4;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(k4.x), "=r"(k4.y), "=r"(k4.z), "=r"(k4.w) : "r"(staging + off));
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v4.x), "=r"(v4.y), "=r"(v4.z), "=r"(v4.w) : "r"(staging + kTileBytes + off));
-        *reinterpret_cast<uint4*>(dk + r * bp.dk_row_stride + col) = k4;
-        *reinterpret_cast<uint4*>(dv + r * bp.dv_row_stride + col) = v4;
-    }
+    elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + se.h_kv * bp.dk_head_stride +
+                 se.k_row0 * bp.dk_row_stride;
+    elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride +
+                 se.k_row0 * bp.dv_row_stride;
+    copy_staged_key_rows<C::kDimCols>(staging, dk, bp.dk_row_stride, r0, se.seqlen_k, col0, p.head_dim);
+    copy_staged_key_rows<C::kDimColsV>(staging + kDkBytes, dv, bp.dv_row_stride, r0, se.seqlen_k, col0_v,
+                                       p.head_dim_v);
 }
 
 // The first of the query heads whose tiles a CTA walks (heads_per_cta of its kv head's group).
@@ -666,13 +709,13 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     if (warp != 0) return;
     // Producer: warp 0 walks the tiles (all lanes, for the block-mask vote); lane 0 issues.
     if (lane == 0) {
-        mbar_arrive_expect_tx(sh.kv_full(), 2 * C::kKVBytes);
-        for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
+        mbar_arrive_expect_tx(sh.kv_full(), C::kKBytes + C::kVBytes);
+        for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
             tma_load_4d(tiles.k + blk * C::kBlockN * 128, &k_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
                         sh.kv_full());
+        for (int blk = 0; blk < C::kHeadDimV / 64; ++blk)
             tma_load_4d(tiles.v + blk * C::kBlockN * 128, &v_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
                         sh.kv_full());
-        }
     }
     const int h0 = first_query_head(bp);
     int stage = 0, phase = 0;
@@ -703,12 +746,13 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
                 // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
                 sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
-                mbar_arrive_expect_tx(sh.full(stage), 2 * C::kQBytes + 2 * C::kBlockM * 4);
-                for (int blk = 0; blk < C::kHeadDim / 64; ++blk) {
-                    const unsigned off = stage * C::kQBytes + blk * C::kBlockM * 128;
-                    tma_load_4d(tiles.q + off, &q_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
-                    tma_load_4d(tiles.dout + off, &do_map, blk * 64, s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
-                }
+                mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4);
+                for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
+                    tma_load_4d(tiles.q + stage * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
+                                s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
+                for (int blk = 0; blk < C::kHeadDimV / 64; ++blk)
+                    tma_load_4d(tiles.dout + stage * C::kDoBytes + blk * C::kBlockM * 128, &do_map, blk * 64,
+                                s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
                 bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
                 bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
             }
@@ -745,7 +789,7 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
     blocks_whole = (tile >> 30) != 0;
     if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
         zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.q + stage * C::kQBytes, s.seqlen_q - m_lo);
-        zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.dout + stage * C::kQBytes, s.seqlen_q - m_lo);
+        zero_tile_rows<C::kBlockM, C::kHeadDimV / 64, C::kConsumers>(tiles.dout + stage * C::kDoBytes, s.seqlen_q - m_lo);
     }
     return true;
 }
@@ -921,11 +965,15 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     const int consumer = threadIdx.x / 128 - 1;
     const int g = lane / 4, t = lane % 4;
     const int key_row0 = consumer * 64 + warp * 16 + g;   // this thread's first key inside the CTA's block
-    float acc_dk[C::kDTiles][4], acc_dv[C::kDTiles][4];
+    float acc_dk[C::kDTiles][4], acc_dv[C::kDTilesV][4];
 #pragma unroll
     for (int di = 0; di < C::kDTiles; ++di)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
+#pragma unroll
+    for (int di = 0; di < C::kDTilesV; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
 
     mbar_wait(sh.kv_full(), 0);
     zero_keys_past_sequence<C>(s, tiles, varlen);
@@ -938,7 +986,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo, blocks_whole)) break;
         if (C::kDeferDq && consumer == 1 && lag_step<C>(step))   // the lag
             named_barrier_sync(lag_barrier<C>(step), 128 * C::kConsumers);
-        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
+        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kDoBytes;
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, in two groups: P^T is taken
         // from S^T while dP^T is still being computed; with score modifiers or dropout, dP^T starts
@@ -947,8 +995,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         float(&s_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kBlockM / 2] = *reinterpret_cast<float(*)[C::kBlockM / 2]>(&acc_dp[0][0]);
         auto issue_dp = [&] {
-            gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v + consumer * 64 * 128,
-                                                                        do_tile);
+            gemm_abt_ss<C::kBlockM, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v + consumer * 64 * 128,
+                                                                         do_tile);
             wgmma_commit();
         };
         wgmma_fence();
@@ -986,7 +1034,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 
         // dV += P^T dO (dO is an MN-major B operand: its rows are the queries). Issued before dS^T
         // when the registers allow P^T to stay in float32 beside its packed copy (C::kEarlyDv).
-        float(&dv_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dv[0][0]);
+        float(&dv_flat)[C::kHeadDimV / 2] = *reinterpret_cast<float(*)[C::kHeadDimV / 2]>(&acc_dv[0][0]);
         float(&dk_flat)[C::kHeadDim / 2] = *reinterpret_cast<float(*)[C::kHeadDim / 2]>(&acc_dk[0][0]);
         if constexpr (C::kSerialScores) {
             wgmma_fence();
@@ -995,7 +1043,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if constexpr (C::kEarlyDv) {
             pack_pdrop();
             wgmma_fence();
-            gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
+            gemm_ab_rs<C::kHeadDimV, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
             wgmma_commit();
             wgmma_wait<1>();   // dP^T (the older group) is in; dV runs on
         } else {
@@ -1026,7 +1074,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         // product (C::kDkTail), so that dQ's way out through shared memory overlaps them.
         if constexpr (!C::kEarlyDv) pack_pdrop();
         wgmma_fence();
-        if constexpr (!C::kEarlyDv) gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
+        if constexpr (!C::kEarlyDv) gemm_ab_rs<C::kHeadDimV, C::kBlockM, C::kBlockM>(dv_flat, p_frag, do_tile);
         gemm_ab_rs<C::kHeadDim, C::kBlockM, C::kBlockM, 0, C::kBlockM / 16 - C::kDkTail>(dk_flat, ds_frag, q_tile);
         wgmma_commit();
         if constexpr (C::kSerialScores) {
@@ -1153,21 +1201,23 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, C::kRereadBatch ? cta_batch() : b, consumer * 64, 0, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C>(bp, C::kRereadBatch ? cta_batch() : b, consumer * 64, 0, 0, tiles.q, acc_dk, acc_dv);
     count_dq_landed<C>(bp);
 }
 
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
-// their dK and dV (128 registers). Per query tile of 64 rows:
+// their dK and dV (128 registers; dV's 64c .. 64c + 63 where v's head dim is 128). Per query tile of
+// 64 rows:
 //   S^T, dP^T of the 64 keys x the queries 32c .. 32c + 31 (wgmma n = 32), P^T and dS^T element
 //   by element, both into shared memory as 16-bit tiles [64 keys][64 queries] (P^T, then dS^T in
 //   tiles.ds), which each consumer then reads whole:
 //   dV[:, c] += P^T dO[:, c],  dK[:, c] += dS^T Q[:, c]    (both operands in shared memory)
 //   dQ[:, c]  = dS K[:, c]                                 (two 64 x 64 products)
 // The consumer's share of dQ (64 x 128 float32) leaves through the step's own Q (consumer 0) or dO
-// (consumer 1) buffer, once both consumers' products have read it, as one 32 KB bulk reduction into
-// dq_accum. The stage goes back to the producer when that reduction has read it: thread 0 checks
-// at the next step, after issuing its products, and the warpgroup then frees the stage.
+// (consumer 1; where dO's buffer is the smaller, a buffer of its own: kDqOwnBytes) buffer, once both
+// consumers' products have read it, as one 32 KB bulk reduction into dq_accum. The stage goes back
+// to the producer when that reduction has read it: thread 0 checks at the next step, after issuing
+// its products, and the warpgroup then frees the stage.
 template <class C>
 __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
                                                    const BwdSm90Tiles& tiles) {
@@ -1179,11 +1229,15 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     const int key_row0 = warp * 16 + g;          // this thread's first key inside the CTA's block
     const int col0 = consumer * C::kQueryCols;   // this consumer's first query column of a tile
     const unsigned pt_tile = tiles.ds, ds_tile = tiles.ds + C::kDsBytes;
-    float acc_dk[C::kDTiles][4], acc_dv[C::kDTiles][4];
+    float acc_dk[C::kDTiles][4], acc_dv[C::kDTilesV][4];
 #pragma unroll
     for (int di = 0; di < C::kDTiles; ++di)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[di][e] = acc_dv[di][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
+#pragma unroll
+    for (int di = 0; di < C::kDTilesV; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
 
     mbar_wait(sh.kv_full(), 0);
     zero_keys_past_sequence<C>(s, tiles, varlen);
@@ -1193,7 +1247,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         int m_lo;
         bool blocks_whole;
         if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo, blocks_whole)) break;
-        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kQBytes;
+        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kDoBytes;
 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + col0 +
         // 8 mi + 2 t + e % 2. Dropout's keep bits are drawn before the products (beside their
@@ -1211,7 +1265,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         wgmma_fence();
         gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
         wgmma_commit();
-        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
+        gemm_abt_ss<C::kQueryCols, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
         wgmma_commit();
         if (pending >= 0) {   // the previous step's dQ reduction has read its stage (thread 0 issued it)
             if (wg_thread == 0) bulk_wait_read();
@@ -1257,9 +1311,10 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
 
         // dQ's 64 x 64 shares (A = dS^T read transposed, B = K's column blocks kDqShares c ..), then
         // dV and dK over the whole tile (B = this consumer's column blocks of dO / Q).
-        float(&dv_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dv[0][0]);
+        float(&dv_flat)[C::kDimColsV / 2] = *reinterpret_cast<float(*)[C::kDimColsV / 2]>(&acc_dv[0][0]);
         float(&dk_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dk[0][0]);
         const unsigned cols = consumer * (C::kDimCols / 64) * C::kBlockM * 128;
+        const unsigned cols_v = consumer * (C::kDimColsV / 64) * C::kBlockM * 128;
         float acc_dq[C::kDqShares][32];
         wgmma_fence();
         if constexpr (C::kDq) {
@@ -1268,7 +1323,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
                 gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile,
                                             tiles.k + (C::kDqShares * consumer + j) * C::kBlockN * 128);
         }
-        gemm_ab_ss<C::kDimCols, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols);
+        gemm_ab_ss<C::kDimColsV, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols_v);
         gemm_ab_ss<C::kDimCols, C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
         wgmma_commit();
         wgmma_wait<0>();
@@ -1281,7 +1336,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
 
         if constexpr (C::kDq) {
             // In dq_tile_offset's order: share j of this consumer is the tile's share kDqShares c + j.
-            const unsigned share = consumer == 0 ? q_tile : do_tile;
+            const unsigned share = consumer == 0 ? q_tile : C::kDqOwnBytes ? tiles.dq : do_tile;
 #pragma unroll
             for (int j = 0; j < C::kDqShares; ++j)
 #pragma unroll
@@ -1309,7 +1364,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     // consumers' reductions have read them.
     if (C::kDq && wg_thread == 0) bulk_wait_read();
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, consumer * C::kDimColsV, tiles.q, acc_dk, acc_dv);
     count_dq_landed<C>(bp);
 }
 
@@ -1321,10 +1376,10 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     __shared__ __align__(16) BwdSm90Shared<C> sh;
     BwdSm90Tiles tiles;
     tiles.k = (smem_addr(smem_raw) + 1023) & ~1023u;
-    tiles.v = tiles.k + C::kKVBytes;
-    tiles.q = tiles.v + C::kKVBytes;
+    tiles.v = tiles.k + C::kKBytes;
+    tiles.q = tiles.v + C::kVBytes;
     tiles.dout = tiles.q + C::kStages * C::kQBytes;
-    tiles.ds = tiles.dout + C::kStages * C::kQBytes;
+    tiles.ds = tiles.dout + C::kStages * C::kDoBytes;
     tiles.dq = tiles.ds + C::kDsTiles * C::kDsBytes;
 
     // bwd_convert, when launched behind this kernel, may start once every CTA here has: it waits
@@ -1381,7 +1436,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
 }  // namespace cuflash
 
-using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_BLOCK_M, CUFLASH_STAGES, CUFLASH_BWD_DQ,
+using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_M, CUFLASH_STAGES, CUFLASH_BWD_DQ,
                                       CUFLASH_SCORE_MODS,
                                       CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES

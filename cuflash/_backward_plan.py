@@ -50,7 +50,8 @@ def _sm90_obstacle(d_pad: int, score_mods, dropout: bool, layouts, dv_pad: int |
 def _choose_family(dtype_name: str, forced: str | None, d_pad: int, score_mods, dropout: bool, layouts,
                    dv_pad: int | None = None) -> str:
     """The forced family, or the default for the dtype: bwd_sm90 on sm_90 where it can run the call
-    (not with a value head dim of its own, ``dv_pad``), bwd_sm80 otherwise (bwd_simt for float32)."""
+    (a value head dim of its own, ``dv_pad``, in the pairs it compiles), bwd_sm80 otherwise (bwd_simt
+    for float32)."""
     if forced is not None and forced != "bwd_sm90":
         return forced
     if dtype_name == "float32":

@@ -51,8 +51,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     user_source : str, default ""
         As in :func:`cuflash.kernels.forward.forward_plan` (the backward's, with the ScoreMod's grad).
     head_dim_v : int, optional
-        Run-time head dim of v, out, dout and dv when it differs from ``head_dim``: bwd_sm80 and bwd_simt
-        compile it (CUFLASH_HEAD_DIM_V); bwd_sm90 refuses it (:func:`bwd_sm90.bwd_sm90_obstacle`).
+        Run-time head dim of v, out, dout and dv when it differs from ``head_dim``: the families compile
+        it (CUFLASH_HEAD_DIM_V); bwd_sm90 the pairs of its BWD_SM90_PAIRS only
+        (:func:`bwd_sm90.bwd_sm90_obstacle`).
 
     Returns
     -------
@@ -67,7 +68,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             raise ValueError(obstacle)
         plan = bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                              deterministic=deterministic, windowed=windowed, seqlen_q=seqlen_q,
-                             all_keys_seen=all_keys_seen)
+                             all_keys_seen=all_keys_seen, head_dim_v=head_dim_v)
     elif family == "bwd_sm80":
         plan = bwd_sm80.plan(dtype_name, head_dim, dq_pass=dq_pass, score_mods=score_mods, dropout=dropout,
                              head_dim_v=head_dim_v)

@@ -19,6 +19,16 @@ from ..features import DTYPE_CODES, score_mod_bits
 # (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
 # takes 64 query rows per step (each consumer adds dQ over its own keys).
 BWD_SM90_HEAD_DIMS = (64, 128, 256)
+#: (D_qk, D_v) pairs of compiled head dims bwd_sm90 runs beside the square ones (CUFLASH_HEAD_DIM_V),
+#: mapped to whether they run with score modifiers or dropout too. The tiles and the consumers'
+#: split follow D_qk's, except that (64, 128) takes 64 query rows per step (D = 64's featured tiles:
+#: with 128 its dV of 128 columns would not fit beside S^T and dP^T) and no pair takes
+#: BWD_SM90_WIDE_BLOCK_M's rows ((128, 64) spilled 60 B there with its dQ handed over). A consumer's dV
+#: must be 64 or 128 columns wide (its wgmma n, and dO's 64-column blocks where the consumers split
+#: the columns): so not (128, 64) featured (split by columns, 32 each), nor a 256 beside a 64.
+#: (64, 128) featured spilled 80-112 B (NVRTC 13): bwd_sm80 runs it. DeepSeek's (192, 128) runs as
+#: (256, 128), Q's and K's last 64 columns zero-filled by TMA.
+BWD_SM90_PAIRS = {(256, 128): True, (128, 64): False, (64, 128): False}
 # The producer hands the consumers (flag, query head, query tile) in one int (cuda_src/bwd_sm90.cu:
 # bit 30 a tile whose blocks hide nothing, the head from bit 16): fewer query heads than this.
 BWD_SM90_MAX_HEADS = 1 << 14
@@ -54,10 +64,15 @@ BWD_SM90_DEFER_STAGES = 2
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
-def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False) -> tuple[int, int]:
+def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False,
+                   head_dim_v: int | None = None) -> tuple[int, int]:
     """(keys per CTA, query rows per step) of bwd_sm90 at a compiled head dim; featured: with score
     modifiers or dropout; wide: a call that may take BWD_SM90_WIDE_BLOCK_M's rows (no window, score
-    modifier, dropout nor ordered dQ)."""
+    modifier, dropout nor ordered dQ); head_dim_v: v's compiled head dim (BWD_SM90_PAIRS)."""
+    if (head_dim, head_dim_v) == (64, 128):
+        featured = True   # its tiles: 64 query rows per step
+    if head_dim_v not in (None, head_dim):
+        wide = False
     if featured:
         return BWD_SM90_FEATURED_BLOCK_N[head_dim], BWD_SM90_FEATURED_BLOCK_M[head_dim]
     if wide and head_dim in BWD_SM90_WIDE_BLOCK_M:
@@ -65,27 +80,35 @@ def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False) ->
     return BWD_SM90_BLOCK_N[head_dim], BWD_SM90_BLOCK_M[head_dim]
 
 
-def bwd_sm90_stages(head_dim: int, featured: bool = False, wide: bool = False, deterministic=False) -> int:
+def bwd_sm90_stages(head_dim: int, featured: bool = False, wide: bool = False, deterministic=False,
+                    head_dim_v: int | None = None) -> int:
     """Stages of bwd_sm90's Q/dO ring at a compiled head dim (``deterministic`` as in backward_plan)."""
-    block_m = bwd_sm90_tiles(head_dim, featured, wide)[1]
+    block_m = bwd_sm90_tiles(head_dim, featured, wide, head_dim_v)[1]
     if head_dim == 128 and block_m == 64 and not featured and deterministic is False:
         return BWD_SM90_DEFER_STAGES
     return BWD_SM90_STAGES[head_dim]
 
 
-def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False, stages: int | None = None) -> int:
+def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False, stages: int | None = None,
+                        head_dim_v: int | None = None) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included); ``stages``
-    defaults to BWD_SM90_STAGES's."""
-    block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide)
+    defaults to BWD_SM90_STAGES's, ``head_dim_v`` (v's compiled head dim) to ``head_dim``."""
+    head_dim_v = head_dim_v or head_dim
+    block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide, head_dim_v)
     stages = BWD_SM90_STAGES[head_dim] if stages is None else stages
-    kv, q_do, ds = 2 * block_n * head_dim, 2 * block_m * head_dim, 2 * block_n * block_m
+    k_v = 2 * block_n * (head_dim + head_dim_v)
+    q_do, ds = 2 * block_m * (head_dim + head_dim_v), 2 * block_n * block_m
     split_dims = head_dim == 256 or (head_dim == 128 and featured)
+    # split by columns, a consumer's float32 share of dQ passes through a Q or dO buffer, or where the
+    # dO buffer cannot hold it (a smaller v head dim) a buffer of its own
+    dq_share = 4 * block_m * head_dim // 2
+    dq_own = dq_share if split_dims and dq_share > 2 * block_m * head_dim_v else 0
     transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
     # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers; a third
     # stage at D = 128 leaves room for one buffer)
     dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 else 1
     dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
-    return 1024 + 2 * kv + 2 * stages * q_do + 2 * ds + dq_staging
+    return 1024 + k_v + stages * q_do + 2 * ds + dq_staging + dq_own
 
 
 def bwd_sm90_orders_dq(head_dim: int, featured: bool = False) -> bool:
@@ -105,15 +128,25 @@ def bwd_sm90_dq_mode(head_dim: int, featured: bool, deterministic: bool):
 
 def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False, head_dim_v: int | None = None) -> str | None:
     """Why bwd_sm90 cannot run a backward with this (padded, multiple of 8) head dim, score
-    modifiers and dropout, or None when it can: today only the head dim limits it (every
-    combination of modifiers and dropout compiles without spills up to 256), and v must have it too
-    (``head_dim_v``: its kernel has one head dim for Q, K, V, dO; such calls run on bwd_sm80). (The
-    caller also needs sm_90a and TMA-compatible layouts: cuflash/backward.py checks those.)"""
-    if head_dim_v is not None and head_dim_v != head_dim:
-        return (f"bwd_sm90 runs v with the head dim of q and k only, not the pair (D_qk, D_v) = ({head_dim}, "
-                f"{head_dim_v}); bwd_sm80 runs it")
-    if head_dim > max(BWD_SM90_HEAD_DIMS):
-        return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {head_dim}"
+    modifiers and dropout, or None when it can: the head dim limits it (every combination of
+    modifiers and dropout compiles without spills up to 256), and a value head dim of its own
+    (``head_dim_v``) must make one of BWD_SM90_PAIRS once both are rounded up (other pairs run on
+    bwd_sm80). (The caller also needs sm_90a and TMA-compatible layouts: cuflash/backward.py checks
+    those.)"""
+    if max(head_dim, head_dim_v or 0) > max(BWD_SM90_HEAD_DIMS):
+        return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {max(head_dim, head_dim_v or 0)}"
+    if head_dim_v is None or head_dim_v == head_dim:
+        return None
+    pair = (round_up(head_dim, BWD_SM90_HEAD_DIMS), round_up(head_dim_v, BWD_SM90_HEAD_DIMS))
+    if pair[0] == pair[1]:
+        return None
+    featured = bool(score_mod_bits(score_mods) or dropout)
+    if pair not in BWD_SM90_PAIRS or (featured and not BWD_SM90_PAIRS[pair]):
+        runs = ", ".join(f"{qk, v}" + ("" if any_options else " without score modifiers or dropout")
+                         for (qk, v), any_options in BWD_SM90_PAIRS.items())
+        return (f"bwd_sm90 runs the head dim pairs (D_qk, D_v) {runs} (rounded up to {BWD_SM90_HEAD_DIMS}), not "
+                f"({head_dim}, {head_dim_v}){' with score modifiers or dropout' if featured else ''}; bwd_sm80 "
+                "runs it")
     return None
 
 
@@ -168,7 +201,7 @@ def bwd_convert_behind(*, shrinking: bool) -> bool:
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, deterministic, windowed: bool = True,
-         seqlen_q: int = 0, all_keys_seen: bool = False) -> LaunchPlan:
+         seqlen_q: int = 0, all_keys_seen: bool = False, head_dim_v: int | None = None) -> LaunchPlan:
     """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
@@ -179,15 +212,16 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     if deterministic is True and not bwd_sm90_orders_dq(head_dim, featured):
         raise ValueError(f"bwd_sm90 adds dQ in a fixed order only at head dims {BWD_SM90_ORDERED_HEAD_DIMS}, "
                          "without score modifiers and dropout")
-    obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout)
+    obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout, head_dim_v)
     if obstacle is not None:
         raise ValueError(obstacle)
     kdim = round_up(head_dim, BWD_SM90_HEAD_DIMS)
+    kdim_v = kdim if head_dim_v is None else round_up(head_dim_v, BWD_SM90_HEAD_DIMS)
     min_rows = BWD_SM90_WIDE_MIN_ROWS if all_keys_seen else BWD_SM90_WIDE_MIN_ROWS_GUARDED
     wide = not windowed and deterministic is False and seqlen_q >= min_rows
-    block_n, block_m = bwd_sm90_tiles(kdim, featured, wide)
-    stages = bwd_sm90_stages(kdim, featured, wide, deterministic)
-    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages)
+    block_n, block_m = bwd_sm90_tiles(kdim, featured, wide, kdim_v)
+    stages = bwd_sm90_stages(kdim, featured, wide, deterministic, kdim_v)
+    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages, kdim_v)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
@@ -199,6 +233,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
         "CUFLASH_SMEM_BYTES": smem,
         **size_defines(),
     }
+    if kdim_v != kdim:   # only such variants carry it (the others keep their compile keys)
+        defines["CUFLASH_HEAD_DIM_V"] = kdim_v
     if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
         defines["CUFLASH_ALL_KEYS_SEEN"] = 1
     elif windowed and not featured and bwd_sm90_tile_guard(kdim):
@@ -206,12 +242,14 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     return LaunchPlan(Variant("bwd_sm90", tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
 
 
-def feature_plans(dtype_name: str, head_dim: int, mods, dropout: bool, deterministic) -> list[LaunchPlan]:
+def feature_plans(dtype_name: str, head_dim: int, mods, dropout: bool, deterministic,
+                  head_dim_v: int | None = None) -> list[LaunchPlan]:
     """bwd_sm90's launch plans for one feature set: with a window, and without one (short and long
     queries; with and without every key seen)."""
-    plans = [plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic)]
+    plans = [plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                  head_dim_v=head_dim_v)]
     for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED):
         for all_keys_seen in (False, True):
             plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                              windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen))
+                              windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen, head_dim_v=head_dim_v))
     return plans

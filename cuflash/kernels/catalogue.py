@@ -104,9 +104,9 @@ VALUE_HEAD_DIM_PAIRS_SIMT = ((192, 128),)
 
 
 def value_head_dim_variants(dtypes=("bfloat16", "float32"), sm90: bool = True) -> list[Variant]:
-    """fwd_sm80/bwd_sm80 (both passes) and fwd_sm90 (``sm90``) at VALUE_HEAD_DIM_PAIRS and
-    fwd_simt/bwd_simt at VALUE_HEAD_DIM_PAIRS_SIMT, plain and with every score modifier and dropout
-    (bwd_sm90 does not run such pairs: docs/decisions.md, "A value head dim of its own")."""
+    """fwd_sm80/bwd_sm80 (both passes) and fwd_sm90 and bwd_sm90 (``sm90``; bwd_sm90 with each of its
+    dQ modes and tiles, where it runs the pair) at VALUE_HEAD_DIM_PAIRS and fwd_simt/bwd_simt at
+    VALUE_HEAD_DIM_PAIRS_SIMT, plain and with every score modifier and dropout."""
     out = []
     for dtype_name in dtypes:
         simt = dtype_name == "float32"
@@ -120,6 +120,10 @@ def value_head_dim_variants(dtypes=("bfloat16", "float32"), sm90: bool = True) -
                 for dq_pass in (False, True):
                     out.append(backward_plan(bwd, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout,
                                              head_dim_v=d_v).variant)
+                if sm90 and not simt and bwd_sm90_obstacle(d, mods, dropout, d_v) is None:
+                    featured = bool(score_mod_bits(mods) or dropout)
+                    for det in (False, "pass") + ((True,) if bwd_sm90_orders_dq(d, featured) else ()):
+                        out += [p.variant for p in feature_plans(dtype_name, d, mods, dropout, det, d_v)]
     return list(dict.fromkeys(out))
 
 
@@ -215,8 +219,10 @@ def ci_variants() -> list[tuple[Variant, str]]:
 
 
 def _defers_dq(variant: Variant) -> bool:
+    """A square bwd_sm90 variant at D = 128 that defers dQ (the stage and lag A/Bs' subject)."""
     d = dict(variant.defines)
     return (variant.family == "bwd_sm90" and d["CUFLASH_HEAD_DIM"] == 128 and d["CUFLASH_BLOCK_M"] == 64
+            and "CUFLASH_HEAD_DIM_V" not in d
             and d["CUFLASH_BWD_DQ"] == 1 and not d["CUFLASH_SCORE_MODS"] and not d["CUFLASH_DROPOUT"])
 
 

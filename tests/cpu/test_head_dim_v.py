@@ -1,5 +1,5 @@
 """A value head dim of its own (issue 53 item 2) without a GPU: the checks, the variants and their
-keys, the family that refuses it (bwd_sm90), and the float64 reference (the kernels: tests/gpu/test_head_dim_v.py;
+keys, the pairs bwd_sm90 refuses, and the float64 reference (the kernels: tests/gpu/test_head_dim_v.py;
 their compilation: tests/cpu/test_compile.py's sweep, cuflash.kernels.catalogue.value_head_dim_variants)."""
 
 import numpy as np
@@ -131,23 +131,50 @@ def test_fwd_sm90_refuses_head_dims_past_256():
         fwd_sm90.plan("bfloat16", 64, score_mods=False, dropout=False, head_dim_v=512)
 
 
-@pytest.mark.parametrize("d, dv", PAIRS)
-def test_bwd_sm90_refuses_the_pair_by_name(d, dv):
-    assert f"({d}, {dv})" in bwd_sm90.bwd_sm90_obstacle(d, (), False, dv)
-    assert bwd_sm90.bwd_sm90_obstacle(d, (), False, d) is None
+@pytest.mark.parametrize("d, dv", PAIRS + ((96, 64), (40, 128)))
+def test_bwd_sm90_runs_the_pairs_plain(d, dv):
+    """Each pair (and any that rounds up to one) compiles with V's own head dim and tiles that fit."""
+    assert bwd_sm90.bwd_sm90_obstacle(d, (), False, dv) is None
+    for det in (False, "pass"):
+        plan = kbackward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=False, dropout=False,
+                                       deterministic=det, windowed=False, seqlen_q=16384, all_keys_seen=True,
+                                       head_dim_v=dv)
+        defines = dict(plan.variant.defines)
+        kdim, kdim_v = (round_up(x, bwd_sm90.BWD_SM90_HEAD_DIMS) for x in (d, dv))
+        assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (kdim, kdim_v)
+        assert defines["CUFLASH_BLOCK_M"] == 64   # no pair takes 80-row steps
+        assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("d, dv, mods", [(128, 64, ("softcap",)), (64, 128, ("softcap",)), (64, 256, ()),
+                                         (256, 64, ()), (128, 256, ())])
+def test_bwd_sm90_refuses_other_pairs_by_name(d, dv, mods):
+    assert f"({d}, {dv})" in bwd_sm90.bwd_sm90_obstacle(d, mods, False, dv)
+    assert bwd_sm90.bwd_sm90_obstacle(d, mods, False, d) is None
     with pytest.raises(ValueError, match=rf"\({d}, {dv}\).*bwd_sm80"):
-        kbackward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=False, dropout=False,
+        kbackward.backward_plan("bwd_sm90", "bfloat16", d, dq_pass=False, score_mods=mods, dropout=False,
                                 deterministic=False, head_dim_v=dv)
 
 
-def test_backward_routes_the_pair_away_from_bwd_sm90(monkeypatch):
+def test_bwd_sm90_shared_memory_of_the_pairs():
+    """(256, 128): K 64 x 256, V 64 x 128, two stages of Q (64 x 256) and dO (64 x 128), P^T and dS^T,
+    and consumer 1's dQ share (64 x 128 float32) in a buffer of its own (dO's is too small)."""
+    assert bwd_sm90.bwd_sm90_smem_bytes(256, head_dim_v=128) == 1024 + 2 * (
+        64 * 384 + 2 * 64 * 384 + 2 * 64 * 64) + 4 * 64 * 128
+    assert bwd_sm90.bwd_sm90_smem_bytes(256, head_dim_v=256) == bwd_sm90.bwd_sm90_smem_bytes(256)
+
+
+def test_backward_routes_the_pairs(monkeypatch):
     from cuflash import _backward_plan
 
     monkeypatch.setattr(_backward_plan, "device_arch", lambda: "sm_90a")
+    monkeypatch.setattr(_backward_plan._tma, "tma_compatible", lambda x: True)
     layouts = {name: _checks.Shaped((1, 128, 2, 64), np.float16) for name in ("q", "k", "v", "dout")}
-    assert _backward_plan._choose_family("float16", None, 192, (), False, layouts, 128) == "bwd_sm80"
-    with pytest.raises(ValueError, match=r"bwd_sm90 cannot run this call: .*\(192, 128\)"):
-        _backward_plan._choose_family("float16", "bwd_sm90", 192, (), False, layouts, 128)
+    assert _backward_plan._choose_family("float16", None, 192, (), False, layouts, 128) == "bwd_sm90"
+    assert _backward_plan._choose_family("float16", None, 192, ("softcap",), True, layouts, 128) == "bwd_sm90"
+    assert _backward_plan._choose_family("float16", None, 128, ("softcap",), False, layouts, 64) == "bwd_sm80"
+    with pytest.raises(ValueError, match=r"bwd_sm90 cannot run this call: .*\(128, 64\)"):
+        _backward_plan._choose_family("float16", "bwd_sm90", 128, ("softcap",), False, layouts, 64)
 
 
 def test_catalogue_compiles_the_pairs():
@@ -156,6 +183,7 @@ def test_catalogue_compiles_the_pairs():
     for d, dv in PAIRS:
         assert {("fwd_sm80", d, dv), ("bwd_sm80", d, dv)} <= pairs
         assert ("fwd_sm90", round_up(d, fwd_sm90.SM90_HEAD_DIMS), dv) in pairs
+        assert ("bwd_sm90", round_up(d, bwd_sm90.BWD_SM90_HEAD_DIMS), dv) in pairs
     assert ("fwd_simt", 192, 128) in pairs and ("bwd_simt", 192, 128) in pairs
     ci = {v for v, arch in catalogue.ci_variants()}
     assert set(variants) <= ci

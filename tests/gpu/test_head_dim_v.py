@@ -5,8 +5,9 @@ reference.
 Semantics (docs/design.md §2b): out, dout and dv have v's head dim; the default scale stays
 1/sqrt(D_qk); lse is unchanged. fwd_sm80/bwd_sm80 (float16, bfloat16) run the pairs (192, 128),
 (128, 64), (64, 128) (and any pair of their compiled head dims), fwd_sm90 (float16, bfloat16, a
-Hopper) any pair up to 256, fwd_simt/bwd_simt (float32) any pair; bwd_sm90 does not (forcing it
-raises a ValueError naming the pair; unforced backward calls on a Hopper run on bwd_sm80).
+Hopper) any pair up to 256, bwd_sm90 the three pairs (with score modifiers and dropout (192, 128)
+only: forcing it on another raises a ValueError naming the pair, and unforced such calls run on
+bwd_sm80), fwd_simt/bwd_simt (float32) any pair.
 
 Each test forces one family (``cuflash.force_kernel`` / ``cuflash.backward.force_kernel``).
 hypothesis draws Sq, Sk straddling the tiles (1, 17, 113, 300), GQA, causal and windows, the dtypes,
@@ -31,6 +32,7 @@ import cuflash
 import cuflash.backward
 import cuflash.testing as tt
 from cuflash import reference
+from cuflash.kernels import bwd_sm90
 from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E402
 
 
@@ -42,6 +44,8 @@ FAMILIES = [pytest.param("fwd_sm80", "bwd_sm80", "float16", id="sm80-fp16"),
             pytest.param("fwd_sm80", "bwd_sm80", "bfloat16", id="sm80-bf16"),
             pytest.param("fwd_sm90", "bwd_sm80", "float16", id="sm90-fp16", marks=SM90),
             pytest.param("fwd_sm90", "bwd_sm80", "bfloat16", id="sm90-bf16", marks=SM90),
+            pytest.param("fwd_sm90", "bwd_sm90", "float16", id="sm90-bwd90-fp16", marks=SM90),
+            pytest.param("fwd_sm90", "bwd_sm90", "bfloat16", id="sm90-bwd90-bf16", marks=SM90),
             pytest.param("fwd_simt", "bwd_simt", "float32", id="simt-fp32")]
 SEQLENS = (1, 17, 113, 300)
 HEADS = ((2, 1), (4, 2), (2, 2), (8, 2))
@@ -78,8 +82,17 @@ def _dev(rng, shape, dtype):
     return cupy.asarray(tt.normal_data(rng, shape, dtype))
 
 
-def _options(problem):
-    return dict(causal=problem["causal"], window=problem["window"], softcap=problem["softcap"])
+def _options(problem, bwd=None):
+    """The call's options; bwd_sm90 runs a softcap beside the pairs of BWD_SM90_PAIRS that take score
+    modifiers only, so the others drop it there."""
+    softcap = problem["softcap"]
+    if bwd == "bwd_sm90" and not _bwd_sm90_runs(problem["pair"], featured=True):
+        softcap = 0.0
+    return dict(causal=problem["causal"], window=problem["window"], softcap=softcap)
+
+
+def _bwd_sm90_runs(pair, featured):
+    return bwd_sm90.bwd_sm90_obstacle(pair[0], ("softcap",) if featured else (), False, pair[1]) is None
 
 
 def _poisoned(shape, dtype):
@@ -108,7 +121,7 @@ def test_forward_and_backward(fwd, bwd, dtype):
     @given(problem=_problems(pairs))
     def check(problem):
         q, k, v, dout = _data(problem, dtype)
-        opts = _options(problem)
+        opts = _options(problem, bwd)
         B, Sq, hq, _ = q.shape
         dv_dim = v.shape[-1]
         out = _poisoned((B, Sq, hq, dv_dim), q.dtype)
@@ -187,7 +200,7 @@ def test_varlen(fwd, bwd, dtype, deterministic):
 
 @pytest.mark.parametrize("pair", PAIRS)
 def test_unforced_runs_where_it_can(pair):
-    """Without a forced family the call runs (on a Hopper: fwd_sm90, then bwd_sm80) and matches the
+    """Without a forced family the call runs (on a Hopper: fwd_sm90, then bwd_sm90) and matches the
     reference."""
     problem = dict(B=1, Sq=113, Sk=300, heads=(4, 2), pair=pair, seed=_seed(pair))
     q, k, v, dout = _data(problem, "bfloat16")
@@ -199,13 +212,20 @@ def test_unforced_runs_where_it_can(pair):
 
 
 @SM90
-@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("pair", [p for p in PAIRS if not _bwd_sm90_runs(p, featured=True)])
 def test_forcing_bwd_sm90_names_the_pair(pair):
+    """Pairs bwd_sm90 runs plain but not with score modifiers: forced with a softcap, a ValueError
+    naming the pair; unforced, bwd_sm80 runs the call."""
     problem = dict(B=1, Sq=17, Sk=17, heads=(2, 1), pair=pair, seed=1)
     q, k, v, dout = _data(problem, "float16")
-    out, lse, _ = cuflash.attention_forward(q, k, v)
+    out, lse, _ = cuflash.attention_forward(q, k, v, softcap=5.0)
     with cuflash.backward.force_kernel("bwd_sm90"), pytest.raises(ValueError, match=rf"\({pair[0]}, {pair[1]}\)"):
-        cuflash.attention_backward(dout, q, k, v, out, lse)
+        cuflash.attention_backward(dout, q, k, v, out, lse, softcap=5.0)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, softcap=5.0)
+    refs = reference.attention_backward(dout, q, k, v, out=out, softcap=5.0)
+    bases = tt.baseline_attention_backward(dout, q, k, v, out, softcap=5.0)
+    for name, g, r, b in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, bases):
+        _assert_grad_close(g, r, b, "float16", name, _magnitude(*refs), 0.0)
 
 
 def _seed(*parts):
