@@ -42,9 +42,9 @@
 // tile; keys: K rows, which the dQ product would otherwise meet as 0 * K), so nothing outside the
 // sequence reaches a gradient, NaN included. Masked elements get P = dS = 0 exactly (element_grad).
 //
-// Compile-time configuration (cuflash/_heuristics.py, "Backward"): CUFLASH_DTYPE 0/1,
-// CUFLASH_HEAD_DIM 64/128/256 (Q, K, dQ, dK), CUFLASH_HEAD_DIM_V (V, dO, dV: written only where it
-// differs; the pairs of cuflash/kernels/bwd_sm90.py's BWD_SM90_PAIRS), CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
+// Compile-time configuration (cuflash/kernels/bwd_sm90.py): CUFLASH_DTYPE 0/1, CUFLASH_HEAD_DIM
+// 64/128/256 (Q, K, dQ, dK; 192 beside a V of 128), CUFLASH_HEAD_DIM_V (V, dO, dV: written only where
+// it differs; the pairs of BWD_SM90_PAIRS), CUFLASH_BWD_DQ (0: no dQ, 1: dQ here, 2: in a fixed order),
 // CUFLASH_BLOCK_M (query rows per step: 128 for D = 64, 64 for D = 128 and 256, so that dQ is made of
 // 64 x 64 shares), CUFLASH_STAGES, CUFLASH_SCORE_MODS (bit mask, mask.cuh), CUFLASH_DROPOUT,
 // CUFLASH_SMEM_BYTES, CUFLASH_PARAMS_SIZE, CUFLASH_BWD_PARAMS_SIZE, CUFLASH_ALL_KEYS_SEEN (1: every row
@@ -99,6 +99,16 @@
 
 namespace cuflash {
 
+// The columns of dK (and of dQ, whose shares are dK's column blocks) and of dV that consumer c owns
+// where the two consumers split the columns (head dim d, v's dv). Halves alike at d = 256 (and 128
+// featured); at d = 192 beside dv = 128 consumer 0 takes dK's and dQ's first two column blocks and
+// consumer 1 the third and all of dV: four 64 x 64 x 64 products a step each, where halves of
+// 96 columns would start inside a 64-column swizzle block.
+__host__ __device__ constexpr int split_dk_cols(int d, int c) { return d == 192 ? (c == 0 ? 128 : 64) : d / 2; }
+__host__ __device__ constexpr int split_dk_col0(int d, int c) { return d == 192 ? (c == 0 ? 0 : 128) : c * (d / 2); }
+__host__ __device__ constexpr int split_dv_cols(int d, int dv, int c) { return d == 192 ? (c == 0 ? 0 : dv) : dv / 2; }
+__host__ __device__ constexpr int split_dv_col0(int d, int dv, int c) { return d == 192 ? 0 : c * (dv / 2); }
+
 template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kStages_, int kDqMode_, int kMods_, bool kDropout_>
 struct BwdSm90Config {
     // kHeadDim: Q's, K's, dQ's and dK's columns; kHeadDimV: V's, dO's and dV's (the contraction of
@@ -129,7 +139,9 @@ struct BwdSm90Config {
     // How the two consumers share a CTA's work: by keys (64 each, dK/dV of all columns) up to
     // D = 128; by columns at D = 256 (dK/dV of 128 columns for all 64 keys), where 64 keys' dK and dV
     // of every column would take 256 registers per thread, and at D = 128 when featured.
-    static constexpr bool kSplitDims = kHeadDim == 256 || (kHeadDim == 128 && kFeatured);
+    static constexpr bool kSplitDims = kHeadDim >= 192 || (kHeadDim == 128 && kFeatured);
+    // ... and at Q's and K's 192 (beside V's 128), not by halves (split_dk_cols).
+    static constexpr bool kAsymmetricSplit = kHeadDim == 192;
     // With score modifiers or dropout, split by keys, a consumer computes dP^T after P^T rather than
     // beside it: the modifiers' loads and the Philox rounds then have dP^T's registers.
     static constexpr bool kSerialScores = kFeatured && !kSplitDims;
@@ -144,15 +156,17 @@ struct BwdSm90Config {
     static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
-    // A consumer's S^T is 64 keys x kQueryCols, its dK/dV 64 keys x kDimCols.
-    static constexpr int kQueryCols = kSplitDims ? kBlockM / 2 : kBlockM, kDimCols = kSplitDims ? kHeadDim / 2 : kHeadDim;
-    // ... and its dV 64 keys x kDimColsV.
-    static constexpr int kDimColsV = kSplitDims ? kHeadDimV / 2 : kHeadDimV;
+    // A consumer's S^T is 64 keys x kQueryCols, its dK 64 keys x kDimCols and dV 64 x kDimColsV
+    // (split by columns: consumer 0's, split_dk_cols).
+    static constexpr int kQueryCols = kSplitDims ? kBlockM / 2 : kBlockM;
+    static constexpr int kDimCols = kSplitDims ? split_dk_cols(kHeadDim, 0) : kHeadDim;
+    static constexpr int kDimColsV = kSplitDims ? split_dv_cols(kHeadDim, kHeadDimV, 0) : kHeadDimV;
     static constexpr int kMTiles = kQueryCols / 8, kDTiles = kDimCols / 8;   // 8-column n-tiles of S^T and dK
     static constexpr int kDTilesV = kDimColsV / 8;                            // ... and of dV
     // dV's product: a register-A wgmma of n = kHeadDimV (by keys), or a shared-memory one of n =
-    // kDimColsV starting at a column block of dO (by columns): n of 64 or 128 either way.
-    static_assert(kDimColsV == 64 || kDimColsV == 128, "a consumer's dV has 64 or 128 columns");
+    // split_dv_cols starting at a column block of dO (by columns): n of 64 or 128 either way (or none).
+    static constexpr int kDimColsV1 = kSplitDims ? split_dv_cols(kHeadDim, kHeadDimV, 1) : kHeadDimV;
+    static_assert(kDimColsV1 == 64 || kDimColsV1 == 128, "a consumer's dV has 64 or 128 columns");
     static constexpr int kKeepWords = kDropout ? (kMTiles + 7) / 8 : 1;   // dropout_keep_bits_cols' registers
     // dV's product goes out before dS^T is computed when P^T (float32, for dS^T) and its packed copy
     // (read by the in-flight wgmma) fit beside dK, dV, dP^T: 64 query columns per step, not 128.
@@ -163,7 +177,7 @@ struct BwdSm90Config {
     // much longer as it overlapped): none. (Not with kSerialScores, which waits for dK before dQ.)
     static constexpr int kDkTail = (kDq && !kSerialScores && kHeadDim == 64) ? kBlockM / 32 : 0;
     // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64
-    // (kDqShares per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each consumer's
+    // (split_dk_cols / 64 per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each consumer's
     // product over its own 64 keys, both added into the tile's one share (kDqByKeys). With 80 rows
     // (D = 128 without a window: per step 25% more work for the same K, V and 10% fewer operand bytes
     // read per product than with 64) a consumer computes its 64 columns of dQ transposed,
@@ -174,7 +188,6 @@ struct BwdSm90Config {
     // tile, the dK/dV store): held through the walk it spilled, with 80 rows, and with 64 beside
     // dS's guard tile by tile (112 B). At D = 64 reading it again spilled 16-80 B instead.
     static constexpr bool kRereadBatch = kHeadDim == 128;
-    static constexpr int kDqShares = kSplitDims ? kDimCols / 64 : 1;
     static_assert(kDqSplitRows ? kHeadDim == 64
                                : kDqTransposed ? kHeadDim == 128 && !kSplitDims && !kOrdered : kBlockM == 64,
                   "each consumer's share of dQ is made of 64 x 64 products (wgmma_ss_n64_tt), or of 64 x 80 "
@@ -245,20 +258,34 @@ struct BwdSm90Config {
     // one writer for both buffers deterministic=True ran 0.89-0.91x the default at D = 128 8k, with
     // two 0.99-1.01x (H100; docs/decisions.md#bwd-sm90-ordered-dq).
     static constexpr int kDqWriters = kDqBuffers;
-    static_assert(!kSplitDims || kDimCols * kBlockM * 4 <= kQBytes, "a consumer's dQ share fits a Q buffer");
-    // Split by columns, consumer 1's share passes through the step's dO buffer; where v's head dim
-    // is the smaller one that buffer is too small (64 rows x 128 columns of float32 in 16 KB at
-    // (256, 128)), and the share gets a buffer of its own.
-    static constexpr int kDqOwnBytes = kSplitDims && kDimCols * kBlockM * 4 > kDoBytes ? kDimCols * kBlockM * 4 : 0;
+    // Split by columns, consumer 0's float32 share of dQ passes through the step's Q buffer and
+    // consumer 1's through its dO buffer, free by then. Where one is too small (v's head dim the
+    // smaller: 64 rows x 128 columns of float32 in dO's 16 KB at (256, 128); consumer 0's two shares
+    // in Q's 24 KB at (192, 128)), that consumer's share gets a buffer of its own (kDqOwnBytes).
+    static constexpr int kDqShareBytes0 = split_dk_cols(kHeadDim, 0) * kBlockM * 4;
+    static constexpr int kDqShareBytes1 = split_dk_cols(kHeadDim, 1) * kBlockM * 4;
+    static constexpr int kDqOwnConsumer =
+        !kSplitDims ? -1 : kDqShareBytes0 > kQBytes ? 0 : kDqShareBytes1 > kDoBytes ? 1 : -1;
+    static constexpr int kDqOwnBytes = kDqOwnConsumer < 0 ? 0 : kDqOwnConsumer == 0 ? kDqShareBytes0 : kDqShareBytes1;
+    static_assert(!kSplitDims || (kDqShareBytes0 <= kQBytes || kDqShareBytes1 <= kDoBytes),
+                  "one consumer's dQ share at most takes a buffer of its own");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
     static_assert(!kOrdered || !kFeatured, "ordered dQ runs without score modifiers and dropout");
-    static_assert(kConsumers * 64 * (kDimCols + kDimColsV) * 2 <= kStages * (kQBytes + kDoBytes),
+    // Each consumer's dK and dV staged on their way out (store_dk_dv_chunks), kStagingBytes apart.
+    static constexpr int kStagingBytes =
+        kSplitDims ? 128 * (split_dk_cols(kHeadDim, 0) + split_dv_cols(kHeadDim, kHeadDimV, 0) >
+                                    split_dk_cols(kHeadDim, 1) + split_dv_cols(kHeadDim, kHeadDimV, 1)
+                                ? split_dk_cols(kHeadDim, 0) + split_dv_cols(kHeadDim, kHeadDimV, 0)
+                                : split_dk_cols(kHeadDim, 1) + split_dv_cols(kHeadDim, kHeadDimV, 1))
+                   : 128 * (kHeadDim + kHeadDimV);
+    static_assert(kConsumers * kStagingBytes <= kStages * (kQBytes + kDoBytes),
                   "dK and dV of both consumers fit the stage ring's Q and dO buffers (store_dk_dv_chunks)");
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) +
                                       kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes + kDqOwnBytes;
-    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "bwd_sm90 runs head dims 64, 128, 256");
-    static_assert(kHeadDimV == kHeadDim || !kSplitDims || kHeadDim == 256,
-                  "split by columns, v's head dim of its own runs beside q's 256 only");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 192 && kHeadDimV == 128),
+                  "bwd_sm90 runs head dims 64, 128, 256 (and Q's and K's 192 beside V's 128)");
+    static_assert(kHeadDimV == kHeadDim || !kSplitDims || kHeadDim >= 192,
+                  "split by columns, v's head dim of its own runs beside q's 192 or 256 only");
 };
 
 // kDqHandOver's named barriers, per consumer and its writer warp, both sides at bar.sync: the
@@ -486,11 +513,16 @@ __device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int
     return make_seq_info(p, b, kv_head * group_e);
 }
 
-// dK (scaled) and dV of a consumer's keys (rows key_row0 and key_row0 + 8 of the CTA's block),
-// columns col0 + 8 di + 2 t (+1) of dK and col0_v + ... of dV, once at the end of the walk.
-template <class C>
+// A consumer's accumulators of 64 keys x kCols columns (dK, dV): kCols / 8 n-tiles of 4 (one where
+// kCols is 0: a consumer that owns no dV, split_dv_cols).
+template <int kCols>
+using KeyRowsAcc = float[kCols > 0 ? kCols / 8 : 1][4];
+
+// dK (scaled, kDk columns) and dV (kDv) of a consumer's keys (rows key_row0 and key_row0 + 8 of the
+// CTA's block), columns col0 + 8 di + 2 t (+1) of dK and col0_v + ... of dV, once at the end of the walk.
+template <class C, int kDk, int kDv>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_row0, int col0, int col0_v,
-                                            const float (&acc_dk)[C::kDTiles][4], const float (&acc_dv)[C::kDTilesV][4]) {
+                                            const KeyRowsAcc<kDk>& acc_dk, const KeyRowsAcc<kDv>& acc_dv) {
     const FwdParams& p = bp.fwd;
     const int t = threadIdx.x % 4;
     const SeqInfo se = end_of_walk_seq_info(bp, b);
@@ -500,13 +532,13 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_
         if (r >= se.seqlen_k) continue;
         const DkDvRow<elem_t> dkdv(bp, se, cta_slot(), r);
 #pragma unroll
-        for (int di = 0; di < C::kDTiles; ++di) {
+        for (int di = 0; di < kDk / 8; ++di) {
             const int col = col0 + di * 8 + 2 * t;
             if (col < p.head_dim)
                 dkdv.store_dk(col, acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale);
         }
 #pragma unroll
-        for (int di = 0; di < C::kDTilesV; ++di) {
+        for (int di = 0; di < kDv / 8; ++di) {
             const int col = col0_v + di * 8 + 2 * t;
             if (col < p.head_dim_v) dkdv.store_dv(col, acc_dv[di][2 * half], acc_dv[di][2 * half + 1]);
         }
@@ -533,18 +565,19 @@ __device__ __forceinline__ void copy_staged_key_rows(unsigned staging, elem_t* d
     }
 }
 
-// The same through shared memory, as 16-byte row chunks: a consumer's 64 keys x kDimCols columns of
-// dK (scaled) and 64 x kDimColsV of dV go to its staging area in the stage ring's Q/dO buffers at
-// `ring` (row-major, 16-byte chunks XOR-swizzled by row: conflict-free both ways), then each thread stores whole chunks of consecutive columns
-// (copy_staged_key_rows). store_dk_dv's 4-byte stores, half a 32-byte sector each, took ~5 us of a
-// 30-50 us CTA at D = 128. `key0` is the consumer's first key inside the CTA's block, `col0` /
-// `col0_v` its first column of dK / dV. Every thread of the consumer calls it, once the ring is no
-// longer read; where 16-byte chunks cannot be used (float32 partial sums, head dims % 8, unaligned
-// pointers or strides) it falls back to store_dk_dv.
-template <class C>
+// The same through shared memory, as 16-byte row chunks: a consumer's 64 keys x kDk columns of dK
+// (scaled) and 64 x kDv of dV go to its staging area in the stage ring's Q/dO buffers at `ring`
+// (C::kStagingBytes a consumer; row-major, 16-byte chunks XOR-swizzled by row: conflict-free both
+// ways), then each thread stores whole chunks of consecutive columns (copy_staged_key_rows).
+// store_dk_dv's 4-byte stores, half a 32-byte sector each, took ~5 us of a 30-50 us CTA at D = 128.
+// `key0` is the consumer's first key inside the CTA's block, `col0` / `col0_v` its first column of
+// dK / dV. Every thread of the consumer calls it, once the ring is no longer read; where 16-byte
+// chunks cannot be used (float32 partial sums, head dims % 8, unaligned pointers or strides) it
+// falls back to store_dk_dv.
+template <class C, int kDk, int kDv>
 __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, int col0_v,
-                                                   unsigned ring, const float (&acc_dk)[C::kDTiles][4],
-                                                   const float (&acc_dv)[C::kDTilesV][4]) {
+                                                   unsigned ring, const KeyRowsAcc<kDk>& acc_dk,
+                                                   const KeyRowsAcc<kDv>& acc_dv) {
     const FwdParams& p = bp.fwd;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int consumer = threadIdx.x / 128 - 1;
@@ -554,28 +587,28 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
                         ((reinterpret_cast<unsigned long long>(bp.dk) | reinterpret_cast<unsigned long long>(bp.dv)) &
                          15) == 0;
     if (!chunks) {
-        store_dk_dv<C>(bp, b, key0 + warp * 16 + lane / 4, col0, col0_v, acc_dk, acc_dv);
+        store_dk_dv<C, kDk, kDv>(bp, b, key0 + warp * 16 + lane / 4, col0, col0_v, acc_dk, acc_dv);
         return;
     }
-    constexpr int kDkBytes = 64 * C::kDimCols * 2, kDvBytes = 64 * C::kDimColsV * 2;
-    const unsigned staging = ring + consumer * (kDkBytes + kDvBytes);   // this consumer's dK tile, then its dV tile
+    constexpr int kDkBytes = 64 * kDk * 2;
+    const unsigned staging = ring + consumer * C::kStagingBytes;   // this consumer's dK tile, then its dV tile
     // Fragment (di, e): row warp * 16 + g + 8 (e / 2), chunk di; rows % 8 = g, the swizzle's phase.
     // dK's and dV's fragments of a chunk are stored together (all of dK's first, or the same loop as
     // a function of its own, spilled 12 B at D = 64 with every key seen).
-    static_assert(C::kDimCols >= 64 && C::kDimColsV >= 64, "the swizzle XORs the chunk index with the row's 3 low bits");
+    static_assert(kDk >= 64 && (kDv == 0 || kDv >= 64), "the swizzle XORs the chunk index with the row's 3 low bits");
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int di = 0; di < (C::kDTiles > C::kDTilesV ? C::kDTiles : C::kDTilesV); ++di)
+    for (int di = 0; di < (kDk > kDv ? kDk : kDv) / 8; ++di)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = warp * 16 + g + 8 * half;
             const unsigned chunk = ((di ^ g) * 16) + t * 4;
-            if (di < C::kDTiles)
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + row * (C::kDimCols * 2) + chunk),
+            if (di < kDk / 8)
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + row * (kDk * 2) + chunk),
                              "r"(pack2<elem_t>(acc_dk[di][2 * half] * p.scale, acc_dk[di][2 * half + 1] * p.scale))
                              : "memory");
-            if (di < C::kDTilesV)
-                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + kDkBytes + row * (C::kDimColsV * 2) + chunk),
+            if (di < kDv / 8)
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + kDkBytes + row * (kDv * 2) + chunk),
                              "r"(pack2<elem_t>(acc_dv[di][2 * half], acc_dv[di][2 * half + 1]))
                              : "memory");
         }
@@ -587,9 +620,9 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
                  se.k_row0 * bp.dk_row_stride;
     elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride +
                  se.k_row0 * bp.dv_row_stride;
-    copy_staged_key_rows<C::kDimCols>(staging, dk, bp.dk_row_stride, r0, se.seqlen_k, col0, p.head_dim);
-    copy_staged_key_rows<C::kDimColsV>(staging + kDkBytes, dv, bp.dv_row_stride, r0, se.seqlen_k, col0_v,
-                                       p.head_dim_v);
+    copy_staged_key_rows<kDk>(staging, dk, bp.dk_row_stride, r0, se.seqlen_k, col0, p.head_dim);
+    if constexpr (kDv > 0)
+        copy_staged_key_rows<kDv>(staging + kDkBytes, dv, bp.dv_row_stride, r0, se.seqlen_k, col0_v, p.head_dim_v);
 }
 
 // The first of the query heads whose tiles a CTA walks (heads_per_cta of its kv head's group).
@@ -789,7 +822,8 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
     blocks_whole = (tile >> 30) != 0;
     if (varlen && m_lo + C::kBlockM > s.seqlen_q) {
         zero_tile_rows<C::kBlockM, C::kHeadDim / 64, C::kConsumers>(tiles.q + stage * C::kQBytes, s.seqlen_q - m_lo);
-        zero_tile_rows<C::kBlockM, C::kHeadDimV / 64, C::kConsumers>(tiles.dout + stage * C::kDoBytes, s.seqlen_q - m_lo);
+        zero_tile_rows<C::kBlockM, C::kHeadDimV / 64, C::kConsumers>(tiles.dout + stage * C::kDoBytes,
+                                                                      s.seqlen_q - m_lo);
     }
     return true;
 }
@@ -1201,7 +1235,8 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
     // The stage ring's Q and dO buffers are free once both consumers have left the walk.
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, C::kRereadBatch ? cta_batch() : b, consumer * 64, 0, 0, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C, C::kHeadDim, C::kHeadDimV>(bp, C::kRereadBatch ? cta_batch() : b, consumer * 64, 0, 0,
+                                                     tiles.q, acc_dk, acc_dv);
     count_dq_landed<C>(bp);
 }
 
@@ -1218,24 +1253,33 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 // consumers' products have read it, as one 32 KB bulk reduction into dq_accum. The stage goes back
 // to the producer when that reduction has read it: thread 0 checks at the next step, after issuing
 // its products, and the warpgroup then frees the stage.
-template <class C>
+// At Q's and K's 192 the consumers' columns differ (split_dk_cols): each is compiled for its own
+// (kWhich 0 or 1); where the halves are alike, one code for both (kWhich -1, the consumer at run time).
+template <class C, int kWhich>
 __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
                                                    const BwdSm90Tiles& tiles) {
     const FwdParams& p = bp.fwd;
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
-    const int consumer = threadIdx.x / 128 - 1;
+    const int consumer = kWhich >= 0 ? kWhich : threadIdx.x / 128 - 1;
     const int g = lane / 4, t = lane % 4;
     const int key_row0 = warp * 16 + g;          // this thread's first key inside the CTA's block
     const int col0 = consumer * C::kQueryCols;   // this consumer's first query column of a tile
     const unsigned pt_tile = tiles.ds, ds_tile = tiles.ds + C::kDsBytes;
-    float acc_dk[C::kDTiles][4], acc_dv[C::kDTilesV][4];
+    // This consumer's columns of dK and dQ (kDk, from dk_col0: kDqShares column blocks) and of dV.
+    constexpr int kCol = kWhich >= 0 ? kWhich : 0;
+    constexpr int kDk = split_dk_cols(C::kHeadDim, kCol), kDv = split_dv_cols(C::kHeadDim, C::kHeadDimV, kCol);
+    constexpr int kDqShares = kDk / 64;
+    const int dk_col0 = split_dk_col0(C::kHeadDim, consumer);
+    const int dv_col0 = split_dv_col0(C::kHeadDim, C::kHeadDimV, consumer);
+    KeyRowsAcc<kDk> acc_dk;
+    KeyRowsAcc<kDv> acc_dv;
 #pragma unroll
-    for (int di = 0; di < C::kDTiles; ++di)
+    for (int di = 0; di < kDk / 8; ++di)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
 #pragma unroll
-    for (int di = 0; di < C::kDTilesV; ++di)
+    for (int di = 0; di < kDv / 8; ++di)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
 
@@ -1309,36 +1353,34 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         fence_proxy_async();
         named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
 
-        // dQ's 64 x 64 shares (A = dS^T read transposed, B = K's column blocks kDqShares c ..), then
+        // dQ's 64 x 64 shares (A = dS^T read transposed, B = K's column blocks from dk_col0), then
         // dV and dK over the whole tile (B = this consumer's column blocks of dO / Q).
-        float(&dv_flat)[C::kDimColsV / 2] = *reinterpret_cast<float(*)[C::kDimColsV / 2]>(&acc_dv[0][0]);
-        float(&dk_flat)[C::kDimCols / 2] = *reinterpret_cast<float(*)[C::kDimCols / 2]>(&acc_dk[0][0]);
-        const unsigned cols = consumer * (C::kDimCols / 64) * C::kBlockM * 128;
-        const unsigned cols_v = consumer * (C::kDimColsV / 64) * C::kBlockM * 128;
-        float acc_dq[C::kDqShares][32];
+        float(&dv_flat)[kDv > 0 ? kDv / 2 : 4] = *reinterpret_cast<float(*)[kDv > 0 ? kDv / 2 : 4]>(&acc_dv[0][0]);
+        float(&dk_flat)[kDk / 2] = *reinterpret_cast<float(*)[kDk / 2]>(&acc_dk[0][0]);
+        const unsigned cols = (dk_col0 / 64) * C::kBlockM * 128, cols_v = (dv_col0 / 64) * C::kBlockM * 128;
+        float acc_dq[kDqShares][32];
         wgmma_fence();
         if constexpr (C::kDq) {
 #pragma unroll
-            for (int j = 0; j < C::kDqShares; ++j)
-                gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile,
-                                            tiles.k + (C::kDqShares * consumer + j) * C::kBlockN * 128);
+            for (int j = 0; j < kDqShares; ++j)
+                gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile, tiles.k + (dk_col0 / 64 + j) * C::kBlockN * 128);
         }
-        gemm_ab_ss<C::kDimColsV, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols_v);
-        gemm_ab_ss<C::kDimCols, C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
+        if constexpr (kDv > 0) gemm_ab_ss<kDv, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols_v);
+        gemm_ab_ss<kDk, C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
         wgmma_commit();
         wgmma_wait<0>();
-        fence_registers(dv_flat);
+        if constexpr (kDv > 0) fence_registers(dv_flat);
         fence_registers(dk_flat);
 #pragma unroll
-        for (int j = 0; j < C::kDqShares; ++j) fence_registers(acc_dq[j]);
+        for (int j = 0; j < kDqShares; ++j) fence_registers(acc_dq[j]);
         // Both consumers are done with this stage's Q and dO, and with P^T and dS^T.
         named_barrier_sync(1, 128 * C::kConsumers);
 
         if constexpr (C::kDq) {
-            // In dq_tile_offset's order: share j of this consumer is the tile's share kDqShares c + j.
-            const unsigned share = consumer == 0 ? q_tile : C::kDqOwnBytes ? tiles.dq : do_tile;
+            // In dq_tile_offset's order: share j of this consumer is the tile's share dk_col0 / 64 + j.
+            const unsigned share = consumer == C::kDqOwnConsumer ? tiles.dq : consumer == 0 ? q_tile : do_tile;
 #pragma unroll
-            for (int j = 0; j < C::kDqShares; ++j)
+            for (int j = 0; j < kDqShares; ++j)
 #pragma unroll
                 for (int nj = 0; nj < 8; ++nj)
                     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
@@ -1350,8 +1392,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
             named_barrier_sync(2 + consumer, 128);
             if (wg_thread == 0) {
                 float* dq_tile = bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, s.h, m_lo, varlen);
-                bulk_reduce_add(dq_tile + consumer * C::kDqShares * (C::kDqShareBytes / 4), share,
-                                C::kDqShares * C::kDqShareBytes);
+                bulk_reduce_add(dq_tile + (dk_col0 / 64) * (C::kDqShareBytes / 4), share, kDqShares * C::kDqShareBytes);
                 bulk_commit();
             }
             pending = stage;
@@ -1364,7 +1405,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     // consumers' reductions have read them.
     if (C::kDq && wg_thread == 0) bulk_wait_read();
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C>(bp, b, 0, consumer * C::kDimCols, consumer * C::kDimColsV, tiles.q, acc_dk, acc_dv);
+    store_dk_dv_chunks<C, kDk, kDv>(bp, b, 0, dk_col0, dv_col0, tiles.q, acc_dk, acc_dv);
     count_dq_landed<C>(bp);
 }
 
@@ -1429,16 +1470,21 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
-    if constexpr (C::kSplitDims) consume_dim_halves<C>(bp, s, b, sh, tiles);
-    else consume_key_halves<C>(bp, s, b, sh, tiles);
+    if constexpr (C::kAsymmetricSplit) {
+        if (threadIdx.x < 256) consume_dim_halves<C, 0>(bp, s, b, sh, tiles);
+        else consume_dim_halves<C, 1>(bp, s, b, sh, tiles);
+    } else if constexpr (C::kSplitDims) {
+        consume_dim_halves<C, -1>(bp, s, b, sh, tiles);
+    } else {
+        consume_key_halves<C>(bp, s, b, sh, tiles);
+    }
 }
 
 
 }  // namespace cuflash
 
-using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_M, CUFLASH_STAGES, CUFLASH_BWD_DQ,
-                                      CUFLASH_SCORE_MODS,
-                                      CUFLASH_DROPOUT != 0>;
+using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_M, CUFLASH_STAGES,
+                                      CUFLASH_BWD_DQ, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

@@ -26,15 +26,17 @@ BWD_SM90_HEAD_DIMS = (64, 128, 256)
 #: BWD_SM90_WIDE_BLOCK_M's rows ((128, 64) spilled 60 B there with its dQ handed over). A consumer's dV
 #: must be 64 or 128 columns wide (its wgmma n, and dO's 64-column blocks where the consumers split
 #: the columns): so not (128, 64) featured (split by columns, 32 each), nor a 256 beside a 64.
-#: (64, 128) featured spilled 80-112 B (NVRTC 13): bwd_sm80 runs it. DeepSeek's (192, 128) runs as
-#: (256, 128), Q's and K's last 64 columns zero-filled by TMA.
-BWD_SM90_PAIRS = {(256, 128): True, (128, 64): False, (64, 128): False}
+#: (64, 128) featured spilled 80-112 B (NVRTC 13): bwd_sm80 runs it. DeepSeek's (192, 128) is compiled
+#: as it is (compiled_head_dims): split by columns like 256, consumer 0 with dK's and dQ's first 128
+#: columns, consumer 1 with their last 64 and dV's 128 (cuda_src/bwd_sm90.cu, split_dk_cols); other
+#: Q/K dims from 129 to 256 beside a V of 128 run as (256, 128), the last columns zero-filled by TMA.
+BWD_SM90_PAIRS = {(192, 128): True, (256, 128): True, (128, 64): False, (64, 128): False}
 # The producer hands the consumers (flag, query head, query tile) in one int (cuda_src/bwd_sm90.cu:
 # bit 30 a tile whose blocks hide nothing, the head from bit 16): fewer query heads than this.
 BWD_SM90_MAX_HEADS = 1 << 14
 BWD_SM90_THREADS = 384
-BWD_SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
-BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
+BWD_SM90_BLOCK_N = {64: 128, 128: 128, 192: 64, 256: 64}
+BWD_SM90_BLOCK_M = {64: 128, 128: 64, 192: 64, 256: 64}
 #: Query rows per step without a window (no causal mask), score modifiers, dropout nor ordered dQ,
 #: from BWD_SM90_WIDE_MIN_ROWS query rows: 80 at D = 128 (FlashAttention-3's 80 x 128; each consumer
 #: then computes dQ transposed and hands it to a writer warp, BwdSm90Config::kDqHandOver). H200 bf16,
@@ -48,9 +50,9 @@ BWD_SM90_BLOCK_M = {64: 128, 128: 64, 256: 64}
 BWD_SM90_WIDE_BLOCK_M = {128: 80}
 BWD_SM90_WIDE_MIN_ROWS = 1024
 BWD_SM90_WIDE_MIN_ROWS_GUARDED = 8192
-BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 256: 64}
-BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 256: 64}
-BWD_SM90_STAGES = {64: 2, 128: 2, 256: 2}
+BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 192: 64, 256: 64}
+BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 192: 64, 256: 64}
+BWD_SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}
 #: Stages of the D = 128 variants with 64-row steps that add dQ in any order (BwdSm90Config::kDeferDq,
 #: kDqAsync), not featured: 3 leaves shared memory for one dQ share buffer per consumer instead of
 #: two. With the lag between the consumers a stage comes back ~0.45 of a step later, and the copy of
@@ -98,17 +100,33 @@ def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = Fals
     stages = BWD_SM90_STAGES[head_dim] if stages is None else stages
     k_v = 2 * block_n * (head_dim + head_dim_v)
     q_do, ds = 2 * block_m * (head_dim + head_dim_v), 2 * block_n * block_m
-    split_dims = head_dim == 256 or (head_dim == 128 and featured)
-    # split by columns, a consumer's float32 share of dQ passes through a Q or dO buffer, or where the
-    # dO buffer cannot hold it (a smaller v head dim) a buffer of its own
-    dq_share = 4 * block_m * head_dim // 2
-    dq_own = dq_share if split_dims and dq_share > 2 * block_m * head_dim_v else 0
+    split_dims = head_dim >= 192 or (head_dim == 128 and featured)
+    # split by columns, consumer 0's float32 share of dQ passes through a Q buffer and consumer 1's
+    # through a dO buffer, or, where that is too small, a buffer of its own (one consumer's at most)
+    shares = [4 * block_m * split_dk_cols(head_dim, c) for c in (0, 1)]
+    too_small = [shares[0] > 2 * block_m * head_dim, shares[1] > 2 * block_m * head_dim_v]
+    dq_own = shares[too_small.index(True)] if split_dims and any(too_small) else 0
     transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
     # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers; a third
     # stage at D = 128 leaves room for one buffer)
     dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 else 1
     dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
     return 1024 + k_v + stages * q_do + 2 * ds + dq_staging + dq_own
+
+
+def split_dk_cols(head_dim: int, consumer: int) -> int:
+    """Columns of dK (and dQ) that ``consumer`` owns where bwd_sm90's consumers split the columns
+    (mirrors cuda_src/bwd_sm90.cu's split_dk_cols: halves, or 128 and 64 at 192)."""
+    return (128 if consumer == 0 else 64) if head_dim == 192 else head_dim // 2
+
+
+def compiled_head_dims(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]:
+    """bwd_sm90's compiled (Q/K, V) head dims of run-time ones (padded to 8; ``head_dim_v`` None:
+    square): the next of BWD_SM90_HEAD_DIMS, except Q's and K's 192 beside a V of 128 (BWD_SM90_PAIRS)."""
+    kdim_v = round_up(head_dim if head_dim_v is None else head_dim_v, BWD_SM90_HEAD_DIMS)
+    if head_dim_v not in (None, head_dim) and kdim_v == 128 and 128 < head_dim <= 192:
+        return 192, kdim_v
+    return round_up(head_dim, BWD_SM90_HEAD_DIMS), kdim_v
 
 
 def bwd_sm90_orders_dq(head_dim: int, featured: bool = False) -> bool:
@@ -137,14 +155,14 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False, head_
         return f"bwd_sm90 runs head dims up to {max(BWD_SM90_HEAD_DIMS)}, not {max(head_dim, head_dim_v or 0)}"
     if head_dim_v is None or head_dim_v == head_dim:
         return None
-    pair = (round_up(head_dim, BWD_SM90_HEAD_DIMS), round_up(head_dim_v, BWD_SM90_HEAD_DIMS))
+    pair = compiled_head_dims(head_dim, head_dim_v)
     if pair[0] == pair[1]:
         return None
     featured = bool(score_mod_bits(score_mods) or dropout)
     if pair not in BWD_SM90_PAIRS or (featured and not BWD_SM90_PAIRS[pair]):
         runs = ", ".join(f"{qk, v}" + ("" if any_options else " without score modifiers or dropout")
                          for (qk, v), any_options in BWD_SM90_PAIRS.items())
-        return (f"bwd_sm90 runs the head dim pairs (D_qk, D_v) {runs} (rounded up to {BWD_SM90_HEAD_DIMS}), not "
+        return (f"bwd_sm90 runs the head dim pairs (D_qk, D_v) {runs} (rounded up: compiled_head_dims), not "
                 f"({head_dim}, {head_dim_v}){' with score modifiers or dropout' if featured else ''}; bwd_sm80 "
                 "runs it")
     return None
@@ -156,7 +174,7 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False, head_
 # (two rounds): D = 256 +1% at 2k, +2.5-3% at 4k, +0.1-0.4% at 8k and 16k; D = 128 with 64 query
 # rows (2k, 4k) 0 to +0.4% (docs/decisions.md#bwd-sm90-unguarded-ds).
 BWD_ALL_KEYS_SEEN = True
-BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 256)
+BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 192, 256)   # (192: as 256, whose split by columns it shares; not measured)
 # Under a causal mask or window, without score modifiers or dropout, the guard tile by tile: a tile
 # with no masked element and no row past the queries' end skips it (CUFLASH_TILE_GUARD). H200,
 # settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%; D = 128 causal +1.5% at 2k, +1-4%
@@ -215,8 +233,7 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout, head_dim_v)
     if obstacle is not None:
         raise ValueError(obstacle)
-    kdim = round_up(head_dim, BWD_SM90_HEAD_DIMS)
-    kdim_v = kdim if head_dim_v is None else round_up(head_dim_v, BWD_SM90_HEAD_DIMS)
+    kdim, kdim_v = compiled_head_dims(head_dim, head_dim_v)
     min_rows = BWD_SM90_WIDE_MIN_ROWS if all_keys_seen else BWD_SM90_WIDE_MIN_ROWS_GUARDED
     wide = not windowed and deterministic is False and seqlen_q >= min_rows
     block_n, block_m = bwd_sm90_tiles(kdim, featured, wide, kdim_v)

@@ -8,8 +8,8 @@ import numpy as np
 
 from .backward import backward_plan, default_backward_family, precompile_backward_variants
 from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_variant
-from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, bwd_sm90_obstacle, bwd_sm90_orders_dq, bwd_sm90_smem_bytes,
-                       feature_plans)
+from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, BWD_SM90_PAIRS, bwd_sm90_obstacle, bwd_sm90_orders_dq,
+                       bwd_sm90_smem_bytes, feature_plans)
 from .check_indices import check_indices_variant
 from .common import round_up
 from .decode import (DECODE_KV_DTYPES, DECODE_MLA_HEAD_DIM, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path,
@@ -120,7 +120,10 @@ def value_head_dim_variants(dtypes=("bfloat16", "float32"), sm90: bool = True) -
                 for dq_pass in (False, True):
                     out.append(backward_plan(bwd, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout,
                                              head_dim_v=d_v).variant)
-                if sm90 and not simt and bwd_sm90_obstacle(d, mods, dropout, d_v) is None:
+        # bwd_sm90 at each of its compiled pairs (DeepSeek's (192, 128) and (256, 128) both)
+        for d, d_v in (() if simt or not sm90 else BWD_SM90_PAIRS):
+            for mods, dropout in ((False, False), (True, True)):
+                if bwd_sm90_obstacle(d, mods, dropout, d_v) is None:
                     featured = bool(score_mod_bits(mods) or dropout)
                     for det in (False, "pass") + ((True,) if bwd_sm90_orders_dq(d, featured) else ()):
                         out += [p.variant for p in feature_plans(dtype_name, d, mods, dropout, det, d_v)]

@@ -15,6 +15,13 @@ from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
 # (docs/decisions.md#fwd-sm90-tiles-and-stages): 80-key tiles at D = 256 (faster from 8k keys, but they
 # spill), 176/192-key tiles at D = 128/64, three consumers at D = 64 for every shape.
 SM90_HEAD_DIMS = (64, 128, 256)
+#: Q's and K's compiled head dims beside a V of its own at most SM90_PAIR_QK_192_MAX_V wide: 192 as well
+#: (DeepSeek's (192, 128)), where a square 192 rounds up to 256 (its output, staged 128 columns at a
+#: time, would take one and a half passes). At (192, 128), 64-key tiles, Q double buffered and two
+#: stages (209 KiB): S = Q K^T over 192 columns instead of 256, a sixth less tensor work a tile.
+SM90_PAIR_QK_DIMS = (64, 128, 192, 256)
+SM90_PAIR_QK_192_MAX_V = 128
+SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 64, 2, 2
 # Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
 SM90_WIDE_HEAD_DIMS = (64,)
 SM90_WIDE_MIN_ROWS = 2048
@@ -22,7 +29,7 @@ SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 # With a user ScoreMod/MaskMod, 64-key tiles: a consumer holds half the scores (at D = 64 and 128), which leaves
 # room for the expression's reads (a document mask over 128-key tiles spilled 228 B, with a relative
 # bias table 496 B, 108 B at D = 64; over 64-key tiles none).
-SM90_BLOCK_N_USER = {64: 64, 128: 64, 256: 64}
+SM90_BLOCK_N_USER = {64: 64, 128: 64, 192: 64, 256: 64}
 SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 # K/V ring depth. D = 64 has room for 4: with the speculative softmax, a stage's V is released only
 # after the next tile's exponentials, and 2 stages left the producer waiting (same-run A/B, 8k keys:
@@ -81,9 +88,9 @@ def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = Non
     default SM90_STAGES')."""
     head_dim_v = head_dim_v or head_dim
     block_m = 64 * consumers
-    block_n = block_n or SM90_BLOCK_N[head_dim]
-    stages = stages or SM90_STAGES[head_dim]
-    q_bytes = SM90_Q_SLOTS[head_dim] * block_m * head_dim * 2
+    block_n = block_n or _tiles_of(head_dim)[0]
+    stages = stages or _tiles_of(head_dim)[2]
+    q_bytes = _tiles_of(head_dim)[1] * block_m * head_dim * 2
     out_bytes = block_m * min(head_dim_v, 128) * 2  # the output, staged <= 128 columns at a time
     return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes
 
@@ -101,11 +108,28 @@ def value_head_dim_obstacle(head_dim: int, head_dim_v: int | None) -> str | None
     return None
 
 
+def _tiles_of(kdim: int) -> tuple[int, int, int]:
+    """(keys per tile, Q slots, stages) of a compiled Q/K head dim."""
+    if kdim == 192:
+        return SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192
+    return SM90_BLOCK_N[kdim], SM90_Q_SLOTS[kdim], SM90_STAGES[kdim]
+
+
+def pair_head_dims(head_dim: int, head_dim_v: int | None) -> tuple[int, int]:
+    """The compiled (Q/K, V) head dims of run-time ones (padded to 8; ``head_dim_v`` None: square):
+    the next of SM90_HEAD_DIMS, Q's and K's of SM90_PAIR_QK_DIMS beside a V of its own of at most
+    SM90_PAIR_QK_192_MAX_V."""
+    kdim_v = round_up(head_dim if head_dim_v is None else head_dim_v, SM90_HEAD_DIMS)
+    if head_dim_v is None or head_dim_v == head_dim or kdim_v > SM90_PAIR_QK_192_MAX_V:
+        return round_up(head_dim, SM90_HEAD_DIMS), kdim_v
+    return round_up(head_dim, SM90_PAIR_QK_DIMS), kdim_v
+
+
 def _pair_tiles(kdim: int, kdim_v: int, block_n: int, consumers: int) -> tuple[int, int]:
     """(block_n, stages) of a variant whose V head dim differs from Q's: the narrower of the two dims'
-    key tiles, and the most stages up to SM90_STAGES[kdim] that fit the shared memory (at least 2)."""
+    key tiles, and the most stages up to Q's dim's count that fit the shared memory (at least 2)."""
     block_n = min(block_n, SM90_BLOCK_N[kdim_v])
-    for stages in range(SM90_STAGES[kdim], 1, -1):
+    for stages in range(_tiles_of(kdim)[2], 1, -1):
         if sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages) <= DEFAULT_SMEM_PER_BLOCK:
             return block_n, stages
     return block_n, 2
@@ -122,15 +146,14 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     if obstacle is not None:
         raise ValueError(obstacle)
     mods = score_mod_bits(score_mods)
-    kdim = round_up(head_dim, SM90_HEAD_DIMS)
-    kdim_v = kdim if head_dim_v is None else round_up(head_dim_v, SM90_HEAD_DIMS)
+    kdim, kdim_v = pair_head_dims(head_dim, head_dim_v)
     if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout
                                                       or kdim_v != kdim):
         raise ValueError(f"fwd_sm90 runs 2 consumer warpgroups, or 3 at head dims {SM90_WIDE_HEAD_DIMS} without "
                          f"score modifiers, dropout or a value head dim of its own; got {consumers} at head dim "
                          f"{kdim}")
-    block_n = (SM90_BLOCK_N_USER if mods & USER_MOD_BITS else SM90_BLOCK_N)[kdim]
-    stages = SM90_STAGES[kdim]
+    block_n = SM90_BLOCK_N_USER[kdim] if mods & USER_MOD_BITS else _tiles_of(kdim)[0]
+    stages = _tiles_of(kdim)[2]
     if kdim_v != kdim:
         block_n, stages = _pair_tiles(kdim, kdim_v, block_n, consumers)
     smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages)
@@ -138,7 +161,7 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
         "CUFLASH_BLOCK_N": block_n,
-        "CUFLASH_Q_SLOTS": SM90_Q_SLOTS[kdim],
+        "CUFLASH_Q_SLOTS": _tiles_of(kdim)[1],
         "CUFLASH_STAGES": stages,
         "CUFLASH_CONSUMERS": consumers,
         "CUFLASH_SCORE_MODS": mods,

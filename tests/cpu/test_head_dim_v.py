@@ -89,16 +89,27 @@ def test_fwd_sm90_compiles_v_at_its_own_head_dim(d, dv):
     for mods, dropout in ((False, False), (True, True)):
         plan = kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=mods, dropout=dropout, head_dim_v=dv)
         defines = dict(plan.variant.defines)
-        kdim, kdim_v = (round_up(x, fwd_sm90.SM90_HEAD_DIMS) for x in (d, dv))
+        kdim, kdim_v = fwd_sm90.pair_head_dims(d, dv)
         assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (kdim, kdim_v)
-        assert defines["CUFLASH_BLOCK_N"] <= min(fwd_sm90.SM90_BLOCK_N[kdim], fwd_sm90.SM90_BLOCK_N[kdim_v])
+        assert defines["CUFLASH_BLOCK_N"] <= min(fwd_sm90._tiles_of(kdim)[0], fwd_sm90.SM90_BLOCK_N[kdim_v])
         smem = fwd_sm90.sm90_smem_bytes(kdim, 2, defines["CUFLASH_BLOCK_N"], kdim_v, defines["CUFLASH_STAGES"])
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == smem <= fwd_sm90.DEFAULT_SMEM_PER_BLOCK
-        assert 2 <= defines["CUFLASH_STAGES"] <= fwd_sm90.SM90_STAGES[kdim]
+        assert 2 <= defines["CUFLASH_STAGES"] <= fwd_sm90._tiles_of(kdim)[2]
     same = kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=False, dropout=False, head_dim_v=d)
     assert "CUFLASH_HEAD_DIM_V" not in dict(same.variant.defines)
     with pytest.raises(ValueError, match="3 at head dims"):
         fwd_sm90.plan("bfloat16", d, score_mods=False, dropout=False, consumers=3, head_dim_v=dv)
+
+
+@pytest.mark.parametrize("d, dv, compiled", [(192, 128, (192, 128)), (136, 64, (192, 64)), (192, 192, (256, 256)),
+                                             (192, 256, (256, 256)), (200, 128, (256, 128)), (64, 128, (64, 128))])
+def test_fwd_sm90_compiles_q_and_k_at_192_beside_a_narrower_v(d, dv, compiled):
+    """DeepSeek's (192, 128) runs S = Q K^T over 192 columns, not 256; a square 192, or one beside a V of
+    256, still rounds up to 256 (the output's staging takes 128 columns a pass)."""
+    assert fwd_sm90.pair_head_dims(d, dv) == compiled
+    plan = fwd_sm90.plan("bfloat16", d, score_mods=False, dropout=False, head_dim_v=dv)
+    defines = dict(plan.variant.defines)
+    assert (defines["CUFLASH_HEAD_DIM"], defines.get("CUFLASH_HEAD_DIM_V", defines["CUFLASH_HEAD_DIM"])) == compiled
 
 
 def test_a_hopper_routes_pairs_to_fwd_sm90(monkeypatch):
@@ -140,7 +151,7 @@ def test_bwd_sm90_runs_the_pairs_plain(d, dv):
                                        deterministic=det, windowed=False, seqlen_q=16384, all_keys_seen=True,
                                        head_dim_v=dv)
         defines = dict(plan.variant.defines)
-        kdim, kdim_v = (round_up(x, bwd_sm90.BWD_SM90_HEAD_DIMS) for x in (d, dv))
+        kdim, kdim_v = bwd_sm90.compiled_head_dims(d, dv)
         assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (kdim, kdim_v)
         assert defines["CUFLASH_BLOCK_M"] == 64   # no pair takes 80-row steps
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
@@ -158,10 +169,23 @@ def test_bwd_sm90_refuses_other_pairs_by_name(d, dv, mods):
 
 def test_bwd_sm90_shared_memory_of_the_pairs():
     """(256, 128): K 64 x 256, V 64 x 128, two stages of Q (64 x 256) and dO (64 x 128), P^T and dS^T,
-    and consumer 1's dQ share (64 x 128 float32) in a buffer of its own (dO's is too small)."""
+    and consumer 1's dQ share (64 x 128 float32) in a buffer of its own (dO's is too small). (192, 128):
+    consumer 0's two shares (64 x 128 float32) do not fit Q's 64 x 192 and take the buffer instead."""
     assert bwd_sm90.bwd_sm90_smem_bytes(256, head_dim_v=128) == 1024 + 2 * (
         64 * 384 + 2 * 64 * 384 + 2 * 64 * 64) + 4 * 64 * 128
+    assert bwd_sm90.bwd_sm90_smem_bytes(192, head_dim_v=128) == 1024 + 2 * (
+        64 * 320 + 2 * 64 * 320 + 2 * 64 * 64) + 4 * 64 * 128
     assert bwd_sm90.bwd_sm90_smem_bytes(256, head_dim_v=256) == bwd_sm90.bwd_sm90_smem_bytes(256)
+
+
+@pytest.mark.parametrize("d, dv, compiled", [(192, 128, (192, 128)), (136, 128, (192, 128)), (200, 128, (256, 128)),
+                                             (192, 64, (256, 64)), (192, 192, (256, 256))])
+def test_bwd_sm90_compiles_q_and_k_at_192_beside_a_v_of_128(d, dv, compiled):
+    """DeepSeek's (192, 128) is compiled as it is (the consumers split dK's and dQ's three column blocks
+    two and one, dV's to the second: split_dk_cols); elsewhere 192 rounds up to 256."""
+    assert bwd_sm90.compiled_head_dims(d, dv) == compiled
+    assert [bwd_sm90.split_dk_cols(192, c) for c in (0, 1)] == [128, 64]
+    assert [bwd_sm90.split_dk_cols(256, c) for c in (0, 1)] == [128, 128]
 
 
 def test_backward_routes_the_pairs(monkeypatch):
@@ -182,7 +206,7 @@ def test_catalogue_compiles_the_pairs():
     pairs = {(v.family, dict(v.defines)["CUFLASH_HEAD_DIM"], dict(v.defines)["CUFLASH_HEAD_DIM_V"]) for v in variants}
     for d, dv in PAIRS:
         assert {("fwd_sm80", d, dv), ("bwd_sm80", d, dv)} <= pairs
-        assert ("fwd_sm90", round_up(d, fwd_sm90.SM90_HEAD_DIMS), dv) in pairs
+        assert ("fwd_sm90", *fwd_sm90.pair_head_dims(d, dv)) in pairs
         assert ("bwd_sm90", round_up(d, bwd_sm90.BWD_SM90_HEAD_DIMS), dv) in pairs
     assert ("fwd_simt", 192, 128) in pairs and ("bwd_simt", 192, 128) in pairs
     ci = {v for v, arch in catalogue.ci_variants()}

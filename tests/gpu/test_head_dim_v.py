@@ -5,9 +5,9 @@ reference.
 Semantics (docs/design.md §2b): out, dout and dv have v's head dim; the default scale stays
 1/sqrt(D_qk); lse is unchanged. fwd_sm80/bwd_sm80 (float16, bfloat16) run the pairs (192, 128),
 (128, 64), (64, 128) (and any pair of their compiled head dims), fwd_sm90 (float16, bfloat16, a
-Hopper) any pair up to 256, bwd_sm90 the three pairs (with score modifiers and dropout (192, 128)
-only: forcing it on another raises a ValueError naming the pair, and unforced such calls run on
-bwd_sm80), fwd_simt/bwd_simt (float32) any pair.
+Hopper) any pair up to 256, bwd_sm90 the three pairs and (256, 128) (with score modifiers and
+dropout (192, 128) and (256, 128) only: forcing it on another raises a ValueError naming the pair,
+and unforced such calls run on bwd_sm80), fwd_simt/bwd_simt (float32) any pair.
 
 Each test forces one family (``cuflash.force_kernel`` / ``cuflash.backward.force_kernel``).
 hypothesis draws Sq, Sk straddling the tiles (1, 17, 113, 300), GQA, causal and windows, the dtypes,
@@ -39,6 +39,8 @@ from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
 
 PAIRS = ((192, 128), (128, 64), (64, 128))
+# ... and on the Hopper families (256, 128) and (160, 128), whose Q/K run as 256 and 192 (zero-filled)
+PAIRS_SM90 = PAIRS + ((256, 128), (160, 128))
 PAIRS_SIMT = ((192, 128), (128, 64), (64, 128), (96, 40), (40, 200))
 FAMILIES = [pytest.param("fwd_sm80", "bwd_sm80", "float16", id="sm80-fp16"),
             pytest.param("fwd_sm80", "bwd_sm80", "bfloat16", id="sm80-bf16"),
@@ -115,7 +117,7 @@ def _assert_grad_close(got, ref, base, dtype, name, magnitude, unavoidable):
 
 @pytest.mark.parametrize("fwd, bwd, dtype", FAMILIES)
 def test_forward_and_backward(fwd, bwd, dtype):
-    pairs = PAIRS_SIMT if dtype == "float32" else PAIRS
+    pairs = PAIRS_SIMT if dtype == "float32" else PAIRS_SM90 if bwd == "bwd_sm90" else PAIRS
 
     @_settings(30)
     @given(problem=_problems(pairs))
@@ -153,7 +155,7 @@ def test_forward_and_backward(fwd, bwd, dtype):
 @pytest.mark.parametrize("fwd, bwd, dtype", FAMILIES)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen(fwd, bwd, dtype, deterministic):
-    pairs = PAIRS_SIMT if dtype == "float32" else PAIRS
+    pairs = PAIRS_SIMT if dtype == "float32" else PAIRS_SM90 if bwd == "bwd_sm90" else PAIRS
 
     @_settings(12)
     @given(lens=st.lists(st.tuples(st.sampled_from(SEQLENS), st.sampled_from(SEQLENS)), min_size=1, max_size=3),
