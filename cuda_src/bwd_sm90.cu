@@ -1240,6 +1240,92 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     count_dq_landed<C>(bp);
 }
 
+// Split by columns: a consumer's Pdrop^T (from prob) and dS^T (ds) into their [64 keys][64 queries]
+// tiles: row key_row0 (+ 8), 16-byte chunk col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a
+// warp's 8 rows x 4 pairs hit 32 banks). One tile after the other rather than element by element
+// in turns: H200, 0-4% faster at D = 256 under a causal mask, ~1% without
+// (docs/decisions.md#bwd-sm90-store-order-at-head-dim-256).
+template <class C>
+__device__ __forceinline__ void store_split_tiles(const FwdParams& p, unsigned pt_tile, unsigned ds_tile, int key_row0,
+                                                  int col0, const float (&prob)[C::kMTiles][4],
+                                                  const float (&ds)[C::kMTiles][4]) {
+    const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
+    auto store_tile = [&](unsigned tile, const float(&x)[C::kMTiles][4], bool pdrop) {
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const unsigned off = (key_row0 + 8 * half) * 128 + (((col0 / 8 + mi) ^ g) * 16) + t * 4;
+                const float lo = x[mi][2 * half], hi = x[mi][2 * half + 1];
+                asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tile + off),
+                             "r"(pdrop ? pack2<elem_t>(element_pdrop<C::kDropout>(p, lo),
+                                                       element_pdrop<C::kDropout>(p, hi))
+                                       : pack2<elem_t>(lo, hi))
+                             : "memory");
+            }
+    };
+    store_tile(pt_tile, prob, true);
+    store_tile(ds_tile, ds, false);
+}
+
+// Split by columns: a consumer's products of one step, one commit group: its kDk / 64 shares of dQ
+// (64 x 64 each; A = dS^T read transposed, B = K's column blocks from dk_col0), then dV (kDv columns
+// from dv_col0, none where kDv is 0) and dK over the whole tile (B = its column blocks of dO / Q).
+template <class C, int kDk, int kDv>
+__device__ __forceinline__ void issue_split_products(float (&acc_dq)[kDk / 64][32], KeyRowsAcc<kDk>& acc_dk,
+                                                     KeyRowsAcc<kDv>& acc_dv, unsigned pt_tile, unsigned ds_tile,
+                                                     unsigned q_tile, unsigned do_tile, unsigned k_tile, int dk_col0,
+                                                     int dv_col0) {
+    float(&dv_flat)[kDv > 0 ? kDv / 2 : 4] = *reinterpret_cast<float(*)[kDv > 0 ? kDv / 2 : 4]>(&acc_dv[0][0]);
+    float(&dk_flat)[kDk / 2] = *reinterpret_cast<float(*)[kDk / 2]>(&acc_dk[0][0]);
+    const unsigned cols = (dk_col0 / 64) * C::kBlockM * 128, cols_v = (dv_col0 / 64) * C::kBlockM * 128;
+    wgmma_fence();
+    if constexpr (C::kDq) {
+#pragma unroll
+        for (int j = 0; j < kDk / 64; ++j)
+            gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile, k_tile + (dk_col0 / 64 + j) * C::kBlockN * 128);
+    }
+    if constexpr (kDv > 0) gemm_ab_ss<kDv, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols_v);
+    gemm_ab_ss<kDk, C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
+    wgmma_commit();
+}
+
+// ... and once they are in: the registers the products wrote.
+template <int kDk, int kDv>
+__device__ __forceinline__ void fence_split_products(float (&acc_dq)[kDk / 64][32], KeyRowsAcc<kDk>& acc_dk,
+                                                     KeyRowsAcc<kDv>& acc_dv) {
+    if constexpr (kDv > 0) fence_registers(*reinterpret_cast<float(*)[kDv / 2]>(&acc_dv[0][0]));
+    fence_registers(*reinterpret_cast<float(*)[kDk / 2]>(&acc_dk[0][0]));
+#pragma unroll
+    for (int j = 0; j < kDk / 64; ++j) fence_registers(acc_dq[j]);
+}
+
+// Split by columns: a consumer's shares of dQ for query head h, rows m_lo .. into `share` (in
+// dq_tile_offset's order: share j is the tile's share dk_col0 / 64 + j), then one bulk reduction
+// into the tile of dq_accum that thread 0 of the warpgroup issues.
+template <class C, int kShares>
+__device__ __forceinline__ void send_split_dq_share(const BwdParams& bp, const float (&acc_dq)[kShares][32],
+                                                    unsigned share, int consumer, int b, const SeqInfo& s, int h,
+                                                    int m_lo, int dk_col0, bool varlen) {
+    const int wg_thread = threadIdx.x % 128;
+#pragma unroll
+    for (int j = 0; j < kShares; ++j)
+#pragma unroll
+        for (int nj = 0; nj < 8; ++nj)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                             share + j * C::kDqShareBytes + (nj * 128 + wg_thread) * 16),
+                         "f"(acc_dq[j][4 * nj]), "f"(acc_dq[j][4 * nj + 1]), "f"(acc_dq[j][4 * nj + 2]),
+                         "f"(acc_dq[j][4 * nj + 3])
+                         : "memory");
+    fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
+    named_barrier_sync(2 + consumer, 128);
+    if (wg_thread == 0) {
+        float* dq_tile = bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, h, m_lo, varlen);
+        bulk_reduce_add(dq_tile + (dk_col0 / 64) * (C::kDqShareBytes / 4), share, kShares * C::kDqShareBytes);
+        bulk_commit();
+    }
+}
+
 // Consumers at D = 256: the CTA keeps 64 keys and consumer c owns columns 128c .. 128c + 127 of
 // their dK and dV (128 registers; dV's 64c .. 64c + 63 where v's head dim is 128). Per query tile of
 // 64 rows:
@@ -1252,23 +1338,22 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 // (consumer 1; where dO's buffer is the smaller, a buffer of its own: kDqOwnBytes) buffer, once both
 // consumers' products have read it, as one 32 KB bulk reduction into dq_accum. The stage goes back
 // to the producer when that reduction has read it: thread 0 checks at the next step, after issuing
-// its products, and the warpgroup then frees the stage.
-// At Q's and K's 192 the consumers' columns differ (split_dk_cols): each is compiled for its own
-// (kWhich 0 or 1); where the halves are alike, one code for both (kWhich -1, the consumer at run time).
-template <class C, int kWhich>
+// its products, and the warpgroup then frees the stage. (Q's and K's 192, whose consumers' columns
+// differ: consume_dim_pipelined.)
+template <class C>
 __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
                                                    const BwdSm90Tiles& tiles) {
     const FwdParams& p = bp.fwd;
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
-    const int consumer = kWhich >= 0 ? kWhich : threadIdx.x / 128 - 1;
+    const int consumer = threadIdx.x / 128 - 1;
     const int g = lane / 4, t = lane % 4;
     const int key_row0 = warp * 16 + g;          // this thread's first key inside the CTA's block
     const int col0 = consumer * C::kQueryCols;   // this consumer's first query column of a tile
     const unsigned pt_tile = tiles.ds, ds_tile = tiles.ds + C::kDsBytes;
     // This consumer's columns of dK and dQ (kDk, from dk_col0: kDqShares column blocks) and of dV.
-    constexpr int kCol = kWhich >= 0 ? kWhich : 0;
-    constexpr int kDk = split_dk_cols(C::kHeadDim, kCol), kDv = split_dv_cols(C::kHeadDim, C::kHeadDimV, kCol);
+    static_assert(!C::kAsymmetricSplit, "the consumers' columns are halves alike");
+    constexpr int kDk = split_dk_cols(C::kHeadDim, 0), kDv = split_dv_cols(C::kHeadDim, C::kHeadDimV, 0);
     constexpr int kDqShares = kDk / 64;
     const int dk_col0 = split_dk_col0(C::kHeadDim, consumer);
     const int dv_col0 = split_dv_col0(C::kHeadDim, C::kHeadDimV, consumer);
@@ -1329,78 +1414,163 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         fence_registers(dp_flat);
         // dS^T element by element, into acc_dp (prob keeps P, for Pdrop below).
         take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
-        // Pdrop^T, then dS^T, into their [64 keys][64 queries] tiles: row key_row0 (+ 8), 16-byte chunk
-        // col0 / 8 + mi XOR-swizzled by the row (rows % 8 = g: a warp's 8 rows x 4 pairs hit 32 banks).
-        // One tile after the other rather than element by element in turns: H200, 0-4% faster at
-        // D = 256 under a causal mask, ~1% without
-        // (docs/decisions.md#bwd-sm90-store-order-at-head-dim-256).
-        auto store_tile = [&](unsigned tile, const float(&x)[C::kMTiles][4], bool pdrop) {
-#pragma unroll
-            for (int mi = 0; mi < C::kMTiles; ++mi)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const unsigned off = (key_row0 + 8 * half) * 128 + (((col0 / 8 + mi) ^ g) * 16) + t * 4;
-                    const float lo = x[mi][2 * half], hi = x[mi][2 * half + 1];
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(tile + off),
-                                 "r"(pdrop ? pack2<elem_t>(element_pdrop<C::kDropout>(p, lo),
-                                                           element_pdrop<C::kDropout>(p, hi))
-                                           : pack2<elem_t>(lo, hi))
-                                 : "memory");
-                }
-        };
-        store_tile(pt_tile, prob, true);
-        store_tile(ds_tile, acc_dp, false);
+        store_split_tiles<C>(p, pt_tile, ds_tile, key_row0, col0, prob, acc_dp);
         fence_proxy_async();
         named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
 
-        // dQ's 64 x 64 shares (A = dS^T read transposed, B = K's column blocks from dk_col0), then
-        // dV and dK over the whole tile (B = this consumer's column blocks of dO / Q).
-        float(&dv_flat)[kDv > 0 ? kDv / 2 : 4] = *reinterpret_cast<float(*)[kDv > 0 ? kDv / 2 : 4]>(&acc_dv[0][0]);
-        float(&dk_flat)[kDk / 2] = *reinterpret_cast<float(*)[kDk / 2]>(&acc_dk[0][0]);
-        const unsigned cols = (dk_col0 / 64) * C::kBlockM * 128, cols_v = (dv_col0 / 64) * C::kBlockM * 128;
         float acc_dq[kDqShares][32];
-        wgmma_fence();
-        if constexpr (C::kDq) {
-#pragma unroll
-            for (int j = 0; j < kDqShares; ++j)
-                gemm_atb_ss_n64<C::kBlockN>(acc_dq[j], ds_tile, tiles.k + (dk_col0 / 64 + j) * C::kBlockN * 128);
-        }
-        if constexpr (kDv > 0) gemm_ab_ss<kDv, C::kBlockM, C::kBlockM>(dv_flat, pt_tile, do_tile + cols_v);
-        gemm_ab_ss<kDk, C::kBlockM, C::kBlockM>(dk_flat, ds_tile, q_tile + cols);
-        wgmma_commit();
+        issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, pt_tile, ds_tile, q_tile, do_tile, tiles.k, dk_col0,
+                                          dv_col0);
         wgmma_wait<0>();
-        if constexpr (kDv > 0) fence_registers(dv_flat);
-        fence_registers(dk_flat);
-#pragma unroll
-        for (int j = 0; j < kDqShares; ++j) fence_registers(acc_dq[j]);
+        fence_split_products<kDk, kDv>(acc_dq, acc_dk, acc_dv);
         // Both consumers are done with this stage's Q and dO, and with P^T and dS^T.
         named_barrier_sync(1, 128 * C::kConsumers);
 
         if constexpr (C::kDq) {
-            // In dq_tile_offset's order: share j of this consumer is the tile's share dk_col0 / 64 + j.
             const unsigned share = consumer == C::kDqOwnConsumer ? tiles.dq : consumer == 0 ? q_tile : do_tile;
-#pragma unroll
-            for (int j = 0; j < kDqShares; ++j)
-#pragma unroll
-                for (int nj = 0; nj < 8; ++nj)
-                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                                     share + j * C::kDqShareBytes + (nj * 128 + wg_thread) * 16),
-                                 "f"(acc_dq[j][4 * nj]), "f"(acc_dq[j][4 * nj + 1]), "f"(acc_dq[j][4 * nj + 2]),
-                                 "f"(acc_dq[j][4 * nj + 3])
-                                 : "memory");
-            fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
-            named_barrier_sync(2 + consumer, 128);
-            if (wg_thread == 0) {
-                float* dq_tile = bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, s.h, m_lo, varlen);
-                bulk_reduce_add(dq_tile + (dk_col0 / 64) * (C::kDqShareBytes / 4), share, kDqShares * C::kDqShareBytes);
-                bulk_commit();
-            }
+            send_split_dq_share<C, kDqShares>(bp, acc_dq, share, consumer, b, s, s.h, m_lo, dk_col0, varlen);
             pending = stage;
         } else {
             mbar_arrive(sh.empty(stage));
         }
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
+    // The stage ring's Q and dO buffers (the last dQ shares passed through them) are free once both
+    // consumers' reductions have read them.
+    if (C::kDq && wg_thread == 0) bulk_wait_read();
+    named_barrier_sync(1, 128 * C::kConsumers);
+    store_dk_dv_chunks<C, kDk, kDv>(bp, b, 0, dk_col0, dv_col0, tiles.q, acc_dk, acc_dv);
+    count_dq_landed<C>(bp);
+}
+
+// Consumers at Q's and K's 192 (beside V's 128): split by columns as in consume_dim_halves, each
+// compiled for its own columns, with the products of a step (dQ, dV, dK) issued after the next
+// step's S^T and dP^T, so that they run while the warpgroup takes that step's P^T and dS^T element
+// by element (consume_dim_halves runs them one after the other). Step i: S^T_i and dP^T_i, then the
+// products of step i - 1 (its P^T and dS^T tiles, stage i - 1's Q and dO); P^T_i once S^T_i is in,
+// dS^T_i once dP^T_i is; then, the products in, step i - 1's share of dQ leaves, and once both
+// consumers' products have read the P^T and dS^T tiles, step i's go there. A stage is freed one step
+// later than in consume_dim_halves, so three are needed (with two, the end of the walk would wait
+// for a stage the consumers still hold). Every wgmma is issued unconditionally (one under a run-time
+// condition made ptxas serialize them all): the products of "step -1", and of the last step of a
+// walk that had none, read zeros, the P^T and dS^T tiles and consumer 0's dQ buffer as Q and dO,
+// zeroed before the walk (that buffer is first written by step 1's share of dQ).
+template <class C, int kWhich>
+__device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
+                                                      const BwdSm90Tiles& tiles) {
+    static_assert(C::kStages >= 3, "a stage is held for two steps");
+    static_assert(C::kDqOwnConsumer == 0 && C::kDqOwnBytes >= C::kQBytes && C::kDqOwnBytes >= C::kDoBytes,
+                  "consumer 1 reads stage i - 1's Q while consumer 0's share of dQ leaves; its buffer holds zeros "
+                  "for Q and dO at first");
+    const FwdParams& p = bp.fwd;
+    const bool varlen = p.cu_seqlens_q != nullptr;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
+    constexpr int consumer = kWhich;
+    const int g = lane / 4, t = lane % 4;
+    const int key_row0 = warp * 16 + g;          // this thread's first key inside the CTA's block
+    const int col0 = consumer * C::kQueryCols;   // this consumer's first query column of a tile
+    const unsigned pt_tile = tiles.ds, ds_tile = tiles.ds + C::kDsBytes;
+    constexpr int kDk = split_dk_cols(C::kHeadDim, kWhich), kDv = split_dv_cols(C::kHeadDim, C::kHeadDimV, kWhich);
+    constexpr int kDqShares = kDk / 64;
+    constexpr int dk_col0 = split_dk_col0(C::kHeadDim, kWhich);
+    constexpr int dv_col0 = split_dv_col0(C::kHeadDim, C::kHeadDimV, kWhich);
+    KeyRowsAcc<kDk> acc_dk;
+    KeyRowsAcc<kDv> acc_dv;
+#pragma unroll
+    for (int di = 0; di < kDk / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
+#pragma unroll
+    for (int di = 0; di < kDv / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
+
+    // Zeros for step -1's products: P^T and dS^T, and consumer 0's dQ buffer as Q and dO.
+    for (int i = threadIdx.x - 128; i < (C::kDsTiles * C::kDsBytes + C::kDqOwnBytes) / 16; i += 128 * C::kConsumers) {
+        const unsigned addr = i < C::kDsTiles * C::kDsBytes / 16 ? tiles.ds + i * 16
+                                                                 : tiles.dq + i * 16 - C::kDsTiles * C::kDsBytes;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fence_proxy_async();
+    named_barrier_sync(1, 128 * C::kConsumers);
+
+    mbar_wait(sh.kv_full(), 0);
+    zero_keys_past_sequence<C>(s, tiles, varlen);
+
+    // prev_*: step i - 1's stage (-1: none), Q and dO tiles, query head and first row.
+    int stage = 0, phase = 0, pending = -1;   // pending: the stage whose dQ reduction may still read it
+    int prev_stage = -1, prev_h = 0, prev_m_lo = 0;
+    unsigned prev_q = tiles.dq, prev_do = tiles.dq;
+    float acc_dq[kDqShares][32];
+    // Step i - 1's products are in: its share of dQ leaves (or, without dQ here, its stage is freed).
+    auto finish_previous_step = [&] {
+        if (prev_stage < 0) return;
+        if constexpr (C::kDq) {
+            send_split_dq_share<C, kDqShares>(bp, acc_dq, consumer == 0 ? tiles.dq : prev_do, consumer, b, s, prev_h,
+                                              prev_m_lo, dk_col0, varlen);
+            pending = prev_stage;
+        } else {
+            mbar_arrive(sh.empty(prev_stage));
+        }
+    };
+    auto free_pending_stage = [&] {   // its dQ reduction (thread 0 issued it) has read it
+        if (pending < 0) return;
+        if (wg_thread == 0) bulk_wait_read();
+        named_barrier_sync(2 + consumer, 128);
+        mbar_arrive(sh.empty(pending));
+        pending = -1;
+    };
+    for (;;) {
+        int m_lo;
+        bool blocks_whole;
+        if (!next_query_tile<C>(sh, tiles, stage, phase, varlen, s, m_lo, blocks_whole)) break;
+        const unsigned q_tile = tiles.q + stage * C::kQBytes, do_tile = tiles.dout + stage * C::kDoBytes;
+
+        const int n_lo = cta_key_block() * C::kBlockN;
+        const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
+        unsigned keep[C::kKeepWords];
+        if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + col0 + 2 * t, keys[0], lane, keep);
+
+        // S^T_i, dP^T_i, then step i - 1's products.
+        float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
+        float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
+        float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
+        wgmma_fence();
+        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
+        wgmma_commit();
+        gemm_abt_ss<C::kQueryCols, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
+        wgmma_commit();
+        issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, pt_tile, ds_tile, prev_q, prev_do, tiles.k, dk_col0,
+                                          dv_col0);
+        free_pending_stage();
+        wgmma_wait<2>();
+        fence_registers(s_flat);
+
+        float score2[C::kScoreMods ? C::kMTiles : 1][4];
+        const bool whole =
+            take_probabilities<C>(p, s, m_lo, n_lo, keys, col0 + 2 * t, sh.lse2[stage], keep, acc_s, score2,
+                                  blocks_whole);
+        float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
+        wgmma_wait<1>();
+        fence_registers(dp_flat);
+        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
+        wgmma_wait<0>();
+        fence_split_products<kDk, kDv>(acc_dq, acc_dk, acc_dv);
+        finish_previous_step();
+        named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' products have read P^T and dS^T
+        store_split_tiles<C>(p, pt_tile, ds_tile, key_row0, col0, prob, acc_dp);
+        fence_proxy_async();
+        named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
+        prev_stage = stage, prev_h = s.h, prev_m_lo = m_lo, prev_q = q_tile, prev_do = do_tile;
+        if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+    }
+    // The last step's products.
+    issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, pt_tile, ds_tile, prev_q, prev_do, tiles.k, dk_col0,
+                                      dv_col0);
+    free_pending_stage();
+    wgmma_wait<0>();
+    fence_split_products<kDk, kDv>(acc_dq, acc_dk, acc_dv);
+    finish_previous_step();
     // The stage ring's Q and dO buffers (the last dQ shares passed through them) are free once both
     // consumers' reductions have read them.
     if (C::kDq && wg_thread == 0) bulk_wait_read();
@@ -1471,10 +1641,10 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     if constexpr (C::kAsymmetricSplit) {
-        if (threadIdx.x < 256) consume_dim_halves<C, 0>(bp, s, b, sh, tiles);
-        else consume_dim_halves<C, 1>(bp, s, b, sh, tiles);
+        if (threadIdx.x < 256) consume_dim_pipelined<C, 0>(bp, s, b, sh, tiles);
+        else consume_dim_pipelined<C, 1>(bp, s, b, sh, tiles);
     } else if constexpr (C::kSplitDims) {
-        consume_dim_halves<C, -1>(bp, s, b, sh, tiles);
+        consume_dim_halves<C>(bp, s, b, sh, tiles);
     } else {
         consume_key_halves<C>(bp, s, b, sh, tiles);
     }

@@ -52,7 +52,8 @@ BWD_SM90_WIDE_MIN_ROWS = 1024
 BWD_SM90_WIDE_MIN_ROWS_GUARDED = 8192
 BWD_SM90_FEATURED_BLOCK_N = {64: 128, 128: 64, 192: 64, 256: 64}
 BWD_SM90_FEATURED_BLOCK_M = {64: 64, 128: 64, 192: 64, 256: 64}
-BWD_SM90_STAGES = {64: 2, 128: 2, 192: 2, 256: 2}
+#: (192: three, cuda_src/bwd_sm90.cu's consume_dim_pipelined holds a stage for two steps.)
+BWD_SM90_STAGES = {64: 2, 128: 2, 192: 3, 256: 2}
 #: Stages of the D = 128 variants with 64-row steps that add dQ in any order (BwdSm90Config::kDeferDq,
 #: kDqAsync), not featured: 3 leaves shared memory for one dQ share buffer per consumer instead of
 #: two. With the lag between the consumers a stage comes back ~0.45 of a step later, and the copy of
