@@ -1,11 +1,12 @@
 """Attention sinks per call as torch users call (issue 53's bars): what ``sinks=`` costs cuflash, and
 a gpt-oss layer against FlashAttention-4.
 
-Problems (bf16, B 1, S 8k (``--seqlen``), forward + backward through autograd, the sinks a float32
-(Hq,) tensor that requires a gradient):
+Problems (bf16, B 1, S 8k (``--seqlen``), forward + backward through autograd unless said, the sinks
+a float32 (Hq,) tensor that requires a gradient):
 
-- ``cost D``: causal, H 16, D 64 and 128: ``ct.attention(..., sinks=)`` against the same call
-  without sinks; ``cost`` = time with / time without - 1 (bar <= 3%);
+- ``cost D``: causal, H 16, D 64 and 128, forward alone (inference: no tensor requires a gradient) and
+  forward + backward: ``ct.attention(..., sinks=)`` against the same call without sinks; ``cost`` =
+  time with / time without - 1 (bar <= 3%);
 - ``gpt-oss``: GQA 64/8, D 64, a 128-key sliding window (``window=(128, 0)``, causal) with sinks:
   cuflash against ``flash_attn_func(causal=True, window_size=(128, 0), learnable_sink=)`` (where
   carried, benchmarks/fa4_device.md); ``x fa4`` = FA4's time / cuflash's (bar >= 1.0).
@@ -27,12 +28,15 @@ SEQLEN, WINDOW = 8192, 128
 COLUMNS = ["problem", "plain ms", "sinks ms", "cost", "fa4 ms", "x fa4", "maxdiff", "bar"]
 
 
-def cost_problem(gpu, ct, d, seqlen):
-    """({plain, sinks}: step) at causal H 16, head dim d."""
+def cost_problem(gpu, ct, d, seqlen, backward):
+    """({plain, sinks}: call) at causal H 16, head dim d: forward + backward, or the forward alone."""
     torch = gpu.torch
-    q, k, v = (torch.randn(1, seqlen, 16, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = (torch.randn(1, seqlen, 16, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
                for _ in range(3))
-    sinks = torch.randn(16, device="cuda", dtype=torch.float32, requires_grad=True)
+    sinks = torch.randn(16, device="cuda", dtype=torch.float32, requires_grad=backward)
+    if not backward:
+        return {"plain": lambda i: ct.attention(q, k, v, causal=True),
+                "sinks": lambda i: ct.attention(q, k, v, causal=True, sinks=sinks)}
     dout = torch.randn_like(q)
     return {"plain": lambda i: torch.autograd.grad(ct.attention(q, k, v, causal=True), (q, k, v), dout),
             "sinks": lambda i: torch.autograd.grad(ct.attention(q, k, v, causal=True, sinks=sinks), (q, k, v, sinks),
@@ -77,9 +81,11 @@ def main(argv=None):
     rows = []
     with gpu.stream:
         for d in (64, 128):
-            ms = timer.median_ms_each(cost_problem(gpu, ct, d, args.seqlen))
-            rows.append({"problem": f"cost D {d}, causal, H 16", "plain ms": ms["plain"], "sinks ms": ms["sinks"],
-                         "cost": ms["sinks"] / ms["plain"] - 1, "bar": "<= 3%"})
+            for backward in (False, True):
+                ms = timer.median_ms_each(cost_problem(gpu, ct, d, args.seqlen, backward))
+                rows.append({"problem": f"cost D {d}, causal, H 16, {'fwd+bwd' if backward else 'fwd'}",
+                             "plain ms": ms["plain"], "sinks ms": ms["sinks"], "cost": ms["sinks"] / ms["plain"] - 1,
+                             "bar": "<= 3%"})
             log(", ".join(f"{k} {fmt(v, 3)}" for k, v in rows[-1].items()))
         steps, forwards = gpt_oss_problem(gpu, ct, fa4, args.seqlen)
         usable = {}
