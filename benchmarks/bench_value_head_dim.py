@@ -71,6 +71,7 @@ def contenders(gpu, ct, fa4, d_qk, d_v, causal, backward, seqlen):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="(192, 128) only")
+    p.add_argument("--pairs", help="comma-separated D_qk x D_v pairs, e.g. 128x64 (default: all three)")
     p.add_argument("--seqlen", type=int, default=SEQLEN)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--target-ms", type=float, default=100.0)
@@ -93,7 +94,10 @@ def main(argv=None):
     timer = Timer(cupy, args.repeats, warmup=2, target_ms=args.target_ms, max_calls=50)
     rows = []
     with gpu.stream:
-        for d_qk, d_v in PAIRS[:1] if args.quick else PAIRS:
+        pairs = PAIRS[:1] if args.quick else PAIRS
+        if args.pairs:
+            pairs = [tuple(int(x) for x in pair.split("x")) for pair in args.pairs.split(",")]
+        for d_qk, d_v in pairs:
             for causal in (True, False):
                 for backward in (False, True):
                     steps, forwards = contenders(gpu, ct, fa4, d_qk, d_v, causal, backward, args.seqlen)
