@@ -229,9 +229,8 @@ struct BwdSm90Config {
     // bf16 +5-7% at 8k and 16k over the consumers' own reductions (through mbarriers the same
     // hand-over gained half that; docs/decisions.md#bwd-sm90-80-row-hand-over). Only where every
     // row sees every key of its tiles: the guarded variant (varlen) spilled 12 B at 240 registers.
-    // (Not beside a V of its own: at (128, 64) the hand-over spilled 60 B.)
     static constexpr bool kDqHandOver =
-        kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0 && kHeadDimV == kHeadDim;
+        kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
     static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
     // Shares that pass to the writers through mbarriers (dq_full, dq_empty; kDqHandOver's meet at
     // named barriers instead).

@@ -22,8 +22,8 @@ BWD_SM90_HEAD_DIMS = (64, 128, 256)
 #: (D_qk, D_v) pairs of compiled head dims bwd_sm90 runs beside the square ones (CUFLASH_HEAD_DIM_V),
 #: mapped to whether they run with score modifiers or dropout too. The tiles and the consumers'
 #: split follow D_qk's, except that (64, 128) takes 64 query rows per step (D = 64's featured tiles:
-#: with 128 its dV of 128 columns would not fit beside S^T and dP^T); (128, 64)'s 80-row steps add dQ
-#: themselves (with its dQ handed over to writers, BwdSm90Config::kDqHandOver, it spilled 60 B). A consumer's dV
+#: with 128 its dV of 128 columns would not fit beside S^T and dP^T) and no pair takes
+#: BWD_SM90_WIDE_BLOCK_M's rows ((128, 64) spilled 60 B there with its dQ handed over). A consumer's dV
 #: must be 64 or 128 columns wide (its wgmma n, and dO's 64-column blocks where the consumers split
 #: the columns): so not (128, 64) featured (split by columns, 32 each), nor a 256 beside a 64.
 #: (64, 128) featured spilled 80-112 B (NVRTC 13): bwd_sm80 runs it. DeepSeek's (192, 128) is compiled
@@ -74,6 +74,8 @@ def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False,
     modifier, dropout nor ordered dQ); head_dim_v: v's compiled head dim (BWD_SM90_PAIRS)."""
     if (head_dim, head_dim_v) == (64, 128):
         featured = True   # its tiles: 64 query rows per step
+    if head_dim_v not in (None, head_dim):
+        wide = False
     if featured:
         return BWD_SM90_FEATURED_BLOCK_N[head_dim], BWD_SM90_FEATURED_BLOCK_M[head_dim]
     if wide and head_dim in BWD_SM90_WIDE_BLOCK_M:
