@@ -32,7 +32,6 @@ import cuflash
 import cuflash.backward
 import cuflash.testing as tt
 from cuflash import reference
-from cuflash._runtime import memo as _memo
 from cuflash.kernels import bwd_sm90
 from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E402
 
@@ -49,27 +48,10 @@ FAMILIES = [pytest.param("fwd_sm80", "bwd_sm80", "float16", id="sm80-fp16"),
             pytest.param("fwd_sm90", "bwd_sm80", "bfloat16", id="sm90-bf16", marks=SM90),
             pytest.param("fwd_sm90", "bwd_sm90", "float16", id="sm90-bwd90-fp16", marks=SM90),
             pytest.param("fwd_sm90", "bwd_sm90", "bfloat16", id="sm90-bwd90-bf16", marks=SM90),
-            # bwd_sm90 with 80-row query tiles wherever a call may take them ((128, 64) without a window)
-            pytest.param("fwd_sm90", "bwd_sm90", "bfloat16", id="sm90-bwd90wide-bf16", marks=SM90),
             pytest.param("fwd_simt", "bwd_simt", "float32", id="simt-fp32")]
 SEQLENS = (1, 17, 113, 300)
 HEADS = ((2, 1), (4, 2), (2, 2), (8, 2))
 NAN = float("nan")
-
-
-@pytest.fixture(autouse=True)
-def _wide_query_tiles(request, monkeypatch):
-    """For sm90-bwd90wide: bwd_sm90's 80-row query tiles at every length where a call may take them
-    (tests/gpu/test_backward.py's fixture), plans remembered before forgotten."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is None or "bwd90wide" not in callspec.id:
-        yield
-        return
-    monkeypatch.setattr(bwd_sm90, "BWD_SM90_WIDE_MIN_ROWS", 1)
-    monkeypatch.setattr(bwd_sm90, "BWD_SM90_WIDE_MIN_ROWS_GUARDED", 1)
-    _memo.clear_memo()
-    yield
-    _memo.clear_memo()
 
 
 def _settings(n):
