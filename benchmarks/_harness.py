@@ -213,3 +213,28 @@ def open_fa4(torch, wanted=True):
 def fa4_out(result):
     """FA4's entry points return ``(out, lse)`` (4.0.0b36); a bare tensor is taken as it is."""
     return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def runnable(steps, problem):
+    """The contenders of ``steps`` ({name: fn(i)}) that run ``problem`` once without raising; each
+    that cannot (a peer without the option, a shape it refuses) is left out with a line saying why."""
+    usable = {}
+    for name, fn in steps.items():
+        try:
+            fn(0)
+            usable[name] = fn
+        except Exception as e:  # noqa: BLE001 - a contender's refusal is reported, not fatal
+            why = str(e).splitlines()[0][:100] if str(e) else ""
+            log(f"{problem}: {name} left out ({type(e).__name__}: {why})")
+    return usable
+
+
+def peer_arguments(parser, repeats=7):
+    """The options of the scripts that time contenders from torch tensors: --repeats, --target-ms,
+    --no-fa4, --md, --csv."""
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--target-ms", type=float, default=100.0)
+    parser.add_argument("--no-fa4", action="store_true")
+    parser.add_argument("--md")
+    parser.add_argument("--csv")
+    return parser

@@ -34,7 +34,8 @@ import argparse
 
 import numpy as np
 
-from _harness import Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, write_results
+from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
+                      write_results)
 
 HEADS, HEAD_DIM = 16, 128
 WINDOW, CAP, PREFIX = 1024, 30.0, 2048
@@ -144,13 +145,8 @@ def open_flex(torch):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = peer_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--target-ms", type=float, default=100.0)
-    p.add_argument("--no-fa4", action="store_true")
-    p.add_argument("--md")
-    p.add_argument("--csv")
     args = p.parse_args(argv)
     import cupy
 
@@ -169,13 +165,7 @@ def main(argv=None):
     with gpu.stream:
         for problem, batch, seqlen in problems(args.quick):
             steps, forwards, pairs = contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng)
-            usable = {}
-            for name, fn in steps.items():
-                try:
-                    fn(0)
-                    usable[name] = fn
-                except Exception as e:  # a contender that cannot run this problem: reported, left out
-                    log(f"{problem}: {name} left out ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+            usable = runnable(steps, problem)
             ms = timer.median_ms_each(usable)
             row = {"problem": f"{problem} B{batch} S{seqlen // 1024}k"}
             for name, t in ms.items():

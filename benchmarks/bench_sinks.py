@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import argparse
 
-from _harness import Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, write_results
+from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
+                      write_results)
 
 SEQLEN, WINDOW = 8192, 128
 COLUMNS = ["problem", "plain ms", "sinks ms", "cost", "fa4 ms", "x fa4", "maxdiff", "bar"]
@@ -60,13 +61,8 @@ def gpt_oss_problem(gpu, ct, fa4, seqlen):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = peer_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--seqlen", type=int, default=SEQLEN)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--target-ms", type=float, default=100.0)
-    p.add_argument("--no-fa4", action="store_true")
-    p.add_argument("--md")
-    p.add_argument("--csv")
     args = p.parse_args(argv)
     import cupy
 
@@ -88,14 +84,7 @@ def main(argv=None):
                              "bar": "<= 3%"})
             log(", ".join(f"{k} {fmt(v, 3)}" for k, v in rows[-1].items()))
         steps, forwards = gpt_oss_problem(gpu, ct, fa4, args.seqlen)
-        usable = {}
-        for name, fn in steps.items():
-            try:
-                fn(0)
-                usable[name] = fn
-            except Exception as e:  # a contender that cannot run the problem: reported, left out
-                log(f"gpt-oss: {name} left out ({type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''})")
-        ms = timer.median_ms_each(usable)
+        ms = timer.median_ms_each(runnable(steps, "gpt-oss"))
         row = {"problem": f"gpt-oss: GQA 64/8, D 64, window {WINDOW}, sinks", "sinks ms": ms["sinks"], "bar": ">= 1.0x fa4"}
         if "fa4" in ms:
             want = forwards["sinks"]().detach().float()

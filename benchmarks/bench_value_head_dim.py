@@ -25,7 +25,8 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from _harness import Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, write_results
+from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
+                      write_results)
 
 BATCH, HEADS, SEQLEN = 2, 16, 8192
 PAIRS = ((192, 128), (128, 64), (64, 128))
@@ -69,15 +70,10 @@ def contenders(gpu, ct, fa4, d_qk, d_v, causal, backward, seqlen):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = peer_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--quick", action="store_true", help="(192, 128) only")
     p.add_argument("--pairs", help="comma-separated D_qk x D_v pairs, e.g. 128x64 (default: all three)")
     p.add_argument("--seqlen", type=int, default=SEQLEN)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--target-ms", type=float, default=100.0)
-    p.add_argument("--no-fa4", action="store_true")
-    p.add_argument("--md")
-    p.add_argument("--csv")
     args = p.parse_args(argv)
     import cupy
 
@@ -101,14 +97,7 @@ def main(argv=None):
             for causal in (True, False):
                 for backward in (False, True):
                     steps, forwards = contenders(gpu, ct, fa4, d_qk, d_v, causal, backward, args.seqlen)
-                    usable = {}
-                    for name, fn in steps.items():
-                        try:
-                            fn(0)
-                            usable[name] = fn
-                        except Exception as e:  # a contender that cannot run this problem: reported, left out
-                            log(f"({d_qk}, {d_v}): {name} left out ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:100] if str(e) else ''})")
+                    usable = runnable(steps, f"({d_qk}, {d_v})")
                     ms = timer.median_ms_each(usable)
                     work = BATCH * HEADS * flops(d_qk, d_v, visible_pairs(args.seqlen, causal), backward)
                     row = {"D_qk": d_qk, "D_v": d_v, "mask": "causal" if causal else "full",

@@ -1268,6 +1268,32 @@ __device__ __forceinline__ void store_split_tiles(const FwdParams& p, unsigned p
     store_tile(ds_tile, ds, false);
 }
 
+// Split by columns: S^T = K Q^T and dP^T = V dO^T of a consumer's query columns, two commit groups
+// (B starts col0 rows into the Q / dO tiles: a multiple of the swizzle's 8 rows).
+template <class C>
+__device__ __forceinline__ void issue_split_scores(float (&s_flat)[C::kQueryCols / 2],
+                                                   float (&dp_flat)[C::kQueryCols / 2], const BwdSm90Tiles& tiles,
+                                                   unsigned q_tile, unsigned do_tile, int col0) {
+    wgmma_fence();
+    gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
+    wgmma_commit();
+    gemm_abt_ss<C::kQueryCols, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
+    wgmma_commit();
+}
+
+// A consumer's accumulators of dK and dV, zeroed before its walk.
+template <int kDk, int kDv>
+__device__ __forceinline__ void zero_key_rows(KeyRowsAcc<kDk>& acc_dk, KeyRowsAcc<kDv>& acc_dv) {
+#pragma unroll
+    for (int di = 0; di < kDk / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
+#pragma unroll
+    for (int di = 0; di < kDv / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
+}
+
 // Split by columns: a consumer's products of one step, one commit group: its kDk / 64 shares of dQ
 // (64 x 64 each; A = dS^T read transposed, B = K's column blocks from dk_col0), then dV (kDv columns
 // from dv_col0, none where kDv is 0) and dK over the whole tile (B = its column blocks of dO / Q).
@@ -1359,14 +1385,7 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
     const int dv_col0 = split_dv_col0(C::kHeadDim, C::kHeadDimV, consumer);
     KeyRowsAcc<kDk> acc_dk;
     KeyRowsAcc<kDv> acc_dv;
-#pragma unroll
-    for (int di = 0; di < kDk / 8; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
-#pragma unroll
-    for (int di = 0; di < kDv / 8; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
+    zero_key_rows<kDk, kDv>(acc_dk, acc_dv);
 
     mbar_wait(sh.kv_full(), 0);
     zero_keys_past_sequence<C>(s, tiles, varlen);
@@ -1386,16 +1405,11 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + col0 + 2 * t, keys[0], lane, keep);
 
-        // S^T = K Q^T and dP^T = V dO^T for this consumer's query columns (B starts col0 rows into
-        // the Q / dO tiles: a multiple of the swizzle's 8 rows).
+        // S^T = K Q^T and dP^T = V dO^T for this consumer's query columns.
         float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
         float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
-        wgmma_fence();
-        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
-        wgmma_commit();
-        gemm_abt_ss<C::kQueryCols, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
-        wgmma_commit();
+        issue_split_scores<C>(s_flat, dp_flat, tiles, q_tile, do_tile, col0);
         if (pending >= 0) {   // the previous step's dQ reduction has read its stage (thread 0 issued it)
             if (wg_thread == 0) bulk_wait_read();
             named_barrier_sync(2 + consumer, 128);
@@ -1476,14 +1490,7 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
     constexpr int dv_col0 = split_dv_col0(C::kHeadDim, C::kHeadDimV, kWhich);
     KeyRowsAcc<kDk> acc_dk;
     KeyRowsAcc<kDv> acc_dv;
-#pragma unroll
-    for (int di = 0; di < kDk / 8; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
-#pragma unroll
-    for (int di = 0; di < kDv / 8; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
+    zero_key_rows<kDk, kDv>(acc_dk, acc_dv);
 
     // Zeros for step -1's products: P^T and dS^T, and consumer 0's dQ buffer as Q and dO.
     for (int i = threadIdx.x - 128; i < (C::kDsTiles * C::kDsBytes + C::kDqOwnBytes) / 16; i += 128 * C::kConsumers) {
@@ -1535,11 +1542,7 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
         float acc_s[C::kMTiles][4], acc_dp[C::kMTiles][4];
         float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
-        wgmma_fence();
-        gemm_abt_ss<C::kQueryCols, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k, q_tile + col0 * 128);
-        wgmma_commit();
-        gemm_abt_ss<C::kQueryCols, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
-        wgmma_commit();
+        issue_split_scores<C>(s_flat, dp_flat, tiles, q_tile, do_tile, col0);
         issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, pt_tile, ds_tile, prev_q, prev_do, tiles.k, dk_col0,
                                           dv_col0);
         free_pending_stage();
