@@ -17,11 +17,13 @@ from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
 SM90_HEAD_DIMS = (64, 128, 256)
 #: Q's and K's compiled head dims beside a V of its own at most SM90_PAIR_QK_192_MAX_V wide: 192 as well
 #: (DeepSeek's (192, 128)), where a square 192 rounds up to 256 (its output, staged 128 columns at a
-#: time, would take one and a half passes). At (192, 128), 64-key tiles, Q double buffered and two
-#: stages (209 KiB): S = Q K^T over 192 columns instead of 256, a sixth less tensor work a tile.
+#: time, would take one and a half passes). At (192, 128), 64-key tiles, one Q slot and three stages
+#: (201 KiB): S = Q K^T over 192 columns instead of 256, a sixth less tensor work a tile. H200, bf16,
+#: B 2, S 8k, H 16, pinned plans in turns: Q double buffered with two stages 566 / 591 TFLOP/s causal
+#: / full, one slot and two stages 568 / 592, one slot and three 573 / 602.
 SM90_PAIR_QK_DIMS = (64, 128, 192, 256)
 SM90_PAIR_QK_192_MAX_V = 128
-SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 64, 2, 2
+SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 64, 1, 3
 # Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
 SM90_WIDE_HEAD_DIMS = (64,)
 SM90_WIDE_MIN_ROWS = 2048
