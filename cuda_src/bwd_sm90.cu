@@ -241,11 +241,9 @@ struct BwdSm90Config {
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;
     static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
-    // consumers meet after every step's products), two of each at Q's and K's 192 (a step's tiles are
-    // written while the previous step's products may still read the others: consume_dim_pipelined).
-    // kDqTransposed stores dS instead: [kBlockN / 64 key blocks][kBlockM queries][64 keys], a K-major
-    // B operand for dQ^T.
-    static constexpr int kDsBytes = kBlockN * kBlockM * 2, kDsTiles = kAsymmetricSplit ? 4 : 2;
+    // consumers meet after every step's products). kDqTransposed stores dS instead: [kBlockN / 64 key
+    // blocks][kBlockM queries][64 keys], a K-major B operand for dQ^T.
+    static constexpr int kDsBytes = kBlockN * kBlockM * 2, kDsTiles = 2;
     // Each consumer's float32 share of dQ on its way to dq_accum (64 x 64; 64 x 80 transposed), double
     // buffered where shared memory allows (D = 128 with 64 rows: 227 KB in all; D = 64's dS^T tiles
     // are twice as large, and with 80 rows so are the shares). At D = 256 the shares pass through the
@@ -266,13 +264,9 @@ struct BwdSm90Config {
     // in Q's 24 KB at (192, 128)), that consumer's share gets a buffer of its own (kDqOwnBytes).
     static constexpr int kDqShareBytes0 = split_dk_cols(kHeadDim, 0) * kBlockM * 4;
     static constexpr int kDqShareBytes1 = split_dk_cols(kHeadDim, 1) * kBlockM * 4;
-    // (At 192, consumer 0's first share only: its second goes to the first two column blocks of the
-    // step's Q, which consumer 1's dK does not read: consume_dim_pipelined.)
     static constexpr int kDqOwnConsumer =
         !kSplitDims ? -1 : kDqShareBytes0 > kQBytes ? 0 : kDqShareBytes1 > kDoBytes ? 1 : -1;
-    static constexpr int kDqOwnBytes = kDqOwnConsumer < 0 ? 0
-                                       : kAsymmetricSplit ? kDqShareBytes
-                                       : kDqOwnConsumer == 0 ? kDqShareBytes0 : kDqShareBytes1;
+    static constexpr int kDqOwnBytes = kDqOwnConsumer < 0 ? 0 : kDqOwnConsumer == 0 ? kDqShareBytes0 : kDqShareBytes1;
     static_assert(!kSplitDims || (kDqShareBytes0 <= kQBytes || kDqShareBytes1 <= kDoBytes),
                   "one consumer's dQ share at most takes a buffer of its own");
     static_assert(!kSplitDims || !kOrdered, "split by columns, dQ is added in no fixed order (the dQ pass orders it)");
@@ -1334,35 +1328,26 @@ __device__ __forceinline__ void fence_split_products(float (&acc_dq)[kDk / 64][3
 
 // Split by columns: a consumer's shares of dQ for query head h, rows m_lo .. into `share` (in
 // dq_tile_offset's order: share j is the tile's share dk_col0 / 64 + j), then one bulk reduction
-// into the tile of dq_accum that thread 0 of the warpgroup issues. With a `second` place, share 1
-// goes there instead, and each share takes a reduction of its own.
-template <class C, int kShares, bool kSecond = false>
+// into the tile of dq_accum that thread 0 of the warpgroup issues.
+template <class C, int kShares>
 __device__ __forceinline__ void send_split_dq_share(const BwdParams& bp, const float (&acc_dq)[kShares][32],
                                                     unsigned share, int consumer, int b, const SeqInfo& s, int h,
-                                                    int m_lo, int dk_col0, bool varlen, unsigned second = 0) {
-    static_assert(!kSecond || kShares == 2, "a second place for share 1 of two");
+                                                    int m_lo, int dk_col0, bool varlen) {
     const int wg_thread = threadIdx.x % 128;
 #pragma unroll
-    for (int j = 0; j < kShares; ++j) {
-        const unsigned at = kSecond && j == 1 ? second : share + j * C::kDqShareBytes;
+    for (int j = 0; j < kShares; ++j)
 #pragma unroll
         for (int nj = 0; nj < 8; ++nj)
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + (nj * 128 + wg_thread) * 16),
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                             share + j * C::kDqShareBytes + (nj * 128 + wg_thread) * 16),
                          "f"(acc_dq[j][4 * nj]), "f"(acc_dq[j][4 * nj + 1]), "f"(acc_dq[j][4 * nj + 2]),
                          "f"(acc_dq[j][4 * nj + 3])
                          : "memory");
-    }
     fence_proxy_async();   // the bulk-copy unit reads what the threads wrote
     named_barrier_sync(2 + consumer, 128);
     if (wg_thread == 0) {
-        float* dq_tile = bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, h, m_lo, varlen) +
-                         (dk_col0 / 64) * (C::kDqShareBytes / 4);
-        if constexpr (kSecond) {
-            bulk_reduce_add(dq_tile, share, C::kDqShareBytes);
-            bulk_reduce_add(dq_tile + C::kDqShareBytes / 4, second, C::kDqShareBytes);
-        } else {
-            bulk_reduce_add(dq_tile, share, kShares * C::kDqShareBytes);
-        }
+        float* dq_tile = bp.dq_accum + dq_accum_offset<C>(bp, b, s.q_row0, h, m_lo, varlen);
+        bulk_reduce_add(dq_tile + (dk_col0 / 64) * (C::kDqShareBytes / 4), share, kShares * C::kDqShareBytes);
         bulk_commit();
     }
 }
@@ -1477,26 +1462,20 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
 // step's S^T and dP^T, so that they run while the warpgroup takes that step's P^T and dS^T element
 // by element (consume_dim_halves runs them one after the other). Step i: S^T_i and dP^T_i, then the
 // products of step i - 1 (its P^T and dS^T tiles, stage i - 1's Q and dO); P^T_i once S^T_i is in,
-// dS^T_i once dP^T_i is; then, the products in, step i - 1's share of dQ leaves and step i's P^T and
-// dS^T go to the other pair of tiles (step i - 2's products, which read them, were in before the
-// consumers last met), and the consumers meet once: both halves are in. A stage is freed one step
+// dS^T_i once dP^T_i is; then, the products in, step i - 1's share of dQ leaves, and once both
+// consumers' products have read the P^T and dS^T tiles, step i's go there. A stage is freed one step
 // later than in consume_dim_halves, so three are needed (with two, the end of the walk would wait
-// for a stage the consumers still hold). Consumer 0's two shares of dQ leave through its buffer
-// and the first two column blocks of step i - 1's Q, which consumer 1's dK does not read.
-// Every wgmma is issued unconditionally (one under a run-time condition made ptxas serialize them
-// all): the products of "step -1", and of the last step of a walk that had none, read zeros, the
-// second pair of tiles as P^T and dS^T and, from there on, with consumer 0's dQ buffer as Q and dO
-// (zeroed before the walk; first written at step 1, after both consumers' step -1 products are in).
+// for a stage the consumers still hold). Every wgmma is issued unconditionally (one under a run-time
+// condition made ptxas serialize them all): the products of "step -1", and of the last step of a
+// walk that had none, read zeros, the P^T and dS^T tiles and consumer 0's dQ buffer as Q and dO,
+// zeroed before the walk (that buffer is first written by step 1's share of dQ).
 template <class C, int kWhich>
 __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
                                                       const BwdSm90Tiles& tiles) {
     static_assert(C::kStages >= 3, "a stage is held for two steps");
-    static_assert(C::kDsTiles == 4 && C::kDqOwnConsumer == 0 && C::kDqOwnBytes == C::kDqShareBytes &&
-                      split_dk_cols(C::kHeadDim, 0) == 128 && split_dk_col0(C::kHeadDim, 1) == 128,
-                  "two pairs of P^T and dS^T tiles; consumer 0's two shares of dQ, one in its buffer and one in "
-                  "Q's first two column blocks, which consumer 1 does not read");
-    constexpr int kZeroBytes = 2 * C::kDsBytes + C::kDqOwnBytes;   // the second pair of tiles and the dQ buffer
-    static_assert(kZeroBytes >= C::kQBytes && kZeroBytes >= C::kDoBytes, "zeros for step -1's Q and dO");
+    static_assert(C::kDqOwnConsumer == 0 && C::kDqOwnBytes >= C::kQBytes && C::kDqOwnBytes >= C::kDoBytes,
+                  "consumer 1 reads stage i - 1's Q while consumer 0's share of dQ leaves; its buffer holds zeros "
+                  "for Q and dO at first");
     const FwdParams& p = bp.fwd;
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4, wg_thread = threadIdx.x % 128;
@@ -1504,6 +1483,7 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
     const int g = lane / 4, t = lane % 4;
     const int key_row0 = warp * 16 + g;          // this thread's first key inside the CTA's block
     const int col0 = consumer * C::kQueryCols;   // this consumer's first query column of a tile
+    const unsigned pt_tile = tiles.ds, ds_tile = tiles.ds + C::kDsBytes;
     constexpr int kDk = split_dk_cols(C::kHeadDim, kWhich), kDv = split_dv_cols(C::kHeadDim, C::kHeadDimV, kWhich);
     constexpr int kDqShares = kDk / 64;
     constexpr int dk_col0 = split_dk_col0(C::kHeadDim, kWhich);
@@ -1512,32 +1492,29 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
     KeyRowsAcc<kDv> acc_dv;
     zero_key_rows<kDk, kDv>(acc_dk, acc_dv);
 
-    // The pairs of P^T and dS^T tiles: pair j at tiles.ds + 2 j kDsBytes (P^T, then dS^T).
-    const unsigned zeros = tiles.ds + 2 * C::kDsBytes;   // pair 1, then consumer 0's dQ buffer
-    for (int i = threadIdx.x - 128; i < kZeroBytes / 16; i += 128 * C::kConsumers)
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(zeros + i * 16), "r"(0) : "memory");
+    // Zeros for step -1's products: P^T and dS^T, and consumer 0's dQ buffer as Q and dO.
+    for (int i = threadIdx.x - 128; i < (C::kDsTiles * C::kDsBytes + C::kDqOwnBytes) / 16; i += 128 * C::kConsumers) {
+        const unsigned addr = i < C::kDsTiles * C::kDsBytes / 16 ? tiles.ds + i * 16
+                                                                 : tiles.dq + i * 16 - C::kDsTiles * C::kDsBytes;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
     fence_proxy_async();
     named_barrier_sync(1, 128 * C::kConsumers);
 
     mbar_wait(sh.kv_full(), 0);
     zero_keys_past_sequence<C>(s, tiles, varlen);
 
-    // pair: the tiles step i writes (step i - 1's: the other); prev_*: step i - 1's stage (-1: none),
-    // Q and dO tiles, query head and first row.
+    // prev_*: step i - 1's stage (-1: none), Q and dO tiles, query head and first row.
     int stage = 0, phase = 0, pending = -1;   // pending: the stage whose dQ reduction may still read it
-    int pair = 0, prev_stage = -1, prev_h = 0, prev_m_lo = 0;
-    unsigned prev_q = zeros, prev_do = zeros;
+    int prev_stage = -1, prev_h = 0, prev_m_lo = 0;
+    unsigned prev_q = tiles.dq, prev_do = tiles.dq;
     float acc_dq[kDqShares][32];
     // Step i - 1's products are in: its share of dQ leaves (or, without dQ here, its stage is freed).
     auto finish_previous_step = [&] {
         if (prev_stage < 0) return;
         if constexpr (C::kDq) {
-            if constexpr (consumer == 0)
-                send_split_dq_share<C, kDqShares, true>(bp, acc_dq, tiles.dq, consumer, b, s, prev_h, prev_m_lo,
-                                                        dk_col0, varlen, prev_q);
-            else
-                send_split_dq_share<C, kDqShares>(bp, acc_dq, prev_do, consumer, b, s, prev_h, prev_m_lo, dk_col0,
-                                                  varlen);
+            send_split_dq_share<C, kDqShares>(bp, acc_dq, consumer == 0 ? tiles.dq : prev_do, consumer, b, s, prev_h,
+                                              prev_m_lo, dk_col0, varlen);
             pending = prev_stage;
         } else {
             mbar_arrive(sh.empty(prev_stage));
@@ -1549,11 +1526,6 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
         named_barrier_sync(2 + consumer, 128);
         mbar_arrive(sh.empty(pending));
         pending = -1;
-    };
-    auto issue_previous_products = [&] {
-        const unsigned prev_pt = tiles.ds + 2 * (pair ^ 1) * C::kDsBytes;
-        issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, prev_pt, prev_pt + C::kDsBytes, prev_q, prev_do,
-                                          tiles.k, dk_col0, dv_col0);
     };
     for (;;) {
         int m_lo;
@@ -1571,7 +1543,8 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
         float(&s_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_s[0][0]);
         float(&dp_flat)[C::kQueryCols / 2] = *reinterpret_cast<float(*)[C::kQueryCols / 2]>(&acc_dp[0][0]);
         issue_split_scores<C>(s_flat, dp_flat, tiles, q_tile, do_tile, col0);
-        issue_previous_products();
+        issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, pt_tile, ds_tile, prev_q, prev_do, tiles.k, dk_col0,
+                                          dv_col0);
         free_pending_stage();
         wgmma_wait<2>();
         fence_registers(s_flat);
@@ -1587,16 +1560,16 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
         wgmma_wait<0>();
         fence_split_products<kDk, kDv>(acc_dq, acc_dk, acc_dv);
         finish_previous_step();
-        const unsigned pt_tile = tiles.ds + 2 * pair * C::kDsBytes;
-        store_split_tiles<C>(p, pt_tile, pt_tile + C::kDsBytes, key_row0, col0, prob, acc_dp);
+        named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' products have read P^T and dS^T
+        store_split_tiles<C>(p, pt_tile, ds_tile, key_row0, col0, prob, acc_dp);
         fence_proxy_async();
         named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
-        pair ^= 1;
         prev_stage = stage, prev_h = s.h, prev_m_lo = m_lo, prev_q = q_tile, prev_do = do_tile;
         if (++stage == C::kStages) { stage = 0; phase ^= 1; }
     }
     // The last step's products.
-    issue_previous_products();
+    issue_split_products<C, kDk, kDv>(acc_dq, acc_dk, acc_dv, pt_tile, ds_tile, prev_q, prev_do, tiles.k, dk_col0,
+                                      dv_col0);
     free_pending_stage();
     wgmma_wait<0>();
     fence_split_products<kDk, kDv>(acc_dq, acc_dk, acc_dv);

@@ -107,8 +107,6 @@ def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = Fals
     shares = [4 * block_m * split_dk_cols(head_dim, c) for c in (0, 1)]
     too_small = [shares[0] > 2 * block_m * head_dim, shares[1] > 2 * block_m * head_dim_v]
     dq_own = shares[too_small.index(True)] if split_dims and any(too_small) else 0
-    if head_dim == 192:   # one 64 x 64 share in its buffer, the other in Q; two pairs of P^T and dS^T tiles
-        dq_own, ds = 4 * block_m * 64, 2 * ds
     transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
     # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers; a third
     # stage at D = 128 leaves room for one buffer)

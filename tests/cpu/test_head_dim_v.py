@@ -170,12 +170,12 @@ def test_bwd_sm90_refuses_other_pairs_by_name(d, dv, mods):
 def test_bwd_sm90_shared_memory_of_the_pairs():
     """(256, 128): K 64 x 256, V 64 x 128, two stages of Q (64 x 256) and dO (64 x 128), P^T and dS^T,
     and consumer 1's dQ share (64 x 128 float32) in a buffer of its own (dO's is too small). (192, 128):
-    three stages, two pairs of P^T and dS^T tiles, and one of consumer 0's 64 x 64 float32 shares of dQ
-    in a buffer of its own (the other passes through Q)."""
+    consumer 0's two shares (64 x 128 float32) do not fit Q's 64 x 192 and take the buffer instead, and
+    the ring has three stages."""
     assert bwd_sm90.bwd_sm90_smem_bytes(256, head_dim_v=128) == 1024 + 2 * (
         64 * 384 + 2 * 64 * 384 + 2 * 64 * 64) + 4 * 64 * 128
     assert bwd_sm90.bwd_sm90_smem_bytes(192, head_dim_v=128) == 1024 + 2 * (
-        64 * 320 + 3 * 64 * 320 + 4 * 64 * 64) + 4 * 64 * 64
+        64 * 320 + 3 * 64 * 320 + 2 * 64 * 64) + 4 * 64 * 128   # three stages: consume_dim_pipelined
     assert bwd_sm90.bwd_sm90_smem_bytes(256, head_dim_v=256) == bwd_sm90.bwd_sm90_smem_bytes(256)
 
 
