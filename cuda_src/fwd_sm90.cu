@@ -89,9 +89,9 @@ struct FwdSm90Config {
     static constexpr int kOutBytes = kConsumers * 64 * kOutCols * 2;
     static constexpr int kSmemBytes =
         1024 /* alignment slack */ + kQSlots * kQBytes + kStages * (kKBytes + kVBytes) + kOutBytes;
-    // (Q's and K's 192 beside a V of its own of at most 128: cuflash/kernels/fwd_sm90.py, SM90_PAIR_QK_DIMS.)
-    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 192 && kHeadDimV <= 128),
-                  "wgmma tiles for head dims 64, 128, 256 (and Q's and K's 192 beside a narrower V)");
+    // (Q's and K's 192 beside V's 128: cuflash/kernels/fwd_sm90.py, SM90_PAIR_QK_DIMS.)
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 192 && kHeadDimV == 128),
+                  "wgmma tiles for head dims 64, 128, 256 (and Q's and K's 192 beside V's 128)");
     static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "P V's wgmma n: 64, 128 or 2 x 128");
     static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");

@@ -23,7 +23,8 @@ BWD_SM90_HEAD_DIMS = (64, 128, 256)
 #: mapped to whether they run with score modifiers or dropout too. The tiles and the consumers'
 #: split follow D_qk's, except that (64, 128) takes 64 query rows per step (D = 64's featured tiles:
 #: with 128 its dV of 128 columns would not fit beside S^T and dP^T) and no pair takes
-#: BWD_SM90_WIDE_BLOCK_M's rows ((128, 64) spilled 60 B there with its dQ handed over). A consumer's dV
+#: BWD_SM90_WIDE_BLOCK_M's rows ((128, 64) spilled 60 B there with its dQ handed over, and without the
+#: hand-over ran no faster than with 64: docs/decisions.md). A consumer's dV
 #: must be 64 or 128 columns wide (its wgmma n, and dO's 64-column blocks where the consumers split
 #: the columns): so not (128, 64) featured (split by columns, 32 each), nor a 256 beside a 64.
 #: (64, 128) featured spilled 80-112 B (NVRTC 13): bwd_sm80 runs it. DeepSeek's (192, 128) is compiled
@@ -175,7 +176,8 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False, head_
 # (two rounds): D = 256 +1% at 2k, +2.5-3% at 4k, +0.1-0.4% at 8k and 16k; D = 128 with 64 query
 # rows (2k, 4k) 0 to +0.4% (docs/decisions.md#bwd-sm90-unguarded-ds).
 BWD_ALL_KEYS_SEEN = True
-BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 192, 256)   # (192: as 256, whose split by columns it shares; not measured)
+# (192: as 256, whose split by columns it shares; not measured on its own.)
+BWD_SM90_UNGUARDED_HEAD_DIMS = (64, 128, 192, 256)
 # Under a causal mask or window, without score modifiers or dropout, the guard tile by tile: a tile
 # with no masked element and no row past the queries' end skips it (CUFLASH_TILE_GUARD). H200,
 # settled turns, two rounds: D = 64 causal 4k and 16k +2.5-3.5%; D = 128 causal +1.5% at 2k, +1-4%

@@ -15,14 +15,14 @@ from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
 # (docs/decisions.md#fwd-sm90-tiles-and-stages): 80-key tiles at D = 256 (faster from 8k keys, but they
 # spill), 176/192-key tiles at D = 128/64, three consumers at D = 64 for every shape.
 SM90_HEAD_DIMS = (64, 128, 256)
-#: Q's and K's compiled head dims beside a V of its own at most SM90_PAIR_QK_192_MAX_V wide: 192 as well
-#: (DeepSeek's (192, 128)), where a square 192 rounds up to 256 (its output, staged 128 columns at a
-#: time, would take one and a half passes). At (192, 128), 64-key tiles, one Q slot and three stages
+#: Q's and K's compiled head dims beside a V of its own of SM90_PAIR_QK_192_V: 192 as well (DeepSeek's
+#: (192, 128), the pair measured and tested; bwd_sm90 compiles 192 beside it too), where a square 192
+#: rounds up to 256 (its output, staged 128 columns at a time, would take one and a half passes). At (192, 128), 64-key tiles, one Q slot and three stages
 #: (201 KiB): S = Q K^T over 192 columns instead of 256, a sixth less tensor work a tile. H200, bf16,
 #: B 2, S 8k, H 16, pinned plans in turns: Q double buffered with two stages 566 / 591 TFLOP/s causal
 #: / full, one slot and two stages 568 / 592, one slot and three 573 / 602.
 SM90_PAIR_QK_DIMS = (64, 128, 192, 256)
-SM90_PAIR_QK_192_MAX_V = 128
+SM90_PAIR_QK_192_V = 128
 SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 64, 1, 3
 # Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
 SM90_WIDE_HEAD_DIMS = (64,)
@@ -119,10 +119,10 @@ def _tiles_of(kdim: int) -> tuple[int, int, int]:
 
 def pair_head_dims(head_dim: int, head_dim_v: int | None) -> tuple[int, int]:
     """The compiled (Q/K, V) head dims of run-time ones (padded to 8; ``head_dim_v`` None: square):
-    the next of SM90_HEAD_DIMS, Q's and K's of SM90_PAIR_QK_DIMS beside a V of its own of at most
-    SM90_PAIR_QK_192_MAX_V."""
+    the next of SM90_HEAD_DIMS, Q's and K's of SM90_PAIR_QK_DIMS beside a V of its own compiled at
+    SM90_PAIR_QK_192_V."""
     kdim_v = round_up(head_dim if head_dim_v is None else head_dim_v, SM90_HEAD_DIMS)
-    if head_dim_v is None or head_dim_v == head_dim or kdim_v > SM90_PAIR_QK_192_MAX_V:
+    if head_dim_v is None or head_dim_v == head_dim or kdim_v != SM90_PAIR_QK_192_V:
         return round_up(head_dim, SM90_HEAD_DIMS), kdim_v
     return round_up(head_dim, SM90_PAIR_QK_DIMS), kdim_v
 
