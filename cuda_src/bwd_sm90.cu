@@ -177,8 +177,8 @@ struct BwdSm90Config {
     // much longer as it overlapped): none. (Not with kSerialScores, which waits for dK before dQ.)
     static constexpr int kDkTail = (kDq && !kSerialScores && kHeadDim == 64) ? kBlockM / 32 : 0;
     // dQ (kBlockM x kHeadDim) in 64 x 64 shares: by rows when kBlockM = 128, by columns when 64
-    // (split_dk_cols / 64 per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each consumer's
-    // product over its own 64 keys, both added into the tile's one share (kDqByKeys). With 80 rows
+    // (split_dk_cols / 64 per consumer: two at D = 256), and at D = 64 with 64 rows (featured) each
+    // consumer's product over its own 64 keys, both added into the tile's one share (kDqByKeys). With 80 rows
     // (D = 128 without a window: per step 25% more work for the same K, V and 10% fewer operand bytes
     // read per product than with 64) a consumer computes its 64 columns of dQ transposed,
     // dQ^T = K^T dS^T (wgmma n = 80: m is 64), with dS stored transposed (kDqTransposed).
@@ -338,7 +338,7 @@ struct BwdSm90Shared {
 // Shared-memory addresses of the CTA's tiles (column blocks of 64 elements, 128B-swizzled):
 // K [kHeadDim / 64][kBlockN][64], V [kHeadDimV / 64][kBlockN][64]; Q [kStages][kHeadDim / 64][kBlockM][64],
 // dO [kStages][kHeadDimV / 64][kBlockM][64]; ds [2][kBlockM / 64][kBlockN][64] (dS^T, or at D = 256 P^T
-// then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float], or consumer 1's share (kDqOwnBytes).
+// then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float], or one consumer's share (kDqOwnBytes).
 struct BwdSm90Tiles {
     unsigned k, v, q, dout, ds, dq;
 };
