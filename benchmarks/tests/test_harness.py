@@ -46,3 +46,25 @@ def test_turns(harness):
     # within every repeat (len(names) pairs in all)
     pairs = {(timed[i - 1], timed[i]) for i in range(len(timed)) if i % len(names)}
     assert len(pairs) > len(names), pairs
+
+
+def test_runnable_leaves_out_the_contenders_that_raise(harness, capsys):
+    calls = []
+
+    def runs(i):
+        calls.append(i)
+
+    def refuses(i):
+        raise ValueError("no such option\nsecond line")
+
+    usable = harness.runnable({"ours": runs, "peer": refuses}, "problem P")
+    assert usable == {"ours": runs} and calls == [0]
+    out = capsys.readouterr().out
+    assert "problem P: peer left out (ValueError: no such option)" in out and "second line" not in out
+
+
+def test_peer_arguments(harness):
+    import argparse
+
+    args = harness.peer_arguments(argparse.ArgumentParser(), repeats=5).parse_args(["--no-fa4", "--md", "t.md"])
+    assert (args.repeats, args.target_ms, args.no_fa4, args.md, args.csv) == (5, 100.0, True, "t.md", None)
