@@ -156,13 +156,10 @@ struct BwdSm90Config {
     static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
-    // A consumer's S^T is 64 keys x kQueryCols, its dK 64 keys x kDimCols and dV 64 x kDimColsV
-    // (split by columns: consumer 0's, split_dk_cols).
+    // A consumer's S^T is 64 keys x kQueryCols (kMTiles 8-column n-tiles); its dK and dV are 64 keys x
+    // all columns split by keys, split_dk_cols / split_dv_cols of them split by columns.
     static constexpr int kQueryCols = kSplitDims ? kBlockM / 2 : kBlockM;
-    static constexpr int kDimCols = kSplitDims ? split_dk_cols(kHeadDim, 0) : kHeadDim;
-    static constexpr int kDimColsV = kSplitDims ? split_dv_cols(kHeadDim, kHeadDimV, 0) : kHeadDimV;
-    static constexpr int kMTiles = kQueryCols / 8, kDTiles = kDimCols / 8;   // 8-column n-tiles of S^T and dK
-    static constexpr int kDTilesV = kDimColsV / 8;                            // ... and of dV
+    static constexpr int kMTiles = kQueryCols / 8;
     // dV's product: a register-A wgmma of n = kHeadDimV (by keys), or a shared-memory one of n =
     // split_dv_cols starting at a column block of dO (by columns): n of 64 or 128 either way (or none).
     static constexpr int kDimColsV1 = kSplitDims ? split_dv_cols(kHeadDim, kHeadDimV, 1) : kHeadDimV;
@@ -517,6 +514,19 @@ __device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int
 // kCols is 0: a consumer that owns no dV, split_dv_cols).
 template <int kCols>
 using KeyRowsAcc = float[kCols > 0 ? kCols / 8 : 1][4];
+
+// A consumer's accumulators of dK and dV, zeroed before its walk.
+template <int kDk, int kDv>
+__device__ __forceinline__ void zero_key_rows(KeyRowsAcc<kDk>& acc_dk, KeyRowsAcc<kDv>& acc_dv) {
+#pragma unroll
+    for (int di = 0; di < kDk / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
+#pragma unroll
+    for (int di = 0; di < kDv / 8; ++di)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
+}
 
 // dK (scaled, kDk columns) and dV (kDv) of a consumer's keys (rows key_row0 and key_row0 + 8 of the
 // CTA's block), columns col0 + 8 di + 2 t (+1) of dK and col0_v + ... of dV, once at the end of the walk.
@@ -999,15 +1009,9 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     const int consumer = threadIdx.x / 128 - 1;
     const int g = lane / 4, t = lane % 4;
     const int key_row0 = consumer * 64 + warp * 16 + g;   // this thread's first key inside the CTA's block
-    float acc_dk[C::kDTiles][4], acc_dv[C::kDTilesV][4];
-#pragma unroll
-    for (int di = 0; di < C::kDTiles; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
-#pragma unroll
-    for (int di = 0; di < C::kDTilesV; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
+    KeyRowsAcc<C::kHeadDim> acc_dk;
+    KeyRowsAcc<C::kHeadDimV> acc_dv;
+    zero_key_rows<C::kHeadDim, C::kHeadDimV>(acc_dk, acc_dv);
 
     mbar_wait(sh.kv_full(), 0);
     zero_keys_past_sequence<C>(s, tiles, varlen);
@@ -1279,19 +1283,6 @@ __device__ __forceinline__ void issue_split_scores(float (&s_flat)[C::kQueryCols
     wgmma_commit();
     gemm_abt_ss<C::kQueryCols, C::kHeadDimV, C::kBlockN, C::kBlockM>(dp_flat, tiles.v, do_tile + col0 * 128);
     wgmma_commit();
-}
-
-// A consumer's accumulators of dK and dV, zeroed before its walk.
-template <int kDk, int kDv>
-__device__ __forceinline__ void zero_key_rows(KeyRowsAcc<kDk>& acc_dk, KeyRowsAcc<kDv>& acc_dv) {
-#pragma unroll
-    for (int di = 0; di < kDk / 8; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[di][e] = 0.f;
-#pragma unroll
-    for (int di = 0; di < kDv / 8; ++di)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dv[di][e] = 0.f;
 }
 
 // Split by columns: a consumer's products of one step, one commit group: its kDk / 64 shares of dQ
