@@ -42,7 +42,7 @@
 namespace cuflash {
 
 template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_,
-          bool kDropout_>
+          bool kDropout_, int kKvCache_ = 0>
 struct FwdSm90Config {
     // kHeadDim: Q's and K's columns (S = Q K^T); kHeadDimV: V's and O's (P V, the output).
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
@@ -55,6 +55,16 @@ struct FwdSm90Config {
     // of the score code (kRotated).
     static constexpr bool kMaskOnly = kMods_ != 0 && (kMods_ & ~(kModBlockMask | kModUserMask)) == 0;
     static constexpr bool kScoreMods = kMods != 0 && !kMaskOnly, kRotated = kMods != 0, kDropout = kDropout_;
+    // Keys and values from a KV cache, contiguous or paged (FwdParams::block_table): decode's many new
+    // tokens (chunked prefill). 1: a tile comes by TMA, in boxes of p.kv_box_rows rows (a contiguous
+    // cache, or pages of multiples of 8 rows: kv_box_coords); 2 (kKvGather): the producer warpgroup
+    // copies its rows (pages of other sizes: kv_cache_row, copy_kv_row).
+    static constexpr bool kKvCache = kKvCache_ != 0, kKvGather = kKvCache_ == 2;
+    static_assert(kBlockN_ / 8 * (kHeadDim_ / 64) <= 32 && kBlockN_ / 8 * (kHeadDimV_ / 64) <= 32,
+                  "a KV cache tile's TMA copies, one a lane of a warp (load_boxes)");
+    // Named barriers: 1 the consumers (zero_tile_rows), 2 + consumer each consumer's output, and this
+    // one the producer warpgroup of a gather.
+    static constexpr int kProducerBarrier = 5;
     // 64 query rows per consumer warpgroup.
     static constexpr int kConsumers = kConsumers_, kBlockM = 64 * kConsumers;
     static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
@@ -69,8 +79,8 @@ struct FwdSm90Config {
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
     // test block masks; the consumers get the rest (160 each when there are three).
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
-    static constexpr int kProducerRegs = kBlockMask ? 40 : 24;
-    static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask ? 232 : 240;
+    static constexpr int kProducerRegs = kBlockMask || kKvCache ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask || kKvCache ? 232 : 240;
     // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
     // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
     // Asking for more than that hangs the kernel, so it is checked here.
@@ -98,8 +108,9 @@ struct FwdSm90Config {
 };
 
 // Varlen: a key tile that runs past the end of its sequence holds the next sequence's rows (TMA
-// zero-fills only past the end of the whole tensor). Their scores are masked, but P V would still
-// meet them as 0 * V: the consumers zero those rows of the V tile before P V (zero_tile_rows).
+// zero-fills only past the end of the whole tensor); over a KV cache, the cache's rows past the keys
+// in use. Their scores are masked, but P V would still meet them as 0 * V (NaN for stale rows): the
+// consumers zero those rows of the V tile before P V (zero_tile_rows).
 template <class C>
 __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
     zero_tile_rows<C::kBlockN, C::kVColBlocks, C::kConsumers>(v_tile, first_row);
@@ -184,6 +195,85 @@ __device__ __forceinline__ int take_item(int* counter, int items) {
     return ticket + gridDim.x;
 }
 
+// Over a paged cache whose pages are not multiples of 8 rows (no TMA box fits them), the producer
+// warpgroup copies each key tile itself: thread t copies row t % kBlockN. kv_cache_row looks its
+// page up before the thread waits for the stage, so that the lookup's latency is not added to the
+// copy's, and returns the row's place in the cache as one number, page x page_size + row in the page
+// (< 2^31: the host checks), or -1 for a row at or past the sequence's end: it is not copied (its
+// score is masked and its V row zeroed, zero_v_rows). One number, not two: the producer keeps it
+// across the wait and, for V, a tile longer, within its 40 registers.
+template <int kBlockN>
+__device__ __forceinline__ int kv_cache_row(const FwdParams& p, const SeqInfo& s, int key_row) {
+    const int pos = key_row + threadIdx.x % 128 % kBlockN;
+    if (pos >= s.seqlen_k) return -1;
+    return p.block_table[s.b * p.block_table_batch_stride + pos / p.page_size] * p.page_size + pos % p.page_size;
+}
+
+// Thread t's row of a K or V tile (kColBlocks 64-column blocks), 16 bytes per cp.async, into the
+// layout the TMA boxes would have given (128-byte rows of 64-column blocks, 16-byte chunks XORed with
+// the row; the tile is 1024-byte aligned); every (128 / kBlockN)-th column block from t / kBlockN.
+// Columns past the run-time head dim `cols` are zero-filled (cp.async's source size 0), as TMA fills
+// them. Completion reaches the stage's full barrier through cp_async_arrive_noinc. (A warp thus reads
+// 16 bytes of 32 rows per instruction; consecutive lanes on one row's chunks, rows handed to them by
+// shuffles, ran slower: 0.45-0.49x the contiguous forward at pages 16 and 64, against 0.52-0.56x.)
+template <int kBlockN, int kColBlocks>
+__device__ __forceinline__ void copy_kv_row(unsigned tile, const void* cache, long long page_stride,
+                                            long long row_stride, long long head_stride, int cols, int page_size,
+                                            int cache_row, int h_kv) {
+    constexpr int kThreadsPerRow = 128 / kBlockN;
+    if (cache_row < 0) return;
+    const int t = threadIdx.x % 128, r = t % kBlockN;
+    const elem_t* src = static_cast<const elem_t*>(cache) + cache_row / page_size * page_stride +
+                        cache_row % page_size * row_stride + h_kv * head_stride;
+    // Not unrolled: the producer has 40 registers, and unrolled copies kept their addresses live
+    // (20-28 bytes of spills with the chunks unrolled).
+#pragma unroll 1
+    for (int blk = t / kBlockN; blk < kColBlocks; blk += kThreadsPerRow)
+#pragma unroll 1
+        for (int c = 0; c < 8; ++c) {
+            const int col = blk * 64 + c * 8;
+            const unsigned dst = tile + blk * kBlockN * 128 + r * 128 + ((c ^ (r % 8)) * 16);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                         "l"(col < cols ? src + col : src), "r"(col < cols ? 16 : 0)
+                         : "memory");
+        }
+}
+
+// Over a KV cache by TMA, where box j (lane j's) of the key tile at key_row is: (page, row in the page)
+// of a paged cache, whose pages are cut in boxes of p.kv_box_rows = gcd(page_size, kBlockN) rows (a
+// multiple of 8: the 128-byte swizzle's 1024-byte atoms stay whole), or (the sequence's batch, its
+// row) of a contiguous one (one box of kBlockN rows). A box at or past the sequence's end looks up the
+// page of the sequence's last key (block_table's entries past the end may hold anything) at its own
+// row offset: its keys are masked and its V rows zeroed (zero_v_rows). Every lane gets coordinates.
+__device__ __forceinline__ void kv_box_coords(const FwdParams& p, const SeqInfo& s, int key_row, int lane, int* page,
+                                              int* row) {
+    *page = s.b;
+    *row = key_row + lane * p.kv_box_rows;
+    if (p.block_table != nullptr) {
+        const int last = min(*row, s.seqlen_k - 1);
+        *page = p.block_table[s.b * p.block_table_batch_stride + last / p.page_size];
+        *row %= p.page_size;
+    }
+}
+
+// One (sequence, head) problem; over a KV cache, sequence b's keys are its cache's first
+// seqused_k[b] + seqlen_k_new rows (the call appended the last seqlen_k_new before this launch), its
+// queries q's batch b or, ragged, rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1].
+template <class C>
+__device__ __forceinline__ SeqInfo seq_info(const FwdParams& p, int b, int h) {
+    if constexpr (!C::kKvCache) return make_seq_info(p, b, h);
+    SeqInfo s;
+    s.b = b;
+    s.h = h;
+    s.h_kv = h / (p.heads_q / p.heads_k);
+    s.q_row0 = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b] : 0;
+    s.seqlen_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b + 1] - s.q_row0 : p.seqlen_q;
+    s.k_row0 = 0;
+    s.seqlen_k = p.seqused_k != nullptr ? p.seqused_k[b] + p.seqlen_k_new : p.seqlen_k;
+    s.diag = s.seqlen_k - s.seqlen_q;
+    return s;
+}
+
 template <class C>
 struct WorkItem {
     SeqInfo s;
@@ -204,7 +294,7 @@ struct WorkItem {
             m_block = num_m_blocks - 1 - r / p.tail_heads;
             hb = pairs - p.tail_heads + r % p.tail_heads;
         }
-        w.s = make_seq_info(p, hb / p.heads_q, hb % p.heads_q);
+        w.s = seq_info<C>(p, hb / p.heads_q, hb % p.heads_q);
         w.m_lo = m_block * C::kBlockM;
         w.m_hi = min(w.m_lo + C::kBlockM, w.s.seqlen_q);
         int key_first, key_last;
@@ -257,6 +347,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     __shared__ int item_of_slot[C::kQSlots], tiles_of_slot[C::kQSlots], tile_of_stage[C::kStages];
     __shared__ int masked_of_stage[C::kMaskOnly ? C::kStages : 1];   // the stage's tile needs hide_masked_scores
     __shared__ WorkItem<C> work_of_slot[C::kQSlots];
+    // A gather's next item, from warp 0's lane 0 to the producer warpgroup (two: one is read while the
+    // next is written).
+    __shared__ int next_item[2];
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
     const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
     const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
@@ -277,9 +370,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(q_full(slot), 1);
             mbar_init(q_empty(slot), 128 * C::kConsumers);
         }
+        // A gather's full barriers count the producer warpgroup's copies (cp_async_arrive_noinc), and K's
+        // the arrive that publishes tile_of_stage.
+        constexpr bool gather = C::kKvGather;
         for (int stage = 0; stage < C::kStages; ++stage) {
-            mbar_init(k_full(stage), 1);
-            mbar_init(v_full(stage), 1);
+            mbar_init(k_full(stage), gather ? 129 : 1);
+            mbar_init(v_full(stage), gather ? 128 : 1);
             mbar_init(k_empty(stage), 128 * C::kConsumers);
             mbar_init(v_empty(stage), 128 * C::kConsumers);
         }
@@ -292,45 +388,82 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 
     if (warpgroup == 0) {
         // Producer: warp 0 walks the items and their tiles (all lanes, for the block-mask vote);
-        // lane 0 waits on the barriers and issues the copies. While the consumers finish one item,
-        // the producer already loads the next one's Q (a free slot) and first K/V tiles.
+        // its lane 0 waits on the barriers and issues the copies. While the consumers finish one item,
+        // the producer already loads the next one's Q (a free slot) and first K/V tiles. Over a KV
+        // cache by TMA, lane j issues box j of each tile (kv_box_coords); over a paged cache whose pages
+        // take no TMA box (gather), the whole warpgroup walks the tiles and copies their rows
+        // (kv_cache_row, copy_kv_row). Lane 0 of warp 0 alone loads Q and takes the items.
         setmaxnreg_dec<C::kProducerRegs>();
-        if (warp != 0) return;
-        int stage = 0, phase = 0, slot = 0, q_phase = 0;
+        constexpr bool gather = C::kKvGather, collective = C::kKvCache;   // who calls issue_v_due: all
+        if (warp != 0 && !gather) return;
+        const bool leader = threadIdx.x == 0;
+        int stage = 0, phase = 0, slot = 0, q_phase = 0, item_parity = 0;
         // A tile's V goes out after the next tile's K, the order in which the consumers use them
         // (S of tile j + 1 is issued before P V of tile j): waiting for V's stage to be released
         // then no longer holds back the next K. An item's last V goes before the next item's Q
         // and K, which its last P V would otherwise wait behind (D = 128, 512 keys: 0.93 -> 1.02
         // of cuDNN). The V due is that of the stage before `stage`, at the coordinates kept here
-        // (-1: none due).
+        // (-1: none due). Over a KV cache by TMA, v_row and v_batch are the lane's box's row in its
+        // page and page; a gather keeps its thread's kv_cache_row in v_batch.
         int v_row = -1, v_head = 0, v_batch = 0;
-        auto issue_v_due = [&] {   // lane 0
+        // Over a KV cache by TMA: K or V of a tile (after lane 0 armed the barrier), one copy a lane: lane
+        // l the column block l % col_blocks of box l / col_blocks, whose coordinates lane l / col_blocks
+        // holds (kv_box_coords). At most 32 copies: tiles of kBlockN / 8 boxes of kColBlocks blocks.
+        // Lane 0 issuing them all held pages of 16 rows to 0.61-0.64x the contiguous forward, a lane a box
+        // to 0.81x.
+        auto load_boxes = [&](unsigned tile, const TmaMap* map, int col_blocks, int row, int head, int page,
+                              unsigned bar) {
+            __syncwarp();
+            const int box = lane / col_blocks, blk = lane % col_blocks;
+            const int box_row = __shfl_sync(0xffffffffu, row, box), box_page = __shfl_sync(0xffffffffu, page, box);
+            if (box * p.kv_box_rows < C::kBlockN)
+                tma_load_4d(tile + blk * C::kBlockN * 128 + box * p.kv_box_rows * 128, map, blk * 64, box_row, head,
+                            box_page, bar);
+        };
+        auto issue_v_due = [&] {   // lane 0 of warp 0; the whole warp over a KV cache, the warpgroup in a gather
             if (v_row < 0) return;
             const int v_stage = stage == 0 ? C::kStages - 1 : stage - 1;
             const int v_phase = stage == 0 ? phase ^ 1 : phase;
-            mbar_wait(v_empty(v_stage), v_phase ^ 1);
-            mbar_arrive_expect_tx(v_full(v_stage), C::kVBytes);
-            for (int blk = 0; blk < C::kVColBlocks; ++blk)
-                tma_load_4d(v_smem + v_stage * C::kVBytes + blk * C::kBlockN * 128, &v_map, blk * 64, v_row,
-                            v_head, v_batch, v_full(v_stage));
+            if constexpr (gather) {
+                mbar_wait(v_empty(v_stage), v_phase ^ 1);
+                copy_kv_row<C::kBlockN, C::kVColBlocks>(v_smem + v_stage * C::kVBytes, p.v, p.v_batch_stride,
+                                                       p.v_row_stride, p.v_head_stride, p.head_dim_v, p.page_size,
+                                                       v_batch, v_head);
+                cp_async_arrive_noinc(v_full(v_stage));
+            } else {
+                if (leader) {
+                    mbar_wait(v_empty(v_stage), v_phase ^ 1);
+                    mbar_arrive_expect_tx(v_full(v_stage), C::kVBytes);
+                }
+                if constexpr (C::kKvCache) {
+                    load_boxes(v_smem + v_stage * C::kVBytes, &v_map, C::kVColBlocks, v_row, v_head, v_batch,
+                               v_full(v_stage));
+                } else {
+                    for (int blk = 0; blk < C::kVColBlocks; ++blk)
+                        tma_load_4d(v_smem + v_stage * C::kVBytes + blk * C::kBlockN * 128, &v_map, blk * 64, v_row,
+                                    v_head, v_batch, v_full(v_stage));
+                }
+            }
             v_row = -1;
         };
         for (int item = blockIdx.x;;) {
             if (item >= items) {
-                if (lane == 0) {
-                    issue_v_due();
+                if (collective) issue_v_due();
+                if (leader) {
+                    if (!collective) issue_v_due();
                     mbar_wait(q_empty(slot), q_phase ^ 1);
                     item_of_slot[slot] = -1;
                     mbar_arrive(q_full(slot));   // releases the write above to the consumers
                 }
                 return;
             }
-            const int next = lane == 0 ? take_item(tile_counter, items) : 0;   // used at the end
+            const int next = leader ? take_item(tile_counter, items) : 0;   // used at the end
             const WorkItem<C> w = WorkItem<C>::of(p, item, num_m_blocks);
             if (!w.empty()) {
                 const int num_tiles = w.count_tiles(p);
-                if (lane == 0) {
-                    issue_v_due();   // the last item's last V
+                if (collective) issue_v_due();   // the last item's last V
+                if (leader) {
+                    if (!collective) issue_v_due();
                     mbar_wait(q_empty(slot), q_phase ^ 1);   // a fresh barrier passes parity 1 at once
                     item_of_slot[slot] = item;
                     tiles_of_slot[slot] = num_tiles;
@@ -345,8 +478,35 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 unsigned masked;
                 for (unsigned todo = w.tiles_from(p, base, &masked); todo != 0; todo &= todo - 1) {
                     const int bit = __ffs(todo) - 1, n = base + bit;   // the lowest tile not yet loaded
-                    if (lane == 0) {
-                        const int key_row = w.s.k_row0 + n * C::kBlockN;
+                    const int key_row = w.s.k_row0 + n * C::kBlockN;
+                    if constexpr (gather) {
+                        const int cache_row = kv_cache_row<C::kBlockN>(p, w.s, key_row);
+                        mbar_wait(k_empty(stage), phase ^ 1);
+                        copy_kv_row<C::kBlockN, C::kColBlocks>(k_smem + stage * C::kKBytes, p.k, p.k_batch_stride,
+                                                              p.k_row_stride, p.k_head_stride, p.head_dim, p.page_size,
+                                                              cache_row, w.s.h_kv);
+                        cp_async_arrive_noinc(k_full(stage));
+                        if (leader) {
+                            tile_of_stage[stage] = n;
+                            mbar_arrive(k_full(stage));   // publishes tile_of_stage (the barrier counts it)
+                        }
+                        issue_v_due();   // the previous tile's
+                        v_batch = cache_row;
+                        v_row = key_row;
+                    } else if (C::kKvCache) {
+                        int page, row;
+                        kv_box_coords(p, w.s, key_row, lane, &page, &row);   // before the wait: its latency hides
+                        if (leader) {
+                            mbar_wait(k_empty(stage), phase ^ 1);
+                            tile_of_stage[stage] = n;
+                            mbar_arrive_expect_tx(k_full(stage), C::kKBytes);
+                        }
+                        load_boxes(k_smem + stage * C::kKBytes, &k_map, C::kColBlocks, row, w.s.h_kv, page,
+                                   k_full(stage));
+                        issue_v_due();   // the previous tile's
+                        v_row = row;
+                        v_batch = page;
+                    } else if (leader) {
                         mbar_wait(k_empty(stage), phase ^ 1);
                         tile_of_stage[stage] = n;
                         if constexpr (C::kMaskOnly) masked_of_stage[stage] = (masked >> bit) & 1u;
@@ -356,14 +516,21 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                                         key_row, w.s.h_kv, w.batch_coord, k_full(stage));
                         issue_v_due();   // the previous tile's
                         v_row = key_row;
-                        v_head = w.s.h_kv;
                         v_batch = w.batch_coord;
                     }
+                    v_head = w.s.h_kv;
                     if (++stage == C::kStages) { stage = 0; phase ^= 1; }
                 }
                 }
             }
-            item = __shfl_sync(0xffffffffu, next, 0);
+            if constexpr (gather) {   // the warpgroup takes the next item from warp 0's lane 0, through shared memory
+                if (leader) next_item[item_parity] = next;
+                named_barrier_sync(C::kProducerBarrier, 128);
+                item = next_item[item_parity];
+                item_parity ^= 1;
+            } else {
+                item = __shfl_sync(0xffffffffu, next, 0);
+            }
         }
     }
 
@@ -514,7 +681,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
                 mbar_wait(v_full(prev_stage), prev_phase);
                 const int first_row = s.seqlen_k - n * C::kBlockN;   // as below
-                if (p.cu_seqlens_k != nullptr && first_row < C::kBlockN)
+                if ((C::kKvCache || p.cu_seqlens_k != nullptr) && first_row < C::kBlockN)
                     zero_v_rows<C>(v_smem + prev_stage * C::kVBytes, first_row);
                 wgmma_fence();
                 issue_pv(prev_stage);
@@ -588,7 +755,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_wait(v_full(prev_stage), prev_phase);
             // The last tile is the only one that can run past the sequence's end (tiles go up).
             const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
-            if (p.cu_seqlens_k != nullptr && first_row < C::kBlockN)
+            if ((C::kKvCache || p.cu_seqlens_k != nullptr) && first_row < C::kBlockN)
                 zero_v_rows<C>(v_smem + prev_stage * C::kVBytes, first_row);
             wgmma_fence();
             issue_pv(prev_stage);
@@ -611,8 +778,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #ifndef CUFLASH_HEAD_DIM_V
 #define CUFLASH_HEAD_DIM_V CUFLASH_HEAD_DIM
 #endif
+#ifndef CUFLASH_KV_CACHE
+#define CUFLASH_KV_CACHE 0
+#endif
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS,
-                                      CUFLASH_STAGES, CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0>;
+                                      CUFLASH_STAGES, CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0,
+                                      CUFLASH_KV_CACHE>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

@@ -27,6 +27,12 @@ struct FwdParams {
     // Device word written by the check_indices kernel of this call (cuda_src/check_indices.cu);
     // nullptr: no check ran; non-zero: the call's index arrays are bad and the launch writes nothing.
     const int* error;
+    // fwd_sm90 over a KV cache (CUFLASH_KV_CACHE: decode's chunked prefill, cuflash/_prefill_plan.py):
+    // sequence b's keys are the first seqused_k[b] + seqlen_k_new rows of its cache (nullptr: seqlen_k
+    // rows), and with block_table, key j of sequence b is row j % page_size of page
+    // block_table[b * block_table_batch_stride + j / page_size] (nullptr: k's batch b holds them).
+    const int* block_table;
+    const int* seqused_k;
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
     long long v_batch_stride, v_row_stride, v_head_stride;
@@ -36,6 +42,7 @@ struct FwdParams {
     long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
     long long block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride, block_mask_col_stride;
+    long long block_table_batch_stride;
     // Dropout's (seed, offset) in device memory, read instead of the two fields below when not
     // nullptr (a call captured in a CUDA graph, whose rng_state kernel writes them at every replay;
     // or a backward given the forward's rng_state as a device array): philox.cuh, dropout_key.
@@ -67,6 +74,10 @@ struct FwdParams {
     // fwd_sm90: how many of the last (head, sequence) pairs of the item order have their m-blocks
     // numbered m-block-major (fwd_sm90.cu, WorkItem::of); 0: none. Other kernels ignore it.
     int tail_heads;
+    // fwd_sm90 over a KV cache (above): the keys appended by the call (added to every seqused_k[b]), the
+    // page size of a paged cache, and the rows of one TMA box (gcd(page_size, keys per tile), which a
+    // page holds whole; a contiguous cache: the tile's keys).
+    int seqlen_k_new, page_size, kv_box_rows;
 };
 
 #ifdef CUFLASH_PARAMS_SIZE

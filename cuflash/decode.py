@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import _checks, kernels
+from . import _checks, _prefill_plan, kernels
 from ._scores import modifier_parts, user_operands
 from ._runtime import capture as _capture, faults as _faults, launch as _launch, memo as _memo, plan as _plan, step as _step
 from ._build.compile import device_arch, get_kernel
@@ -169,7 +169,7 @@ def varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, *, max_seqlen_q, cache_
     operands, mod_key = _with_modifiers((q, k_cache, v_cache, cache_seqlens, block_table, None, None, None,
                                          alibi_slopes, out, lse, sinks, None, None, cu_seqlens_q), score_mod, mask_mod)
     options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, None, None, None, None,
-               ("varlen", max_seqlen_q))
+               ("varlen", max_seqlen_q), _prefill_plan.forced())
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     if plan is None:
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
@@ -392,6 +392,37 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                                                 ("mask", mask is not None)) if used) + user_mods
     group = heads_q // heads_k if heads_k else 0
     rows = seqlen_q * group
+    check_fields = dict(
+        cache_seqlens=("operand", _LENS) if cache_seqlens is not None else None,
+        block_table=("operand", _TABLE) if paged else None,
+        block_table_batch_stride=_checks.element_strides(table_dev)[0] if paged else 0,
+        batch=batch, capacity=capacity, seqlen_new=seqlen_new, page_size=page_size, num_pages=num_pages,
+        max_pages=max_pages, **(dict(cu_seqlens_q=("operand", _CU_Q), total_q=total_q, max_seqlen_q=seqlen_q)
+                                if varlen else {}))
+    out_layout = out if out is not None else _checks.Shaped(out_shape, q.dtype)
+    if varlen:   # one batch of rows, as q: the sequences start at cu_seqlens_q
+        out_layout = _checks.Shaped((1, *out_shape), q.dtype) if out is None else out[None]
+    # Many new tokens: the Hopper forward kernel over the cache (cuflash/_prefill_plan.py).
+    if _prefill_plan.runs_on_fwd_sm90(
+            dtype_name=dtype_name, seqlen_q=seqlen_q, score_mods=score_mods, kv_dtype=kv_dtype, mla=mla,
+            num_splits=num_splits, paged=paged, page_size=page_size, num_pages=num_pages, head_dim=d_pad,
+            head_dim_v=dv_pad,
+            cache_in_place=cache_in_place, arrays=(q_k, kc, vc, out)):
+        lse_output = return_lse or lse_given is not None
+        plan = _prefill_plan.prefill_plan(
+            dict(q=_Q, k_cache=_K_CACHE, v_cache=_V_CACHE, cache_seqlens=_LENS, block_table=_TABLE, k_new=_K_NEW,
+                 v_new=_V_NEW, alibi_slopes=_ALIBI, sinks=_SINKS, out=_OUT, lse=_LSE, cu_seqlens_q=_CU_Q),
+            n_operands=len(operands), dtype_name=dtype_name, q=q_k, k_cache=kc, v_cache=vc, k_new=kn, v_new=vn,
+            out=out_layout, lse_shape=lse_shape, varlen=varlen, batch=batch, seqlen_q=seqlen_q, heads_q=heads_q,
+            head_dim=d_pad, head_dim_v=dv_pad, paged=paged, page_size=page_size,
+            table_stride=check_fields["block_table_batch_stride"], capacity=capacity, seqlen_new=seqlen_new,
+            lens_given=cache_seqlens is not None, opts=opts,
+            alibi_batch_stride=None if alibi_dev is None else score_fields["score.alibi_batch_stride"],
+            sinks=sinks_dev, return_lse=return_lse, lse_output=lse_output,
+            check=check_fields if check_on_gpu else None)
+        ptrs = _remember(plan, operands, key, [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev,
+                                               out, lse_given, sinks_dev, None, None, cu_dev, *user_arrays])
+        return plan, ptrs, None
     # A few packed rows (one new token, a GQA group of up to 8) fit the keys-as-M tile, where the
     # 16-row one would compute half or more on padding; ragged new tokens keep the 16-row one.
     keys_as_m = (kernels.decode.DECODE_KEYS_AS_M_BY_DEFAULT and dtype_name != "float32" and not mla and not varlen
@@ -449,13 +480,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         plan.info.update(batch=batch, capacity=capacity, seqlen_new=seqlen_new, num_pages=num_pages,
                          max_pages=max_pages)
     elif check_on_gpu:
-        plan.steps.append(_faults.check_step(plan, dict(
-            cache_seqlens=("operand", _LENS) if cache_seqlens is not None else None,
-            block_table=("operand", _TABLE) if paged else None,
-            block_table_batch_stride=_checks.element_strides(table_dev)[0] if paged else 0,
-            batch=batch, capacity=capacity, seqlen_new=seqlen_new, page_size=page_size, num_pages=num_pages,
-            max_pages=max_pages, **(dict(cu_seqlens_q=("operand", _CU_Q), total_q=total_q, max_seqlen_q=seqlen_q)
-                                    if varlen else {})), device_id))
+        plan.steps.append(_faults.check_step(plan, check_fields, device_id))
 
     left, right = opts.window
     fields = {"score.heads_q": heads_q, "score.heads_k": heads_k, "score.head_dim": d_pad, "score.batch": batch,
@@ -467,9 +492,6 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
                   out_dim=d_out, seqlen_cache=capacity, seqlen_new=seqlen_new, page_size=page_size,
                   num_splits=num_splits, row_blocks=row_blocks, mask_keys=mask_keys, num_pages=num_pages,
                   max_pages=max_pages)
-    out_layout = out if out is not None else _checks.Shaped(out_shape, q.dtype)
-    if varlen:   # one batch of rows, as q: the sequences start at cu_seqlens_q
-        out_layout = _checks.Shaped((1, *out_shape), q.dtype) if out is None else out[None]
     for name, x in (("q", q_k), ("k", kc), ("v", vc), ("o", out_layout)):
         fields.update(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), _row_strides(x)))
     lse_strides = _checks.element_strides(_checks.Shaped(lse_buffer.shape, np.float32))
@@ -536,16 +558,23 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
 
     kernel_operands = [q_k, kc, None if mla else vc, seqlens_dev, table_dev, kn, None if mla else vn, mask_view,
                        alibi_dev, out, lse_given, sinks_dev, k_scale_dev, v_scale_dev, cu_dev, *user_arrays]
-    ptrs = _memo.pointers(kernel_operands)
-    in_place = _memo.in_place(operands, kernel_operands)
-    if not in_place:
-        _capture.refuse_capture("decode", _capture.COPIES_NOT_CAPTURED)
-    _memo.remember(key if in_place else None, plan)
+    ptrs = _remember(plan, operands, key, kernel_operands)
     finish = None
     if seqlen_new and not cache_in_place:
         finish = functools.partial(_write_back, k_cache, v_cache, k_new, v_new, lens, table, page_size,
                                    (kc, vc) if kv_dtype is not None else None)
     return plan, ptrs, finish
+
+
+def _remember(plan, operands, key, kernel_operands):
+    """The call's pointers (of its kernel-ready operands); the plan is remembered for calls of this
+    layout unless an operand had to be copied (such a call cannot be captured either)."""
+    ptrs = _memo.pointers(kernel_operands)
+    in_place = _memo.in_place(operands, kernel_operands)
+    if not in_place:
+        _capture.refuse_capture("decode", _capture.COPIES_NOT_CAPTURED)
+    _memo.remember(key if in_place else None, plan)
+    return ptrs
 
 
 def _write_back(k_cache, v_cache, k_new, v_new, lens, table, page_size, copies=None):
@@ -729,7 +758,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
                 k_scale_op, v_scale_op, None)
     if score_mod is not None or mask_mod is not None:
         operands, mod_key = _with_modifiers(operands, score_mod, mask_mod)
-    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value, v_head_dim)
+    options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value, v_head_dim,
+               _prefill_plan.forced())
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:

@@ -17,7 +17,7 @@ import struct
 import numpy as np
 
 __all__ = ["USER_ARGS", "FWD_PARAMS", "BWD_PARAMS", "CONVERT_PARAMS", "DECODE_PARAMS", "MERGE_PARAMS", "CHECK_PARAMS",
-           "Layout", "Template", "FWD", "BWD", "CONVERT", "DECODE", "MERGE", "CHECK"]
+           "APPEND_PARAMS", "Layout", "Template", "FWD", "BWD", "CONVERT", "DECODE", "MERGE", "CHECK", "APPEND"]
 
 
 def _fields(kind, names):
@@ -37,7 +37,7 @@ USER_ARGS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/params.cuh
 FWD_PARAMS = np.dtype(
     _fields(np.uint64, ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "mask", "bias",
-                        "block_mask", "sinks", "error"))
+                        "block_mask", "sinks", "error", "block_table", "seqused_k"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -47,13 +47,14 @@ FWD_PARAMS = np.dtype(
         "alibi_batch_stride",
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride",
         "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
-        "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride"))
+        "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride",
+        "block_table_batch_stride"))
     + [("dropout_state", np.uint64), ("dropout_seed", np.uint64), ("user", USER_ARGS)]
     + _fields(np.int32, ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "head_dim_v",
                          "window_left", "window_right", "block_q", "block_k", "bias_dtype"))
     + _fields(np.uint32, ("dropout_offset", "dropout_threshold"))
     + _fields(np.float32, ("scale", "scale_log2", "softcap", "dropout_rescale"))
-    + _fields(np.int32, ("dropout_row0", "dropout_col0", "tail_heads")),
+    + _fields(np.int32, ("dropout_row0", "dropout_col0", "tail_heads", "seqlen_k_new", "page_size", "kv_box_rows")),
     align=True,
 )
 
@@ -125,6 +126,19 @@ CHECK_PARAMS = np.dtype(
     + [("block_table_batch_stride", np.int64)]
     + _fields(np.int32, ("batch", "capacity", "seqlen_new", "page_size", "num_pages", "max_pages", "total_q",
                          "total_k", "max_seqlen_q", "max_seqlen_k")),
+    align=True,
+)
+
+# ----------------------------------------------------------------------------- cuda_src/append_kv.cu
+APPEND_PARAMS = np.dtype(
+    _fields(np.uint64, ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table", "error"))
+    + _fields(np.int64, (
+        "k_new_batch_stride", "k_new_row_stride", "k_new_head_stride",
+        "v_new_batch_stride", "v_new_row_stride", "v_new_head_stride",
+        "k_batch_stride", "k_row_stride", "k_head_stride",
+        "v_batch_stride", "v_row_stride", "v_head_stride",
+        "block_table_batch_stride"))
+    + _fields(np.int32, ("seqlen_new", "heads_k", "k_chunks", "v_chunks", "page_size")),
     align=True,
 )
 
@@ -202,6 +216,7 @@ CONVERT = Layout(CONVERT_PARAMS, {"num_partials": 1, "scale": 1.0})
 DECODE = Layout(DECODE_PARAMS, {"score.dropout_rescale": 1.0})
 MERGE = Layout(MERGE_PARAMS)
 CHECK = Layout(CHECK_PARAMS)
+APPEND = Layout(APPEND_PARAMS)
 
 
 class Template:

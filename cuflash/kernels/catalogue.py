@@ -17,7 +17,8 @@ from .decode import (DECODE_KV_DTYPES, DECODE_MLA_HEAD_DIM, DECODE_MMA_HEAD_DIMS
 from .forward import default_family, forward_plan, forward_precompile_variants
 from .fwd_simt import SIMT_HEAD_DIMS
 from .fwd_sm80 import SM80_HEAD_DIMS
-from .fwd_sm90 import SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS
+from .append_kv import append_kv_variant
+from .fwd_sm90 import SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS, kv_cache_variants
 from .merge import merge_plan
 from .rng_state import rng_state_variant
 from .._build.variant import Variant
@@ -184,7 +185,8 @@ def ci_variants() -> list[tuple[Variant, str]]:
     score modifier alone (forward, backward, decode at D=128, no dropout), the user modifiers of
     :func:`user_variants` (D = 64 and 128; with and without the block mask derived from the MaskMod)
     and :func:`user_decode_variants`, the block-mask evaluations of :func:`ci_mask_blocks_variants`,
-    :func:`mla_decode_variants` and :func:`keys_as_m_decode_variants`."""
+    :func:`mla_decode_variants`, :func:`keys_as_m_decode_variants`, append_kv and fwd_sm90 over a KV
+    cache (bf16, sm_90a: :func:`kv_cache_variants`)."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -203,6 +205,9 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants += [v for v in fp8_decode_variants() if v not in variants]
         variants += [v for v in mla_decode_variants() if v not in variants]
         variants += [v for v in keys_as_m_decode_variants() if v not in variants]
+        variants.append(append_kv_variant())
+        if arch.startswith("sm_90"):
+            variants += [v for v in kv_cache_variants(("bfloat16",)) if v not in variants]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -247,8 +252,8 @@ def _one_score_mod(variant: Variant) -> bool:
 def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
     """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
     set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
-    contiguous and paged decode (16-bit and fp8 caches, both tiles), and the merge, preprocess,
-    convert, index-check and rng-state kernels. What the GPU tests may compile
+    contiguous and paged decode (16-bit and fp8 caches, both tiles), fwd_sm90 over a KV cache, and the
+    merge, preprocess, convert, index-check, append and rng-state kernels. What the GPU tests may compile
     (``benchmarks/gpu_check.sh`` builds them all first); for the default shared-memory budget of decode.
 
     Parameters
@@ -317,6 +322,10 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states
     out.setdefault(check_indices_variant())
     out.setdefault(rng_state_variant())
+    out.setdefault(append_kv_variant())
+    if arch is None or arch.startswith("sm_90"):   # decode's many new tokens on fwd_sm90
+        for variant in kv_cache_variants(tuple(d for d in dtypes if d != "float32"), dims(SM90_HEAD_DIMS)):
+            out.setdefault(variant)
     if head_dims is None:   # (a head-dim filter asks for equal head dims)
         for variant in value_head_dim_variants(tuple(dtypes), sm90=arch is None or arch.startswith("sm_90")):
             out.setdefault(variant)

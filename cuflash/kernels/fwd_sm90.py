@@ -3,6 +3,8 @@ producer warpgroup, two or three consumers), persistent CTAs; float16/bfloat16 o
 
 from __future__ import annotations
 
+import math
+
 from .common import DEFAULT_SMEM_PER_BLOCK, LaunchPlan, round_up
 from .._runtime.params import FWD_PARAMS
 from .._build.variant import Variant
@@ -37,6 +39,42 @@ SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 # after the next tile's exponentials, and 2 stages left the producer waiting (same-run A/B, 8k keys:
 # 0.99 -> 1.02 of cuDNN, 1k 0.89 -> 0.96).
 SM90_STAGES = {64: 4, 128: 2, 256: 2}
+
+# Over a KV cache (CUFLASH_KV_CACHE: decode's many new tokens, cuflash/_prefill_plan.py):
+#: the new tokens (rows of the longest sequence) from which decode runs on fwd_sm90; below it the decode
+#: kernel's split-KV keeps more SMs busy than 128-row blocks would.
+KV_CACHE_MIN_QUERIES = 128
+#: the score modifiers it takes (decode's names), each a variant without spills (ALiBi and softcap
+#: together spilled 20-24 bytes at D = 64 and 128: the decode kernel runs them);
+KV_CACHE_SCORE_MODS = ((), ("softcap",), ("alibi",))
+#: how the cache's rows reach shared memory (CUFLASH_KV_CACHE): by TMA, or copied by the producer warpgroup.
+KV_CACHE_MODES = {"tma": 1, "gather": 2}
+
+
+#: TMA boxes of a paged cache have gcd(page_size, keys per tile) rows, which must be a multiple of 8: the
+#: 128-byte swizzle's 1024-byte atoms stay whole.
+KV_CACHE_BOX_MULTIPLE = 8
+
+
+def kv_cache_mode(page_size: int | None) -> str:
+    """``"tma"`` for a contiguous cache (``page_size`` None) or pages of a multiple of KV_CACHE_BOX_MULTIPLE
+    rows (boxes of :func:`kv_box_rows`), else ``"gather"``: 16-byte copies by the producer warpgroup."""
+    return "tma" if page_size is None or page_size % KV_CACHE_BOX_MULTIPLE == 0 else "gather"
+
+
+def kv_box_rows(page_size: int | None, block_n: int) -> int:
+    """Rows of one TMA box over a KV cache: a tile's ``block_n`` keys for a contiguous cache, else
+    gcd(page_size, block_n), so that no box crosses a page (a tile is block_n / that many boxes)."""
+    return block_n if page_size is None else math.gcd(page_size, block_n)
+
+
+def kv_cache_variants(dtypes=("float16", "bfloat16"), head_dims=SM90_HEAD_DIMS) -> list[Variant]:
+    """fwd_sm90's variants over a KV cache: square head dims, each of KV_CACHE_SCORE_MODS, both modes, and
+    DeepSeek's (192, 128)."""
+    out = [plan(dtype_name, d, score_mods=mods, dropout=False, kv_cache=mode).variant
+           for dtype_name in dtypes for d in head_dims for mods in KV_CACHE_SCORE_MODS for mode in KV_CACHE_MODES]
+    return out + [plan(dtype_name, 192, score_mods=(), dropout=False, head_dim_v=SM90_PAIR_QK_192_V,
+                       kv_cache=mode).variant for dtype_name in dtypes for mode in KV_CACHE_MODES]
 
 
 def sm90_consumers(head_dim: int, *, featured: bool, full: bool, seqlen_q: int) -> int:
@@ -138,10 +176,13 @@ def _pair_tiles(kdim: int, kdim_v: int, block_n: int, consumers: int) -> tuple[i
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2,
-         head_dim_v: int | None = None) -> LaunchPlan:
+         head_dim_v: int | None = None, kv_cache: str | None = None) -> LaunchPlan:
     """fwd_sm90's variant for a run-time head dim (rounded up to SM90_HEAD_DIMS) and its consumer
     warpgroups (:func:`sm90_consumers`). ``head_dim_v``: v's and out's head dim when it differs (rounded
-    up the same way; two consumers; the key tile and stage count of :func:`_pair_tiles`)."""
+    up the same way; two consumers; the key tile and stage count of :func:`_pair_tiles`). ``kv_cache``:
+    keys and values from a KV cache (``CUFLASH_KV_CACHE``; decode's chunked prefill,
+    :mod:`cuflash._prefill_plan`): ``"tma"`` (contiguous, or pages of whole tiles) or ``"gather"``
+    (other pages, copied row by row: :func:`kv_cache_mode`)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
     obstacle = value_head_dim_obstacle(head_dim, head_dim_v)
@@ -173,5 +214,7 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     }
     if kdim_v != kdim:   # only such variants carry it (the others keep their compile keys)
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
+    if kv_cache is not None:
+        defines["CUFLASH_KV_CACHE"] = KV_CACHE_MODES[kv_cache]
     return LaunchPlan(Variant("fwd_sm90", tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
                       smem, kdim)

@@ -379,9 +379,11 @@ def test_reachable_variants():
     assert "fwd_sm90" not in {v.family for v in kernels.catalogue.reachable_variants("sm_80")}
     # fwd_sm90: 2 dtypes x 3 head dims x 7 modifier sets x dropout on/off, the three-warpgroup plain
     # variant at D = 64 for each dtype, and per dtype the value head dim pairs, plain and with every
-    # modifier and dropout.
+    # modifier and dropout; and over a KV cache (kv_cache_variants).
     pairs = len(kernels.catalogue.VALUE_HEAD_DIM_PAIRS)
-    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2 + 2 + 2 * pairs * 2
+    kv = len(kernels.fwd_sm90.kv_cache_variants())
+    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 7 * 2 + 2 + 2 * pairs * 2 + kv
+    assert set(kernels.fwd_sm90.kv_cache_variants()) <= set(sm90) and kernels.append_kv.append_kv_variant() in sm90
     small = kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (100,))
     assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
 
