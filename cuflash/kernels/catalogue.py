@@ -325,7 +325,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
     out.setdefault(append_kv_variant())
     if arch is None or arch.startswith("sm_90"):   # decode's many new tokens on fwd_sm90
         for variant in kv_cache_variants(tuple(d for d in dtypes if d != "float32"), dims(SM90_HEAD_DIMS)):
-            out.setdefault(variant)
+            if head_dims is None or "CUFLASH_HEAD_DIM_V" not in dict(variant.defines):   # (as the pairs below)
+                out.setdefault(variant)
     if head_dims is None:   # (a head-dim filter asks for equal head dims)
         for variant in value_head_dim_variants(tuple(dtypes), sm90=arch is None or arch.startswith("sm_90")):
             out.setdefault(variant)
