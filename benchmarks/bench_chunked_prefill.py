@@ -12,7 +12,9 @@ Contenders, from torch tensors, outputs allocated per call:
   paged cache; planned on fwd_sm90 over the cache (cuflash/_prefill_plan.py);
 - ``cuflash append``: the same call with the chunk's keys given as ``k_new``/``v_new`` and appended
   by the call (cache_seqlens = the prefix): the append's cost on top;
-- ``cuflash decode kernel``: the first call forced onto the decode kernel (its former path);
+- ``cuflash decode kernel``: the first call forced onto the decode kernel (its former path), and with
+  ``--crossover`` ``cuflash fwd_sm90``: forced onto fwd_sm90 (below KV_CACHE_MIN_QUERIES new tokens
+  the first call runs on the decode kernel; this measures where the two cross);
 - ``cuflash contiguous``: ``ct.attention(q, k, v, causal=True)`` on a contiguous copy of the keys
   (B, prefix + new, 8, 128): the same work, the bar's reference;
 - ``fa4`` / ``fa4 contiguous``: ``flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=, page_table=,
@@ -33,11 +35,11 @@ import argparse
 from _harness import Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable, write_results
 
 HQ, HK, D = 32, 8, 128
-COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash decode kernel", "cuflash contiguous",
-           "fa4", "fa4 contiguous", "x contiguous", "x fa4", "x decode kernel", "maxdiff"]
+COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash decode kernel", "cuflash fwd_sm90",
+           "cuflash contiguous", "fa4", "fa4 contiguous", "x contiguous", "x fa4", "x decode kernel", "maxdiff"]
 
 
-def contenders(gpu, ct, fa4, batch, prefix, new, page):
+def contenders(gpu, ct, fa4, batch, prefix, new, page, crossover=False):
     """({name: fn(i)}, {name: fn() -> output}) of one problem."""
     import cuflash._prefill_plan as prefill
 
@@ -60,17 +62,21 @@ def contenders(gpu, ct, fa4, batch, prefix, new, page):
     prefix_lens = torch.full((batch,), prefix, device="cuda", dtype=torch.int32)
     k_new, v_new = k[:, prefix:].contiguous(), v[:, prefix:].contiguous()
 
-    def decode_kernel():
-        with prefill.force_kernel("decode"):
-            return ct.decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+    def forced(family):
+        def call():
+            with prefill.force_kernel(family):
+                return ct.decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+        return call
 
     calls = {
         "cuflash": lambda: ct.decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table),
         "cuflash append": lambda: ct.decode(q, k_cache, v_cache, cache_seqlens=prefix_lens, block_table=table,
                                             k_new=k_new, v_new=v_new),
-        "cuflash decode kernel": decode_kernel,
+        "cuflash decode kernel": forced("decode"),
         "cuflash contiguous": lambda: ct.attention(q, k, v, causal=True),
     }
+    if crossover:
+        calls["cuflash fwd_sm90"] = forced("fwd_sm90")
     if fa4 is not None:
         calls["fa4"] = lambda: fa4_out(fa4.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=lens,
                                                                    page_table=table, causal=True))
@@ -84,6 +90,7 @@ def main(argv=None):
     p.add_argument("--prefix", type=int, default=16384)
     p.add_argument("--new", default="2048", help="comma-separated chunk lengths")
     p.add_argument("--pages", default="16,64")
+    p.add_argument("--crossover", action="store_true", help="also time the calls forced onto fwd_sm90")
     args = p.parse_args(argv)
     import cupy
 
@@ -100,7 +107,7 @@ def main(argv=None):
         for batch in (int(x) for x in args.batch.split(",")):
             for new in (int(x) for x in args.new.split(",")):
                 for page in (int(x) for x in args.pages.split(",")):
-                    steps, outputs = contenders(gpu, ct, fa4, batch, args.prefix, new, page)
+                    steps, outputs = contenders(gpu, ct, fa4, batch, args.prefix, new, page, args.crossover)
                     usable = runnable(steps, f"(B {batch}, new {new}, page {page})")
                     ms = timer.median_ms_each(usable)
                     pairs = new * args.prefix + new * (new + 1) // 2

@@ -43,9 +43,11 @@ def forced() -> str | None:
     return _forced_family.get()
 
 
-def runs_on_fwd_sm90(*, seqlen_q, **arguments) -> bool:
-    """Whether a decode call runs on fwd_sm90 over its cache: forced, or kernels.fwd_sm90.KV_CACHE_MIN_QUERIES new tokens
-    or more; and nothing in :func:`obstacle`. A forced fwd_sm90 that cannot run the call is a ValueError."""
+def runs_on_fwd_sm90(*, seqlen_q, work_items, sms, **arguments) -> bool:
+    """Whether a decode call runs on fwd_sm90 over its cache: forced, or enough new tokens
+    (:func:`kernels.fwd_sm90.kv_cache_pays`: ``seqlen_q`` the longest sequence's, ``work_items`` fwd_sm90's
+    128-row blocks x query heads x sequences, ``sms`` the GPU's); and nothing in :func:`obstacle`. A
+    forced fwd_sm90 that cannot run the call is a ValueError."""
     family = _forced_family.get()
     if family == "decode":
         return False
@@ -54,7 +56,7 @@ def runs_on_fwd_sm90(*, seqlen_q, **arguments) -> bool:
         if why is not None:
             raise ValueError(f"the forced kernel family fwd_sm90 cannot run this decode call: {why}")
         return True
-    return why is None and seqlen_q >= kernels.fwd_sm90.KV_CACHE_MIN_QUERIES
+    return why is None and kernels.fwd_sm90.kv_cache_pays(seqlen_q, work_items, sms)
 
 
 def obstacle(*, dtype_name, score_mods, kv_dtype, mla, num_splits, paged, page_size, num_pages, head_dim,
@@ -93,15 +95,17 @@ def _byte_strides(x, name):
     return dict(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), x.strides[:3]))
 
 
-def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v_new, out, lse_shape, varlen,
+def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v_new, out, out_shape, lse_shape,
+                 varlen,
                  batch, seqlen_q, heads_q, head_dim, head_dim_v, paged, page_size, table_stride, capacity,
                  seqlen_new, lens_given, opts, alibi_batch_stride, sinks, return_lse, lse_output, check):
     """The plan of a decode call on fwd_sm90 over its cache: [the index check,] [the append,] the forward.
 
     ``slots``: the decode call's operand indices by name (q, k_cache, v_cache, cache_seqlens, block_table,
     k_new, v_new, alibi_slopes, sinks, out, lse, cu_seqlens_q). ``q`` (a batch of rows when ``varlen``),
-    the caches, ``k_new``/``v_new`` and ``out`` (an array or :class:`_checks.Shaped`) are kernel-ready
-    (16-byte rows, strides a tensor map takes). ``check``: the index check's fields, or None.
+    the caches, ``k_new``/``v_new`` and ``out`` (an array or :class:`_checks.Shaped`; ragged: one batch of
+    rows, as q) are kernel-ready (16-byte rows, strides a tensor map takes); ``out_shape`` the output the
+    call returns. ``check``: the index check's fields, or None.
     """
     heads_k = k_cache.shape[2]
     score_mods = (("softcap",) if opts.softcap > 0 else ()) + (("alibi_slopes",) if alibi_batch_stride is not None
@@ -112,7 +116,7 @@ def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v
     block_n = dict(plan_k.variant.defines)["CUFLASH_BLOCK_N"]
     box_rows = kernels.fwd_sm90.kv_box_rows(page_size if paged else None, block_n)
     lse_buffer = _step.Buffer(lse_shape, np.float32)
-    outputs = {slots["out"]: _step.Buffer(out.shape, out.dtype)}
+    outputs = {slots["out"]: _step.Buffer(out_shape, out.dtype)}
     if lse_output:
         outputs[slots["lse"]] = lse_buffer
     plan = _plan.Plan("decode", n_operands, outputs=outputs, temps=() if lse_output else (lse_buffer,),

@@ -41,9 +41,19 @@ SM90_Q_SLOTS = {64: 2, 128: 2, 256: 1}
 SM90_STAGES = {64: 4, 128: 2, 256: 2}
 
 # Over a KV cache (CUFLASH_KV_CACHE: decode's many new tokens, cuflash/_prefill_plan.py):
-#: the new tokens (rows of the longest sequence) from which decode runs on fwd_sm90; below it the decode
-#: kernel's split-KV keeps more SMs busy than 128-row blocks would.
-KV_CACHE_MIN_QUERIES = 128
+#: the new tokens (of the longest sequence) from which decode runs on fwd_sm90 (kv_cache_pays), and from
+#: which it does when its 128-row blocks alone fill the SMs.
+KV_CACHE_MIN_QUERIES, KV_CACHE_MIN_QUERIES_FULL = 128, 32
+
+
+def kv_cache_pays(seqlen_q: int, work_items: int, sms: int) -> bool:
+    """Whether decode's ``seqlen_q`` new tokens run faster on fwd_sm90 than on the decode kernel:
+    from KV_CACHE_MIN_QUERIES, or from KV_CACHE_MIN_QUERIES_FULL when fwd_sm90's ``work_items`` (128-row
+    blocks x query heads x sequences) fill the ``sms``. Below, the decode kernel's split-KV keeps more
+    SMs busy. H200, GQA 32/8, D 128, prefix 4k, page 16, TFLOP/s decode kernel / fwd_sm90: one sequence
+    (32 items) 32 new tokens 49.7 / 27.2, 64 71.2 / 55.0, 128 75.6 / 110.9; eight (256 items) 32 78.2 /
+    114.7, 64 79.0 / 231.2 (benchmarks/results/chunked_prefill_crossover_h200.md)."""
+    return seqlen_q >= KV_CACHE_MIN_QUERIES or (seqlen_q >= KV_CACHE_MIN_QUERIES_FULL and work_items >= sms)
 #: the score modifiers it takes (decode's names), each a variant without spills (ALiBi and softcap
 #: together spilled 20-24 bytes at D = 64 and 128: the decode kernel runs them);
 KV_CACHE_SCORE_MODS = ((), ("softcap",), ("alibi",))

@@ -14,7 +14,7 @@ def hopper(monkeypatch):
 
 def _call(**changes):
     """The arguments of runs_on_fwd_sm90 for a chunk of 512 bf16 tokens over a paged cache of 16-row pages."""
-    args = dict(dtype_name="bfloat16", seqlen_q=512, score_mods=(), kv_dtype=None, mla=False, num_splits=0, paged=True,
+    args = dict(dtype_name="bfloat16", seqlen_q=512, work_items=512, sms=132, score_mods=(), kv_dtype=None, mla=False, num_splits=0, paged=True,
                 page_size=16, num_pages=4096, head_dim=128, head_dim_v=128, cache_in_place=True, arrays=())
     args.update(changes)
     return args
@@ -35,8 +35,11 @@ def test_kv_box_rows_never_cross_a_page(page_size, block_n, rows):
 
 def test_many_new_tokens_run_on_fwd_sm90(hopper):
     assert _prefill_plan.runs_on_fwd_sm90(**_call())
-    assert _prefill_plan.runs_on_fwd_sm90(**_call(seqlen_q=fwd_sm90.KV_CACHE_MIN_QUERIES))
-    assert not _prefill_plan.runs_on_fwd_sm90(**_call(seqlen_q=fwd_sm90.KV_CACHE_MIN_QUERIES - 1))
+    few = fwd_sm90.KV_CACHE_MIN_QUERIES_FULL
+    assert _prefill_plan.runs_on_fwd_sm90(**_call(seqlen_q=fwd_sm90.KV_CACHE_MIN_QUERIES, work_items=1))
+    assert not _prefill_plan.runs_on_fwd_sm90(**_call(seqlen_q=fwd_sm90.KV_CACHE_MIN_QUERIES - 1, work_items=131))
+    assert _prefill_plan.runs_on_fwd_sm90(**_call(seqlen_q=few, work_items=132))   # the SMs filled
+    assert not _prefill_plan.runs_on_fwd_sm90(**_call(seqlen_q=few - 1, work_items=10_000))
 
 
 @pytest.mark.parametrize("changes, why", [

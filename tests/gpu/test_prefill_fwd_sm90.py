@@ -121,6 +121,13 @@ def test_ragged_chunks_through_attention_varlen_on_fwd_sm90(xp_gpu, page_size):
                                             block_table=None if table is None else cupy.asarray(table),
                                             causal=True, return_lse=True, out=out)
     assert got.data.ptr == out.data.ptr
+    with _prefill_plan.force_kernel("fwd_sm90"):   # out allocated by the call: the same packed layout
+        again = cuflash.attention_varlen(cupy.asarray(q), cupy.asarray(case["k_cache"]), cupy.asarray(case["v_cache"]),
+                                         cupy.asarray(cu), None, max_seqlen_q=int(n.max()),
+                                         cache_seqlens=cupy.asarray(case["lens"]),
+                                         block_table=None if table is None else cupy.asarray(table), causal=True)
+    assert again.shape == q.shape
+    assert bool((again.view(cupy.uint16) == got.view(cupy.uint16)).all())
     for b in range(3):
         if n[b] == 0:
             continue
