@@ -574,7 +574,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
         which already hold each sequence's new keys, ``cu_seqlens_k`` must be None, and sequence b's
         n_b queries attend to its ``cache_seqlens[b]`` keys aligned bottom-right as in
         :func:`decode` (query i sees keys ``j <= i + cache_seqlens[b] - n_b`` with ``causal``).
-        Runs on the decode kernels (not yet the forward ones); no dropout. Index arrays are checked
+        Runs on the Hopper forward kernel reading the cache where :func:`cuflash.decode` would, else on
+        the decode kernel; no dropout. Index arrays are checked
         as in :func:`decode`.
 
     Returns

@@ -613,9 +613,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     Parameters
     ----------
     q : array (B, Sq, Hq, D), float16, bfloat16 or float32 (CuPy or any CUDA DLPack array)
-        Sq (new tokens): any number. The kernel is built for a few dozen; a chunk of hundreds (chunked
-        prefill) runs on it too, each 16 packed query rows reading the keys they see: slower than a
-        forward kernel would be (not yet routed to one). Query heads that share a kv head
+        Sq (new tokens): any number. A few run on the decode kernel; a chunk (chunked prefill: from 128
+        new tokens, or from 32 when the batch and heads fill the GPU) runs on the Hopper forward kernel
+        reading the cache (sm_90, 16-bit caches, no ``mask`` or user modifiers, not softcap and ALiBi
+        together: docs/decisions.md#chunked-prefill-on-fwd_sm90), after the append. Query heads that share a kv head
         (h // (Hq // Hk), GQA/MQA) are computed together, so the cache is read once per kv head.
     k_cache, v_cache : arrays, the dtype of q
         Contiguous (B, S_cache, Hk, D), or paged (num_pages, page_size, Hk, D) with ``block_table``
