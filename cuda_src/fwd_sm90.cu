@@ -396,7 +396,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         setmaxnreg_dec<C::kProducerRegs>();
         constexpr bool gather = C::kKvGather, collective = C::kKvCache;   // who calls issue_v_due: all
         if (warp != 0 && !gather) return;
-        const bool leader = threadIdx.x == 0;
+        const bool leader = (gather ? threadIdx.x : lane) == 0;   // lane 0 of warp 0
         int stage = 0, phase = 0, slot = 0, q_phase = 0, item_parity = 0;
         // A tile's V goes out after the next tile's K, the order in which the consumers use them
         // (S of tile j + 1 is issued before P V of tile j): waiting for V's stage to be released
@@ -478,8 +478,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 unsigned masked;
                 for (unsigned todo = w.tiles_from(p, base, &masked); todo != 0; todo &= todo - 1) {
                     const int bit = __ffs(todo) - 1, n = base + bit;   // the lowest tile not yet loaded
-                    const int key_row = w.s.k_row0 + n * C::kBlockN;
                     if constexpr (gather) {
+                        const int key_row = w.s.k_row0 + n * C::kBlockN;
                         const int cache_row = kv_cache_row<C::kBlockN>(p, w.s, key_row);
                         mbar_wait(k_empty(stage), phase ^ 1);
                         copy_kv_row<C::kBlockN, C::kColBlocks>(k_smem + stage * C::kKBytes, p.k, p.k_batch_stride,
@@ -493,7 +493,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         issue_v_due();   // the previous tile's
                         v_batch = cache_row;
                         v_row = key_row;
+                        v_head = w.s.h_kv;
                     } else if (C::kKvCache) {
+                        const int key_row = w.s.k_row0 + n * C::kBlockN;
                         int page, row;
                         kv_box_coords(p, w.s, key_row, lane, &page, &row);   // before the wait: its latency hides
                         if (leader) {
@@ -506,7 +508,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         issue_v_due();   // the previous tile's
                         v_row = row;
                         v_batch = page;
+                        v_head = w.s.h_kv;
                     } else if (leader) {
+                        const int key_row = w.s.k_row0 + n * C::kBlockN;
                         mbar_wait(k_empty(stage), phase ^ 1);
                         tile_of_stage[stage] = n;
                         if constexpr (C::kMaskOnly) masked_of_stage[stage] = (masked >> bit) & 1u;
@@ -516,9 +520,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                                         key_row, w.s.h_kv, w.batch_coord, k_full(stage));
                         issue_v_due();   // the previous tile's
                         v_row = key_row;
+                        v_head = w.s.h_kv;
                         v_batch = w.batch_coord;
                     }
-                    v_head = w.s.h_kv;
                     if (++stage == C::kStages) { stage = 0; phase ^= 1; }
                 }
                 }

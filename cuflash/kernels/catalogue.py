@@ -27,12 +27,21 @@ from ..features import DECODE_SCORE_MODS, score_mod_bits, score_mod_sets
 
 def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
     """Every kernel family's variants worth compiling ahead of time (``python -m cuflash
-    precompile``, :func:`cuflash.precompile`): forward, decode and merge, backward."""
+    precompile``, :func:`cuflash.precompile`): forward, decode and merge, backward, the index check,
+    append_kv and fwd_sm90 over a KV cache."""
     out = forward_precompile_variants(dtypes, head_dims, families, arch)
     for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims, arch)):
         out += [v for v in more if v not in out and (families is None or v.family in families)]
     if families is None or "check_indices" in families:
         out.append(check_indices_variant())
+    if families is None or "append_kv" in families:
+        out.append(append_kv_variant())
+    if (families is None or "fwd_sm90" in families) and (arch is None or arch.startswith("sm_90")):
+        # decode's chunked prefill on fwd_sm90 (square head dims; the pair compiles on first use)
+        out += [v for v in kv_cache_variants(tuple(d for d in (dtypes or ("float16", "bfloat16")) if d != "float32"),
+                                             tuple(sorted({round_up(d, SM90_HEAD_DIMS) for d in head_dims}))
+                                             if head_dims else SM90_HEAD_DIMS)
+                if "CUFLASH_HEAD_DIM_V" not in dict(v.defines) and v not in out]
     if families is None or "rng_state" in families:
         out.append(rng_state_variant())
     return out
