@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import argparse
 
-from _harness import Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable, write_results
+from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
+                      write_results)
 
 HQ, HK, D = 32, 8, 128
 COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash decode kernel", "cuflash fwd_sm90",

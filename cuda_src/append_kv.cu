@@ -35,7 +35,8 @@ struct AppendParams {
 };
 
 #ifdef CUFLASH_APPEND_PARAMS_SIZE
-static_assert(sizeof(AppendParams) == CUFLASH_APPEND_PARAMS_SIZE, "AppendParams differs from cuflash/_runtime/params.py");
+static_assert(sizeof(AppendParams) == CUFLASH_APPEND_PARAMS_SIZE,
+              "AppendParams differs from cuflash/_runtime/params.py");
 #endif
 
 __device__ __forceinline__ void append_chunk(const AppendParams& p, int b, int t, int h, int c) {

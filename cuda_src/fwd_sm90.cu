@@ -77,7 +77,8 @@ struct FwdSm90Config {
     static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDimV == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
-    // test block masks; the consumers get the rest (160 each when there are three).
+    // test block masks and to read a KV cache (24 spilled 20-36 bytes there); the consumers get the
+    // rest (160 each when there are three).
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static constexpr int kProducerRegs = kBlockMask || kKvCache ? 40 : 24;
     static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask || kKvCache ? 232 : 240;
@@ -409,8 +410,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // Over a KV cache by TMA: K or V of a tile (after lane 0 armed the barrier), one copy a lane: lane
         // l the column block l % col_blocks of box l / col_blocks, whose coordinates lane l / col_blocks
         // holds (kv_box_coords). At most 32 copies: tiles of kBlockN / 8 boxes of kColBlocks blocks.
-        // Lane 0 issuing them all held pages of 16 rows to 0.61-0.64x the contiguous forward, a lane a box
-        // to 0.81x.
+        // Lane 0 issuing them all held pages of 16 rows to 0.61-0.64x the contiguous forward; a lane a box
+        // ran at 0.81x, a lane a copy at 0.77-0.79x in another run (level within runs' spread).
         auto load_boxes = [&](unsigned tile, const TmaMap* map, int col_blocks, int row, int head, int page,
                               unsigned bar) {
             __syncwarp();

@@ -72,7 +72,8 @@ def obstacle(*, dtype_name, score_mods, kv_dtype, mla, num_splits, paged, page_s
     if num_splits:
         return f"num_splits = {num_splits} (split-KV is the decode kernel's)"
     if tuple(score_mods) not in kernels.fwd_sm90.KV_CACHE_SCORE_MODS:
-        return f"the score modifiers {score_mods} (fwd_sm90 over a cache takes one of {kernels.fwd_sm90.KV_CACHE_SCORE_MODS[1:]})"
+        return (f"the score modifiers {score_mods} (fwd_sm90 over a cache takes one of "
+                f"{kernels.fwd_sm90.KV_CACHE_SCORE_MODS[1:]})")
     if paged and num_pages * page_size >= 2**31:
         return f"a paged cache of {num_pages} x {page_size} rows (its rows are counted in int32)"
     why = kernels.fwd_sm90.value_head_dim_obstacle(head_dim, head_dim_v)
@@ -96,8 +97,7 @@ def _byte_strides(x, name):
 
 
 def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v_new, out, out_shape, lse_shape,
-                 varlen,
-                 batch, seqlen_q, heads_q, head_dim, head_dim_v, paged, page_size, table_stride, capacity,
+                 varlen, batch, seqlen_q, heads_q, head_dim, head_dim_v, paged, page_size, table_stride, capacity,
                  seqlen_new, lens_given, opts, alibi_batch_stride, sinks, return_lse, lse_output, check):
     """The plan of a decode call on fwd_sm90 over its cache: [the index check,] [the append,] the forward.
 
@@ -154,7 +154,7 @@ def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v
                   seqlen_k_new=seqlen_new if lens_given else 0, page_size=page_size, kv_box_rows=box_rows,
                   block_table_batch_stride=table_stride,
                   **_element_strides(k_cache, "k"), **_element_strides(v_cache, "v"),
-                  lse_batch_stride=0 if varlen else lse_strides[0], lse_head_stride=lse_strides[-2 if varlen else 1],
+                  lse_batch_stride=0 if varlen else lse_strides[0], lse_head_stride=lse_strides[-2],
                   o_row_stride=out_strides[-3], o_head_stride=out_strides[-2])
     fwd_slots = dict(q=slots["q"], k=slots["k_cache"], v=slots["v_cache"], o=slots["out"],
                      lse=slots["lse"] if lse_output else plan.temp_index(0), **error)

@@ -407,15 +407,14 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
             work_items=-(-seqlen_q // 128) * heads_q * batch, sms=_launch.sm_count(_launch.device_id()),
             dtype_name=dtype_name, seqlen_q=seqlen_q, score_mods=score_mods, kv_dtype=kv_dtype, mla=mla,
             num_splits=num_splits, paged=paged, page_size=page_size, num_pages=num_pages, head_dim=d_pad,
-            head_dim_v=dv_pad,
-            cache_in_place=cache_in_place, arrays=(q_k, kc, vc, out)):
+            head_dim_v=dv_pad, cache_in_place=cache_in_place, arrays=(q_k, kc, vc, out)):
         lse_output = return_lse or lse_given is not None
         plan = _prefill_plan.prefill_plan(
             dict(q=_Q, k_cache=_K_CACHE, v_cache=_V_CACHE, cache_seqlens=_LENS, block_table=_TABLE, k_new=_K_NEW,
                  v_new=_V_NEW, alibi_slopes=_ALIBI, sinks=_SINKS, out=_OUT, lse=_LSE, cu_seqlens_q=_CU_Q),
             n_operands=len(operands), dtype_name=dtype_name, q=q_k, k_cache=kc, v_cache=vc, k_new=kn, v_new=vn,
-            out=out_layout, out_shape=out_shape, lse_shape=lse_shape, varlen=varlen, batch=batch, seqlen_q=seqlen_q, heads_q=heads_q,
-            head_dim=d_pad, head_dim_v=dv_pad, paged=paged, page_size=page_size,
+            out=out_layout, out_shape=out_shape, lse_shape=lse_shape, varlen=varlen, batch=batch, seqlen_q=seqlen_q,
+            heads_q=heads_q, head_dim=d_pad, head_dim_v=dv_pad, paged=paged, page_size=page_size,
             table_stride=check_fields["block_table_batch_stride"], capacity=capacity, seqlen_new=seqlen_new,
             lens_given=cache_seqlens is not None, opts=opts,
             alibi_batch_stride=None if alibi_dev is None else score_fields["score.alibi_batch_stride"],

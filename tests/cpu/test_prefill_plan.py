@@ -14,7 +14,8 @@ def hopper(monkeypatch):
 
 def _call(**changes):
     """The arguments of runs_on_fwd_sm90 for a chunk of 512 bf16 tokens over a paged cache of 16-row pages."""
-    args = dict(dtype_name="bfloat16", seqlen_q=512, work_items=512, sms=132, score_mods=(), kv_dtype=None, mla=False, num_splits=0, paged=True,
+    args = dict(dtype_name="bfloat16", seqlen_q=512, work_items=512, sms=132, score_mods=(), kv_dtype=None, mla=False,
+                num_splits=0, paged=True,
                 page_size=16, num_pages=4096, head_dim=128, head_dim_v=128, cache_in_place=True, arrays=())
     args.update(changes)
     return args
