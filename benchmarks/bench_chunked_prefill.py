@@ -12,9 +12,10 @@ Contenders, from torch tensors, outputs allocated per call:
   paged cache; planned on fwd_sm90 over the cache (cuflash/_prefill_plan.py);
 - ``cuflash append``: the same call with the chunk's keys given as ``k_new``/``v_new`` and appended
   by the call (cache_seqlens = the prefix): the append's cost on top;
-- ``cuflash decode kernel``: the first call forced onto the decode kernel (its former path), and with
-  ``--crossover`` ``cuflash fwd_sm90``: forced onto fwd_sm90 (below KV_CACHE_MIN_QUERIES new tokens
-  the first call runs on the decode kernel; this measures where the two cross);
+- ``cuflash decode kernel``: the first call forced onto the decode kernel (where fewer new tokens
+  run), and with ``--crossover`` ``cuflash fwd_sm90``: forced onto fwd_sm90 (below the threshold of
+  ``kernels.fwd_sm90.kv_cache_pays`` the first call runs on the decode kernel; this measures where the
+  two cross);
 - ``cuflash contiguous``: ``ct.attention(q, k, v, causal=True)`` on a contiguous copy of the keys
   (B, prefix + new, 8, 128): the same work, the bar's reference;
 - ``fa4`` / ``fa4 contiguous``: ``flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=, page_table=,
