@@ -229,6 +229,20 @@ def runnable(steps, problem):
     return usable
 
 
+def open_torch_peers(cupy, args, repeats=None, max_calls=50):
+    """What the scripts that time contenders from torch tensors open first: (gpu of :func:`open_gpu`, cuflash's
+    torch adapter, FA4 when carried and not ``--no-fa4``, a Timer of :func:`peer_arguments`' options and
+    ``repeats``, default ``--repeats``); None, with a line saying why, without a GPU or torch."""
+    gpu = open_gpu(cupy, use_torch=True)
+    if gpu is None or gpu.torch is None:
+        log("needs a GPU and torch")
+        return None
+    import cuflash.interop.torch as ct
+
+    timer = Timer(cupy, repeats or args.repeats, warmup=2, target_ms=args.target_ms, max_calls=max_calls)
+    return gpu, ct, open_fa4(gpu.torch, wanted=not args.no_fa4), timer
+
+
 def peer_arguments(parser, repeats=7):
     """The options of the scripts that time contenders from torch tensors: --repeats, --target-ms,
     --no-fa4, --md, --csv."""

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import argparse
 
-from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
-                      write_results)
+from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
 
 HQ, HK, D = 32, 8, 128
 COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash decode kernel", "cuflash fwd_sm90",
@@ -96,14 +95,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     import cupy
 
-    gpu = open_gpu(cupy, use_torch=True)
-    if gpu is None or gpu.torch is None:
-        log("needs a GPU and torch")
+    opened = open_torch_peers(cupy, args)
+    if opened is None:
         return
-    import cuflash.interop.torch as ct
-
-    fa4 = open_fa4(gpu.torch, wanted=not args.no_fa4)
-    timer = Timer(cupy, args.repeats, warmup=2, target_ms=args.target_ms, max_calls=50)
+    gpu, ct, fa4, timer = opened
     rows = []
     with gpu.stream:
         for batch in (int(x) for x in args.batch.split(",")):

@@ -34,8 +34,7 @@ import argparse
 
 import numpy as np
 
-from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
-                      write_results)
+from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
 
 HEADS, HEAD_DIM = 16, 128
 WINDOW, CAP, PREFIX = 1024, 30.0, 2048
@@ -150,16 +149,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     import cupy
 
-    gpu = open_gpu(cupy, use_torch=True)
-    if gpu is None or gpu.torch is None:
-        log("needs a GPU and torch")
+    opened = open_torch_peers(cupy, args, repeats=3 if args.quick else None, max_calls=20)
+    if opened is None:
         return
+    gpu, ct, fa4, timer = opened
     import cuflash
-    import cuflash.interop.torch as ct
 
-    fa4 = open_fa4(gpu.torch, wanted=not args.no_fa4)
     flex = open_flex(gpu.torch)
-    timer = Timer(cupy, 3 if args.quick else args.repeats, warmup=2, target_ms=args.target_ms, max_calls=20)
     rng = np.random.default_rng(0)
     rows = []
     with gpu.stream:

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
-                      write_results)
+from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
 
 SEQLEN, WINDOW = 8192, 128
 COLUMNS = ["problem", "plain ms", "sinks ms", "cost", "fa4 ms", "x fa4", "maxdiff", "bar"]
@@ -66,14 +65,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     import cupy
 
-    gpu = open_gpu(cupy, use_torch=True)
-    if gpu is None or gpu.torch is None:
-        log("needs a GPU and torch")
+    opened = open_torch_peers(cupy, args)
+    if opened is None:
         return
-    import cuflash.interop.torch as ct
-
-    fa4 = open_fa4(gpu.torch, wanted=not args.no_fa4)
-    timer = Timer(cupy, args.repeats, warmup=2, target_ms=args.target_ms, max_calls=50)
+    gpu, ct, fa4, timer = opened
     rows = []
     with gpu.stream:
         for d in (64, 128):

@@ -25,8 +25,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from _harness import (Timer, fa4_out, fmt, log, markdown_table, open_fa4, open_gpu, peer_arguments, runnable,
-                      write_results)
+from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
 
 BATCH, HEADS, SEQLEN = 2, 16, 8192
 PAIRS = ((192, 128), (128, 64), (64, 128))
@@ -77,17 +76,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     import cupy
 
-    gpu = open_gpu(cupy, use_torch=True)
-    if gpu is None or gpu.torch is None:
-        log("needs a GPU and torch")
+    opened = open_torch_peers(cupy, args)
+    if opened is None:
         return
-    import cuflash.interop.torch as ct
-
+    gpu, ct, fa4, timer = opened
     # SDPA explains every backend it did not pick, once per call; the left-out line says it once
     warnings.filterwarnings("ignore", message=".*(kernel not used|runtime disabled|requires q,k,v).*")
-
-    fa4 = open_fa4(gpu.torch, wanted=not args.no_fa4)
-    timer = Timer(cupy, args.repeats, warmup=2, target_ms=args.target_ms, max_calls=50)
     rows = []
     with gpu.stream:
         pairs = PAIRS[:1] if args.quick else PAIRS

@@ -68,3 +68,17 @@ def test_peer_arguments(harness):
 
     args = harness.peer_arguments(argparse.ArgumentParser(), repeats=5).parse_args(["--no-fa4", "--md", "t.md"])
     assert (args.repeats, args.target_ms, args.no_fa4, args.md, args.csv) == (5, 100.0, True, "t.md", None)
+
+
+def test_open_torch_peers_without_a_gpu_says_so(harness, capsys):
+    from types import SimpleNamespace
+
+    class Error(Exception):
+        pass
+
+    runtime = SimpleNamespace(CUDARuntimeError=Error, getDeviceCount=lambda: 0)
+    cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime))
+    args = SimpleNamespace(repeats=3, target_ms=10.0, no_fa4=True)
+    assert harness.open_torch_peers(cupy, args) is None
+    said = capsys.readouterr()
+    assert "no CUDA GPU" in said.err and "needs a GPU and torch" in said.out
