@@ -39,6 +39,12 @@ static_assert(sizeof(AppendParams) == CUFLASH_APPEND_PARAMS_SIZE,
               "AppendParams differs from cuflash/_runtime/params.py");
 #endif
 
+// 16-byte chunk c of the row at byte offset `from_row` of `from` into the row at `to_row` of `to`.
+__device__ __forceinline__ void copy_chunk(const void* from, long long from_row, void* to, long long to_row, int c) {
+    reinterpret_cast<uint4*>(static_cast<char*>(to) + to_row)[c] =
+        reinterpret_cast<const uint4*>(static_cast<const char*>(from) + from_row)[c];
+}
+
 __device__ __forceinline__ void append_chunk(const AppendParams& p, int b, int t, int h, int c) {
     const int pos = p.cache_seqlens[b] + t;
     long long slot = b, row = pos;
@@ -46,20 +52,12 @@ __device__ __forceinline__ void append_chunk(const AppendParams& p, int b, int t
         slot = p.block_table[b * p.block_table_batch_stride + pos / p.page_size];
         row = pos % p.page_size;
     }
-    if (c < p.k_chunks) {
-        const char* src = static_cast<const char*>(p.k_new) + b * p.k_new_batch_stride + t * p.k_new_row_stride +
-                          h * p.k_new_head_stride;
-        char* dst = static_cast<char*>(p.k_cache) + slot * p.k_batch_stride + row * p.k_row_stride +
-                    h * p.k_head_stride;
-        reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
-    }
-    if (c < p.v_chunks) {
-        const char* src = static_cast<const char*>(p.v_new) + b * p.v_new_batch_stride + t * p.v_new_row_stride +
-                          h * p.v_new_head_stride;
-        char* dst = static_cast<char*>(p.v_cache) + slot * p.v_batch_stride + row * p.v_row_stride +
-                    h * p.v_head_stride;
-        reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(src)[c];
-    }
+    if (c < p.k_chunks)
+        copy_chunk(p.k_new, b * p.k_new_batch_stride + t * p.k_new_row_stride + h * p.k_new_head_stride, p.k_cache,
+                   slot * p.k_batch_stride + row * p.k_row_stride + h * p.k_head_stride, c);
+    if (c < p.v_chunks)
+        copy_chunk(p.v_new, b * p.v_new_batch_stride + t * p.v_new_row_stride + h * p.v_new_head_stride, p.v_cache,
+                   slot * p.v_batch_stride + row * p.v_row_stride + h * p.v_head_stride, c);
 }
 
 }  // namespace cuflash
