@@ -214,9 +214,8 @@ __device__ __forceinline__ int kv_cache_row(const FwdParams& p, const SeqInfo& s
 // layout the TMA boxes would have given (128-byte rows of 64-column blocks, 16-byte chunks XORed with
 // the row; the tile is 1024-byte aligned); every (128 / kBlockN)-th column block from t / kBlockN.
 // Columns past the run-time head dim `cols` are zero-filled (cp.async's source size 0), as TMA fills
-// them. Completion reaches the stage's full barrier through cp_async_arrive_noinc. (A warp thus reads
-// 16 bytes of 32 rows per instruction; consecutive lanes on one row's chunks, rows handed to them by
-// shuffles, ran slower: 0.45-0.49x the contiguous forward at pages 16 and 64, against 0.52-0.56x.)
+// them. Completion reaches the stage's full barrier through cp_async_arrive_noinc. (Other splits of
+// the rows between threads: docs/decisions.md#chunked-prefill-on-fwd_sm90.)
 template <int kBlockN, int kColBlocks>
 __device__ __forceinline__ void copy_kv_row(unsigned tile, const void* cache, long long page_stride,
                                             long long row_stride, long long head_stride, int cols, int page_size,
@@ -410,8 +409,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // Over a KV cache by TMA: K or V of a tile (after lane 0 armed the barrier), one copy a lane: lane
         // l the column block l % col_blocks of box l / col_blocks, whose coordinates lane l / col_blocks
         // holds (kv_box_coords). At most 32 copies: tiles of kBlockN / 8 boxes of kColBlocks blocks.
-        // Lane 0 issuing them all held pages of 16 rows to 0.61-0.64x the contiguous forward; a lane a box
-        // ran at 0.81x, a lane a copy at 0.77-0.79x in another run (level within runs' spread).
+        // Lane 0 issuing them all held pages of 16 rows to 0.61-0.64x the contiguous forward
+        // (docs/decisions.md#chunked-prefill-on-fwd_sm90).
         auto load_boxes = [&](unsigned tile, const TmaMap* map, int col_blocks, int row, int head, int page,
                               unsigned bar) {
             __syncwarp();
