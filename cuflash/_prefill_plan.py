@@ -84,16 +84,11 @@ def obstacle(*, dtype_name, score_mods, kv_dtype, mla, num_splits, paged, page_s
     return None
 
 
-def _element_strides(x, name):
-    """{name_batch_stride, _row_stride, _head_stride: element strides} of a (B, S, H, D) array (a paged
-    cache's batch is its page)."""
-    return dict(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"),
-                    _checks.element_strides(x)[:3]))
-
-
-def _byte_strides(x, name):
-    """The same in bytes (cuda_src/append_kv.cu)."""
-    return dict(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), x.strides[:3]))
+def _strides(x, name, unit=None):
+    """{name_batch_stride, _row_stride, _head_stride} of a (B, S, H, D) array (a paged cache's batch is its
+    page), in elements, or in bytes with ``unit="bytes"`` (cuda_src/append_kv.cu)."""
+    strides = x.strides[:3] if unit == "bytes" else _checks.element_strides(x)[:3]
+    return dict(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), strides))
 
 
 def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v_new, out, out_shape, lse_shape,
@@ -130,8 +125,8 @@ def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v
         error = {"error": plan.index("error")}
 
     if seqlen_new:
-        fields = dict(**_byte_strides(k_new, "k_new"), **_byte_strides(v_new, "v_new"),
-                      **_byte_strides(k_cache, "k"), **_byte_strides(v_cache, "v"),
+        fields = dict(**_strides(k_new, "k_new", "bytes"), **_strides(v_new, "v_new", "bytes"),
+                      **_strides(k_cache, "k", "bytes"), **_strides(v_cache, "v", "bytes"),
                       block_table_batch_stride=table_stride, seqlen_new=seqlen_new, heads_k=heads_k,
                       k_chunks=head_dim * k_cache.itemsize // 16, v_chunks=head_dim_v * v_cache.itemsize // 16,
                       page_size=page_size)
@@ -153,7 +148,7 @@ def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v
                   scale_log2=opts.scale * math.log2(math.e), softcap=opts.softcap,
                   seqlen_k_new=seqlen_new if lens_given else 0, page_size=page_size, kv_box_rows=box_rows,
                   block_table_batch_stride=table_stride,
-                  **_element_strides(k_cache, "k"), **_element_strides(v_cache, "v"),
+                  **_strides(k_cache, "k"), **_strides(v_cache, "v"),
                   lse_batch_stride=0 if varlen else lse_strides[0], lse_head_stride=lse_strides[-2],
                   o_row_stride=out_strides[-3], o_head_stride=out_strides[-2])
     fwd_slots = dict(q=slots["q"], k=slots["k_cache"], v=slots["v_cache"], o=slots["out"],

@@ -87,3 +87,13 @@ def test_kv_cache_variants_cover_both_modes_and_the_pair():
     assert any(dict(v.defines).get("CUFLASH_HEAD_DIM_V") == 128 and dict(v.defines)["CUFLASH_HEAD_DIM"] == 192
                for v in variants)
     assert len(variants) == len(set(variants)) == 3 * len(fwd_sm90.KV_CACHE_SCORE_MODS) * 2 + 2
+
+
+def test_strides_of_a_paged_cache_in_elements_and_bytes():
+    import numpy as np
+
+    cache = np.zeros((5, 16, 2, 64), np.float16)   # (pages, page_size, kv heads, head dim)
+    assert _prefill_plan._strides(cache, "k") == dict(k_batch_stride=16 * 2 * 64, k_row_stride=2 * 64,
+                                                      k_head_stride=64)
+    assert _prefill_plan._strides(cache, "v", "bytes") == dict(v_batch_stride=16 * 2 * 64 * 2, v_row_stride=2 * 64 * 2,
+                                                               v_head_stride=64 * 2)
