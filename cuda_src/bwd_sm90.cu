@@ -120,7 +120,15 @@ struct BwdSm90Config {
     // serialize them all.
     static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2;
     static constexpr int kMods = kMods_;
-    static constexpr bool kScoreMods = kMods != 0, kDropout = kDropout_;
+    // The softcap alone keeps the plain tiles: S^T is capped in place before the window's mask, P^T
+    // comes from it as from a raw score, and dS^T's factor 1 - tanh^2 is recovered from P^T and the
+    // row's lse (softcap_grad_from_prob), so no raw score is kept beside P^T. On the featured tiles
+    // forward + backward ran at 0.45x of the call without it, at 0.75x on these (H200, D = 128 8k
+    // causal: docs/decisions.md#bwd-sm90-the-softcap-alone-on-the-plain-tiles). From D = 128: D = 64's
+    // plain tiles (128 query rows) spilled 44-80 B with it (kernels/bwd_sm90.py, bwd_sm90_featured).
+    static constexpr bool kSoftcapAlone = kMods == kModSoftcap && !kDropout_ && kHeadDim >= 128;
+    static constexpr int kElementMods = kSoftcapAlone ? 0 : kMods;   // element_prob_kept's and element_grad's
+    static constexpr bool kScoreMods = kElementMods != 0, kDropout = kDropout_;
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static_assert(!(kOrdered && kBlockMask), "ordered dQ needs every CTA to visit every tile of its range");
     // Score modifiers and dropout (kFeatured) keep the raw scores beside the modified ones and draw
@@ -426,6 +434,17 @@ __device__ __forceinline__ bool mask_outside_window(const FwdParams& p, const Se
     return false;
 }
 
+// The softcap alone (C::kSoftcapAlone): each raw score qk becomes c tanh(scale qk / c) / scale, the
+// capped score in qk's units, so that P^T comes from it as from a raw one.
+template <class C>
+__device__ __forceinline__ void cap_scores(const FwdParams& p, float (&acc_s)[C::kMTiles][4]) {
+    const float rate = softcap_rate(p), unscale = p.softcap / p.scale;
+#pragma unroll
+    for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mi][e] = unscale * softcap_tanh(acc_s[mi][e] * p.scale, rate);
+}
+
 // P^T of a consumer's elements from its raw scores acc_s: element (mi, e) is key keys[e / 2] and
 // query m_lo + col + 8 mi + e % 2 (col: the thread's first query column in the tile); lse2 holds the
 // tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
@@ -454,6 +473,7 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
             [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; }, blocks_whole);
     }
     bool whole = false;
+    if constexpr (C::kSoftcapAlone) cap_scores<C>(p, acc_s);
     if constexpr (!C::kScoreMods)
         whole = mask_outside_window<C>(p, s, m_lo, n_lo, keys, col, acc_s) && m_lo + C::kBlockM <= s.seqlen_q;
     float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
@@ -462,7 +482,7 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
         const float2 col_lse2 = *reinterpret_cast<const float2*>(&lse2[col + mi * 8]);
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            prob[mi][e] = element_prob_kept<C::kMods, C::kDropout>(
+            prob[mi][e] = element_prob_kept<C::kElementMods, C::kDropout>(
                 p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
                 C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
     }
@@ -470,21 +490,25 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
 }
 
 // dS^T (as dL/dx) of a consumer's elements, in place of dP^T in acc_dp: the elements as in
-// take_probabilities, prob their P^T, acc_s the raw scores, dsum the tile's rows of D. With a bias,
-// each element's dS also goes to dbias.
+// take_probabilities, prob their P^T, acc_s the raw scores, dsum and lse2 the tile's rows of D and
+// of the lse (the latter read by the softcap alone). With a bias, each element's dS also goes to dbias.
 template <class C, bool kGuard>
 __device__ __forceinline__ void take_gradients_as(const BwdParams& bp, const SeqInfo& s, int m_lo,
-                                                  const int (&keys)[2], int col, const float* dsum,
+                                                  const int (&keys)[2], int col, const float* dsum, const float* lse2,
                                                   const float (&prob)[C::kMTiles][4],
                                                   const float (&acc_s)[C::kMTiles][4], float (&acc_dp)[C::kMTiles][4]) {
 #pragma unroll
     for (int mi = 0; mi < C::kMTiles; ++mi) {
         const float2 col_dsum = *reinterpret_cast<const float2*>(&dsum[col + mi * 8]);
+        float2 col_lse2;
+        if constexpr (C::kSoftcapAlone) col_lse2 = *reinterpret_cast<const float2*>(&lse2[col + mi * 8]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float ds;
-            acc_dp[mi][e] = element_grad<C::kMods, C::kDropout, kGuard>(
+            acc_dp[mi][e] = element_grad<C::kElementMods, C::kDropout, kGuard>(
                 bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e], e % 2 ? col_dsum.y : col_dsum.x, &ds);
+            if constexpr (C::kSoftcapAlone)
+                acc_dp[mi][e] *= softcap_grad_from_prob(bp.fwd, prob[mi][e], e % 2 ? col_lse2.y : col_lse2.x);
             if constexpr ((C::kMods & kModBias) != 0) store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
         }
     }
@@ -493,13 +517,14 @@ __device__ __forceinline__ void take_gradients_as(const BwdParams& bp, const Seq
 // ``whole``: take_probabilities' verdict on the tile.
 template <class C>
 __device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInfo& s, int m_lo, const int (&keys)[2],
-                                               int col, const float* dsum, const float (&prob)[C::kMTiles][4],
+                                               int col, const float* dsum, const float* lse2,
+                                               const float (&prob)[C::kMTiles][4],
                                                const float (&acc_s)[C::kMTiles][4], float (&acc_dp)[C::kMTiles][4],
                                                bool whole) {
     if (C::kTileGuard && whole)
-        take_gradients_as<C, false>(bp, s, m_lo, keys, col, dsum, prob, acc_s, acc_dp);
+        take_gradients_as<C, false>(bp, s, m_lo, keys, col, dsum, lse2, prob, acc_s, acc_dp);
     else
-        take_gradients_as<C, !C::kAllKeysSeen>(bp, s, m_lo, keys, col, dsum, prob, acc_s, acc_dp);
+        take_gradients_as<C, !C::kAllKeysSeen>(bp, s, m_lo, keys, col, dsum, lse2, prob, acc_s, acc_dp);
 }
 
 // The CTA's sequence and kv head, looked up again at the end of the walk rather than kept in
@@ -1098,7 +1123,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
             named_barrier_arrive(lag_barrier<C>(step), 128 * C::kConsumers);
 
         // dS^T element by element, into acc_dp as dL/dx.
-        take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
+        take_gradients<C>(bp, s, m_lo, keys, 2 * t, sh.dsum[stage], sh.lse2[stage], prob, acc_s, acc_dp, whole);
 #pragma unroll
         for (int kk = 0; kk < C::kBlockM / 16; ++kk) {
             ds_frag[kk][0] = pack2<elem_t>(acc_dp[2 * kk][0], acc_dp[2 * kk][1]);
@@ -1418,7 +1443,8 @@ __device__ __forceinline__ void consume_dim_halves(const BwdParams& bp, SeqInfo 
         wgmma_wait<0>();
         fence_registers(dp_flat);
         // dS^T element by element, into acc_dp (prob keeps P, for Pdrop below).
-        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
+        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], sh.lse2[stage], prob, acc_s, acc_dp,
+                          whole);
         store_split_tiles<C>(p, pt_tile, ds_tile, key_row0, col0, prob, acc_dp);
         fence_proxy_async();
         named_barrier_sync(1, 128 * C::kConsumers);   // both consumers' halves of P^T and dS^T are in
@@ -1547,7 +1573,8 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         wgmma_wait<1>();
         fence_registers(dp_flat);
-        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], prob, acc_s, acc_dp, whole);
+        take_gradients<C>(bp, s, m_lo, keys, col0 + 2 * t, sh.dsum[stage], sh.lse2[stage], prob, acc_s, acc_dp,
+                          whole);
         wgmma_wait<0>();
         fence_split_products<kDk, kDv>(acc_dq, acc_dk, acc_dv);
         finish_previous_step();

@@ -115,6 +115,16 @@ __device__ __forceinline__ float softcap_grad(const FwdParams& p, float qk) {
     return 1.f - t * t;
 }
 
+// The same factor from the element's P and its row's lse2 (log2 units), for a backward that keeps P in
+// place of the raw score (bwd_sm90's softcap alone): P = 2^(c tanh log2(e) - lse2), so tanh = (log2(P) +
+// lse2) ln(2) / c, clamped to [-1, 1] (P = 0 gives -1 and a factor of 0). The score's error in log2
+// units is that of ex2 and lg2 plus a rounding of lse2's size (~1e-6), so the factor's is ~1e-6 / c
+// beside softcap_grad's few 1e-7.
+__device__ __forceinline__ float softcap_grad_from_prob(const FwdParams& p, float prob, float lse2) {
+    const float t = fminf(fmaxf((fast_log2(prob) + lse2) * (kLn2 / p.softcap), -1.f), 1.f);
+    return fmaf(-t, t, 1.f);
+}
+
 // The full pipeline for one element in natural units; qk is the raw dot product q_i . k_j. Only the
 // modifiers of kMods are compiled.
 template <int kMods = kAllMods>

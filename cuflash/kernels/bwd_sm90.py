@@ -9,6 +9,8 @@ from .common import LaunchPlan, round_up
 from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
 
+SOFTCAP_BIT = score_mod_bits(("softcap",))
+
 # bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
 # such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
 # split by columns, or without a window 80 rows, each consumer 64 columns of dQ^T). At D = 256, 64
@@ -17,7 +19,8 @@ from ..features import DTYPE_CODES, score_mod_bits
 # of both consumers (at D = 256 in the step's Q and dO buffers).
 # With score modifiers or dropout ("featured") the consumers need smaller accumulators
 # (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
-# takes 64 query rows per step (each consumer adds dQ over its own keys).
+# takes 64 query rows per step (each consumer adds dQ over its own keys). The softcap alone from
+# D = 128 is not featured (bwd_sm90_featured).
 BWD_SM90_HEAD_DIMS = (64, 128, 256)
 #: (D_qk, D_v) pairs of compiled head dims bwd_sm90 runs beside the square ones (CUFLASH_HEAD_DIM_V),
 #: mapped to whether they run with score modifiers or dropout too. The tiles and the consumers'
@@ -66,6 +69,16 @@ BWD_SM90_DEFER_STAGES = 2
 #: without score modifiers and dropout; at D = 64 the order's bookkeeping made the consumers spill,
 #: and bwd_sm80's dQ pass computes dQ.
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
+
+
+def bwd_sm90_featured(head_dim: int, mods: int, dropout: bool) -> bool:
+    """Whether a bwd_sm90 variant at a compiled head dim takes the featured tiles: dropout, or a score
+    modifier other than the softcap alone (``mods``: CUFLASH_SCORE_MODS bits). From D = 128 the softcap
+    alone keeps the plain tiles: its scores are capped in place and dS's factor recovered from P
+    (cuda_src/bwd_sm90.cu, BwdSm90Config::kSoftcapAlone); at D = 64 the plain tiles of 128 query rows
+    spilled 44-80 B with it.
+    """
+    return bool(dropout or (mods and (mods != SOFTCAP_BIT or head_dim < 128)))
 
 
 def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False,
@@ -229,16 +242,16 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     if deterministic not in (False, True, "pass"):
         raise ValueError("bwd_sm90 needs deterministic=True, False or 'pass' (how dQ is added)")
     mods = score_mod_bits(score_mods)
-    featured = bool(mods or dropout)
-    if deterministic is True and not bwd_sm90_orders_dq(head_dim, featured):
+    if deterministic is True and not bwd_sm90_orders_dq(head_dim, bool(mods or dropout)):
         raise ValueError(f"bwd_sm90 adds dQ in a fixed order only at head dims {BWD_SM90_ORDERED_HEAD_DIMS}, "
                          "without score modifiers and dropout")
     obstacle = bwd_sm90_obstacle(head_dim, score_mods, dropout, head_dim_v)
     if obstacle is not None:
         raise ValueError(obstacle)
     kdim, kdim_v = compiled_head_dims(head_dim, head_dim_v)
+    featured = bwd_sm90_featured(kdim, mods, dropout)
     min_rows = BWD_SM90_WIDE_MIN_ROWS if all_keys_seen else BWD_SM90_WIDE_MIN_ROWS_GUARDED
-    wide = not windowed and deterministic is False and seqlen_q >= min_rows
+    wide = not windowed and not mods and deterministic is False and seqlen_q >= min_rows
     block_n, block_m = bwd_sm90_tiles(kdim, featured, wide, kdim_v)
     stages = bwd_sm90_stages(kdim, featured, wide, deterministic, kdim_v)
     smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages, kdim_v)
@@ -255,7 +268,7 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     }
     if kdim_v != kdim:   # only such variants carry it (the others keep their compile keys)
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
-    if all_keys_seen and not windowed and not featured and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
+    if all_keys_seen and not windowed and not (mods or dropout) and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
         defines["CUFLASH_ALL_KEYS_SEEN"] = 1
     elif windowed and not featured and bwd_sm90_tile_guard(kdim):
         defines["CUFLASH_TILE_GUARD"] = 1

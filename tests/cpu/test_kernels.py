@@ -425,7 +425,7 @@ def test_bwd_sm90_names_what_it_cannot_run():
 def test_bwd_sm90_featured_tiles(head_dim, keys, rows):
     # With score modifiers or dropout the consumers take smaller accumulators: D = 128 splits the
     # columns (64 keys per CTA), D = 64 takes 64 query rows per step; no fixed dQ order for them.
-    for mods, dropout in ((("softcap",), False), ((), True)):
+    for mods, dropout in ((("bias",), False), ((), True), (("softcap",), True)):
         plan = kernels.backward.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
                                deterministic=False)
         defines = dict(plan.variant.defines)
@@ -435,6 +435,27 @@ def test_bwd_sm90_featured_tiles(head_dim, keys, rows):
         with pytest.raises(ValueError, match="fixed order"):
             kernels.backward.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods, dropout=dropout,
                             deterministic=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("windowed", [True, False])
+def test_bwd_sm90_softcap_alone_keeps_the_plain_tiles_from_head_dim_128(head_dim, windowed):
+    # The softcap alone caps the scores in place and recovers dS's factor from P (no raw scores kept),
+    # so from D = 128 it takes the tiles of a call without modifiers; at D = 64 those spilled with it.
+    def plan(mods):
+        return kernels.backward.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods,
+                                              dropout=False, deterministic=False, windowed=windowed, seqlen_q=16384)
+    capped, plain, featured = plan(("softcap",)), plan(()), plan(("alibi",))
+    tiles = lambda x: (x.block_m, dict(x.variant.defines)["CUFLASH_BLOCK_M"], x.smem_bytes)  # noqa: E731
+    if head_dim >= 128:
+        # no 80-row steps with a modifier (those stay plain-only)
+        assert tiles(capped) == tiles(plain) or (not windowed and dict(plain.variant.defines)["CUFLASH_BLOCK_M"] == 80)
+        assert dict(capped.variant.defines)["CUFLASH_BLOCK_M"] == 64
+        assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, 1, False) is False
+    else:
+        assert tiles(capped) == tiles(featured)
+        assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, 1, False) is True
+    assert dict(capped.variant.defines)["CUFLASH_SCORE_MODS"] == 1
 
 
 def test_bwd_sm90_plans_head_dim_256_by_columns():
@@ -498,7 +519,8 @@ def test_bwd_sm90_third_stage_option(monkeypatch):
     third, three = plan()
     assert three == 3 and third.smem_bytes == default.smem_bytes
     assert plan(windowed=False)[1] == 3
-    assert plan(det=True)[1] == plan(windowed=False, seqlen_q=10 ** 6)[1] == plan(mods=("softcap",))[1] == 2
+    assert plan(det=True)[1] == plan(windowed=False, seqlen_q=10 ** 6)[1] == plan(mods=("alibi",))[1] == 2
+    assert plan(mods=("softcap",))[1] == 3   # the softcap alone keeps the plain tiles
     assert plan(d=64)[1] == plan(d=256)[1] == 2
     assert (third.variant, "sm_90a") in ci
 
@@ -614,7 +636,10 @@ def test_bwd_tile_guard_only_where_measured(monkeypatch):
         assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=False)
         assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=False, all_keys_seen=True)
         if deterministic is not True:   # (the ordered dQ runs without modifiers and dropout)
-            assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, mods=("softcap",))
+            # the softcap alone keeps the plain tiles from D = 128 (kSoftcapAlone), and their guard
+            capped = defines(d, deterministic, windowed=True, mods=("softcap",))
+            assert ("CUFLASH_TILE_GUARD" in capped) == (d == 128)
+            assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, mods=("alibi",))
             assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, dropout=True)
     reachable = [v for v in kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
     assert any(dict(v.defines).get("CUFLASH_TILE_GUARD") == 1 for v in reachable)

@@ -1044,20 +1044,42 @@ def test_sm90_variant_without_the_unseen_key_guard(head_dim, query_tile, monkeyp
 def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monkeypatch):
     # Under a causal mask or window, D = 64 and D = 128 (dQ in any order and ordered) decide dS's
     # guard for P = 0 tile by tile (tiles with a masked element, or rows past the end, keep it): against the
-    # reference with it and without, several tiles per row and ragged ends, and score modifiers
-    # keep the guard everywhere.
+    # reference with it and without, several tiles per row and ragged ends. So does the softcap alone
+    # from D = 128, on the plain tiles (BwdSm90Config::kSoftcapAlone: P^T from the capped scores, dS's
+    # factor from P^T and lse); other score modifiers keep the guard everywhere.
     shape = _shape(2, 300, 700, 8, 2, head_dim)
+    cases = [({"causal": True}, 231), ({"window": (150, 40)}, 233)]
+    if head_dim == 128:
+        cases += [({"causal": True, "softcap": 20.0}, 235), ({"window": (150, 40), "softcap": 5.0}, 237)]
     for tile_guard in (True, False):
         monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_TILE_GUARD", tile_guard)
         _memo.clear_memo()
-        for opts, seed in (({"causal": True}, 231), ({"window": (150, 40)}, 233)):
+        for opts, seed in cases:
             _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", "bfloat16", shape, opts,
                                                                  seed + tile_guard, deterministic=deterministic)
             info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, **run_opts)
             assert info["tile_guard"] is tile_guard and info["all_keys_seen"] is False, opts
-        info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, softcap=20.0, **run_opts)
+        slopes = cupy.full(q.shape[2], 0.25, dtype=cupy.float32)
+        info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, alibi_slopes=slopes,
+                            **run_opts)
         assert info["tile_guard"] is False
     _memo.clear_memo()
+
+
+@_sm90_only
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sm90_softcap_alone_on_the_plain_tiles(head_dim, dtype):
+    # From D = 128 the softcap alone runs on the plain tiles: the scores capped in place, dS's factor
+    # 1 - tanh^2 recovered from P and lse (BwdSm90Config::kSoftcapAlone). Caps that saturate most
+    # scores (c = 2) and one that barely bends them (c = 50), a large scale, causal, windowed and full,
+    # ragged ends; dQ in any order and through the dQ pass.
+    shape = _shape(2, 300, 700, 8, 2, head_dim)
+    cases = ({"causal": True, "softcap": 2.0}, {"window": (150, 40), "softcap": 50.0},
+             {"softcap": 5.0, "scale": 0.5})
+    for i, opts in enumerate(cases):
+        solve("bwd_sm90", dtype, shape, opts, 241 + 7 * i + head_dim, deterministic=i == 1)
+    assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, 1, False) is False
 
 
 @_sm90_only

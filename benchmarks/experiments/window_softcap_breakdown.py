@@ -1,0 +1,113 @@
+"""Where a sliding window and a softcap cost time, forward and forward + backward, against
+FlashAttention-4 with the same options (issue 52's first bar).
+
+B 2, S 8k, H 16, D 128, bf16, causal; each of: no option, ``window=(1024, 0)``, ``softcap=30``, both.
+Contenders called as their users call them from torch tensors: ``ct.attention`` (under
+``torch.no_grad`` for the forward row) and FA4's ``flash_attn_func``; the step is
+``torch.autograd.grad`` of the output with a fixed incoming gradient. All rows of one pass are timed
+in turns in one ``Timer.median_ms_each`` (random order per repeat). Figure: TFLOP/s of visible work
+(4 B H D per visible pair forward, 14 B H D for the step).
+
+    PYTHONPATH=$PWD python benchmarks/experiments/window_softcap_breakdown.py [--repeats 5]
+
+``--ncu fwd|bwd`` instead makes one softcapped window call between profilerStart/Stop, for
+``ncu --profile-from-start off`` (the pipes' utilisation: whether the special-function unit bounds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _harness import fa4_out, fmt, log, open_torch_peers, peer_arguments  # noqa: E402
+
+B, S, H, D = 2, 8192, 16, 128
+WINDOW, CAP = 1024, 30.0
+OPTIONS = {"plain": {}, "window": dict(window=WINDOW), "softcap": dict(softcap=CAP),
+           "window+softcap": dict(window=WINDOW, softcap=CAP)}
+
+
+def visible_pairs(window):
+    i = np.arange(S, dtype=np.int64)
+    return int((np.minimum(i + 1, window + 1) if window else i + 1).sum())
+
+
+def calls(torch, ct, fa4, q, k, v, options):
+    """{contender: fn() -> out} for one option set."""
+    window = options.get("window")
+    softcap = options.get("softcap", 0.0)
+    out = {"cuflash": lambda: ct.attention(q, k, v, causal=True, window=(window, 0) if window else None,
+                                           softcap=softcap)}
+    if fa4 is not None:
+        out["fa4"] = lambda: fa4_out(fa4.flash_attn_func(q, k, v, causal=True,
+                                                         window_size=(window, 0) if window else (None, None),
+                                                         softcap=softcap))
+    return out
+
+
+def main(argv=None):
+    p = peer_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), repeats=5)
+    p.add_argument("--ncu", choices=["fwd", "bwd"])
+    args = p.parse_args(argv)
+    import cupy
+
+    opened = open_torch_peers(cupy, args, max_calls=30)
+    if opened is None:
+        return
+    gpu, ct, fa4, timer = opened
+    torch = gpu.torch
+    mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = mk(), mk(), mk()
+    dout = torch.randn_like(q)
+    if args.ncu:
+        fn = calls(torch, ct, None, q, k, v, OPTIONS["window+softcap"])["cuflash"]
+        for _ in range(3):
+            torch.autograd.grad(fn(), (q, k, v), dout)
+        torch.cuda.synchronize()
+        out = fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        if args.ncu == "fwd":
+            fn()
+        else:
+            torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
+    rows = {}
+    for pass_name in ("fwd", "fwd+bwd"):
+        fns = {}
+        for opt_name, options in OPTIONS.items():
+            for who, fn in calls(torch, ct, fa4, q, k, v, options).items():
+                if pass_name == "fwd":
+                    def timed(i, fn=fn):
+                        with torch.no_grad():
+                            return fn()
+                else:
+                    def timed(i, fn=fn):
+                        return torch.autograd.grad(fn(), (q, k, v), dout)
+                timed(0)
+                fns[(opt_name, who)] = timed
+        with gpu.stream:
+            ms = timer.median_ms_each(fns)
+        for (opt_name, who), t in ms.items():
+            flop = (4 if pass_name == "fwd" else 14) * B * H * D * visible_pairs(OPTIONS[opt_name].get("window"))
+            rows.setdefault((pass_name, opt_name), {})[who] = flop / (t * 1e-3) / 1e12
+    print(f"\n**{gpu.device_name}** ({gpu.versions}{', ' + fa4.label if fa4 else ''}); B {B} S {S} H {H} D {D} bf16 "
+          f"causal, TFLOP/s of visible work, median of {args.repeats} in turns\n")
+    print("| pass | options | cuflash | fa4 | x fa4 | cuflash x its plain |")
+    print("|---|---|---|---|---|---|")
+    for (pass_name, opt_name), r in rows.items():
+        plain = rows[(pass_name, "plain")]["cuflash"]
+        ratio = r["cuflash"] / r["fa4"] if "fa4" in r else None
+        print(f"| {pass_name} | {opt_name} | {fmt(r['cuflash'])} | {fmt(r.get('fa4'))} | "
+              f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['cuflash'] / plain:.2f} |")
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
