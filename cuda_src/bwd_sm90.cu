@@ -120,15 +120,22 @@ struct BwdSm90Config {
     // serialize them all.
     static constexpr bool kDq = kDqMode_ != 0, kOrdered = kDqMode_ == 2;
     static constexpr int kMods = kMods_;
-    // The softcap alone keeps the plain tiles: S^T is capped in place before the window's mask, P^T
-    // comes from it as from a raw score, and dS^T's factor 1 - tanh^2 is recovered from P^T and the
-    // row's lse (softcap_grad_from_prob), so no raw score is kept beside P^T. On the featured tiles
-    // forward + backward ran at 0.45x of the call without it, at 0.75x on these (H200, D = 128 8k
-    // causal: docs/decisions.md#bwd-sm90-the-softcap-alone-on-the-plain-tiles). From D = 128: D = 64's
-    // plain tiles (128 query rows) spilled 44-80 B with it (kernels/bwd_sm90.py, bwd_sm90_featured).
-    static constexpr bool kSoftcapAlone = kMods == kModSoftcap && !kDropout_ && kHeadDim >= 128;
+    // One built-in modifier alone from D = 128, without dropout, keeps the plain tiles
+    // (kScoresInPlace): no raw score is kept beside P^T, which is what sends the others to the
+    // featured ones. The softcap caps S^T in place before the window's mask (cap_scores), P^T comes
+    // from it as from a raw score, and dS^T's factor 1 - tanh^2 is recovered from P^T and the row's
+    // lse (softcap_grad_from_prob); ALiBi or the block mask modify S^T in place (modify_scores), their
+    // derivative being 1. On the featured tiles the softcap's forward + backward ran at 0.45x of the
+    // call without it, at 0.75x on these (H200, D = 128 8k causal:
+    // docs/decisions.md#bwd-sm90-one-modifier-on-the-plain-tiles). From D = 128: D = 64's plain tiles
+    // (128 query rows) spilled 44-80 B with the softcap, and D = 128's 12-124 B with the bias's or the
+    // mask's loads (kernels/bwd_sm90.py, IN_PLACE_MODS).
+    static constexpr bool kScoresInPlace =
+        !kDropout_ && kHeadDim >= 128 && (kMods == kModSoftcap || kMods == kModAlibi || kMods == kModBlockMask);
+    static constexpr bool kSoftcapAlone = kScoresInPlace && kMods == kModSoftcap;
+    static constexpr bool kModifiedInPlace = kScoresInPlace && !kSoftcapAlone;
     static constexpr int kElementMods = kSoftcapAlone ? 0 : kMods;   // element_prob_kept's and element_grad's
-    static constexpr bool kScoreMods = kElementMods != 0, kDropout = kDropout_;
+    static constexpr bool kScoreMods = kMods != 0 && !kScoresInPlace, kDropout = kDropout_;
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static_assert(!(kOrdered && kBlockMask), "ordered dQ needs every CTA to visit every tile of its range");
     // Score modifiers and dropout (kFeatured) keep the raw scores beside the modified ones and draw
@@ -449,10 +456,12 @@ __device__ __forceinline__ void cap_scores(const FwdParams& p, float (&acc_s)[C:
 // query m_lo + col + 8 mi + e % 2 (col: the thread's first query column in the tile); lse2 holds the
 // tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
 // key-major) and acc_s keeps the raw ones (the softcap's derivative needs them) or, with a user
-// ScoreMod, takes each element's chain factor (modify_scores); without, the window
-// alone, and P^T replaces S^T in acc_s (probabilities() says where P^T is). With dropout the keep
-// bits come from dropout_keep_bits_cols. Returns whether every element of the tile is a key its row
-// sees and no row is past the queries' end (then dS needs no guard: C::kTileGuard).
+// ScoreMod, takes each element's chain factor (modify_scores); with one modifier modified in place
+// (C::kModifiedInPlace) they replace the raw ones in acc_s; without, the window alone (after
+// cap_scores for the softcap alone), and P^T replaces S^T in acc_s (probabilities() says where P^T
+// is). With dropout the keep bits come from dropout_keep_bits_cols. Returns whether every element of
+// the tile is a key its row sees and no row is past the queries' end (then dS needs no guard:
+// C::kTileGuard).
 template <class C>
 __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
                                                    const int (&keys)[2], int col, const float* lse2,
@@ -460,21 +469,26 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
                                                    float (&acc_s)[C::kMTiles][4],
                                                    float (&score2)[C::kScoreMods ? C::kMTiles : 1][4],
                                                    bool blocks_whole) {
-    if constexpr (C::kScoreMods) {
+    if constexpr (C::kScoreMods || C::kModifiedInPlace) {
         int queries[2 * C::kMTiles];
 #pragma unroll
         for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + col + (x / 2) * 8 + x % 2;
+        auto raw = [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; };
+        if constexpr (C::kModifiedInPlace) {
+            modify_scores<C::kMods, 2, 2 * C::kMTiles, true, false>(p, s, keys, queries, raw, raw, blocks_whole);
+        } else {
 #pragma unroll
-        for (int mi = 0; mi < C::kMTiles; ++mi)
+            for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
-        modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
-            p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; },
-            [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; }, blocks_whole);
+                for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
+            modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
+                p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; }, raw,
+                blocks_whole);
+        }
     }
     bool whole = false;
     if constexpr (C::kSoftcapAlone) cap_scores<C>(p, acc_s);
-    if constexpr (!C::kScoreMods)
+    if constexpr (!C::kScoreMods && !C::kModifiedInPlace)
         whole = mask_outside_window<C>(p, s, m_lo, n_lo, keys, col, acc_s) && m_lo + C::kBlockM <= s.seqlen_q;
     float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
 #pragma unroll
@@ -483,7 +497,7 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
 #pragma unroll
         for (int e = 0; e < 4; ++e)
             prob[mi][e] = element_prob_kept<C::kElementMods, C::kDropout>(
-                p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : 0.f, e % 2 ? col_lse2.y : col_lse2.x,
+                p, acc_s[mi][e], C::kScoreMods ? score2[mi][e] : acc_s[mi][e], e % 2 ? col_lse2.y : col_lse2.x,
                 C::kDropout && ((keep[mi / 8] >> (4 * (mi % 8) + e)) & 1u));
     }
     return whole;

@@ -1,7 +1,9 @@
 """Where a sliding window and a softcap cost time, forward and forward + backward, against
 FlashAttention-4 with the same options (issue 52's first bar).
 
-B 2, S 8k, H 16, D 128, bf16, causal; each of: no option, ``window=(1024, 0)``, ``softcap=30``, both.
+B 2, S 8k, H 16, D 128, bf16, causal; each of: no option, ``window=(1024, 0)``, ``softcap=30``, both;
+and, cuflash alone (FA4 has none of them), ALiBi slopes, an additive (S, S) bf16 bias and a bool (S, S)
+mask (95% True), each alone (issue 52's bar: each >= 0.9x of the call without options).
 Contenders called as their users call them from torch tensors: ``ct.attention`` (under
 ``torch.no_grad`` for the forward row) and FA4's ``flash_attn_func``; the step is
 ``torch.autograd.grad`` of the output with a fixed incoming gradient. All rows of one pass are timed
@@ -28,20 +30,26 @@ from _harness import fa4_out, fmt, log, open_torch_peers, peer_arguments  # noqa
 B, S, H, D = 2, 8192, 16, 128
 WINDOW, CAP = 1024, 30.0
 OPTIONS = {"plain": {}, "window": dict(window=WINDOW), "softcap": dict(softcap=CAP),
-           "window+softcap": dict(window=WINDOW, softcap=CAP)}
+           "window+softcap": dict(window=WINDOW, softcap=CAP), "alibi": dict(alibi=True), "bias": dict(bias=True),
+           "mask": dict(mask=True)}
 
 
-def visible_pairs(window):
+def visible_pairs(window, mask=None):
+    if mask is not None:   # causal and the mask
+        return int(mask.tril().sum())
     i = np.arange(S, dtype=np.int64)
     return int((np.minimum(i + 1, window + 1) if window else i + 1).sum())
 
 
-def calls(torch, ct, fa4, q, k, v, options):
-    """{contender: fn() -> out} for one option set."""
+def calls(torch, ct, fa4, q, k, v, options, arrays):
+    """{contender: fn() -> out} for one option set (``arrays``: the slopes, bias and mask)."""
     window = options.get("window")
     softcap = options.get("softcap", 0.0)
+    extra = {name: arrays[name] for name in ("alibi_slopes", "bias", "mask") if options.get(name.split("_")[0])}
     out = {"cuflash": lambda: ct.attention(q, k, v, causal=True, window=(window, 0) if window else None,
-                                           softcap=softcap)}
+                                           softcap=softcap, **extra)}
+    if extra:
+        return out
     if fa4 is not None:
         out["fa4"] = lambda: fa4_out(fa4.flash_attn_func(q, k, v, causal=True,
                                                          window_size=(window, 0) if window else (None, None),
@@ -63,8 +71,11 @@ def main(argv=None):
     mk = lambda: torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = mk(), mk(), mk()
     dout = torch.randn_like(q)
+    arrays = dict(alibi_slopes=torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda"),
+                  bias=torch.randn(S, S, device="cuda", dtype=torch.bfloat16),
+                  mask=torch.rand(S, S, device="cuda") < 0.95)
     if args.ncu:
-        fn = calls(torch, ct, None, q, k, v, OPTIONS["window+softcap"])["cuflash"]
+        fn = calls(torch, ct, None, q, k, v, OPTIONS["window+softcap"], arrays)["cuflash"]
         for _ in range(3):
             torch.autograd.grad(fn(), (q, k, v), dout)
         torch.cuda.synchronize()
@@ -82,7 +93,7 @@ def main(argv=None):
     for pass_name in ("fwd", "fwd+bwd"):
         fns = {}
         for opt_name, options in OPTIONS.items():
-            for who, fn in calls(torch, ct, fa4, q, k, v, options).items():
+            for who, fn in calls(torch, ct, fa4, q, k, v, options, arrays).items():
                 if pass_name == "fwd":
                     def timed(i, fn=fn):
                         with torch.no_grad():
@@ -95,7 +106,8 @@ def main(argv=None):
         with gpu.stream:
             ms = timer.median_ms_each(fns)
         for (opt_name, who), t in ms.items():
-            flop = (4 if pass_name == "fwd" else 14) * B * H * D * visible_pairs(OPTIONS[opt_name].get("window"))
+            pairs = visible_pairs(OPTIONS[opt_name].get("window"), arrays["mask"] if opt_name == "mask" else None)
+            flop = (4 if pass_name == "fwd" else 14) * B * H * D * pairs
             rows.setdefault((pass_name, opt_name), {})[who] = flop / (t * 1e-3) / 1e12
     print(f"\n**{gpu.device_name}** ({gpu.versions}{', ' + fa4.label if fa4 else ''}); B {B} S {S} H {H} D {D} bf16 "
           f"causal, TFLOP/s of visible work, median of {args.repeats} in turns\n")

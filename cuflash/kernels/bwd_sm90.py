@@ -9,7 +9,9 @@ from .common import LaunchPlan, round_up
 from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
 
-SOFTCAP_BIT = score_mod_bits(("softcap",))
+#: Score modifiers that bwd_sm90 applies in place from D = 128, each alone (BwdSm90Config::kScoresInPlace).
+#: Not the bias or the mask: their loads beside the plain tiles spilled 12-124 B at D = 128.
+IN_PLACE_MODS = tuple(score_mod_bits((name,)) for name in ("softcap", "alibi", "block_mask"))
 
 # bwd_sm90 (cuda_src/bwd_sm90.cu): 128 keys per CTA (64 per consumer warpgroup); query rows per step
 # such that each consumer's share of dQ is 64 x 64 (D = 64: 128 rows split by rows; D = 128: 64 rows
@@ -72,13 +74,13 @@ BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
 def bwd_sm90_featured(head_dim: int, mods: int, dropout: bool) -> bool:
-    """Whether a bwd_sm90 variant at a compiled head dim takes the featured tiles: dropout, or a score
-    modifier other than the softcap alone (``mods``: CUFLASH_SCORE_MODS bits). From D = 128 the softcap
-    alone keeps the plain tiles: its scores are capped in place and dS's factor recovered from P
-    (cuda_src/bwd_sm90.cu, BwdSm90Config::kSoftcapAlone); at D = 64 the plain tiles of 128 query rows
-    spilled 44-80 B with it.
+    """Whether a bwd_sm90 variant at a compiled head dim takes the featured tiles: dropout, several
+    score modifiers, a user one, the bias or the mask (``mods``: CUFLASH_SCORE_MODS bits). From D = 128
+    the softcap, ALiBi or the block mask alone keep the plain tiles, modifying the scores in place (the
+    softcap's derivative recovered from P: cuda_src/bwd_sm90.cu, BwdSm90Config::kScoresInPlace); at
+    D = 64 the plain tiles of 128 query rows spilled 44-80 B with the softcap.
     """
-    return bool(dropout or (mods and (mods != SOFTCAP_BIT or head_dim < 128)))
+    return bool(dropout or (mods and (mods not in IN_PLACE_MODS or head_dim < 128)))
 
 
 def bwd_sm90_tiles(head_dim: int, featured: bool = False, wide: bool = False,
@@ -270,7 +272,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
     if all_keys_seen and not windowed and not (mods or dropout) and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
         defines["CUFLASH_ALL_KEYS_SEEN"] = 1
-    elif windowed and not featured and bwd_sm90_tile_guard(kdim):
+    elif windowed and not featured and mods in (0, IN_PLACE_MODS[0]) and bwd_sm90_tile_guard(kdim):
+        # (the softcap alone too: its P^T comes as without a modifier; the others' tiles keep the guard)
         defines["CUFLASH_TILE_GUARD"] = 1
     return LaunchPlan(Variant("bwd_sm90", tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
 

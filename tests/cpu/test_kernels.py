@@ -439,23 +439,25 @@ def test_bwd_sm90_featured_tiles(head_dim, keys, rows):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("windowed", [True, False])
-def test_bwd_sm90_softcap_alone_keeps_the_plain_tiles_from_head_dim_128(head_dim, windowed):
-    # The softcap alone caps the scores in place and recovers dS's factor from P (no raw scores kept),
-    # so from D = 128 it takes the tiles of a call without modifiers; at D = 64 those spilled with it.
+@pytest.mark.parametrize("mod", ["softcap", "alibi", "block_mask", "bias", "mask"])
+def test_bwd_sm90_one_modifier_in_place_keeps_the_plain_tiles_from_head_dim_128(head_dim, windowed, mod):
+    # The softcap, ALiBi or the block mask alone modify the scores in place (the softcap's derivative
+    # recovered from P), so from D = 128 they take the tiles of a call without modifiers; at D = 64
+    # those spilled with the softcap, at D = 128 with the bias's or the mask's loads: featured tiles.
     def plan(mods):
         return kernels.backward.backward_plan("bwd_sm90", "bfloat16", head_dim, dq_pass=False, score_mods=mods,
                                               dropout=False, deterministic=False, windowed=windowed, seqlen_q=16384)
-    capped, plain, featured = plan(("softcap",)), plan(()), plan(("alibi",))
+    one, plain, featured = plan((mod,)), plan(()), plan(("alibi", "softcap"))
     tiles = lambda x: (x.block_m, dict(x.variant.defines)["CUFLASH_BLOCK_M"], x.smem_bytes)  # noqa: E731
-    if head_dim >= 128:
-        # no 80-row steps with a modifier (those stay plain-only)
-        assert tiles(capped) == tiles(plain) or (not windowed and dict(plain.variant.defines)["CUFLASH_BLOCK_M"] == 80)
-        assert dict(capped.variant.defines)["CUFLASH_BLOCK_M"] == 64
-        assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, 1, False) is False
+    bit = dict(one.variant.defines)["CUFLASH_SCORE_MODS"]
+    in_place = head_dim >= 128 and mod in ("softcap", "alibi", "block_mask")
+    assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, bit, False) is not in_place
+    if in_place:   # no 80-row steps with a modifier (those of a call without one, windowed=False)
+        assert tiles(one) == tiles(plan(())) or dict(plain.variant.defines)["CUFLASH_BLOCK_M"] == 80
+        assert dict(one.variant.defines)["CUFLASH_BLOCK_M"] == 64 and one.block_m == plain.block_m
     else:
-        assert tiles(capped) == tiles(featured)
-        assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, 1, False) is True
-    assert dict(capped.variant.defines)["CUFLASH_SCORE_MODS"] == 1
+        assert tiles(one) == tiles(featured)
+    assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, bit, True) is True   # dropout: featured
 
 
 def test_bwd_sm90_plans_head_dim_256_by_columns():
@@ -519,8 +521,8 @@ def test_bwd_sm90_third_stage_option(monkeypatch):
     third, three = plan()
     assert three == 3 and third.smem_bytes == default.smem_bytes
     assert plan(windowed=False)[1] == 3
-    assert plan(det=True)[1] == plan(windowed=False, seqlen_q=10 ** 6)[1] == plan(mods=("alibi",))[1] == 2
-    assert plan(mods=("softcap",))[1] == 3   # the softcap alone keeps the plain tiles
+    assert plan(det=True)[1] == plan(windowed=False, seqlen_q=10 ** 6)[1] == plan(mods=("bias",))[1] == 2
+    assert plan(mods=("softcap",))[1] == plan(mods=("alibi",))[1] == 3   # one modifier in place: the plain tiles
     assert plan(d=64)[1] == plan(d=256)[1] == 2
     assert (third.variant, "sm_90a") in ci
 
@@ -639,7 +641,8 @@ def test_bwd_tile_guard_only_where_measured(monkeypatch):
             # the softcap alone keeps the plain tiles from D = 128 (kSoftcapAlone), and their guard
             capped = defines(d, deterministic, windowed=True, mods=("softcap",))
             assert ("CUFLASH_TILE_GUARD" in capped) == (d == 128)
-            assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, mods=("alibi",))
+            for mods in (("alibi",), ("bias",)):   # P^T from modified scores: the guard everywhere
+                assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, mods=mods)
             assert "CUFLASH_TILE_GUARD" not in defines(d, deterministic, windowed=True, dropout=True)
     reachable = [v for v in kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (64,)) if v.family == "bwd_sm90"]
     assert any(dict(v.defines).get("CUFLASH_TILE_GUARD") == 1 for v in reachable)

@@ -54,7 +54,7 @@ import cupy
 
 import cuflash
 import cuflash.testing as tt
-from cuflash import _backward_plan, kernels
+from cuflash import _backward_plan, features, kernels
 from cuflash._runtime import memo as _memo
 from cuflash import backward as bw
 from cuflash import reference
@@ -1069,17 +1069,22 @@ def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monke
 @_sm90_only
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_sm90_softcap_alone_on_the_plain_tiles(head_dim, dtype):
-    # From D = 128 the softcap alone runs on the plain tiles: the scores capped in place, dS's factor
-    # 1 - tanh^2 recovered from P and lse (BwdSm90Config::kSoftcapAlone). Caps that saturate most
-    # scores (c = 2) and one that barely bends them (c = 50), a large scale, causal, windowed and full,
-    # ragged ends; dQ in any order and through the dQ pass.
+@pytest.mark.parametrize("mod", ["softcap", "alibi", "block_mask"])
+def test_sm90_one_modifier_in_place_on_the_plain_tiles(head_dim, dtype, mod):
+    # From D = 128 the softcap, ALiBi or the block mask alone run on the plain tiles, the scores
+    # modified in place (BwdSm90Config::kScoresInPlace; the softcap's factor 1 - tanh^2 recovered from
+    # P and lse). Caps that saturate most scores (c = 2) and one that barely bends them (c = 50),
+    # steep slopes, sparse blocks of odd sizes; causal, windowed and full, ragged ends; dQ in any order
+    # and through the dQ pass.
     shape = _shape(2, 300, 700, 8, 2, head_dim)
-    cases = ({"causal": True, "softcap": 2.0}, {"window": (150, 40), "softcap": 50.0},
-             {"softcap": 5.0, "scale": 0.5})
-    for i, opts in enumerate(cases):
-        solve("bwd_sm90", dtype, shape, opts, 241 + 7 * i + head_dim, deterministic=i == 1)
-    assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, 1, False) is False
+    extra = {"softcap": ({"softcap": 2.0}, {"softcap": 50.0}, {"softcap": 5.0, "scale": 0.5}),
+             "alibi": ({"alibi_slopes": _slopes(8)}, {"alibi_slopes": 4 * _slopes(8)}, {"alibi_slopes": _slopes(8)}),
+             "block_mask": ({"block_mask": _mask((1, 8, 10, 11), 0.6, 31), "block_size": (32, 64)},
+                            {"block_mask": _mask((2, 1, 38, 26), 0.5, 32), "block_size": (8, 27)},
+                            {"block_mask": _mask((1, 1, 5, 6), 0.7, 33), "block_size": (64, 128)})}[mod]
+    for i, (masks, more) in enumerate(zip(({"causal": True}, {"window": (150, 40)}, {}), extra)):
+        solve("bwd_sm90", dtype, shape, {**masks, **more}, 241 + 7 * i + head_dim, deterministic=i == 1)
+    assert kernels.bwd_sm90.bwd_sm90_featured(head_dim, features.score_mod_bits((mod,)), False) is False
 
 
 @_sm90_only
