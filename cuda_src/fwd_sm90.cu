@@ -52,13 +52,9 @@ struct FwdSm90Config {
     // as without modifiers, and a tile pays for them element by element only where the producer found
     // a block that is not visible throughout (hide_masked_scores). The others change scores
     // (kScoreMods) and take every tile through modify_scores. Either kind runs the loop with one copy
-    // of the score code (kRotated), except the softcap or ALiBi alone (kPlainLoop): arithmetic on the
-    // scores, no loads, they take the loop of a call without modifiers and its speculative softmax
-    // (not over a KV cache, whose 232 consumer registers spilled 12-68 bytes there at D = 128).
+    // of the score code (kRotated).
     static constexpr bool kMaskOnly = kMods_ != 0 && (kMods_ & ~(kModBlockMask | kModUserMask)) == 0;
-    static constexpr bool kPlainLoop =
-        kMods_ == 0 || ((kMods_ == kModSoftcap || kMods_ == kModAlibi) && kKvCache_ == 0);
-    static constexpr bool kScoreMods = kMods != 0 && !kMaskOnly, kRotated = !kPlainLoop, kDropout = kDropout_;
+    static constexpr bool kScoreMods = kMods != 0 && !kMaskOnly, kRotated = kMods != 0, kDropout = kDropout_;
     // Keys and values from a KV cache, contiguous or paged (FwdParams::block_table): decode's many new
     // tokens (chunked prefill). 1: a tile comes by TMA, in boxes of p.kv_box_rows rows (a contiguous
     // cache, or pages of multiples of 8 rows: kv_box_coords); 2 (kKvGather): the producer warpgroup
@@ -75,7 +71,7 @@ struct FwdSm90Config {
     // Exponentials before the tile's maximum is known (OnlineSoftmax::update_if_held); not with
     // modifiers (the masks' reads included) or dropout, whose variants have no registers for a second
     // P buffer, nor with three consumers (160 registers each: ptxas then serialized the wgmmas).
-    static constexpr bool kSpeculative = kPlainLoop && !kDropout && kConsumers == 2;
+    static constexpr bool kSpeculative = kMods == 0 && !kDropout && kConsumers == 2;
     // Where the wait for P_prev V_prev goes (see the main loop); measured per head dim, and with
     // the speculative softmax below it at every head dim (waiting first cost D = 64 0.08 of cuDNN).
     static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDimV == 128;
