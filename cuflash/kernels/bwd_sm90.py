@@ -21,8 +21,8 @@ IN_PLACE_MODS = tuple(score_mod_bits((name,)) for name in ("softcap", "alibi", "
 # of both consumers (at D = 256 in the step's Q and dO buffers).
 # With score modifiers or dropout ("featured") the consumers need smaller accumulators
 # (BwdSm90Config::kFeatured): D = 128 splits the columns as D = 256 does (64 keys per CTA), D = 64
-# takes 64 query rows per step (each consumer adds dQ over its own keys). The softcap alone from
-# D = 128 is not featured (bwd_sm90_featured).
+# takes 64 query rows per step (each consumer adds dQ over its own keys). The softcap, ALiBi or the
+# block mask alone from D = 128 are not featured (bwd_sm90_featured).
 BWD_SM90_HEAD_DIMS = (64, 128, 256)
 #: (D_qk, D_v) pairs of compiled head dims bwd_sm90 runs beside the square ones (CUFLASH_HEAD_DIM_V),
 #: mapped to whether they run with score modifiers or dropout too. The tiles and the consumers'
@@ -272,7 +272,7 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
     if all_keys_seen and not windowed and not (mods or dropout) and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
         defines["CUFLASH_ALL_KEYS_SEEN"] = 1
-    elif windowed and not featured and mods in (0, IN_PLACE_MODS[0]) and bwd_sm90_tile_guard(kdim):
+    elif windowed and not featured and mods in (0, score_mod_bits(("softcap",))) and bwd_sm90_tile_guard(kdim):
         # (the softcap alone too: its P^T comes as without a modifier; the others' tiles keep the guard)
         defines["CUFLASH_TILE_GUARD"] = 1
     return LaunchPlan(Variant("bwd_sm90", tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
