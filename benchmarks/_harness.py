@@ -215,6 +215,13 @@ def fa4_out(result):
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def largest_difference(outputs, names, base="cuflash"):
+    """max |out - base's out| over the contenders ``names`` (``outputs``: {name: fn() -> torch tensor}),
+    in float32; 0.0 when only ``base`` ran."""
+    want = outputs[base]().detach().float()
+    return max((float((outputs[n]().detach().float() - want).abs().max()) for n in names if n != base), default=0.0)
+
+
 def runnable(steps, problem):
     """The contenders of ``steps`` ({name: fn(i)}) that run ``problem`` once without raising; each
     that cannot (a peer without the option, a shape it refuses) is left out with a line saying why."""

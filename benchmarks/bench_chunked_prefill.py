@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import argparse
 
-from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
+from _harness import (fa4_out, fmt, largest_difference, log, markdown_table, open_torch_peers, peer_arguments,
+                      runnable, write_results)
 
 HQ, HK, D = 32, 8, 128
 COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash decode kernel", "cuflash fwd_sm90",
@@ -115,9 +116,7 @@ def main(argv=None):
                                           ("x decode kernel", "cuflash decode kernel")):
                         if other in row and "cuflash" in row:
                             row[column] = row["cuflash"] / row[other]
-                    want = outputs["cuflash"]().float()
-                    row["maxdiff"] = max((float((outputs[n]().float() - want).abs().max()) for n in usable
-                                          if n != "cuflash"), default=0.0)
+                    row["maxdiff"] = largest_difference(outputs, usable)
                     rows.append(row)
                     log(", ".join(f"{k} {fmt(v, 2)}" for k, v in row.items()))
                     del steps, outputs, usable

@@ -34,7 +34,8 @@ import argparse
 
 import numpy as np
 
-from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
+from _harness import (fa4_out, fmt, largest_difference, log, markdown_table, open_torch_peers, peer_arguments,
+                      runnable, write_results)
 
 HEADS, HEAD_DIM = 16, 128
 WINDOW, CAP, PREFIX = 1024, 30.0, 2048
@@ -172,9 +173,7 @@ def main(argv=None):
                     row[f"x {peer}"] = ours / row[peer]
             base = "cuflash" if "cuflash" in usable else "cuflash mod"
             if base in usable:
-                want = forwards[base]().float()
-                diffs = [float((forwards[n]().float() - want).abs().max()) for n in usable if n != base]
-                row["maxdiff"] = max(diffs, default=0.0)
+                row["maxdiff"] = largest_difference(forwards, usable, base)
             rows.append(row)
             log(", ".join(f"{k} {fmt(v)}" for k, v in row.items()))
     header = (f"**{gpu.device_name}** ({gpu.versions}); forward + backward through autograd, bf16, H {HEADS}, "

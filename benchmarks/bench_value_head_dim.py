@@ -25,7 +25,8 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
+from _harness import (fa4_out, fmt, largest_difference, log, markdown_table, open_torch_peers, peer_arguments,
+                      runnable, write_results)
 
 BATCH, HEADS, SEQLEN = 2, 16, 8192
 PAIRS = ((192, 128), (128, 64), (64, 128))
@@ -100,9 +101,7 @@ def main(argv=None):
                     for peer in ("fa4", "cudnn"):
                         if peer in row and "cuflash" in row:
                             row[f"x {peer}"] = row["cuflash"] / row[peer]
-                    want = forwards["cuflash"]().detach().float()
-                    row["maxdiff"] = max((float((forwards[n]().detach().float() - want).abs().max()) for n in usable
-                                          if n != "cuflash"), default=0.0)
+                    row["maxdiff"] = largest_difference(forwards, usable)
                     rows.append(row)
                     log(", ".join(f"{k} {fmt(v, 2)}" for k, v in row.items()))
                     del steps, forwards, usable

@@ -82,3 +82,33 @@ def test_open_torch_peers_without_a_gpu_says_so(harness, capsys):
     assert harness.open_torch_peers(cupy, args) is None
     said = capsys.readouterr()
     assert "no CUDA GPU" in said.err and "needs a GPU and torch" in said.out
+
+
+def test_largest_difference(harness):
+    # The largest |out - base's out| over the other contenders, each output taken through detach() and
+    # float(); a lone base gives 0.
+    class Out:
+        def __init__(self, values):
+            self.values = values
+
+        def detach(self):
+            return self
+
+        def float(self):
+            return self
+
+        def __sub__(self, other):
+            return Out([a - b for a, b in zip(self.values, other.values)])
+
+        def abs(self):
+            return Out([abs(a) for a in self.values])
+
+        def max(self):
+            return max(self.values)
+
+    base, values = [0.5, -1.0, 2.0], {"peer": [0.5, -1.25, 2.0], "other": [1.0, -1.0, 2.0]}
+    outputs = {"cuflash": lambda: Out(base), **{name: (lambda v=v: Out(v)) for name, v in values.items()}}
+    assert harness.largest_difference(outputs, ["cuflash", "peer", "other"]) == 0.5
+    assert harness.largest_difference(outputs, ["cuflash", "peer"]) == 0.25
+    assert harness.largest_difference(outputs, ["cuflash"]) == 0.0
+    assert harness.largest_difference(outputs, ["peer", "other"], base="peer") == 0.5
