@@ -12,6 +12,9 @@ Contenders, from torch tensors, outputs allocated per call:
   paged cache; planned on fwd_sm90 over the cache (cuflash/_prefill_plan.py);
 - ``cuflash append``: the same call with the chunk's keys given as ``k_new``/``v_new`` and appended
   by the call (cache_seqlens = the prefix): the append's cost on top;
+- ``cuflash kv in one``: the same call over K's and V's pages side by side in one (pages, 2, page, Hk, D)
+  array (FlashInfer's layout): rows do not run on from page to page there, so a TMA copy takes one
+  column block of a box instead of the whole box (kernels.fwd_sm90.kv_cache_mode);
 - ``cuflash decode kernel``: the first call forced onto the decode kernel (where fewer new tokens
   run), and with ``--crossover`` ``cuflash fwd_sm90``: forced onto fwd_sm90 (below the threshold of
   ``kernels.fwd_sm90.kv_cache_pays`` the first call runs on the decode kernel; this measures where the
@@ -37,7 +40,8 @@ from _harness import (fa4_out, fmt, largest_difference, log, markdown_table, ope
                       runnable, write_results)
 
 HQ, HK, D = 32, 8, 128
-COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash decode kernel", "cuflash fwd_sm90",
+COLUMNS = ["B", "prefix", "new", "page", "cuflash", "cuflash append", "cuflash kv in one", "cuflash decode kernel",
+           "cuflash fwd_sm90",
            "cuflash contiguous", "fa4", "fa4 contiguous", "x contiguous", "x fa4", "x decode kernel", "maxdiff"]
 
 
@@ -63,6 +67,7 @@ def contenders(gpu, ct, fa4, batch, prefix, new, page, crossover=False):
     lens = torch.full((batch,), total, device="cuda", dtype=torch.int32)
     prefix_lens = torch.full((batch,), prefix, device="cuda", dtype=torch.int32)
     k_new, v_new = k[:, prefix:].contiguous(), v[:, prefix:].contiguous()
+    kv_one = torch.stack([k_cache, v_cache], dim=1)
 
     def forced(family):
         def call():
@@ -74,6 +79,7 @@ def contenders(gpu, ct, fa4, batch, prefix, new, page, crossover=False):
         "cuflash": lambda: ct.decode(q, k_cache, v_cache, cache_seqlens=lens, block_table=table),
         "cuflash append": lambda: ct.decode(q, k_cache, v_cache, cache_seqlens=prefix_lens, block_table=table,
                                             k_new=k_new, v_new=v_new),
+        "cuflash kv in one": lambda: ct.decode(q, kv_one[:, 0], kv_one[:, 1], cache_seqlens=lens, block_table=table),
         "cuflash decode kernel": forced("decode"),
         "cuflash contiguous": lambda: ct.attention(q, k, v, causal=True),
     }

@@ -59,7 +59,11 @@ struct FwdSm90Config {
     // tokens (chunked prefill). 1: a tile comes by TMA, in boxes of p.kv_box_rows rows (a contiguous
     // cache, or pages of multiples of 8 rows: kv_box_coords); 2 (kKvGather): the producer warpgroup
     // copies its rows (pages of other sizes: kv_cache_row, copy_kv_row).
-    static constexpr bool kKvCache = kKvCache_ != 0, kKvGather = kKvCache_ == 2;
+    // 3 (kKvRowGroups): pages of multiples of 8 rows whose rows continue from page to page (page stride =
+    // page_size rows), one TMA copy a box for every column block: the cache seen as one run of rows in
+    // groups of 8 (kv_box_coords), each group's column blocks side by side in shared memory. Pages of 16
+    // rows took 32 copies a tile as 1, 16 as 3 (D = 128, 128 keys).
+    static constexpr bool kKvCache = kKvCache_ != 0, kKvGather = kKvCache_ == 2, kKvRowGroups = kKvCache_ == 3;
     static_assert(kBlockN_ / 8 * (kHeadDim_ / 64) <= 32 && kBlockN_ / 8 * (kHeadDimV_ / 64) <= 32,
                   "a KV cache tile's TMA copies, one a lane of a warp (load_boxes)");
     // Named barriers: 1 the consumers (zero_tile_rows), 2 + consumer each consumer's output, and this
@@ -94,6 +98,12 @@ struct FwdSm90Config {
     static constexpr int kColBlocks = kHeadDim / 64, kVColBlocks = kHeadDimV / 64;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
     static constexpr int kVBytes = kBlockN * kHeadDimV * 2;
+    // Where K's and V's 8-row groups and column blocks lie in their tiles: a column block of all rows
+    // after the other (as everywhere), or, kKvRowGroups, a group's column blocks side by side.
+    static constexpr int kKGroupPitch = kKvRowGroups ? kColBlocks * 1024 : 1024;
+    static constexpr int kKBlockPitch = kKvRowGroups ? 1024 : kBlockN * 128;
+    static constexpr int kVGroupPitch = kKvRowGroups ? kVColBlocks * 1024 : 1024;
+    static constexpr int kVBlockPitch = kKvRowGroups ? 1024 : kBlockN * 128;
     // Each consumer stages its 64-row output tile in shared memory, up to 128 columns at a time
     // (store_output_staged).
     static constexpr int kOutCols = kHeadDimV < 128 ? kHeadDimV : 128;
@@ -114,7 +124,7 @@ struct FwdSm90Config {
 // consumers zero those rows of the V tile before P V (zero_tile_rows).
 template <class C>
 __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
-    zero_tile_rows<C::kBlockN, C::kVColBlocks, C::kConsumers>(v_tile, first_row);
+    zero_tile_rows<C::kBlockN, C::kVColBlocks, C::kConsumers, C::kVBlockPitch, C::kVGroupPitch>(v_tile, first_row);
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -414,6 +424,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         auto load_boxes = [&](unsigned tile, const TmaMap* map, int col_blocks, int row, int head, int page,
                               unsigned bar) {
             __syncwarp();
+            if constexpr (C::kKvRowGroups) {   // lane l: box l, every column block in one copy
+                if (lane * p.kv_box_rows < C::kBlockN)
+                    tma_load_5d(tile + lane * p.kv_box_rows * col_blocks * 128, map, 0, 0, 0,
+                                (page * p.page_size + row) / 8, head, bar);
+                return;
+            }
             const int box = lane / col_blocks, blk = lane % col_blocks;
             const int box_row = __shfl_sync(0xffffffffu, row, box), box_page = __shfl_sync(0xffffffffu, page, box);
             if (box * p.kv_box_rows < C::kBlockN)
@@ -576,12 +592,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // A descriptor's address field is the low bits, so a k-step's descriptor is the tile's
             // plus its byte offset / 16.
             const unsigned long long q_desc = smem_desc(q_tile + consumer * 64 * 128, 16, 1024);
-            const unsigned long long k_desc = smem_desc(k_smem + stage * C::kKBytes, 16, 1024);
+            const unsigned long long k_desc = smem_desc(k_smem + stage * C::kKBytes, 16, C::kKGroupPitch);
 #pragma unroll
             for (int kk = 0; kk < C::kHeadDim / 16; ++kk) {
                 // Each 64-column block of the head dim is its own swizzled region, 32 bytes per k-step.
                 const unsigned q_off = (kk / 4) * C::kBlockM * 128 + (kk % 4) * 32;
-                const unsigned k_off = (kk / 4) * C::kBlockN * 128 + (kk % 4) * 32;
+                const unsigned k_off = (kk / 4) * C::kKBlockPitch + (kk % 4) * 32;
                 wgmma_ss<C::kBlockN>(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]),
                                      q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
             }
@@ -591,12 +607,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // 16 keys per step (2048 bytes of V); a chunk's columns span column blocks (leading offset).
             // As in issue_s, each step's descriptor is the tile's plus an offset (one add, not a
             // mask, shift and or per wgmma: at D = 64 that was ~5% of a tile's instructions).
-            const unsigned long long v_desc = smem_desc(v_smem + stage * C::kVBytes, C::kBlockN * 128, 1024);
+            const unsigned long long v_desc = smem_desc(v_smem + stage * C::kVBytes, C::kVBlockPitch, C::kVGroupPitch);
 #pragma unroll
             for (int kk = 0; kk < C::kBlockN / 16; ++kk)
 #pragma unroll
                 for (int c = 0; c < C::kPvChunks; ++c) {
-                    const unsigned v_off = c * (C::kPvN / 64) * C::kBlockN * 128 + kk * 2048;
+                    const unsigned v_off = c * (C::kPvN / 64) * C::kVBlockPitch + kk * 2 * C::kVGroupPitch;
                     wgmma_rs<C::kPvN>(&acc_o[0][c * C::kPvN / 8][0], p_frag[kk], v_desc + (v_off >> 4));
                 }
             wgmma_commit();

@@ -141,12 +141,14 @@ __device__ __forceinline__ void store_transposed(unsigned tile, const unsigned (
 // wgmma and meets at named barrier 1. The 128B swizzle permutes 16-byte chunks only inside a row,
 // so a whole row stays where it was. (Varlen tiles that run past their sequence hold the next
 // sequence's rows; products that would meet them as 0 * x, NaN when x is, get zeros instead.)
-template <int kRows, int kColBlocks, int kConsumers>
+// kBlockPitch and kGroupPitch: the bytes between column blocks and between 8-row groups (a tile in
+// row groups, fwd_sm90's kKvRowGroups, has its groups' column blocks side by side).
+template <int kRows, int kColBlocks, int kConsumers, int kBlockPitch = kRows * 128, int kGroupPitch = 1024>
 __device__ __forceinline__ void zero_tile_rows(unsigned tile, int first_row) {
     const int chunks_per_block = (kRows - first_row) * 8;   // 16-byte chunks, 8 per 128-byte row
     for (int c = threadIdx.x - 128; c < chunks_per_block * kColBlocks; c += 128 * kConsumers) {
         const int blk = c / chunks_per_block, r = first_row + c % chunks_per_block / 8;
-        const unsigned addr = tile + blk * kRows * 128 + r * 128 + (c % 8) * 16;
+        const unsigned addr = tile + blk * kBlockPitch + r / 8 * kGroupPitch + r % 8 * 128 + (c % 8) * 16;
         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
     }
     fence_proxy_async();   // the generic-proxy stores must be visible to the wgmma that reads the tile

@@ -70,6 +70,16 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap* map, int
         : "memory");
 }
 
+// One box of a 5-d tensor map (coordinates innermost first), as tma_load_4d.
+__device__ __forceinline__ void tma_load_5d(unsigned dst, const TmaMap* map, int c0, int c1, int c2, int c3, int c4,
+                                            unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+        : "memory");
+}
+
 // `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from global memory
 // into shared memory at dst, counted on bar like a tensor copy.
 __device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {

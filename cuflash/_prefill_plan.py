@@ -4,7 +4,8 @@ The decode kernel packs 16 query rows a CTA and reads the keys they see, so a ch
 tokens re-reads its prefix once per 16 rows. fwd_sm90 compiled with ``CUFLASH_KV_CACHE`` reads the
 keys and values from the cache instead: 128 query rows a CTA, each sequence's length from
 ``cache_seqlens`` on the GPU, and the cache's rows by TMA (a contiguous cache, or pages of multiples of
-8 rows in boxes that never cross a page) or copied by the producer warpgroup (pages of other sizes:
+8 rows in boxes that never cross a page, one copy a box when the rows run on from page to page) or
+copied by the producer warpgroup (pages of other sizes:
 :func:`cuflash.kernels.fwd_sm90.kv_cache_mode`). The new keys and values are written into the cache first by
 ``cuda_src/append_kv.cu``, so the forward attends exactly what the call stored.
 
@@ -105,7 +106,9 @@ def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v
     heads_k = k_cache.shape[2]
     score_mods = (("softcap",) if opts.softcap > 0 else ()) + (("alibi_slopes",) if alibi_batch_stride is not None
                                                                 else ())
-    mode = kernels.fwd_sm90.kv_cache_mode(page_size if paged else None)
+    rows_run_on = paged and head_dim % 64 == 0 and head_dim_v % 64 == 0 and all(
+        x.strides[0] == page_size * x.strides[1] for x in (k_cache, v_cache))
+    mode = kernels.fwd_sm90.kv_cache_mode(page_size if paged else None, rows_run_on)
     plan_k = kernels.fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=False,
                                    head_dim_v=head_dim_v if head_dim_v != head_dim else None, kv_cache=mode)
     block_n = dict(plan_k.variant.defines)["CUFLASH_BLOCK_N"]
@@ -167,9 +170,10 @@ def prefill_plan(slots, *, n_operands, dtype_name, q, k_cache, v_cache, k_new, v
     m_blocks = math.ceil(seqlen_q / plan_k.block_m)
     func = _launch.prepare_kernel(get_kernel(plan_k.variant), plan_k.smem_bytes, device_id)
     # (A gather reads the caches through their pointers and strides; its K/V maps go unused.)
-    maps = [("map", slots[name], _tma.TensorMapSpec(x, rows, dtype_name))
-            for name, x, rows in (("q", q, plan_k.block_m), ("k_cache", k_cache, box_rows),
-                                  ("v_cache", v_cache, box_rows), ("out", out, 64))]
+    row_groups = mode == "row_groups"
+    maps = [("map", slots[name], _tma.TensorMapSpec(x, rows, dtype_name, groups))
+            for name, x, rows, groups in (("q", q, plan_k.block_m, False), ("k_cache", k_cache, box_rows, row_groups),
+                                          ("v_cache", v_cache, box_rows, row_groups), ("out", out, 64, False))]
     grid = (min(m_blocks * heads_q * batch, _launch.sm_count(device_id)), 1, 1)
     plan.steps.append(_step.Step(func, grid, plan_k.threads, plan_k.smem_bytes,
                                  (*maps, ("struct", Template(FWD, fields, fwd_slots)),

@@ -52,7 +52,7 @@ class Step:
                         writes.append((position + offset, struct.Struct(fmt), operator.itemgetter(*keys),
                                        len(keys) == 1))
             elif arg[0] == "map":
-                if _tma.address_patchable():
+                if _tma.address_patchable(arg[2]):
                     block += _tma.template(arg[2])
                     words.append((position // 8, arg[1]))   # bytes 0..7: the global address
                 else:

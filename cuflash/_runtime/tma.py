@@ -26,12 +26,19 @@ _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 class TensorMapSpec(tuple):
     """What a tensor map depends on besides the address: (shape, byte strides, nbytes, box rows,
-    dtype name). Made once per plan; maps are then cached by (address, spec)."""
+    dtype name, row groups). Made once per plan; maps are then cached by (address, spec).
+
+    ``row_groups``: a paged KV cache (pages, page_size, H, D) whose rows run on from page to page (page
+    stride = page_size x row stride) and whose D is whole 64-column blocks, as fwd_sm90 reads it in its
+    "row_groups" mode: a 5-d tensor (innermost first: 64 columns, 8 rows, D / 64 column blocks, the
+    cache's row groups of 8, H) read in boxes of (64, 8, D / 64, box_rows / 8, 1), so that one copy
+    takes a box's every column block and lays out each group's blocks side by side."""
 
     __slots__ = ()
 
-    def __new__(cls, x, box_rows: int, dtype_name: str):
-        return super().__new__(cls, (tuple(x.shape), tuple(x.strides), int(x.nbytes), int(box_rows), dtype_name))
+    def __new__(cls, x, box_rows: int, dtype_name: str, row_groups: bool = False):
+        return super().__new__(cls, (tuple(x.shape), tuple(x.strides), int(x.nbytes), int(box_rows), dtype_name,
+                                     bool(row_groups)))
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,7 +66,8 @@ _CACHE_ENTRIES = 256
 
 def encode_at(ptr: int, spec: TensorMapSpec) -> bytes:
     """The 128 bytes of the tensor map ``spec`` over the array at ``ptr`` (cached): boxes of
-    (64 columns, box rows, 1, 1) over (B, S, H, D), or (S, H, D) as one batch (varlen's packed rows).
+    (64 columns, box rows, 1, 1) over (B, S, H, D), or (S, H, D) as one batch (varlen's packed rows), or
+    a paged cache's boxes in row groups (:class:`TensorMapSpec`).
 
     Raises
     ------
@@ -80,21 +88,28 @@ def encode(x, box_rows: int, dtype_name: str) -> bytes:
     return encode_at(x.data.ptr, TensorMapSpec(x, box_rows, dtype_name))
 
 
-def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: str) -> bytes:
-    if len(shape) == 3:
-        s, h, d = shape
-        ss, sh, _ = strides
-        b, sb = 1, -(-nbytes // 16) * 16  # any valid stride: the one batch coordinate is 0
+def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: str, row_groups: bool = False) -> bytes:
+    if row_groups:
+        pages, page_size, h, d = shape
+        _, ss, sh, _ = strides
+        dims = (64, 8, d // 64, pages * page_size // 8, h)
+        byte_strides = (ss, 128, 8 * ss, sh)
+        box = (64, 8, d // 64, box_rows // 8, 1)
     else:
-        b, s, h, d = shape
-        sb, ss, sh, _ = strides
+        if len(shape) == 3:
+            s, h, d = shape
+            ss, sh, _ = strides
+            b, sb = 1, -(-nbytes // 16) * 16  # any valid stride: the one batch coordinate is 0
+        else:
+            b, s, h, d = shape
+            sb, ss, sh, _ = strides
+        dims, byte_strides, box = (d, s, h, b), (ss, sh, sb), (64, box_rows, 1, 1)
+    rank = len(dims)
     words = (ctypes.c_uint64 * 16)()
-    dims = (ctypes.c_uint64 * 4)(d, s, h, b)
-    byte_strides = (ctypes.c_uint64 * 3)(ss, sh, sb)  # for dims 1..3
-    box = (ctypes.c_uint32 * 4)(64, box_rows, 1, 1)
-    elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     data_type = _BFLOAT16 if dtype_name == "bfloat16" else _FLOAT16
-    args = (words, data_type, 4, ctypes.c_void_p(ptr), dims, byte_strides, box, elem,
+    args = (words, data_type, rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
+            (ctypes.c_uint64 * (rank - 1))(*byte_strides), (ctypes.c_uint32 * rank)(*box),
+            (ctypes.c_uint32 * rank)(*(1,) * rank),
             0,  # interleave none
             _SWIZZLE_128B,
             0,  # L2 promotion none
@@ -117,27 +132,34 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
 # and the check's addresses, apart from it in low and high bits (below 2**47, like a real pointer).
 TEMPLATE_ADDRESS = 0x7F00_0000_0000
 _PROBE_ADDRESSES = (0x7A12_3456_7890, 0x1000_0000_0100)
-_PROBE_SPECS = (
-    ((2, 300, 8, 128), (300 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2), 2 * 300 * 8 * 128 * 2, 128, "bfloat16"),
-    ((700, 4, 64), (4 * 64 * 2, 64 * 2, 2), 700 * 4 * 64 * 2, 64, "float16"),   # varlen's packed rows
-)
-_patchable = None
+_PROBE_SPECS = {
+    False: (
+        ((2, 300, 8, 128), (300 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2), 2 * 300 * 8 * 128 * 2, 128, "bfloat16"),
+        ((700, 4, 64), (4 * 64 * 2, 64 * 2, 2), 700 * 4 * 64 * 2, 64, "float16"),   # varlen's packed rows
+    ),
+    True: (   # a paged cache in row groups
+        ((50, 16, 8, 128), (16 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2), 50 * 16 * 8 * 128 * 2, 16, "bfloat16", True),
+    ),
+}
+_patchable: dict = {}   # row groups or not -> the check's answer
 
 
-def address_patchable() -> bool:
+def address_patchable(spec: TensorMapSpec | None = None) -> bool:
     """Whether a map encoded at one address becomes the map at another by writing that address into
-    its bytes 0..7 (little-endian). Checked on the driver when a plan first needs a map, once per
-    process: a (B, S, H, D) and a packed-rows map, each encoded at three addresses. False as well
-    where the driver refuses the stand-in addresses; then every call encodes its maps."""
-    global _patchable
-    if _patchable is None:
-        _patchable = _check_patchable()
-    return _patchable
+    its bytes 0..7 (little-endian). Checked on the driver when a plan first needs a map of its kind,
+    once per process: a (B, S, H, D) and a packed-rows map, or (``spec`` in row groups) a row-groups
+    map, each encoded at three addresses. False as well where the driver refuses the stand-in
+    addresses; then every call encodes its maps of that kind."""
+    kind = spec is not None and spec[5]
+    known = _patchable.get(kind)
+    if known is None:
+        known = _patchable[kind] = _check_patchable(_PROBE_SPECS[kind])
+    return known
 
 
-def _check_patchable() -> bool:
+def _check_patchable(specs) -> bool:
     try:
-        for spec in _PROBE_SPECS:
+        for spec in specs:
             addresses = (TEMPLATE_ADDRESS, *_PROBE_ADDRESSES)
             maps = [_encode(address, *spec) for address in addresses]
             for address, tensor_map in zip(addresses, maps):

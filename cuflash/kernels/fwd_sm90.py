@@ -57,8 +57,10 @@ def kv_cache_pays(seqlen_q: int, work_items: int, sms: int) -> bool:
 #: the score modifiers it takes (decode's names), each a variant without spills (ALiBi and softcap
 #: together spilled 20-24 bytes at D = 64 and 128: the decode kernel runs them);
 KV_CACHE_SCORE_MODS = ((), ("softcap",), ("alibi",))
-#: how the cache's rows reach shared memory (CUFLASH_KV_CACHE): by TMA, or copied by the producer warpgroup.
-KV_CACHE_MODES = {"tma": 1, "gather": 2}
+#: how the cache's rows reach shared memory (CUFLASH_KV_CACHE): by TMA, a box of a page and a column block
+#: a copy; copied by the producer warpgroup; or by TMA, a box of a page a copy for every column block
+#: ("row_groups": the cache read as one run of rows, tiles laid out in 8-row groups).
+KV_CACHE_MODES = {"tma": 1, "gather": 2, "row_groups": 3}
 
 
 #: TMA boxes of a paged cache have gcd(page_size, keys per tile) rows, which must be a multiple of 8: the
@@ -66,10 +68,19 @@ KV_CACHE_MODES = {"tma": 1, "gather": 2}
 KV_CACHE_BOX_MULTIPLE = 8
 
 
-def kv_cache_mode(page_size: int | None) -> str:
+def kv_cache_mode(page_size: int | None, rows_run_on: bool = False) -> str:
     """``"tma"`` for a contiguous cache (``page_size`` None) or pages of a multiple of KV_CACHE_BOX_MULTIPLE
-    rows (boxes of :func:`kv_box_rows`), else ``"gather"``: 16-byte copies by the producer warpgroup."""
-    return "tma" if page_size is None or page_size % KV_CACHE_BOX_MULTIPLE == 0 else "gather"
+    rows (boxes of :func:`kv_box_rows`), else ``"gather"``: 16-byte copies by the producer warpgroup.
+    ``"row_groups"`` instead of ``"tma"`` for such pages when ``rows_run_on``: both caches' rows run on
+    from page to page (page stride = page_size rows) and their head dims are whole 64-column blocks, so
+    that one copy takes a box's every column block. Pages of 16 rows at D = 128 then take 16 copies a
+    tile instead of 32, which held them to 0.77-0.79x the contiguous forward
+    (docs/decisions.md#chunked-prefill-on-fwd_sm90)."""
+    if page_size is None:
+        return "tma"
+    if page_size % KV_CACHE_BOX_MULTIPLE:
+        return "gather"
+    return "row_groups" if rows_run_on else "tma"
 
 
 def kv_box_rows(page_size: int | None, block_n: int) -> int:
@@ -79,7 +90,7 @@ def kv_box_rows(page_size: int | None, block_n: int) -> int:
 
 
 def kv_cache_variants(dtypes=("float16", "bfloat16"), head_dims=SM90_HEAD_DIMS) -> list[Variant]:
-    """fwd_sm90's variants over a KV cache: square head dims, each of KV_CACHE_SCORE_MODS, both modes, and
+    """fwd_sm90's variants over a KV cache: square head dims, each of KV_CACHE_SCORE_MODS, every mode, and
     DeepSeek's (192, 128)."""
     out = [plan(dtype_name, d, score_mods=mods, dropout=False, kv_cache=mode).variant
            for dtype_name in dtypes for d in head_dims for mods in KV_CACHE_SCORE_MODS for mode in KV_CACHE_MODES]
@@ -191,8 +202,9 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     warpgroups (:func:`sm90_consumers`). ``head_dim_v``: v's and out's head dim when it differs (rounded
     up the same way; two consumers; the key tile and stage count of :func:`_pair_tiles`). ``kv_cache``:
     keys and values from a KV cache (``CUFLASH_KV_CACHE``; decode's chunked prefill,
-    :mod:`cuflash._prefill_plan`): ``"tma"`` (contiguous, or pages of whole tiles) or ``"gather"``
-    (other pages, copied row by row: :func:`kv_cache_mode`)."""
+    :mod:`cuflash._prefill_plan`): ``"tma"`` (contiguous, or pages of multiples of 8 rows), ``"row_groups"``
+    (such pages, rows running on from page to page) or ``"gather"`` (other pages, copied row by row:
+    :func:`kv_cache_mode`)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
     obstacle = value_head_dim_obstacle(head_dim, head_dim_v)

@@ -229,7 +229,7 @@ def driver(monkeypatch):
 
         monkeypatch.setattr(_tma, "_encode", encode)
         monkeypatch.setattr(_tma, "_cache", {})
-        monkeypatch.setattr(_tma, "_patchable", None)
+        monkeypatch.setattr(_tma, "_patchable", {})
         return calls
 
     return install
@@ -243,6 +243,21 @@ def test_address_patch_check(driver, encoder, patchable):
     checked = len(calls)
     assert 1 <= checked <= 6   # a few encodes (fewer where the first answer already says no)
     assert _tma.address_patchable() is patchable and len(calls) == checked, "checked more than once"
+
+
+def test_row_group_maps_are_checked_on_their_own(driver):
+    """A driver whose row-groups maps (5-d) depend on the address beyond bytes 0..7 leaves the other maps
+    patchable: each kind has its own answer, and only that kind is encoded per call."""
+    def encoder(ptr, *spec):
+        return encode_mixed(ptr, *spec) if len(spec) > 5 and spec[5] else encode_like_cuda13(ptr, *spec)
+
+    calls = driver(encoder)
+    paged = _tma.TensorMapSpec(_dense((50, 16, 8, 128)), 16, "bfloat16", row_groups=True)
+    assert _tma.address_patchable() is True
+    assert _tma.address_patchable(_tma.TensorMapSpec(_dense((2, 300, 8, 128)), 128, "bfloat16")) is True
+    checked = len(calls)
+    assert _tma.address_patchable(paged) is False and len(calls) > checked
+    assert _tma.address_patchable(paged) is False and _tma.address_patchable() is True
 
 
 def _dense(shape, itemsize=2):

@@ -25,6 +25,8 @@ def _call(**changes):
                                              (1, "gather"), (3, "gather"), (12, "gather")])
 def test_kv_cache_mode(page_size, mode):
     assert fwd_sm90.kv_cache_mode(page_size) == mode
+    # Pages whose rows run on from one to the next take a box's column blocks in one copy.
+    assert fwd_sm90.kv_cache_mode(page_size, True) == ("row_groups" if mode == "tma" and page_size else mode)
 
 
 @pytest.mark.parametrize("page_size, block_n, rows", [(None, 128, 128), (16, 128, 16), (48, 128, 16), (256, 128, 128),
@@ -80,13 +82,14 @@ def test_not_on_other_gpus(monkeypatch):
         _prefill_plan.runs_on_fwd_sm90(**_call())
 
 
-def test_kv_cache_variants_cover_both_modes_and_the_pair():
+def test_kv_cache_variants_cover_every_mode_and_the_pair():
     variants = fwd_sm90.kv_cache_variants(("bfloat16",))
     modes = {dict(v.defines)["CUFLASH_KV_CACHE"] for v in variants}
     assert modes == set(fwd_sm90.KV_CACHE_MODES.values())
     assert any(dict(v.defines).get("CUFLASH_HEAD_DIM_V") == 128 and dict(v.defines)["CUFLASH_HEAD_DIM"] == 192
                for v in variants)
-    assert len(variants) == len(set(variants)) == 3 * len(fwd_sm90.KV_CACHE_SCORE_MODS) * 2 + 2
+    modes = len(fwd_sm90.KV_CACHE_MODES)
+    assert len(variants) == len(set(variants)) == 3 * len(fwd_sm90.KV_CACHE_SCORE_MODS) * modes + modes
 
 
 def test_strides_of_a_paged_cache_in_elements_and_bytes():

@@ -7,7 +7,9 @@ sequence owns hold NaN, block_table entries past a sequence's last page are -1, 
 NaN-poisoned ``out=`` buffers, and after the call the whole cache must be the old one with the new
 rows written at ``cache_seqlens``, bit for bit. Contiguous caches and pages of multiples of 8 rows go by
 TMA (16, 48, 64: several boxes a tile, 48 in boxes of gcd(48, 128) = 16 rows; 128, 256: one), pages of
-1 and 3 rows are copied row by row by the producer warpgroup.
+1 and 3 rows are copied row by row by the producer warpgroup. Paged caches come in both layouts: pages
+of their own array, whose rows run on from page to page (one copy a box, "row_groups"), and K's and
+V's pages side by side in one (pages, 2, page_size, H, D) array (a copy a box and column block, "tma").
 
 Run: ``python -m pytest -q tests/gpu/test_prefill_fwd_sm90.py`` (skipped without an sm_90 GPU).
 """
@@ -59,22 +61,32 @@ def prefill_problems(draw):
     return dict(dtype=draw(st.sampled_from(["float16", "bfloat16"])), B=B, Hq=hk * group, Hk=hk,
                 D=draw(st.sampled_from([64, 128, 128, 256, 72])), Sq=draw(st.sampled_from([1, 17, 128, 129, 300])),
                 lens=[draw(length) for _ in range(B)], page_size=page_size, append=draw(st.booleans()),
-                options=opts, host_indices=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
+                options=opts, host_indices=draw(st.booleans()), kv_together=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+def kv_together(case):
+    """The case's paged caches as the two halves of one (pages, 2, page_size, H, D) CuPy array (the
+    layout of FlashInfer's and some vLLM backends' caches): each page's K rows are followed by its V rows."""
+    kv = cupy.asarray(np.stack([case["k_cache"], case["v_cache"]], axis=1))
+    return kv[:, 0], kv[:, 1]
 
 
 @_capped(40)
 @given(problem=prefill_problems())
 def test_fwd_sm90_over_the_cache_matches_the_reference(xp_gpu, problem):
     """Shapes, page sizes, lengths (0, tile and page edges), appends, GQA, causal or not, windows,
-    softcap, ALiBi, sinks; index arrays on the GPU or the host."""
+    softcap, ALiBi, sinks; index arrays on the GPU or the host; paged K and V apart or together."""
     p = problem
     case = build_case(dtype=p["dtype"], B=p["B"], Hq=p["Hq"], Hk=p["Hk"], D=p["D"], Sq=p["Sq"], lens=p["lens"],
                       page_size=p["page_size"], append=p["append"], seed=p["seed"])
     options = dict(p["options"])
     sinks = options.pop("sinks", None)
+    together = p["kv_together"] and p["page_size"] is not None and sinks is None
     with _prefill_plan.force_kernel("fwd_sm90"):
         if sinks is None:
-            run_case(case, dtype=p["dtype"], options=options, host_indices=p["host_indices"])
+            run_case(case, dtype=p["dtype"], options=options, host_indices=p["host_indices"],
+                     device_cache=kv_together(case) if together else None)
         else:
             run_with_sinks(case, cupy.asarray(sinks), p["dtype"], 0, p["seed"], options)
 
@@ -97,6 +109,26 @@ def test_a_long_chunk_runs_on_fwd_sm90_by_default(xp_gpu, monkeypatch, page_size
         (_, lse_decode), _ = run_case(case, dtype="bfloat16", expected=expected)
     assert len(planned) == 1
     assert float(cupy.abs(lse - lse_decode).max()) < 1e-3, f"seed {seed}"
+
+
+@pytest.mark.parametrize("page_size, together, D, mode", [
+    (None, False, 128, "tma"), (16, False, 128, "row_groups"), (16, True, 128, "tma"), (48, False, 64, "row_groups"),
+    (64, False, 256, "row_groups"), (16, False, 72, "tma"), (3, False, 128, "gather")])
+def test_how_the_cache_is_read(xp_gpu, page_size, together, D, mode):
+    """The mode a layout is planned in (pages whose rows run on, head dims of whole 64-column blocks: one
+    copy a box), and its result against the reference."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    case = build_case(dtype="bfloat16", B=2, Hq=4, Hk=2, D=D, Sq=150, lens=[333, 40], page_size=page_size,
+                      append=True, seed=seed)
+    kc, vc = kv_together(case) if together else (cupy.asarray(case["k_cache"]), cupy.asarray(case["v_cache"]))
+    table = None if case["table"] is None else cupy.asarray(case["table"])
+    args = (cupy.asarray(case["q"]), kc, vc)
+    options = dict(cache_seqlens=cupy.asarray(case["lens"]), block_table=table, k_new=cupy.asarray(case["k_new"]),
+                   v_new=cupy.asarray(case["v_new"]))
+    with _prefill_plan.force_kernel("fwd_sm90"):
+        info = cuflash.plan(cuflash.decode, *args, **options).plan.info
+        assert (info["family"], info["kv_cache"]) == ("fwd_sm90", mode)
+        run_case(case, dtype="bfloat16", device_cache=(kc, vc))
 
 
 @pytest.mark.parametrize("page_size", [None, 16, 48])
