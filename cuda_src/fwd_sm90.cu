@@ -42,18 +42,33 @@
 namespace cuflash {
 
 template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_,
-          bool kDropout_, int kKvCache_ = 0>
+          bool kDropout_, int kKvCache_ = 0, bool kAlibiColumns_ = false>
 struct FwdSm90Config {
     // kHeadDim: Q's and K's columns (S = Q K^T); kHeadDimV: V's and O's (P V, the output).
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
     static constexpr int kBlockN = kBlockN_, kQSlots = kQSlots_, kStages = kStages_;
-    static constexpr int kMods = kMods_;   // score modifiers compiled in (mask.cuh)
+    // ALiBi alone where no visible key lies right of its query's diagonal (j <= i + diag: causal),
+    // as a bias of each key column (add_alibi_columns): there -slope |i + diag - j| is slope (j - ref)
+    // less slope (i + diag - ref), a term of the row alone that leaves P as it is. So the variant is
+    // the one without modifiers (its loop, its speculative softmax, masks on edge tiles only) plus one
+    // FFMA an element, and the rows' maxima take their terms back before the lse (ref: the item's
+    // first row + diag, which keeps the biases of the keys near the diagonal small, so exact to
+    // float32). modify_scores took ~8 instructions an element: the forward ran at 0.61-0.68x of the
+    // call without options.
+    static constexpr bool kAlibiColumns = kAlibiColumns_;
+    static_assert(!kAlibiColumns || kMods_ == kModAlibi, "ALiBi columns are ALiBi alone");
+    // Key tiles from the last (the diagonal's) down: its biases are its rows' largest, so the rows'
+    // maxima rarely move after it and the speculative softmax keeps the later tiles. Upwards, every
+    // tile's biases passed the last maximum by slope x 128 x log2(e) (more than the softmax's slack
+    // from slope 0.043), and the loop took the exact update and O's rescale at every tile.
+    static constexpr bool kTilesDown = kAlibiColumns;
+    static constexpr int kMods = kAlibiColumns ? 0 : kMods_;   // score modifiers compiled in (mask.cuh)
     // Modifiers that only hide elements (block_mask, a user MaskMod: kMaskOnly) leave the scores raw,
     // as without modifiers, and a tile pays for them element by element only where the producer found
     // a block that is not visible throughout (hide_masked_scores). The others change scores
     // (kScoreMods) and take every tile through modify_scores. Either kind runs the loop with one copy
     // of the score code (kRotated).
-    static constexpr bool kMaskOnly = kMods_ != 0 && (kMods_ & ~(kModBlockMask | kModUserMask)) == 0;
+    static constexpr bool kMaskOnly = kMods != 0 && (kMods & ~(kModBlockMask | kModUserMask)) == 0;
     static constexpr bool kScoreMods = kMods != 0 && !kMaskOnly, kRotated = kMods != 0, kDropout = kDropout_;
     // Keys and values from a KV cache, contiguous or paged (FwdParams::block_table): decode's many new
     // tokens (chunked prefill). 1: a tile comes by TMA, in boxes of p.kv_box_rows rows (a contiguous
@@ -125,6 +140,21 @@ struct FwdSm90Config {
 template <class C>
 __device__ __forceinline__ void zero_v_rows(unsigned v_tile, int first_row) {
     zero_tile_rows<C::kBlockN, C::kVColBlocks, C::kConsumers, C::kVBlockPitch, C::kVGroupPitch>(v_tile, first_row);
+}
+
+// ALiBi as a bias of each key column (FwdSm90Config::kAlibiColumns): s = s scale_log2 + slope_log2 (key - ref)
+// for this thread's columns of a tile whose first key is `key0` (key0_from_ref = key0 - ref), every score
+// in log2 units after it (-inf stays -inf). Thread t holds columns 8 ni + 2 t and 8 ni + 2 t + 1 of n-tile ni.
+template <int kNTiles>
+__device__ __forceinline__ void add_alibi_columns(float (&s)[1][kNTiles][4], float slope_log2, int key0_from_ref,
+                                                  int t, float scale_log2) {
+    const float base = slope_log2 * float(key0_from_ref + 2 * t);
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) {
+        const float c0 = fmaf(slope_log2, float(8 * ni), base), c1 = c0 + slope_log2;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][ni][e] = fmaf(s[0][ni][e], scale_log2, e % 2 == 0 ? c0 : c1);
+    }
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -493,7 +523,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 for (int base = w.n_first; base < w.n_end; base += 32) {
                 unsigned masked;
                 for (unsigned todo = w.tiles_from(p, base, &masked); todo != 0; todo &= todo - 1) {
-                    const int bit = __ffs(todo) - 1, n = base + bit;   // the lowest tile not yet loaded
+                    const int bit = __ffs(todo) - 1;   // the lowest tile not yet loaded, or (kTilesDown) the highest:
+                    // the range [n_first, n_end) mirrored (no block mask: every tile in it is visited)
+                    const int n = C::kTilesDown ? w.n_first + w.n_end - 1 - (base + bit) : base + bit;
                     if constexpr (gather) {
                         const int key_row = w.s.k_row0 + n * C::kBlockN;
                         const int cache_row = kv_cache_row<C::kBlockN>(p, w.s, key_row);
@@ -617,7 +649,11 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
             wgmma_commit();
         };
-        const float scale_log2 = C::kScoreMods ? 1.f : p.scale_log2;   // mask_scores scales modified scores
+        // mask_scores scales modified scores, add_alibi_columns ALiBi's.
+        const float scale_log2 = C::kScoreMods || C::kAlibiColumns ? 1.f : p.scale_log2;
+        float alibi_log2 = 0.f;   // kAlibiColumns: the head's slope x log2(e), its bias relative to key alibi_ref
+        const int alibi_ref = m_lo + s.diag;
+        if constexpr (C::kAlibiColumns) alibi_log2 = p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * kLog2e;
         bool masked_tile = false;   // kMaskOnly: the tile of the last wait_tile has elements to hide
         // S of tile n (retired) -> the scores, masked, in acc_s.
         auto score_step = [&](int n) {
@@ -631,6 +667,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
             if constexpr (C::kMaskOnly)
                 if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
+            if constexpr (C::kAlibiColumns)
+                add_alibi_columns(acc_s, alibi_log2, n * C::kBlockN - alibi_ref, t, p.scale_log2);
         };
         // The scores of tile n -> P in acc_s, returns the row corrections for O.
         auto softmax_step = [&](int n, float (&correction)[2]) {
@@ -725,10 +763,18 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // Unrolled by two, the copy of p_next into p_frag at the end becomes a renaming of registers.
 #pragma unroll 2
             for (int i = 1; i < num_tiles; ++i) {
+                const int n_prev = n;
                 n = wait_tile(stage, phase);
                 wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
                 issue_s(stage);
                 mbar_wait(v_full(prev_stage), prev_phase);
+                if constexpr (C::kTilesDown) {   // tiles going down, the first is the one that can run past the end
+                    const int first_row = s.seqlen_k - n_prev * C::kBlockN;
+                    if (i == 1 && (C::kKvCache || p.cu_seqlens_k != nullptr) && first_row < C::kBlockN) {
+                        zero_v_rows<C>(v_smem + prev_stage * C::kVBytes, first_row);
+                        wgmma_fence();
+                    }
+                }
                 issue_pv(prev_stage);
                 wgmma_wait<1>();   // S retired (groups retire in order); P_prev V_prev may still run
                 mbar_arrive(k_empty(stage));
@@ -773,7 +819,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 if (++stage == C::kStages) { stage = 0; phase ^= 1; }
             }
             mbar_wait(v_full(prev_stage), prev_phase);
-            // The last tile is the only one that can run past the sequence's end (tiles go up).
+            // The last tile is the only one that can run past the sequence's end (tiles go up; going
+            // down, the first: the last is it only when it is the only one).
             const int first_row = s.seqlen_k - n * C::kBlockN;   // of the tile, the first past the end
             if ((C::kKvCache || p.cu_seqlens_k != nullptr) && first_row < C::kBlockN)
                 zero_v_rows<C>(v_smem + prev_stage * C::kVBytes, first_row);
@@ -785,8 +832,11 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         if (num_tiles == 0) mbar_arrive(q_empty(slot));   // (otherwise released after the last S)
         if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
 
+        if constexpr (C::kAlibiColumns)   // each row's own term of ALiBi, left out of its scores
+#pragma unroll
+            for (int half = 0; half < 2; ++half) softmax.m[half] -= alibi_log2 * float(row0 + g + 8 * half - m_lo);
         float inv_l[2], lse[2];
-        softmax.finish(inv_l, lse, C::kScoreMods ? 1.f : p.scale_log2,
+        softmax.finish(inv_l, lse, scale_log2,
                        p.sinks != nullptr ? p.sinks[s.h] : -CUFLASH_INF);   // the head's sink (-inf: none)
         store_output_staged<C>(acc_o, inv_l, lse, p, o_map, s, m_lo + consumer * 64,
                                out_smem + consumer * 64 * C::kOutCols * 2, consumer);
@@ -801,9 +851,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #ifndef CUFLASH_KV_CACHE
 #define CUFLASH_KV_CACHE 0
 #endif
+#ifndef CUFLASH_ALIBI_COLUMNS
+#define CUFLASH_ALIBI_COLUMNS 0
+#endif
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS,
                                       CUFLASH_STAGES, CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0,
-                                      CUFLASH_KV_CACHE>;
+                                      CUFLASH_KV_CACHE, CUFLASH_ALIBI_COLUMNS != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

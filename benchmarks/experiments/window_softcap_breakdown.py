@@ -10,7 +10,7 @@ Contenders called as their users call them from torch tensors: ``ct.attention`` 
 in turns in one ``Timer.median_ms_each`` (random order per repeat). Figure: TFLOP/s of visible work
 (4 B H D per visible pair forward, 14 B H D for the step).
 
-    PYTHONPATH=$PWD python benchmarks/experiments/window_softcap_breakdown.py [--repeats 5]
+    PYTHONPATH=$PWD python benchmarks/experiments/window_softcap_breakdown.py [--repeats 5] [--only alibi,softcap]
 
 ``--ncu fwd|bwd`` instead makes one softcapped window call between profilerStart/Stop, for
 ``ncu --profile-from-start off`` (the pipes' utilisation: whether the special-function unit bounds it).
@@ -60,7 +60,9 @@ def calls(torch, ct, fa4, q, k, v, options, arrays):
 def main(argv=None):
     p = peer_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), repeats=5)
     p.add_argument("--ncu", choices=["fwd", "bwd"])
+    p.add_argument("--only", default=",".join(OPTIONS), help="comma-separated option sets (plain is always timed)")
     args = p.parse_args(argv)
+    chosen = {"plain", *args.only.split(",")}
     import cupy
 
     opened = open_torch_peers(cupy, args, max_calls=30)
@@ -93,6 +95,8 @@ def main(argv=None):
     for pass_name in ("fwd", "fwd+bwd"):
         fns = {}
         for opt_name, options in OPTIONS.items():
+            if opt_name not in chosen:
+                continue
             for who, fn in calls(torch, ct, fa4, q, k, v, options, arrays).items():
                 if pass_name == "fwd":
                     def timed(i, fn=fn):

@@ -315,6 +315,58 @@ def test_each_option(family, dtype, name, shape, options, bias_same_dtype):
     _solve(family, dtype, shape, options, seed=_seed_of(name), bias_same_dtype=bias_same_dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape, options", [
+    pytest.param(_shape(1, 1500, 1500, 4, 2, 128), {"causal": True}, id="1500-keys-back"),
+    pytest.param(_shape(2, 300, 1400, 4, 4, 64), {"causal": True, "window": (700, 0)}, id="diag-1100-window"),
+    pytest.param(_shape(2, 257, 257, 2, 1, 256), {"causal": True, "dropout_p": 0.2}, id="dropout"),
+    pytest.param(_shape(1, 700, 600, 4, 2, 128), {"causal": True}, id="rows-without-keys"),
+    pytest.param(_shape(2, 200, 200, 4, 2, 64), {"window": (-1, 0)}, id="window-right-0"),
+])
+def test_causal_alibi_as_column_biases(dtype, shape, options):
+    """Where no visible key lies right of its query's diagonal, fwd_sm90 runs ALiBi as a bias of each
+    key column and takes the rows' own terms back before the lse; slopes up to 1 per (sequence, head)
+    put the far keys' biases near -1500. Without a right edge of 0 it keeps the per-element form."""
+    seed = _seed_of("alibi_columns" + repr(shape) + repr(options) + dtype)
+    slopes = np.random.default_rng(seed).uniform(0.0, 1.0, (shape["B"], shape["Hq"])).astype(np.float32)
+    opts = dict(options, alibi_slopes=slopes)
+    q, k, v = _qkv(shape, dtype, seed)
+    for causal_opts, columns in ((opts, True), ({"alibi_slopes": slopes}, False)):
+        info = cuflash.plan(cuflash.attention_forward, q, k, v, **_device_options(causal_opts, dtype)).plan.info
+        assert (info["family"], info["alibi_columns"]) == ("fwd_sm90", columns), causal_opts
+    _solve("fwd_sm90", dtype, shape, opts, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_causal_alibi_columns_with_sinks_and_varlen(dtype):
+    """ALiBi as column biases beside sinks (the sink joins each row's true denominator) and under
+    varlen, where each sequence has its own diagonal."""
+    seed = _seed_of("alibi_columns_varlen" + dtype)
+    rng = np.random.default_rng(seed)
+    Hq, Hk, D = 4, 2, 128
+    lens_q, lens_k = np.array([1, 300, 129, 64]), np.array([700, 300, 513, 64])
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    dt = tt._dtype(dtype)
+    q = cupy.asarray(rng.standard_normal((int(cu_q[-1]), Hq, D)).astype(np.float32).astype(dt))
+    k = cupy.asarray(rng.standard_normal((int(cu_k[-1]), Hk, D)).astype(np.float32).astype(dt))
+    v = cupy.asarray(rng.standard_normal((int(cu_k[-1]), Hk, D)).astype(np.float32).astype(dt))
+    slopes = cupy.asarray(rng.uniform(0.0, 1.0, (len(lens_q), Hq)).astype(np.float32))
+    sinks = cupy.asarray(rng.uniform(-2.0, 4.0, Hq).astype(np.float32))
+    out = cupy.full(q.shape, NAN, dtype=q.dtype)
+    with cuflash.force_kernel("fwd_sm90"):
+        _, lse = cuflash.attention_varlen(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                          max_seqlen_q=int(lens_q.max()), max_seqlen_k=int(lens_k.max()),
+                                          causal=True, alibi_slopes=slopes, sinks=sinks, return_lse=True, out=out)
+    for b in range(len(lens_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        args = [x[None] for x in (q[rows], k[keys], v[keys])]
+        kw = dict(causal=True, alibi_slopes=slopes[b], sinks=sinks)
+        ref_out, ref_lse = reference.attention_forward(*args, **kw)
+        base = tt.baseline_attention(*args, **kw)
+        tt.assert_attention_close(out[rows][None], ref_out, base, dtype=dtype, name=f"out[{b}] (seed {seed})")
+        tt.assert_attention_close(lse[:, rows][None], ref_lse, dtype="float32", name=f"lse[{b}]")
+
+
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_mask_and_bias_as_broadcast_views(family, dtype):
     shape = _shape(B_, SQ_, SK_, HQ_, HK_, D_)
