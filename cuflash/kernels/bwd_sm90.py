@@ -175,12 +175,15 @@ def bwd_sm90_obstacle(head_dim: int, score_mods=(), dropout: bool = False, head_
     pair = compiled_head_dims(head_dim, head_dim_v)
     if pair[0] == pair[1]:
         return None
-    featured = bool(score_mod_bits(score_mods) or dropout)
+    # The plain pairs take what keeps the plain tiles: the softcap, ALiBi or the block mask alone from
+    # D = 128 (bwd_sm90_featured); (128, 64) so compiles without spills.
+    featured = bwd_sm90_featured(pair[0], score_mod_bits(score_mods), dropout)
     if pair not in BWD_SM90_PAIRS or (featured and not BWD_SM90_PAIRS[pair]):
-        runs = ", ".join(f"{qk, v}" + ("" if any_options else " without score modifiers or dropout")
+        runs = ", ".join(f"{qk, v}" + ("" if any_options else " without dropout or score modifiers other than "
+                                                              "one of the softcap, ALiBi and the block mask from 128")
                          for (qk, v), any_options in BWD_SM90_PAIRS.items())
         return (f"bwd_sm90 runs the head dim pairs (D_qk, D_v) {runs} (rounded up: compiled_head_dims), not "
-                f"({head_dim}, {head_dim_v}){' with score modifiers or dropout' if featured else ''}; bwd_sm80 "
+                f"({head_dim}, {head_dim_v}){' with these score modifiers or dropout' if featured else ''}; bwd_sm80 "
                 "runs it")
     return None
 

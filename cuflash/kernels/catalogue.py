@@ -130,9 +130,11 @@ def value_head_dim_variants(dtypes=("bfloat16", "float32"), sm90: bool = True) -
                 for dq_pass in (False, True):
                     out.append(backward_plan(bwd, dtype_name, d, dq_pass=dq_pass, score_mods=mods, dropout=dropout,
                                              head_dim_v=d_v).variant)
-        # bwd_sm90 at each of its compiled pairs (DeepSeek's (192, 128) and (256, 128) both)
+        # bwd_sm90 at each of its compiled pairs (DeepSeek's (192, 128) and (256, 128) both), also with
+        # each modifier that keeps the plain tiles (bwd_sm90_featured)
+        singles = tuple(((name,), False) for name in ("softcap", "alibi", "block_mask"))
         for d, d_v in (() if simt or not sm90 else BWD_SM90_PAIRS):
-            for mods, dropout in ((False, False), (True, True)):
+            for mods, dropout in ((False, False), (True, True)) + singles:
                 if bwd_sm90_obstacle(d, mods, dropout, d_v) is None:
                     featured = bool(score_mod_bits(mods) or dropout)
                     for det in (False, "pass") + ((True,) if bwd_sm90_orders_dq(d, featured) else ()):

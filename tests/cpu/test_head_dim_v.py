@@ -158,8 +158,8 @@ def test_bwd_sm90_runs_the_pairs_plain(d, dv):
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= 227 * 1024
 
 
-@pytest.mark.parametrize("d, dv, mods", [(128, 64, ("softcap",)), (64, 128, ("softcap",)), (64, 256, ()),
-                                         (256, 64, ()), (128, 256, ())])
+@pytest.mark.parametrize("d, dv, mods", [(128, 64, ("bias",)), (128, 64, ("softcap", "alibi")), (64, 128, ("softcap",)),
+                                         (64, 256, ()), (256, 64, ()), (128, 256, ())])
 def test_bwd_sm90_refuses_other_pairs_by_name(d, dv, mods):
     assert f"({d}, {dv})" in bwd_sm90.bwd_sm90_obstacle(d, mods, False, dv)
     assert bwd_sm90.bwd_sm90_obstacle(d, mods, False, d) is None
@@ -198,9 +198,10 @@ def test_backward_routes_the_pairs(monkeypatch):
     layouts = {name: _checks.Shaped((1, 128, 2, 64), np.float16) for name in ("q", "k", "v", "dout")}
     assert _backward_plan._choose_family("float16", None, 192, (), False, layouts, 128) == "bwd_sm90"
     assert _backward_plan._choose_family("float16", None, 192, ("softcap",), True, layouts, 128) == "bwd_sm90"
-    assert _backward_plan._choose_family("float16", None, 128, ("softcap",), False, layouts, 64) == "bwd_sm80"
+    assert _backward_plan._choose_family("float16", None, 128, ("softcap",), False, layouts, 64) == "bwd_sm90"
+    assert _backward_plan._choose_family("float16", None, 128, ("bias",), False, layouts, 64) == "bwd_sm80"
     with pytest.raises(ValueError, match=r"bwd_sm90 cannot run this call: .*\(128, 64\)"):
-        _backward_plan._choose_family("float16", "bwd_sm90", 128, ("softcap",), False, layouts, 64)
+        _backward_plan._choose_family("float16", "bwd_sm90", 128, ("softcap",), True, layouts, 64)
 
 
 def test_catalogue_compiles_the_pairs():
@@ -256,3 +257,16 @@ def test_reference_varlen_takes_a_value_head_dim_of_its_own():
     assert out.shape == (8, 2, 128)
     dq, dk, dv = reference.attention_varlen_backward(rng.standard_normal(out.shape), q, k, v, cu_q, cu_k, causal=True)
     assert dv.shape == v.shape and dk.shape == k.shape
+
+
+@pytest.mark.parametrize("mods", [("softcap",), ("alibi",), ("block_mask",)])
+def test_bwd_sm90_runs_128_64_with_one_in_place_modifier(mods):
+    """(128, 64) beside the softcap, ALiBi or the block mask alone: bwd_sm90's plain tiles, as the square
+    D = 128 takes them (bwd_sm90_featured)."""
+    assert bwd_sm90.bwd_sm90_obstacle(128, mods, False, 64) is None
+    assert "(128, 64)" in bwd_sm90.bwd_sm90_obstacle(128, mods, True, 64)   # dropout: featured tiles
+    plan = kbackward.backward_plan("bwd_sm90", "bfloat16", 128, dq_pass=False, score_mods=mods, dropout=False,
+                                   deterministic=False, head_dim_v=64)
+    defines = dict(plan.variant.defines)
+    assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (128, 64)
+    assert plan.block_m == bwd_sm90.BWD_SM90_BLOCK_N[128]   # (its block_m: the plain tiles' keys per CTA)

@@ -216,7 +216,7 @@ def baseline_backward(dout, q, k, v, out, *, causal=False, scale=None, window=No
                                            np.arange(Sk).reshape(1, 1, 1, -1), Hq)
         keep_scale = cupy.where(cupy.asarray(keep), f32(1.0 / (1.0 - dropout_p)), f32(0))
     pdrop = rnd(p * keep_scale)
-    dv = cupy.matmul(pdrop.transpose(0, 1, 3, 2), dot)                       # (B, Hq, Sk, D)
+    dv = cupy.matmul(pdrop.transpose(0, 1, 3, 2), dot)                       # (B, Hq, Sk, Dv)
     dp = rnd(cupy.matmul(dot, vt.transpose(0, 1, 3, 2))) * keep_scale
     dsum = (dot * ot).sum(axis=-1, keepdims=True)
     ds = rnd(cupy.where(seen, p * (dp - dsum), f32(0)))
@@ -226,7 +226,7 @@ def baseline_backward(dout, q, k, v, out, *, causal=False, scale=None, window=No
     dq = rnd(f32(scale) * cupy.matmul(dx, kt))
     dk = f32(scale) * cupy.matmul(dx.transpose(0, 1, 3, 2), qt)
     dk = rnd(dk.reshape(B, Hk, group, Sk, D).sum(axis=2))
-    dv = rnd(dv.reshape(B, Hk, group, Sk, D).sum(axis=2))
+    dv = rnd(dv.reshape(B, Hk, group, Sk, v.shape[-1]).sum(axis=2))   # (v's head dim may be its own)
     host = lambda x: cupy.asnumpy(x).astype(np.float64)  # noqa: E731
     return (host(dq.transpose(0, 2, 1, 3)), host(dk.transpose(0, 2, 1, 3)), host(dv.transpose(0, 2, 1, 3)),
             host(ds))

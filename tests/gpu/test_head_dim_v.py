@@ -34,6 +34,7 @@ import cuflash.testing as tt
 from cuflash import reference
 from cuflash.kernels import bwd_sm90
 from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E402
+from tests.gpu.test_backward import baseline_backward  # noqa: E402
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
@@ -211,6 +212,33 @@ def test_unforced_runs_where_it_can(pair):
     tt.assert_attention_close(out, ref, tt.baseline_attention(q, k, v, causal=True), dtype="bfloat16")
     dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
     assert dv.shape == v.shape
+
+
+@SM90
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("option", ["softcap", "alibi", "block_mask"])
+def test_bwd_sm90_128_64_with_one_in_place_modifier(dtype, option):
+    """(128, 64) with the softcap, ALiBi or the block mask alone: bwd_sm90 on its plain tiles (the
+    scores modified in place), against the reference; causal and not, GQA."""
+    seed = _seed("128_64", dtype, option)
+    rng = np.random.default_rng(seed)
+    problem = dict(B=2, Sq=300, Sk=257, heads=(4, 2), pair=(128, 64), seed=seed)
+    q, k, v, dout = _data(problem, dtype)
+    extra = {"softcap": dict(softcap=5.0),
+             "alibi": dict(alibi_slopes=cupy.asarray(rng.uniform(0.0, 0.5, (2, 4)).astype(np.float32))),
+             "block_mask": dict(block_mask=cupy.asarray(rng.random((2, 4, 3, 3)) < 0.6))}[option]
+    for causal in (False, True):
+        opts = dict(causal=causal, **extra)
+        out, lse, _ = cuflash.attention_forward(q, k, v, **opts)
+        grads = [_poisoned(x.shape, x.dtype) for x in (q, k, v)]
+        with cuflash.backward.force_kernel("bwd_sm90"):
+            dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                                    **opts)
+        refs = reference.attention_backward(dout, q, k, v, out=out, **opts)
+        bases = baseline_backward(dout, q, k, v, out, **opts)[:3]   # (the tt baseline takes no ALiBi, masks)
+        for name, g, r, b in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, bases):
+            _assert_grad_close(g, r, b, dtype, f"{name} ({option}, causal {causal}, seed {seed})",
+                               _magnitude(*refs), 0.0)
 
 
 @SM90
