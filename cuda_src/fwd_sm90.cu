@@ -77,7 +77,8 @@ struct FwdSm90Config {
     // 3 (kKvRowGroups): pages of multiples of 8 rows whose rows continue from page to page (page stride =
     // page_size rows), one TMA copy a box for every column block: the cache seen as one run of rows in
     // groups of 8 (kv_box_coords), each group's column blocks side by side in shared memory. Pages of 16
-    // rows took 32 copies a tile as 1, 16 as 3 (D = 128, 128 keys).
+    // rows at D = 128 take 16 copies a tile of 128 keys this way, 32 as mode 1 (0.78 -> 0.91x the
+    // contiguous forward).
     static constexpr bool kKvCache = kKvCache_ != 0, kKvGather = kKvCache_ == 2, kKvRowGroups = kKvCache_ == 3;
     static_assert(kBlockN_ / 8 * (kHeadDim_ / 64) <= 32 && kBlockN_ / 8 * (kHeadDimV_ / 64) <= 32,
                   "a KV cache tile's TMA copies, one a lane of a warp (load_boxes)");
