@@ -42,7 +42,7 @@
 namespace cuflash {
 
 template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_,
-          bool kDropout_, int kKvCache_ = 0, bool kAlibiColumns_ = false>
+          bool kDropout_, int kKvCache_ = 0, bool kOnPlainLoop_ = false>
 struct FwdSm90Config {
     // kHeadDim: Q's and K's columns (S = Q K^T); kHeadDimV: V's and O's (P V, the output).
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
@@ -55,14 +55,20 @@ struct FwdSm90Config {
     // first row + diag, which keeps the biases of the keys near the diagonal small, so exact to
     // float32). modify_scores took ~8 instructions an element: the forward ran at 0.61-0.68x of the
     // call without options.
-    static constexpr bool kAlibiColumns = kAlibiColumns_;
-    static_assert(!kAlibiColumns || kMods_ == kModAlibi, "ALiBi columns are ALiBi alone");
+    static constexpr bool kAlibiColumns = kOnPlainLoop_ && kMods_ == kModAlibi;
+    // The softcap alone the same way (kSoftcapOnPlainLoop, cap_scores_log2): c tanh(scale qk / c) in
+    // log2 units from the raw scores, then the masks of edge tiles; modify_scores also scaled, tested
+    // each element's visibility and converted to log2 units one by one.
+    static constexpr bool kSoftcapOnPlainLoop = kOnPlainLoop_ && kMods_ == kModSoftcap;
+    static_assert(!kOnPlainLoop_ || kAlibiColumns || kSoftcapOnPlainLoop,
+                  "the plain loop takes ALiBi or the softcap alone");
     // Key tiles from the last (the diagonal's) down: its biases are its rows' largest, so the rows'
     // maxima rarely move after it and the speculative softmax keeps the later tiles. Upwards, every
     // tile's biases passed the last maximum by slope x 128 x log2(e) (more than the softmax's slack
     // from slope 0.043), and the loop took the exact update and O's rescale at every tile.
     static constexpr bool kTilesDown = kAlibiColumns;
-    static constexpr int kMods = kAlibiColumns ? 0 : kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr int kMods = kOnPlainLoop_ ? 0 : kMods_;   // score modifiers compiled in (mask.cuh)
+    static constexpr bool kOnPlainLoop = kOnPlainLoop_;
     // Modifiers that only hide elements (block_mask, a user MaskMod: kMaskOnly) leave the scores raw,
     // as without modifiers, and a tile pays for them element by element only where the producer found
     // a block that is not visible throughout (hide_masked_scores). The others change scores
@@ -156,6 +162,20 @@ __device__ __forceinline__ void add_alibi_columns(float (&s)[1][kNTiles][4], flo
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][ni][e] = fmaf(s[0][ni][e], scale_log2, e % 2 == 0 ? c0 : c1);
     }
+}
+
+// The softcap on raw scores (FwdSm90Config::kSoftcapOnPlainLoop): s = c log2(e) tanh(scale s / c), in log2
+// units, as softcap_tanh computes the tanh (rate = scale x 2 log2(e) / c: the scale folded into it).
+template <int kNTiles>
+__device__ __forceinline__ void cap_scores_log2(float (&s)[1][kNTiles][4], float rate, float cap_log2) {
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float r;
+            asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(s[0][ni][e] * rate) + 1.f));
+            s[0][ni][e] = fmaf(-2.f * cap_log2, r, cap_log2);
+        }
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -650,8 +670,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
             wgmma_commit();
         };
-        // mask_scores scales modified scores, add_alibi_columns ALiBi's.
-        const float scale_log2 = C::kScoreMods || C::kAlibiColumns ? 1.f : p.scale_log2;
+        // mask_scores scales modified scores, add_alibi_columns and cap_scores_log2 theirs.
+        const float scale_log2 = C::kScoreMods || C::kOnPlainLoop ? 1.f : p.scale_log2;
         float alibi_log2 = 0.f;   // kAlibiColumns: the head's slope x log2(e), its bias relative to key alibi_ref
         const int alibi_ref = m_lo + s.diag;
         if constexpr (C::kAlibiColumns) alibi_log2 = p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * kLog2e;
@@ -665,6 +685,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             // opaque here, the row is taken anew each tile and those few instructions with it.
             int mod_row0 = row0;
             if constexpr (C::kRotated && C::kHeadDimV == 256) asm volatile("" : "+r"(mod_row0));
+            if constexpr (C::kSoftcapOnPlainLoop)   // before the masks: tanh(-inf) is not -inf
+                cap_scores_log2(acc_s, p.scale * softcap_rate(p), p.softcap * kLog2e);
             mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
             if constexpr (C::kMaskOnly)
                 if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
@@ -852,12 +874,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #ifndef CUFLASH_KV_CACHE
 #define CUFLASH_KV_CACHE 0
 #endif
-#ifndef CUFLASH_ALIBI_COLUMNS
-#define CUFLASH_ALIBI_COLUMNS 0
+#ifndef CUFLASH_MOD_ON_PLAIN_LOOP
+#define CUFLASH_MOD_ON_PLAIN_LOOP 0
 #endif
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS,
                                       CUFLASH_STAGES, CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0,
-                                      CUFLASH_KV_CACHE, CUFLASH_ALIBI_COLUMNS != 0>;
+                                      CUFLASH_KV_CACHE, CUFLASH_MOD_ON_PLAIN_LOOP != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

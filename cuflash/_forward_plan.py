@@ -82,11 +82,11 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     if family == "fwd_sm90" and entry == "attention" and head_dim_v == head_dim:
         consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
                                                full=opts.window == (-1, -1), seqlen_q=q.shape[1])
-    alibi_columns = family == "fwd_sm90" and kernels.fwd_sm90.alibi_as_columns(score_mods, opts.window)
+    plain_loop = family == "fwd_sm90" and kernels.fwd_sm90.on_plain_loop(score_mods, opts.window)
     plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                                       consumers=consumers, user_source=user_source,
                                       head_dim_v=head_dim_v if head_dim_v != head_dim else None,
-                                      alibi_columns=alibi_columns)
+                                      on_plain_loop=plain_loop)
     b, hq = batch, heads_q
     if family == "fwd_sm90" and entry == "attention_varlen":
         # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks
@@ -147,5 +147,5 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     plan.steps.append(_step.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
     plan.info["family"] = family
     if family == "fwd_sm90":
-        plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"], alibi_columns=alibi_columns)
+        plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"], on_plain_loop=plain_loop)
     return plan

@@ -292,10 +292,11 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                 for mods in score_mod_sets():
                     for dropout in (False, True):
                         out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout).variant)
-                if family == "fwd_sm90":   # ALiBi alone under a causal mask (fwd_sm90.alibi_as_columns)
-                    for dropout in (False, True):
-                        out.setdefault(forward_plan(family, dtype_name, d, score_mods=("alibi",), dropout=dropout,
-                                                    alibi_columns=True).variant)
+                if family == "fwd_sm90":   # ALiBi (causal) or the softcap alone (fwd_sm90.on_plain_loop)
+                    for mods in (("alibi",), ("softcap",)):
+                        for dropout in (False, True):
+                            out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout,
+                                                        on_plain_loop=True).variant)
                 if family == "fwd_sm90" and d in SM90_WIDE_HEAD_DIMS:
                     out.setdefault(forward_plan(family, dtype_name, d, score_mods=False, dropout=False,
                                                 consumers=3).variant)

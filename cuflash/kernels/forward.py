@@ -18,7 +18,7 @@ FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 @functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool,
                  consumers: int = 2, user_source: str = "", head_dim_v: int | None = None,
-                 alibi_columns: bool = False) -> LaunchPlan:
+                 on_plain_loop: bool = False) -> LaunchPlan:
     """The forward variant for a problem.
 
     Parameters
@@ -40,14 +40,14 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
     head_dim_v : int, optional
         Run-time head dim of v and out (a multiple of 8, at most 256), when it differs from
         ``head_dim``: every family compiles it (CUFLASH_HEAD_DIM_V).
-    alibi_columns : bool, default False
-        fwd_sm90 only: ALiBi alone as a bias of each key column (:func:`fwd_sm90.alibi_as_columns`).
+    on_plain_loop : bool, default False
+        fwd_sm90 only: ALiBi or the softcap alone on the loop without modifiers (:func:`fwd_sm90.on_plain_loop`).
     """
-    if alibi_columns and family != "fwd_sm90":
-        raise ValueError(f"ALiBi as column biases is fwd_sm90's, not {family}'s")
+    if on_plain_loop and family != "fwd_sm90":
+        raise ValueError(f"a modifier on the loop without modifiers is fwd_sm90's, not {family}'s")
     if family == "fwd_sm90":
         plan = fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers,
-                             head_dim_v=head_dim_v, alibi_columns=alibi_columns)
+                             head_dim_v=head_dim_v, on_plain_loop=on_plain_loop)
     elif family == "fwd_sm80":
         plan = fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, head_dim_v=head_dim_v)
     elif family == "fwd_simt":

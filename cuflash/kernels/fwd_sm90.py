@@ -98,12 +98,17 @@ def kv_cache_variants(dtypes=("float16", "bfloat16"), head_dims=SM90_HEAD_DIMS) 
                        kv_cache=mode).variant for dtype_name in dtypes for mode in KV_CACHE_MODES]
 
 
-def alibi_as_columns(score_mods, window: tuple[int, int]) -> bool:
-    """Whether fwd_sm90 runs a call's ALiBi as a bias of each key column (``plan(alibi_columns=True)``):
-    ALiBi alone (``score_mods`` the call's modifier names) and a window whose right edge is 0 (causal),
-    under which no visible key lies right of its query's diagonal, so -slope |i + diag - j| is
-    slope (j - ref) less a term of the row alone (docs/decisions.md#fwd-sm90-alibi-as-column-biases)."""
-    return tuple(score_mods) in (("alibi",), ("alibi_slopes",)) and window[1] == 0
+def on_plain_loop(score_mods, window: tuple[int, int]) -> bool:
+    """Whether fwd_sm90 runs a call's one score modifier on its loop without modifiers
+    (``plan(on_plain_loop=True)``; ``score_mods`` the call's modifier names):
+
+    - ALiBi alone under a window whose right edge is 0 (causal), as a bias of each key column: no visible
+      key lies right of its query's diagonal there, so -slope |i + diag - j| is slope (j - ref) less a
+      term of the row alone (docs/decisions.md#fwd-sm90-alibi-as-column-biases);
+    - the softcap alone, capping the raw scores before the edge tiles' masks
+      (docs/decisions.md#fwd-sm90-the-softcap-on-the-plain-loop)."""
+    mods = tuple(score_mods)
+    return (mods in (("alibi",), ("alibi_slopes",)) and window[1] == 0) or mods == ("softcap",)
 
 
 def sm90_consumers(head_dim: int, *, featured: bool, full: bool, seqlen_q: int) -> int:
@@ -205,24 +210,24 @@ def _pair_tiles(kdim: int, kdim_v: int, block_n: int, consumers: int) -> tuple[i
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2,
-         head_dim_v: int | None = None, kv_cache: str | None = None, alibi_columns: bool = False) -> LaunchPlan:
+         head_dim_v: int | None = None, kv_cache: str | None = None, on_plain_loop: bool = False) -> LaunchPlan:
     """fwd_sm90's variant for a run-time head dim (rounded up to SM90_HEAD_DIMS) and its consumer
     warpgroups (:func:`sm90_consumers`). ``head_dim_v``: v's and out's head dim when it differs (rounded
     up the same way; two consumers; the key tile and stage count of :func:`_pair_tiles`). ``kv_cache``:
     keys and values from a KV cache (``CUFLASH_KV_CACHE``; decode's chunked prefill,
     :mod:`cuflash._prefill_plan`): ``"tma"`` (contiguous, or pages of multiples of 8 rows), ``"row_groups"``
     (such pages, rows running on from page to page) or ``"gather"`` (other pages, copied row by row:
-    :func:`kv_cache_mode`). ``alibi_columns``: ALiBi alone as a bias of each key column
-    (``CUFLASH_ALIBI_COLUMNS``; exact only where no visible key is right of its query's diagonal:
-    :func:`alibi_as_columns`)."""
+    :func:`kv_cache_mode`). ``on_plain_loop``: ALiBi or the softcap alone on the loop without modifiers
+    (``CUFLASH_MOD_ON_PLAIN_LOOP``; ALiBi so is exact only where no visible key is right of its query's
+    diagonal: :func:`on_plain_loop`)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
     obstacle = value_head_dim_obstacle(head_dim, head_dim_v)
     if obstacle is not None:
         raise ValueError(obstacle)
     mods = score_mod_bits(score_mods)
-    if alibi_columns and mods != score_mod_bits(("alibi",)):
-        raise ValueError(f"ALiBi as column biases is ALiBi alone, not the score modifiers {score_mods}")
+    if on_plain_loop and mods not in (score_mod_bits(("alibi",)), score_mod_bits(("softcap",))):
+        raise ValueError(f"the loop without modifiers takes ALiBi or the softcap alone, not {score_mods}")
     kdim, kdim_v = pair_head_dims(head_dim, head_dim_v)
     if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout
                                                       or kdim_v != kdim):
@@ -250,7 +255,7 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
     if kv_cache is not None:
         defines["CUFLASH_KV_CACHE"] = KV_CACHE_MODES[kv_cache]
-    if alibi_columns:
-        defines["CUFLASH_ALIBI_COLUMNS"] = 1
+    if on_plain_loop:
+        defines["CUFLASH_MOD_ON_PLAIN_LOOP"] = 1
     return LaunchPlan(Variant("fwd_sm90", tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
                       smem, kdim)

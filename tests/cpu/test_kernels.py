@@ -377,15 +377,15 @@ def test_reachable_variants():
     assert {v.family for v in sm90} >= {"fwd_sm90", "fwd_sm80", "fwd_simt", "bwd_sm80", "bwd_simt", "decode",
                                         "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
     assert "fwd_sm90" not in {v.family for v in kernels.catalogue.reachable_variants("sm_80")}
-    # fwd_sm90: 2 dtypes x 3 head dims x (7 modifier sets and ALiBi as column biases) x dropout on/off,
-    # the three-warpgroup plain variant at D = 64 for each dtype, and per dtype the value head dim
-    # pairs, plain and with every modifier and dropout; and over a KV cache (kv_cache_variants).
+    # fwd_sm90: 2 dtypes x 3 head dims x (7 modifier sets, ALiBi and the softcap on the plain loop) x
+    # dropout on/off, the three-warpgroup plain variant at D = 64 for each dtype, and per dtype the value
+    # head dim pairs, plain and with every modifier and dropout; and over a KV cache (kv_cache_variants).
     pairs = len(kernels.catalogue.VALUE_HEAD_DIM_PAIRS)
     kv = len(kernels.fwd_sm90.kv_cache_variants())
-    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 8 * 2 + 2 + 2 * pairs * 2 + kv
-    columns = [v for v in sm90 if dict(v.defines).get("CUFLASH_ALIBI_COLUMNS")]
-    assert len(columns) == 2 * 3 * 2 and {dict(v.defines)["CUFLASH_SCORE_MODS"] for v in columns} == {
-        features.score_mod_bits(("alibi",))}
+    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 9 * 2 + 2 + 2 * pairs * 2 + kv
+    plain_loop = [v for v in sm90 if dict(v.defines).get("CUFLASH_MOD_ON_PLAIN_LOOP")]
+    assert len(plain_loop) == 2 * 3 * 2 * 2 and {dict(v.defines)["CUFLASH_SCORE_MODS"] for v in plain_loop} == {
+        features.score_mod_bits(("alibi",)), features.score_mod_bits(("softcap",))}
     assert set(kernels.fwd_sm90.kv_cache_variants()) <= set(sm90) and kernels.append_kv.append_kv_variant() in sm90
     small = kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (100,))
     assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
@@ -698,21 +698,23 @@ def test_sm90_consumers():
             kernels.forward.forward_plan("fwd_sm90", "bfloat16", kwargs.pop("head_dim"), consumers=3, **kwargs)
 
 
-@pytest.mark.parametrize("score_mods, window, columns", [
+@pytest.mark.parametrize("score_mods, window, plain", [
     (("alibi_slopes",), (-1, 0), True), (("alibi",), (100, 0), True), (("alibi_slopes",), (-1, -1), False),
-    (("alibi_slopes",), (-1, 3), False), (("alibi_slopes", "softcap"), (-1, 0), False), ((), (-1, 0), False)])
-def test_alibi_as_column_biases_only_alone_and_causal(score_mods, window, columns):
-    """fwd_sm90 takes ALiBi as column biases only where no visible key is right of its query's diagonal."""
-    assert kernels.fwd_sm90.alibi_as_columns(score_mods, window) is columns
-    if columns:
+    (("alibi_slopes",), (-1, 3), False), (("alibi_slopes", "softcap"), (-1, 0), False), ((), (-1, 0), False),
+    (("softcap",), (-1, -1), True), (("softcap",), (1024, 0), True), (("softcap", "bias"), (-1, 0), False)])
+def test_one_modifier_on_the_plain_loop(score_mods, window, plain):
+    """fwd_sm90 runs ALiBi on its plain loop only where no visible key is right of its query's diagonal,
+    the softcap under any window, and neither beside another modifier."""
+    assert kernels.fwd_sm90.on_plain_loop(score_mods, window) is plain
+    if plain:
         variant = kernels.forward.forward_plan("fwd_sm90", "bfloat16", 128, score_mods=score_mods, dropout=False,
-                                               alibi_columns=True).variant
-        assert dict(variant.defines)["CUFLASH_ALIBI_COLUMNS"] == 1
+                                               on_plain_loop=True).variant
+        assert dict(variant.defines)["CUFLASH_MOD_ON_PLAIN_LOOP"] == 1
 
 
-def test_alibi_columns_refused_beside_other_modifiers_and_off_sm90():
-    with pytest.raises(ValueError, match="ALiBi alone"):
-        kernels.fwd_sm90.plan("bfloat16", 128, score_mods=("alibi", "softcap"), dropout=False, alibi_columns=True)
+def test_plain_loop_refused_beside_other_modifiers_and_off_sm90():
+    with pytest.raises(ValueError, match="ALiBi or the softcap alone"):
+        kernels.fwd_sm90.plan("bfloat16", 128, score_mods=("alibi", "softcap"), dropout=False, on_plain_loop=True)
     with pytest.raises(ValueError, match="fwd_sm90's"):
         kernels.forward.forward_plan("fwd_sm80", "bfloat16", 128, score_mods=("alibi",), dropout=False,
-                                     alibi_columns=True)
+                                     on_plain_loop=True)

@@ -333,8 +333,26 @@ def test_causal_alibi_as_column_biases(dtype, shape, options):
     q, k, v = _qkv(shape, dtype, seed)
     for causal_opts, columns in ((opts, True), ({"alibi_slopes": slopes}, False)):
         info = cuflash.plan(cuflash.attention_forward, q, k, v, **_device_options(causal_opts, dtype)).plan.info
-        assert (info["family"], info["alibi_columns"]) == ("fwd_sm90", columns), causal_opts
+        assert (info["family"], info["on_plain_loop"]) == ("fwd_sm90", columns), causal_opts
     _solve("fwd_sm90", dtype, shape, opts, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape, options", [
+    pytest.param(_shape(1, 1500, 1500, 4, 2, 128), {"causal": True, "softcap": 30.0}, id="causal-30"),
+    pytest.param(_shape(2, 300, 700, 4, 4, 64), {"window": (200, 30), "softcap": 50.0, "scale": 1.0},
+                 id="window-50-scale-1"),
+    pytest.param(_shape(2, 257, 257, 2, 1, 256), {"softcap": 5.0, "dropout_p": 0.2}, id="dropout"),
+    pytest.param(_shape(1, 700, 600, 4, 2, 128), {"causal": True, "softcap": 8.0}, id="rows-without-keys"),
+])
+def test_softcap_on_the_plain_loop(dtype, shape, options):
+    """The softcap alone runs on fwd_sm90's loop without modifiers (raw scores capped, then the edge
+    tiles' masks); scores up to the cap with scale 1."""
+    seed = _seed_of("softcap_plain" + repr(shape) + repr(options) + dtype)
+    q, k, v = _qkv(shape, dtype, seed)
+    info = cuflash.plan(cuflash.attention_forward, q, k, v, **_device_options(options, dtype)).plan.info
+    assert (info["family"], info["on_plain_loop"]) == ("fwd_sm90", True)
+    _solve("fwd_sm90", dtype, shape, options, seed=seed)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
