@@ -269,6 +269,29 @@ def _dense(shape, itemsize=2):
     return SimpleNamespace(shape=tuple(shape), strides=tuple(strides), nbytes=step, itemsize=itemsize)
 
 
+@pytest.mark.parametrize("shape, box_rows, row_groups, dims, strides, box", [
+    # (B, S, H, D): columns, rows, heads, batch; boxes of 64 columns x box rows of one head.
+    ((2, 300, 8, 128), 128, False, (128, 300, 8, 2), (2048, 256, 614400), (64, 128, 1, 1)),
+    # A paged cache in row groups: 64 columns, 8 rows, D / 64 column blocks, the cache's groups of 8
+    # rows (pages x page_size / 8), heads; one box takes every column block of box_rows rows.
+    ((50, 16, 8, 128), 16, True, (64, 8, 2, 100, 8), (2048, 128, 16384, 256), (64, 8, 2, 2, 1)),
+    ((7, 64, 2, 192), 64, True, (64, 8, 3, 56, 2), (768, 128, 6144, 384), (64, 8, 3, 8, 1)),
+])
+def test_tensor_map_layouts_given_to_the_driver(monkeypatch, shape, box_rows, row_groups, dims, strides, box):
+    """What cuTensorMapEncodeTiled is asked for: rank, extents, byte strides (dims 1..) and box."""
+    seen = {}
+
+    def encode(words, data_type, rank, ptr, dims_, strides_, box_, elem, interleave, swizzle, l2, fill):
+        seen.update(rank=rank, dims=tuple(dims_[:rank]), strides=tuple(strides_[:rank - 1]),
+                    box=tuple(box_[:rank]), elem=tuple(elem[:rank]), swizzle=swizzle)
+        return 0
+
+    monkeypatch.setattr(_tma, "_libcuda", lambda: encode)
+    spec = _tma.TensorMapSpec(_dense(shape), box_rows, "bfloat16", row_groups=row_groups)
+    assert len(_tma._encode(0x7F00_0000_0000, *spec)) == 128
+    assert seen == dict(rank=len(dims), dims=dims, strides=strides, box=box, elem=(1,) * len(dims), swizzle=3)
+
+
 def test_patched_map_is_the_map_encoded_at_the_address(driver):
     driver(encode_like_cuda13)
     spec = _tma.TensorMapSpec(_dense((2, 300, 8, 128)), 128, "bfloat16")
