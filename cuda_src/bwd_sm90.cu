@@ -125,8 +125,8 @@ struct BwdSm90Config {
     // featured ones. The softcap caps S^T in place before the window's mask (cap_scores), P^T comes
     // from it as from a raw score, and dS^T's factor 1 - tanh^2 is recovered from P^T and the row's
     // lse (softcap_grad_from_prob); ALiBi or the block mask modify S^T in place (modify_scores), their
-    // derivative being 1. On the featured tiles the softcap's forward + backward ran at 0.45x of the
-    // call without it, at 0.75x on these (H200, D = 128 8k causal:
+    // derivative being 1. The softcap's forward + backward runs at 0.75x of the call without it on
+    // these tiles, 0.45x on the featured ones (H200, D = 128 8k causal:
     // docs/decisions.md#bwd-sm90-one-modifier-on-the-plain-tiles). From D = 128: D = 64's plain tiles
     // (128 query rows) spilled 44-80 B with the softcap, and D = 128's 12-124 B with the bias's or the
     // mask's loads (kernels/bwd_sm90.py, IN_PLACE_MODS).

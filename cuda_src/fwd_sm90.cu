@@ -53,19 +53,19 @@ struct FwdSm90Config {
     // the one without modifiers (its loop, its speculative softmax, masks on edge tiles only) plus one
     // FFMA an element, and the rows' maxima take their terms back before the lse (ref: the item's
     // first row + diag, which keeps the biases of the keys near the diagonal small, so exact to
-    // float32). modify_scores took ~8 instructions an element: the forward ran at 0.61-0.68x of the
-    // call without options.
+    // float32). Through modify_scores (~8 instructions an element) the forward runs at 0.61-0.68x of
+    // the call without options, this way at 0.91-0.92x (docs/decisions.md#fwd-sm90-alibi-as-column-biases).
     static constexpr bool kAlibiColumns = kOnPlainLoop_ && kMods_ == kModAlibi;
     // The softcap alone the same way (kSoftcapOnPlainLoop, cap_scores_log2): c tanh(scale qk / c) in
-    // log2 units from the raw scores, then the masks of edge tiles; modify_scores also scaled, tested
-    // each element's visibility and converted to log2 units one by one.
+    // log2 units from the raw scores, then the masks of edge tiles, where modify_scores would also
+    // scale, test each element's visibility and convert to log2 units one by one.
     static constexpr bool kSoftcapOnPlainLoop = kOnPlainLoop_ && kMods_ == kModSoftcap;
     static_assert(!kOnPlainLoop_ || kAlibiColumns || kSoftcapOnPlainLoop,
                   "the plain loop takes ALiBi or the softcap alone");
     // Key tiles from the last (the diagonal's) down: its biases are its rows' largest, so the rows'
     // maxima rarely move after it and the speculative softmax keeps the later tiles. Upwards, every
-    // tile's biases passed the last maximum by slope x 128 x log2(e) (more than the softmax's slack
-    // from slope 0.043), and the loop took the exact update and O's rescale at every tile.
+    // tile's biases pass the last maximum by slope x 128 x log2(e) (more than the softmax's slack
+    // from slope 0.043), and each tile would take the exact update and O's rescale.
     static constexpr bool kTilesDown = kAlibiColumns;
     static constexpr int kMods = kOnPlainLoop_ ? 0 : kMods_;   // score modifiers compiled in (mask.cuh)
     static constexpr bool kOnPlainLoop = kOnPlainLoop_;
@@ -83,8 +83,8 @@ struct FwdSm90Config {
     // 3 (kKvRowGroups): pages of multiples of 8 rows whose rows continue from page to page (page stride =
     // page_size rows), one TMA copy a box for every column block: the cache seen as one run of rows in
     // groups of 8 (kv_box_coords), each group's column blocks side by side in shared memory. Pages of 16
-    // rows at D = 128 take 16 copies a tile of 128 keys this way, 32 as mode 1 (0.78 -> 0.91x the
-    // contiguous forward).
+    // rows at D = 128 take 16 copies a tile of 128 keys this way (0.91x the contiguous forward), 32 as
+    // mode 1 (0.78x).
     static constexpr bool kKvCache = kKvCache_ != 0, kKvGather = kKvCache_ == 2, kKvRowGroups = kKvCache_ == 3;
     static_assert(kBlockN_ / 8 * (kHeadDim_ / 64) <= 32 && kBlockN_ / 8 * (kHeadDimV_ / 64) <= 32,
                   "a KV cache tile's TMA copies, one a lane of a warp (load_boxes)");
@@ -470,8 +470,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         // Over a KV cache by TMA: K or V of a tile (after lane 0 armed the barrier), one copy a lane: lane
         // l the column block l % col_blocks of box l / col_blocks, whose coordinates lane l / col_blocks
         // holds (kv_box_coords). At most 32 copies: tiles of kBlockN / 8 boxes of kColBlocks blocks.
-        // Lane 0 issuing them all held pages of 16 rows to 0.61-0.64x the contiguous forward
-        // (docs/decisions.md#chunked-prefill-on-fwd_sm90).
+        // One lane a copy, not lane 0 issuing all: pages of 16 rows run at 0.61-0.64x the contiguous
+        // forward when one thread issues every copy (docs/decisions.md#chunked-prefill-on-fwd_sm90).
         auto load_boxes = [&](unsigned tile, const TmaMap* map, int col_blocks, int row, int head, int page,
                               unsigned bar) {
             __syncwarp();
