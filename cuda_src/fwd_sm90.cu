@@ -165,17 +165,13 @@ __device__ __forceinline__ void add_alibi_columns(float (&s)[1][kNTiles][4], flo
 }
 
 // The softcap on raw scores (FwdSm90Config::kSoftcapOnPlainLoop): s = c log2(e) tanh(scale s / c), in log2
-// units, as softcap_tanh computes the tanh (rate = scale x 2 log2(e) / c: the scale folded into it).
+// units, with softcap_tanh's tanh (rate = scale x 2 log2(e) / c: the scale folded into it).
 template <int kNTiles>
 __device__ __forceinline__ void cap_scores_log2(float (&s)[1][kNTiles][4], float rate, float cap_log2) {
 #pragma unroll
     for (int ni = 0; ni < kNTiles; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float r;
-            asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(s[0][ni][e] * rate) + 1.f));
-            s[0][ni][e] = fmaf(-2.f * cap_log2, r, cap_log2);
-        }
+        for (int e = 0; e < 4; ++e) s[0][ni][e] = fmaf(-2.f * cap_log2, softcap_tanh_rest(s[0][ni][e], rate), cap_log2);
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128

@@ -94,6 +94,14 @@ enum ScoreMod : int { kModSoftcap = 1, kModAlibi = 2, kModBias = 4, kModMask = 8
 // 2 log2(e) / c: what softcap_tanh multiplies its argument by (one division per tile, not per element).
 __device__ __forceinline__ float softcap_rate(const FwdParams& p) { return 2.f * kLog2e / p.softcap; }
 
+// (1 - tanh(x / c)) / 2 = 1 / (2^(x rate) + 1), rate = softcap_rate: softcap_tanh's ex2 and rcp, for a
+// caller that scales the tanh anyway (fwd_sm90's cap_scores_log2: c tanh in one FFMA from it).
+__device__ __forceinline__ float softcap_tanh_rest(float x, float rate) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fast_exp2(x * rate) + 1.f));
+    return r;
+}
+
 // tanh(x / c) as 1 - 2 / (2^(x rate) + 1), rate = softcap_rate: a multiply, two MUFU operations (ex2,
 // rcp) and an FMA, where tanhf(x / c) took a division and ~20 instructions, at every element of a
 // softcapped tile, forward and backward (docs/decisions.md#softcap-tanh-from-ex2). Its absolute error
@@ -101,10 +109,7 @@ __device__ __forceinline__ float softcap_rate(const FwdParams& p) { return 2.f *
 // c tanh is off by c times that at most; near 0 its relative error grows (1 - 2 / (2 + 2y) cancels),
 // which a score beside the others in a softmax does not feel. Infinities give +-1, NaN stays NaN.
 __device__ __forceinline__ float softcap_tanh(float x, float rate) {
-    const float e = fast_exp2(x * rate);
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
-    return fmaf(-2.f, r, 1.f);
+    return fmaf(-2.f, softcap_tanh_rest(x, rate), 1.f);
 }
 
 // d s / d x of the softcap at x = scale * qk (s = c tanh(x / c) gives 1 - tanh^2(x / c)); ALiBi and bias
