@@ -38,6 +38,7 @@
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 #include "gemm_sm90.cuh"
+#include "mma_sm80.cuh"   // ldmatrix_x4
 
 namespace cuflash {
 
@@ -60,8 +61,25 @@ struct FwdSm90Config {
     // log2 units from the raw scores, then the masks of edge tiles, where modify_scores would also
     // scale, test each element's visibility and convert to log2 units one by one.
     static constexpr bool kSoftcapOnPlainLoop = kOnPlainLoop_ && kMods_ == kModSoftcap;
-    static_assert(!kOnPlainLoop_ || kAlibiColumns || kSoftcapOnPlainLoop,
-                  "the plain loop takes ALiBi or the softcap alone");
+    // A bias (kBiasTile) or a boolean mask (kMaskTile) alone, of q's dtype for the bias, read as a tile
+    // of the CTA's rows x the tile's keys that the producer loads by TMA beside K (kScoreTile): column
+    // blocks of 128 bytes (64 bias elements or 128 mask bytes) x kBlockM rows, 16-byte chunks
+    // XOR-swizzled by row as in every tile here. The loop without modifiers then adds the bias with one
+    // FFMA an element (add_bias_tile) or hides what the mask hides (hide_by_mask_tile): 0.69-0.76x of
+    // the call without options (forward, D = 128, 8k causal), where modify_scores on the rotated loop,
+    // each thread loading its 16-bit values from global memory, ran at 0.15x and 0.33x
+    // (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
+    static constexpr bool kBiasTile = kOnPlainLoop_ && kMods_ == kModBias;
+    static constexpr bool kMaskTile = kOnPlainLoop_ && kMods_ == kModMask;
+    static constexpr bool kScoreTile = kBiasTile || kMaskTile;
+    static_assert(!kOnPlainLoop_ || kAlibiColumns || kSoftcapOnPlainLoop || kScoreTile,
+                  "the plain loop takes ALiBi, the softcap, a bias or a mask alone");
+    static_assert(!kScoreTile || (kBlockN_ == 128 && kKvCache_ == 0 && kStages_ % 2 == 0),
+                  "score tiles of 128 keys, not over a KV cache, an even number of stages");
+    // Scores that leave score_step in log2 units (the softmax then scales by 1); a bias tile's leave it
+    // as scale qk + bias, which the softmax scales by log2(e) in the FFMA it has anyway (taking them to
+    // log2 units in add_bias_tile cost an FMUL an element more).
+    static constexpr bool kScoresInLog2 = kAlibiColumns || kSoftcapOnPlainLoop;
     // Key tiles from the last (the diagonal's) down: its biases are its rows' largest, so the rows'
     // maxima rarely move after it and the speculative softmax keeps the later tiles. Upwards, every
     // tile's biases pass the last maximum by slope x 128 x log2(e) (more than the softmax's slack
@@ -104,7 +122,8 @@ struct FwdSm90Config {
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
     // test block masks and to read a KV cache (24 spilled 20-36 bytes there); the consumers get the
-    // rest (160 each when there are three).
+    // rest (160 each when there are three). A score tile's producer keeps to 24 (tile_coords): with 40,
+    // the consumers' 232 spilled 12-32 bytes at D = 128.
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static constexpr int kProducerRegs = kBlockMask || kKvCache ? 40 : 24;
     static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask || kKvCache ? 232 : 240;
@@ -130,8 +149,13 @@ struct FwdSm90Config {
     // (store_output_staged).
     static constexpr int kOutCols = kHeadDimV < 128 ? kHeadDimV : 128;
     static constexpr int kOutBytes = kConsumers * 64 * kOutCols * 2;
-    static constexpr int kSmemBytes =
-        1024 /* alignment slack */ + kQSlots * kQBytes + kStages * (kKBytes + kVBytes) + kOutBytes;
+    // The score tile (kScoreTile): its 128-byte column blocks and its bytes, in one buffer, which the
+    // producer fills for key tile t + 1 once the consumers have read tile t. Two buffers (the output
+    // stored from registers to make room at D = 128) ran as fast (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
+    static constexpr int kTileElemBytes = kBiasTile ? 2 : 1, kTileBlocks = kScoreTile ? kBlockN * kTileElemBytes / 128 : 0;
+    static constexpr int kTileBytes = kTileBlocks * kBlockM * 128;
+    static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQSlots * kQBytes + kStages * (kKBytes + kVBytes) +
+                                      kOutBytes + kTileBytes;
     // (Q's and K's 192 beside V's 128: cuflash/kernels/fwd_sm90.py, SM90_PAIR_QK_DIMS.)
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 192 && kHeadDimV == 128),
                   "wgmma tiles for head dims 64, 128, 256 (and Q's and K's 192 beside V's 128)");
@@ -172,6 +196,49 @@ __device__ __forceinline__ void cap_scores_log2(float (&s)[1][kNTiles][4], float
     for (int ni = 0; ni < kNTiles; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][ni][e] = fmaf(-2.f * cap_log2, softcap_tanh_rest(s[0][ni][e], rate), cap_log2);
+}
+
+// The bias tile (FwdSm90Config::kBiasTile) on raw scores: s = s scale + bias, for this thread's elements:
+// rows warp_row + g and + 8 of the tile, columns 8 ni + 2 t and + 1 of n-tile ni. ldmatrix hands out 8 x 8 pieces of 16-bit elements in exactly that layout: matrix j of the four
+// holds n-tile ni + j / 2, rows g (j even) or g + 8, and lane l gives the address of matrix l / 8's row
+// l % 8 (16 contiguous bytes: one swizzled chunk).
+template <class C>
+__device__ __forceinline__ void add_bias_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int lane,
+                                              float scale) {
+    const int row = warp_row + (lane / 8 % 2) * 8 + lane % 8;   // warp_row is a multiple of 8: row % 8 == lane % 8
+#pragma unroll
+    for (int ni = 0; ni < C::kNTiles; ni += 2) {
+        const int nn = ni + lane / 16;
+        unsigned bias[4];
+        ldmatrix_x4(bias, tile + (nn / 8) * C::kBlockM * 128 + row * 128 + (((nn % 8) ^ (lane % 8)) * 16));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float* e = &s[0][ni + j / 2][2 * (j % 2)];
+            const float lo = to_float(elem_t{static_cast<unsigned short>(bias[j] & 0xffffu)});
+            const float hi = to_float(elem_t{static_cast<unsigned short>(bias[j] >> 16)});
+            e[0] = fmaf(e[0], scale, lo);
+            e[1] = fmaf(e[1], scale, hi);
+        }
+    }
+}
+
+// The mask tile (FwdSm90Config::kMaskTile): -inf where the mask is False, for the elements of
+// add_bias_tile. The two bytes of a thread's column pair, one 16-bit load: a row's 128 bytes are eight
+// chunks of 16 columns, n-tile ni in chunk ni / 2 (XOR the row), at byte 8 (ni % 2) + 2 t.
+template <class C>
+__device__ __forceinline__ void hide_by_mask_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int g,
+                                                  int t) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const unsigned row = tile + (warp_row + g + 8 * half) * 128 + 2 * t;   // (warp_row + g) % 8 == g
+#pragma unroll
+        for (int ni = 0; ni < C::kNTiles; ++ni) {
+            unsigned short bytes;
+            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bytes) : "r"(row + (((ni / 2) ^ g) * 16) + 8 * (ni % 2)));
+            if ((bytes & 0xffu) == 0) s[0][ni][2 * half] = -CUFLASH_INF;
+            if ((bytes >> 8) == 0) s[0][ni][2 * half + 1] = -CUFLASH_INF;
+        }
+    }
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -391,11 +458,13 @@ struct WorkItem {
     }
 };
 
+// tile_map: the bias's or the mask's (a kScoreTile variant; any other map otherwise, unread).
 template <class C>
 __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                         const TmaMap& o_map, const FwdParams& p, int* tile_counter) {
+                                         const TmaMap& o_map, const TmaMap& tile_map, const FwdParams& p,
+                                         int* tile_counter) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    __shared__ __align__(8) unsigned long long barriers[2 * C::kQSlots + 4 * C::kStages];
+    __shared__ __align__(8) unsigned long long barriers[2 * C::kQSlots + 4 * C::kStages + (C::kScoreTile ? 2 : 0)];
     // What the producer tells the consumers, published by the arrive on the slot's/stage's full
     // barrier: the item whose Q is in a slot (-1: no more work), its rows and keys (work_of_slot:
     // the consumers would spend ~140 instructions with integer divisions at every item's start on
@@ -407,11 +476,16 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // A gather's next item, from warp 0's lane 0 to the producer warpgroup (two: one is read while the
     // next is written).
     __shared__ int next_item[2];
+    // The item's score tiles' head and batch coordinates, kept by the producer here rather than in two
+    // of its 24 registers (there the producer spilled 8 bytes at D = 128).
+    __shared__ int tile_coords[C::kScoreTile ? 2 : 1];
+    auto tile_coords_of = [&](int i) { return *static_cast<volatile int*>(&tile_coords[i]); };
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
     const unsigned q_smem = smem;                                     // [kQSlots][kColBlocks][kBlockM][64]
     const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
     const unsigned v_smem = k_smem + C::kStages * C::kKBytes;         // [kStages][kVColBlocks][kBlockN][64]
     const unsigned out_smem = v_smem + C::kStages * C::kVBytes;      // [kConsumers][64][kOutCols], staged O
+    const unsigned tile_smem = out_smem + C::kOutBytes;               // [kTileBlocks][kBlockM][128 bytes]
     auto q_full = [&](int slot) { return smem_addr(&barriers[slot]); };
     auto q_empty = [&](int slot) { return smem_addr(&barriers[C::kQSlots + slot]); };
     auto k_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + stage]); };
@@ -419,6 +493,11 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // K and V of a stage are released separately: K as soon as S retires, V once P V has.
     auto k_empty = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + 2 * C::kStages + stage]); };
     auto v_empty = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + 3 * C::kStages + stage]); };
+    // The score tile's buffer (kScoreTile): key tile t (counted over items) fills it in phase t % 2, which
+    // is the parity of the K/V ring's stage t % kStages (kStages even): no counter of its own in the
+    // producer's 24 registers.
+    const unsigned tile_full = smem_addr(&barriers[2 * C::kQSlots + 4 * C::kStages]);
+    const unsigned tile_empty = smem_addr(&barriers[2 * C::kQSlots + 4 * C::kStages + 1]);
 
     const int warpgroup = threadIdx.x / 128;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
@@ -435,6 +514,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             mbar_init(v_full(stage), gather ? 128 : 1);
             mbar_init(k_empty(stage), 128 * C::kConsumers);
             mbar_init(v_empty(stage), 128 * C::kConsumers);
+        }
+        if (C::kScoreTile) {
+            mbar_init(tile_full, 1);
+            mbar_init(tile_empty, 128 * C::kConsumers);
         }
         fence_barrier_init();
     }
@@ -537,6 +620,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                                     w.s.q_row0 + w.m_lo, w.s.h, w.batch_coord, q_full(slot));
                 }
                 if (++slot == C::kQSlots) { slot = 0; q_phase ^= 1; }
+                if (C::kScoreTile && leader) {   // 0 where the bias or mask broadcasts over heads or batches
+                    tile_coords[0] = (C::kBiasTile ? p.bias_head_stride : p.mask_head_stride) != 0 ? w.s.h : 0;
+                    tile_coords[1] = (C::kBiasTile ? p.bias_batch_stride : p.mask_batch_stride) != 0 ? w.s.b : 0;
+                }
                 for (int base = w.n_first; base < w.n_end; base += 32) {
                 unsigned masked;
                 for (unsigned todo = w.tiles_from(p, base, &masked); todo != 0; todo &= todo - 1) {
@@ -587,6 +674,14 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         v_row = key_row;
                         v_head = w.s.h_kv;
                         v_batch = w.batch_coord;
+                        if constexpr (C::kScoreTile) {
+                            mbar_wait(tile_empty, stage % 2 ^ 1);   // a fresh barrier passes parity 1 at once
+                            mbar_arrive_expect_tx(tile_full, C::kTileBytes);
+                            for (int blk = 0; blk < C::kTileBlocks; ++blk)
+                                tma_load_4d(tile_smem + blk * C::kBlockM * 128, &tile_map,
+                                            n * C::kBlockN + blk * 128 / C::kTileElemBytes, w.m_lo,
+                                            tile_coords_of(0), tile_coords_of(1), tile_full);
+                        }
                     }
                     if (++stage == C::kStages) { stage = 0; phase ^= 1; }
                 }
@@ -666,8 +761,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
             wgmma_commit();
         };
-        // mask_scores scales modified scores, add_alibi_columns and cap_scores_log2 theirs.
-        const float scale_log2 = C::kScoreMods || C::kOnPlainLoop ? 1.f : p.scale_log2;
+        // mask_scores scales modified scores, add_alibi_columns and cap_scores_log2 theirs, add_bias_tile
+        // to natural units.
+        const float scale_log2 = C::kScoreMods || C::kScoresInLog2 ? 1.f : C::kBiasTile ? kLog2e : p.scale_log2;
         float alibi_log2 = 0.f;   // kAlibiColumns: the head's slope x log2(e), its bias relative to key alibi_ref
         const int alibi_ref = m_lo + s.diag;
         if constexpr (C::kAlibiColumns) alibi_log2 = p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * kLog2e;
@@ -683,6 +779,13 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if constexpr (C::kRotated && C::kHeadDimV == 256) asm volatile("" : "+r"(mod_row0));
             if constexpr (C::kSoftcapOnPlainLoop)   // before the masks: tanh(-inf) is not -inf
                 cap_scores_log2(acc_s, p.scale * softcap_rate(p), p.softcap * kLog2e);
+            if constexpr (C::kScoreTile) {   // before the masks too: -inf + a bias of +inf is no -inf
+                mbar_wait(tile_full, stage % 2);   // (the tile's stage)
+                const int warp_row = consumer * 64 + warp * 16;
+                if constexpr (C::kBiasTile) add_bias_tile<C>(acc_s, tile_smem, warp_row, lane, p.scale);
+                else hide_by_mask_tile<C>(acc_s, tile_smem, warp_row, g, t);
+                mbar_arrive(tile_empty);
+            }
             mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
             if constexpr (C::kMaskOnly)
                 if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
@@ -880,13 +983,25 @@ using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFL
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif
 
+// A variant with a score tile takes its map after O's (cuflash/_forward_plan.py, score_tile_spec).
+#define CUFLASH_SCORE_TILE (CUFLASH_MOD_ON_PLAIN_LOOP != 0 && (CUFLASH_SCORE_MODS == 4 || CUFLASH_SCORE_MODS == 8))
+static_assert(CUFLASH_SCORE_TILE == Config::kScoreTile && cuflash::kModBias == 4 && cuflash::kModMask == 8,
+              "the kernel's parameters follow FwdSm90Config::kScoreTile");
+
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
     cuflash_fwd_sm90(const __grid_constant__ cuflash::TmaMap q_map, const __grid_constant__ cuflash::TmaMap k_map,
                      const __grid_constant__ cuflash::TmaMap v_map, const __grid_constant__ cuflash::TmaMap o_map,
+#if CUFLASH_SCORE_TILE
+                     const __grid_constant__ cuflash::TmaMap tile_map,
+#endif
                      const cuflash::FwdParams p, int* tile_counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Before the barriers and before any take_item: tile_counter stays 0 for the next launch.
     if (cuflash::call_faulted(p.error)) return;
-    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, o_map, p, tile_counter);
+#if CUFLASH_SCORE_TILE
+    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, o_map, tile_map, p, tile_counter);
+#else
+    cuflash::fwd_sm90<Config>(q_map, k_map, v_map, o_map, o_map, p, tile_counter);
+#endif
 #endif
 }

@@ -60,9 +60,30 @@ def _is_hopper() -> bool:
     return device_arch() == "sm_90a"
 
 
+def score_tile_spec(x, block_m: int) -> _tma.TensorMapSpec:
+    """The TMA map of a bias or mask ``x`` that :func:`kernels.fwd_sm90.score_tile` accepts, read in boxes
+    of ``block_m`` rows (a CTA's), as a (B', Sq, H', Sk) array: a broadcast head or batch (zero stride)
+    becomes an axis of length 1, which the kernel reads at coordinate 0."""
+    b, h, sq, sk = x.shape
+    sb, sh, sr, _ = x.strides
+    plane = -(-sr * sq // 16) * 16   # a stride for an axis of length 1, past the rows (any valid one would do)
+    h, sh = (h, sh) if sh else (1, plane)
+    b, sb = (b, sb) if sb else (1, plane * h)
+    return _tma.TensorMapSpec(_Layout((b, sq, h, sk), (sb, sr, sh, x.itemsize)), block_m, str(x.dtype))
+
+
+class _Layout:
+    """Shape and byte strides: what a TensorMapSpec reads of an array."""
+
+    __slots__ = ("shape", "strides", "nbytes")
+
+    def __init__(self, shape, strides):
+        self.shape, self.strides, self.nbytes = tuple(shape), tuple(strides), 0
+
+
 def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_v=None, seq_fields, row_layout, opts,
                  score_fields, grid_rows, batch, heads_q, check=None, lse_output=True, dropout_origin=None,
-                 user_mods=(), user_source=""):
+                 user_mods=(), user_source="", score_arrays=None):
     """Choose the kernel and build the plan of one forward call.
 
     ``operands`` are the entry point's (q, k, v, out, lse, then the score and index arrays); ``q``,
@@ -72,6 +93,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     of :func:`_checks.check_dropout_origin`, or None (origin (0, 0)). ``user_mods``, ``user_source``:
     the call's ScoreMod/MaskMod (:func:`cuflash._scores.user_operands`; their fields are in
     ``score_fields``). ``head_dim_v``: v's and out's head dim (padded to 8), None: ``head_dim``.
+    ``score_arrays``: the kernel-ready bias and mask by name (:func:`cuflash._scores.score_operands`),
+    whose layouts decide whether fwd_sm90 reads them as tiles.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     family = _choose_family(dtype_name, q, k, v)
@@ -82,7 +105,11 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     if family == "fwd_sm90" and entry == "attention" and head_dim_v == head_dim:
         consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
                                                full=opts.window == (-1, -1), seqlen_q=q.shape[1])
-    plain_loop = family == "fwd_sm90" and kernels.fwd_sm90.on_plain_loop(score_mods, opts.window)
+    tile_name = score_mods[0] if len(score_mods) == 1 and score_mods[0] in ("bias", "mask") else None
+    tile_array = (score_arrays or {}).get(tile_name)
+    score_tile = family == "fwd_sm90" and kernels.fwd_sm90.score_tile(score_mods, tile_array, dtype_name, head_dim,
+                                                                      head_dim_v)
+    plain_loop = family == "fwd_sm90" and (kernels.fwd_sm90.on_plain_loop(score_mods, opts.window) or score_tile)
     plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                                       consumers=consumers, user_source=user_source,
                                       head_dim_v=head_dim_v if head_dim_v != head_dim else None,
@@ -102,7 +129,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
         outputs[4] = lse_buffer
     else:
         temps = (lse_buffer,)
-    plan = _plan.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=(0, 1, 2, 3),
+    aligned = (0, 1, 2, 3) + ((score_fields[tile_name][1],) if score_tile else ())   # TMA reads these
+    plan = _plan.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=aligned,
                           dropout=(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)) if dropout else None,
                           checked=check is not None, results=(3, 4) if lse_output else (3,))
     lse_slot = 4 if lse_output else plan.temp_index(0)
@@ -141,11 +169,14 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
         # O is written by TMA in boxes of one consumer warpgroup's 64 rows.
         boxes = (plan_k.block_m, block_n, block_n, 64)
         maps = [("map", i, _tma.TensorMapSpec(x, rows, dtype_name)) for i, (x, rows) in enumerate(zip((q, k, v, o), boxes))]
+        if score_tile:   # the kernel takes the bias's or mask's map after O's
+            maps.append(("map", slots[tile_name], score_tile_spec(tile_array, plan_k.block_m)))
         args = (*maps, ("struct", params), ("pointer", plan.index("counter")))
     else:
         args = (("struct", params),)
     plan.steps.append(_step.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
     plan.info["family"] = family
     if family == "fwd_sm90":
-        plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"], on_plain_loop=plain_loop)
+        plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"], on_plain_loop=plain_loop,
+                         score_tile=score_tile)
     return plan

@@ -318,7 +318,7 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
                         head_dim_v=dv_pad, seq_fields=dict(seqlen_q=sq, seqlen_k=sk), row_layout=row_layout, opts=opts,
                         score_fields={**score_fields, **user_fields}, grid_rows=sq, batch=b, heads_q=hq,
                         lse_output=lse_output, dropout_origin=origin_fields, user_mods=user_mods,
-                        user_source=user_source)
+                        user_source=user_source, score_arrays=dict(zip(SCORE_OPERANDS, score_arrays)))
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:

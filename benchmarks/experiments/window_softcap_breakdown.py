@@ -2,10 +2,13 @@
 FlashAttention-4 with the same options (issue 52's first bar).
 
 B 2, S 8k, H 16, D 128, bf16, causal; each of: no option, ``window=(1024, 0)``, ``softcap=30``, both;
-and, cuflash alone (FA4 has none of them), ALiBi slopes, an additive (S, S) bf16 bias and a bool (S, S)
+and, without FA4 (it has none of them), ALiBi slopes, an additive (S, S) bf16 bias and a bool (S, S)
 mask (95% True), each alone (issue 52's bar: each >= 0.9x of the call without options).
 Contenders called as their users call them from torch tensors: ``ct.attention`` (under
-``torch.no_grad`` for the forward row) and FA4's ``flash_attn_func``; the step is
+``torch.no_grad`` for the forward row), FA4's ``flash_attn_func``, and for the bias and the mask
+SDPA's cuDNN and efficient backends, whose ``attn_mask`` then carries the causal mask too (SDPA takes
+``is_causal`` or ``attn_mask``, not both: the (S, S) bias with -inf above the diagonal, the mask ANDed
+with the lower triangle, made once); the step is
 ``torch.autograd.grad`` of the output with a fixed incoming gradient. All rows of one pass are timed
 in turns in one ``Timer.median_ms_each`` (random order per repeat). Figure: TFLOP/s of visible work
 (4 B H D per visible pair forward, 14 B H D for the step).
@@ -41,13 +44,28 @@ def visible_pairs(window, mask=None):
     return int((np.minimum(i + 1, window + 1) if window else i + 1).sum())
 
 
-def calls(torch, ct, fa4, q, k, v, options, arrays):
-    """{contender: fn() -> out} for one option set (``arrays``: the slopes, bias and mask)."""
+def calls(gpu, ct, fa4, q, k, v, options, arrays):
+    """{contender: fn() -> out} for one option set (``arrays``: the slopes, bias and mask, and SDPA's
+    causal forms of the last two)."""
     window = options.get("window")
     softcap = options.get("softcap", 0.0)
     extra = {name: arrays[name] for name in ("alibi_slopes", "bias", "mask") if options.get(name.split("_")[0])}
     out = {"cuflash": lambda: ct.attention(q, k, v, causal=True, window=(window, 0) if window else None,
                                            softcap=softcap, **extra)}
+    sdpa_mask = next((arrays["sdpa_" + name] for name in ("bias", "mask") if name in extra), None)
+    if sdpa_mask is not None:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))   # SDPA's (B, H, S, D) views of (B, S, H, D)
+        for who, backend in (("sdpa cudnn", gpu.SDPBackend.CUDNN_ATTENTION),
+                             ("sdpa efficient", gpu.SDPBackend.EFFICIENT_ATTENTION)):
+            def sdpa(backend=backend):
+                with gpu.sdpa_kernel(backend):
+                    return gpu.F.scaled_dot_product_attention(qt, kt, vt, attn_mask=sdpa_mask).transpose(1, 2)
+            try:   # a backend without masks (or without their backward) is left out
+                gpu.torch.autograd.grad(sdpa(), (q, k, v), gpu.torch.ones_like(q))
+            except RuntimeError as error:
+                log(f"{who} left out: {str(error).splitlines()[0][:120]}")
+                continue
+            out[who] = sdpa
     if extra:
         return out
     if fa4 is not None:
@@ -76,8 +94,10 @@ def main(argv=None):
     arrays = dict(alibi_slopes=torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda"),
                   bias=torch.randn(S, S, device="cuda", dtype=torch.bfloat16),
                   mask=torch.rand(S, S, device="cuda") < 0.95)
+    causal = torch.ones(S, S, device="cuda", dtype=torch.bool).tril()
+    arrays.update(sdpa_bias=arrays["bias"].masked_fill(~causal, float("-inf")), sdpa_mask=arrays["mask"] & causal)
     if args.ncu:
-        fn = calls(torch, ct, None, q, k, v, OPTIONS["window+softcap"], arrays)["cuflash"]
+        fn = calls(gpu, ct, None, q, k, v, OPTIONS["window+softcap"], arrays)["cuflash"]
         for _ in range(3):
             torch.autograd.grad(fn(), (q, k, v), dout)
         torch.cuda.synchronize()
@@ -97,7 +117,7 @@ def main(argv=None):
         for opt_name, options in OPTIONS.items():
             if opt_name not in chosen:
                 continue
-            for who, fn in calls(torch, ct, fa4, q, k, v, options, arrays).items():
+            for who, fn in calls(gpu, ct, fa4, q, k, v, options, arrays).items():
                 if pass_name == "fwd":
                     def timed(i, fn=fn):
                         with torch.no_grad():
@@ -115,13 +135,15 @@ def main(argv=None):
             rows.setdefault((pass_name, opt_name), {})[who] = flop / (t * 1e-3) / 1e12
     print(f"\n**{gpu.device_name}** ({gpu.versions}{', ' + fa4.label if fa4 else ''}); B {B} S {S} H {H} D {D} bf16 "
           f"causal, TFLOP/s of visible work, median of {args.repeats} in turns\n")
-    print("| pass | options | cuflash | fa4 | x fa4 | cuflash x its plain |")
-    print("|---|---|---|---|---|---|")
+    peers = ("fa4", "sdpa cudnn", "sdpa efficient")
+    print("| pass | options | cuflash | " + " | ".join(peers) + " | x best peer | cuflash x its plain |")
+    print("|---" * (len(peers) + 5) + "|")
     for (pass_name, opt_name), r in rows.items():
         plain = rows[(pass_name, "plain")]["cuflash"]
-        ratio = r["cuflash"] / r["fa4"] if "fa4" in r else None
-        print(f"| {pass_name} | {opt_name} | {fmt(r['cuflash'])} | {fmt(r.get('fa4'))} | "
-              f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['cuflash'] / plain:.2f} |")
+        best = max((r[who] for who in peers if who in r), default=None)
+        ratio = "-" if best is None else f"{r['cuflash'] / best:.2f}"
+        print(f"| {pass_name} | {opt_name} | {fmt(r['cuflash'])} | " + " | ".join(fmt(r.get(who)) for who in peers) +
+              f" | {ratio} | {r['cuflash'] / plain:.2f} |")
     log("done")
 
 

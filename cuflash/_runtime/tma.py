@@ -1,8 +1,8 @@
 """TMA tensor maps (CUtensorMap) for the Hopper kernels, encoded through the CUDA driver.
 
 A map describes a (B, S, H, D) array as a 4-d tensor (innermost first: D, S, H, B) with the
-caller's strides, read in boxes of 64 columns (128 bytes, the span of the 128-byte swizzle) x
-``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
+caller's strides, read in boxes of 128 bytes of columns (64 16-bit elements or 128 bytes of a bool
+mask: the span of the 128-byte swizzle) x ``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
 never reach a result. The map travels to the kernel by value: its 128 bytes are one kernel
 parameter of the launch (cuflash/_runtime/launch.py), like the packed parameter struct.
 
@@ -19,14 +19,15 @@ from __future__ import annotations
 import ctypes
 import functools
 
-_FLOAT16, _BFLOAT16 = 6, 9  # CU_TENSOR_MAP_DATA_TYPE_*
+_DATA_TYPES = {"float16": 6, "bfloat16": 9, "bool": 0}  # CU_TENSOR_MAP_DATA_TYPE_* (bool as UINT8)
 _SWIZZLE_128B = 3
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 class TensorMapSpec(tuple):
     """What a tensor map depends on besides the address: (shape, byte strides, nbytes, box rows,
-    dtype name, row groups). Made once per plan; maps are then cached by (address, spec).
+    dtype name: float16, bfloat16 or bool, row groups). Made once per plan; maps are then cached by
+    (address, spec).
 
     ``row_groups``: a paged KV cache (pages, page_size, H, D) whose rows run on from page to page (page
     stride = page_size x row stride) and whose D is whole 64-column blocks, as fwd_sm90 reads it in its
@@ -103,11 +104,10 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
         else:
             b, s, h, d = shape
             sb, ss, sh, _ = strides
-        dims, byte_strides, box = (d, s, h, b), (ss, sh, sb), (64, box_rows, 1, 1)
+        dims, byte_strides, box = (d, s, h, b), (ss, sh, sb), (128 if dtype_name == "bool" else 64, box_rows, 1, 1)
     rank = len(dims)
     words = (ctypes.c_uint64 * 16)()
-    data_type = _BFLOAT16 if dtype_name == "bfloat16" else _FLOAT16
-    args = (words, data_type, rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
+    args = (words, _DATA_TYPES[dtype_name], rank, ctypes.c_void_p(ptr), (ctypes.c_uint64 * rank)(*dims),
             (ctypes.c_uint64 * (rank - 1))(*byte_strides), (ctypes.c_uint32 * rank)(*box),
             (ctypes.c_uint32 * rank)(*(1,) * rank),
             0,  # interleave none
@@ -133,24 +133,27 @@ def _encode(ptr: int, shape, strides, nbytes: int, box_rows: int, dtype_name: st
 TEMPLATE_ADDRESS = 0x7F00_0000_0000
 _PROBE_ADDRESSES = (0x7A12_3456_7890, 0x1000_0000_0100)
 _PROBE_SPECS = {
-    False: (
+    "tiles": (
         ((2, 300, 8, 128), (300 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2), 2 * 300 * 8 * 128 * 2, 128, "bfloat16"),
         ((700, 4, 64), (4 * 64 * 2, 64 * 2, 2), 700 * 4 * 64 * 2, 64, "float16"),   # varlen's packed rows
     ),
-    True: (   # a paged cache in row groups
+    "row_groups": (   # a paged cache in row groups
         ((50, 16, 8, 128), (16 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2), 50 * 16 * 8 * 128 * 2, 16, "bfloat16", True),
     ),
+    "bool": (   # a (B, Sq, H, Sk) mask, one head broadcast
+        ((2, 1000, 1, 1000), (1000 * 1008, 1008, 1000 * 1008, 1), 0, 128, "bool"),
+    ),
 }
-_patchable: dict = {}   # row groups or not -> the check's answer
+_patchable: dict = {}   # kind (_PROBE_SPECS) -> the check's answer
 
 
 def address_patchable(spec: TensorMapSpec | None = None) -> bool:
     """Whether a map encoded at one address becomes the map at another by writing that address into
     its bytes 0..7 (little-endian). Checked on the driver when a plan first needs a map of its kind,
-    once per process: a (B, S, H, D) and a packed-rows map, or (``spec`` in row groups) a row-groups
-    map, each encoded at three addresses. False as well where the driver refuses the stand-in
+    once per process: a (B, S, H, D) and a packed-rows map, a row-groups map (``spec`` in row groups) or
+    a bool mask's, each encoded at three addresses. False as well where the driver refuses the stand-in
     addresses; then every call encodes its maps of that kind."""
-    kind = spec is not None and spec[5]
+    kind = "tiles" if spec is None else "row_groups" if spec[5] else "bool" if spec[4] == "bool" else "tiles"
     known = _patchable.get(kind)
     if known is None:
         known = _patchable[kind] = _check_patchable(_PROBE_SPECS[kind])

@@ -18,7 +18,7 @@ from .forward import default_family, forward_plan, forward_precompile_variants
 from .fwd_simt import SIMT_HEAD_DIMS
 from .fwd_sm80 import SM80_HEAD_DIMS
 from .append_kv import append_kv_variant
-from .fwd_sm90 import SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS, kv_cache_variants
+from .fwd_sm90 import SCORE_TILE_HEAD_DIMS, SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS, kv_cache_variants
 from .merge import merge_plan
 from .rng_state import rng_state_variant
 from .._build.variant import Variant
@@ -292,8 +292,9 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                 for mods in score_mod_sets():
                     for dropout in (False, True):
                         out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout).variant)
-                if family == "fwd_sm90":   # ALiBi (causal) or the softcap alone (fwd_sm90.on_plain_loop)
-                    for mods in (("alibi",), ("softcap",)):
+                if family == "fwd_sm90":   # ALiBi (causal), the softcap, a bias or a mask alone (on_plain_loop, score_tile)
+                    tiled = (("bias",), ("mask",)) if d in SCORE_TILE_HEAD_DIMS else ()
+                    for mods in (("alibi",), ("softcap",), *tiled):
                         for dropout in (False, True):
                             out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout,
                                                         on_plain_loop=True).variant)

@@ -41,7 +41,8 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
         Run-time head dim of v and out (a multiple of 8, at most 256), when it differs from
         ``head_dim``: every family compiles it (CUFLASH_HEAD_DIM_V).
     on_plain_loop : bool, default False
-        fwd_sm90 only: ALiBi or the softcap alone on the loop without modifiers (:func:`fwd_sm90.on_plain_loop`).
+        fwd_sm90 only: ALiBi, the softcap, or a bias or mask read as tiles alone on the loop without modifiers
+        (:func:`fwd_sm90.on_plain_loop`, :func:`fwd_sm90.score_tile`).
     """
     if on_plain_loop and family != "fwd_sm90":
         raise ValueError(f"a modifier on the loop without modifiers is fwd_sm90's, not {family}'s")

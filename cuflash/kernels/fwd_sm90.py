@@ -111,6 +111,35 @@ def on_plain_loop(score_mods, window: tuple[int, int]) -> bool:
     return (mods in (("alibi",), ("alibi_slopes",)) and window[1] == 0) or mods == ("softcap",)
 
 
+#: Compiled head dims at which a bias or mask alone is read as tiles (score_tile): at 256, the 64-key
+#: tiles' 16 KiB of bias does not fit beside one Q slot and two stages.
+SCORE_TILE_HEAD_DIMS = (64, 128)
+#: A score tile's element bytes per modifier: the bias (q's dtype) and the boolean mask. At D = 128 the
+#: tile takes one of Q's two slots.
+SCORE_TILE_BYTES = {"bias": 2, "mask": 1}
+
+
+def score_tile(score_mods, x, dtype_name: str, head_dim: int, head_dim_v: int | None = None) -> bool:
+    """Whether fwd_sm90 reads the call's one score modifier, a bias or a boolean mask (``x``: its (B, Hq,
+    Sq, Sk) view, zero strides where broadcast), as tiles that its producer loads by TMA beside K, on its
+    loop without modifiers (``plan(on_plain_loop=True)``): at compiled head dims of SM90_HEAD_DIMS in
+    SCORE_TILE_HEAD_DIMS (V's the same), a bias of q's dtype ``dtype_name``, keys contiguous, rows
+    apart by a multiple of 16 bytes, heads and batches by one or not at all, and a 16-byte aligned base.
+    A bias broadcast over the query rows, or of another dtype, is read element by element.
+    H200, D 128, B 2, S 8k, H 16, causal, forward: docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles."""
+    mods = tuple(score_mods)
+    if mods not in (("bias",), ("mask",)) or x is None:
+        return False
+    kdim, kdim_v = pair_head_dims(head_dim, head_dim_v)
+    if kdim not in SCORE_TILE_HEAD_DIMS or kdim_v != kdim:
+        return False
+    if str(x.dtype) != ("bool" if mods == ("mask",) else dtype_name):
+        return False
+    sb, sh, sr, sc = x.strides
+    return (sc == x.itemsize and sr > 0 and sr % 16 == 0 and all(s >= 0 and s % 16 == 0 for s in (sb, sh))
+            and x.data.ptr % 16 == 0)
+
+
 def sm90_consumers(head_dim: int, *, featured: bool, full: bool, seqlen_q: int) -> int:
     """Consumer warpgroups of fwd_sm90 for a problem (its CTA computes 64 query rows per consumer):
     ``head_dim`` the run-time one, ``featured`` with score modifiers or dropout, ``full`` without a
@@ -155,18 +184,19 @@ def fwd_tail_heads(m_blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool
 
 
 def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = None, head_dim_v: int | None = None,
-                    stages: int | None = None) -> int:
-    """Dynamic shared memory of fwd_sm90: Q slots, the K and V stages and the staged output (16-bit
-    elements), for compiled head dims of SM90_HEAD_DIMS (``head_dim`` Q's and K's, ``head_dim_v`` V's
-    and O's, default ``head_dim``; ``block_n``: keys per tile, default SM90_BLOCK_N's; ``stages``:
-    default SM90_STAGES')."""
+                    stages: int | None = None, q_slots: int | None = None, tile_elem_bytes: int = 0) -> int:
+    """Dynamic shared memory of fwd_sm90: Q slots, the K and V stages, the staged output (16-bit
+    elements) and a score tile, for compiled head dims of SM90_HEAD_DIMS (``head_dim`` Q's and K's,
+    ``head_dim_v`` V's and O's, default ``head_dim``; ``block_n``: keys per tile, default SM90_BLOCK_N's;
+    ``stages``: default SM90_STAGES'; ``q_slots``: default SM90_Q_SLOTS'; ``tile_elem_bytes``: a bias's or
+    mask's element bytes, 0 for none)."""
     head_dim_v = head_dim_v or head_dim
     block_m = 64 * consumers
     block_n = block_n or _tiles_of(head_dim)[0]
     stages = stages or _tiles_of(head_dim)[2]
-    q_bytes = _tiles_of(head_dim)[1] * block_m * head_dim * 2
+    q_bytes = (q_slots or _tiles_of(head_dim)[1]) * block_m * head_dim * 2
     out_bytes = block_m * min(head_dim_v, 128) * 2  # the output, staged <= 128 columns at a time
-    return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes
+    return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes + block_m * block_n * tile_elem_bytes
 
 
 def value_head_dim_obstacle(head_dim: int, head_dim_v: int | None) -> str | None:
@@ -219,16 +249,23 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     (such pages, rows running on from page to page) or ``"gather"`` (other pages, copied row by row:
     :func:`kv_cache_mode`). ``on_plain_loop``: ALiBi or the softcap alone on the loop without modifiers
     (``CUFLASH_MOD_ON_PLAIN_LOOP``; ALiBi so is exact only where no visible key is right of its query's
-    diagonal: :func:`on_plain_loop`)."""
+    diagonal: :func:`on_plain_loop`), or a bias or mask alone read as tiles (:func:`score_tile`; one Q
+    slot where two leave no room for the tile)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
     obstacle = value_head_dim_obstacle(head_dim, head_dim_v)
     if obstacle is not None:
         raise ValueError(obstacle)
     mods = score_mod_bits(score_mods)
-    if on_plain_loop and mods not in (score_mod_bits(("alibi",)), score_mod_bits(("softcap",))):
-        raise ValueError(f"the loop without modifiers takes ALiBi or the softcap alone, not {score_mods}")
+    tiled = {score_mod_bits((name,)): size for name, size in SCORE_TILE_BYTES.items()}
+    if on_plain_loop and mods not in (score_mod_bits(("alibi",)), score_mod_bits(("softcap",)), *tiled):
+        raise ValueError(f"the loop without modifiers takes ALiBi, the softcap, a bias or a mask alone, not "
+                         f"{score_mods}")
     kdim, kdim_v = pair_head_dims(head_dim, head_dim_v)
+    tile_elem_bytes = tiled.get(mods, 0) if on_plain_loop else 0
+    if tile_elem_bytes and (kdim not in SCORE_TILE_HEAD_DIMS or kdim_v != kdim or kv_cache is not None):
+        raise ValueError(f"fwd_sm90 reads a bias or mask as tiles at head dims {SCORE_TILE_HEAD_DIMS} (V's the "
+                         f"same), not over a KV cache; got ({kdim}, {kdim_v})")
     if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout
                                                       or kdim_v != kdim):
         raise ValueError(f"fwd_sm90 runs 2 consumer warpgroups, or 3 at head dims {SM90_WIDE_HEAD_DIMS} without "
@@ -238,12 +275,16 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     stages = _tiles_of(kdim)[2]
     if kdim_v != kdim:
         block_n, stages = _pair_tiles(kdim, kdim_v, block_n, consumers)
-    smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages)
+    q_slots = _tiles_of(kdim)[1]
+    smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes)
+    if smem > DEFAULT_SMEM_PER_BLOCK:   # a score tile where two Q slots leave no room (D = 128)
+        q_slots = 1
+        smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
         "CUFLASH_BLOCK_N": block_n,
-        "CUFLASH_Q_SLOTS": _tiles_of(kdim)[1],
+        "CUFLASH_Q_SLOTS": q_slots,
         "CUFLASH_STAGES": stages,
         "CUFLASH_CONSUMERS": consumers,
         "CUFLASH_SCORE_MODS": mods,
@@ -257,5 +298,6 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
         defines["CUFLASH_KV_CACHE"] = KV_CACHE_MODES[kv_cache]
     if on_plain_loop:
         defines["CUFLASH_MOD_ON_PLAIN_LOOP"] = 1
+
     return LaunchPlan(Variant("fwd_sm90", tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
                       smem, kdim)

@@ -6,11 +6,12 @@ more CTAs never more splits). ``decode_plan`` must fit every budget a supported 
 agree with what ``decode_precompile_variants`` compiles.
 """
 
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cuflash import features, kernels
+from cuflash import _forward_plan, features, kernels
 
 DTYPES = ("float16", "bfloat16", "float32")
 # Opt-in shared memory per block: H100/H200, A100, and consumer Ampere/Ada (RTX 30x0/40x0).
@@ -378,14 +379,17 @@ def test_reachable_variants():
                                         "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
     assert "fwd_sm90" not in {v.family for v in kernels.catalogue.reachable_variants("sm_80")}
     # fwd_sm90: 2 dtypes x 3 head dims x (7 modifier sets, ALiBi and the softcap on the plain loop) x
-    # dropout on/off, the three-warpgroup plain variant at D = 64 for each dtype, and per dtype the value
-    # head dim pairs, plain and with every modifier and dropout; and over a KV cache (kv_cache_variants).
+    # dropout on/off, a bias or a mask as tiles at 2 head dims x dropout on/off, the three-warpgroup
+    # plain variant at D = 64 for each dtype, and per dtype the value head dim pairs, plain and with
+    # every modifier and dropout; and over a KV cache (kv_cache_variants).
     pairs = len(kernels.catalogue.VALUE_HEAD_DIM_PAIRS)
     kv = len(kernels.fwd_sm90.kv_cache_variants())
-    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 9 * 2 + 2 + 2 * pairs * 2 + kv
+    tiles = 2 * len(kernels.fwd_sm90.SCORE_TILE_HEAD_DIMS) * 2 * 2
+    assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 9 * 2 + tiles + 2 + 2 * pairs * 2 + kv
     plain_loop = [v for v in sm90 if dict(v.defines).get("CUFLASH_MOD_ON_PLAIN_LOOP")]
-    assert len(plain_loop) == 2 * 3 * 2 * 2 and {dict(v.defines)["CUFLASH_SCORE_MODS"] for v in plain_loop} == {
-        features.score_mod_bits(("alibi",)), features.score_mod_bits(("softcap",))}
+    assert len(plain_loop) == 2 * 3 * 2 * 2 + tiles
+    assert {dict(v.defines)["CUFLASH_SCORE_MODS"] for v in plain_loop} == {
+        features.score_mod_bits((name,)) for name in ("alibi", "softcap", "bias", "mask")}
     assert set(kernels.fwd_sm90.kv_cache_variants()) <= set(sm90) and kernels.append_kv.append_kv_variant() in sm90
     small = kernels.catalogue.reachable_variants("sm_90a", ("bfloat16",), (100,))
     assert {dict(v.defines).get("CUFLASH_HEAD_DIM") for v in small} == {None, 128}
@@ -712,9 +716,51 @@ def test_one_modifier_on_the_plain_loop(score_mods, window, plain):
         assert dict(variant.defines)["CUFLASH_MOD_ON_PLAIN_LOOP"] == 1
 
 
+class _Operand:
+    """What fwd_sm90.score_tile reads of a bias or mask view: dtype, itemsize, byte strides, address."""
+
+    def __init__(self, dtype, shape, strides, ptr=0x7F00_0000_0000):
+        self.dtype, self.itemsize = np.dtype(dtype), np.dtype(dtype).itemsize
+        self.shape, self.strides = shape, strides
+        self.data = type("Memory", (), {"ptr": ptr})()
+
+
+@pytest.mark.parametrize("mods, operand, dtype_name, head_dim, tiled", [
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2)), "float16", 128, True),
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 912 * 300, 912, 2)), "float16", 64, True),
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2)), "float16", 256, False),   # no room
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2)), "bfloat16", 128, False),  # q's dtype only
+    (("bias",), _Operand(np.float32, (2, 4, 300, 456), (0, 0, 1824, 4)), "float16", 128, False),
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 0, 2)), "float16", 128, False),     # rows broadcast
+    (("bias",), _Operand(np.float16, (2, 4, 300, 452), (0, 0, 904, 2)), "float16", 128, False),   # 904 % 16
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2), ptr=0x1008), "float16", 128, False),
+    (("mask",), _Operand(np.bool_, (2, 4, 300, 464), (0, 0, 464, 1)), "bfloat16", 128, True),
+    (("mask",), _Operand(np.bool_, (2, 4, 300, 456), (0, 0, 456, 1)), "bfloat16", 128, False),
+    (("mask", "bias"), _Operand(np.bool_, (2, 4, 300, 464), (0, 0, 464, 1)), "bfloat16", 128, False),
+])
+def test_bias_or_mask_read_as_tiles(mods, operand, dtype_name, head_dim, tiled):
+    """fwd_sm90 reads a bias of q's dtype or a mask alone as TMA tiles where its layout allows (keys
+    contiguous, rows 16-byte multiples apart, not broadcast over rows, aligned) at D = 64 and 128; its
+    plan makes room for the tile with one Q slot at D = 128, and fits the shared memory."""
+    assert kernels.fwd_sm90.score_tile(mods, operand, dtype_name, head_dim) is tiled
+    if tiled:
+        plan = kernels.fwd_sm90.plan(dtype_name, head_dim, score_mods=mods, dropout=False, on_plain_loop=True)
+        defines = dict(plan.variant.defines)
+        q_slots = 1 if head_dim == 128 else 2
+        assert defines["CUFLASH_Q_SLOTS"] == q_slots
+        assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= kernels.common.DEFAULT_SMEM_PER_BLOCK
+        assert plan.smem_bytes == kernels.fwd_sm90.sm90_smem_bytes(
+            head_dim, q_slots=q_slots, tile_elem_bytes=kernels.fwd_sm90.SCORE_TILE_BYTES[mods[0]])
+        spec = _forward_plan.score_tile_spec(operand, 128)
+        b, h, sq, sk = operand.shape
+        assert spec[0] == (1, sq, h if operand.strides[1] else 1, sk) and spec[3:5] == (128, str(operand.dtype))
+
+
 def test_plain_loop_refused_beside_other_modifiers_and_off_sm90():
-    with pytest.raises(ValueError, match="ALiBi or the softcap alone"):
+    with pytest.raises(ValueError, match="ALiBi, the softcap, a bias or a mask alone"):
         kernels.fwd_sm90.plan("bfloat16", 128, score_mods=("alibi", "softcap"), dropout=False, on_plain_loop=True)
+    with pytest.raises(ValueError, match="bias or mask as tiles at head dims"):
+        kernels.fwd_sm90.plan("bfloat16", 256, score_mods=("bias",), dropout=False, on_plain_loop=True)
     with pytest.raises(ValueError, match="fwd_sm90's"):
         kernels.forward.forward_plan("fwd_sm80", "bfloat16", 128, score_mods=("alibi",), dropout=False,
                                      on_plain_loop=True)

@@ -355,6 +355,57 @@ def test_softcap_on_the_plain_loop(dtype, shape, options):
     _solve("fwd_sm90", dtype, shape, options, seed=seed)
 
 
+def _score_tile_operand(kind, shape, dtype, seed, *, rows_stride=None, empty_rows=0):
+    """A bias (normal, amplitude 2, some -inf) or a mask (density 0.7, its first ``empty_rows`` rows all
+    False) of ``shape`` on the GPU; the bias in ``dtype`` ("float32" kept); ``rows_stride``: the last
+    axis cut from a wider array of that many columns."""
+    rng = np.random.default_rng(seed)
+    wide = shape[:-1] + ((rows_stride or shape[-1]),)
+    if kind == "mask":
+        x = rng.random(wide) < 0.7
+        x[..., :empty_rows, :] = False
+    else:
+        x = 2.0 * rng.standard_normal(wide)
+        x[rng.random(wide) < 0.05] = -np.inf
+        x = x.astype(np.float32).astype(tt._dtype(dtype))
+    return cupy.asarray(x)[..., :shape[-1]]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind, shape, options, operand, tiled", [
+    pytest.param("bias", _shape(2, 300, 456, 4, 2, 128), {"causal": True}, dict(shape=(300, 456)), True,
+                 id="bias-causal-tails"),
+    pytest.param("bias", _shape(1, 700, 600, 4, 2, 64), {"causal": True}, dict(shape=(4, 700, 600)), True,
+                 id="bias-heads-rows-without-keys"),
+    pytest.param("bias", _shape(2, 257, 384, 2, 1, 128), {"window": (100, 20), "scale": 0.3},
+                 dict(shape=(2, 1, 257, 384)), True, id="bias-batches-window"),
+    pytest.param("bias", _shape(2, 200, 328, 4, 4, 128), {}, dict(shape=(200, 328), rows_stride=512), True,
+                 id="bias-rows-of-a-wider-array"),
+    pytest.param("bias", _shape(1, 300, 456, 2, 2, 128), {"causal": True}, dict(shape=(300, 456), dtype="float32"),
+                 False, id="bias-float32-by-element"),
+    pytest.param("mask", _shape(2, 300, 464, 4, 2, 128), {"causal": True}, dict(shape=(300, 464)), True,
+                 id="mask-causal-tails"),
+    pytest.param("mask", _shape(2, 257, 512, 4, 2, 64), {"dropout_p": 0.2}, dict(shape=(2, 4, 257, 512), empty_rows=9),
+                 True, id="mask-rows-all-hidden-dropout"),
+    pytest.param("mask", _shape(1, 300, 456, 2, 2, 128), {}, dict(shape=(300, 456)), False,
+                 id="mask-rows-apart-by-456-bytes"),
+])
+def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand, tiled):
+    """A bias of q's dtype or a mask alone, rows apart by a multiple of 16 bytes, runs on fwd_sm90's loop
+    without modifiers, read as tiles by TMA (broadcast heads and batches at coordinate 0, rows and keys
+    past the ends zero-filled); a float32 bias, or mask rows 456 bytes apart, element by element."""
+    seed = _seed_of("score_tile" + kind + repr(shape) + repr(options) + dtype)
+    operand = dict(operand)
+    x = _score_tile_operand(kind, operand.pop("shape"), operand.pop("dtype", dtype), seed, **operand)
+    opts = dict(_device_options(options, dtype), **{kind: x})
+    q, k, v = _qkv(shape, dtype, seed)
+    info = cuflash.plan(cuflash.attention_forward, q, k, v, **opts).plan.info
+    assert (info["family"], info["score_tile"], info["on_plain_loop"]) == ("fwd_sm90", tiled, tiled)
+    generator = cuflash.Generator(seed)
+    out, lse, rng_state = run_forward("fwd_sm90", q, k, v, opts, generator=generator)
+    check_close(q, k, v, opts, out, lse, rng_state, dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_causal_alibi_columns_with_sinks_and_varlen(dtype):
     """ALiBi as column biases beside sinks (the sink joins each row's true denominator) and under
