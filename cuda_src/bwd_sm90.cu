@@ -68,6 +68,7 @@
 #include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 #include "gemm_sm90.cuh"
+#include "mma_sm80.cuh"   // ldmatrix_x4_trans
 
 #if CUFLASH_DTYPE == 2
 #error "bwd_sm90 computes float16/bfloat16 (CUFLASH_DTYPE 0 or 1)"
@@ -77,6 +78,9 @@
 #endif
 #ifndef CUFLASH_ALL_KEYS_SEEN
 #define CUFLASH_ALL_KEYS_SEEN 0
+#endif
+#ifndef CUFLASH_SCORE_TILE
+#define CUFLASH_SCORE_TILE 0
 #endif
 #ifndef CUFLASH_TILE_GUARD
 #define CUFLASH_TILE_GUARD 0
@@ -130,8 +134,20 @@ struct BwdSm90Config {
     // docs/decisions.md#bwd-sm90-one-modifier-on-the-plain-tiles). From D = 128: D = 64's plain tiles
     // (128 query rows) spilled 44-80 B with the softcap, and D = 128's 12-124 B with the bias's or the
     // mask's loads (kernels/bwd_sm90.py, IN_PLACE_MODS).
+    // A bias of q's dtype or a boolean mask alone (kScoreTile, CUFLASH_SCORE_TILE: the host checked its
+    // layout) is read as tiles too, as in fwd_sm90: the producer loads a step's (query rows x the CTA's
+    // keys) block of it by TMA into the stage beside Q and dO, and the consumers read it transposed
+    // (add_bias_tile_t, hide_by_mask_tile_t); then it modifies S^T in place like ALiBi. At D = 128 only
+    // (square), without dropout or ordered dQ, and not for dbias (its stores spilled 92 bytes here): its
+    // stages take one of dQ's two share buffers.
+    static constexpr bool kScoreTile = CUFLASH_SCORE_TILE != 0;
+    static constexpr bool kBiasTile = kScoreTile && kMods == kModBias, kMaskTile = kScoreTile && kMods == kModMask;
+    static_assert(!kScoreTile || ((kBiasTile || kMaskTile) && !kDropout_ && kHeadDim == 128 && kHeadDimV == 128 &&
+                                  kDqMode_ == 1 && kBlockM_ == 64),
+                  "score tiles: a bias or mask alone at D = 128, 64-row steps, dQ added in no fixed order");
     static constexpr bool kScoresInPlace =
-        !kDropout_ && kHeadDim >= 128 && (kMods == kModSoftcap || kMods == kModAlibi || kMods == kModBlockMask);
+        !kDropout_ && kHeadDim >= 128 &&
+        (kMods == kModSoftcap || kMods == kModAlibi || kMods == kModBlockMask || kScoreTile);
     static constexpr bool kSoftcapAlone = kScoresInPlace && kMods == kModSoftcap;
     static constexpr bool kModifiedInPlace = kScoresInPlace && !kSoftcapAlone;
     static constexpr int kElementMods = kSoftcapAlone ? 0 : kMods;   // element_prob_kept's and element_grad's
@@ -263,7 +279,8 @@ struct BwdSm90Config {
     static constexpr int kDqShareBytes = kDqRegs * 128 * 4;
     // (With a third stage, D = 128 with 64 rows has room for one buffer: _heuristics.py's
     // BWD_SM90_DEFER_STAGES.)
-    static constexpr int kDqBuffers = kSplitDims ? 0 : kHeadDim == 128 && !kDqTransposed && kStages == 2 ? 2 : 1;
+    static constexpr int kDqBuffers =
+        kSplitDims ? 0 : kHeadDim == 128 && !kDqTransposed && kStages == 2 && !kScoreTile ? 2 : 1;
     static_assert(!kOrdered || kDqBuffers == 2, "the dQ writers take turns with double-buffered shares");
     // Ordered dQ: one writer per share buffer. A writer's step is a chain (its tile's turn, the
     // reductions, their landing, the turn passed on) that took longer than the consumers' step: with
@@ -292,8 +309,13 @@ struct BwdSm90Config {
                    : 128 * (kHeadDim + kHeadDimV);
     static_assert(kConsumers * kStagingBytes <= kStages * (kQBytes + kDoBytes),
                   "dK and dV of both consumers fit the stage ring's Q and dO buffers (store_dk_dv_chunks)");
+    // A stage's score tile (kScoreTile): 128-byte column blocks (64 bias keys or 128 mask keys) x kBlockM
+    // query rows, 128B-swizzled.
+    static constexpr int kTileElemBytes = kBiasTile ? 2 : 1, kTileBlocks = kScoreTile ? kBlockN * kTileElemBytes / 128 : 0;
+    static constexpr int kTileBytes = kTileBlocks * kBlockM * 128;
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) +
-                                      kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes + kDqOwnBytes;
+                                      kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes + kDqOwnBytes +
+                                      kStages * kTileBytes;
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 192 && kHeadDimV == 128),
                   "bwd_sm90 runs head dims 64, 128, 256 (and Q's and K's 192 beside V's 128)");
     static_assert(kHeadDimV == kHeadDim || !kSplitDims || kHeadDim >= 192,
@@ -350,9 +372,10 @@ struct BwdSm90Shared {
 // Shared-memory addresses of the CTA's tiles (column blocks of 64 elements, 128B-swizzled):
 // K [kHeadDim / 64][kBlockN][64], V [kHeadDimV / 64][kBlockN][64]; Q [kStages][kHeadDim / 64][kBlockM][64],
 // dO [kStages][kHeadDimV / 64][kBlockM][64]; ds [2][kBlockM / 64][kBlockN][64] (dS^T, or at D = 256 P^T
-// then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float], or one consumer's share (kDqOwnBytes).
+// then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float], or one consumer's share (kDqOwnBytes);
+// score [kStages][kTileBlocks][kBlockM][128 bytes] (kScoreTile).
 struct BwdSm90Tiles {
-    unsigned k, v, q, dout, ds, dq;
+    unsigned k, v, q, dout, ds, dq, score;
 };
 
 // Where a CTA's work lies: its block of kBlockN keys (x), its slot (y: kv head * splits + split) and
@@ -452,6 +475,53 @@ __device__ __forceinline__ void cap_scores(const FwdParams& p, float (&acc_s)[C:
         for (int e = 0; e < 4; ++e) acc_s[mi][e] = unscale * softcap_tanh(acc_s[mi][e] * p.scale, rate);
 }
 
+// The bias tile (C::kBiasTile) on a consumer's raw scores S^T: qk += bias / scale (so that scale qk
+// becomes scale qk + bias), element (mi, e) being key key0 + g + 8 (e / 2) of the CTA's block (key0: the
+// warp's first, a multiple of 16) and query 8 mi + 2 t + e % 2 of the step. The tile's rows are queries:
+// an 8 x 8 piece of queries x keys, transposed by ldmatrix, hands each thread the pair of queries of one
+// key it holds. Matrix j of the four: n-tile mi + j / 2, keys + 8 (j % 2); lane l addresses row l % 8 of
+// matrix l / 8 (16 bytes of keys, one swizzled chunk).
+template <class C>
+__device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0, int lane,
+                                                float inv_scale) {
+    const int key = key0 + 8 * (lane / 8 % 2);   // the first key of the lane's matrix
+    const unsigned block = tile + (key / 64) * C::kBlockM * 128 + ((key % 64 / 8) ^ (lane % 8)) * 16;
+#pragma unroll
+    for (int mi = 0; mi < C::kMTiles; mi += 2) {
+        unsigned bias[4];
+        ldmatrix_x4_trans(bias, block + (8 * (mi + lane / 16) + lane % 8) * 128);   // query row % 8 == lane % 8
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float* e = &acc_s[mi + j / 2][2 * (j % 2)];
+            e[0] = fmaf(to_float(elem_t{static_cast<unsigned short>(bias[j] & 0xffffu)}), inv_scale, e[0]);
+            e[1] = fmaf(to_float(elem_t{static_cast<unsigned short>(bias[j] >> 16)}), inv_scale, e[1]);
+        }
+    }
+}
+
+// The mask tile (C::kMaskTile): -inf where the mask is False, for the elements of add_bias_tile_t (scores
+// in log2 units, after modify_scores). A query's 128 key bytes are eight chunks of 16, key k in chunk
+// k / 16 (XOR the query row), at byte k % 16; one byte an element. The thread's keys key0 + g and + 8
+// share a chunk, and its queries 8 mi + 2 t + e the row's XOR (2 t + e): one base address per e, the
+// rest immediate offsets (with each address made whole, the consumers spilled 24 bytes).
+template <class C>
+__device__ __forceinline__ void hide_by_mask_tile_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0, int g,
+                                                    int t) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int row = 2 * t + e;   // the query row % 8
+        const unsigned base = tile + row * 128 + ((key0 / 16) ^ row) * 16 + g;
+#pragma unroll
+        for (int mi = 0; mi < C::kMTiles; ++mi)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                unsigned short byte;
+                asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(byte) : "r"(base + mi * 1024 + 8 * half));
+                if (byte == 0) acc_s[mi][2 * half + e] = -CUFLASH_INF;
+            }
+    }
+}
+
 // P^T of a consumer's elements from its raw scores acc_s: element (mi, e) is key keys[e / 2] and
 // query m_lo + col + 8 mi + e % 2 (col: the thread's first query column in the tile); lse2 holds the
 // tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
@@ -461,20 +531,25 @@ __device__ __forceinline__ void cap_scores(const FwdParams& p, float (&acc_s)[C:
 // cap_scores for the softcap alone), and P^T replaces S^T in acc_s (probabilities() says where P^T
 // is). With dropout the keep bits come from dropout_keep_bits_cols. Returns whether every element of
 // the tile is a key its row sees and no row is past the queries' end (then dS needs no guard:
-// C::kTileGuard).
+// C::kTileGuard). score_tile: the step's bias or mask tile (C::kScoreTile).
 template <class C>
 __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const SeqInfo& s, int m_lo, int n_lo,
                                                    const int (&keys)[2], int col, const float* lse2,
                                                    const unsigned (&keep)[C::kKeepWords],
                                                    float (&acc_s)[C::kMTiles][4],
                                                    float (&score2)[C::kScoreMods ? C::kMTiles : 1][4],
-                                                   bool blocks_whole) {
+                                                   bool blocks_whole, unsigned score_tile = 0) {
     if constexpr (C::kScoreMods || C::kModifiedInPlace) {
         int queries[2 * C::kMTiles];
 #pragma unroll
         for (int x = 0; x < 2 * C::kMTiles; ++x) queries[x] = m_lo + col + (x / 2) * 8 + x % 2;
         auto raw = [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; };
-        if constexpr (C::kModifiedInPlace) {
+        if constexpr (C::kScoreTile) {   // the window and the ends by modify_scores, the tile's part here
+            const int key0 = (keys[0] - n_lo) & ~15, lane = threadIdx.x % 32;
+            if constexpr (C::kBiasTile) add_bias_tile_t<C>(acc_s, score_tile, key0, lane, 1.f / p.scale);
+            modify_scores<0, 2, 2 * C::kMTiles, true, false>(p, s, keys, queries, raw, raw, blocks_whole);
+            if constexpr (C::kMaskTile) hide_by_mask_tile_t<C>(acc_s, score_tile, key0, lane / 4, lane % 4);
+        } else if constexpr (C::kModifiedInPlace) {
             modify_scores<C::kMods, 2, 2 * C::kMTiles, true, false>(p, s, keys, queries, raw, raw, blocks_whole);
         } else {
 #pragma unroll
@@ -523,7 +598,8 @@ __device__ __forceinline__ void take_gradients_as(const BwdParams& bp, const Seq
                 bp.fwd, prob[mi][e], acc_s[mi][e], acc_dp[mi][e], e % 2 ? col_dsum.y : col_dsum.x, &ds);
             if constexpr (C::kSoftcapAlone)
                 acc_dp[mi][e] *= softcap_grad_from_prob(bp.fwd, prob[mi][e], e % 2 ? col_lse2.y : col_lse2.x);
-            if constexpr ((C::kMods & kModBias) != 0) store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
+            if constexpr ((C::kMods & kModBias) != 0 && !C::kScoreTile)   // (dbias: on the featured tiles)
+                store_dbias(bp, s, m_lo + col + mi * 8 + e % 2, keys[e / 2], ds);
         }
     }
 }
@@ -768,10 +844,12 @@ __device__ __forceinline__ void write_dq_shares(const BwdParams& bp, BwdSm90Shar
 // Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warp
 // 1 (and 2, with two share buffers) are the dQ writers, with kDqHandOver warps 1 and 2 (one per
 // consumer). Returns when its part is done.
+// tile_map: the bias's or the mask's (C::kScoreTile; another map otherwise, unread).
 template <class C>
 __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                        const TmaMap& do_map, const BwdParams& bp, SeqInfo s, int b, bool varlen, int n_lo,
-                                        int c_begin, int c_end, BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles) {
+                                        const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp, SeqInfo s,
+                                        int b, bool varlen, int n_lo, int c_begin, int c_end, BwdSm90Shared<C>& sh,
+                                        const BwdSm90Tiles& tiles) {
     const FwdParams& p = bp.fwd;
     const int batch_coord = varlen ? 0 : b;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
@@ -828,7 +906,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
                 // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
                 sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
-                mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4);
+                mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4 + C::kTileBytes);
                 for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
                     tma_load_4d(tiles.q + stage * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
                                 s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
@@ -837,6 +915,14 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                                 s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
                 bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
                 bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
+                if constexpr (C::kScoreTile) {   // a head or batch the bias or mask broadcasts over: 0
+                    const bool per_head = (C::kBiasTile ? p.bias_head_stride : p.mask_head_stride) != 0;
+                    const bool per_batch = (C::kBiasTile ? p.bias_batch_stride : p.mask_batch_stride) != 0;
+                    for (int blk = 0; blk < C::kTileBlocks; ++blk)
+                        tma_load_4d(tiles.score + stage * C::kTileBytes + blk * C::kBlockM * 128, &tile_map,
+                                    n_lo + blk * 128 / C::kTileElemBytes, m_lo, per_head ? s.h : 0, per_batch ? b : 0,
+                                    sh.full(stage));
+                }
             }
             if (++stage == C::kStages) { stage = 0; phase ^= 1; }
         }
@@ -1093,7 +1179,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2,
-                                                 blocks_whole);
+                                                 blocks_whole, tiles.score + stage * C::kTileBytes);
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {
@@ -1616,7 +1702,7 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
 
 template <class C>
 __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                         const TmaMap& do_map, const BwdParams& bp) {
+                                         const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp) {
     const FwdParams& p = bp.fwd;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ __align__(16) BwdSm90Shared<C> sh;
@@ -1627,6 +1713,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     tiles.dout = tiles.q + C::kStages * C::kQBytes;
     tiles.ds = tiles.dout + C::kStages * C::kDoBytes;
     tiles.dq = tiles.ds + C::kDsTiles * C::kDsBytes;
+    tiles.score = tiles.dq + C::kConsumers * C::kDqBuffers * C::kDqShareBytes + C::kDqOwnBytes;
 
     // bwd_convert, when launched behind this kernel, may start once every CTA here has: it waits
     // for its heads' counts (count_dq_landed) on SMs this grid no longer needs.
@@ -1671,7 +1758,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     __syncthreads();
 
     if (threadIdx.x < 128) {
-        produce<C>(q_map, k_map, v_map, do_map, bp, s, b, varlen, n_lo, c_begin, c_end, sh, tiles);
+        produce<C>(q_map, k_map, v_map, do_map, tile_map, bp, s, b, varlen, n_lo, c_begin, c_end, sh, tiles);
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
@@ -1694,12 +1781,20 @@ using Config = cuflash::BwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFL
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif
 
+// A variant with score tiles takes the bias's or mask's map after dO's (cuflash/_backward_plan.py).
 extern "C" __global__ void __launch_bounds__(Config::kNThreads, 1)
     cuflash_bwd_sm90(const __grid_constant__ cuflash::TmaMap q_map, const __grid_constant__ cuflash::TmaMap k_map,
                      const __grid_constant__ cuflash::TmaMap v_map, const __grid_constant__ cuflash::TmaMap do_map,
+#if CUFLASH_SCORE_TILE
+                     const __grid_constant__ cuflash::TmaMap tile_map,
+#endif
                      const cuflash::BwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (cuflash::call_faulted(p.fwd.error)) return;
-    cuflash::bwd_sm90<Config>(q_map, k_map, v_map, do_map, p);
+#if CUFLASH_SCORE_TILE
+    cuflash::bwd_sm90<Config>(q_map, k_map, v_map, do_map, tile_map, p);
+#else
+    cuflash::bwd_sm90<Config>(q_map, k_map, v_map, do_map, do_map, p);
+#endif
 #endif
 }

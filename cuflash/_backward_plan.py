@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from . import _checks, kernels
+from . import _checks, _scores, kernels
 from ._runtime import faults as _faults, launch as _launch, plan as _plan, step as _step, tma as _tma
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import BWD, CONVERT, Template
@@ -131,7 +131,7 @@ def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_di
 
 def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
                    d_pad, dv=None, dv_pad=None, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
-                   check=None, user_mods=(), user_source="", dsinks=None):
+                   check=None, user_mods=(), user_source="", dsinks=None, score_arrays=None):
     """The plan of one backward call: [index check], preprocess, dK/dV pass (+ atomic dQ), then the
     dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
     dq, dk, dv to arrays (or :class:`_checks.Shaped`) whose strides the kernels use; operands are
@@ -141,7 +141,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     ``dsinks``: (operand index of sinks, operand index of dsinks) when the call returns dL/dsinks
     (bwd_preprocess sums each CTA's rows, bwd_dsinks each head's CTAs: cuda_src/bwd_dsinks.cu), else None;
     dsinks is then an output of the plan, its fourth result. ``dv``, ``dv_pad``: v's head dim (out, dout
-    and dv have it) and its padding to 8; None: ``d``'s."""
+    and dv have it) and its padding to 8; None: ``d``'s. ``score_arrays``: the kernel-ready bias and mask
+    by name (:func:`cuflash._scores.score_operands`), whose layouts decide whether bwd_sm90 reads them as
+    tiles (not with dbias: its stores run on the featured tiles)."""
     dv, dv_pad = (d, d_pad) if dv is None else (dv, dv_pad)
     own_v = dv_pad if dv_pad != d_pad else None   # v's compiled head dim, where it differs
     score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
@@ -157,9 +159,15 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dq_pass = bool(deterministic) and not ordered
     windowed = (fwd_fields["window_left"], fwd_fields["window_right"]) != (-1, -1)
     all_seen = kernels.bwd_sm90.bwd_all_keys_seen(windowed=windowed, varlen=varlen, featured=bool(score_mods or dropout))
+    tile_name = score_mods[0] if len(score_mods) == 1 and score_mods[0] in ("bias", "mask") else None
+    tile_array = (score_arrays or {}).get(tile_name)
+    score_tile = (family == "bwd_sm90" and dbias_shape is None
+                  and kernels.bwd_sm90.takes_score_tiles(d_pad, score_mods, dropout, sm90_mode, own_v)
+                  and kernels.fwd_sm90.score_tile_layout(score_mods, tile_array, dtype_name))
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
-                                      all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v)
+                                      all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v,
+                                      score_tile=score_tile)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout, user_source=user_source, head_dim_v=own_v) if dq_pass else None)
@@ -226,7 +234,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                for i, name in ((6, "dq"), (7, "dk"), (8, "dv"))}
     if dsinks is not None:
         outputs[dsinks[1]] = _step.Buffer((heads_q,), np.float32)
-    plan = _plan.Plan(entry, n_operands, outputs=outputs, temps=temps, aligned=tuple(range(9)),
+    aligned = tuple(range(9)) + ((score_fields[tile_name][1],) if score_tile else ())   # TMA reads these
+    plan = _plan.Plan(entry, n_operands, outputs=outputs, temps=temps, aligned=aligned,
                           dropout=(dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p)) if dropout else None,
                           checked=check is not None,
                           results=(6, 7, 8) if dsinks is None else (6, 7, 8, dsinks[1]))
@@ -304,6 +313,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         maps = [("map", index, _tma.TensorMapSpec(layouts[name], rows, dtype_name))
                 for index, name, rows in ((1, "q", block_m), (2, "k", plan0.block_m), (3, "v", plan0.block_m),
                                           (0, "dout", block_m))]
+        if score_tile:   # the kernel takes the bias's or mask's map after dO's
+            maps.append(("map", score_fields[tile_name][1], _scores.score_tile_spec(tile_array, block_m)))
         func = _launch.prepare_kernel(get_kernel(plan0.variant), plan0.smem_bytes, device_id)
         plan.steps.append(_step.Step(func, grid0, plan0.threads, plan0.smem_bytes, (*maps, ("struct", params))))
     else:
@@ -338,5 +349,5 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
                      convert_behind="dq_done" in temp,
                      all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
-                     tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1)
+                     tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1, score_tile=score_tile)
     return plan

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from . import _checks, kernels
+from . import _checks, _scores, kernels
 from ._runtime import faults as _faults, launch as _launch, plan as _plan, step as _step, tma as _tma
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import FWD, Template
@@ -58,27 +58,6 @@ def _choose_family(dtype_name: str, q, k, v) -> str:
 
 def _is_hopper() -> bool:
     return device_arch() == "sm_90a"
-
-
-def score_tile_spec(x, block_m: int) -> _tma.TensorMapSpec:
-    """The TMA map of a bias or mask ``x`` that :func:`kernels.fwd_sm90.score_tile` accepts, read in boxes
-    of ``block_m`` rows (a CTA's), as a (B', Sq, H', Sk) array: a broadcast head or batch (zero stride)
-    becomes an axis of length 1, which the kernel reads at coordinate 0."""
-    b, h, sq, sk = x.shape
-    sb, sh, sr, _ = x.strides
-    plane = -(-sr * sq // 16) * 16   # a stride for an axis of length 1, past the rows (any valid one would do)
-    h, sh = (h, sh) if sh else (1, plane)
-    b, sb = (b, sb) if sb else (1, plane * h)
-    return _tma.TensorMapSpec(_Layout((b, sq, h, sk), (sb, sr, sh, x.itemsize)), block_m, str(x.dtype))
-
-
-class _Layout:
-    """Shape and byte strides: what a TensorMapSpec reads of an array."""
-
-    __slots__ = ("shape", "strides", "nbytes")
-
-    def __init__(self, shape, strides):
-        self.shape, self.strides, self.nbytes = tuple(shape), tuple(strides), 0
 
 
 def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_v=None, seq_fields, row_layout, opts,
@@ -170,7 +149,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
         boxes = (plan_k.block_m, block_n, block_n, 64)
         maps = [("map", i, _tma.TensorMapSpec(x, rows, dtype_name)) for i, (x, rows) in enumerate(zip((q, k, v, o), boxes))]
         if score_tile:   # the kernel takes the bias's or mask's map after O's
-            maps.append(("map", slots[tile_name], score_tile_spec(tile_array, plan_k.block_m)))
+            maps.append(("map", slots[tile_name], _scores.score_tile_spec(tile_array, plan_k.block_m)))
         args = (*maps, ("struct", params), ("pointer", plan.index("counter")))
     else:
         args = (("struct", params),)

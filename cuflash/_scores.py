@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from . import _checks
+from ._runtime import tma as _tma
 from .modifiers import MaskMod, ScoreMod   # (a call's modifiers are checked on every repeat call)
 
 SCORE_OPERANDS = ("alibi_slopes", "mask", "bias", "block_mask")
@@ -43,6 +44,28 @@ def _stride_fields(prefix: str, x) -> dict:
     sb, sh, sr, sc = _checks.element_strides(x)
     return {f"{prefix}_batch_stride": sb, f"{prefix}_head_stride": sh, f"{prefix}_row_stride": sr,
             f"{prefix}_col_stride": sc}
+
+
+def score_tile_spec(x, block_m: int) -> _tma.TensorMapSpec:
+    """The TMA map of a bias or mask ``x`` that :func:`cuflash.kernels.fwd_sm90.score_tile_layout` accepts,
+    read in boxes of ``block_m`` query rows (fwd_sm90's and bwd_sm90's score tiles), as a (B', Sq, H', Sk)
+    array: a broadcast head or batch (zero stride) becomes an axis of length 1, which the kernels read at
+    coordinate 0."""
+    b, h, sq, sk = x.shape
+    sb, sh, sr, _ = x.strides
+    plane = -(-sr * sq // 16) * 16   # a stride for an axis of length 1, past the rows (any valid one would do)
+    h, sh = (h, sh) if sh else (1, plane)
+    b, sb = (b, sb) if sb else (1, plane * h)
+    return _tma.TensorMapSpec(_Layout((b, sq, h, sk), (sb, sr, sh, x.itemsize)), block_m, str(x.dtype))
+
+
+class _Layout:
+    """Shape and byte strides: what a TensorMapSpec reads of an array."""
+
+    __slots__ = ("shape", "strides", "nbytes")
+
+    def __init__(self, shape, strides):
+        self.shape, self.strides, self.nbytes = tuple(shape), tuple(strides), 0
 
 
 # ----------------------------------------------------------------------------- user-written modifiers

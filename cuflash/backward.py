@@ -432,7 +432,8 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields,
                           score_fields={**score_fields, **user_fields}, dropout_p=dropout_p,
                           deterministic=deterministic, dbias_shape=(b, hq, sq, sk) if return_dbias else None,
-                          user_mods=user_mods, user_source=user_source, dsinks=(13, 14) if return_dsinks else None)
+                          user_mods=user_mods, user_source=user_source, dsinks=(13, 14) if return_dsinks else None,
+                          score_arrays=dict(zip(SCORE_OPERANDS, score_arrays)))
     qk, kk, vk, ok, dok = kernel
     kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays, sinks, None, *user_arrays)
     ptrs = _memo.pointers(kernel_operands)

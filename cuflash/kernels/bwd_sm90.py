@@ -73,6 +73,22 @@ BWD_SM90_DEFER_STAGES = 2
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
+#: A bias or mask alone read as TMA tiles (takes_score_tiles): at this compiled head dim (square), and each one's
+#: element bytes (the bias in q's dtype).
+BWD_SM90_SCORE_TILE_HEAD_DIM = 128
+SCORE_TILE_BYTES = {"bias": 2, "mask": 1}
+
+
+def takes_score_tiles(head_dim: int, score_mods, dropout: bool, deterministic, head_dim_v: int | None = None) -> bool:
+    """Whether bwd_sm90 can read a call's one score modifier, a bias or a mask, as tiles that its producer
+    loads by TMA into each stage (CUFLASH_SCORE_TILE; the layout is :func:`fwd_sm90.score_tile_layout`'s
+    to check): at BWD_SM90_SCORE_TILE_HEAD_DIM, v's the same, without dropout, dQ added in no fixed
+    order. The plain tiles then modify S^T in place, as for ALiBi, with one dQ share buffer."""
+    kdim, kdim_v = compiled_head_dims(head_dim, head_dim_v)
+    return (tuple(score_mods) in (("bias",), ("mask",)) and kdim == kdim_v == BWD_SM90_SCORE_TILE_HEAD_DIM
+            and not dropout and deterministic is False)
+
+
 def bwd_sm90_featured(head_dim: int, mods: int, dropout: bool) -> bool:
     """Whether a bwd_sm90 variant at a compiled head dim takes the featured tiles: dropout, several
     score modifiers, a user one, the bias or the mask (``mods``: CUFLASH_SCORE_MODS bits). From D = 128
@@ -109,9 +125,10 @@ def bwd_sm90_stages(head_dim: int, featured: bool = False, wide: bool = False, d
 
 
 def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False, stages: int | None = None,
-                        head_dim_v: int | None = None) -> int:
+                        head_dim_v: int | None = None, tile_elem_bytes: int = 0) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included); ``stages``
-    defaults to BWD_SM90_STAGES's, ``head_dim_v`` (v's compiled head dim) to ``head_dim``."""
+    defaults to BWD_SM90_STAGES's, ``head_dim_v`` (v's compiled head dim) to ``head_dim``;
+    ``tile_elem_bytes``: a score tile's element bytes (SCORE_TILE_BYTES), 0 for none."""
     head_dim_v = head_dim_v or head_dim
     block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide, head_dim_v)
     stages = BWD_SM90_STAGES[head_dim] if stages is None else stages
@@ -126,9 +143,10 @@ def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = Fals
     transposed = block_m == 80   # dQ^T: a 64 x 80 share per consumer, single buffered
     # a float32 share of dQ per consumer and buffer (split by columns: in the Q/dO buffers; a third
     # stage at D = 128 leaves room for one buffer)
-    dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 else 1
+    dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 and not tile_elem_bytes else 1
     dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
-    return 1024 + k_v + stages * q_do + 2 * ds + dq_staging + dq_own
+    tiles = stages * block_m * block_n * tile_elem_bytes   # a score tile per stage (one dQ buffer)
+    return 1024 + k_v + stages * q_do + 2 * ds + dq_staging + dq_own + tiles
 
 
 def split_dk_cols(head_dim: int, consumer: int) -> int:
@@ -240,8 +258,10 @@ def bwd_convert_behind(*, shrinking: bool) -> bool:
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, deterministic, windowed: bool = True,
-         seqlen_q: int = 0, all_keys_seen: bool = False, head_dim_v: int | None = None) -> LaunchPlan:
-    """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`)."""
+         seqlen_q: int = 0, all_keys_seen: bool = False, head_dim_v: int | None = None,
+         score_tile: bool = False) -> LaunchPlan:
+    """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`;
+    ``score_tile``: the bias or mask read as tiles, where :func:`takes_score_tiles` allows)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
     if deterministic not in (False, True, "pass"):
@@ -254,12 +274,16 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     if obstacle is not None:
         raise ValueError(obstacle)
     kdim, kdim_v = compiled_head_dims(head_dim, head_dim_v)
-    featured = bwd_sm90_featured(kdim, mods, dropout)
+    if score_tile and not takes_score_tiles(head_dim, score_mods, dropout, deterministic, head_dim_v):
+        raise ValueError(f"bwd_sm90 reads a bias or mask alone as tiles at head dim {BWD_SM90_SCORE_TILE_HEAD_DIM}, "
+                         f"without dropout, dQ in no fixed order; not {tuple(score_mods)} at ({kdim}, {kdim_v})")
+    featured = bwd_sm90_featured(kdim, mods, dropout) and not score_tile
     min_rows = BWD_SM90_WIDE_MIN_ROWS if all_keys_seen else BWD_SM90_WIDE_MIN_ROWS_GUARDED
     wide = not windowed and not mods and deterministic is False and seqlen_q >= min_rows
     block_n, block_m = bwd_sm90_tiles(kdim, featured, wide, kdim_v)
     stages = bwd_sm90_stages(kdim, featured, wide, deterministic, kdim_v)
-    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages, kdim_v)
+    tile_elem_bytes = SCORE_TILE_BYTES[tuple(score_mods)[0]] if score_tile else 0
+    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages, kdim_v, tile_elem_bytes)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
@@ -273,6 +297,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     }
     if kdim_v != kdim:   # only such variants carry it (the others keep their compile keys)
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
+    if score_tile:
+        defines["CUFLASH_SCORE_TILE"] = 1
     if all_keys_seen and not windowed and not (mods or dropout) and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
         defines["CUFLASH_ALL_KEYS_SEEN"] = 1
     elif windowed and not featured and mods in (0, score_mod_bits(("softcap",))) and bwd_sm90_tile_guard(kdim):

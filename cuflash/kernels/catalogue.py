@@ -8,8 +8,8 @@ import numpy as np
 
 from .backward import backward_plan, default_backward_family, precompile_backward_variants
 from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_variant
-from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, BWD_SM90_PAIRS, bwd_sm90_obstacle, bwd_sm90_orders_dq,
-                       bwd_sm90_smem_bytes, feature_plans)
+from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, BWD_SM90_PAIRS, BWD_SM90_SCORE_TILE_HEAD_DIM, bwd_sm90_obstacle,
+                       bwd_sm90_orders_dq, bwd_sm90_smem_bytes, feature_plans, takes_score_tiles)
 from .check_indices import check_indices_variant
 from .common import round_up
 from .decode import (DECODE_KV_DTYPES, DECODE_MLA_HEAD_DIM, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path,
@@ -321,6 +321,12 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                             if bwd_sm90_obstacle(d, mods, dropout) is None:
                                 for plan in feature_plans(dtype_name, d, mods, dropout, det):
                                     out.setdefault(plan.variant)
+            # a bias or a mask alone read as tiles (takes_score_tiles; with or without a window, one variant)
+            for mods in (("bias",), ("mask",)):
+                d = BWD_SM90_SCORE_TILE_HEAD_DIM
+                if takes_score_tiles(d, mods, False, False) and d in dims(BWD_SM90_HEAD_DIMS):
+                    out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
+                                                 dropout=False, deterministic=False, score_tile=True).variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):

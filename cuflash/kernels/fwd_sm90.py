@@ -127,13 +127,18 @@ def score_tile(score_mods, x, dtype_name: str, head_dim: int, head_dim_v: int | 
     apart by a multiple of 16 bytes, heads and batches by one or not at all, and a 16-byte aligned base.
     A bias broadcast over the query rows, or of another dtype, is read element by element.
     H200, D 128, B 2, S 8k, H 16, causal, forward: docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles."""
-    mods = tuple(score_mods)
-    if mods not in (("bias",), ("mask",)) or x is None:
-        return False
     kdim, kdim_v = pair_head_dims(head_dim, head_dim_v)
-    if kdim not in SCORE_TILE_HEAD_DIMS or kdim_v != kdim:
+    return kdim in SCORE_TILE_HEAD_DIMS and kdim_v == kdim and score_tile_layout(score_mods, x, dtype_name)
+
+
+def score_tile_layout(score_mods, x, dtype_name: str) -> bool:
+    """Whether ``score_mods`` is a bias or a mask alone whose (B, Hq, Sq, Sk) view ``x`` a TMA map reads in
+    tiles (fwd_sm90's and bwd_sm90's score tiles): a bias of q's dtype ``dtype_name`` or a bool mask, keys
+    contiguous, rows apart by a positive multiple of 16 bytes, heads and batches by one or 0, a 16-byte
+    aligned base."""
+    if tuple(score_mods) not in (("bias",), ("mask",)) or x is None:
         return False
-    if str(x.dtype) != ("bool" if mods == ("mask",) else dtype_name):
+    if str(x.dtype) != ("bool" if tuple(score_mods) == ("mask",) else dtype_name):
         return False
     sb, sh, sr, sc = x.strides
     return (sc == x.itemsize and sr > 0 and sr % 16 == 0 and all(s >= 0 and s % 16 == 0 for s in (sb, sh))

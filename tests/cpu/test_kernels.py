@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from cuflash import _forward_plan, features, kernels
+from cuflash import _scores, features, kernels
 
 DTYPES = ("float16", "bfloat16", "float32")
 # Opt-in shared memory per block: H100/H200, A100, and consumer Ampere/Ada (RTX 30x0/40x0).
@@ -751,9 +751,36 @@ def test_bias_or_mask_read_as_tiles(mods, operand, dtype_name, head_dim, tiled):
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= kernels.common.DEFAULT_SMEM_PER_BLOCK
         assert plan.smem_bytes == kernels.fwd_sm90.sm90_smem_bytes(
             head_dim, q_slots=q_slots, tile_elem_bytes=kernels.fwd_sm90.SCORE_TILE_BYTES[mods[0]])
-        spec = _forward_plan.score_tile_spec(operand, 128)
+        spec = _scores.score_tile_spec(operand, 128)
         b, h, sq, sk = operand.shape
         assert spec[0] == (1, sq, h if operand.strides[1] else 1, sk) and spec[3:5] == (128, str(operand.dtype))
+
+
+@pytest.mark.parametrize("mods, head_dim, dropout, deterministic, tiled", [
+    (("bias",), 128, False, False, True), (("mask",), 128, False, False, True), (("bias",), 64, False, False, False),
+    (("bias",), 256, False, False, False), (("mask",), 128, True, False, False), (("bias",), 128, False, "pass", False),
+    (("bias", "mask"), 128, False, False, False), (("alibi",), 128, False, False, False)])
+def test_bwd_sm90_score_tiles(mods, head_dim, dropout, deterministic, tiled):
+    """bwd_sm90 reads a bias or mask alone as tiles at D = 128 without dropout, dQ in any order: the plain
+    64-row tiles (not the featured ones), one dQ share buffer beside a score tile per stage, within
+    the shared memory; anything else is refused by the plan."""
+    assert kernels.bwd_sm90.takes_score_tiles(head_dim, mods, dropout, deterministic) is tiled
+    kwargs = dict(score_mods=mods, dropout=dropout, deterministic=deterministic, score_tile=True)
+    if not tiled:
+        with pytest.raises(ValueError, match="as tiles"):
+            kernels.bwd_sm90.plan("bfloat16", head_dim, **kwargs)
+        return
+    plan = kernels.bwd_sm90.plan("bfloat16", head_dim, **kwargs)
+    defines = dict(plan.variant.defines)
+    assert (defines["CUFLASH_SCORE_TILE"], defines["CUFLASH_BLOCK_M"], plan.block_m) == (1, 64, 128)
+    elem = kernels.bwd_sm90.SCORE_TILE_BYTES[mods[0]]
+    plain = kernels.bwd_sm90.bwd_sm90_smem_bytes(128, stages=defines["CUFLASH_STAGES"])
+    # one of dQ's two 2 x 16 KiB share buffers gives way to a (64 rows x 128 keys) tile per stage
+    assert plan.smem_bytes == plain - 2 * 64 * 64 * 4 + defines["CUFLASH_STAGES"] * 64 * 128 * elem
+    assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= kernels.common.DEFAULT_SMEM_PER_BLOCK
+    with pytest.raises(ValueError, match="score tiles"):
+        kernels.backward.backward_plan("bwd_sm80", "bfloat16", head_dim, dq_pass=False, score_mods=mods,
+                                       dropout=dropout, score_tile=True)
 
 
 def test_plain_loop_refused_beside_other_modifiers_and_off_sm90():

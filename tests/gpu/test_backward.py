@@ -472,6 +472,50 @@ def test_each_option(family, dtype, name, shape, options):
     solve(family, dtype, shape, options, _seed_of(name), deterministic=deterministic, return_dbias=True)
 
 
+def _score_tile_operand(kind, shape, dtype, seed, *, rows_stride=None, empty_rows=0):
+    """A bias (normal, amplitude 2, some -inf) or a mask (density 0.7, its first ``empty_rows`` rows all
+    False) of ``shape`` on the GPU, the bias in ``dtype``; ``rows_stride``: cut from a wider array."""
+    rng = np.random.default_rng(seed)
+    wide = shape[:-1] + ((rows_stride or shape[-1]),)
+    if kind == "mask":
+        x = rng.random(wide) < 0.7
+        x[..., :empty_rows, :] = False
+    else:
+        x = 2.0 * rng.standard_normal(wide)
+        x[rng.random(wide) < 0.05] = -np.inf
+        x = x.astype(np.float32).astype(_dtype(dtype))
+    return cupy.asarray(x)[..., :shape[-1]]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kind, shape, options, operand", [
+    pytest.param("bias", _shape(2, 300, 456, 4, 2, 128), {"causal": True}, dict(shape=(300, 456)), id="bias-causal-tails"),
+    pytest.param("bias", _shape(1, 700, 600, 4, 2, 128), {"causal": True}, dict(shape=(4, 700, 600)),
+                 id="bias-heads-rows-without-keys"),
+    pytest.param("bias", _shape(2, 257, 384, 2, 1, 128), {"window": (100, 20), "scale": 0.3},
+                 dict(shape=(2, 1, 257, 384)), id="bias-batches-window"),
+    pytest.param("bias", _shape(2, 200, 328, 4, 4, 128), {}, dict(shape=(200, 328), rows_stride=512),
+                 id="bias-rows-of-a-wider-array"),
+    pytest.param("mask", _shape(2, 300, 464, 4, 2, 128), {"causal": True}, dict(shape=(300, 464)), id="mask-causal-tails"),
+    pytest.param("mask", _shape(2, 257, 512, 4, 1, 128), {}, dict(shape=(2, 4, 257, 512), empty_rows=9),
+                 id="mask-rows-all-hidden"),
+])
+def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand):
+    """bwd_sm90 reads a bias of q's dtype or a mask alone as TMA tiles on its plain tiles (S^T modified in
+    place, the tile read transposed). (With return_dbias the bias takes the featured tiles, whose dbias
+    test_dbias_for_broadcast_biases checks.)"""
+    seed = _seed_of("bwd_score_tile" + kind + repr(shape) + repr(options) + dtype)
+    operand = dict(operand)
+    x = _score_tile_operand(kind, operand.pop("shape"), dtype, seed, **operand)
+    opts = dict(_device_options(options, dtype), **{kind: x})
+    q, k, v = tt.random_qkv(shape, dtype, seed, xp=cupy)
+    dout = _random_like(q, seed + 1)
+    out, lse = _forward_reference(q, k, v, opts, None)
+    assert planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)["score_tile"]
+    grads = run_backward("bwd_sm90", dout, q, k, v, out, lse, opts)
+    check_gradients(dout, q, k, v, out, opts, grads, dtype=dtype)
+
+
 @pytest.mark.parametrize("family, dtype", KERNELS)
 @pytest.mark.parametrize("bias_shape", [(2, 3, 40, 50), (1, 3, 40, 50), (40, 50), (50,), (2, 1, 40, 1),
                                         (1, 3, 1, 1)])
