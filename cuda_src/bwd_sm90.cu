@@ -82,6 +82,9 @@
 #ifndef CUFLASH_SCORE_TILE
 #define CUFLASH_SCORE_TILE 0
 #endif
+#ifndef CUFLASH_TILE_ONE_ROW
+#define CUFLASH_TILE_ONE_ROW 0
+#endif
 #ifndef CUFLASH_TILE_GUARD
 #define CUFLASH_TILE_GUARD 0
 #endif
@@ -310,9 +313,14 @@ struct BwdSm90Config {
     static_assert(kConsumers * kStagingBytes <= kStages * (kQBytes + kDoBytes),
                   "dK and dV of both consumers fit the stage ring's Q and dO buffers (store_dk_dv_chunks)");
     // A stage's score tile (kScoreTile): 128-byte column blocks (64 bias keys or 128 mask keys) x kBlockM
-    // query rows, 128B-swizzled.
+    // query rows, 128B-swizzled; or, for a bias or mask the same for every query (kTileOneRow, a key
+    // padding mask or bias), one row, each block at the start of a 1024-byte swizzle atom.
+    static constexpr bool kTileOneRow = CUFLASH_TILE_ONE_ROW != 0;
+    static_assert(!kTileOneRow || kScoreTile, "tiles of one row are a score tile's");
     static constexpr int kTileElemBytes = kBiasTile ? 2 : 1, kTileBlocks = kScoreTile ? kBlockN * kTileElemBytes / 128 : 0;
-    static constexpr int kTileBytes = kTileBlocks * kBlockM * 128;
+    static constexpr int kTileBlockPitch = kTileOneRow ? 1024 : kBlockM * 128;
+    static constexpr int kTileBytes = kTileBlocks * kTileBlockPitch;                        // of shared memory
+    static constexpr int kTileLoadBytes = kTileBlocks * (kTileOneRow ? 1 : kBlockM) * 128;   // a tile's TMA bytes
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) +
                                       kDsTiles * kDsBytes + kConsumers * kDqBuffers * kDqShareBytes + kDqOwnBytes +
                                       kStages * kTileBytes;
@@ -373,7 +381,7 @@ struct BwdSm90Shared {
 // K [kHeadDim / 64][kBlockN][64], V [kHeadDimV / 64][kBlockN][64]; Q [kStages][kHeadDim / 64][kBlockM][64],
 // dO [kStages][kHeadDimV / 64][kBlockM][64]; ds [2][kBlockM / 64][kBlockN][64] (dS^T, or at D = 256 P^T
 // then dS^T); dq [kConsumers][kDqBuffers][64 x 64 float], or one consumer's share (kDqOwnBytes);
-// score [kStages][kTileBlocks][kBlockM][128 bytes] (kScoreTile).
+// score [kStages][kTileBlocks][kTileBlockPitch bytes] (kScoreTile).
 struct BwdSm90Tiles {
     unsigned k, v, q, dout, ds, dq, score;
 };
@@ -484,8 +492,25 @@ __device__ __forceinline__ void cap_scores(const FwdParams& p, float (&acc_s)[C:
 template <class C>
 __device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0, int lane,
                                                 float inv_scale) {
+    if constexpr (C::kTileOneRow) {   // the thread's two keys' values, for all its queries
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key0 + lane / 4 + 8 * half;
+            unsigned short bits;
+            asm volatile("ld.shared.u16 %0, [%1];\n"
+                         : "=h"(bits)
+                         : "r"(tile + (key / 64) * C::kTileBlockPitch + (key % 64) * 2));   // row 0: no swizzle
+            const float bias = to_float(elem_t{bits}) * inv_scale;
+#pragma unroll
+            for (int mi = 0; mi < C::kMTiles; ++mi) {
+                acc_s[mi][2 * half] += bias;
+                acc_s[mi][2 * half + 1] += bias;
+            }
+        }
+        return;
+    }
     const int key = key0 + 8 * (lane / 8 % 2);   // the first key of the lane's matrix
-    const unsigned block = tile + (key / 64) * C::kBlockM * 128 + ((key % 64 / 8) ^ (lane % 8)) * 16;
+    const unsigned block = tile + (key / 64) * C::kTileBlockPitch + ((key % 64 / 8) ^ (lane % 8)) * 16;
 #pragma unroll
     for (int mi = 0; mi < C::kMTiles; mi += 2) {
         unsigned bias[4];
@@ -507,6 +532,17 @@ __device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], u
 template <class C>
 __device__ __forceinline__ void hide_by_mask_tile_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0, int g,
                                                     int t) {
+    if constexpr (C::kTileOneRow) {   // the thread's two keys' bytes, for all its queries (row 0: byte = key)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            unsigned short byte;
+            asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(byte) : "r"(tile + key0 + g + 8 * half));
+            if (byte == 0)
+#pragma unroll
+                for (int mi = 0; mi < C::kMTiles; ++mi) acc_s[mi][2 * half] = acc_s[mi][2 * half + 1] = -CUFLASH_INF;
+        }
+        return;
+    }
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
         const int row = 2 * t + e;   // the query row % 8
@@ -906,7 +942,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                 mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
                 // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
                 sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
-                mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4 + C::kTileBytes);
+                mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4 + C::kTileLoadBytes);
                 for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
                     tma_load_4d(tiles.q + stage * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
                                 s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
@@ -919,9 +955,9 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
                     const bool per_head = (C::kBiasTile ? p.bias_head_stride : p.mask_head_stride) != 0;
                     const bool per_batch = (C::kBiasTile ? p.bias_batch_stride : p.mask_batch_stride) != 0;
                     for (int blk = 0; blk < C::kTileBlocks; ++blk)
-                        tma_load_4d(tiles.score + stage * C::kTileBytes + blk * C::kBlockM * 128, &tile_map,
-                                    n_lo + blk * 128 / C::kTileElemBytes, m_lo, per_head ? s.h : 0, per_batch ? b : 0,
-                                    sh.full(stage));
+                        tma_load_4d(tiles.score + stage * C::kTileBytes + blk * C::kTileBlockPitch, &tile_map,
+                                    n_lo + blk * 128 / C::kTileElemBytes, C::kTileOneRow ? 0 : m_lo, per_head ? s.h : 0,
+                                    per_batch ? b : 0, sh.full(stage));
                 }
             }
             if (++stage == C::kStages) { stage = 0; phase ^= 1; }

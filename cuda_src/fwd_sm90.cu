@@ -43,7 +43,7 @@
 namespace cuflash {
 
 template <int kHeadDim_, int kHeadDimV_, int kBlockN_, int kQSlots_, int kStages_, int kConsumers_, int kMods_,
-          bool kDropout_, int kKvCache_ = 0, bool kOnPlainLoop_ = false>
+          bool kDropout_, int kKvCache_ = 0, bool kOnPlainLoop_ = false, bool kTileOneRow_ = false>
 struct FwdSm90Config {
     // kHeadDim: Q's and K's columns (S = Q K^T); kHeadDimV: V's and O's (P V, the output).
     static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
@@ -152,8 +152,15 @@ struct FwdSm90Config {
     // The score tile (kScoreTile): its 128-byte column blocks and its bytes, in one buffer, which the
     // producer fills for key tile t + 1 once the consumers have read tile t. Two buffers (the output
     // stored from registers to make room at D = 128) ran as fast (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
+    // A bias or mask the same for every query (kTileOneRow: a key padding mask or bias, rows broadcast)
+    // comes as one row of keys, which every row reads; each column block still starts a 1024-byte
+    // swizzle atom.
+    static constexpr bool kTileOneRow = kTileOneRow_;
+    static_assert(!kTileOneRow || kScoreTile, "tiles of one row are a score tile's");
     static constexpr int kTileElemBytes = kBiasTile ? 2 : 1, kTileBlocks = kScoreTile ? kBlockN * kTileElemBytes / 128 : 0;
-    static constexpr int kTileBytes = kTileBlocks * kBlockM * 128;
+    static constexpr int kTileBlockPitch = kTileOneRow ? 1024 : kBlockM * 128;
+    static constexpr int kTileBytes = kTileBlocks * kTileBlockPitch;                        // of shared memory
+    static constexpr int kTileLoadBytes = kTileBlocks * (kTileOneRow ? 1 : kBlockM) * 128;   // a tile's TMA bytes
     static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQSlots * kQBytes + kStages * (kKBytes + kVBytes) +
                                       kOutBytes + kTileBytes;
     // (Q's and K's 192 beside V's 128: cuflash/kernels/fwd_sm90.py, SM90_PAIR_QK_DIMS.)
@@ -201,16 +208,17 @@ __device__ __forceinline__ void cap_scores_log2(float (&s)[1][kNTiles][4], float
 // The bias tile (FwdSm90Config::kBiasTile) on raw scores: s = s scale + bias, for this thread's elements:
 // rows warp_row + g and + 8 of the tile, columns 8 ni + 2 t and + 1 of n-tile ni. ldmatrix hands out 8 x 8 pieces of 16-bit elements in exactly that layout: matrix j of the four
 // holds n-tile ni + j / 2, rows g (j even) or g + 8, and lane l gives the address of matrix l / 8's row
-// l % 8 (16 contiguous bytes: one swizzled chunk).
+// l % 8 (16 contiguous bytes: one swizzled chunk; with kTileOneRow every lane's row is row 0).
 template <class C>
 __device__ __forceinline__ void add_bias_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int lane,
                                               float scale) {
-    const int row = warp_row + (lane / 8 % 2) * 8 + lane % 8;   // warp_row is a multiple of 8: row % 8 == lane % 8
+    // warp_row is a multiple of 8: row % 8 == lane % 8
+    const int row = C::kTileOneRow ? 0 : warp_row + (lane / 8 % 2) * 8 + lane % 8;
 #pragma unroll
     for (int ni = 0; ni < C::kNTiles; ni += 2) {
         const int nn = ni + lane / 16;
         unsigned bias[4];
-        ldmatrix_x4(bias, tile + (nn / 8) * C::kBlockM * 128 + row * 128 + (((nn % 8) ^ (lane % 8)) * 16));
+        ldmatrix_x4(bias, tile + (nn / 8) * C::kTileBlockPitch + row * 128 + (((nn % 8) ^ (row % 8)) * 16));
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float* e = &s[0][ni + j / 2][2 * (j % 2)];
@@ -224,17 +232,18 @@ __device__ __forceinline__ void add_bias_tile(float (&s)[1][C::kNTiles][4], unsi
 
 // The mask tile (FwdSm90Config::kMaskTile): -inf where the mask is False, for the elements of
 // add_bias_tile. The two bytes of a thread's column pair, one 16-bit load: a row's 128 bytes are eight
-// chunks of 16 columns, n-tile ni in chunk ni / 2 (XOR the row), at byte 8 (ni % 2) + 2 t.
+// chunks of 16 columns, n-tile ni in chunk ni / 2 (XOR the row), at byte 8 (ni % 2) + 2 t (kTileOneRow: row 0).
 template <class C>
 __device__ __forceinline__ void hide_by_mask_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int g,
                                                   int t) {
+    const int swizzle = C::kTileOneRow ? 0 : g;   // (warp_row + g) % 8 == g
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const unsigned row = tile + (warp_row + g + 8 * half) * 128 + 2 * t;   // (warp_row + g) % 8 == g
+        const unsigned row = tile + (C::kTileOneRow ? 0 : (warp_row + g + 8 * half) * 128) + 2 * t;
 #pragma unroll
         for (int ni = 0; ni < C::kNTiles; ++ni) {
             unsigned short bytes;
-            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bytes) : "r"(row + (((ni / 2) ^ g) * 16) + 8 * (ni % 2)));
+            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bytes) : "r"(row + (((ni / 2) ^ swizzle) * 16) + 8 * (ni % 2)));
             if ((bytes & 0xffu) == 0) s[0][ni][2 * half] = -CUFLASH_INF;
             if ((bytes >> 8) == 0) s[0][ni][2 * half + 1] = -CUFLASH_INF;
         }
@@ -485,7 +494,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const unsigned k_smem = q_smem + C::kQSlots * C::kQBytes;         // [kStages][kColBlocks][kBlockN][64]
     const unsigned v_smem = k_smem + C::kStages * C::kKBytes;         // [kStages][kVColBlocks][kBlockN][64]
     const unsigned out_smem = v_smem + C::kStages * C::kVBytes;      // [kConsumers][64][kOutCols], staged O
-    const unsigned tile_smem = out_smem + C::kOutBytes;               // [kTileBlocks][kBlockM][128 bytes]
+    const unsigned tile_smem = out_smem + C::kOutBytes;               // [kTileBlocks][kTileBlockPitch bytes]
     auto q_full = [&](int slot) { return smem_addr(&barriers[slot]); };
     auto q_empty = [&](int slot) { return smem_addr(&barriers[C::kQSlots + slot]); };
     auto k_full = [&](int stage) { return smem_addr(&barriers[2 * C::kQSlots + stage]); };
@@ -676,10 +685,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                         v_batch = w.batch_coord;
                         if constexpr (C::kScoreTile) {
                             mbar_wait(tile_empty, stage % 2 ^ 1);   // a fresh barrier passes parity 1 at once
-                            mbar_arrive_expect_tx(tile_full, C::kTileBytes);
+                            mbar_arrive_expect_tx(tile_full, C::kTileLoadBytes);
                             for (int blk = 0; blk < C::kTileBlocks; ++blk)
-                                tma_load_4d(tile_smem + blk * C::kBlockM * 128, &tile_map,
-                                            n * C::kBlockN + blk * 128 / C::kTileElemBytes, w.m_lo,
+                                tma_load_4d(tile_smem + blk * C::kTileBlockPitch, &tile_map,
+                                            n * C::kBlockN + blk * 128 / C::kTileElemBytes, C::kTileOneRow ? 0 : w.m_lo,
                                             tile_coords_of(0), tile_coords_of(1), tile_full);
                         }
                     }
@@ -976,9 +985,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
 #ifndef CUFLASH_MOD_ON_PLAIN_LOOP
 #define CUFLASH_MOD_ON_PLAIN_LOOP 0
 #endif
+#ifndef CUFLASH_TILE_ONE_ROW
+#define CUFLASH_TILE_ONE_ROW 0
+#endif
 using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFLASH_BLOCK_N, CUFLASH_Q_SLOTS,
                                       CUFLASH_STAGES, CUFLASH_CONSUMERS, CUFLASH_SCORE_MODS, CUFLASH_DROPOUT != 0,
-                                      CUFLASH_KV_CACHE, CUFLASH_MOD_ON_PLAIN_LOOP != 0>;
+                                      CUFLASH_KV_CACHE, CUFLASH_MOD_ON_PLAIN_LOOP != 0, CUFLASH_TILE_ONE_ROW != 0>;
 #ifdef CUFLASH_SMEM_BYTES
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif

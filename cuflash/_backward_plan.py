@@ -167,7 +167,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
                                       all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v,
-                                      score_tile=score_tile)
+                                      score_tile=score_tile,
+                                      tile_one_row=score_tile and kernels.fwd_sm90.tile_one_row(tile_array))
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout, user_source=user_source, head_dim_v=own_v) if dq_pass else None)

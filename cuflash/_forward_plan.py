@@ -92,7 +92,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     plan_k = kernels.forward.forward_plan(family, dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                                       consumers=consumers, user_source=user_source,
                                       head_dim_v=head_dim_v if head_dim_v != head_dim else None,
-                                      on_plain_loop=plain_loop)
+                                      on_plain_loop=plain_loop,
+                                      tile_one_row=score_tile and kernels.fwd_sm90.tile_one_row(tile_array))
     b, hq = batch, heads_q
     if family == "fwd_sm90" and entry == "attention_varlen":
         # Its CTAs count work items (m-block, head, sequence) in int32, and under varlen the m-blocks

@@ -50,9 +50,11 @@ def score_tile_spec(x, block_m: int) -> _tma.TensorMapSpec:
     """The TMA map of a bias or mask ``x`` that :func:`cuflash.kernels.fwd_sm90.score_tile_layout` accepts,
     read in boxes of ``block_m`` query rows (fwd_sm90's and bwd_sm90's score tiles), as a (B', Sq, H', Sk)
     array: a broadcast head or batch (zero stride) becomes an axis of length 1, which the kernels read at
-    coordinate 0."""
+    coordinate 0; broadcast rows (a key mask or bias) one row, read in boxes of one row."""
     b, h, sq, sk = x.shape
     sb, sh, sr, _ = x.strides
+    if sr == 0:
+        sq, sr, block_m = 1, -(-sk * x.itemsize // 16) * 16, 1
     plane = -(-sr * sq // 16) * 16   # a stride for an axis of length 1, past the rows (any valid one would do)
     h, sh = (h, sh) if sh else (1, plane)
     b, sb = (b, sb) if sb else (1, plane * h)

@@ -3,7 +3,8 @@ FlashAttention-4 with the same options (issue 52's first bar).
 
 B 2, S 8k, H 16, D 128, bf16, causal; each of: no option, ``window=(1024, 0)``, ``softcap=30``, both;
 and, without FA4 (it has none of them), ALiBi slopes, an additive (S, S) bf16 bias and a bool (S, S)
-mask (95% True), each alone (issue 52's bar: each >= 0.9x of the call without options).
+mask (95% True), each alone (issue 52's bar: each >= 0.9x of the call without options), and a (B, 1, 1, S)
+key padding mask (95% True).
 Contenders called as their users call them from torch tensors: ``ct.attention`` (under
 ``torch.no_grad`` for the forward row), FA4's ``flash_attn_func``, and for the bias and the mask
 SDPA's cuDNN and efficient backends, whose ``attn_mask`` then carries the causal mask too (SDPA takes
@@ -34,11 +35,14 @@ B, S, H, D = 2, 8192, 16, 128
 WINDOW, CAP = 1024, 30.0
 OPTIONS = {"plain": {}, "window": dict(window=WINDOW), "softcap": dict(softcap=CAP),
            "window+softcap": dict(window=WINDOW, softcap=CAP), "alibi": dict(alibi=True), "bias": dict(bias=True),
-           "mask": dict(mask=True)}
+           "mask": dict(mask=True), "key mask": dict(key_mask=True)}
 
 
 def visible_pairs(window, mask=None):
-    if mask is not None:   # causal and the mask
+    if mask is not None:   # causal and the mask: (S, S), or a (B, 1, 1, S) key mask (a sequence's, on average)
+        if mask.dim() == 4:
+            rows = mask.new_ones(S).cumsum(0).flip(0)   # key j is seen by the S - j queries from j on
+            return int((mask[:, 0, 0, :].long() * rows).sum()) // mask.shape[0]
         return int(mask.tril().sum())
     i = np.arange(S, dtype=np.int64)
     return int((np.minimum(i + 1, window + 1) if window else i + 1).sum())
@@ -50,9 +54,11 @@ def calls(gpu, ct, fa4, q, k, v, options, arrays):
     window = options.get("window")
     softcap = options.get("softcap", 0.0)
     extra = {name: arrays[name] for name in ("alibi_slopes", "bias", "mask") if options.get(name.split("_")[0])}
+    if options.get("key_mask"):
+        extra["mask"] = arrays["key_mask"]
     out = {"cuflash": lambda: ct.attention(q, k, v, causal=True, window=(window, 0) if window else None,
                                            softcap=softcap, **extra)}
-    sdpa_mask = next((arrays["sdpa_" + name] for name in ("bias", "mask") if name in extra), None)
+    sdpa_mask = next((arrays["sdpa_" + name] for name in ("bias", "mask", "key_mask") if options.get(name)), None)
     if sdpa_mask is not None:
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))   # SDPA's (B, H, S, D) views of (B, S, H, D)
         for who, backend in (("sdpa cudnn", gpu.SDPBackend.CUDNN_ATTENTION),
@@ -95,7 +101,9 @@ def main(argv=None):
                   bias=torch.randn(S, S, device="cuda", dtype=torch.bfloat16),
                   mask=torch.rand(S, S, device="cuda") < 0.95)
     causal = torch.ones(S, S, device="cuda", dtype=torch.bool).tril()
-    arrays.update(sdpa_bias=arrays["bias"].masked_fill(~causal, float("-inf")), sdpa_mask=arrays["mask"] & causal)
+    arrays["key_mask"] = torch.rand(B, 1, 1, S, device="cuda") < 0.95
+    arrays.update(sdpa_bias=arrays["bias"].masked_fill(~causal, float("-inf")), sdpa_mask=arrays["mask"] & causal,
+                  sdpa_key_mask=arrays["key_mask"] & causal)
     if args.ncu:
         fn = calls(gpu, ct, None, q, k, v, OPTIONS["window+softcap"], arrays)["cuflash"]
         for _ in range(3):
@@ -130,7 +138,8 @@ def main(argv=None):
         with gpu.stream:
             ms = timer.median_ms_each(fns)
         for (opt_name, who), t in ms.items():
-            pairs = visible_pairs(OPTIONS[opt_name].get("window"), arrays["mask"] if opt_name == "mask" else None)
+            mask = {"mask": arrays["mask"], "key mask": arrays["key_mask"]}.get(opt_name)
+            pairs = visible_pairs(OPTIONS[opt_name].get("window"), mask)
             flop = (4 if pass_name == "fwd" else 14) * B * H * D * pairs
             rows.setdefault((pass_name, opt_name), {})[who] = flop / (t * 1e-3) / 1e12
     print(f"\n**{gpu.device_name}** ({gpu.versions}{', ' + fa4.label if fa4 else ''}); B {B} S {S} H {H} D {D} bf16 "

@@ -25,7 +25,7 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
                   dropout: bool, deterministic: bool | None = None, windowed: bool = True,
                   seqlen_q: int = 0, all_keys_seen: bool = False, user_source: str = "",
-                  head_dim_v: int | None = None, score_tile: bool = False) -> LaunchPlan:
+                  head_dim_v: int | None = None, score_tile: bool = False, tile_one_row: bool = False) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -54,8 +54,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         Run-time head dim of v, out, dout and dv when it differs from ``head_dim``: the families compile
         it (CUFLASH_HEAD_DIM_V); bwd_sm90 the pairs of its BWD_SM90_PAIRS only
         (:func:`bwd_sm90.bwd_sm90_obstacle`).
-    score_tile : bool, default False
-        bwd_sm90 only: the bias or mask alone read as TMA tiles (:func:`bwd_sm90.takes_score_tiles`).
+    score_tile, tile_one_row : bool, default False
+        bwd_sm90 only: the bias or mask alone read as TMA tiles (:func:`bwd_sm90.takes_score_tiles`);
+        ``tile_one_row``: that bias or mask the same for every query (:func:`fwd_sm90.tile_one_row`).
 
     Returns
     -------
@@ -70,7 +71,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
             raise ValueError(obstacle)
         plan = bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                              deterministic=deterministic, windowed=windowed, seqlen_q=seqlen_q,
-                             all_keys_seen=all_keys_seen, head_dim_v=head_dim_v, score_tile=score_tile)
+                             all_keys_seen=all_keys_seen, head_dim_v=head_dim_v, score_tile=score_tile,
+                             tile_one_row=tile_one_row)
     elif score_tile:
         raise ValueError(f"{family} reads no score tiles (bwd_sm90's)")
     elif family == "bwd_sm80":

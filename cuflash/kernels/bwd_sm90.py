@@ -125,10 +125,11 @@ def bwd_sm90_stages(head_dim: int, featured: bool = False, wide: bool = False, d
 
 
 def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = False, stages: int | None = None,
-                        head_dim_v: int | None = None, tile_elem_bytes: int = 0) -> int:
+                        head_dim_v: int | None = None, tile_elem_bytes: int = 0, tile_one_row: bool = False) -> int:
     """Mirrors BwdSm90Config::kSmemBytes (1024 bytes of alignment slack included); ``stages``
     defaults to BWD_SM90_STAGES's, ``head_dim_v`` (v's compiled head dim) to ``head_dim``;
-    ``tile_elem_bytes``: a score tile's element bytes (SCORE_TILE_BYTES), 0 for none."""
+    ``tile_elem_bytes``: a score tile's element bytes (SCORE_TILE_BYTES), 0 for none; ``tile_one_row``: its
+    tile one row, a 1 KiB block per 128 bytes of keys."""
     head_dim_v = head_dim_v or head_dim
     block_n, block_m = bwd_sm90_tiles(head_dim, featured, wide, head_dim_v)
     stages = BWD_SM90_STAGES[head_dim] if stages is None else stages
@@ -145,7 +146,7 @@ def bwd_sm90_smem_bytes(head_dim: int, featured: bool = False, wide: bool = Fals
     # stage at D = 128 leaves room for one buffer)
     dq_buffers = 0 if split_dims else 2 if head_dim == 128 and not transposed and stages == 2 and not tile_elem_bytes else 1
     dq_staging = 2 * dq_buffers * 64 * (block_m if transposed else 64) * 4
-    tiles = stages * block_m * block_n * tile_elem_bytes   # a score tile per stage (one dQ buffer)
+    tiles = stages * (1024 // 128 if tile_one_row else block_m) * block_n * tile_elem_bytes   # one a stage
     return 1024 + k_v + stages * q_do + 2 * ds + dq_staging + dq_own + tiles
 
 
@@ -259,9 +260,10 @@ def bwd_convert_behind(*, shrinking: bool) -> bool:
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, deterministic, windowed: bool = True,
          seqlen_q: int = 0, all_keys_seen: bool = False, head_dim_v: int | None = None,
-         score_tile: bool = False) -> LaunchPlan:
+         score_tile: bool = False, tile_one_row: bool = False) -> LaunchPlan:
     """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`;
-    ``score_tile``: the bias or mask read as tiles, where :func:`takes_score_tiles` allows)."""
+    ``score_tile``: the bias or mask read as tiles, where :func:`takes_score_tiles` allows; ``tile_one_row``:
+    that bias or mask the same for every query, tiles of one row: fwd_sm90.tile_one_row)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
     if deterministic not in (False, True, "pass"):
@@ -283,7 +285,9 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     block_n, block_m = bwd_sm90_tiles(kdim, featured, wide, kdim_v)
     stages = bwd_sm90_stages(kdim, featured, wide, deterministic, kdim_v)
     tile_elem_bytes = SCORE_TILE_BYTES[tuple(score_mods)[0]] if score_tile else 0
-    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages, kdim_v, tile_elem_bytes)
+    if tile_one_row and not score_tile:
+        raise ValueError("tiles of one row are a bias's or mask's read as tiles")
+    smem = bwd_sm90_smem_bytes(kdim, featured, wide, stages, kdim_v, tile_elem_bytes, tile_one_row)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
@@ -299,6 +303,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
         defines["CUFLASH_HEAD_DIM_V"] = kdim_v
     if score_tile:
         defines["CUFLASH_SCORE_TILE"] = 1
+    if tile_one_row:
+        defines["CUFLASH_TILE_ONE_ROW"] = 1
     if all_keys_seen and not windowed and not (mods or dropout) and kdim in BWD_SM90_UNGUARDED_HEAD_DIMS:
         defines["CUFLASH_ALL_KEYS_SEEN"] = 1
     elif windowed and not featured and mods in (0, score_mod_bits(("softcap",))) and bwd_sm90_tile_guard(kdim):

@@ -296,8 +296,9 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                     tiled = (("bias",), ("mask",)) if d in SCORE_TILE_HEAD_DIMS else ()
                     for mods in (("alibi",), ("softcap",), *tiled):
                         for dropout in (False, True):
-                            out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout,
-                                                        on_plain_loop=True).variant)
+                            for one_row in (False, True) if mods in tiled else (False,):   # (tile_one_row)
+                                out.setdefault(forward_plan(family, dtype_name, d, score_mods=mods, dropout=dropout,
+                                                            on_plain_loop=True, tile_one_row=one_row).variant)
                 if family == "fwd_sm90" and d in SM90_WIDE_HEAD_DIMS:
                     out.setdefault(forward_plan(family, dtype_name, d, score_mods=False, dropout=False,
                                                 consumers=3).variant)
@@ -321,12 +322,15 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                             if bwd_sm90_obstacle(d, mods, dropout) is None:
                                 for plan in feature_plans(dtype_name, d, mods, dropout, det):
                                     out.setdefault(plan.variant)
-            # a bias or a mask alone read as tiles (takes_score_tiles; with or without a window, one variant)
+            # a bias or a mask alone read as tiles (takes_score_tiles; with or without a window, one variant),
+            # of the query tile's rows or one row for all (tile_one_row)
             for mods in (("bias",), ("mask",)):
                 d = BWD_SM90_SCORE_TILE_HEAD_DIM
                 if takes_score_tiles(d, mods, False, False) and d in dims(BWD_SM90_HEAD_DIMS):
-                    out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
-                                                 dropout=False, deterministic=False, score_tile=True).variant)
+                    for one_row in (False, True):
+                        out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
+                                                     dropout=False, deterministic=False, score_tile=True,
+                                                     tile_one_row=one_row).variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):

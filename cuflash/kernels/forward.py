@@ -18,7 +18,7 @@ FWD_FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
 @functools.lru_cache(maxsize=None, typed=True)  # a pure function of its arguments, asked at every call
 def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dropout: bool,
                  consumers: int = 2, user_source: str = "", head_dim_v: int | None = None,
-                 on_plain_loop: bool = False) -> LaunchPlan:
+                 on_plain_loop: bool = False, tile_one_row: bool = False) -> LaunchPlan:
     """The forward variant for a problem.
 
     Parameters
@@ -43,12 +43,14 @@ def forward_plan(family: str, dtype_name: str, head_dim: int, *, score_mods, dro
     on_plain_loop : bool, default False
         fwd_sm90 only: ALiBi, the softcap, or a bias or mask read as tiles alone on the loop without modifiers
         (:func:`fwd_sm90.on_plain_loop`, :func:`fwd_sm90.score_tile`).
+    tile_one_row : bool, default False
+        fwd_sm90 only: that bias or mask the same for every query (:func:`fwd_sm90.tile_one_row`).
     """
     if on_plain_loop and family != "fwd_sm90":
         raise ValueError(f"a modifier on the loop without modifiers is fwd_sm90's, not {family}'s")
     if family == "fwd_sm90":
         plan = fwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, consumers=consumers,
-                             head_dim_v=head_dim_v, on_plain_loop=on_plain_loop)
+                             head_dim_v=head_dim_v, on_plain_loop=on_plain_loop, tile_one_row=tile_one_row)
     elif family == "fwd_sm80":
         plan = fwd_sm80.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout, head_dim_v=head_dim_v)
     elif family == "fwd_simt":

@@ -117,6 +117,9 @@ SCORE_TILE_HEAD_DIMS = (64, 128)
 #: A score tile's element bytes per modifier: the bias (q's dtype) and the boolean mask. At D = 128 the
 #: tile takes one of Q's two slots.
 SCORE_TILE_BYTES = {"bias": 2, "mask": 1}
+#: What the dynamic shared memory leaves to the static (barriers, the slots' items: a few hundred bytes),
+#: both within DEFAULT_SMEM_PER_BLOCK.
+STATIC_SMEM_ROOM = 1024
 
 
 def score_tile(score_mods, x, dtype_name: str, head_dim: int, head_dim_v: int | None = None) -> bool:
@@ -134,15 +137,21 @@ def score_tile(score_mods, x, dtype_name: str, head_dim: int, head_dim_v: int | 
 def score_tile_layout(score_mods, x, dtype_name: str) -> bool:
     """Whether ``score_mods`` is a bias or a mask alone whose (B, Hq, Sq, Sk) view ``x`` a TMA map reads in
     tiles (fwd_sm90's and bwd_sm90's score tiles): a bias of q's dtype ``dtype_name`` or a bool mask, keys
-    contiguous, rows apart by a positive multiple of 16 bytes, heads and batches by one or 0, a 16-byte
-    aligned base."""
+    contiguous, rows, heads and batches apart by a multiple of 16 bytes or 0 (rows 0: a key mask or bias,
+    one row for all queries: :func:`tile_one_row`), a 16-byte aligned base."""
     if tuple(score_mods) not in (("bias",), ("mask",)) or x is None:
         return False
     if str(x.dtype) != ("bool" if tuple(score_mods) == ("mask",) else dtype_name):
         return False
     sb, sh, sr, sc = x.strides
-    return (sc == x.itemsize and sr > 0 and sr % 16 == 0 and all(s >= 0 and s % 16 == 0 for s in (sb, sh))
-            and x.data.ptr % 16 == 0)
+    return sc == x.itemsize and all(s >= 0 and s % 16 == 0 for s in (sb, sh, sr)) and x.data.ptr % 16 == 0
+
+
+def tile_one_row(x) -> bool:
+    """Whether a bias or mask view ``x`` (B, Hq, Sq, Sk) is the same for every query (row stride 0: a key
+    padding mask or bias, (B, 1, 1, Sk) broadcast): its score tiles are then one row of keys
+    (CUFLASH_TILE_ONE_ROW), which every query reads."""
+    return x.strides[2] == 0
 
 
 def sm90_consumers(head_dim: int, *, featured: bool, full: bool, seqlen_q: int) -> int:
@@ -189,19 +198,22 @@ def fwd_tail_heads(m_blocks: int, pairs: int, wave_ctas: int, *, shrinking: bool
 
 
 def sm90_smem_bytes(head_dim: int, consumers: int = 2, block_n: int | None = None, head_dim_v: int | None = None,
-                    stages: int | None = None, q_slots: int | None = None, tile_elem_bytes: int = 0) -> int:
+                    stages: int | None = None, q_slots: int | None = None, tile_elem_bytes: int = 0,
+                    tile_one_row: bool = False) -> int:
     """Dynamic shared memory of fwd_sm90: Q slots, the K and V stages, the staged output (16-bit
     elements) and a score tile, for compiled head dims of SM90_HEAD_DIMS (``head_dim`` Q's and K's,
     ``head_dim_v`` V's and O's, default ``head_dim``; ``block_n``: keys per tile, default SM90_BLOCK_N's;
     ``stages``: default SM90_STAGES'; ``q_slots``: default SM90_Q_SLOTS'; ``tile_elem_bytes``: a bias's or
-    mask's element bytes, 0 for none)."""
+    mask's element bytes, 0 for none; ``tile_one_row``: its tile one row, a 1 KiB block per 128 bytes of
+    keys)."""
     head_dim_v = head_dim_v or head_dim
     block_m = 64 * consumers
     block_n = block_n or _tiles_of(head_dim)[0]
     stages = stages or _tiles_of(head_dim)[2]
     q_bytes = (q_slots or _tiles_of(head_dim)[1]) * block_m * head_dim * 2
     out_bytes = block_m * min(head_dim_v, 128) * 2  # the output, staged <= 128 columns at a time
-    return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes + block_m * block_n * tile_elem_bytes
+    tile_bytes = (1024 // 128 if tile_one_row else block_m) * block_n * tile_elem_bytes
+    return 1024 + q_bytes + stages * block_n * (head_dim + head_dim_v) * 2 + out_bytes + tile_bytes
 
 
 def value_head_dim_obstacle(head_dim: int, head_dim_v: int | None) -> str | None:
@@ -245,7 +257,8 @@ def _pair_tiles(kdim: int, kdim_v: int, block_n: int, consumers: int) -> tuple[i
 
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers: int = 2,
-         head_dim_v: int | None = None, kv_cache: str | None = None, on_plain_loop: bool = False) -> LaunchPlan:
+         head_dim_v: int | None = None, kv_cache: str | None = None, on_plain_loop: bool = False,
+         tile_one_row: bool = False) -> LaunchPlan:
     """fwd_sm90's variant for a run-time head dim (rounded up to SM90_HEAD_DIMS) and its consumer
     warpgroups (:func:`sm90_consumers`). ``head_dim_v``: v's and out's head dim when it differs (rounded
     up the same way; two consumers; the key tile and stage count of :func:`_pair_tiles`). ``kv_cache``:
@@ -255,7 +268,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     :func:`kv_cache_mode`). ``on_plain_loop``: ALiBi or the softcap alone on the loop without modifiers
     (``CUFLASH_MOD_ON_PLAIN_LOOP``; ALiBi so is exact only where no visible key is right of its query's
     diagonal: :func:`on_plain_loop`), or a bias or mask alone read as tiles (:func:`score_tile`; one Q
-    slot where two leave no room for the tile)."""
+    slot where two leave no room for the tile); ``tile_one_row``: that bias or mask the same for every
+    query, read as tiles of one row (:func:`tile_one_row`)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"fwd_sm90 runs float16/bfloat16, not {dtype_name}")
     obstacle = value_head_dim_obstacle(head_dim, head_dim_v)
@@ -271,6 +285,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     if tile_elem_bytes and (kdim not in SCORE_TILE_HEAD_DIMS or kdim_v != kdim or kv_cache is not None):
         raise ValueError(f"fwd_sm90 reads a bias or mask as tiles at head dims {SCORE_TILE_HEAD_DIMS} (V's the "
                          f"same), not over a KV cache; got ({kdim}, {kdim_v})")
+    if tile_one_row and not tile_elem_bytes:
+        raise ValueError("tiles of one row are a bias's or mask's on the loop without modifiers")
     if consumers not in (2, 3) or consumers == 3 and (kdim not in SM90_WIDE_HEAD_DIMS or mods or dropout
                                                       or kdim_v != kdim):
         raise ValueError(f"fwd_sm90 runs 2 consumer warpgroups, or 3 at head dims {SM90_WIDE_HEAD_DIMS} without "
@@ -281,10 +297,10 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     if kdim_v != kdim:
         block_n, stages = _pair_tiles(kdim, kdim_v, block_n, consumers)
     q_slots = _tiles_of(kdim)[1]
-    smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes)
-    if smem > DEFAULT_SMEM_PER_BLOCK:   # a score tile where two Q slots leave no room (D = 128)
+    smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes, tile_one_row)
+    if smem > DEFAULT_SMEM_PER_BLOCK - STATIC_SMEM_ROOM:   # a score tile where two Q slots leave no room (D = 128)
         q_slots = 1
-        smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes)
+        smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes, tile_one_row)
     defines = {
         "CUFLASH_DTYPE": DTYPE_CODES[dtype_name],
         "CUFLASH_HEAD_DIM": kdim,
@@ -303,6 +319,8 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
         defines["CUFLASH_KV_CACHE"] = KV_CACHE_MODES[kv_cache]
     if on_plain_loop:
         defines["CUFLASH_MOD_ON_PLAIN_LOOP"] = 1
+    if tile_one_row:
+        defines["CUFLASH_TILE_ONE_ROW"] = 1
 
     return LaunchPlan(Variant("fwd_sm90", tuple(sorted(defines.items()))), 64 * consumers, 128 * (consumers + 1),
                       smem, kdim)

@@ -379,12 +379,13 @@ def test_reachable_variants():
                                         "merge", "bwd_preprocess", "bwd_convert", "check_indices"}
     assert "fwd_sm90" not in {v.family for v in kernels.catalogue.reachable_variants("sm_80")}
     # fwd_sm90: 2 dtypes x 3 head dims x (7 modifier sets, ALiBi and the softcap on the plain loop) x
-    # dropout on/off, a bias or a mask as tiles at 2 head dims x dropout on/off, the three-warpgroup
+    # dropout on/off, a bias or a mask as tiles at 2 head dims x dropout on/off x (tiles of the CTA's rows,
+    # of one row), the three-warpgroup
     # plain variant at D = 64 for each dtype, and per dtype the value head dim pairs, plain and with
     # every modifier and dropout; and over a KV cache (kv_cache_variants).
     pairs = len(kernels.catalogue.VALUE_HEAD_DIM_PAIRS)
     kv = len(kernels.fwd_sm90.kv_cache_variants())
-    tiles = 2 * len(kernels.fwd_sm90.SCORE_TILE_HEAD_DIMS) * 2 * 2
+    tiles = 2 * len(kernels.fwd_sm90.SCORE_TILE_HEAD_DIMS) * 2 * 2 * 2
     assert len([v for v in sm90 if v.family == "fwd_sm90"]) == 2 * 3 * 9 * 2 + tiles + 2 + 2 * pairs * 2 + kv
     plain_loop = [v for v in sm90 if dict(v.defines).get("CUFLASH_MOD_ON_PLAIN_LOOP")]
     assert len(plain_loop) == 2 * 3 * 2 * 2 + tiles
@@ -731,7 +732,9 @@ class _Operand:
     (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2)), "float16", 256, False),   # no room
     (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2)), "bfloat16", 128, False),  # q's dtype only
     (("bias",), _Operand(np.float32, (2, 4, 300, 456), (0, 0, 1824, 4)), "float16", 128, False),
-    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 0, 2)), "float16", 128, False),     # rows broadcast
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 0, 2)), "float16", 128, True),      # rows broadcast
+    (("mask",), _Operand(np.bool_, (2, 4, 300, 456), (464, 0, 0, 1)), "float16", 128, True),      # a key mask
+    (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 0)), "float16", 128, False),   # keys broadcast
     (("bias",), _Operand(np.float16, (2, 4, 300, 452), (0, 0, 904, 2)), "float16", 128, False),   # 904 % 16
     (("bias",), _Operand(np.float16, (2, 4, 300, 456), (0, 0, 912, 2), ptr=0x1008), "float16", 128, False),
     (("mask",), _Operand(np.bool_, (2, 4, 300, 464), (0, 0, 464, 1)), "bfloat16", 128, True),
@@ -741,19 +744,27 @@ class _Operand:
 def test_bias_or_mask_read_as_tiles(mods, operand, dtype_name, head_dim, tiled):
     """fwd_sm90 reads a bias of q's dtype or a mask alone as TMA tiles where its layout allows (keys
     contiguous, rows 16-byte multiples apart, not broadcast over rows, aligned) at D = 64 and 128; its
-    plan makes room for the tile with one Q slot at D = 128, and fits the shared memory."""
+    plan makes room for the tile with one Q slot at D = 128 (a tile of rows), and fits the shared memory
+    beside the static. Rows broadcast (a key mask or bias) are read as tiles of one row."""
     assert kernels.fwd_sm90.score_tile(mods, operand, dtype_name, head_dim) is tiled
     if tiled:
-        plan = kernels.fwd_sm90.plan(dtype_name, head_dim, score_mods=mods, dropout=False, on_plain_loop=True)
+        one_row = kernels.fwd_sm90.tile_one_row(operand)
+        plan = kernels.fwd_sm90.plan(dtype_name, head_dim, score_mods=mods, dropout=False, on_plain_loop=True,
+                                     tile_one_row=one_row)
         defines = dict(plan.variant.defines)
-        q_slots = 1 if head_dim == 128 else 2
-        assert defines["CUFLASH_Q_SLOTS"] == q_slots
-        assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= kernels.common.DEFAULT_SMEM_PER_BLOCK
+        assert defines.get("CUFLASH_TILE_ONE_ROW", 0) == int(one_row)
+        if not one_row:
+            assert defines["CUFLASH_Q_SLOTS"] == (1 if head_dim == 128 else 2)
+        room = kernels.common.DEFAULT_SMEM_PER_BLOCK - kernels.fwd_sm90.STATIC_SMEM_ROOM
+        assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= room
         assert plan.smem_bytes == kernels.fwd_sm90.sm90_smem_bytes(
-            head_dim, q_slots=q_slots, tile_elem_bytes=kernels.fwd_sm90.SCORE_TILE_BYTES[mods[0]])
+            head_dim, q_slots=defines["CUFLASH_Q_SLOTS"], tile_elem_bytes=kernels.fwd_sm90.SCORE_TILE_BYTES[mods[0]],
+            tile_one_row=one_row)
         spec = _scores.score_tile_spec(operand, 128)
         b, h, sq, sk = operand.shape
-        assert spec[0] == (1, sq, h if operand.strides[1] else 1, sk) and spec[3:5] == (128, str(operand.dtype))
+        rows = 1 if one_row else sq
+        assert spec[0] == (b if operand.strides[0] else 1, rows, h if operand.strides[1] else 1, sk)
+        assert spec[3:5] == (1 if one_row else 128, str(operand.dtype))
 
 
 @pytest.mark.parametrize("mods, head_dim, dropout, deterministic, tiled", [
@@ -778,6 +789,9 @@ def test_bwd_sm90_score_tiles(mods, head_dim, dropout, deterministic, tiled):
     # one of dQ's two 2 x 16 KiB share buffers gives way to a (64 rows x 128 keys) tile per stage
     assert plan.smem_bytes == plain - 2 * 64 * 64 * 4 + defines["CUFLASH_STAGES"] * 64 * 128 * elem
     assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= kernels.common.DEFAULT_SMEM_PER_BLOCK
+    one_row = kernels.bwd_sm90.plan("bfloat16", head_dim, tile_one_row=True, **kwargs)   # a key mask or bias
+    assert dict(one_row.variant.defines)["CUFLASH_TILE_ONE_ROW"] == 1
+    assert one_row.smem_bytes == plain - 2 * 64 * 64 * 4 + defines["CUFLASH_STAGES"] * 8 * 128 * elem
     with pytest.raises(ValueError, match="score tiles"):
         kernels.backward.backward_plan("bwd_sm80", "bfloat16", head_dim, dq_pass=False, score_mods=mods,
                                        dropout=dropout, score_tile=True)

@@ -389,11 +389,16 @@ def _score_tile_operand(kind, shape, dtype, seed, *, rows_stride=None, empty_row
                  True, id="mask-rows-all-hidden-dropout"),
     pytest.param("mask", _shape(1, 300, 456, 2, 2, 128), {}, dict(shape=(300, 456)), False,
                  id="mask-rows-apart-by-456-bytes"),
+    pytest.param("mask", _shape(2, 300, 464, 4, 2, 128), {"causal": True}, dict(shape=(2, 1, 1, 464)), True,
+                 id="key-mask-one-row"),
+    pytest.param("bias", _shape(2, 257, 456, 4, 2, 64), {"window": (100, 20)}, dict(shape=(456,)), True,
+                 id="key-bias-one-row"),
 ])
 def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand, tiled):
     """A bias of q's dtype or a mask alone, rows apart by a multiple of 16 bytes, runs on fwd_sm90's loop
     without modifiers, read as tiles by TMA (broadcast heads and batches at coordinate 0, rows and keys
-    past the ends zero-filled); a float32 bias, or mask rows 456 bytes apart, element by element."""
+    past the ends zero-filled; broadcast rows, a key mask or bias, as tiles of one row); a float32 bias,
+    or mask rows 456 bytes apart, element by element."""
     seed = _seed_of("score_tile" + kind + repr(shape) + repr(options) + dtype)
     operand = dict(operand)
     x = _score_tile_operand(kind, operand.pop("shape"), operand.pop("dtype", dtype), seed, **operand)

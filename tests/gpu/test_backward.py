@@ -499,11 +499,15 @@ def _score_tile_operand(kind, shape, dtype, seed, *, rows_stride=None, empty_row
     pytest.param("mask", _shape(2, 300, 464, 4, 2, 128), {"causal": True}, dict(shape=(300, 464)), id="mask-causal-tails"),
     pytest.param("mask", _shape(2, 257, 512, 4, 1, 128), {}, dict(shape=(2, 4, 257, 512), empty_rows=9),
                  id="mask-rows-all-hidden"),
+    pytest.param("mask", _shape(2, 300, 464, 4, 2, 128), {"causal": True}, dict(shape=(2, 1, 1, 464)),
+                 id="key-mask-one-row"),
+    pytest.param("bias", _shape(2, 257, 456, 4, 2, 128), {"window": (100, 20)}, dict(shape=(456,)),
+                 id="key-bias-one-row"),
 ])
 def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand):
     """bwd_sm90 reads a bias of q's dtype or a mask alone as TMA tiles on its plain tiles (S^T modified in
-    place, the tile read transposed). (With return_dbias the bias takes the featured tiles, whose dbias
-    test_dbias_for_broadcast_biases checks.)"""
+    place, the tile read transposed; a key mask or bias as tiles of one row). (With return_dbias the bias
+    takes the featured tiles, whose dbias test_dbias_for_broadcast_biases checks.)"""
     seed = _seed_of("bwd_score_tile" + kind + repr(shape) + repr(options) + dtype)
     operand = dict(operand)
     x = _score_tile_operand(kind, operand.pop("shape"), dtype, seed, **operand)
