@@ -141,7 +141,7 @@ struct BwdSm90Config {
     // layout) is read as tiles too, as in fwd_sm90: the producer loads a step's (query rows x the CTA's
     // keys) block of it by TMA into the stage beside Q and dO, and the consumers read it transposed
     // (add_bias_tile_t, hide_by_mask_tile_t); then it modifies S^T in place like ALiBi. At D = 128 only
-    // (square), without dropout or ordered dQ, and not for dbias (its stores spilled 92 bytes here): its
+    // (square), without dropout or ordered dQ, and not for dbias (its stores spill 92 bytes here): its
     // stages take one of dQ's two share buffers.
     static constexpr bool kScoreTile = CUFLASH_SCORE_TILE != 0;
     static constexpr bool kBiasTile = kScoreTile && kMods == kModBias, kMaskTile = kScoreTile && kMods == kModMask;
@@ -528,7 +528,7 @@ __device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], u
 // in log2 units, after modify_scores). A query's 128 key bytes are eight chunks of 16, key k in chunk
 // k / 16 (XOR the query row), at byte k % 16; one byte an element. The thread's keys key0 + g and + 8
 // share a chunk, and its queries 8 mi + 2 t + e the row's XOR (2 t + e): one base address per e, the
-// rest immediate offsets (with each address made whole, the consumers spilled 24 bytes).
+// rest immediate offsets (with each address made whole, the consumers spill 24 bytes).
 template <class C>
 __device__ __forceinline__ void hide_by_mask_tile_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0, int g,
                                                     int t) {

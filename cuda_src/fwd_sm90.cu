@@ -67,7 +67,7 @@ struct FwdSm90Config {
     // XOR-swizzled by row as in every tile here. The loop without modifiers then adds the bias with one
     // FFMA an element (add_bias_tile) or hides what the mask hides (hide_by_mask_tile): 0.69-0.76x of
     // the call without options (forward, D = 128, 8k causal), where modify_scores on the rotated loop,
-    // each thread loading its 16-bit values from global memory, ran at 0.15x and 0.33x
+    // each thread loading its 16-bit values from global memory, runs at 0.15x and 0.33x
     // (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
     static constexpr bool kBiasTile = kOnPlainLoop_ && kMods_ == kModBias;
     static constexpr bool kMaskTile = kOnPlainLoop_ && kMods_ == kModMask;
@@ -123,7 +123,7 @@ struct FwdSm90Config {
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
     // test block masks and to read a KV cache (24 spilled 20-36 bytes there); the consumers get the
     // rest (160 each when there are three). A score tile's producer keeps to 24 (tile_coords): with 40,
-    // the consumers' 232 spilled 12-32 bytes at D = 128.
+    // the consumers' 232 spill 12-32 bytes at D = 128.
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
     static constexpr int kProducerRegs = kBlockMask || kKvCache ? 40 : 24;
     static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask || kKvCache ? 232 : 240;
@@ -151,7 +151,7 @@ struct FwdSm90Config {
     static constexpr int kOutBytes = kConsumers * 64 * kOutCols * 2;
     // The score tile (kScoreTile): its 128-byte column blocks and its bytes, in one buffer, which the
     // producer fills for key tile t + 1 once the consumers have read tile t. Two buffers (the output
-    // stored from registers to make room at D = 128) ran as fast (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
+    // stored from registers to make room at D = 128) run as fast (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
     // A bias or mask the same for every query (kTileOneRow: a key padding mask or bias, rows broadcast)
     // comes as one row of keys, which every row reads; each column block still starts a 1024-byte
     // swizzle atom.
@@ -486,7 +486,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // next is written).
     __shared__ int next_item[2];
     // The item's score tiles' head and batch coordinates, kept by the producer here rather than in two
-    // of its 24 registers (there the producer spilled 8 bytes at D = 128).
+    // of its 24 registers (there the producer spills 8 bytes at D = 128).
     __shared__ int tile_coords[C::kScoreTile ? 2 : 1];
     auto tile_coords_of = [&](int i) { return *static_cast<volatile int*>(&tile_coords[i]); };
     const unsigned smem = (smem_addr(smem_raw) + 1023) & ~1023u;   // swizzle atoms are 1024 bytes
@@ -995,7 +995,7 @@ using Config = cuflash::FwdSm90Config<CUFLASH_HEAD_DIM, CUFLASH_HEAD_DIM_V, CUFL
 static_assert(CUFLASH_SMEM_BYTES == Config::kSmemBytes, "shared memory size differs from cuflash/_heuristics.py");
 #endif
 
-// A variant with a score tile takes its map after O's (cuflash/_forward_plan.py, score_tile_spec).
+// A variant with a score tile takes its map after O's (cuflash/_forward_plan.py; cuflash/_scores.py, score_tile_spec).
 #define CUFLASH_SCORE_TILE (CUFLASH_MOD_ON_PLAIN_LOOP != 0 && (CUFLASH_SCORE_MODS == 4 || CUFLASH_SCORE_MODS == 8))
 static_assert(CUFLASH_SCORE_TILE == Config::kScoreTile && cuflash::kModBias == 4 && cuflash::kModMask == 8,
               "the kernel's parameters follow FwdSm90Config::kScoreTile");

@@ -126,10 +126,9 @@ def score_tile(score_mods, x, dtype_name: str, head_dim: int, head_dim_v: int | 
     """Whether fwd_sm90 reads the call's one score modifier, a bias or a boolean mask (``x``: its (B, Hq,
     Sq, Sk) view, zero strides where broadcast), as tiles that its producer loads by TMA beside K, on its
     loop without modifiers (``plan(on_plain_loop=True)``): at compiled head dims of SM90_HEAD_DIMS in
-    SCORE_TILE_HEAD_DIMS (V's the same), a bias of q's dtype ``dtype_name``, keys contiguous, rows
-    apart by a multiple of 16 bytes, heads and batches by one or not at all, and a 16-byte aligned base.
-    A bias broadcast over the query rows, or of another dtype, is read element by element.
-    H200, D 128, B 2, S 8k, H 16, causal, forward: docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles."""
+    SCORE_TILE_HEAD_DIMS (V's the same), in the layouts of :func:`score_tile_layout` (rows broadcast: tiles
+    of one row, :func:`tile_one_row`). A bias of another dtype or broadcast over keys is read element by
+    element. H200, D 128, B 2, S 8k, H 16, causal, forward: docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles."""
     kdim, kdim_v = pair_head_dims(head_dim, head_dim_v)
     return kdim in SCORE_TILE_HEAD_DIMS and kdim_v == kdim and score_tile_layout(score_mods, x, dtype_name)
 

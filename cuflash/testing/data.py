@@ -51,6 +51,23 @@ def random_qkv(shape, dtype, seed, xp=np):
 
 # ----------------------------------------------------------------------------- baseline
 
+def score_tile_operand(kind, shape, dtype, seed, xp=np, *, rows_stride=None, empty_rows=0):
+    """A bias or a bool mask of ``shape`` on ``xp``, as the kernels' score tiles read them: the bias
+    normal with amplitude 2 and ~5% -inf, in ``dtype``; the mask ~70% True, its first ``empty_rows``
+    rows all False (rows that see no key). ``rows_stride``: the last axis cut from a wider array of that
+    many columns (rows apart by more than a row)."""
+    rng = np.random.default_rng(seed)
+    wide = tuple(shape[:-1]) + ((rows_stride or shape[-1]),)
+    if kind == "mask":
+        x = rng.random(wide) < 0.7
+        x[..., :empty_rows, :] = False
+    else:
+        x = 2.0 * rng.standard_normal(wide)
+        x[rng.random(wide) < 0.05] = -np.inf
+        x = x.astype(np.float32).astype(_dtype(dtype))
+    return xp.asarray(x)[..., :shape[-1]]
+
+
 def normal_data(rng, shape, dtype):
     """Standard normal host values of ``dtype`` from ``rng``, with no zeros (test data is never zero:
     an unwritten output must not pass as a result).

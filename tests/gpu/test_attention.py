@@ -355,22 +355,6 @@ def test_softcap_on_the_plain_loop(dtype, shape, options):
     _solve("fwd_sm90", dtype, shape, options, seed=seed)
 
 
-def _score_tile_operand(kind, shape, dtype, seed, *, rows_stride=None, empty_rows=0):
-    """A bias (normal, amplitude 2, some -inf) or a mask (density 0.7, its first ``empty_rows`` rows all
-    False) of ``shape`` on the GPU; the bias in ``dtype`` ("float32" kept); ``rows_stride``: the last
-    axis cut from a wider array of that many columns."""
-    rng = np.random.default_rng(seed)
-    wide = shape[:-1] + ((rows_stride or shape[-1]),)
-    if kind == "mask":
-        x = rng.random(wide) < 0.7
-        x[..., :empty_rows, :] = False
-    else:
-        x = 2.0 * rng.standard_normal(wide)
-        x[rng.random(wide) < 0.05] = -np.inf
-        x = x.astype(np.float32).astype(tt._dtype(dtype))
-    return cupy.asarray(x)[..., :shape[-1]]
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("kind, shape, options, operand, tiled", [
     pytest.param("bias", _shape(2, 300, 456, 4, 2, 128), {"causal": True}, dict(shape=(300, 456)), True,
@@ -401,7 +385,7 @@ def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand, tiled):
     or mask rows 456 bytes apart, element by element."""
     seed = _seed_of("score_tile" + kind + repr(shape) + repr(options) + dtype)
     operand = dict(operand)
-    x = _score_tile_operand(kind, operand.pop("shape"), operand.pop("dtype", dtype), seed, **operand)
+    x = tt.score_tile_operand(kind, operand.pop("shape"), operand.pop("dtype", dtype), seed, cupy, **operand)
     opts = dict(_device_options(options, dtype), **{kind: x})
     q, k, v = _qkv(shape, dtype, seed)
     info = cuflash.plan(cuflash.attention_forward, q, k, v, **opts).plan.info

@@ -472,21 +472,6 @@ def test_each_option(family, dtype, name, shape, options):
     solve(family, dtype, shape, options, _seed_of(name), deterministic=deterministic, return_dbias=True)
 
 
-def _score_tile_operand(kind, shape, dtype, seed, *, rows_stride=None, empty_rows=0):
-    """A bias (normal, amplitude 2, some -inf) or a mask (density 0.7, its first ``empty_rows`` rows all
-    False) of ``shape`` on the GPU, the bias in ``dtype``; ``rows_stride``: cut from a wider array."""
-    rng = np.random.default_rng(seed)
-    wide = shape[:-1] + ((rows_stride or shape[-1]),)
-    if kind == "mask":
-        x = rng.random(wide) < 0.7
-        x[..., :empty_rows, :] = False
-    else:
-        x = 2.0 * rng.standard_normal(wide)
-        x[rng.random(wide) < 0.05] = -np.inf
-        x = x.astype(np.float32).astype(_dtype(dtype))
-    return cupy.asarray(x)[..., :shape[-1]]
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("kind, shape, options, operand", [
     pytest.param("bias", _shape(2, 300, 456, 4, 2, 128), {"causal": True}, dict(shape=(300, 456)), id="bias-causal-tails"),
@@ -510,7 +495,7 @@ def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand):
     takes the featured tiles, whose dbias test_dbias_for_broadcast_biases checks.)"""
     seed = _seed_of("bwd_score_tile" + kind + repr(shape) + repr(options) + dtype)
     operand = dict(operand)
-    x = _score_tile_operand(kind, operand.pop("shape"), dtype, seed, **operand)
+    x = tt.score_tile_operand(kind, operand.pop("shape"), dtype, seed, cupy, **operand)
     opts = dict(_device_options(options, dtype), **{kind: x})
     q, k, v = tt.random_qkv(shape, dtype, seed, xp=cupy)
     dout = _random_like(q, seed + 1)
