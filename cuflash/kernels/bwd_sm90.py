@@ -5,7 +5,7 @@ can; else bwd_sm80's dQ pass follows it); float16/bfloat16."""
 from __future__ import annotations
 
 from .bwd_common import size_defines
-from .common import LaunchPlan, round_up
+from .common import SCORE_TILE_BYTES, LaunchPlan, round_up
 from .._build.variant import Variant
 from ..features import DTYPE_CODES, score_mod_bits
 
@@ -73,10 +73,8 @@ BWD_SM90_DEFER_STAGES = 2
 BWD_SM90_ORDERED_HEAD_DIMS = (128,)
 
 
-#: A bias or mask alone read as TMA tiles (takes_score_tiles): at this compiled head dim (square), and each one's
-#: element bytes (the bias in q's dtype).
+#: A bias or mask alone read as TMA tiles (takes_score_tiles): at this compiled head dim (square).
 BWD_SM90_SCORE_TILE_HEAD_DIM = 128
-SCORE_TILE_BYTES = {"bias": 2, "mask": 1}
 
 
 def takes_score_tiles(head_dim: int, score_mods, dropout: bool, deterministic, head_dim_v: int | None = None) -> bool:

@@ -17,6 +17,9 @@ MAX_HEAD_DIM = 256
 #: Opt-in shared memory per block of an H100/H200, the default budget of the ahead-of-time variants.
 DEFAULT_SMEM_PER_BLOCK = 227 * 1024
 DEFAULT_SMEM_PER_SM = 228 * 1024
+#: The element bytes of fwd_sm90's and bwd_sm90's score tiles per modifier: the bias (q's dtype) and the
+#: boolean mask.
+SCORE_TILE_BYTES = {"bias": 2, "mask": 1}
 
 
 @dataclass(frozen=True)

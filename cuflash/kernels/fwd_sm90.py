@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .common import DEFAULT_SMEM_PER_BLOCK, LaunchPlan, round_up
+from .common import DEFAULT_SMEM_PER_BLOCK, SCORE_TILE_BYTES, LaunchPlan, round_up
 from .._runtime.params import FWD_PARAMS
 from .._build.variant import Variant
 from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
@@ -114,9 +114,6 @@ def on_plain_loop(score_mods, window: tuple[int, int]) -> bool:
 #: Compiled head dims at which a bias or mask alone is read as tiles (score_tile): at 256, the 64-key
 #: tiles' 16 KiB of bias does not fit beside one Q slot and two stages.
 SCORE_TILE_HEAD_DIMS = (64, 128)
-#: A score tile's element bytes per modifier: the bias (q's dtype) and the boolean mask. At D = 128 the
-#: tile takes one of Q's two slots.
-SCORE_TILE_BYTES = {"bias": 2, "mask": 1}
 #: What the dynamic shared memory leaves to the static (barriers, the slots' items: a few hundred bytes),
 #: both within DEFAULT_SMEM_PER_BLOCK.
 STATIC_SMEM_ROOM = 1024

@@ -758,7 +758,7 @@ def test_bias_or_mask_read_as_tiles(mods, operand, dtype_name, head_dim, tiled):
         room = kernels.common.DEFAULT_SMEM_PER_BLOCK - kernels.fwd_sm90.STATIC_SMEM_ROOM
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] <= room
         assert plan.smem_bytes == kernels.fwd_sm90.sm90_smem_bytes(
-            head_dim, q_slots=defines["CUFLASH_Q_SLOTS"], tile_elem_bytes=kernels.fwd_sm90.SCORE_TILE_BYTES[mods[0]],
+            head_dim, q_slots=defines["CUFLASH_Q_SLOTS"], tile_elem_bytes=kernels.common.SCORE_TILE_BYTES[mods[0]],
             tile_one_row=one_row)
         spec = _scores.score_tile_spec(operand, 128)
         b, h, sq, sk = operand.shape
@@ -784,7 +784,7 @@ def test_bwd_sm90_score_tiles(mods, head_dim, dropout, deterministic, tiled):
     plan = kernels.bwd_sm90.plan("bfloat16", head_dim, **kwargs)
     defines = dict(plan.variant.defines)
     assert (defines["CUFLASH_SCORE_TILE"], defines["CUFLASH_BLOCK_M"], plan.block_m) == (1, 64, 128)
-    elem = kernels.bwd_sm90.SCORE_TILE_BYTES[mods[0]]
+    elem = kernels.common.SCORE_TILE_BYTES[mods[0]]
     plain = kernels.bwd_sm90.bwd_sm90_smem_bytes(128, stages=defines["CUFLASH_STAGES"])
     # one of dQ's two 2 x 16 KiB share buffers gives way to a (64 rows x 128 keys) tile per stage
     assert plan.smem_bytes == plain - 2 * 64 * 64 * 4 + defines["CUFLASH_STAGES"] * 64 * 128 * elem
