@@ -505,8 +505,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // The score tile's buffer (kScoreTile): key tile t (counted over items) fills it in phase t % 2, which
     // is the parity of the K/V ring's stage t % kStages (kStages even): no counter of its own in the
     // producer's 24 registers.
-    const unsigned tile_full = smem_addr(&barriers[2 * C::kQSlots + 4 * C::kStages]);
-    const unsigned tile_empty = smem_addr(&barriers[2 * C::kQSlots + 4 * C::kStages + 1]);
+    const unsigned tile_full = C::kScoreTile ? smem_addr(&barriers[2 * C::kQSlots + 4 * C::kStages]) : 0u;
+    const unsigned tile_empty = C::kScoreTile ? smem_addr(&barriers[2 * C::kQSlots + 4 * C::kStages + 1]) : 0u;
 
     const int warpgroup = threadIdx.x / 128;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;

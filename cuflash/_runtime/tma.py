@@ -2,9 +2,10 @@
 
 A map describes a (B, S, H, D) array as a 4-d tensor (innermost first: D, S, H, B) with the
 caller's strides, read in boxes of 128 bytes of columns (64 16-bit elements or 128 bytes of a bool
-mask: the span of the 128-byte swizzle) x ``box_rows`` rows of one head. Coordinates past the extent read as zeros, which is how tails
-never reach a result. The map travels to the kernel by value: its 128 bytes are one kernel
-parameter of the launch (cuflash/_runtime/launch.py), like the packed parameter struct.
+mask: the span of the 128-byte swizzle) x ``box_rows`` rows of one head. Coordinates past the extent
+read as zeros, which is how tails never reach a result. The map travels to the kernel by value: its
+128 bytes are one kernel parameter of the launch (cuflash/_runtime/launch.py), like the packed
+parameter struct.
 
 A plan encodes its maps once, at a stand-in address (:data:`TEMPLATE_ADDRESS`), and a call writes
 only the operand's address into them: the driver keeps the global address as a plain little-endian
@@ -67,8 +68,8 @@ _CACHE_ENTRIES = 256
 
 def encode_at(ptr: int, spec: TensorMapSpec) -> bytes:
     """The 128 bytes of the tensor map ``spec`` over the array at ``ptr`` (cached): boxes of
-    (64 columns, box rows, 1, 1) over (B, S, H, D), or (S, H, D) as one batch (varlen's packed rows), or
-    a paged cache's boxes in row groups (:class:`TensorMapSpec`).
+    (128 bytes of columns, box rows, 1, 1) over (B, S, H, D), or (S, H, D) as one batch (varlen's packed
+    rows), or a paged cache's boxes in row groups (:class:`TensorMapSpec`).
 
     Raises
     ------
