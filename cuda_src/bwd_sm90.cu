@@ -181,7 +181,7 @@ struct BwdSm90Config {
     static constexpr bool kSerialScores = kFeatured && !kSplitDims;
     static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
     // The producer's walk and copies need 40 registers (with 24 they spilled), the block mask's
-    // vote included (mask.cuh walks its blocks without a division per block); the consumers get the
+    // tests included (query_tiles_from); the consumers get the
     // rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills (every
     // modifier with dropout at D = 256 spilled 40 B with 224). With 80 query rows (224 of them) the
     // consumers need 240, and the producer's walk at D = 128 (not unrolled) fits in 24.
@@ -877,6 +877,42 @@ __device__ __forceinline__ void write_dq_shares(const BwdParams& bp, BwdSm90Shar
     }
 }
 
+// Which of the 32 query tiles base, base + 1, ..., base + 31 the CTA's keys [n_lo, n_lo + kBlockN)
+// visit (bit i: tile base + i): below c_end and not hidden by the block mask; *whole: which of them
+// have blocks that hide nothing (tile_blocks_whole). Each lane tests one tile, so that the walk pays
+// one dependent load per 32 tiles: tested a tile at a time by the whole warp, the tiles a document
+// mask hides cost the walk ~1 us each, and its backward took as long as the causal call's (H200, 16k
+// tokens in documents of 512..4096, D = 128: docs/decisions.md#bwd-sm90-the-block-masks-walk-32-tiles-a-step).
+// Every lane of the warp must call it.
+template <class C>
+__device__ __forceinline__ unsigned query_tiles_from(const FwdParams& p, const SeqInfo& s, int base, int c_end,
+                                                     int n_lo, unsigned* whole) {
+    const int c = base + threadIdx.x % 32;
+    int state = 0;
+    if (c < c_end && p.block_mask == nullptr) {
+        state = kBlocksAny | kBlocksAll;
+    } else if (c < c_end) {
+        const int bq0 = c * C::kBlockM / p.block_q, bq1 = (min((c + 1) * C::kBlockM, s.seqlen_q) - 1) / p.block_q;
+        const int bk0 = n_lo / p.block_k, bk1 = (min(n_lo + C::kBlockN, s.seqlen_k) - 1) / p.block_k;
+        const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
+        unsigned any = 0u, all = 0xffu;   // OR and AND of the bytes, as in block_mask_tile_state
+        // One loop without a division per block (block_mask_tile_state's divisions, or two nested
+        // loops, spilled 16-44 B at D = 128 in the producer's 40 registers).
+        for (int bi = bq0, bj = bk0; bi <= bq1;) {
+            const unsigned byte = mask[bi * p.block_mask_row_stride + bj * p.block_mask_col_stride];
+            any |= byte;
+            all &= byte;
+            if (++bj > bk1) {
+                bj = bk0;
+                ++bi;
+            }
+        }
+        state = (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
+    }
+    *whole = __ballot_sync(0xffffffffu, tile_blocks_whole<C::kMods>(state));
+    return __ballot_sync(0xffffffffu, (state & kBlocksAny) != 0);
+}
+
 // Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warp
 // 1 (and 2, with two share buffers) are the dQ writers, with kDqHandOver warps 1 and 2 (one per
 // consumer). Returns when its part is done.
@@ -903,7 +939,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
         }
     }
     if (warp != 0) return;
-    // Producer: warp 0 walks the tiles (all lanes, for the block-mask vote); lane 0 issues.
+    // Producer: warp 0 walks the tiles (all lanes, a tile each, with a block mask); lane 0 issues.
     if (lane == 0) {
         mbar_arrive_expect_tx(sh.kv_full(), C::kKBytes + C::kVBytes);
         for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
@@ -915,52 +951,68 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     }
     const int h0 = first_query_head(bp);
     int stage = 0, phase = 0;
+    // Query tile c into the stage ring (lane 0), with the head's lse2 and D (padded to a multiple of
+    // every block size: whole rows, no bounds); whole: its blocks hide nothing, so the consumers skip
+    // the block mask and the MaskMod.
+    auto load_query_tile = [&](int c, int whole, const float* lse2_head, const float* dsum_head) {
+        const int m_lo = c * C::kBlockM;
+        if (lane == 0) {
+            mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
+            // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
+            sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
+            mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4 + C::kTileLoadBytes);
+            for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
+                tma_load_4d(tiles.q + stage * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
+                            s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
+            for (int blk = 0; blk < C::kHeadDimV / 64; ++blk)
+                tma_load_4d(tiles.dout + stage * C::kDoBytes + blk * C::kBlockM * 128, &do_map, blk * 64,
+                            s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
+            bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
+            bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
+            if constexpr (C::kScoreTile) {   // a head or batch the bias or mask broadcasts over: 0
+                const bool per_head = (C::kBiasTile ? p.bias_head_stride : p.mask_head_stride) != 0;
+                const bool per_batch = (C::kBiasTile ? p.bias_batch_stride : p.mask_batch_stride) != 0;
+                for (int blk = 0; blk < C::kTileBlocks; ++blk)
+                    tma_load_4d(tiles.score + stage * C::kTileBytes + blk * C::kTileBlockPitch, &tile_map,
+                                n_lo + blk * 128 / C::kTileElemBytes, C::kTileOneRow ? 0 : m_lo, per_head ? s.h : 0,
+                                per_batch ? b : 0, sh.full(stage));
+            }
+        }
+        if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+    };
     // Unrolled as far as ptxas then needs no spills in any warpgroup (kProducerUnroll; NVRTC
     // 13.0: D = 128 spilled in the producer unrolled 4 times, D = 64 in the consumers not unrolled
     // and in the producer unrolled 4 times).
 #pragma unroll 1
     for (int hh = 0; hh < bp.heads_per_cta; ++hh) {
         s.h = h0 + hh;
-        // lse2 and D are padded to a multiple of every block size: whole rows, no bounds.
-        const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
-        const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
-#pragma unroll C::kProducerUnroll
-        for (int c = c_begin; c < c_end; ++c) {
-            // kDqHandOver: c made opaque, so that ptxas makes each tile's addresses from it rather
-            // than carrying them from tile to tile (with the writer's code beside the walk, at 24
-            // registers, those carried addresses spilled 16 B).
-            if constexpr (C::kDqHandOver) asm volatile("" : "+r"(c));
-            const int m_lo = c * C::kBlockM;
-            int whole = 0;   // the tile's blocks hide nothing: the consumers skip the block mask and MaskMod
-            if constexpr (C::kBlockMask) {
-                const int state = block_mask_tile_state_warp(p, s, m_lo, min(m_lo + C::kBlockM, s.seqlen_q), n_lo,
-                                                             min(n_lo + C::kBlockN, s.seqlen_k));
-                if ((state & kBlocksAny) == 0) continue;
-                whole = tile_blocks_whole<C::kMods>(state) ? 1 : 0;
-            }
-            if (lane == 0) {
-                mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
-                // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
-                sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
-                mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4 + C::kTileLoadBytes);
-                for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
-                    tma_load_4d(tiles.q + stage * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
-                                s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
-                for (int blk = 0; blk < C::kHeadDimV / 64; ++blk)
-                    tma_load_4d(tiles.dout + stage * C::kDoBytes + blk * C::kBlockM * 128, &do_map, blk * 64,
-                                s.q_row0 + m_lo, s.h, batch_coord, sh.full(stage));
-                bulk_load(smem_addr(&sh.lse2[stage][0]), lse2_head + m_lo, C::kBlockM * 4, sh.full(stage));
-                bulk_load(smem_addr(&sh.dsum[stage][0]), dsum_head + m_lo, C::kBlockM * 4, sh.full(stage));
-                if constexpr (C::kScoreTile) {   // a head or batch the bias or mask broadcasts over: 0
-                    const bool per_head = (C::kBiasTile ? p.bias_head_stride : p.mask_head_stride) != 0;
-                    const bool per_batch = (C::kBiasTile ? p.bias_batch_stride : p.mask_batch_stride) != 0;
-                    for (int blk = 0; blk < C::kTileBlocks; ++blk)
-                        tma_load_4d(tiles.score + stage * C::kTileBytes + blk * C::kTileBlockPitch, &tile_map,
-                                    n_lo + blk * 128 / C::kTileElemBytes, C::kTileOneRow ? 0 : m_lo, per_head ? s.h : 0,
-                                    per_batch ? b : 0, sh.full(stage));
+        if constexpr (C::kBlockMask) {
+            // 32 tiles a step, a lane each (query_tiles_from), then the visited ones in order.
+#pragma unroll 1
+            for (int base = c_begin; base < c_end; base += 32) {
+                unsigned whole;
+                unsigned visited = query_tiles_from<C>(p, s, base, c_end, n_lo, &whole);
+#pragma unroll 1
+                while (visited != 0u) {
+                    const int i = __ffs(visited) - 1;
+                    visited &= visited - 1u;
+                    // The head's rows found again at each visited tile: kept through the walk
+                    // beside its test of 32 tiles, they spilled 16-36 B in the producer's 40 registers.
+                    const int row0 = bwd_row_index(bp, b, s.h, 0);
+                    load_query_tile(base + i, (whole >> i) & 1u, bp.lse2 + row0, bp.dsum + row0);
                 }
             }
-            if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+        } else {
+            const float* lse2_head = bp.lse2 + bwd_row_index(bp, b, s.h, 0);
+            const float* dsum_head = bp.dsum + bwd_row_index(bp, b, s.h, 0);
+#pragma unroll C::kProducerUnroll
+            for (int c = c_begin; c < c_end; ++c) {
+                // kDqHandOver: c made opaque, so that ptxas makes each tile's addresses from it rather
+                // than carrying them from tile to tile (with the writer's code beside the walk, at 24
+                // registers, those carried addresses spilled 16 B).
+                if constexpr (C::kDqHandOver) asm volatile("" : "+r"(c));
+                load_query_tile(c, 0, lse2_head, dsum_head);
+            }
         }
     }
     if (lane == 0) {

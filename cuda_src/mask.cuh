@@ -363,8 +363,9 @@ __device__ __forceinline__ bool block_mask_share_visible(const FwdParams& p, con
 // MaskMod the mask was derived from (no element needs the MaskMod either). A user's bool block mask
 // holds bytes 0 and 1; a derived one 0, 1 (some element attends) and 3 (all do: cuda_src/mask_blocks.cu),
 // so the AND of the bytes has bit 0 where all are nonzero and bit 1 where all are full. One thread
-// tests every block (fwd_sm90's producer: a lane a tile), in one loop: with two nested loops and a
-// flag each, the producer's 40 registers spilled 8-20 bytes.
+// tests every block (fwd_sm90's producer: a lane a tile; bwd_sm90's walks them its own way,
+// query_tiles_from), in one loop: with two nested loops and a flag each, the producer's 40 registers
+// spilled 8-20 bytes.
 enum BlockState : int { kBlocksAny = 1, kBlocksAll = 2, kBlocksFull = 4 };
 // Whether a tile whose blocks are in `state` needs neither the block mask nor the MaskMod (of kMods)
 // element by element.
@@ -394,38 +395,6 @@ __device__ __forceinline__ bool block_mask_tile_visible(const FwdParams& p, cons
                                                         int m_hi, int n_lo, int n_hi) {
     if (p.block_mask == nullptr) return true;
     return __syncthreads_or(block_mask_share_visible(p, s, m_lo, m_hi, n_lo, n_hi, threadIdx.x, blockDim.x)) != 0;
-}
-
-// block_mask_tile_state for a warp that decides on its own (bwd_sm90's producer, which meets the
-// consumers at no CTA barrier): every lane of the warp must call it, and all get the state (a null
-// block_mask: kBlocksAny | kBlocksAll). Lane l takes blocks t = l, l + 32, .. of the rows x cols
-// overlapping the tile, (bq0 + t / cols, bk0 + t % cols), stepping by whole rows and leftover columns
-// rather than dividing per block: with a division per block the producer needed 56 registers, which
-// left the consumers too few for every modifier with dropout at D = 256. (block_mask_share_visible
-// keeps the division: walking, bwd_sm80's dQ pass spilled 8 B there.)
-__device__ __forceinline__ int block_mask_tile_state_warp(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
-                                                          int n_lo, int n_hi) {
-    if (p.block_mask == nullptr) return kBlocksAny | kBlocksAll;
-    const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
-    const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
-    const int cols = bk1 - bk0 + 1, lane = threadIdx.x % 32;
-    const int row_step = 32 / cols, col_step = 32 % cols;
-    const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
-    unsigned any = 0u, all = 0xffu;   // OR and AND of the bytes, as in block_mask_tile_state
-    for (int bi = bq0 + lane / cols, bj = bk0 + lane % cols; bi <= bq1;) {
-        const unsigned byte = mask[bi * p.block_mask_row_stride + bj * p.block_mask_col_stride];
-        any |= byte;
-        all &= byte;
-        bi += row_step;
-        bj += col_step;
-        if (bj > bk1) {   // col_step < cols: one wrap at most
-            bj -= cols;
-            ++bi;
-        }
-    }
-    any = __reduce_or_sync(0xffffffffu, any);
-    all = __reduce_and_sync(0xffffffffu, all);
-    return (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
 }
 
 }  // namespace cuflash

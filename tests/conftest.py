@@ -16,6 +16,11 @@ import re
 import pytest
 from hypothesis import HealthCheck, settings
 
+# A JAX process takes 75% of the GPU's memory at its first array unless told otherwise: with the suite
+# spread over pytest-xdist workers, the second such worker (a CPU test that traces through JAX on a GPU
+# machine) failed at collection with RESOURCE_EXHAUSTED. Set before any test module imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 pytest_plugins = ["pytester"]  # tests/cpu/test_cli.py runs this file's GPU gate in a small session
 
 _SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large]

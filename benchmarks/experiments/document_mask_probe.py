@@ -10,8 +10,9 @@ One sequence of 16k tokens cut into documents of 512..4096 (a fixed seed), H 16,
   blocks on a document's edge let the neighbour in; it shows what the block path alone costs);
 - ``maskmod+block_mask``: the dense MaskMod beside that block mask.
 
-Figures: median GPU time of ``cupyx.profiler.benchmark`` (forward, and forward + backward where the
-entry point has one) and TFLOP/s of the visible work (4 H D per visible pair forward, 14 for the step).
+Figures: median GPU time of ``cupyx.profiler.benchmark`` of the forward and of the backward alone (on one
+forward's out and lse), and TFLOP/s of the visible work (4 H D per visible pair forward, 10 backward);
+each call's plans (kernel family, tiles, grid) print first.
 Run on a GPU machine: ``PYTHONPATH=$PWD python benchmarks/experiments/document_mask_probe.py``.
 """
 
@@ -53,34 +54,47 @@ def main() -> None:
     first, last = doc_of[starts], doc_of[np.minimum(starts + 127, S - 1)]
     blocks = cupy.asarray((first[:, None] <= last[None, :]) & (last[:, None] >= first[None, :]))
 
-    def forward(**options):
-        return lambda: cuflash.attention_forward(q, k, v, causal=True, **options)
-
-    def step(**options):
-        def call():
-            out, lse, _ = cuflash.attention_forward(q, k, v, causal=True, **options)
-            cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **options)
-        return call
-
-    packed = [x.reshape(S, H, D) for x in (q, k, v)]
+    packed = [x.reshape(S, H, D) for x in (q, k, v, dout)]
     longest = int(lengths.max())
+    varlen_options = dict(max_seqlen_q=longest, max_seqlen_k=longest, causal=True)
+
+    def calls(**options):
+        """(forward, backward) of one call; the backward reuses one forward's out and lse."""
+        out, lse, _ = cuflash.attention_forward(q, k, v, causal=True, **options)
+        return ((lambda: cuflash.attention_forward(q, k, v, causal=True, **options)),
+                (lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, **options)),
+                (cuflash.plan(cuflash.attention_forward, q, k, v, causal=True, **options),
+                 cuflash.plan(cuflash.attention_backward, dout, q, k, v, out, lse, causal=True, **options)))
+
+    def varlen_calls():
+        out, lse = cuflash.attention_varlen(*packed[:3], cu, cu, return_lse=True, **varlen_options)
+        args = (packed[3], *packed[:3], out, lse, cu, cu)
+        return ((lambda: cuflash.attention_varlen(*packed[:3], cu, cu, **varlen_options)),
+                (lambda: cuflash.attention_varlen_backward(*args, **varlen_options)),
+                (cuflash.plan(cuflash.attention_varlen, *packed[:3], cu, cu, **varlen_options),
+                 cuflash.plan(cuflash.attention_varlen_backward, *args, **varlen_options)))
+
     rows = {
-        "causal": (forward(), step()),
-        "varlen": (lambda: cuflash.attention_varlen(*packed, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest,
-                                                    causal=True), None),
-        "maskmod sparse": (forward(mask_mod=sparse), step(mask_mod=sparse)),
-        "maskmod dense": (forward(mask_mod=dense), None),
-        "block_mask 128": (forward(block_mask=blocks), step(block_mask=blocks)),
-        "maskmod+block_mask": (forward(mask_mod=dense, block_mask=blocks), step(mask_mod=dense, block_mask=blocks)),
+        "causal": calls(),
+        "varlen": varlen_calls(),
+        "maskmod sparse": calls(mask_mod=sparse),
+        "maskmod dense": calls(mask_mod=dense),
+        "block_mask 128": calls(block_mask=blocks),
+        "maskmod+block_mask": calls(mask_mod=dense, block_mask=blocks),
     }
     pairs = int(sum(n * (n + 1) // 2 for n in lengths))
-    print(f"| call | forward us | TFLOP/s | forward + backward us | TFLOP/s |  (documents {lengths.tolist()})")
-    print("|---|---|---|---|---|")
-    for name, (fwd, both) in rows.items():
-        t_fwd = gpu_us(fwd)
-        t_both = gpu_us(both) if both is not None else float("nan")
-        print(f"| {name} | {t_fwd:.1f} | {4 * H * D * pairs / t_fwd / 1e6:.0f} | {t_both:.1f} | "
-              f"{14 * H * D * pairs / t_both / 1e6:.0f} |", flush=True)
+    print(f"documents {lengths.tolist()}")
+    for name, (_, _, plans) in rows.items():
+        for pass_name, planned in zip(("fwd", "bwd"), plans):
+            steps = "; ".join(f"grid {step.grid} smem {step.smem}" for step in planned.plan.steps)
+            print(f"{name} {pass_name}: {planned.plan.info} [{steps}]")
+    print("| call | forward us | TFLOP/s | backward us | TFLOP/s | forward + backward TFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    for name, (fwd, bwd, _) in rows.items():
+        t_fwd, t_bwd = gpu_us(fwd), gpu_us(bwd)
+        print(f"| {name} | {t_fwd:.1f} | {4 * H * D * pairs / t_fwd / 1e6:.0f} | {t_bwd:.1f} | "
+              f"{10 * H * D * pairs / t_bwd / 1e6:.0f} | {14 * H * D * pairs / (t_fwd + t_bwd) / 1e6:.0f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
