@@ -592,7 +592,8 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
             for (int mi = 0; mi < C::kMTiles; ++mi)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) score2[mi][e] = acc_s[mi][e];
-            modify_scores<C::kMods, 2, 2 * C::kMTiles, true>(
+            // A MaskMod at every element (hide_scores): the featured tiles have the registers.
+            modify_scores<C::kMods, 2, 2 * C::kMTiles, true, true, true>(
                 p, s, keys, queries, [&](int r, int x) -> float& { return score2[x / 2][2 * r + x % 2]; }, raw,
                 blocks_whole);
         }

@@ -63,10 +63,10 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
 
 // The masks of kMods (block_mask, a user MaskMod: a mask-only variant, fwd_sm90's kMaskOnly) on raw
 // scores that mask_scores<0> has taken through the window: -inf where one hides the element, the rest
-// left raw for the softmax to scale. Only for tiles whose blocks leave some element hidden. As in
-// modify_scores, the masks are read only where the window left the element visible (not -inf) and
-// never on rows past the queries' end or keys past the keys' end: a MaskMod's indices may lie past its
-// arrays there.
+// left raw for the softmax to scale. Only for tiles whose blocks leave some element hidden. The block
+// mask is read only where the window left the element visible (not -inf) and never on rows past the
+// queries' end or keys past the keys' end; the MaskMod at every element (hide_scores' kMaskEverywhere),
+// its result taken only there.
 template <int kMods, int kMTiles, int kNTiles>
 __device__ __forceinline__ void hide_masked_scores(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
                                                    const SeqInfo& s, int n_lo, int row0, int g, int t) {
@@ -75,7 +75,7 @@ __device__ __forceinline__ void hide_masked_scores(float (&acc_s)[kMTiles][kNTil
     for (int r = 0; r < 2 * kMTiles; ++r) rows[r] = row0 + (r / 2) * 16 + g + (r % 2) * 8;
 #pragma unroll
     for (int c = 0; c < 2 * kNTiles; ++c) cols[c] = n_lo + (c / 2) * 8 + 2 * t + c % 2;
-    hide_scores<kMods, 2 * kMTiles, 2 * kNTiles, false>(
+    hide_scores<kMods, 2 * kMTiles, 2 * kNTiles, false, true>(
         p, s, rows, cols, [&](int r, int c) -> float& { return acc_s[r / 2][c / 2][2 * (r % 2) + c % 2]; },
         [&](int r, int c) {
             return rows[r] < s.seqlen_q && cols[c] < s.seqlen_k &&

@@ -160,8 +160,13 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
 // modify_scores: x(r, c) = -inf where one hides the element; elements where visible(r, c) is false are
 // neither read nor changed (their indices may lie past the arrays' ends). blocks_whole: the tile's
 // blocks of block_mask say that neither it nor the MaskMod hides any element of the tile
-// (block_mask_tile_state), so neither is read.
-template <int kMods, int kRows, int kCols, bool kKeysAreRows, class At, class Visible>
+// (block_mask_tile_state), so neither is read. kMaskEverywhere: the MaskMod is evaluated at every
+// element, visible or not (its reads give 0 outside their arrays), so that a row's and a column's
+// reads are shared by the elements that make them and go out together; guarded by visibility, each
+// element waits for its own. The shared reads take registers: fwd_sm90's mask-only tiles and
+// bwd_sm90's featured ones have them; fwd_sm90 with a ScoreMod beside and the sm80 families spilled
+// 20-76 B (NVRTC 13, the CI's document MaskMod).
+template <int kMods, int kRows, int kCols, bool kKeysAreRows, bool kMaskEverywhere = false, class At, class Visible>
 __device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
                                             const int (&cols)[kCols], At&& x, Visible&& visible,
                                             bool blocks_whole = false) {
@@ -175,7 +180,12 @@ __device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s
 #pragma unroll
                 for (int c = 0; c < kCols; ++c) {
                     const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
-                    if (visible(r, c) && !user_mask_mod(s.b, s.h, i, j, p.user)) x(r, c) = -CUFLASH_INF;
+                    if constexpr (kMaskEverywhere) {
+                        const bool attends = user_mask_mod(s.b, s.h, i, j, p.user);
+                        if (visible(r, c) && !attends) x(r, c) = -CUFLASH_INF;
+                    } else {
+                        if (visible(r, c) && !user_mask_mod(s.b, s.h, i, j, p.user)) x(r, c) = -CUFLASH_INF;
+                    }
                 }
         }
     }
@@ -231,7 +241,9 @@ __device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s
 // grad at its input, 0 where not visible): the raw q.k served only the softcap's derivative, and the
 // ScoreMod's input (after softcap, ALiBi and bias) is gone once it has run, so its grad is taken here.
 // Without a user ScoreMod, chain is left alone. The forward passes none (kChain false).
-template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, bool kChain = true, class At, class Chain>
+// kMaskEverywhere: as in hide_scores.
+template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, bool kChain = true,
+          bool kMaskEverywhere = false, class At, class Chain>
 __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
                                               const int (&cols)[kCols], At&& x, Chain&& chain,
                                               bool blocks_whole = false) {
@@ -327,7 +339,7 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
             }
     }
     // The masks (read only where visible) set -inf; so do the window and the sequence ends.
-    hide_scores<kMods, kRows, kCols, kKeysAreRows>(p, s, rows, cols, x, visible, blocks_whole);
+    hide_scores<kMods, kRows, kCols, kKeysAreRows, kMaskEverywhere>(p, s, rows, cols, x, visible, blocks_whole);
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
