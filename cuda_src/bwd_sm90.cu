@@ -558,6 +558,25 @@ __device__ __forceinline__ void hide_by_mask_tile_t(float (&acc_s)[C::kMTiles][4
     }
 }
 
+// The bits of the MaskMod a block mask was derived from (FwdParams::mask_bits_offset) on S^T in place:
+// element (mi, e) is key keys[e / 2] and query queries[2 mi + e % 2]. The thread's two keys (8 apart
+// in a 16-aligned group) share a 32-key word, so each query reads one word. Queries and keys past the
+// ends read inside the bits' padding (hide_by_mask_bits_rows; their scores are not used).
+template <class C>
+__device__ __forceinline__ void hide_by_mask_bits_t(const FwdParams& p, const SeqInfo& s, const int (&keys)[2],
+                                                    const int (&queries)[2 * C::kMTiles],
+                                                    float (&acc_s)[C::kMTiles][4]) {
+    const unsigned* bits = reinterpret_cast<const unsigned*>(p.block_mask + p.mask_bits_offset) +
+                           s.b * p.mask_bits_batch_stride + s.h * p.mask_bits_head_stride + (keys[0] >> 5);
+    const int bit0 = keys[0] & 31;
+#pragma unroll
+    for (int x = 0; x < 2 * C::kMTiles; ++x) {
+        const unsigned word = __ldg(bits + queries[x] * static_cast<int>(p.mask_bits_row_stride)) >> bit0;
+        if ((word & 1u) == 0u) acc_s[x / 2][x % 2] = -CUFLASH_INF;
+        if ((word & 0x100u) == 0u) acc_s[x / 2][2 + x % 2] = -CUFLASH_INF;
+    }
+}
+
 // P^T of a consumer's elements from its raw scores acc_s: element (mi, e) is key keys[e / 2] and
 // query m_lo + col + 8 mi + e % 2 (col: the thread's first query column in the tile); lse2 holds the
 // tile's rows. With score modifiers the scores in log2 units go to score2 (modify_scores,
@@ -586,7 +605,12 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
             modify_scores<0, 2, 2 * C::kMTiles, true, false>(p, s, keys, queries, raw, raw, blocks_whole);
             if constexpr (C::kMaskTile) hide_by_mask_tile_t<C>(acc_s, score_tile, key0, lane / 4, lane % 4);
         } else if constexpr (C::kModifiedInPlace) {
-            modify_scores<C::kMods, 2, 2 * C::kMTiles, true, false>(p, s, keys, queries, raw, raw, blocks_whole);
+            // A MaskMod's bits beside a derived block mask: read here (hide_by_mask_bits_t), one word
+            // per query for the thread's two keys, the block mask's own test skipped.
+            const bool bits = C::kMods == kModBlockMask && p.mask_bits_offset != 0;
+            modify_scores<C::kMods, 2, 2 * C::kMTiles, true, false, false, false>(p, s, keys, queries, raw, raw,
+                                                                                  blocks_whole || bits);
+            if (C::kMods == kModBlockMask && bits && !blocks_whole) hide_by_mask_bits_t<C>(p, s, keys, queries, acc_s);
         } else {
 #pragma unroll
             for (int mi = 0; mi < C::kMTiles; ++mi)
@@ -910,7 +934,7 @@ __device__ __forceinline__ unsigned query_tiles_from(const FwdParams& p, const S
         }
         state = (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
     }
-    *whole = __ballot_sync(0xffffffffu, tile_blocks_whole<C::kMods>(state));
+    *whole = __ballot_sync(0xffffffffu, tile_blocks_whole<C::kMods>(state, p));
     return __ballot_sync(0xffffffffu, (state & kBlocksAny) != 0);
 }
 

@@ -453,7 +453,7 @@ struct WorkItem {
             const int state = block_mask_tile_state(p, s, m_lo, m_hi, n * C::kBlockN,
                                                     min((n + 1) * C::kBlockN, s.seqlen_k));
             visible = (state & kBlocksAny) != 0;
-            partial = !tile_blocks_whole<C::kMods>(state);
+            partial = !tile_blocks_whole<C::kMods>(state, p);
         }
         *masked = C::kMaskOnly ? __ballot_sync(0xffffffffu, visible && partial) : 0u;
         return __ballot_sync(0xffffffffu, visible);

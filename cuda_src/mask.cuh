@@ -156,6 +156,26 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
     return x;
 }
 
+// The answers of the MaskMod a block mask was derived from, from the bits beside it
+// (FwdParams::mask_bits_offset): x(r, c) = -inf where visible(r, c) and the element's bit is 0. Each
+// element's word is read at clamped positions, so that rows past the queries' end and keys past the
+// keys' end read inside the bits (their answer is not taken), and the reads go out together.
+template <bool kKeysAreRows, int kRows, int kCols, class At, class Visible>
+__device__ __forceinline__ void hide_by_mask_bits(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
+                                                  const int (&cols)[kCols], At&& x, Visible&& visible) {
+    const unsigned* bits = reinterpret_cast<const unsigned*>(p.block_mask + p.mask_bits_offset) +
+                           s.b * p.mask_bits_batch_stride + s.h * p.mask_bits_head_stride;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+            const int i = kKeysAreRows ? cols[c] : rows[r], j = kKeysAreRows ? rows[r] : cols[c];
+            const unsigned word =
+                __ldg(bits + min(i, s.seqlen_q - 1) * p.mask_bits_row_stride + (min(j, s.seqlen_k - 1) >> 5));
+            if (visible(r, c) && ((word >> (j & 31)) & 1u) == 0u) x(r, c) = -CUFLASH_INF;
+        }
+}
+
 // The masks of kMods (a user MaskMod, mask, block_mask) on a thread's grid of elements, as in
 // modify_scores: x(r, c) = -inf where one hides the element; elements where visible(r, c) is false are
 // neither read nor changed (their indices may lie past the arrays' ends). blocks_whole: the tile's
@@ -165,8 +185,10 @@ __device__ __forceinline__ float modified_score(const FwdParams& p, const SeqInf
 // reads are shared by the elements that make them and go out together; guarded by visibility, each
 // element waits for its own. The shared reads take registers: fwd_sm90's mask-only tiles and
 // bwd_sm90's featured ones have them; fwd_sm90 with a ScoreMod beside and the sm80 families spilled
-// 20-76 B (NVRTC 13, the CI's document MaskMod).
-template <int kMods, int kRows, int kCols, bool kKeysAreRows, bool kMaskEverywhere = false, class At, class Visible>
+// 20-76 B (NVRTC 13, the CI's document MaskMod). kBitsHere false: the caller reads a MaskMod's bits
+// beside a derived block mask itself, from its own layout of the elements (fwd_sm90, bwd_sm90).
+template <int kMods, int kRows, int kCols, bool kKeysAreRows, bool kMaskEverywhere = false, bool kBitsHere = true,
+          class At, class Visible>
 __device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
                                             const int (&cols)[kCols], At&& x, Visible&& visible,
                                             bool blocks_whole = false) {
@@ -206,7 +228,12 @@ __device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s
         }
     }
     if constexpr ((kMods & kModBlockMask) != 0) {
-        if (p.block_mask != nullptr && !blocks_whole) {
+        // The MaskMod's bits come with a derived block mask alone (cuflash/_mask_blocks.py): beside
+        // other modifiers the block mask variants' registers have no room for their reads.
+        if (kMods == kModBlockMask && kBitsHere && p.block_mask != nullptr && !blocks_whole &&
+            p.mask_bits_offset != 0) {
+            hide_by_mask_bits<kKeysAreRows>(p, s, rows, cols, x, visible);
+        } else if (p.block_mask != nullptr && !blocks_whole) {
             const longlong2 stride = strides(p.block_mask_row_stride, p.block_mask_col_stride);
             const int row_block = kKeysAreRows ? p.block_k : p.block_q, col_block = kKeysAreRows ? p.block_q : p.block_k;
             long long row_off[kRows];
@@ -241,9 +268,9 @@ __device__ __forceinline__ void hide_scores(const FwdParams& p, const SeqInfo& s
 // grad at its input, 0 where not visible): the raw q.k served only the softcap's derivative, and the
 // ScoreMod's input (after softcap, ALiBi and bias) is gone once it has run, so its grad is taken here.
 // Without a user ScoreMod, chain is left alone. The forward passes none (kChain false).
-// kMaskEverywhere: as in hide_scores.
+// kMaskEverywhere, kBitsHere: as in hide_scores.
 template <int kMods, int kRows, int kCols, bool kKeysAreRows = false, bool kChain = true,
-          bool kMaskEverywhere = false, class At, class Chain>
+          bool kMaskEverywhere = false, bool kBitsHere = true, class At, class Chain>
 __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo& s, const int (&rows)[kRows],
                                               const int (&cols)[kCols], At&& x, Chain&& chain,
                                               bool blocks_whole = false) {
@@ -339,7 +366,8 @@ __device__ __forceinline__ void modify_scores(const FwdParams& p, const SeqInfo&
             }
     }
     // The masks (read only where visible) set -inf; so do the window and the sequence ends.
-    hide_scores<kMods, kRows, kCols, kKeysAreRows, kMaskEverywhere>(p, s, rows, cols, x, visible, blocks_whole);
+    hide_scores<kMods, kRows, kCols, kKeysAreRows, kMaskEverywhere, kBitsHere>(p, s, rows, cols, x, visible,
+                                                                             blocks_whole);
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -379,11 +407,12 @@ __device__ __forceinline__ bool block_mask_share_visible(const FwdParams& p, con
 // query_tiles_from), in one loop: with two nested loops and a flag each, the producer's 40 registers
 // spilled 8-20 bytes.
 enum BlockState : int { kBlocksAny = 1, kBlocksAll = 2, kBlocksFull = 4 };
-// Whether a tile whose blocks are in `state` needs neither the block mask nor the MaskMod (of kMods)
-// element by element.
+// Whether a tile whose blocks are in `state` needs neither the block mask nor the MaskMod (of kMods, or
+// its bits beside a derived block mask) element by element.
 template <int kMods>
-__device__ __forceinline__ bool tile_blocks_whole(int state) {
-    return (state & kBlocksAll) != 0 && ((kMods & kModUserMask) == 0 || (state & kBlocksFull) != 0);
+__device__ __forceinline__ bool tile_blocks_whole(int state, const FwdParams& p) {
+    const bool answers = (kMods & kModUserMask) != 0 || p.mask_bits_offset != 0;
+    return (state & kBlocksAll) != 0 && (!answers || (state & kBlocksFull) != 0);
 }
 __device__ __forceinline__ int block_mask_tile_state(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
                                                      int n_lo, int n_hi) {

@@ -43,6 +43,12 @@ struct FwdParams {
     long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
     long long block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride, block_mask_col_stride;
     long long block_table_batch_stride;
+    // A block mask derived from a MaskMod may carry the MaskMod's answers bit by bit in the same
+    // allocation (cuflash/_mask_blocks.py): bit j % 32 of word (b, h, i, j / 32), at mask_bits_offset
+    // bytes past block_mask (0: no bits), strides in 32-bit words (0 where broadcast; a (b, h) slice
+    // under 2^31 words, rows padded past the queries' and keys' ends). Then a block mask variant masks
+    // a tile's partly visible blocks from the bits, with no expression compiled in.
+    long long mask_bits_offset, mask_bits_batch_stride, mask_bits_head_stride, mask_bits_row_stride;
     // Dropout's (seed, offset) in device memory, read instead of the two fields below when not
     // nullptr (a call captured in a CUDA graph, whose rng_state kernel writes them at every replay;
     // or a backward given the forward's rng_state as a device array): philox.cuh, dropout_key.

@@ -350,5 +350,6 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
                      convert_behind="dq_done" in temp,
                      all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
-                     tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1, score_tile=score_tile)
+                     tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1, score_tile=score_tile,
+                     mask_bits="mask_bits_offset" in score_fields)
     return plan

@@ -155,7 +155,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     else:
         args = (("struct", params),)
     plan.steps.append(_step.Step(func, grid, plan_k.threads, plan_k.smem_bytes, args))
-    plan.info["family"] = family
+    plan.info.update(family=family, mask_bits="mask_bits_offset" in score_fields)
     if family == "fwd_sm90":
         plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"], on_plain_loop=plain_loop,
                          score_tile=score_tile)

@@ -14,9 +14,18 @@ on a tile of such blocks fwd_sm90 runs no per-element mask at all (cuda_src/mask
 document's edge. The batch and head axes are 1 unless the expression reads ``b`` / ``h``
 (:attr:`~cuflash.MaskMod.reads`): a document mask over 32k tokens is 512 x 512 bytes at 64 x 64 blocks.
 
+**Bits.** With the block mask comes every element's answer, one bit each (bit j % 32 of the 32-bit
+word (b, h, i, j // 32)), in the same allocation after the block bytes, where the bits take at most
+:data:`BITS_MAX_BYTES` (S^2 / 8 bytes for one (b, h): 32 MiB at 16k tokens). A call whose only
+modifier is the MaskMod then runs the block mask variant of each kernel family, which masks a tile's
+partly visible blocks from the bits (``FwdParams::mask_bits_offset``) instead of compiling the
+expression in: fwd_sm90 keeps its 128-key tiles and bwd_sm90 its plain ones, where the expression's
+registers sent them to 64-key and featured tiles. Beside other modifiers the kernels evaluate the
+expression as before.
+
 **Cache.** The mask is computed once per (the MaskMod's key and scalar values, its arrays' addresses,
 shapes, strides and dtypes, B|1, Hq|1, Sq, Sk, block size, device) and kept in a process-wide cache
-(:data:`MAX_ENTRIES` entries, least recently used first out). The contract: **an array argument's
+(:data:`MAX_ENTRIES` entries and :data:`MAX_BYTES` bytes, least recently used first out). The contract: **an array argument's
 contents are assumed unchanged while its address is**. The cache holds a reference to the arrays a
 mask was derived from, so no other array can be given the same address while the entry lives: a new
 array always means a new mask. Writing into an argument in place is the one case it cannot see: call
@@ -51,20 +60,29 @@ from ._runtime.now import done_now, relaxed_capture_mode
 from ._runtime.params import USER_ARGS
 from .interop._torch_tensors import is_torch_tensor
 
-__all__ = ["clear_mask_cache", "derived_block_mask", "call_block_mask", "MAX_ENTRIES"]
+__all__ = ["clear_mask_cache", "derived_block_mask", "call_block_mask", "bits_layout", "MAX_ENTRIES", "MAX_BYTES",
+           "BITS_MAX_BYTES"]
 
 #: Masks kept (pinned ones, used by a captured graph, are not counted out).
 MAX_ENTRIES = 32
+#: Bytes the kept masks may take together (the newest is kept whatever its size).
+MAX_BYTES = 1 << 30
+#: The most bytes a mask's bits may take; beyond, the mask comes without them.
+BITS_MAX_BYTES = 256 << 20
+#: Query rows of the bits are padded to a multiple of this and one more row, so that the kernels' tiles
+#: (at most 128 rows, 128 keys) read them without bounds past the sequences' ends.
+BITS_ROW_PAD = 128
 
 _cache: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
 
 
 class _Entry:
-    __slots__ = ("mask", "keep", "event", "stream", "pinned")
+    __slots__ = ("mask", "bits", "keep", "event", "stream", "pinned", "nbytes")
 
-    def __init__(self, mask, keep, event, stream, pinned):
-        self.mask, self.keep, self.event, self.stream, self.pinned = mask, keep, event, stream, pinned
+    def __init__(self, mask, bits, keep, event, stream, pinned, nbytes):
+        self.mask, self.bits, self.keep, self.event, self.stream = mask, bits, keep, event, stream
+        self.pinned, self.nbytes = pinned, nbytes
 
 
 def clear_mask_cache() -> None:
@@ -128,6 +146,21 @@ def mask_shape(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, b
     return (batch if "b" in reads else 1, heads if "h" in reads else 1, -(-seqlen_q // bq), -(-seqlen_k // bk))
 
 
+def bits_layout(shape, seqlen_q: int, block_size) -> tuple[int, int] | None:
+    """(rows, row_words) of the bits beside a derived mask of ``shape`` (B|1, Hq|1, ceil(Sq / bq),
+    ceil(Sk / bk)): rows = Sq padded to a multiple of :data:`BITS_ROW_PAD` plus one, row_words = the
+    mask's columns x bk / 32. None where bk is no multiple of 32, a (b, h) slice reaches 2^31 words
+    (the kernels index it in 32 bits) or the bits would take more than :data:`BITS_MAX_BYTES`."""
+    bk = block_size[1]
+    if bk % 32:
+        return None
+    rows = -(-seqlen_q // BITS_ROW_PAD) * BITS_ROW_PAD + 1
+    row_words = shape[3] * bk // 32
+    if rows * row_words >= 2 ** 31 or 4 * shape[0] * shape[1] * rows * row_words > BITS_MAX_BYTES:
+        return None
+    return rows, row_words
+
+
 def cache_key(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, block_size, device: int) -> tuple:
     """What a derived mask depends on: the MaskMod's :attr:`key` and scalar values, each array
     argument's (address, shape, strides, dtype) (the contents are assumed unchanged while the address
@@ -145,6 +178,12 @@ def derived_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k
     notes): a C-contiguous CuPy bool array (B|1, Hq|1, ceil(Sq / bq), ceil(Sk / bk)) whose bytes are 3
     where every element of the block may attend, 1 where some may, 0 where none may (both nonzero
     bytes read as True). Sq, Sk, B and Hq must be positive."""
+    return _derived(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size)[0]
+
+
+def _derived(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size):
+    """(mask, bits): :func:`derived_block_mask`'s mask and the FwdParams fields of the bits beside it
+    (``mask_bits_offset`` and the strides: a dict), or None without bits."""
     cupy = _checks._cupy()
     device = _launch.device_id()
     key = cache_key(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size, device)
@@ -160,29 +199,33 @@ def derived_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k
             entry.event = None
         if not entry.pinned and _capture.is_capturing():
             entry.pinned = True
-        return entry.mask
+        return entry.mask, entry.bits
     shape = mask_shape(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size)
     if _capture.is_capturing():
         with done_now(device):
-            mask, keep = _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size)
-        entry = _Entry(mask, keep, None, stream, True)
+            mask, bits, keep, nbytes = _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size)
+        entry = _Entry(mask, bits, keep, None, stream, True, nbytes)
     else:
-        mask, keep = _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size)
+        mask, bits, keep, nbytes = _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size)
         event = cupy.cuda.Event(disable_timing=True)
         event.record()
-        entry = _Entry(mask, keep, event, stream, False)
+        entry = _Entry(mask, bits, keep, event, stream, False, nbytes)
     with _lock:
         _cache[key] = entry
         unpinned = [k for k, e in _cache.items() if not e.pinned]
-        for old in unpinned[:max(0, len(unpinned) - MAX_ENTRIES)]:
-            del _cache[old]
-    return mask
+        total = sum(_cache[k].nbytes for k in unpinned)
+        for old in unpinned[:-1]:   # oldest first; the newest stays
+            if len(unpinned) <= MAX_ENTRIES and total <= MAX_BYTES:
+                break
+            total -= _cache.pop(old).nbytes
+            unpinned.remove(old)
+    return mask, bits
 
 
 def _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size):
-    """Launch cuda_src/mask_blocks.cu for ``mask_mod`` on CuPy's current stream; returns the mask and
-    what must live as long as the entry (the user's arrays, whose addresses key it, and the copies and
-    arguments the launch reads)."""
+    """Launch cuda_src/mask_blocks.cu for ``mask_mod`` on CuPy's current stream; returns the mask, its
+    bits' fields (or None), what must live as long as the entry (the user's arrays, whose addresses key
+    it, and the copies and arguments the launch reads) and the bytes allocated."""
     from ._build.compile import get_kernel
     from ._scores import user_operands
     from .kernels.mask_blocks import MASK_BLOCKS_MAX_CTAS, MASK_BLOCKS_THREADS, mask_blocks_variant
@@ -193,41 +236,63 @@ def _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size):
         field = name.removeprefix("user.")
         args[field] = arrays[value[1]].data.ptr if isinstance(value, tuple) else value
     args_gmem = cupy.asarray(np.frombuffer(args.tobytes(), np.uint8))
-    mask = cupy.empty(shape, dtype=cupy.bool_)
     blocks = math.prod(shape)
+    layout = bits_layout(shape, seqlen_q, block_size)
+    if layout is None:
+        mask, bits, bits_fields, rows = cupy.empty(shape, dtype=cupy.bool_), np.uint64(0), None, 0
+        buffer = mask
+    else:   # one allocation: the block bytes, then the bits at a 256-byte boundary
+        rows, row_words = layout
+        offset = -(-blocks // 256) * 256
+        slice_words = rows * row_words
+        buffer = cupy.empty(offset + 4 * shape[0] * shape[1] * slice_words, dtype=cupy.uint8)
+        mask = buffer[:blocks].view(cupy.bool_).reshape(shape)
+        bits = buffer[offset:].view(cupy.uint32)
+        bits_fields = {"mask_bits_offset": offset,
+                       "mask_bits_batch_stride": shape[1] * slice_words if shape[0] > 1 else 0,
+                       "mask_bits_head_stride": slice_words if shape[1] > 1 else 0,
+                       "mask_bits_row_stride": row_words}
     kernel = get_kernel(mask_blocks_variant(source))
     bq, bk = block_size
     kernel((min(blocks, MASK_BLOCKS_MAX_CTAS),), (MASK_BLOCKS_THREADS,),
-           (args_gmem, mask, np.int64(blocks), np.int32(shape[1]), np.int32(shape[2]), np.int32(shape[3]),
-            np.int32(bq), np.int32(bk), np.int32(seqlen_q), np.int32(seqlen_k)))
-    return mask, (mask_mod.call_parts()[1], arrays, args_gmem)
+           (args_gmem, mask, bits, np.int64(blocks), np.int32(shape[1]), np.int32(shape[2]), np.int32(shape[3]),
+            np.int32(bq), np.int32(bk), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(rows)))
+    return mask, bits_fields, (mask_mod.call_parts()[1], arrays, args_gmem, buffer), buffer.nbytes
 
 
 def call_block_mask(entry: str, mask_mod, q, k, block_mask, block_size):
-    """(block_mask, block_size) that a dense call (``attention``, ``attention_forward``,
-    ``attention_backward``) passes its kernels: unchanged without a ``mask_mod`` that derives blocks;
-    else the derived mask at :data:`~cuflash.kernels.mask_blocks.DERIVED_BLOCK_SIZE`, or, beside an
-    explicit ``block_mask``, at its ``block_size`` and ANDed with it (a new array each call: such a call
-    cannot be captured in a CUDA graph). Shapes that the checks will refuse, and empty problems, are
-    passed through unchanged for the checks to report."""
+    """(block_mask, block_size, bits) that a dense call (``attention``, ``attention_forward``,
+    ``attention_backward``) passes its kernels: unchanged (bits None) without a ``mask_mod`` that derives
+    blocks; else the derived mask at :data:`~cuflash.kernels.mask_blocks.DERIVED_BLOCK_SIZE` with its bits'
+    FwdParams fields (None without bits: see :func:`bits_layout`), or, beside an explicit ``block_mask``,
+    at its ``block_size`` and ANDed with it (a new array each call, without bits: such a call cannot be
+    captured in a CUDA graph). Shapes that the checks will refuse, and empty problems, are passed
+    through unchanged for the checks to report."""
     from .modifiers import MaskMod
     from .kernels.mask_blocks import DERIVED_BLOCK_SIZE
 
     if not isinstance(mask_mod, MaskMod) or not mask_mod.derives_blocks:
-        return block_mask, block_size
+        return block_mask, block_size, None
     q_shape, k_shape = getattr(q, "shape", None), getattr(k, "shape", None)
     if q_shape is None or k_shape is None or len(q_shape) != 4 or len(k_shape) != 4 or not _on_gpu(q):
-        return block_mask, block_size
+        return block_mask, block_size, None
     batch, seqlen_q, heads = int(q_shape[0]), int(q_shape[1]), int(q_shape[2])
     seqlen_k = int(k_shape[1])
     if min(batch, seqlen_q, heads, seqlen_k) <= 0 or max(seqlen_q, seqlen_k) > _checks.INT32_MAX:
-        return block_mask, block_size
+        return block_mask, block_size, None
     if block_mask is None:
-        return derived_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, DERIVED_BLOCK_SIZE), DERIVED_BLOCK_SIZE
+        mask, bits = _derived(mask_mod, batch, heads, seqlen_q, seqlen_k, DERIVED_BLOCK_SIZE)
+        return mask, DERIVED_BLOCK_SIZE, bits
     bq, bk = _checks.check_block_size(block_size)
     target = (batch, heads, -(-seqlen_q // bq), -(-seqlen_k // bk))
     given = _checks.broadcast_operand(block_mask, "block_mask", target, "bool")
     _capture.refuse_capture(entry, "a mask_mod beside an explicit block_mask ANDs the two into a new array at each "
                             "call, which lives only during the call; pass MaskMod(..., sparse=False) or no block_mask")
     derived = derived_block_mask(mask_mod, batch, heads, seqlen_q, seqlen_k, (bq, bk))
-    return _checks._cupy().logical_and(given, derived), (bq, bk)
+    return _checks._cupy().logical_and(given, derived), (bq, bk), None
+
+
+def bits_alone(score_mod, softcap, alibi_slopes, mask, bias) -> bool:
+    """Whether a call whose MaskMod came with bits may run on them (the block mask variants, without the
+    expression): no other score modifier, whose variants have no room for the bits' reads."""
+    return score_mod is None and not softcap and alibi_slopes is None and mask is None and bias is None

@@ -15,11 +15,13 @@ from .modifiers import MaskMod, ScoreMod   # (a call's modifiers are checked on 
 SCORE_OPERANDS = ("alibi_slopes", "mask", "bias", "block_mask")
 
 
-def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block_size, first: int):
+def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block_size, first: int,
+                   mask_bits=None):
     """FwdParams fields for ALiBi, mask, bias and block_mask: pointers as ("operand", index) with the
     operands at ``first``, ``first + 1``, ... in that order, and the kernel-ready arrays (zero-stride
     broadcast views; ALiBi slopes contiguous) in the same order (None where absent; names in
-    SCORE_OPERANDS)."""
+    SCORE_OPERANDS). ``mask_bits``: the fields of a MaskMod's bits in the allocation of a derived
+    ``block_mask`` (cuflash/_mask_blocks.py), added as they are."""
     fields, arrays = {}, [None, None, None, None]
     if alibi_slopes is not None:
         slopes = arrays[0] = _checks.check_alibi(alibi_slopes, b, hq)
@@ -37,6 +39,10 @@ def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block
         target = (b, hq, math.ceil(sq / bq), math.ceil(sk / bk))
         x = arrays[3] = _checks.broadcast_operand(block_mask, "block_mask", target, "bool")
         fields.update(block_mask=("operand", first + 3), **_stride_fields("block_mask", x))
+        if mask_bits is not None:   # the bits lie at an offset from the derived mask's own address
+            if x.data.ptr != _checks.as_cuda_array(block_mask, "block_mask").data.ptr:
+                raise RuntimeError("a derived block mask was copied away from its bits")
+            fields.update(mask_bits)
     return fields, arrays
 
 

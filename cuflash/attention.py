@@ -8,7 +8,7 @@ import numpy as np
 from . import _checks
 from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._forward_plan import _family_for, _forced_family, forward_plan
-from ._mask_blocks import call_block_mask
+from ._mask_blocks import bits_alone, call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
 from .decode import varlen_over_cache as _varlen_over_cache   # attention_varlen over a KV cache
 
@@ -229,13 +229,19 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     ``rng_words``: see :func:`_forward_with_rng_words` (None: drawn from the generator).
     ``operands``: q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks.
     ``modifiers``: (score_mod, mask_mod); their arrays follow the operands."""
-    mod_key = None
+    mod_key = mask_bits = None
     if modifiers[0] is not None or modifiers[1] is not None:
         mod_key, user_arrays = modifier_parts(*modifiers)
         if modifiers[1] is not None and modifiers[1].derives_blocks:   # the tiles it hides are skipped
-            block_mask, block_size = call_block_mask("attention", modifiers[1], operands[0], operands[1],
-                                                     operands[8], block_size)
+            block_mask, block_size, mask_bits = call_block_mask("attention", modifiers[1], operands[0], operands[1],
+                                                                operands[8], block_size)
             operands = operands[:8] + (block_mask,) + operands[9:]
+            if mask_bits is not None and bits_alone(modifiers[0], softcap, *operands[5:8]):
+                # the kernels read the MaskMod's bits beside the block mask, not its expression
+                modifiers, user_arrays = (None, None), ()
+                mod_key = ("mask bits", tuple(mask_bits.items()))
+            else:
+                mask_bits = None
         operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output, dropout_origin, mod_key)
@@ -245,7 +251,7 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
                                              softcap=softcap, block_size=block_size, dropout_p=dropout_p,
                                              generator=generator, lse_output=lse_output,
-                                             dropout_origin=dropout_origin, modifiers=modifiers)
+                                             dropout_origin=dropout_origin, modifiers=modifiers, mask_bits=mask_bits)
         if plan is None:
             return finish
     results, _, rng_state = plan.run(operands, ptrs, where, generator=generator, rng_state=rng_words,
@@ -255,11 +261,12 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
 
 
 def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size, dropout_p, generator,
-                    lse_output=True, dropout_origin=(0, 0), modifiers=(None, None)):
+                    lse_output=True, dropout_origin=(0, 0), modifiers=(None, None), mask_bits=None):
     """The full path of :func:`attention_forward`: check, plan (remembered under ``key`` when the
     operands are used in place). Returns (plan, pointers, finish): ``finish`` copies the kernel's
     output into the caller's when a private one was needed; (None, None, result) for a call that
-    launches nothing."""
+    launches nothing. ``mask_bits``: the fields of the MaskMod's bits beside a derived ``block_mask``
+    (cuflash/_mask_blocks.py), or None."""
     import cupy
 
     q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks = operands[:10]
@@ -274,7 +281,8 @@ def _plan_attention(operands, key, *, causal, scale, window, softcap, block_size
                                  dropout_p=dropout_p, generator=generator, seqlens=(sq, sk))
     origin_fields = _checks.check_dropout_origin(dropout_origin, (sq, sk))
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
-                                                block_mask=block_mask, block_size=block_size, first=5)
+                                                block_mask=block_mask, block_size=block_size, first=5,
+                                                mask_bits=mask_bits)
     sinks = _checks.check_sinks(sinks, hq)
     if sinks is not None:
         score_fields["sinks"] = ("operand", 9)

@@ -27,7 +27,7 @@ import numpy as np
 from . import _checks, kernels
 from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._backward_plan import _backward_plan, _family_for, _forced_family
-from ._mask_blocks import call_block_mask
+from ._mask_blocks import bits_alone, call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
 from .random import as_rng_state
 
@@ -268,11 +268,18 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     >>> dk.shape, dbias.shape
     ((2, 512, 2, 64), (1, 8, 512, 512))
     """
-    mod_key = None
+    mod_key = mask_bits = None
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         if mask_mod is not None and mask_mod.derives_blocks:   # the tiles it hides are skipped
-            block_mask, block_size = call_block_mask("attention_backward", mask_mod, q, k, block_mask, block_size)
+            block_mask, block_size, mask_bits = call_block_mask("attention_backward", mask_mod, q, k, block_mask,
+                                                                block_size)
+            if mask_bits is not None and bits_alone(score_mod, softcap, alibi_slopes, mask, bias):
+                # the kernels read the MaskMod's bits beside the block mask, not its expression
+                mask_mod, user_arrays = None, ()
+                mod_key = ("mask bits", tuple(mask_bits.items()))
+            else:
+                mask_bits = None
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
     if mod_key is not None:
         operands = operands + user_arrays
@@ -285,7 +292,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
                                             return_dbias=return_dbias, modifiers=(score_mod, mask_mod),
-                                            return_dsinks=return_dsinks)
+                                            return_dsinks=return_dsinks, mask_bits=mask_bits)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -360,10 +367,12 @@ def _finisher(users, results, targets, dims, reduce_dbias=None):
 
 
 def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, block_size, dropout_p,
-                   deterministic, return_dbias, dropout_origin=(0, 0), modifiers=(None, None), return_dsinks=False):
+                   deterministic, return_dbias, dropout_origin=(0, 0), modifiers=(None, None), return_dsinks=False,
+                   mask_bits=None):
     """The full path of :func:`attention_backward`: (plan, pointers, finish), or (None, None, result)
     for a call that launches nothing. Operands: dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask,
-    bias, block_mask, sinks, dsinks (None: the plan's output), then the ScoreMod/MaskMod arrays."""
+    bias, block_mask, sinks, dsinks (None: the plan's output), then the ScoreMod/MaskMod arrays.
+    ``mask_bits``: as in :func:`cuflash.attention._plan_attention`."""
     import cupy
 
     dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks = operands[:14]
@@ -392,7 +401,8 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
         raise ValueError("return_dbias=True is not supported together with a score_mod and a softcap (put the "
                          "cap inside the score_mod, or leave the bias without a gradient)")
     score_fields, score_arrays = score_operands(b, hq, sq, sk, alibi_slopes=alibi_slopes, mask=mask, bias=bias,
-                                                block_mask=block_mask, block_size=block_size, first=9)
+                                                block_mask=block_mask, block_size=block_size, first=9,
+                                                mask_bits=mask_bits)
     sinks = _checks.check_sinks(sinks, hq)
     user_fields, user_arrays, user_mods, user_source = user_operands(*modifiers, first=15, backward=True)
     bias_arr = _checks.as_cuda_array(bias, "bias") if return_dbias else None

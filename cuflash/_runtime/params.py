@@ -48,7 +48,8 @@ FWD_PARAMS = np.dtype(
         "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride",
         "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
         "block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride", "block_mask_col_stride",
-        "block_table_batch_stride"))
+        "block_table_batch_stride",
+        "mask_bits_offset", "mask_bits_batch_stride", "mask_bits_head_stride", "mask_bits_row_stride"))
     + [("dropout_state", np.uint64), ("dropout_seed", np.uint64), ("user", USER_ARGS)]
     + _fields(np.int32, ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_k", "head_dim", "head_dim_v",
                          "window_left", "window_right", "block_q", "block_k", "bias_dtype"))

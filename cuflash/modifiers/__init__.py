@@ -372,7 +372,8 @@ class MaskMod(_Modifier):
         Derive a block mask from the expression (evaluated on the GPU over every element of every
         64 x 64 block, once per call shape and arguments, then cached), so that the kernels never load
         the tiles it hides entirely (a document mask skips every tile between two documents, as varlen
-        does). The cache assumes that an array
+        does); with it, every element's answer as a bit, which the kernels read instead of the
+        expression when the MaskMod is the call's only modifier. The cache assumes that an array
         argument's contents do not change while its address does not: after writing into one in place,
         call :func:`cuflash.clear_mask_cache` (or pass a new array). ``False``: every tile is loaded and
         masked element by element. Not derived in ``attention_varlen`` and ``decode`` (see

@@ -86,10 +86,23 @@ def test_no_derivation_without_a_gpu_array():
     """Host arrays and shapes the checks refuse pass through unchanged (the checks report them)."""
     mod = MaskMod("kv_idx <= q_idx")
     q = np.zeros((1, 4, 1, 8), np.float16)
-    assert _mask_blocks.call_block_mask("attention", mod, q, q, None, (128, 128)) == (None, (128, 128))
+    assert _mask_blocks.call_block_mask("attention", mod, q, q, None, (128, 128)) == (None, (128, 128), None)
     assert _mask_blocks.call_block_mask("attention", MaskMod("kv_idx <= q_idx", sparse=False), q, q, None,
-                                        (128, 128)) == (None, (128, 128))
-    assert _mask_blocks.call_block_mask("attention", None, q, q, None, (128, 128)) == (None, (128, 128))
+                                        (128, 128)) == (None, (128, 128), None)
+    assert _mask_blocks.call_block_mask("attention", None, q, q, None, (128, 128)) == (None, (128, 128), None)
+
+
+def test_bits_layout_pads_the_rows_for_the_kernels_tiles():
+    """Rows up to the next multiple of 128 and one more (a 128-row tile and a 128-key tile past the ends
+    read inside the bits), whole words per block column, and no bits past the budget or for blocks
+    whose width is no multiple of 32."""
+    rows, words = _mask_blocks.bits_layout((1, 1, 3, 5), 130, (64, 64))
+    assert (rows, words) == (257, 10)
+    assert _mask_blocks.bits_layout((1, 1, 2, 4), 128, (64, 64)) == (129, 8)
+    assert _mask_blocks.bits_layout((1, 1, 3, 5), 130, (64, 48)) is None
+    side = 1 << 15   # (32k)^2 bits of one (b, h): 128 MiB, within the budget; 4 heads of it are not
+    assert _mask_blocks.bits_layout((1, 1, side // 64, side // 64), side, (64, 64)) is not None
+    assert _mask_blocks.bits_layout((1, 4, side // 64, side // 64), side, (64, 64)) is None
 
 
 def test_derived_block_size_divides_the_sm90_tiles():
