@@ -180,9 +180,9 @@ struct BwdSm90Config {
     // beside it: the modifiers' loads and the Philox rounds then have dP^T's registers.
     static constexpr bool kSerialScores = kFeatured && !kSplitDims;
     static constexpr int kBlockN = kSplitDims ? 64 : 128, kConsumers = 2, kNThreads = 128 * (kConsumers + 1);
-    // The producer's walk and copies need 40 registers (with 24 they spilled), the block mask's
-    // tests included (query_tiles_from); the consumers get the
-    // rest, which holds dK, dV, S^T, dP^T of 64 keys (192 at D = 128) without spills (every
+    // The producer's walk and copies need 40 registers (with 24 they spilled), the block mask's tests
+    // included (query_tiles_from); the consumers get the rest, which holds dK, dV, S^T, dP^T of 64
+    // keys (192 at D = 128) without spills (every
     // modifier with dropout at D = 256 spilled 40 B with 224). With 80 query rows (224 of them) the
     // consumers need 240, and the producer's walk at D = 128 (not unrolled) fits in 24.
     static constexpr int kProducerRegs = kBlockM == 80 ? 24 : 40;
@@ -610,7 +610,7 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
             const bool bits = C::kMods == kModBlockMask && p.mask_bits_offset != 0;
             modify_scores<C::kMods, 2, 2 * C::kMTiles, true, false, false, false>(p, s, keys, queries, raw, raw,
                                                                                   blocks_whole || bits);
-            if (C::kMods == kModBlockMask && bits && !blocks_whole) hide_by_mask_bits_t<C>(p, s, keys, queries, acc_s);
+            if (bits && !blocks_whole) hide_by_mask_bits_t<C>(p, s, keys, queries, acc_s);
         } else {
 #pragma unroll
             for (int mi = 0; mi < C::kMTiles; ++mi)

@@ -15,9 +15,9 @@
 // read b / h (then b / h = 0 is evaluated: any value gives the same). Elements past seqlen_q or
 // seqlen_k are not evaluated (they do not exist). args: the MaskMod's cuflash::user::Args, in device
 // memory; the shape as plain scalars (CuPy's launcher packs them). Any grid: each CTA takes blocks t =
-// blockIdx.x, + gridDim.x, ...; a CTA stops evaluating a block at the first chunk of blockDim.x
-// elements after which it has seen one that may attend and one that may not. Compile-time: none (the
-// expression is the variant's generated source).
+// blockIdx.x, + gridDim.x, ...; without bits a CTA stops evaluating a block at the first chunk of
+// blockDim.x elements after which it has seen one that may attend and one that may not. Compile-time:
+// none (the expression is the variant's generated source).
 #include "user_mod.cuh"
 
 namespace cuflash {
