@@ -3,6 +3,8 @@ which variables an expression reads (the mask's batch and head axes), the cache 
 the NVRTC compile of the block-mask kernel for sm_80 and sm_90a with no spills (also in the
 catalogue's CI sweep). The kernel against NumPy: tests/gpu/test_mask_blocks.py."""
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,38 @@ def test_sparse_variants_in_the_sweep():
     for arch in ("sm_80", "sm_90a"):
         sparse = catalogue.user_variants(arch, sparse=True)
         assert sparse and {(v, arch) for v in sparse} <= pairs
+
+
+def test_cache_keeps_its_masks_within_entries_and_bytes(monkeypatch):
+    """Least recently used out, by count and by bytes; the newest stays whatever its size."""
+    from types import SimpleNamespace
+
+    sizes = {1: 40, 2: 40, 3: 40, 4: 500}
+
+    def compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size):
+        return f"mask {seqlen_q}", None, (), sizes[seqlen_q]
+
+    class Event:
+        def __init__(self, **kwargs):
+            pass
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(_mask_blocks._checks, "_cupy", lambda: SimpleNamespace(cuda=SimpleNamespace(Event=Event)))
+    monkeypatch.setattr(_mask_blocks._launch, "device_id", lambda: 0)
+    monkeypatch.setattr(_mask_blocks._launch, "current_stream_ptr", lambda device: 0)
+    monkeypatch.setattr(_mask_blocks._capture, "is_capturing", lambda: False)
+    monkeypatch.setattr(_mask_blocks, "_compute", compute)
+    monkeypatch.setattr(_mask_blocks, "MAX_BYTES", 100)
+    monkeypatch.setattr(_mask_blocks, "_cache", collections.OrderedDict())
+    mod = MaskMod("kv_idx <= q_idx")
+    kept = lambda: sorted(entry.mask for entry in _mask_blocks._cache.values())  # noqa: E731
+    for seqlen_q in (1, 2, 3):
+        assert _mask_blocks._derived(mod, 1, 1, seqlen_q, 8, (64, 64)) == (f"mask {seqlen_q}", None)
+    assert kept() == ["mask 2", "mask 3"]   # 120 bytes > 100: the oldest out
+    monkeypatch.setattr(_mask_blocks, "MAX_ENTRIES", 1)
+    _mask_blocks._derived(mod, 1, 1, 2, 8, (64, 64))   # a hit: now the most recent, nothing computed
+    assert kept() == ["mask 2", "mask 3"]
+    _mask_blocks._derived(mod, 1, 1, 4, 8, (64, 64))
+    assert kept() == ["mask 4"]   # over both limits alone: kept
