@@ -6,13 +6,16 @@ Problems (bf16, D 128, H 16):
 - ``window+softcap``: B 2, S 8k, causal, a 1024-key sliding window and a tanh cap of 30
   (Gemma-2/3, gpt-oss, Mistral);
 - ``document``: B 1, S 16k of documents 512..4096 tokens long, causal within each;
-- ``prefix-lm``: B 2, S 8k, the first 2048 tokens see each other, the rest causally.
+- ``prefix-lm``: B 2, S 8k, the first 2048 tokens see each other, the rest causally;
+- ``relative-bias``: B 2, S 8k, causal, a learned bias per head and distance (1024 distances, the last
+  one for every farther key), as T5 and ALiBi-like relative schemes add it.
 
 Contenders, each called as its users call it from torch tensors (``torch.autograd.grad`` of the
 output with a fixed incoming gradient):
 
 - ``cuflash``: the built-in options (``ct.attention(window=, softcap=)``; the document case as
-  ``ct.attention_varlen`` over the packed documents; prefix-LM has no built-in form);
+  ``ct.attention_varlen`` over the packed documents; the relative bias as a ``bias`` of (1, H, S, S)
+  made from the table, broadcast over the batch; prefix-LM has no built-in form);
 - ``cuflash mod``: the same attention written as ``cuflash.ScoreMod`` / ``cuflash.MaskMod``;
 - ``fa4``: ``flash_attn_func(causal=, window_size=, softcap=)`` / ``flash_attn_varlen_func`` (where
   carried, benchmarks/fa4_device.md);
@@ -38,7 +41,7 @@ from _harness import (fa4_out, fmt, largest_difference, log, markdown_table, ope
                       runnable, write_results)
 
 HEADS, HEAD_DIM = 16, 128
-WINDOW, CAP, PREFIX = 1024, 30.0, 2048
+WINDOW, CAP, PREFIX, DISTANCES = 1024, 30.0, 2048, 1024
 COLUMNS = ["problem", "cuflash", "cuflash mod", "fa4", "flex", "x fa4", "x flex", "maxdiff"]
 
 
@@ -62,6 +65,8 @@ def visible_pairs(problem: str, seqlen: int, lengths=None) -> int:
         return int(sum(n * (n + 1) // 2 for n in lengths))
     if problem == "prefix-lm":
         return int(np.where(i < PREFIX, PREFIX, i + 1).sum())
+    if problem == "relative-bias":
+        return int((i + 1).sum())
     raise ValueError(problem)
 
 
@@ -71,7 +76,7 @@ def step_tflops(pairs: int, batch: int, ms: float) -> float:
 
 
 def problems(quick: bool):
-    grid = [("window+softcap", 2, 8192), ("document", 1, 16384), ("prefix-lm", 2, 8192)]
+    grid = [("window+softcap", 2, 8192), ("document", 1, 16384), ("prefix-lm", 2, 8192), ("relative-bias", 2, 8192)]
     return grid[:1] if quick else grid
 
 
@@ -111,6 +116,19 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
         flex_score = None
         flex_mask = lambda b, h, qi, ki: (qi >= ki) & (doc[qi] == doc[ki])  # noqa: E731
         pairs = visible_pairs(problem, seqlen, lengths)
+    elif problem == "relative-bias":
+        table = torch.randn(HEADS, DISTANCES, device="cuda", dtype=torch.float32)
+        i = torch.arange(seqlen, device="cuda")
+        distance = (i[:, None] - i[None, :]).clamp(0, DISTANCES - 1)
+        bias = table[:, distance].to(torch.bfloat16)[None]   # (1, H, S, S): the built-in call's operand
+        del distance
+        calls["cuflash"] = lambda: ct.attention(q, k, v, causal=True, bias=bias)
+        relative = cuflash.ScoreMod("score + table[h * n + min(q_idx - kv_idx, n - 1)]", table=table.view(-1),
+                                    n=DISTANCES)
+        calls["cuflash mod"] = lambda: ct.attention(q, k, v, causal=True, score_mod=relative)
+        flex_score = lambda score, b, h, qi, ki: score + table[h, (qi - ki).clamp(0, DISTANCES - 1)]  # noqa: E731
+        flex_mask = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+        pairs = visible_pairs(problem, seqlen)
     else:
         prefix = cuflash.MaskMod("kv_idx < p || kv_idx <= q_idx", p=PREFIX)
         calls["cuflash mod"] = lambda: ct.attention(q, k, v, mask_mod=prefix)

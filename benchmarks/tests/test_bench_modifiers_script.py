@@ -21,6 +21,8 @@ def test_visible_pairs_count_what_each_mask_leaves(bench, monkeypatch):
     assert bench.visible_pairs("document", 5, np.array([2, 3])) == 9
     # prefix 3: rows 0..2 see 3 keys, row 3 sees 4, row 4 sees 5
     assert bench.visible_pairs("prefix-lm", 5) == 18
+    # causal: rows see 1..5 keys
+    assert bench.visible_pairs("relative-bias", 5) == 15
     with pytest.raises(ValueError):
         bench.visible_pairs("other", 5)
 
