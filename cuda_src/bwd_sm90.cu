@@ -905,9 +905,9 @@ __device__ __forceinline__ void write_dq_shares(const BwdParams& bp, BwdSm90Shar
 // Which of the 32 query tiles base, base + 1, ..., base + 31 the CTA's keys [n_lo, n_lo + kBlockN)
 // visit (bit i: tile base + i): below c_end and not hidden by the block mask; *whole: which of them
 // have blocks that hide nothing (tile_blocks_whole). Each lane tests one tile, so that the walk pays
-// one dependent load per 32 tiles: tested a tile at a time by the whole warp, the tiles a document
-// mask hides cost the walk ~1 us each, and its backward took as long as the causal call's (H200, 16k
-// tokens in documents of 512..4096, D = 128: docs/decisions.md#bwd-sm90-the-block-masks-walk-32-tiles-a-step).
+// one dependent load per 32 tiles: a tile at a time, each tile a document mask hides costs the walk
+// ~1 us, which puts the mask's backward at the causal call's time (H200, 16k tokens in documents of
+// 512..4096, D = 128: docs/decisions.md#bwd-sm90-the-block-masks-walk-32-tiles-a-step).
 // Every lane of the warp must call it.
 template <class C>
 __device__ __forceinline__ unsigned query_tiles_from(const FwdParams& p, const SeqInfo& s, int base, int c_end,

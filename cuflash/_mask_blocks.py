@@ -183,7 +183,8 @@ def derived_block_mask(mask_mod, batch: int, heads: int, seqlen_q: int, seqlen_k
 
 def _derived(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size):
     """(mask, bits): :func:`derived_block_mask`'s mask and the FwdParams fields of the bits beside it
-    (``mask_bits_offset`` and the strides: a dict), or None without bits."""
+    (``mask_bits_offset`` and the strides, as (name, value) pairs: a call's memo key takes them as they
+    are), or None without bits."""
     cupy = _checks._cupy()
     device = _launch.device_id()
     key = cache_key(mask_mod, batch, heads, seqlen_q, seqlen_k, block_size, device)
@@ -248,10 +249,10 @@ def _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size):
         buffer = cupy.empty(offset + 4 * shape[0] * shape[1] * slice_words, dtype=cupy.uint8)
         mask = buffer[:blocks].view(cupy.bool_).reshape(shape)
         bits = buffer[offset:].view(cupy.uint32)
-        bits_fields = {"mask_bits_offset": offset,
-                       "mask_bits_batch_stride": shape[1] * slice_words if shape[0] > 1 else 0,
-                       "mask_bits_head_stride": slice_words if shape[1] > 1 else 0,
-                       "mask_bits_row_stride": row_words}
+        bits_fields = (("mask_bits_offset", offset),
+                       ("mask_bits_batch_stride", shape[1] * slice_words if shape[0] > 1 else 0),
+                       ("mask_bits_head_stride", slice_words if shape[1] > 1 else 0),
+                       ("mask_bits_row_stride", row_words))
     kernel = get_kernel(mask_blocks_variant(source))
     bq, bk = block_size
     kernel((min(blocks, MASK_BLOCKS_MAX_CTAS),), (MASK_BLOCKS_THREADS,),
@@ -260,14 +261,15 @@ def _compute(cupy, mask_mod, shape, seqlen_q, seqlen_k, block_size):
     return mask, bits_fields, (mask_mod.call_parts()[1], arrays, args_gmem, buffer), buffer.nbytes
 
 
-def call_block_mask(entry: str, mask_mod, q, k, block_mask, block_size):
+def call_block_mask(entry: str, mask_mod, q, k, block_mask, block_size, alone: bool):
     """(block_mask, block_size, bits) that a dense call (``attention``, ``attention_forward``,
     ``attention_backward``) passes its kernels: unchanged (bits None) without a ``mask_mod`` that derives
-    blocks; else the derived mask at :data:`~cuflash.kernels.mask_blocks.DERIVED_BLOCK_SIZE` with its bits'
-    FwdParams fields (None without bits: see :func:`bits_layout`), or, beside an explicit ``block_mask``,
-    at its ``block_size`` and ANDed with it (a new array each call, without bits: such a call cannot be
-    captured in a CUDA graph). Shapes that the checks will refuse, and empty problems, are passed
-    through unchanged for the checks to report."""
+    blocks; else the derived mask at :data:`~cuflash.kernels.mask_blocks.DERIVED_BLOCK_SIZE` and, where
+    the MaskMod is the call's only modifier (``alone``: :func:`bits_alone`) and the mask has them (see
+    :func:`bits_layout`), its bits' FwdParams fields, for the kernels to read instead of the expression;
+    or, beside an explicit ``block_mask``, at its ``block_size`` and ANDed with it (a new array each call,
+    without bits: such a call cannot be captured in a CUDA graph). Shapes that the checks will refuse,
+    and empty problems, are passed through unchanged for the checks to report."""
     from .modifiers import MaskMod
     from .kernels.mask_blocks import DERIVED_BLOCK_SIZE
 
@@ -282,7 +284,7 @@ def call_block_mask(entry: str, mask_mod, q, k, block_mask, block_size):
         return block_mask, block_size, None
     if block_mask is None:
         mask, bits = _derived(mask_mod, batch, heads, seqlen_q, seqlen_k, DERIVED_BLOCK_SIZE)
-        return mask, DERIVED_BLOCK_SIZE, bits
+        return mask, DERIVED_BLOCK_SIZE, bits if alone else None
     bq, bk = _checks.check_block_size(block_size)
     target = (batch, heads, -(-seqlen_q // bq), -(-seqlen_k // bk))
     given = _checks.broadcast_operand(block_mask, "block_mask", target, "bool")
@@ -293,6 +295,6 @@ def call_block_mask(entry: str, mask_mod, q, k, block_mask, block_size):
 
 
 def bits_alone(score_mod, softcap, alibi_slopes, mask, bias) -> bool:
-    """Whether a call whose MaskMod came with bits may run on them (the block mask variants, without the
-    expression): no other score modifier, whose variants have no room for the bits' reads."""
+    """Whether a call's MaskMod may be read as bits (the block mask variants, without the expression):
+    no other score modifier, whose variants have no room for the bits' reads."""
     return score_mod is None and not softcap and alibi_slopes is None and mask is None and bias is None

@@ -21,7 +21,7 @@ def score_operands(b, hq, sq, sk, *, alibi_slopes, mask, bias, block_mask, block
     operands at ``first``, ``first + 1``, ... in that order, and the kernel-ready arrays (zero-stride
     broadcast views; ALiBi slopes contiguous) in the same order (None where absent; names in
     SCORE_OPERANDS). ``mask_bits``: the fields of a MaskMod's bits in the allocation of a derived
-    ``block_mask`` (cuflash/_mask_blocks.py), added as they are."""
+    ``block_mask`` ((name, value) pairs, cuflash/_mask_blocks.py), added as they are."""
     fields, arrays = {}, [None, None, None, None]
     if alibi_slopes is not None:
         slopes = arrays[0] = _checks.check_alibi(alibi_slopes, b, hq)

@@ -233,15 +233,12 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     if modifiers[0] is not None or modifiers[1] is not None:
         mod_key, user_arrays = modifier_parts(*modifiers)
         if modifiers[1] is not None and modifiers[1].derives_blocks:   # the tiles it hides are skipped
-            block_mask, block_size, mask_bits = call_block_mask("attention", modifiers[1], operands[0], operands[1],
-                                                                operands[8], block_size)
+            block_mask, block_size, mask_bits = call_block_mask(
+                "attention", modifiers[1], operands[0], operands[1], operands[8], block_size,
+                bits_alone(modifiers[0], softcap, *operands[5:8]))
             operands = operands[:8] + (block_mask,) + operands[9:]
-            if mask_bits is not None and bits_alone(modifiers[0], softcap, *operands[5:8]):
-                # the kernels read the MaskMod's bits beside the block mask, not its expression
-                modifiers, user_arrays = (None, None), ()
-                mod_key = ("mask bits", tuple(mask_bits.items()))
-            else:
-                mask_bits = None
+            if mask_bits is not None:   # the kernels read the MaskMod's bits, not its expression
+                modifiers, user_arrays, mod_key = (None, None), (), ("mask bits", mask_bits)
         operands = operands + user_arrays
     options = (causal, scale, window, softcap, block_size, dropout_p, type(generator), _forced_family.get(),
                lse_output, dropout_origin, mod_key)

@@ -272,14 +272,11 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         if mask_mod is not None and mask_mod.derives_blocks:   # the tiles it hides are skipped
-            block_mask, block_size, mask_bits = call_block_mask("attention_backward", mask_mod, q, k, block_mask,
-                                                                block_size)
-            if mask_bits is not None and bits_alone(score_mod, softcap, alibi_slopes, mask, bias):
-                # the kernels read the MaskMod's bits beside the block mask, not its expression
-                mask_mod, user_arrays = None, ()
-                mod_key = ("mask bits", tuple(mask_bits.items()))
-            else:
-                mask_bits = None
+            block_mask, block_size, mask_bits = call_block_mask(
+                "attention_backward", mask_mod, q, k, block_mask, block_size,
+                bits_alone(score_mod, softcap, alibi_slopes, mask, bias))
+            if mask_bits is not None:   # the kernels read the MaskMod's bits, not its expression
+                mask_mod, user_arrays, mod_key = None, (), ("mask bits", mask_bits)
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
     if mod_key is not None:
         operands = operands + user_arrays

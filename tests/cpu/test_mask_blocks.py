@@ -88,10 +88,10 @@ def test_no_derivation_without_a_gpu_array():
     """Host arrays and shapes the checks refuse pass through unchanged (the checks report them)."""
     mod = MaskMod("kv_idx <= q_idx")
     q = np.zeros((1, 4, 1, 8), np.float16)
-    assert _mask_blocks.call_block_mask("attention", mod, q, q, None, (128, 128)) == (None, (128, 128), None)
+    assert _mask_blocks.call_block_mask("attention", mod, q, q, None, (128, 128), True) == (None, (128, 128), None)
     assert _mask_blocks.call_block_mask("attention", MaskMod("kv_idx <= q_idx", sparse=False), q, q, None,
-                                        (128, 128)) == (None, (128, 128), None)
-    assert _mask_blocks.call_block_mask("attention", None, q, q, None, (128, 128)) == (None, (128, 128), None)
+                                        (128, 128), True) == (None, (128, 128), None)
+    assert _mask_blocks.call_block_mask("attention", None, q, q, None, (128, 128), True) == (None, (128, 128), None)
 
 
 def test_bits_layout_pads_the_rows_for_the_kernels_tiles():

@@ -99,6 +99,7 @@ def test_derived_bits_equal_numpy(case, batch, heads, seqlen_q, seqlen_k, seed):
     rng = np.random.default_rng(seed)
     mod = _mask_mod(case, rng, batch, seqlen_q, seqlen_k)
     mask, bits = _mask_blocks._derived(mod, batch, heads, seqlen_q, seqlen_k, DERIVED_BLOCK_SIZE)
+    bits = dict(bits)
     shape = _mask_blocks.mask_shape(mod, batch, heads, seqlen_q, seqlen_k, DERIVED_BLOCK_SIZE)
     rows, row_words = _mask_blocks.bits_layout(shape, seqlen_q, DERIVED_BLOCK_SIZE)
     assert bits["mask_bits_row_stride"] == row_words
