@@ -8,7 +8,9 @@ Problems (bf16, D 128, H 16):
 - ``document``: B 1, S 16k of documents 512..4096 tokens long, causal within each;
 - ``prefix-lm``: B 2, S 8k, the first 2048 tokens see each other, the rest causally;
 - ``relative-bias``: B 2, S 8k, causal, a learned bias per head and distance (1024 distances, the last
-  one for every farther key), as T5 and ALiBi-like relative schemes add it.
+  one for every farther key), as T5 and ALiBi-like relative schemes add it;
+- ``alibi``: B 2, S 8k, causal ALiBi with geometric slopes (BLOOM, MPT), written as FlexAttention's
+  docs write it, ``score + slope[h] * (kv_idx - q_idx)``.
 
 Contenders, each called as its users call it from torch tensors (``torch.autograd.grad`` of the
 output with a fixed incoming gradient):
@@ -16,7 +18,8 @@ output with a fixed incoming gradient):
 - ``cuflash``: the built-in options (``ct.attention(window=, softcap=)``; the document case as
   ``ct.attention_varlen`` over the packed documents; the relative bias as a ``bias`` of (1, H, S, S)
   made from the table, broadcast over the batch; prefix-LM has no built-in form);
-- ``cuflash mod``: the same attention written as ``cuflash.ScoreMod`` / ``cuflash.MaskMod``;
+- ``cuflash mod``: the same attention written as ``cuflash.ScoreMod`` / ``cuflash.MaskMod`` (the
+  window, the softcap and ALiBi among them run as the built-in options: cuflash/modifiers/builtin.py);
 - ``fa4``: ``flash_attn_func(causal=, window_size=, softcap=)`` / ``flash_attn_varlen_func`` (where
   carried, benchmarks/fa4_device.md);
 - ``flex``: ``torch.compile(flex_attention)`` with a ``score_mod`` and a block mask from a
@@ -65,7 +68,7 @@ def visible_pairs(problem: str, seqlen: int, lengths=None) -> int:
         return int(sum(n * (n + 1) // 2 for n in lengths))
     if problem == "prefix-lm":
         return int(np.where(i < PREFIX, PREFIX, i + 1).sum())
-    if problem == "relative-bias":
+    if problem in ("relative-bias", "alibi"):
         return int((i + 1).sum())
     raise ValueError(problem)
 
@@ -76,7 +79,8 @@ def step_tflops(pairs: int, batch: int, ms: float) -> float:
 
 
 def problems(quick: bool):
-    grid = [("window+softcap", 2, 8192), ("document", 1, 16384), ("prefix-lm", 2, 8192), ("relative-bias", 2, 8192)]
+    grid = [("window+softcap", 2, 8192), ("document", 1, 16384), ("prefix-lm", 2, 8192), ("relative-bias", 2, 8192),
+            ("alibi", 2, 8192)]
     return grid[:1] if quick else grid
 
 
@@ -127,6 +131,14 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
                                     n=DISTANCES)
         calls["cuflash mod"] = lambda: ct.attention(q, k, v, causal=True, score_mod=relative)
         flex_score = lambda score, b, h, qi, ki: score + table[h, (qi - ki).clamp(0, DISTANCES - 1)]  # noqa: E731
+        flex_mask = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+        pairs = visible_pairs(problem, seqlen)
+    elif problem == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)], device="cuda")
+        calls["cuflash"] = lambda: ct.attention(q, k, v, causal=True, alibi_slopes=slopes)
+        alibi = cuflash.ScoreMod("score + slope[h] * (kv_idx - q_idx)", slope=slopes)
+        calls["cuflash mod"] = lambda: ct.attention(q, k, v, causal=True, score_mod=alibi)
+        flex_score = lambda score, b, h, qi, ki: score + slopes[h] * (ki - qi)  # noqa: E731
         flex_mask = lambda b, h, qi, ki: qi >= ki  # noqa: E731
         pairs = visible_pairs(problem, seqlen)
     else:

@@ -23,6 +23,7 @@ def test_visible_pairs_count_what_each_mask_leaves(bench, monkeypatch):
     assert bench.visible_pairs("prefix-lm", 5) == 18
     # causal: rows see 1..5 keys
     assert bench.visible_pairs("relative-bias", 5) == 15
+    assert bench.visible_pairs("alibi", 5) == 15
     with pytest.raises(ValueError):
         bench.visible_pairs("other", 5)
 

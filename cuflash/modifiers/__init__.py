@@ -33,13 +33,14 @@ import numbers
 import numpy as np
 
 from cuflash.modifiers import cuda as _cuda
+from cuflash.modifiers.builtin import as_written, mask_parts, score_parts
 from cuflash.modifiers.check import ArgKind, check
 from cuflash.modifiers.derivative import d_score, reads_score
 from cuflash.modifiers.numpy_eval import evaluate, grids
 from cuflash.modifiers.parse import FUNCTIONS, VARIABLES, Node, Num, parse, unparse, variables
 from cuflash.modifiers.spec import spec_of
 
-__all__ = ["ScoreMod", "MaskMod", "kernel_source"]
+__all__ = ["ScoreMod", "MaskMod", "as_written", "kernel_source"]
 
 _MAX_ARRAYS = 8    # cuda_src/user_mod.cuh kMaxArrays
 _MAX_SCALARS = 8   # kMaxScalars
@@ -199,7 +200,7 @@ class _Modifier:
         if unknown:
             raise ValueError(f"{self._what} has no arguments {sorted(unknown)}")
         new = object.__new__(type(self))
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_call_parts", "_owns_arrays")})
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_call_parts", "_owns_arrays", "_rests")})
         new.args = _Arguments({**self.args.values, **values}, self._what)
         check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
         if getattr(self, "grad", None) is not None:
@@ -239,7 +240,7 @@ class _Modifier:
                                 f"{'no array' if got is None else _dtype_name(got)}")
         memo_key = self.call_parts()[0]
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_rests"})   # rests around self's arrays
         new.args = self.args.replaced(arrays)
         new._call_parts = (memo_key, tuple(arrays[name] for name in names))
         if names:
@@ -259,7 +260,9 @@ class ScoreMod(_Modifier):
 
     Passed as ``score_mod=`` to :func:`cuflash.attention` and the other entry points, it runs inside
     every kernel family after ``scale``, the softcap, ALiBi and ``bias``, and the float64 reference
-    evaluates the same expression with NumPy.
+    evaluates the same expression with NumPy. A softcap or ALiBi written as one (``c * tanh(score /
+    c)``, ``score + s[h] * (kv_idx - q_idx)``, ...) runs as the built-in option wherever the call
+    allows (:mod:`cuflash.modifiers.builtin`; :func:`cuflash.modifiers.as_written` turns it off).
 
     Parameters
     ----------
@@ -312,6 +315,8 @@ class ScoreMod(_Modifier):
         #: beside its array arguments in slot order (these names).
         self.spec = spec_of(self)
         self.array_names = self.args.array_names()
+        #: The softcap and ALiBi it states (:mod:`cuflash.modifiers.builtin`), which calls run built in.
+        self._builtin = score_parts(self)
 
     def _canonical(self):
         return unparse(self.expr), None if self.grad is None else unparse(self.grad)
@@ -361,7 +366,10 @@ class ScoreMod(_Modifier):
 class MaskMod(_Modifier):
     """A mask written as one expression: True where query ``q_idx`` may attend to key ``kv_idx``.
 
-    Passed as ``mask_mod=``; combined with the built-in masks (causal, window, ``mask``) by "and".
+    Passed as ``mask_mod=``; combined with the built-in masks (causal, window, ``mask``) by "and". Its
+    terms (joined by ``&&``) that bound ``q_idx - kv_idx`` (``kv_idx <= q_idx``, ``q_idx - kv_idx <
+    w``, ...) run as the built-in causal mask and window wherever the call allows
+    (:mod:`cuflash.modifiers.builtin`).
 
     Parameters
     ----------
@@ -417,6 +425,8 @@ class MaskMod(_Modifier):
         self.spec = spec_of(self)
         self.spec_without_blocks = spec_of(self, sparse=False)
         self.array_names = self.args.array_names()
+        #: The window it states (:mod:`cuflash.modifiers.builtin`), which calls run built in.
+        self._builtin = mask_parts(self)
 
     def _canonical(self):
         return unparse(self.expr)

@@ -28,6 +28,16 @@ from tests.gpu._hardware import gpu_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU found by CuPy")]
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _expressions_as_written():
+    """These tests are of the block masks derived from the expressions as written, so
+    nothing moves into a built-in option (cuflash/modifiers/builtin.py; the moves are
+    tests/gpu/test_modifiers_builtin.py's)."""
+    with cuflash.modifiers.as_written():
+        yield
+
+
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
 

@@ -37,6 +37,16 @@ from tests.gpu._hardware import gpu_available as _gpu_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _expressions_as_written():
+    """These tests are of the expressions' own path through decode, so
+    nothing moves into a built-in option (cuflash/modifiers/builtin.py; the moves are
+    tests/gpu/test_modifiers_builtin.py's)."""
+    with cuflash.modifiers.as_written():
+        yield
+
+
 CASES = ("relative", "sliding", "cap", "combined")
 PAGE_SIZES = (None, 16, 64, 3)
 SPLITS = (1, 3, 0)

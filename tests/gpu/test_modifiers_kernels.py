@@ -40,6 +40,16 @@ from tests.gpu._hardware import SM90, gpu_available as _gpu_available  # noqa: E
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _expressions_as_written():
+    """These tests are of the expressions' own path through each kernel family, so
+    nothing moves into a built-in option (cuflash/modifiers/builtin.py; the moves are
+    tests/gpu/test_modifiers_builtin.py's)."""
+    with cuflash.modifiers.as_written():
+        yield
+
+
 FORWARD = [pytest.param("fwd_sm80", "float16", id="fwd_sm80-fp16"),
            pytest.param("fwd_sm80", "bfloat16", id="fwd_sm80-bf16"),
            pytest.param("fwd_simt", "float32", id="fwd_simt-fp32"),
