@@ -560,20 +560,44 @@ __device__ __forceinline__ void hide_by_mask_tile_t(float (&acc_s)[C::kMTiles][4
 
 // The bits of the MaskMod a block mask was derived from (FwdParams::mask_bits_offset) on S^T in place:
 // element (mi, e) is key keys[e / 2] and query queries[2 mi + e % 2]. The thread's two keys (8 apart
-// in a 16-aligned group) share a 32-key word, so each query reads one word. Queries and keys past the
-// ends read inside the bits' padding (hide_by_mask_bits_rows; their scores are not used).
+// in a 16-aligned group) share a 32-key word, so each query reads one word (load_mask_bits_t; queries
+// and keys past the ends read inside the bits' padding, load_mask_bits_rows in fragments.cuh, their
+// scores not used), and hide_by_mask_bits_t applies them. The loads are L2 reads: a consumer that can
+// issues them while S^T is computed.
 template <class C>
-__device__ __forceinline__ void hide_by_mask_bits_t(const FwdParams& p, const SeqInfo& s, const int (&keys)[2],
-                                                    const int (&queries)[2 * C::kMTiles],
-                                                    float (&acc_s)[C::kMTiles][4]) {
+__device__ __forceinline__ void load_mask_bits_t(const FwdParams& p, const SeqInfo& s, const int (&keys)[2],
+                                                 int query0, unsigned (&words)[2 * C::kMTiles]) {
     const unsigned* bits = reinterpret_cast<const unsigned*>(p.block_mask + p.mask_bits_offset) +
                            s.b * p.mask_bits_batch_stride + s.h * p.mask_bits_head_stride + (keys[0] >> 5);
+#pragma unroll
+    for (int x = 0; x < 2 * C::kMTiles; ++x)
+        words[x] = __ldg(bits + (query0 + (x / 2) * 8 + x % 2) * static_cast<int>(p.mask_bits_row_stride));
+}
+template <class C>
+__device__ __forceinline__ void hide_by_mask_bits_t(const int (&keys)[2], const unsigned (&words)[2 * C::kMTiles],
+                                                    float (&acc_s)[C::kMTiles][4]) {
     const int bit0 = keys[0] & 31;
 #pragma unroll
     for (int x = 0; x < 2 * C::kMTiles; ++x) {
-        const unsigned word = __ldg(bits + queries[x] * static_cast<int>(p.mask_bits_row_stride)) >> bit0;
+        const unsigned word = words[x] >> bit0;
         if ((word & 1u) == 0u) acc_s[x / 2][x % 2] = -CUFLASH_INF;
         if ((word & 0x100u) == 0u) acc_s[x / 2][2 + x % 2] = -CUFLASH_INF;
+    }
+}
+
+// The words of a warp whose keys share one 32-key word (the one of `key`), one a query of the tile
+// from m_lo: lane l holds query m_lo + 32 j + l in slot j (kWarpBitSlots slots).
+template <class C>
+constexpr int kWarpBitSlots = (C::kBlockM + 31) / 32;
+template <class C>
+__device__ __forceinline__ void load_warp_mask_bits(const FwdParams& p, const SeqInfo& s, int key, int m_lo, int lane,
+                                                    unsigned (&slots)[kWarpBitSlots<C>]) {
+    const unsigned* bits = reinterpret_cast<const unsigned*>(p.block_mask + p.mask_bits_offset) +
+                           s.b * p.mask_bits_batch_stride + s.h * p.mask_bits_head_stride + (key >> 5);
+#pragma unroll
+    for (int j = 0; j < kWarpBitSlots<C>; ++j) {
+        const int q = 32 * j + lane;
+        slots[j] = q < C::kBlockM ? __ldg(bits + (m_lo + q) * static_cast<int>(p.mask_bits_row_stride)) : 0u;
     }
 }
 
@@ -593,7 +617,8 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
                                                    const unsigned (&keep)[C::kKeepWords],
                                                    float (&acc_s)[C::kMTiles][4],
                                                    float (&score2)[C::kScoreMods ? C::kMTiles : 1][4],
-                                                   bool blocks_whole, unsigned score_tile = 0) {
+                                                   bool blocks_whole, unsigned score_tile = 0,
+                                                   const unsigned* bit_slots = nullptr) {
     if constexpr (C::kScoreMods || C::kModifiedInPlace) {
         int queries[2 * C::kMTiles];
 #pragma unroll
@@ -610,7 +635,17 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
             const bool bits = C::kMods == kModBlockMask && p.mask_bits_offset != 0;
             modify_scores<C::kMods, 2, 2 * C::kMTiles, true, false, false, false>(p, s, keys, queries, raw, raw,
                                                                                   blocks_whole || bits);
-            if (bits && !blocks_whole) hide_by_mask_bits_t<C>(p, s, keys, queries, acc_s);
+            if (bits && !blocks_whole) {   // bit_slots: the warp's words, loaded by the caller (load_warp_mask_bits)
+                unsigned words[2 * C::kMTiles];
+                if (bit_slots != nullptr) {   // query m_lo + col + 8 mi + e is word slot mi / 4 of lane 8 mi % 32 + col + e
+#pragma unroll
+                    for (int x = 0; x < 2 * C::kMTiles; ++x)
+                        words[x] = __shfl_sync(0xffffffffu, bit_slots[x / 8], (x / 2) * 8 % 32 + col + x % 2);
+                } else {
+                    load_mask_bits_t<C>(p, s, keys, queries[0], words);
+                }
+                hide_by_mask_bits_t<C>(keys, words, acc_s);
+            }
         } else {
 #pragma unroll
             for (int mi = 0; mi < C::kMTiles; ++mi)
@@ -919,19 +954,9 @@ __device__ __forceinline__ unsigned query_tiles_from(const FwdParams& p, const S
     } else if (c < c_end) {
         const int bq0 = c * C::kBlockM / p.block_q, bq1 = (min((c + 1) * C::kBlockM, s.seqlen_q) - 1) / p.block_q;
         const int bk0 = n_lo / p.block_k, bk1 = (min(n_lo + C::kBlockN, s.seqlen_k) - 1) / p.block_k;
-        const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
-        unsigned any = 0u, all = 0xffu;   // OR and AND of the bytes, as in block_mask_tile_state
-        // One loop without a division per block (block_mask_tile_state's divisions, or two nested
-        // loops, spilled 16-44 B at D = 128 in the producer's 40 registers).
-        for (int bi = bq0, bj = bk0; bi <= bq1;) {
-            const unsigned byte = mask[bi * p.block_mask_row_stride + bj * p.block_mask_col_stride];
-            any |= byte;
-            all &= byte;
-            if (++bj > bk1) {
-                bj = bk0;
-                ++bi;
-            }
-        }
+        unsigned any, all;   // OR and AND of the bytes (block_bytes: one loop, no division per block)
+        block_bytes(p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride,
+                    p.block_mask_row_stride, p.block_mask_col_stride, bq0, bq1, bk0, bk1, any, all);
         state = (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
     }
     *whole = __ballot_sync(0xffffffffu, tile_blocks_whole<C::kMods>(state, p));
@@ -1286,13 +1311,23 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + 2 * t, keys[0], lane, keep);
+        // A MaskMod's bits beside the block mask alone, on a tile the blocks leave partly visible:
+        // loaded here too, under the GEMMs. The warp's keys lie in one 32-key word, so the warp needs
+        // one word a query: lane l loads queries l, l + 32, ... (load_warp_mask_bits), and
+        // take_probabilities hands each thread its words by shuffles (20 words a thread loaded here
+        // spilled 40-48 B at D = 128).
+        constexpr bool kBits = C::kModifiedInPlace && C::kMods == kModBlockMask;
+        unsigned bit_slots[kBits ? kWarpBitSlots<C> : 1];
+        if constexpr (kBits)
+            if (p.mask_bits_offset != 0 && !blocks_whole) load_warp_mask_bits<C>(p, s, keys[0], m_lo, lane, bit_slots);
         wgmma_wait<C::kSerialScores ? 0 : 1>();
         fence_registers(s_flat);
 
         // P^T element by element.
         float score2[C::kScoreMods ? C::kMTiles : 1][4];
         const bool whole = take_probabilities<C>(p, s, m_lo, n_lo, keys, 2 * t, sh.lse2[stage], keep, acc_s, score2,
-                                                 blocks_whole, tiles.score + stage * C::kTileBytes);
+                                                 blocks_whole, tiles.score + stage * C::kTileBytes,
+                                                 kBits ? bit_slots : nullptr);   // read where loaded
         float(&prob)[C::kMTiles][4] = probabilities<C::kScoreMods>(acc_s, score2);
         unsigned p_frag[C::kBlockM / 16][4], ds_frag[C::kBlockM / 16][4];
         auto pack_pdrop = [&] {

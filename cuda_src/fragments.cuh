@@ -61,16 +61,20 @@ __device__ __forceinline__ void mask_scores(float (&acc_s)[kMTiles][kNTiles][4],
     }
 }
 
-// The bits of the MaskMod a block mask was derived from (FwdParams::mask_bits_offset) on a thread's
+// The bits of the MaskMod a block mask was derived from (FwdParams::mask_bits_offset) for a thread's
 // accumulator elements of the tile whose keys start at n_lo (a multiple of 32): row r's keys n_lo +
 // 8 ni + 2 t + e lie in word ni / 4 of the row's words from n_lo, so a row reads kNTiles / 4 words
 // (two a row at 64 keys, four at 128) rather than one an element. The bits have rows up to the next
 // multiple of 128 queries and one more (cuflash/_mask_blocks.py), so rows past the queries' end and
 // keys past the keys' end read inside them without a bound (their scores are not used, or -inf
-// already), and no element needs a visibility test.
+// already), and no element needs a visibility test. Loading (load_mask_bits_rows) and applying
+// (hide_by_mask_words) are apart so that a caller loads as the tile comes and applies once its S has
+// retired: the loads are L2 reads. In front of the softmax they took fwd_sm90's long-scoreboard stalls
+// from 0.65 (the same documents as a 128 x 128 block mask) to 0.94 per issue; loaded as the tile comes,
+// 0.66 (Nsight Compute, H200, docs/decisions.md#modifiers-a-maskmods-bits-read-under-the-gemms).
 template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void hide_by_mask_bits_rows(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
-                                                       const SeqInfo& s, int n_lo, int row0, int g, int t) {
+__device__ __forceinline__ void load_mask_bits_rows(unsigned (&words)[2 * kMTiles][kNTiles / 4], const FwdParams& p,
+                                                    const SeqInfo& s, int n_lo, int row0, int g) {
     static_assert(kNTiles % 4 == 0, "whole 32-key words");
     const unsigned* bits = reinterpret_cast<const unsigned*>(p.block_mask + p.mask_bits_offset) +
                            s.b * p.mask_bits_batch_stride + s.h * p.mask_bits_head_stride;
@@ -79,16 +83,22 @@ __device__ __forceinline__ void hide_by_mask_bits_rows(float (&acc_s)[kMTiles][k
         const int i = row0 + (r / 2) * 16 + g + (r % 2) * 8;
         const unsigned* row = bits + i * static_cast<int>(p.mask_bits_row_stride) + (n_lo >> 5);
 #pragma unroll
-        for (int w = 0; w < kNTiles / 4; ++w) {
-            const unsigned word = __ldg(row + w);
+        for (int w = 0; w < kNTiles / 4; ++w) words[r][w] = __ldg(row + w);
+    }
+}
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void hide_by_mask_words(float (&acc_s)[kMTiles][kNTiles][4],
+                                                   const unsigned (&words)[2 * kMTiles][kNTiles / 4], int t) {
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r)
+#pragma unroll
+        for (int w = 0; w < kNTiles / 4; ++w)
 #pragma unroll
             for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
-                    if (((word >> (ni * 8 + 2 * t + e)) & 1u) == 0u)
+                    if (((words[r][w] >> (ni * 8 + 2 * t + e)) & 1u) == 0u)
                         acc_s[r / 2][w * 4 + ni][2 * (r % 2) + e] = -CUFLASH_INF;
-        }
-    }
 }
 
 // The masks of kMods (block_mask, a user MaskMod: a mask-only variant, fwd_sm90's kMaskOnly) on raw
@@ -96,16 +106,10 @@ __device__ __forceinline__ void hide_by_mask_bits_rows(float (&acc_s)[kMTiles][k
 // left raw for the softmax to scale. Only for tiles whose blocks leave some element hidden. The block
 // mask is read only where the window left the element visible (not -inf) and never on rows past the
 // queries' end or keys past the keys' end; the MaskMod at every element (hide_scores' kMaskEverywhere),
-// its result taken only there.
+// its result taken only there. (A MaskMod's bits beside the block mask: hide_by_mask_words.)
 template <int kMods, int kMTiles, int kNTiles>
 __device__ __forceinline__ void hide_masked_scores(float (&acc_s)[kMTiles][kNTiles][4], const FwdParams& p,
                                                    const SeqInfo& s, int n_lo, int row0, int g, int t) {
-    if constexpr (kMods == kModBlockMask) {
-        if (p.mask_bits_offset != 0) {
-            hide_by_mask_bits_rows(acc_s, p, s, n_lo, row0, g, t);
-            return;
-        }
-    }
     int rows[2 * kMTiles], cols[2 * kNTiles];
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) rows[r] = row0 + (r / 2) * 16 + g + (r % 2) * 8;

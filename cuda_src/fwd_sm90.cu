@@ -450,7 +450,9 @@ struct WorkItem {
         bool visible = n < n_end;
         bool partial = (C::kMods & kModUserMask) != 0;
         if (C::kBlockMask && visible && p.block_mask != nullptr) {
-            const int state = block_mask_tile_state(p, s, m_lo, m_hi, n * C::kBlockN,
+            // Four reads at once only in the mask-only variants (block_bytes): with score modifiers
+            // too, D = 64 spilled 4 B in the producer.
+            const int state = block_mask_tile_state<C::kMaskOnly ? 4 : 1>(p, s, m_lo, m_hi, n * C::kBlockN,
                                                     min((n + 1) * C::kBlockN, s.seqlen_k));
             visible = (state & kBlocksAny) != 0;
             partial = !tile_blocks_whole<C::kMods>(state, p);
@@ -777,6 +779,10 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         const int alibi_ref = m_lo + s.diag;
         if constexpr (C::kAlibiColumns) alibi_log2 = p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * kLog2e;
         bool masked_tile = false;   // kMaskOnly: the tile of the last wait_tile has elements to hide
+        // The block mask alone may come with a MaskMod's bits: this thread's words of the last
+        // wait_tile's tile, loaded there, before its S is issued (load_mask_bits_rows).
+        constexpr bool kMaskBits = C::kMods == kModBlockMask;
+        unsigned mask_words[2][C::kNTiles / 4];
         // S of tile n (retired) -> the scores, masked, in acc_s.
         auto score_step = [&](int n) {
             fence_registers(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]));
@@ -796,8 +802,12 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 mbar_arrive(tile_empty);
             }
             mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
-            if constexpr (C::kMaskOnly)
-                if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
+            if constexpr (C::kMaskOnly) {
+                bool bits = false;
+                if constexpr (kMaskBits) bits = p.mask_bits_offset != 0;
+                if (masked_tile && bits) hide_by_mask_words(acc_s, mask_words, t);
+                else if (masked_tile) hide_masked_scores<C::kMods>(acc_s, p, s, n * C::kBlockN, row0, g, t);
+            }
             if constexpr (C::kAlibiColumns)
                 add_alibi_columns(acc_s, alibi_log2, n * C::kBlockN - alibi_ref, t, p.scale_log2);
         };
@@ -817,7 +827,11 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         auto wait_tile = [&](int stage, int phase) {
             mbar_wait(k_full(stage), phase);
             if constexpr (C::kMaskOnly) masked_tile = *static_cast<volatile int*>(&masked_of_stage[stage]) != 0;
-            return *static_cast<volatile int*>(&tile_of_stage[stage]);
+            const int n = *static_cast<volatile int*>(&tile_of_stage[stage]);
+            if constexpr (kMaskBits)
+                if (masked_tile && p.mask_bits_offset != 0)
+                    load_mask_bits_rows<1, C::kNTiles>(mask_words, p, s, n * C::kBlockN, row0, g);
+            return n;
         };
         if constexpr (C::kRotated) {
             // The pipeline of the loop below, rotated so that every tile, the first included, goes

@@ -414,18 +414,52 @@ __device__ __forceinline__ bool tile_blocks_whole(int state, const FwdParams& p)
     const bool answers = (kMods & kModUserMask) != 0 || p.mask_bits_offset != 0;
     return (state & kBlocksAll) != 0 && (!answers || (state & kBlocksFull) != 0);
 }
+// The OR and the AND of block_mask's bytes over blocks [bq0, bq1] x [bk0, bk1] of one (batch, head),
+// read kAtOnce at a time: each read waits on L2, and one at a time (a loop whose OR waits for its byte
+// before the next read issues) a 128 x 128 tile over 2 x 2 derived blocks of 64 waited four times.
+template <int kAtOnce = 4>
+__device__ __forceinline__ void block_bytes(const unsigned char* mask, long long row_stride, long long col_stride,
+                                            int bq0, int bq1, int bk0, int bk1, unsigned& any, unsigned& all) {
+    any = 0u;
+    all = 0xffu;
+    for (int bi = bq0, bj = bk0; bi <= bq1;) {
+        unsigned byte[kAtOnce];   // past the last block 0xff00: nothing to the OR's low byte, all ones to the AND's
+#pragma unroll
+        for (int u = 0; u < kAtOnce; ++u) {
+            byte[u] = bi <= bq1 ? mask[bi * row_stride + bj * col_stride] : 0xff00u;
+            if (++bj > bk1) {
+                bj = bk0;
+                ++bi;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kAtOnce; ++u) {
+            any |= byte[u] & 0xffu;
+            all &= byte[u] | (byte[u] >> 8);
+        }
+    }
+}
+// kAtOnce: block_bytes', or 1: one block at a time in a loop of its own (fwd_sm90 with score
+// modifiers besides the masks, whose producer spilled 4 B at D = 64 with block_bytes).
+template <int kAtOnce = 4>
 __device__ __forceinline__ int block_mask_tile_state(const FwdParams& p, const SeqInfo& s, int m_lo, int m_hi,
                                                      int n_lo, int n_hi) {
     const int bq0 = m_lo / p.block_q, bq1 = (m_hi - 1) / p.block_q;
     const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
-    const int cols = bk1 - bk0 + 1, count = (bq1 - bq0 + 1) * cols;
+    const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
     unsigned any = 0u, all = 0xffu;
-    for (int t = 0; t < count; ++t) {
-        const int bi = bq0 + t / cols, bj = bk0 + t % cols;
-        const unsigned byte = p.block_mask[s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride +
-                                           bi * p.block_mask_row_stride + bj * p.block_mask_col_stride];
-        any |= byte;
-        all &= byte;
+    if (kAtOnce > 1 && bq0 == bq1 && bk0 == bk1) {   // one block (a user's mask at the tile's size)
+        any = all = mask[bq0 * p.block_mask_row_stride + bk0 * p.block_mask_col_stride];
+    } else if constexpr (kAtOnce == 1) {
+        const int cols = bk1 - bk0 + 1, count = (bq1 - bq0 + 1) * cols;
+        for (int t = 0; t < count; ++t) {
+            const unsigned byte = mask[(bq0 + t / cols) * p.block_mask_row_stride +
+                                       (bk0 + t % cols) * p.block_mask_col_stride];
+            any |= byte;
+            all &= byte;
+        }
+    } else {
+        block_bytes<kAtOnce>(mask, p.block_mask_row_stride, p.block_mask_col_stride, bq0, bq1, bk0, bk1, any, all);
     }
     return (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
 }
