@@ -17,6 +17,10 @@ Every forward and backward kernel family and decode compile the call's expressio
 into the kernels' parameters at each call, so new values need no new kernel. In decode the positions
 are absolute in each sequence: new token i has ``q_idx = i + T_b - Sq``.
 
+A modifier that states a built-in option (the softcap or ALiBi as a ScoreMod, a causal mask or a
+window as a MaskMod) runs as that option wherever the call allows, the rest of its expression as a
+smaller modifier (:mod:`cuflash.modifiers.builtin`; :func:`as_written` turns it off).
+
 :mod:`cuflash.interop.torch` (``attention``, ``attention_varlen``, ``decode`` and the functions of its
 ``ops``) takes them in eager mode, with torch tensors as arrays (gradients for q, k, v, not for the
 arrays); not under ``torch.compile`` yet (an error naming them). :mod:`cuflash.interop.jax` takes them
