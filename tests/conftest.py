@@ -109,3 +109,15 @@ def xp_gpu():
         pytest.skip(_skip_reason())
     import cupy
     return cupy
+
+
+@pytest.fixture(scope="module")
+def modifiers_as_written():
+    """A module's calls run their ScoreMods and MaskMods as written: nothing moves into a built-in option
+    (cuflash/modifiers/builtin.py). For the tests of an expression's own path through the kernels; the
+    moves have tests/gpu/test_modifiers_builtin.py. A module takes it as
+    ``pytest.mark.usefixtures("modifiers_as_written")``."""
+    from cuflash.modifiers import as_written
+
+    with as_written():
+        yield

@@ -26,16 +26,10 @@ from cuflash import _mask_blocks, reference
 from cuflash.kernels.mask_blocks import DERIVED_BLOCK_SIZE
 from tests.gpu._hardware import gpu_available
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU found by CuPy")]
+# These tests are of the block masks derived from the expressions as written: nothing moves into a built-in option.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU found by CuPy"),
+              pytest.mark.usefixtures("modifiers_as_written")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _expressions_as_written():
-    """These tests are of the block masks derived from the expressions as written, so
-    nothing moves into a built-in option (cuflash/modifiers/builtin.py; the moves are
-    tests/gpu/test_modifiers_builtin.py's)."""
-    with cuflash.modifiers.as_written():
-        yield
 
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

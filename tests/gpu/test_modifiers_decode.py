@@ -35,16 +35,10 @@ NAN = float("nan")
 from tests.gpu._hardware import gpu_available as _gpu_available  # noqa: E402
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy")]
+# These tests are of the expressions' own path through decode: nothing moves into a built-in option.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="no CUDA GPU found by CuPy"),
+              pytest.mark.usefixtures("modifiers_as_written")]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _expressions_as_written():
-    """These tests are of the expressions' own path through decode, so
-    nothing moves into a built-in option (cuflash/modifiers/builtin.py; the moves are
-    tests/gpu/test_modifiers_builtin.py's)."""
-    with cuflash.modifiers.as_written():
-        yield
 
 
 CASES = ("relative", "sliding", "cap", "combined")
