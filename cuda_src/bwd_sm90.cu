@@ -637,7 +637,8 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
                                                                                   blocks_whole || bits);
             if (bits && !blocks_whole) {   // bit_slots: the warp's words, loaded by the caller (load_warp_mask_bits)
                 unsigned words[2 * C::kMTiles];
-                if (bit_slots != nullptr) {   // query m_lo + col + 8 mi + e is word slot mi / 4 of lane 8 mi % 32 + col + e
+                // Query m_lo + col + 8 mi + e is in slot mi / 4 of lane 8 mi % 32 + col + e.
+                if (bit_slots != nullptr) {
 #pragma unroll
                     for (int x = 0; x < 2 * C::kMTiles; ++x)
                         words[x] = __shfl_sync(0xffffffffu, bit_slots[x / 8], (x / 2) * 8 % 32 + col + x % 2);

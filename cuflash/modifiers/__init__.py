@@ -204,7 +204,8 @@ class _Modifier:
         if unknown:
             raise ValueError(f"{self._what} has no arguments {sorted(unknown)}")
         new = object.__new__(type(self))
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_call_parts", "_owns_arrays", "_rests")})
+        new.__dict__.update({k: v for k, v in self.__dict__.items()
+                             if k not in ("_call_parts", "_owns_arrays", "_rests")})
         new.args = _Arguments({**self.args.values, **values}, self._what)
         check(self.expr, new.args.kinds, self._what)   # a new dtype may change the expression's types
         if getattr(self, "grad", None) is not None:

@@ -26,8 +26,8 @@ comparisons; the analysis is done once, when the modifier is made):
 - ALiBi and the window only where the modifier's positions are the built-ins' (a query's diagonal
   at ``q_idx == kv_idx``): ``attention`` with as many queries as keys, varlen with ``cu_seqlens_q``
   the same array as ``cu_seqlens_k``, and decode (whose ``q_idx`` is absolute in the sequence);
-  ALiBi also needs the call to have none of its own, and the window a bound the option can hold
-  (no bound right of the diagonal, below it: ``window=(left, right)`` has both >= 0);
+  ALiBi also needs the call to have none of its own, and the window must be a band that holds the
+  diagonal (``window=(left, right)`` has both >= 0: ``kv_idx < q_idx`` stays a MaskMod);
 - in a backward, nothing of a ScoreMod that lacks the ``grad`` it needs (the error stays the
   error); a ``grad`` that is given must equal the built-in's derivative on a sweep of scores, else
   nothing of the ScoreMod moves (the user's gradient wins).
@@ -324,7 +324,8 @@ def lowered(score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, he
         joined = _joined_window(window, mask)
         if joined is not None:
             window, mask_mod = joined, _bound(mask.rest, mask_mod, "rest")
-    no_softcap = isinstance(softcap, (int, float, np.integer, np.floating)) and not isinstance(softcap, bool) and softcap == 0
+    no_softcap = (isinstance(softcap, (int, float, np.integer, np.floating)) and not isinstance(softcap, bool)
+                  and softcap == 0)
     if score is None or not no_softcap or alibi_slopes is not None:
         return score_mod, mask_mod, window, softcap, alibi_slopes
     if (score.softcap and bias is not None) or (backward and score_mod.needs_grad):
