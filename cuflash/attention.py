@@ -10,7 +10,7 @@ from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._forward_plan import _family_for, _forced_family, forward_plan
 from ._mask_blocks import bits_alone, call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
-from .modifiers.builtin import axis_len, lowered
+from .modifiers.builtin import axis_len, bshd_facts, lowered, states_builtin
 from .decode import varlen_over_cache as _varlen_over_cache   # attention_varlen over a KV cache
 
 FAMILIES = ("fwd_sm90", "fwd_sm80", "fwd_simt")
@@ -231,12 +231,12 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     ``operands``: q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks.
     ``modifiers``: (score_mod, mask_mod); their arrays follow the operands."""
     mod_key = mask_bits = None
-    if modifiers[0] is not None or modifiers[1] is not None:   # what they state of a built-in option runs built in
-        rows = axis_len(operands[0], 1)
-        score_mod, mask_mod, window, softcap, alibi = lowered(
-            *modifiers, causal, window, softcap, operands[5], operands[7], axis_len(operands[0], 2),
-            rows is not None and rows == axis_len(operands[1], 1))
-        modifiers, operands = (score_mod, mask_mod), operands[:5] + (alibi,) + operands[6:]
+    if states_builtin(*modifiers):   # what they state of a built-in option runs built in
+        score_mod, mask_mod, window, softcap, alibi = lowered(*modifiers, causal, window, softcap, operands[5],
+                                                              operands[7], *bshd_facts(operands[0], operands[1]))
+        modifiers = (score_mod, mask_mod)
+        if alibi is not operands[5]:
+            operands = operands[:5] + (alibi,) + operands[6:]
     if modifiers[0] is not None or modifiers[1] is not None:
         mod_key, user_arrays = modifier_parts(*modifiers)
         if modifiers[1] is not None and modifiers[1].derives_blocks:   # the tiles it hides are skipped
@@ -660,10 +660,12 @@ def _varlen(operands, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap
             check, rng_words=None, modifiers=(None, None)):
     """attention_varlen's check, plan and run (positional, as :func:`_forward`); returns (out, lse or None)."""
     mod_key = None
-    if modifiers[0] is not None or modifiers[1] is not None:   # one cu_seqlens for both: each sequence square
+    if states_builtin(*modifiers):   # one cu_seqlens for both: each sequence square
         score_mod, mask_mod, window, softcap, alibi = lowered(*modifiers, causal, window, softcap, operands[7], None,
                                                               axis_len(operands[0], 1), operands[5] is operands[6])
-        modifiers, operands = (score_mod, mask_mod), operands[:7] + (alibi,) + operands[8:]
+        modifiers = (score_mod, mask_mod)
+        if alibi is not operands[7]:
+            operands = operands[:7] + (alibi,) + operands[8:]
     if modifiers[0] is not None or modifiers[1] is not None:
         mod_key, user_arrays = modifier_parts(*modifiers)
         operands = operands + user_arrays

@@ -29,7 +29,7 @@ from ._runtime import capture as _capture, launch as _launch, memo as _memo
 from ._backward_plan import _backward_plan, _family_for, _forced_family
 from ._mask_blocks import bits_alone, call_block_mask
 from ._scores import SCORE_OPERANDS, modifier_parts, score_operands, user_operands
-from .modifiers.builtin import axis_len, lowered
+from .modifiers.builtin import axis_len, bshd_facts, lowered, states_builtin
 from .random import as_rng_state
 
 __all__ = ["attention_backward", "attention_varlen_backward", "force_kernel", "FAMILIES"]
@@ -270,11 +270,9 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     ((2, 512, 2, 64), (1, 8, 512, 512))
     """
     mod_key = mask_bits = None
-    if score_mod is not None or mask_mod is not None:   # as the forward: what they state runs built in
-        rows = axis_len(q, 1)
+    if states_builtin(score_mod, mask_mod):   # as the forward: what they state runs built in
         score_mod, mask_mod, window, softcap, alibi_slopes = lowered(
-            score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, axis_len(q, 2),
-            rows is not None and rows == axis_len(k, 1), backward=True)
+            score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, *bshd_facts(q, k), backward=True)
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         if mask_mod is not None and mask_mod.derives_blocks:   # the tiles it hides are skipped
@@ -547,7 +545,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             raise ValueError(f"{name} is not supported by attention_varlen_backward; pad and call "
                              "attention_backward instead")
     mod_key = None
-    if score_mod is not None or mask_mod is not None:   # as the forward
+    if states_builtin(score_mod, mask_mod):   # as the forward
         score_mod, mask_mod, window, softcap, alibi_slopes = lowered(
             score_mod, mask_mod, causal, window, softcap, alibi_slopes, None, axis_len(q, 1),
             cu_seqlens_q is cu_seqlens_k, backward=True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _checks, _prefill_plan, kernels
 from ._scores import modifier_parts, user_operands
-from .modifiers.builtin import axis_len, lowered
+from .modifiers.builtin import axis_len, lowered, states_builtin
 from ._runtime import capture as _capture, faults as _faults, launch as _launch, memo as _memo, plan as _plan, step as _step
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import DECODE, Template
@@ -167,7 +167,7 @@ def varlen_over_cache(q, k_cache, v_cache, cu_seqlens_q, *, max_seqlen_q, cache_
     :func:`decode`: query i sees keys ``j <= i + cache_seqlens[b] - n_b`` with ``causal``. Runs on
     the decode kernel (rows packed per kv head, split-KV). Returns (out (total_q, Hq, D), lse (Hq,
     total_q) or None)."""
-    if score_mod is not None or mask_mod is not None:   # what they state runs built in (positions as decode's)
+    if states_builtin(score_mod, mask_mod):   # what they state runs built in (positions as decode's)
         score_mod, mask_mod, window, softcap, alibi_slopes = lowered(score_mod, mask_mod, causal, window, softcap,
                                                                      alibi_slopes, None, axis_len(q, 1), True)
     operands, mod_key = _with_modifiers((q, k_cache, v_cache, cache_seqlens, block_table, None, None, None,
@@ -759,7 +759,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     k_scale_op = v_scale_op = k_value = v_value = mod_key = None
     if k_scale is not None or v_scale is not None:
         k_scale_op, v_scale_op, k_value, v_value = _scale_parts(k_scale, v_scale)
-    if score_mod is not None or mask_mod is not None:   # what they state runs built in (q_idx absolute, as ALiBi's)
+    if states_builtin(score_mod, mask_mod):   # what they state runs built in (q_idx absolute, as ALiBi's)
         score_mod, mask_mod, window, softcap, alibi_slopes = lowered(score_mod, mask_mod, causal, window, softcap,
                                                                      alibi_slopes, None, axis_len(q, 2), True)
     operands = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, mask, alibi_slopes, out, lse, sinks,

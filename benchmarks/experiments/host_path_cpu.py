@@ -88,7 +88,7 @@ def stub_the_gpu() -> None:
             module.device_arch = lambda: "sm_90a"
     # Set-up work runs on a private stream with the capture mode relaxed (libcuda): nothing to relax here.
     _launch.done_now = _launch.relaxed_capture_mode = lambda *args: contextlib.nullcontext()
-    _tma.address_patchable = lambda: True
+    _tma.address_patchable = lambda spec=None: True
     _tma.template = lambda spec: bytes(128)
     _graph.KernelGraph = _FakeGraph
     top = [BASE + 8 * _SPAN]

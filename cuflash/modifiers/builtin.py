@@ -50,7 +50,8 @@ from cuflash.modifiers.derivative import reads_score
 from cuflash.modifiers.numpy_eval import evaluate
 from cuflash.modifiers.parse import Binary, Call, Index, Name, Node, Num, Unary, unparse, variables
 
-__all__ = ["ScoreParts", "MaskParts", "as_written", "score_parts", "mask_parts", "lowered", "axis_len"]
+__all__ = ["ScoreParts", "MaskParts", "as_written", "score_parts", "mask_parts", "states_builtin", "lowered",
+           "axis_len", "bshd_facts"]
 
 _FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 _INT32_MAX = 2**31 - 1
@@ -314,10 +315,11 @@ def lowered(score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, he
     positions are the built-ins' (a query's diagonal at q_idx == kv_idx). Anything that is not what
     it should be (a modifier of another type, a window that is not a pair of ints) moves nothing:
     the call's checks name it."""
-    from cuflash.modifiers import MaskMod, ScoreMod
-
-    score = score_mod._builtin if isinstance(score_mod, ScoreMod) else None
-    mask = mask_mod._builtin if isinstance(mask_mod, MaskMod) else None
+    score, mask = getattr(score_mod, "_builtin", None), getattr(mask_mod, "_builtin", None)
+    if type(score) is not ScoreParts:   # None, or a MaskMod given as score_mod (modifier_parts names it)
+        score = None
+    if type(mask) is not MaskParts:
+        mask = None
     if (score is None and mask is None) or _AS_WRITTEN.get():
         return score_mod, mask_mod, window, softcap, alibi_slopes
     if mask is not None and aligned:
@@ -339,6 +341,13 @@ def lowered(score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, he
     if alibi:
         return _bound(score.rest, score_mod, "rest"), mask_mod, window, score.softcap, slopes
     return _bound(score.rest_with_alibi, score_mod, "rest_with_alibi"), mask_mod, window, score.softcap, None
+
+
+def states_builtin(score_mod, mask_mod) -> bool:
+    """Whether either modifier states a built-in option (then :func:`lowered` has something to decide):
+    the entry points ask this first, so that a call whose modifiers state none pays two attribute
+    reads."""
+    return getattr(score_mod, "_builtin", None) is not None or getattr(mask_mod, "_builtin", None) is not None
 
 
 def _joined_window(window, mask: MaskParts):
@@ -385,3 +394,12 @@ def axis_len(x, axis: int):
     """``x.shape[axis]``, or None where ``x`` is no array of that many axes (the call's checks say so)."""
     shape = getattr(x, "shape", None)
     return shape[axis] if shape is not None and len(shape) > axis else None
+
+
+def bshd_facts(q, k) -> tuple:
+    """(heads_q, aligned) of a call on (B, S, H, D) arrays: q's heads, and whether q and k have as many
+    rows (None, False where either is no such array: the call's checks say so)."""
+    q_shape, k_shape = getattr(q, "shape", None), getattr(k, "shape", None)
+    if q_shape is None or k_shape is None or len(q_shape) != 4 or len(k_shape) != 4:
+        return None, False
+    return q_shape[2], q_shape[1] == k_shape[1]
