@@ -233,3 +233,19 @@ def test_decode_positions_are_the_built_ins():
     want = reference.decode(q, k_cache, v_cache, cache_seqlens=seqlens, score_mod=score_mod, mask_mod=mask_mod)
     for got_part, want_part in zip(got, want):   # out, lse
         np.testing.assert_allclose(got_part, want_part, rtol=1e-9, atol=1e-11)
+
+
+def test_the_entry_points_facts():
+    """What the entry points ask before and for lowered: whether a modifier states anything, and a
+    (B, S, H, D) call's heads and whether its queries and keys have as many rows."""
+    from cuflash.modifiers.builtin import bshd_facts, states_builtin
+
+    table = np.zeros(3, np.float32)
+    assert states_builtin(ScoreMod("c * tanh(score / c)", c=3.0), None)
+    assert states_builtin(None, MaskMod("kv_idx <= q_idx"))
+    assert not states_builtin(ScoreMod("score + t[q_idx]", t=table), MaskMod("kv_idx < 2 || kv_idx <= q_idx"))
+    assert not states_builtin(None, None) and not states_builtin("not a modifier", 3)
+    q, k = np.zeros((2, 5, 4, 8)), np.zeros((2, 5, 2, 8))
+    assert bshd_facts(q, k) == (4, True)
+    assert bshd_facts(q, np.zeros((2, 7, 2, 8))) == (4, False)
+    assert bshd_facts(q[0], k) == (None, False) and bshd_facts("q", k) == (None, False)
