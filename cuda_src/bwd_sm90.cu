@@ -958,7 +958,7 @@ __device__ __forceinline__ unsigned query_tiles_from(const FwdParams& p, const S
         unsigned any, all;   // OR and AND of the bytes (block_bytes: one loop, no division per block)
         block_bytes(p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride,
                     p.block_mask_row_stride, p.block_mask_col_stride, bq0, bq1, bk0, bk1, any, all);
-        state = (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
+        state = block_state(any, all);
     }
     *whole = __ballot_sync(0xffffffffu, tile_blocks_whole<C::kMods>(state, p));
     return __ballot_sync(0xffffffffu, (state & kBlocksAny) != 0);

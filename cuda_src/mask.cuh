@@ -414,6 +414,10 @@ __device__ __forceinline__ bool tile_blocks_whole(int state, const FwdParams& p)
     const bool answers = (kMods & kModUserMask) != 0 || p.mask_bits_offset != 0;
     return (state & kBlocksAll) != 0 && (!answers || (state & kBlocksFull) != 0);
 }
+// The BlockState of blocks whose bytes OR to `any` and AND to `all`.
+__device__ __forceinline__ int block_state(unsigned any, unsigned all) {
+    return (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
+}
 // The OR and the AND of block_mask's bytes over blocks [bq0, bq1] x [bk0, bk1] of one (batch, head),
 // read kAtOnce at a time: each read waits on L2, and one at a time (a loop whose OR waits for its byte
 // before the next read issues) a 128 x 128 tile over 2 x 2 derived blocks of 64 waited four times.
@@ -448,7 +452,9 @@ __device__ __forceinline__ int block_mask_tile_state(const FwdParams& p, const S
     const int bk0 = n_lo / p.block_k, bk1 = (n_hi - 1) / p.block_k;
     const unsigned char* mask = p.block_mask + s.b * p.block_mask_batch_stride + s.h * p.block_mask_head_stride;
     unsigned any = 0u, all = 0xffu;
-    if (kAtOnce > 1 && bq0 == bq1 && bk0 == bk1) {   // one block (a user's mask at the tile's size)
+    // One block (a user's mask at the tile's size): read alone, not in block_bytes' four slots, which
+    // took 1.7% more instructions in fwd_sm90 with a 128 x 128 block mask (Nsight Compute, H200).
+    if (kAtOnce > 1 && bq0 == bq1 && bk0 == bk1) {
         any = all = mask[bq0 * p.block_mask_row_stride + bk0 * p.block_mask_col_stride];
     } else if constexpr (kAtOnce == 1) {
         const int cols = bk1 - bk0 + 1, count = (bq1 - bq0 + 1) * cols;
@@ -461,7 +467,7 @@ __device__ __forceinline__ int block_mask_tile_state(const FwdParams& p, const S
     } else {
         block_bytes<kAtOnce>(mask, p.block_mask_row_stride, p.block_mask_col_stride, bq0, bq1, bk0, bk1, any, all);
     }
-    return (any != 0u ? kBlocksAny : 0) | ((all & 1u) != 0u ? kBlocksAll : 0) | ((all & 2u) != 0u ? kBlocksFull : 0);
+    return block_state(any, all);
 }
 
 // Whether any user block that overlaps the tile is True. Every thread of the CTA must call it (it

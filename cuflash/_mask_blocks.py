@@ -26,9 +26,9 @@ expression as before.
 **Cache.** The mask is computed once per (the MaskMod's key and scalar values, its arrays' addresses,
 shapes, strides and dtypes, B|1, Hq|1, Sq, Sk, block size, device) and kept in a process-wide cache
 (:data:`MAX_ENTRIES` entries and :data:`MAX_BYTES` bytes, least recently used first out). The
-contract: **an array argument's contents are assumed unchanged while its address is**. The cache holds a reference to the arrays a
-mask was derived from, so no other array can be given the same address while the entry lives: a new
-array always means a new mask. Writing into an argument in place is the one case it cannot see: call
+contract: **an array argument's contents are assumed unchanged while its address is**. The cache
+holds a reference to the arrays a mask was derived from, so no other array can be given the same
+address while the entry lives: a new array always means a new mask. Writing into an argument in place is the one case it cannot see: call
 :func:`clear_mask_cache` afterwards (or pass a new array, or ``MaskMod(..., sparse=False)``).
 
 **Streams and CUDA graphs.** Outside a capture the mask is computed on the call's stream (ordered after

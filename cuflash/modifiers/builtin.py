@@ -325,7 +325,7 @@ def lowered(score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, he
     if mask is not None and aligned:
         joined = _joined_window(window, mask)
         if joined is not None:
-            window, mask_mod = joined, _bound(mask.rest, mask_mod, "rest")
+            window, mask_mod = joined, _rest_for(mask.rest, mask_mod, "rest")
     no_softcap = (isinstance(softcap, (int, float, np.integer, np.floating)) and not isinstance(softcap, bool)
                   and softcap == 0)
     if score is None or not no_softcap or alibi_slopes is not None:
@@ -339,8 +339,8 @@ def lowered(score_mod, mask_mod, causal, window, softcap, alibi_slopes, bias, he
     if not alibi and not score.softcap:
         return score_mod, mask_mod, window, softcap, alibi_slopes
     if alibi:
-        return _bound(score.rest, score_mod, "rest"), mask_mod, window, score.softcap, slopes
-    return _bound(score.rest_with_alibi, score_mod, "rest_with_alibi"), mask_mod, window, score.softcap, None
+        return _rest_for(score.rest, score_mod, "rest"), mask_mod, window, score.softcap, slopes
+    return _rest_for(score.rest_with_alibi, score_mod, "rest_with_alibi"), mask_mod, window, score.softcap, None
 
 
 def states_builtin(score_mod, mask_mod) -> bool:
@@ -372,7 +372,7 @@ def _right_edge(window):
     return None
 
 
-def _bound(template, mod, which: str):
+def _rest_for(template, mod, which: str):
     """``template`` (a rest made from the modifier's arguments when it was made) around ``mod``'s
     arrays: the template itself for the modifier it was made from, else its :meth:`with_arrays`
     around ``mod``'s (an adapter's view of other buffers), remembered on ``mod``."""
