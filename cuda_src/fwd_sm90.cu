@@ -121,12 +121,15 @@ struct FwdSm90Config {
     static constexpr bool kPvWaitBelowSoftmax = kSpeculative || kHeadDimV == 128;
     static constexpr int kNThreads = 128 * (kConsumers + 1);
     // Registers per thread after setmaxnreg: the producer needs more than the usual 24 only to
-    // test block masks and to read a KV cache (24 spilled 20-36 bytes there); the consumers get the
-    // rest (160 each when there are three). A score tile's producer keeps to 24 (tile_coords): with 40,
-    // the consumers' 232 spill 12-32 bytes at D = 128.
+    // test block masks and to read a KV cache by boxes or rows (24 spilled 12-104 bytes there); the
+    // consumers get the rest (160 each when there are three). A score tile's producer keeps to 24
+    // (tile_coords): with 40, the consumers' 232 spill 12-32 bytes at D = 128. Row groups keep to 24
+    // too (next_item): with 240 against 232, chunked prefill of 2048 tokens onto a 16k prefix (D 128,
+    // H200) ran 1-2% faster at pages of 64 and the same at 16.
     static constexpr bool kBlockMask = (kMods & kModBlockMask) != 0;
-    static constexpr int kProducerRegs = kBlockMask || kKvCache ? 40 : 24;
-    static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kBlockMask || kKvCache ? 232 : 240;
+    static constexpr bool kWideProducer = kBlockMask || (kKvCache && !kKvRowGroups);
+    static constexpr int kProducerRegs = kWideProducer ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumers == 3 ? 160 : kWideProducer ? 232 : 240;
     // setmaxnreg.inc waits until the CTA's pool has the registers, and the pool holds only what the
     // launch gave (__launch_bounds__(kNThreads, 1): 65536 / kNThreads per thread, in steps of 8).
     // Asking for more than that hangs the kernel, so it is checked here.
@@ -484,8 +487,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     __shared__ int item_of_slot[C::kQSlots], tiles_of_slot[C::kQSlots], tile_of_stage[C::kStages];
     __shared__ int masked_of_stage[C::kMaskOnly ? C::kStages : 1];   // the stage's tile needs hide_masked_scores
     __shared__ WorkItem<C> work_of_slot[C::kQSlots];
-    // A gather's next item, from warp 0's lane 0 to the producer warpgroup (two: one is read while the
-    // next is written).
+    // The producer's next item, taken by warp 0's lane 0 as an item starts and read when it ends: kept
+    // here, not in one of the producer's 24 registers across the item (over a KV cache it spilled 4
+    // bytes there). A gather's warpgroup reads it too: two, one read while the next is written.
     __shared__ int next_item[2];
     // The item's score tiles' head and batch coordinates, kept by the producer here rather than in two
     // of its 24 registers (there the producer spills 8 bytes at D = 128).
@@ -614,7 +618,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
                 return;
             }
-            const int next = leader ? take_item(tile_counter, items) : 0;   // used at the end
+            if (leader) next_item[item_parity] = take_item(tile_counter, items);   // read at the end
             const WorkItem<C> w = WorkItem<C>::of(p, item, num_m_blocks);
             if (!w.empty()) {
                 const int num_tiles = w.count_tiles(p);
@@ -699,12 +703,11 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
             }
             if constexpr (gather) {   // the warpgroup takes the next item from warp 0's lane 0, through shared memory
-                if (leader) next_item[item_parity] = next;
                 named_barrier_sync(C::kProducerBarrier, 128);
                 item = next_item[item_parity];
                 item_parity ^= 1;
             } else {
-                item = __shfl_sync(0xffffffffu, next, 0);
+                item = __shfl_sync(0xffffffffu, leader ? *static_cast<volatile int*>(&next_item[0]) : 0, 0);
             }
         }
     }
