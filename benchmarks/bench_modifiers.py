@@ -1,5 +1,5 @@
 """Score and mask modifiers as models use them, forward + backward through autograd, against
-FlashAttention-4 and torch FlexAttention (issue 52's table).
+FlashAttention-4, torch FlexAttention and SDPA with a dense mask (issue 52's table).
 
 Problems (bf16, D 128, H 16):
 
@@ -23,12 +23,16 @@ output with a fixed incoming gradient):
 - ``fa4``: ``flash_attn_func(causal=, window_size=, softcap=)`` / ``flash_attn_varlen_func`` (where
   carried, benchmarks/fa4_device.md);
 - ``flex``: ``torch.compile(flex_attention)`` with a ``score_mod`` and a block mask from a
-  ``mask_mod`` made once per problem (``create_block_mask``), as FlexAttention's docs write it.
+  ``mask_mod`` made once per problem (``create_block_mask``), as FlexAttention's docs write it;
+- ``sdpa``: ``F.scaled_dot_product_attention`` with a dense ``attn_mask`` made once per problem, as a
+  torch user without FlexAttention writes it: a boolean (S, S) mask of the keys each query may see, or
+  for the biases a float (1, H, S, S) one holding the bias there and -inf elsewhere; torch picks the
+  backend (cuDNN and flash take no such mask). No softcap in SDPA: no column for window+softcap.
 
 Figure: TFLOP/s of visible work (4 B H D per visible (query, key) pair forward, 2.5 times that
 backward, so 14 B H D per pair for the step), from CUDA events around each call, median of
-``--repeats`` runs in settled random-order turns (``Timer.median_ms_each``); ``x fa4`` / ``x flex``:
-their time over cuflash's best (> 1: cuflash faster). ``maxdiff``: each contender's output against
+``--repeats`` runs in settled random-order turns (``Timer.median_ms_each``); ``x fa4`` / ``x flex`` /
+``x sdpa``: their time over cuflash's best (> 1: cuflash faster). ``maxdiff``: each contender's output against
 the built-in cuflash call's.
 
 Run on a GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_modifiers.py [--quick] [--md F]``.
@@ -45,7 +49,8 @@ from _harness import (fa4_out, fmt, largest_difference, log, markdown_table, ope
 
 HEADS, HEAD_DIM = 16, 128
 WINDOW, CAP, PREFIX, DISTANCES = 1024, 30.0, 2048, 1024
-COLUMNS = ["problem", "cuflash", "cuflash mod", "fa4", "flex", "x fa4", "x flex", "maxdiff"]
+COLUMNS = ["problem", "cuflash", "cuflash mod", "fa4", "flex", "sdpa", "x fa4", "x flex", "x sdpa", "maxdiff"]
+PEERS = ("fa4", "flex", "sdpa")
 
 
 def document_lengths(rng, total: int, lo: int = 512, hi: int = 4096) -> np.ndarray:
@@ -70,6 +75,20 @@ def visible_pairs(problem: str, seqlen: int, lengths=None) -> int:
         return int(np.where(i < PREFIX, PREFIX, i + 1).sum())
     if problem in ("relative-bias", "alibi"):
         return int((i + 1).sum())
+    raise ValueError(problem)
+
+
+def may_attend(problem: str, qi, ki, doc=None):
+    """Whether query qi may see key ki in the problem (NumPy or torch index arrays, broadcast): the
+    dense mask the ``sdpa`` contender passes, whose count is ``visible_pairs``."""
+    if problem == "window+softcap":
+        return (qi >= ki) & (qi - ki <= WINDOW)
+    if problem == "document":
+        return (qi >= ki) & (doc[qi] == doc[ki])
+    if problem == "prefix-lm":
+        return (ki < PREFIX) | (ki <= qi)
+    if problem in ("relative-bias", "alibi"):
+        return qi >= ki
     raise ValueError(problem)
 
 
@@ -101,7 +120,7 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
             calls["fa4"] = lambda: fa4_out(fa4.flash_attn_func(q, k, v, causal=True, window_size=(WINDOW, 0),
                                                                softcap=CAP))
         flex_score = lambda score, b, h, qi, ki: CAP * torch.tanh(score / CAP)  # noqa: E731
-        flex_mask = lambda b, h, qi, ki: (qi >= ki) & (qi - ki <= WINDOW)       # noqa: E731
+        flex_mask = lambda b, h, qi, ki: may_attend(problem, qi, ki)             # noqa: E731
         pairs = visible_pairs(problem, seqlen)
     elif problem == "document":
         lengths = document_lengths(rng, seqlen)
@@ -118,7 +137,7 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
                 packed(q), packed(k), packed(v), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                 max_seqlen_k=longest, causal=True)).view(q.shape)
         flex_score = None
-        flex_mask = lambda b, h, qi, ki: (qi >= ki) & (doc[qi] == doc[ki])  # noqa: E731
+        flex_mask = lambda b, h, qi, ki: may_attend(problem, qi, ki, doc)  # noqa: E731
         pairs = visible_pairs(problem, seqlen, lengths)
     elif problem == "relative-bias":
         table = torch.randn(HEADS, DISTANCES, device="cuda", dtype=torch.float32)
@@ -131,7 +150,7 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
                                     n=DISTANCES)
         calls["cuflash mod"] = lambda: ct.attention(q, k, v, causal=True, score_mod=relative)
         flex_score = lambda score, b, h, qi, ki: score + table[h, (qi - ki).clamp(0, DISTANCES - 1)]  # noqa: E731
-        flex_mask = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+        flex_mask = lambda b, h, qi, ki: may_attend(problem, qi, ki)  # noqa: E731
         pairs = visible_pairs(problem, seqlen)
     elif problem == "alibi":
         slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)], device="cuda")
@@ -139,14 +158,28 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
         alibi = cuflash.ScoreMod("score + slope[h] * (kv_idx - q_idx)", slope=slopes)
         calls["cuflash mod"] = lambda: ct.attention(q, k, v, causal=True, score_mod=alibi)
         flex_score = lambda score, b, h, qi, ki: score + slopes[h] * (ki - qi)  # noqa: E731
-        flex_mask = lambda b, h, qi, ki: qi >= ki  # noqa: E731
+        flex_mask = lambda b, h, qi, ki: may_attend(problem, qi, ki)  # noqa: E731
         pairs = visible_pairs(problem, seqlen)
     else:
         prefix = cuflash.MaskMod("kv_idx < p || kv_idx <= q_idx", p=PREFIX)
         calls["cuflash mod"] = lambda: ct.attention(q, k, v, mask_mod=prefix)
         flex_score = None
-        flex_mask = lambda b, h, qi, ki: (ki < PREFIX) | (ki <= qi)  # noqa: E731
+        flex_mask = lambda b, h, qi, ki: may_attend(problem, qi, ki)  # noqa: E731
         pairs = visible_pairs(problem, seqlen)
+    if problem != "window+softcap":   # SDPA has no softcap
+        i = torch.arange(seqlen, device="cuda")
+        allowed = may_attend(problem, i[:, None], i[None, :], doc if problem == "document" else None)
+        if problem == "relative-bias":
+            sdpa_mask = bias.masked_fill(~allowed, float("-inf"))
+        elif problem == "alibi":
+            sdpa_mask = (slopes[:, None, None] * (i[None, :] - i[:, None])[None]).to(torch.bfloat16)[None]
+            sdpa_mask = sdpa_mask.masked_fill(~allowed, float("-inf"))
+        else:
+            sdpa_mask = allowed
+        del allowed
+        bhsd = lambda x: x.transpose(1, 2)  # noqa: E731
+        calls["sdpa"] = lambda: gpu.F.scaled_dot_product_attention(bhsd(q), bhsd(k), bhsd(v),
+                                                                   attn_mask=sdpa_mask).transpose(1, 2)
     if flex is not None:
         block_mask = flex.create_block_mask(flex_mask, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen)
         bhsd = lambda x: x.transpose(1, 2)  # noqa: E731
@@ -198,7 +231,7 @@ def main(argv=None):
             for name, t in ms.items():
                 row[name] = step_tflops(pairs, batch, t)
             ours = max((row[n] for n in ("cuflash", "cuflash mod") if n in row), default=None)
-            for peer in ("fa4", "flex"):
+            for peer in PEERS:
                 if ours and peer in row:
                     row[f"x {peer}"] = ours / row[peer]
             base = "cuflash" if "cuflash" in usable else "cuflash mod"
@@ -208,8 +241,8 @@ def main(argv=None):
             log(", ".join(f"{k} {fmt(v)}" for k, v in row.items()))
     header = (f"**{gpu.device_name}** ({gpu.versions}); forward + backward through autograd, bf16, H {HEADS}, "
               f"D {HEAD_DIM}; TFLOP/s of visible work")
-    table = markdown_table(rows, header, COLUMNS, formats={"x fa4": lambda x: f"{x:.2f}", "x flex": lambda x: f"{x:.2f}",
-                                                           "maxdiff": lambda x: f"{x:.1e}"})
+    formats = {f"x {peer}": (lambda x: f"{x:.2f}") for peer in PEERS}
+    table = markdown_table(rows, header, COLUMNS, formats={**formats, "maxdiff": lambda x: f"{x:.1e}"})
     write_results(rows, table, COLUMNS, csv_path=args.csv, md_path=args.md)
     print(table)
 

@@ -30,3 +30,16 @@ def test_visible_pairs_count_what_each_mask_leaves(bench, monkeypatch):
 
 def test_step_flops_are_fourteen_per_pair_and_head_dim(bench):
     assert bench.step_tflops(10**6, 1, 1.0) == pytest.approx(14 * bench.HEADS * bench.HEAD_DIM * 10**6 / 1e-3 / 1e12)
+
+
+@pytest.mark.parametrize("problem", ["window+softcap", "document", "prefix-lm", "relative-bias", "alibi"])
+def test_dense_masks_leave_the_visible_pairs(bench, monkeypatch, problem):
+    rng = np.random.default_rng()
+    monkeypatch.setattr(bench, "WINDOW", int(rng.integers(1, 9)))
+    monkeypatch.setattr(bench, "PREFIX", int(rng.integers(1, 9)))
+    lengths = np.array([3, 5, 2, 6])
+    doc = np.repeat(np.arange(lengths.size), lengths)
+    i = np.arange(lengths.sum())
+    allowed = bench.may_attend(problem, i[:, None], i[None, :], doc)
+    assert allowed.sum() == bench.visible_pairs(problem, lengths.sum(), lengths)
+    assert allowed.diagonal().all()   # no query is left without a key (SDPA's -inf rows)
