@@ -168,20 +168,28 @@ def paged(cupy, rng, x):
     return paged_pages(cupy, rng, x, PAGE_SIZE)
 
 
-def bench_fp8(cupy, ml_dtypes, np, cuflash, timer, shapes):
+def fp8_decode_problem(cupy, ml_dtypes, rng, batch, length):
+    """One new bf16 token against an fp8 cache of ``length`` keys per sequence (GQA 32/8, D 128): q,
+    the scales per kv head, the caches as e4m3 bytes and as the same values in bf16, and the float32
+    result."""
     bf16 = cupy.dtype(ml_dtypes.bfloat16)
+    q = cupy.random.standard_normal((batch, 1, HEADS_Q, HEAD_DIM), dtype=cupy.float32).astype(bf16)
+    k_scale = cupy.asarray(rng.uniform(0.01, 0.03, HEADS_K), dtype=cupy.float32)
+    v_scale = cupy.asarray(rng.uniform(0.01, 0.03, HEADS_K), dtype=cupy.float32)
+    shape = (batch, length, HEADS_K, HEAD_DIM)
+    k8 = quantise_e4m3(cupy, ml_dtypes, cupy.random.standard_normal(shape, dtype=cupy.float32), k_scale)
+    v8 = quantise_e4m3(cupy, ml_dtypes, cupy.random.standard_normal(shape, dtype=cupy.float32), v_scale)
+    k16 = dequantise(cupy, ml_dtypes, k8, k_scale).astype(bf16)
+    v16 = dequantise(cupy, ml_dtypes, v8, v_scale).astype(bf16)
+    want = naive_attention(cupy, q, k16, v16, causal=True)
+    return q, (k_scale, v_scale), (k8, v8), (k16, v16), want
+
+
+def bench_fp8(cupy, ml_dtypes, np, cuflash, timer, shapes):
     rng = np.random.default_rng(0)
     rows = []
     for batch, length in shapes:
-        q = cupy.random.standard_normal((batch, 1, HEADS_Q, HEAD_DIM), dtype=cupy.float32).astype(bf16)
-        k_scale = cupy.asarray(rng.uniform(0.01, 0.03, HEADS_K), dtype=cupy.float32)
-        v_scale = cupy.asarray(rng.uniform(0.01, 0.03, HEADS_K), dtype=cupy.float32)
-        shape = (batch, length, HEADS_K, HEAD_DIM)
-        k8 = quantise_e4m3(cupy, ml_dtypes, cupy.random.standard_normal(shape, dtype=cupy.float32), k_scale)
-        v8 = quantise_e4m3(cupy, ml_dtypes, cupy.random.standard_normal(shape, dtype=cupy.float32), v_scale)
-        k16 = dequantise(cupy, ml_dtypes, k8, k_scale).astype(bf16)   # the same values in bf16
-        v16 = dequantise(cupy, ml_dtypes, v8, v_scale).astype(bf16)
-        want = naive_attention(cupy, q, k16, v16, causal=True)
+        q, (k_scale, v_scale), (k8, v8), (k16, v16), want = fp8_decode_problem(cupy, ml_dtypes, rng, batch, length)
         for layout in ("contiguous", "paged16"):
             if layout == "contiguous":
                 caches16, caches8, table = (k16, v16), (k8, v8), None

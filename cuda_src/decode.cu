@@ -451,8 +451,9 @@ struct PagedRowFetch {
 // K and V rows of one tile into one stage from published row addresses (after a __syncthreads).
 // j0, key_end: the tile's first key and the split's end (fp8: appended rows are quantised here).
 // kAppended: whether the tile may hold appended rows (fp8 only); the other tiles' copies take no
-// branch, so that the compiler batches their reads of the row addresses (fp8 pages of 16, H200,
-// graph-replayed: 3-9% less time at (1, 32k), (8, 8k), (32, 4k), (1, 128k)).
+// branch, so that the compiler batches their reads of the row addresses (with the lookups issued
+// before the loop's wait: fp8 pages of 16, H200, graph-replayed, 3-9% less time at (1, 32k),
+// (8, 8k), (32, 4k), (1, 128k)).
 template <class C, bool kAppended>
 __device__ __forceinline__ void copy_paged_rows(typename C::cache_t* k_tile, typename C::cache_t* v_tile,
                                                 const PagedRows<C::kBlockN, typename C::cache_t>& rows, int buf,
