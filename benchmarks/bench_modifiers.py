@@ -166,6 +166,7 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
         flex_score = None
         flex_mask = lambda b, h, qi, ki: may_attend(problem, qi, ki)  # noqa: E731
         pairs = visible_pairs(problem, seqlen)
+    bhsd = lambda x: x.transpose(1, 2)  # noqa: E731 - SDPA and FlexAttention take (B, H, S, D)
     if problem != "window+softcap":   # SDPA has no softcap
         i = torch.arange(seqlen, device="cuda")
         allowed = may_attend(problem, i[:, None], i[None, :], doc if problem == "document" else None)
@@ -177,12 +178,10 @@ def contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng):
         else:
             sdpa_mask = allowed
         del allowed
-        bhsd = lambda x: x.transpose(1, 2)  # noqa: E731
         calls["sdpa"] = lambda: gpu.F.scaled_dot_product_attention(bhsd(q), bhsd(k), bhsd(v),
                                                                    attn_mask=sdpa_mask).transpose(1, 2)
     if flex is not None:
         block_mask = flex.create_block_mask(flex_mask, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen)
-        bhsd = lambda x: x.transpose(1, 2)  # noqa: E731
         calls["flex"] = lambda: flex.compiled(bhsd(q), bhsd(k), bhsd(v), score_mod=flex_score,
                                               block_mask=block_mask).transpose(1, 2)
 
