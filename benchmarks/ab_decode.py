@@ -176,6 +176,9 @@ def run(args):
                 "fp8": lambda: cuflash.decode(q, *caches["fp8"], cache_seqlens=lens, block_table=table,
                                               kv_dtype="float8_e4m3fn", k_scale=k_scale, v_scale=v_scale),
             }
+            # The inputs were made on the legacy default stream, which the graphs' non-blocking streams
+            # do not wait for: without this, the first replays can read lens before it is written.
+            cupy.cuda.Device().synchronize()
             graphs = {(dt, name): trees.graph(name, call, args.calls) for dt, call in calls.items() for name in names}
             us = replay_times(cupy, graphs, args.calls, args.rounds)
             for dt in calls:
