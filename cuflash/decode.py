@@ -446,18 +446,15 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         if left >= 0 and right >= 0:
             keys = min(keys, left + right + seqlen_q)
         # Contiguous caches: one split per SM at most, and no more splits than it takes to keep the
-        # memory busy (DecodePlan.saturating_ctas: on an H100 64 CTAs of eight warps at D = 128, on
-        # an H200 96), since each split adds a partial to write and merge. Paged caches wait on page
-        # lookups: up to the H100's memory rate they take every SM ((8, 8k) page 16, eight warps: 2
-        # splits 1.14x flash, 1 split 1.03x), above it the same count as contiguous ones (H200, pages
-        # of 16: 96 CTAs 0.955-0.997x the time of 128; decode_saturating_bytes); never at the price
-        # of splits under 2048 keys, whose page-table start-up no longer hides.
-        saturating = plan_k.saturating_ctas(memory_rate)
-        if paged and memory_rate <= kernels.decode.DECODE_REFERENCE_RATE:
-            saturating = None
+        # memory busy (DecodePlan.saturating_ctas: on an H100 64 CTAs of eight warps at
+        # D = 128, on an H200 all 132), since each split adds a partial to write and merge. Paged
+        # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits
+        # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys, whose
+        # page-table start-up no longer hides.
         num_splits = kernels.decode.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks * halves, block_n=plan_k.block_n,
-            ctas_per_sm=plan_k.ctas_per_sm if paged else 1, saturating_ctas=saturating,
+            ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
+            saturating_ctas=None if paged else plan_k.saturating_ctas(memory_rate),
             min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits * halves >= 2**31:

@@ -268,24 +268,19 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
 #: ~2.5 us. DECODE_REFERENCE_RATE is the memory rate this figure holds up to.
 DECODE_SATURATING_BYTES = 8 << 20
 DECODE_REFERENCE_RATE = 3.4e12
-#: How the bytes in flight grow past that rate: as (rate / DECODE_REFERENCE_RATE) to this power, fitted
-#: to the H100 (8 MiB) and the H200 (4.81 TB/s: 12 MiB, 96 CTAs of 128 KiB; see decode_saturating_bytes).
-DECODE_SATURATING_GROWTH = 1.15
 
 
 def decode_saturating_bytes(memory_rate: float) -> int:
     """K/V bytes in flight that keep a device's memory busy, from its peak rate (bytes/s; 0 when
-    unknown): DECODE_SATURATING_BYTES up to the H100's rate, then growing a little faster than the
-    rate (a faster memory needs more in flight, and the latency under load grows too).
+    unknown): DECODE_SATURATING_BYTES up to the H100's rate, then growing with the rate's square.
 
-    A fit of two devices, not a law. On an H200, decode kernels replayed from CUDA graphs (bf16, GQA
-    32/8, D 128) ran fastest from 96 CTAs: 12 splits of one sequence against 16, 0.973-0.982x the
-    time on a contiguous cache and 0.955-0.994x on pages of 16 at 32k-256k keys; 6 splits of two
-    sequences against 8, 0.990-0.998x and 0.962-0.979x; 3 of four against 4, 0.997-1.000x and
-    0.967-0.997x; eight sequences keep 2 splits (128 CTAs; 1 split 1.003-1.037x and 1.30-1.35x).
+    A fit of two devices, not a law: a faster memory needs more in flight, and more than in
+    proportion (the latency under load grows too). An H200 (4.8 TB/s) streams best from a whole
+    wave of 132 CTAs, 16.5 MiB: (1, 128k) 16 splits 1.18x flash, 11 splits (the rate in proportion,
+    11.5 MiB) 1.16x, 8 splits 1.13x; (4, 16k) 4 / 3 / 2 splits 1.40 / 1.34 / 1.33x.
     """
     scale = max(1.0, memory_rate / DECODE_REFERENCE_RATE)
-    return int(DECODE_SATURATING_BYTES * scale ** DECODE_SATURATING_GROWTH)
+    return int(DECODE_SATURATING_BYTES * scale * scale)
 
 
 def decode_num_splits(batch: int, heads_k: int, seqlen_k: int, num_sms: int, *, row_blocks: int = 1,
