@@ -1,7 +1,8 @@
 """cuflash inside jax.jit against JAX's cuDNN attention and against the same cuflash call from CuPy,
 over issue 54's grid: forward and forward + backward, D 64 / 128 / 256, 4k and 16k tokens per
 sequence (16k tokens in all, Hq x D = 2048), causal and not, bf16; and jitted decode at
-(B 8, L 8k), GQA 32/8, D 128.
+(B 8, L 8k), GQA 32/8, D 128, alone and four calls chained in one jitted function, beside JAX's
+dispatch floor (a jitted ``q * 2`` over the same operands).
 
 Each contender is timed as its users run it: JAX functions jitted once, then called ``calls``
 times back to back and waited for with ``block_until_ready``; CuPy calls in a Python loop, then one
@@ -46,6 +47,9 @@ def problems(quick: bool = False):
                     grid.append((f"{kind} D{d} S{s // 1024}k {'causal' if causal else 'full'}", kind,
                                  (TOKENS // s, s, WIDTH // d, d), causal))
     grid.append(("decode B8 L8k GQA 32/8 D128", "decode", (8, 8192, 32, 8, 128), True))
+    # Four decode calls chained in one jitted function (each output the next q), as a model's layers
+    # run in one jitted step: JAX's dispatch is paid once for four calls. Times are per four calls.
+    grid.append(("decode x4 a jit B8 L8k GQA 32/8 D128", "decode4", (8, 8192, 32, 8, 128), True))
     return grid
 
 
@@ -78,16 +82,26 @@ def _contenders(kind, shape, causal):
     import cuflash.interop.jax as cj
 
     keys = jax.random.split(jax.random.key(0), 4)
-    if kind == "decode":
+    if kind in ("decode", "decode4"):
         b, length, hq, hk, d = shape
         q = jax.random.normal(keys[0], (b, 1, hq, d), jnp.bfloat16)
         kc, vc = (jax.random.normal(key, (b, length, hk, d), jnp.bfloat16) for key in keys[1:3])
         lens = jnp.full((b,), length - 16, jnp.int32)
-        jitted = jax.jit(lambda q, kc, vc, lens: cj.decode(q, kc, vc, cache_seqlens=lens))
         cq, ckc, cvc = (cupy.asarray(np.asarray(x)) for x in (q, kc, vc))
         clens = cupy.asarray(np.asarray(lens))
+        steps = 4 if kind == "decode4" else 1
+
+        def chained(attend, q):
+            for _ in range(steps):
+                q = attend(q)
+            return q
+
+        jitted = jax.jit(lambda q, kc, vc, lens: chained(lambda x: cj.decode(x, kc, vc, cache_seqlens=lens), q))
+        # What JAX's dispatch of a jitted call with these operands costs: one tiny fused kernel.
+        floor = jax.jit(lambda q, kc, vc, lens: q * 2)
         return {"jax cuflash": lambda: jitted(q, kc, vc, lens),
-                "cupy cuflash": lambda: cuflash.decode(cq, ckc, cvc, cache_seqlens=clens)}
+                "jax dispatch floor": lambda: floor(q, kc, vc, lens),
+                "cupy cuflash": lambda: chained(lambda x: cuflash.decode(x, ckc, cvc, cache_seqlens=clens), cq)}
     q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[:3])
     cq, ck, cv = (cupy.asarray(np.asarray(x)) for x in (q, k, v))
     if kind == "fwd":
@@ -156,10 +170,12 @@ def main(argv=None):
         times = {c: statistics.median(s) for c, s in samples.items()}
         rows.append((name, times, ratios(times)))
         print(f"{name:34} " + "  ".join(f"{c} {1e6 * t:9.1f} us" for c, t in times.items()), flush=True)
-    print("\n| problem | jax cuflash us | jax cuDNN us | cupy cuflash us | x cuDNN (>= 1.0) | x CuPy (>= 0.95) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| problem | jax cuflash us | jax cuDNN us | cupy cuflash us | jax dispatch floor us | x cuDNN (>= 1.0) "
+          "| x CuPy (>= 0.95) |")
+    print("|---|---|---|---|---|---|---|")
     for name, times, r in rows:
-        cells = [f"{1e6 * times[c]:.1f}" if c in times else "-" for c in ("jax cuflash", "jax cudnn", "cupy cuflash")]
+        cells = [f"{1e6 * times[c]:.1f}" if c in times else "-"
+                 for c in ("jax cuflash", "jax cudnn", "cupy cuflash", "jax dispatch floor")]
         print(f"| {name} | {' | '.join(cells)} | {bar_text('cudnn', r.get('cudnn'))} | {bar_text('cupy', r.get('cupy'))} |")
 
 
