@@ -104,7 +104,7 @@ struct FwdSm90Config {
     // rows at D = 128 take 16 copies a tile of 128 keys this way (0.91x the contiguous forward), 32 as
     // mode 1 (0.78x).
     static constexpr bool kKvCache = kKvCache_ != 0, kKvGather = kKvCache_ == 2, kKvRowGroups = kKvCache_ == 3;
-    static_assert(kBlockN_ / 8 * (kHeadDim_ / 64) <= 32 && kBlockN_ / 8 * (kHeadDimV_ / 64) <= 32,
+    static_assert(kKvCache_ == 0 || (kBlockN_ / 8 * (kHeadDim_ / 64) <= 32 && kBlockN_ / 8 * (kHeadDimV_ / 64) <= 32),
                   "a KV cache tile's TMA copies, one a lane of a warp (load_boxes)");
     // Named barriers: 1 the consumers (zero_tile_rows), 2 + consumer each consumer's output, and this
     // one the producer warpgroup of a gather.
@@ -170,7 +170,7 @@ struct FwdSm90Config {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || (kHeadDim == 192 && kHeadDimV == 128),
                   "wgmma tiles for head dims 64, 128, 256 (and Q's and K's 192 beside V's 128)");
     static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "P V's wgmma n: 64, 128 or 2 x 128");
-    static_assert(kBlockN == 64 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
+    static_assert(kBlockN == 64 || kBlockN == 96 || kBlockN == 128, "a wgmma n for S (wgmma_sm90.cuh)");
     static_assert(kQSlots == 1 || kQSlots == 2, "Q is single or double buffered");
 };
 

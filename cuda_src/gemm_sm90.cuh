@@ -30,18 +30,20 @@ __device__ __forceinline__ constexpr unsigned mnmajor_step(int kk) { return kk *
 
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int scale_d) {
-    static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma n of 32, 64, 80 or 128");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 128, "wgmma n of 32, 64, 80, 96 or 128");
     if constexpr (N == 32) wgmma_ss_n32(d, a, b, scale_d);
     else if constexpr (N == 64) wgmma_ss_n64(d, a, b, scale_d, elem_t{});
     else if constexpr (N == 80) wgmma_ss_n80<0>(d, a, b, scale_d);
+    else if constexpr (N == 96) wgmma_ss_n96(d, a, b, scale_d);
     else wgmma_ss_n128(d, a, b, scale_d, elem_t{});
 }
 template <int N>
 __device__ __forceinline__ void wgmma_ss_first(float (&d)[N / 2], unsigned long long a, unsigned long long b) {
-    static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma n of 32, 64, 80 or 128");
+    static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 128, "wgmma n of 32, 64, 80, 96 or 128");
     if constexpr (N == 32) wgmma_ss_n32_first(d, a, b);
     else if constexpr (N == 64) wgmma_ss_n64_first(d, a, b, elem_t{});
     else if constexpr (N == 80) wgmma_ss_n80_first<0>(d, a, b);
+    else if constexpr (N == 96) wgmma_ss_n96_first(d, a, b);
     else wgmma_ss_n128_first(d, a, b, elem_t{});
 }
 template <int N>

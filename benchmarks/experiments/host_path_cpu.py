@@ -81,7 +81,8 @@ def stub_the_gpu() -> None:
         ptr=BASE - 4096)), []
     _launch._states[(0, 0, None)] = state
     for module in (_compile, attention_module, backward_module, decode_module, merge_module,
-                   sys.modules["cuflash._forward_plan"], sys.modules["cuflash._backward_plan"]):
+                   sys.modules["cuflash._forward_plan"], sys.modules["cuflash._backward_plan"],
+                   sys.modules["cuflash._prefill_plan"]):
         if hasattr(module, "get_kernel"):
             module.get_kernel = lambda variant: _FakeKernel()
         if hasattr(module, "device_arch"):
@@ -139,6 +140,14 @@ def cases():
     dq, dk, dv = (array((1, 256, 8, 128)) for _ in range(3))
     yield "attention_backward B1 S256 H8 D128", \
         lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv)
+    # The calls ct.attention's autograd Function makes (cuflash/interop/torch.py), every keyword spelled.
+    yield "autograd's attention_forward causal", \
+        lambda: cuflash.attention_forward(q, k, v, bias=None, sinks=None, out=out, lse=lse, generator=None,
+                                          causal=True)
+    yield "autograd's attention_backward causal", \
+        lambda: cuflash.attention_backward(dout, q, k, v, out, lse, bias=None, sinks=None, rng_state=None,
+                                           return_dbias=False, return_dsinks=False, dq=dq, dk=dk, dv=dv,
+                                           deterministic=False, causal=True)
     b, length, hq, hk, d = 8, 1024, 32, 8, 128
     qd, outd = array((b, 1, hq, d)), array((b, 1, hq, d))
     kc, vc = array((b, length, hk, d)), array((b, length, hk, d))

@@ -19,13 +19,16 @@ from ..features import DTYPE_CODES, USER_MOD_BITS, score_mod_bits
 SM90_HEAD_DIMS = (64, 128, 256)
 #: Q's and K's compiled head dims beside a V of its own of SM90_PAIR_QK_192_V: 192 as well (DeepSeek's
 #: (192, 128), the pair measured and tested; bwd_sm90 compiles 192 beside it too), where a square 192
-#: rounds up to 256 (its output, staged 128 columns at a time, would take one and a half passes). At (192, 128), 64-key tiles, one Q slot and three stages
-#: (201 KiB): S = Q K^T over 192 columns instead of 256, a sixth less tensor work a tile. H200, bf16,
-#: B 2, S 8k, H 16, pinned plans in turns: Q double buffered with two stages 566 / 591 TFLOP/s causal
-#: / full, one slot and two stages 568 / 592, one slot and three 573 / 602.
+#: rounds up to 256 (its output, staged 128 columns at a time, would take one and a half passes). At
+#: (192, 128), 96-key tiles, one Q slot and two stages (201 KiB, as 64-key tiles with three): S = Q K^T
+#: over 192 columns instead of 256, a sixth less tensor work a tile, and half again as many keys a tile
+#: to carry each tile's softmax and waits. H200, bf16, B 2, S 8k, H 16, causal / full TFLOP/s: 96 x 2
+#: 648 / 690 against 64 x 3's 557 / 599 (graph-replayed, in turns); 64-key tiles before that: Q double
+#: buffered with two stages 566 / 591, one slot and two stages 568 / 592, one slot and three 573 / 602.
 SM90_PAIR_QK_DIMS = (64, 128, 192, 256)
 SM90_PAIR_QK_192_V = 128
-SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 64, 1, 3
+SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 96, 1, 2
+SM90_TILES_192_64 = (64, 3)   # (keys a tile, stages) of the (192, 128) variants that keep 64 keys: see plan()
 # Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
 SM90_WIDE_HEAD_DIMS = (64,)
 SM90_WIDE_MIN_ROWS = 2048
@@ -292,6 +295,11 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, consumers
     stages = _tiles_of(kdim)[2]
     if kdim_v != kdim:
         block_n, stages = _pair_tiles(kdim, kdim_v, block_n, consumers)
+    if kdim == 192 and (kv_cache is not None or dropout or mods & ~score_mod_bits(("softcap",))):
+        # 64-key tiles and three stages: over a KV cache a tile's TMA boxes go out one a lane of a warp
+        # (load_boxes; 96 keys would take 36 boxes), and the other modifiers and dropout have not run
+        # on a GPU with 96-key tiles (the softcap, causal masks and windows have).
+        block_n, stages = SM90_TILES_192_64
     q_slots = _tiles_of(kdim)[1]
     smem = sm90_smem_bytes(kdim, consumers, block_n, kdim_v, stages, q_slots, tile_elem_bytes, tile_one_row)
     if smem > DEFAULT_SMEM_PER_BLOCK - STATIC_SMEM_ROOM:   # a score tile where two Q slots leave no room (D = 128)

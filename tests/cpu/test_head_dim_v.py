@@ -94,11 +94,28 @@ def test_fwd_sm90_compiles_v_at_its_own_head_dim(d, dv):
         assert defines["CUFLASH_BLOCK_N"] <= min(fwd_sm90._tiles_of(kdim)[0], fwd_sm90.SM90_BLOCK_N[kdim_v])
         smem = fwd_sm90.sm90_smem_bytes(kdim, 2, defines["CUFLASH_BLOCK_N"], kdim_v, defines["CUFLASH_STAGES"])
         assert plan.smem_bytes == defines["CUFLASH_SMEM_BYTES"] == smem <= fwd_sm90.DEFAULT_SMEM_PER_BLOCK
-        assert 2 <= defines["CUFLASH_STAGES"] <= fwd_sm90._tiles_of(kdim)[2]
+        # (192, 128) with modifiers or dropout keeps 64-key tiles and their three stages.
+        top = fwd_sm90.SM90_TILES_192_64[1] if kdim == 192 and (mods or dropout) else fwd_sm90._tiles_of(kdim)[2]
+        assert 2 <= defines["CUFLASH_STAGES"] <= top
     same = kforward.forward_plan("fwd_sm90", "bfloat16", d, score_mods=False, dropout=False, head_dim_v=d)
     assert "CUFLASH_HEAD_DIM_V" not in dict(same.variant.defines)
     with pytest.raises(ValueError, match="3 at head dims"):
         fwd_sm90.plan("bfloat16", d, score_mods=False, dropout=False, consumers=3, head_dim_v=dv)
+
+
+@pytest.mark.parametrize("options, tiles", [(dict(score_mods=(), dropout=False), (96, 2)),
+                                            (dict(score_mods=("softcap",), dropout=False), (96, 2)),
+                                            (dict(score_mods=(), dropout=True), (64, 3)),
+                                            (dict(score_mods=("alibi",), dropout=False), (64, 3)),
+                                            (dict(score_mods=("block_mask",), dropout=False), (64, 3)),
+                                            (dict(score_mods=(), dropout=False, kv_cache="row_groups"), (64, 3))])
+def test_fwd_sm90_tiles_at_192_128(options, tiles):
+    """(192, 128) takes 96-key tiles and two stages without modifiers or with the softcap alone; with
+    the others, dropout or a KV cache (whose boxes go out one a lane: 36 at 96 keys), 64 and three."""
+    plan = fwd_sm90.plan("bfloat16", 192, head_dim_v=128, **options)
+    defines = dict(plan.variant.defines)
+    assert (defines["CUFLASH_BLOCK_N"], defines["CUFLASH_STAGES"]) == tiles
+    assert defines["CUFLASH_SMEM_BYTES"] <= fwd_sm90.DEFAULT_SMEM_PER_BLOCK
 
 
 @pytest.mark.parametrize("d, dv, compiled", [(192, 128, (192, 128)), (136, 128, (192, 128)), (192, 64, (256, 64)),
