@@ -23,8 +23,7 @@ SM90_HEAD_DIMS = (64, 128, 256)
 #: (192, 128), 96-key tiles, one Q slot and two stages (201 KiB, as 64-key tiles with three): S = Q K^T
 #: over 192 columns instead of 256, a sixth less tensor work a tile, and half again as many keys a tile
 #: to carry each tile's softmax and waits. H200, bf16, B 2, S 8k, H 16, causal / full TFLOP/s: 96 x 2
-#: 648 / 690 against 64 x 3's 557 / 599 (graph-replayed, in turns); 64-key tiles before that: Q double
-#: buffered with two stages 566 / 591, one slot and two stages 568 / 592, one slot and three 573 / 602.
+#: 648 / 690 against 64 x 3's 557 / 599 (docs/decisions.md#a-value-head-dim-of-its-own).
 SM90_PAIR_QK_DIMS = (64, 128, 192, 256)
 SM90_PAIR_QK_192_V = 128
 SM90_BLOCK_N_192, SM90_Q_SLOTS_192, SM90_STAGES_192 = 96, 1, 2
