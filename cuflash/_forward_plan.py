@@ -83,7 +83,7 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     consumers = 2
     if family == "fwd_sm90" and entry == "attention" and head_dim_v == head_dim:
         consumers = kernels.fwd_sm90.sm90_consumers(head_dim, featured=bool(score_mods) or dropout,
-                                               full=opts.window == (-1, -1), seqlen_q=q.shape[1])
+                                               window=opts.window, seqlen_q=q.shape[1])
     tile_name = score_mods[0] if len(score_mods) == 1 and score_mods[0] in ("bias", "mask") else None
     tile_array = (score_arrays or {}).get(tile_name)
     score_tile = family == "fwd_sm90" and kernels.fwd_sm90.score_tile(score_mods, tile_array, dtype_name, head_dim,

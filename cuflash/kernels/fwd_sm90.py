@@ -31,6 +31,10 @@ SM90_TILES_192_64 = (64, 3)   # (keys a tile, stages) of the (192, 128) variants
 # Consumer warpgroups of 64 query rows each: two, or three (192 rows a CTA) where sm90_consumers says.
 SM90_WIDE_HEAD_DIMS = (64,)
 SM90_WIDE_MIN_ROWS = 2048
+#: ... and from this many query rows of a causal call (the window (-1, 0)), whose diagonal's masked half
+#: weighs less on long rows: H200 bf16, 16k tokens, two / three consumers over cuDNN: 2k 1.001 / 0.958,
+#: 4k 1.028 / 0.998, 8k 1.043 / 1.077, 16k 1.047 / 1.095 (docs/decisions.md#fwd-sm90-three-consumers-at-head-dim-64).
+SM90_WIDE_MIN_ROWS_CAUSAL = 8192
 SM90_BLOCK_N = {64: 128, 128: 128, 256: 64}
 # With a user ScoreMod/MaskMod, 64-key tiles: a consumer holds half the scores (at D = 64 and 128), which leaves
 # room for the expression's reads (a document mask over 128-key tiles spilled 228 B, with a relative
@@ -152,22 +156,24 @@ def tile_one_row(x) -> bool:
     return x.strides[2] == 0
 
 
-def sm90_consumers(head_dim: int, *, featured: bool, full: bool, seqlen_q: int) -> int:
+def sm90_consumers(head_dim: int, *, featured: bool, window: tuple[int, int], seqlen_q: int) -> int:
     """Consumer warpgroups of fwd_sm90 for a problem (its CTA computes 64 query rows per consumer):
-    ``head_dim`` the run-time one, ``featured`` with score modifiers or dropout, ``full`` without a
-    causal or window mask.
+    ``head_dim`` the run-time one, ``featured`` with score modifiers or dropout, ``window`` the call's
+    (left, right) bounds ((-1, -1): none, (-1, 0): causal).
 
-    Three at D = 64 without score modifiers or dropout, for attention without a causal or
-    window mask over at least SM90_WIDE_MIN_ROWS query rows; two otherwise. At D = 64 a tile's
-    exponentials cost about as much as its products, and a third warpgroup keeps the tensor cores
-    busy while the others take theirs (H100, bf16, ratio to cuDNN, two / three: 2k 1.01 / 1.05,
-    8k 1.03 / 1.11, 16k 1.01 / 1.10). Causal rows and short sequences lose on 192-row tiles (the
-    diagonal's masked half, a last m-block of 64 rows at 1k): causal 1k 0.94 / 0.76, 4k 1.00 / 0.94,
-    full 1k 0.99 / 0.96. The three-warpgroup variant has 160 registers per consumer thread, too few
-    for the score modifiers (140 B of spills) and for the speculative softmax's second P.
+    Three at D = 64 without score modifiers or dropout, for attention without a causal or window
+    mask over at least SM90_WIDE_MIN_ROWS query rows, or with a causal one over at least
+    SM90_WIDE_MIN_ROWS_CAUSAL; two otherwise. At D = 64 a tile's exponentials cost about as much as
+    its products, and a third warpgroup keeps the tensor cores busy while the others take theirs
+    (H100, bf16, ratio to cuDNN, two / three: 2k 1.01 / 1.05, 8k 1.03 / 1.11, 16k 1.01 / 1.10).
+    Short causal rows lose on 192-row tiles (the diagonal's masked half, a last m-block of 64 rows
+    at 1k: H200, 2k 1.00 / 0.96, 4k 1.03 / 1.00), long ones gain (8k 1.04 / 1.08, 16k 1.05 / 1.10);
+    sliding windows keep two. The three-warpgroup variant has 160 registers per consumer thread, too
+    few for the score modifiers (140 B of spills) and for the speculative softmax's second P.
     """
-    wide = (round_up(head_dim, SM90_HEAD_DIMS) in SM90_WIDE_HEAD_DIMS and not featured and full
-            and seqlen_q >= SM90_WIDE_MIN_ROWS)
+    min_rows = {(-1, -1): SM90_WIDE_MIN_ROWS, (-1, 0): SM90_WIDE_MIN_ROWS_CAUSAL}.get(tuple(window))
+    wide = (round_up(head_dim, SM90_HEAD_DIMS) in SM90_WIDE_HEAD_DIMS and not featured and min_rows is not None
+            and seqlen_q >= min_rows)
     return 3 if wide else 2
 
 

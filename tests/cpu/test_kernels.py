@@ -686,13 +686,21 @@ def test_bwd_sm90_deterministic_variants():
 
 def test_sm90_consumers():
     """Three consumer warpgroups only at D = 64 (any head dim that compiles to it), plain, full
-    attention over at least SM90_WIDE_MIN_ROWS query rows; their variant exists only there."""
-    wide = dict(featured=False, full=True, seqlen_q=kernels.fwd_sm90.SM90_WIDE_MIN_ROWS)
-    assert kernels.fwd_sm90.sm90_consumers(64, **wide) == 3 and kernels.fwd_sm90.sm90_consumers(40, **wide) == 3
-    assert kernels.fwd_sm90.sm90_consumers(128, **wide) == 2 and kernels.fwd_sm90.sm90_consumers(256, **wide) == 2
-    assert kernels.fwd_sm90.sm90_consumers(64, **{**wide, "featured": True}) == 2
-    assert kernels.fwd_sm90.sm90_consumers(64, **{**wide, "full": False}) == 2
-    assert kernels.fwd_sm90.sm90_consumers(64, **{**wide, "seqlen_q": kernels.fwd_sm90.SM90_WIDE_MIN_ROWS - 1}) == 2
+    attention over at least SM90_WIDE_MIN_ROWS query rows or causal over SM90_WIDE_MIN_ROWS_CAUSAL;
+    their variant exists only there."""
+    fwd = kernels.fwd_sm90
+    wide = dict(featured=False, window=(-1, -1), seqlen_q=fwd.SM90_WIDE_MIN_ROWS)
+    assert fwd.sm90_consumers(64, **wide) == 3 and fwd.sm90_consumers(40, **wide) == 3
+    assert fwd.sm90_consumers(128, **wide) == 2 and fwd.sm90_consumers(256, **wide) == 2
+    assert fwd.sm90_consumers(64, **{**wide, "featured": True}) == 2
+    assert fwd.sm90_consumers(64, **{**wide, "seqlen_q": fwd.SM90_WIDE_MIN_ROWS - 1}) == 2
+    assert fwd.SM90_WIDE_MIN_ROWS < fwd.SM90_WIDE_MIN_ROWS_CAUSAL
+    causal = {**wide, "window": (-1, 0), "seqlen_q": fwd.SM90_WIDE_MIN_ROWS_CAUSAL}
+    assert fwd.sm90_consumers(64, **causal) == 3 and fwd.sm90_consumers(128, **causal) == 2
+    assert fwd.sm90_consumers(64, **{**causal, "seqlen_q": fwd.SM90_WIDE_MIN_ROWS_CAUSAL - 1}) == 2
+    assert fwd.sm90_consumers(64, **{**causal, "featured": True}) == 2
+    for window in ((1024, 0), (-1, 3), (5, 5)):   # sliding windows keep two
+        assert fwd.sm90_consumers(64, **{**causal, "window": window, "seqlen_q": 10 ** 6}) == 2
     plan = kernels.forward.forward_plan("fwd_sm90", "bfloat16", 64, score_mods=False, dropout=False, consumers=3)
     assert (plan.block_m, plan.threads) == (192, 512)
     assert dict(plan.variant.defines)["CUFLASH_CONSUMERS"] == 3

@@ -690,19 +690,28 @@ def test_automatic_kernel_choice(dtype, head_dim):
 def test_sm90_three_consumer_warpgroups(dtype, head_dim):
     # Full attention at D = 64 over >= 2048 query rows runs fwd_sm90 with three consumer warpgroups
     # (192 rows a CTA; kernels.fwd_sm90.sm90_consumers): chosen for this shape (a last m-block of 180
-    # rows, Sq != Sk, GQA) and right, out and lse; the causal call of the same shape keeps two.
+    # rows, Sq != Sk, GQA) and right, out and lse; the causal call of the same shape keeps two, and
+    # takes three too where its rows reach SM90_WIDE_MIN_ROWS_CAUSAL (lowered here to this shape's,
+    # so that the float64 reference stays small).
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("fwd_sm90 needs an sm_90 GPU (H100/H200)")
     from cuflash import kernels
+    from cuflash._runtime import memo as _memo
     shape = _shape(2, 2100, 2222, 4, 2, head_dim)
     assert shape["Sq"] % 192 and kernels.fwd_sm90.SM90_WIDE_MIN_ROWS <= shape["Sq"]
+    assert shape["Sq"] < kernels.fwd_sm90.SM90_WIDE_MIN_ROWS_CAUSAL
     q, k, v = _qkv(shape, dtype, 96 + head_dim)
-    for causal, consumers in ((False, 3), (True, 2)):
-        with forced("fwd_sm90"):
-            planned = cuflash.plan(cuflash.attention, q, k, v, causal=causal)
-        assert planned.plan.info["consumers"] == consumers
-        out, lse, state = run_forward(None, q, k, v, {"causal": causal})
-        check_close(q, k, v, {"causal": causal}, out, lse, state, dtype=dtype)
+    for causal, consumers, causal_min_rows in ((False, 3, None), (True, 2, None), (True, 3, shape["Sq"])):
+        with pytest.MonkeyPatch.context() as mp:
+            if causal_min_rows is not None:
+                mp.setattr(kernels.fwd_sm90, "SM90_WIDE_MIN_ROWS_CAUSAL", causal_min_rows)
+                _memo.clear_memo()   # the remembered plans chose with the threshold in force
+            with forced("fwd_sm90"):
+                planned = cuflash.plan(cuflash.attention, q, k, v, causal=causal)
+            assert planned.plan.info["consumers"] == consumers
+            out, lse, state = run_forward(None, q, k, v, {"causal": causal})
+            check_close(q, k, v, {"causal": causal}, out, lse, state, dtype=dtype)
+        _memo.clear_memo()
 
 
 @pytest.mark.parametrize("family, dtype", KERNELS)
