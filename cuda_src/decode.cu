@@ -182,6 +182,12 @@ struct DecodeConfig {
     // above 128, where fully unrolled address arithmetic would crowd the 255-register budget.
     static constexpr int kLoadIters = kBlockN * kChunksPerRow / kNThreads;
     static constexpr int kLoadUnroll = kHeadDim > 128 && kLoadIters % 4 == 0 ? 4 : kLoadIters;
+    // Rows of a chunk count that is no power of two (MLA's 576 columns: 72 chunks) are copied a row to
+    // 8 threads (copy_rows_by_eights): the chunk-major walk divided each copy's index by 72 and read
+    // its row's address again, about 28 instructions a 16-byte copy, which left MLA's 4-warp CTAs
+    // latency bound (H200, (32, 4k, 16 heads): 53% of the instructions, 43% of the stall samples).
+    static constexpr bool kRowsByEights = !kSimt && !kFp8 && (kChunksPerRow & (kChunksPerRow - 1)) != 0 &&
+                                          kChunksPerRow % 8 == 0 && kBlockN % (kNThreads / 8) == 0;
     // End-of-loop combine buffer (reuses the K/V stages): per warp its O rows, then m, l, weights, lse.
     static constexpr int kCombStride = kVCols + 8;                 // floats; float2 stores conflict-free
     static constexpr int kCombFloats = kNWarps * kBlockM * kCombStride + 3 * kNWarps * kBlockM + kBlockM;
@@ -309,6 +315,38 @@ __device__ __forceinline__ bool cache_offsets(const DecodeParams& p, const Decod
     return true;
 }
 
+// One stage's rows by kRowsByEights: thread t copies chunks t % 8, t % 8 + 8, ... of rows t / 8, t / 8 +
+// kNThreads / 8, ...; row_of(r) gives row r's K and V sources (nullptr: zeros). A thread's rows share
+// their swizzle (row % 8 is t / 8 % 8 for every one), so each copy's addresses are the row's plus
+// compile-time steps.
+template <class C, class RowOf>
+__device__ __forceinline__ void copy_rows_by_eights(typename C::cache_t* k_tile, typename C::cache_t* v_tile,
+                                                    const DecodeParams& p, const DecodeSeq& sq, RowOf row_of) {
+    static_assert(C::kRowsByEights, "rows of 8-chunk groups, 8 threads a row");
+    constexpr int kRowStep = C::kNThreads / 8, kGroups = C::kChunksPerRow / 8;
+    static_assert(kRowStep % 8 == 0, "a thread's rows share row % 8");
+    const int lane8 = threadIdx.x % 8, r0 = threadIdx.x / 8;
+    const int col = lane8 * C::kCacheChunkElems;                                // this thread's column in a group
+    const int swz = ((lane8 ^ (r0 % 8)) - lane8) * C::kCacheChunkElems;        // its swizzled shift
+#pragma unroll
+    for (int pass = 0; pass < C::kBlockN / kRowStep; ++pass) {
+        const int r = r0 + pass * kRowStep;
+        const typename C::cache_t* k_row;
+        const typename C::cache_t* v_row;
+        row_of(r, k_row, v_row);
+        typename C::cache_t* k_dst = k_tile + r * C::kHeadDim + col + swz;
+        typename C::cache_t* v_dst = v_tile + r * C::kHeadDim + col + swz;
+#pragma unroll
+        for (int grp = 0; grp < kGroups; ++grp) {
+            const int c = col + grp * 8 * C::kCacheChunkElems;
+            const bool valid = k_row != nullptr && c < p.head_dim, v_valid = v_row != nullptr && c < p.out_dim;
+            cp_async_16(k_dst + grp * 8 * C::kCacheChunkElems, valid ? k_row + c : k_cache_of<C>(sq), valid);
+            if constexpr (!C::kMla)
+                cp_async_16(v_dst + grp * 8 * C::kCacheChunkElems, v_valid ? v_row + c : v_cache_of<C>(sq), v_valid);
+        }
+    }
+}
+
 // K and V rows j0 .. j0 + kBlockN - 1 into one stage; rows at or past j_end, K columns past head_dim
 // and V columns past out_dim (a value head dim of its own) are zero-filled, never read (cache slots
 // past cache_seqlens cannot leak into a result).
@@ -319,6 +357,23 @@ __device__ __forceinline__ void load_kv_tile(typename C::cache_t* k_tile, typena
     constexpr int kRowStep = C::kNThreads / C::kChunksPerRow;
     const cache_t* k_cache = k_cache_of<C>(sq);
     const cache_t* v_cache = v_cache_of<C>(sq);
+    if constexpr (C::kRowsByEights) {
+        copy_rows_by_eights<C>(k_tile, v_tile, p, sq, [&](int r, const cache_t*& k_row, const cache_t*& v_row) {
+            const int j = j0 + r;
+            k_row = v_row = nullptr;
+            long long k_off, v_off;
+            if (j >= j_end) return;
+            if (j >= sq.cache_len) {   // an appended token: read from k_new / v_new, not from the slot being written
+                const long long t = j - sq.cache_len;
+                k_row = sq.k_new + t * p.k_new_row_stride;
+                v_row = sq.v_new + t * p.v_new_row_stride;
+            } else if (cache_offsets<C>(p, sq, j, &k_off, &v_off)) {   // (else a page not the cache's: zeros)
+                k_row = k_cache + k_off;
+                v_row = v_cache + v_off;
+            }
+        });
+        return;
+    }
     if constexpr (!C::kPaged && C::kNThreads % C::kChunksPerRow == 0) {
         // Most tiles of a contiguous cache lie wholly inside the cached keys: each thread walks down
         // its column with one pointer per tensor, a constant stride per step (no per-row checks).
@@ -458,6 +513,14 @@ template <class C, bool kAppended>
 __device__ __forceinline__ void copy_paged_rows(typename C::cache_t* k_tile, typename C::cache_t* v_tile,
                                                 const PagedRows<C::kBlockN, typename C::cache_t>& rows, int buf,
                                                 const DecodeParams& p, const DecodeSeq& sq, int j0, int key_end) {
+    if constexpr (C::kRowsByEights) {
+        copy_rows_by_eights<C>(k_tile, v_tile, p, sq, [&](int r, const typename C::cache_t*& k_row,
+                                                          const typename C::cache_t*& v_row) {
+            k_row = rows.k[buf][r];
+            v_row = k_row != nullptr ? rows.v[buf][r] : nullptr;
+        });
+        return;
+    }
 #pragma unroll C::kLoadUnroll
     for (int it = 0; it < C::kLoadIters; ++it) {
         const int idx = threadIdx.x + it * C::kNThreads;

@@ -455,7 +455,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
             batch, heads_k, keys, sms, row_blocks=row_blocks * halves, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
             saturating_ctas=None if paged else plan_k.saturating_ctas(memory_rate),
-            min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4)
+            min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4,
+            max_splits=kernels.decode.DECODE_MLA_MAX_SPLITS if mla else kernels.decode.DECODE_MAX_SPLITS)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits * halves >= 2**31:
         raise ValueError(f"num_splits = {num_splits} is too large for this problem")

@@ -34,6 +34,10 @@ DECODE_KEYS_AS_M_ROWS = 8
 #: gives the 16-row variants, the A/B's other side.
 DECODE_KEYS_AS_M_BY_DEFAULT = True
 DECODE_MAX_SPLITS = 128
+#: MLA's splits at most: each split's partials (its rows x 512 float32 values) are combined by the last
+#: split of its value half, whose reads grow with the count. H200, (1, 32k, 16 heads), graph-replayed:
+#: 16 / 32 / 63-64 splits 115-122 / 114-121 / 165-186 us, contiguous and pages of 64.
+DECODE_MLA_MAX_SPLITS = 32
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
 _DECODE_SMEM_RESERVE = 1024 + 128

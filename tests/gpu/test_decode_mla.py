@@ -101,6 +101,31 @@ def test_mla_decode_matches_the_reference(dtype, page_size, heads_q, seqlen_q, n
         want_lse)]).max(initial=1.0))), err_msg=msg)
 
 
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_one_long_sequence_takes_at_most_the_mla_split_count(page_size):
+    # One sequence of 16k latent rows, 16 heads: the split rule alone would cut it 63 ways (a wave of
+    # value-half CTAs); MLA stops at DECODE_MLA_MAX_SPLITS (the last split combines every partial). The
+    # rows are read by copy_rows_by_eights (cuda_src/decode.cu), pages of 64 a whole tile each.
+    from cuflash import kernels
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    case = _case(rng, dtype="bfloat16", page_size=page_size, heads_q=16, seqlen_q=1, append=False, B=1,
+                 capacity=16384)
+    case["lens"][:] = 16384 - int(rng.integers(0, 64))
+    kw = dict(v_head_dim=D_V, cache_seqlens=cupy.asarray(case["lens"]),
+              block_table=None if case["table"] is None else cupy.asarray(case["table"]))
+    q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
+    splits = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info["num_splits"]
+    assert 8 <= splits <= kernels.decode.DECODE_MLA_MAX_SPLITS, splits   # (pages: splits of 2048 keys or more)
+    out, lse, _ = _run(case, num_splits=0, options={})
+    want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
+                                      block_table=case["table"])
+    msg = f"seed {seed}, {splits} splits"
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0,
+                               atol=TOL["bfloat16"] * max(1.0, float(np.abs(want).max())), err_msg=msg)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse).max())), err_msg=msg)
+
+
 @pytest.mark.parametrize("bad, exc, pattern", [
     (dict(v_head_dim=None), ValueError, "needs v_head_dim"),
     (dict(v_head_dim=520), ValueError, "v_head_dim"),
