@@ -129,21 +129,35 @@ def _words(dt, D, B, Sq, Sk, Hq, Hk, opts):
 
 # ----------------------------------------------------------------------------- the cases
 
-def forward_case(family, dt, D, B, Sq, Sk, Hq, Hk, entry="attention_forward", **opts):
+def forward_case(family, dt, D, B, Sq, Sk, Hq, Hk, entry="attention_forward", wide=False, **opts):
+    """wide: fwd_sm90's three consumer warpgroups (192-row items) at any length (D = 64, ``attention``)."""
     def run():
         import cuflash
+        from cuflash import kernels
+        from cuflash._runtime import memo as _memo
 
         q, k, v = _rnd(dt, B, Sq, Hq, D), _rnd(dt, B, Sk, Hk, D), _rnd(dt, B, Sk, Hk, D)
         kw = _score_options(opts, B, Sq, Sk, Hq)
-        with cuflash.force_kernel(family):
-            if entry == "attention":
-                out = cuflash.attention(q, k, v, **kw)
-            else:
-                out, lse, _ = cuflash.attention_forward(q, k, v, **kw)
+        fwd = kernels.fwd_sm90
+        saved = fwd.SM90_WIDE_MIN_ROWS, fwd.SM90_WIDE_MIN_ROWS_CAUSAL
+        if wide:
+            fwd.SM90_WIDE_MIN_ROWS = fwd.SM90_WIDE_MIN_ROWS_CAUSAL = 1
+            _memo.clear_memo()
+        try:
+            with cuflash.force_kernel(family):
+                if entry == "attention":
+                    out = cuflash.attention(q, k, v, **kw)
+                else:
+                    out, lse, _ = cuflash.attention_forward(q, k, v, **kw)
+        finally:
+            fwd.SM90_WIDE_MIN_ROWS, fwd.SM90_WIDE_MIN_ROWS_CAUSAL = saved
+            if wide:
+                _memo.clear_memo()
         _finite(out)
         return ""
 
-    return Case(entry, family, _words(dt, D, B, Sq, Sk, Hq, Hk, opts), run, "sm_90a" if family.endswith("sm90") else "")
+    words = _words(dt, D, B, Sq, Sk, Hq, Hk, dict(opts, **({"wide": True} if wide else {})))
+    return Case(entry, family, words, run, "sm_90a" if family.endswith("sm90") else "")
 
 
 def backward_case(family, dt, D, B, Sq, Sk, Hq, Hk, deterministic=False, return_dbias=False, wide=False, **opts):
@@ -216,8 +230,9 @@ def varlen_case(family, dt, D, Hq, Hk, backward=False, deterministic=False, **op
 
 
 def decode_case(dt, D, Hq, Hk, *, Sq=1, paged=False, page_size=16, append=0, splits=1, host_lens=False,
-                check_kernel=False, **opts):
-    """B = 2 sequences holding 77 and 150 keys of a capacity of 200 (paged: pages shuffled)."""
+                check_kernel=False, dv=None, mla=False, **opts):
+    """B = 2 sequences holding 77 and 150 keys of a capacity of 200 (paged: pages shuffled). ``dv``: v's
+    head dim when it differs; ``mla``: one latent cache of D columns whose first 512 are the values."""
     B, capacity, lens = 2, 200, [77, 150]
 
     def run():
@@ -229,17 +244,20 @@ def decode_case(dt, D, Hq, Hk, *, Sq=1, paged=False, page_size=16, append=0, spl
 
         cp = _cp()
         kw = dict(num_splits=splits)
+        v_dim = dv or D
         if paged:
             max_pages = -(-capacity // page_size)
             num_pages = B * max_pages + 3
-            kc, vc = _rnd(dt, num_pages, page_size, Hk, D), _rnd(dt, num_pages, page_size, Hk, D)
+            kc, vc = _rnd(dt, num_pages, page_size, Hk, D), _rnd(dt, num_pages, page_size, Hk, v_dim)
             table = np.random.default_rng(0).permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
             kw["block_table"] = cp.asarray(table.astype(np.int32))
         else:
-            kc, vc = _rnd(dt, B, capacity, Hk, D), _rnd(dt, B, capacity, Hk, D)
+            kc, vc = _rnd(dt, B, capacity, Hk, D), _rnd(dt, B, capacity, Hk, v_dim)
         kw["cache_seqlens"] = np.array(lens, np.int32) if host_lens else cp.array(lens, cp.int32)
         if append:
-            kw.update(k_new=_rnd(dt, B, append, Hk, D), v_new=_rnd(dt, B, append, Hk, D))
+            kw.update(k_new=_rnd(dt, B, append, Hk, D), v_new=None if mla else _rnd(dt, B, append, Hk, v_dim))
+        if mla:
+            vc, kw["v_head_dim"] = None, 512
         kw.update(_score_options({k: v for k, v in opts.items() if k != "mask"}, B, Sq, capacity, Hq))
         if opts.get("mask"):   # a tree mask over the new tokens: its columns are the last Sq keys
             kw["mask"] = cp.tril(cp.ones((Sq, Sq), dtype=bool))
@@ -259,7 +277,8 @@ def decode_case(dt, D, Hq, Hk, *, Sq=1, paged=False, page_size=16, append=0, spl
         _finite(result[0] if isinstance(result, tuple) else result)
         return ""
 
-    words = [f"{dt} D{D} B{B} Sq{Sq} GQA {Hq}/{Hk}", f"paged page {page_size}" if paged else "contiguous",
+    words = [f"{dt} D{D}" + (f"/{dv}" if dv else "") + (" MLA" if mla else "") + f" B{B} Sq{Sq} GQA {Hq}/{Hk}",
+             f"paged page {page_size}" if paged else "contiguous",
              f"append {append}" if append else "no append",
              "splits heuristic" if splits == 0 else f"splits {splits}"]
     words += ["lens on host"] if host_lens else []
@@ -394,8 +413,9 @@ def build_cases() -> list[Case]:
                          mask=True, bias=True, block_mask=True, dropout_p=0.2),
         ]
     # fwd_sm90 with three consumer warpgroups (full attention at D = 64 over >= 2048 query rows), a
-    # last m-block of 28 rows.
-    cases += [forward_case("fwd_sm90", "bf16", 64, 1, 2140, 300, 2, 1)]
+    # last m-block of 28 rows; causal (from SM90_WIDE_MIN_ROWS_CAUSAL rows, lowered here), Sq != Sk.
+    cases += [forward_case("fwd_sm90", "bf16", 64, 1, 2140, 300, 2, 1),
+              forward_case("fwd_sm90", "fp16", 64, 1, 300, 420, 2, 1, causal=True, wide=True)]
     cases += [varlen_case("fwd_sm90", "bf16", 64, 4, 2, causal=True),
               varlen_case("fwd_sm90", "fp16", 128, 4, 4, dropout_p=0.1, alibi="batch"),
               varlen_case("fwd_sm80", "fp16", 64, 4, 2, window=(32, 8), softcap=30.0),
@@ -442,7 +462,13 @@ def build_cases() -> list[Case]:
               decode_case("fp32", 128, 4, 2, paged=True, page_size=16, append=1, splits=2, window=(64, 0),
                           softcap=20.0, alibi="heads"),
               decode_case("bf16", 64, 8, 2, paged=True, page_size=32, append=1, splits=0, check_kernel=True),
-              decode_case("fp16", 64, 8, 2, paged=True, page_size=16, host_lens=True, splits=4, return_lse=True)]
+              decode_case("fp16", 64, 8, 2, paged=True, page_size=16, host_lens=True, splits=4, return_lse=True),
+              # rows of 72 and 24 chunks (copy_rows_by_eights): MLA's latent rows, D = 192 beside a V of 128
+              decode_case("bf16", 576, 16, 1, mla=True, append=1, splits=3),
+              decode_case("fp16", 576, 16, 1, mla=True, paged=True, page_size=64, splits=0),
+              decode_case("bf16", 576, 16, 1, mla=True, paged=True, page_size=3, append=1, splits=2),
+              decode_case("bf16", 192, 8, 2, dv=128, paged=True, page_size=16, append=1, splits=2),
+              decode_case("fp16", 192, 8, 2, splits=3)]
     cases += [merge_case("fp32", 3), merge_case("bf16", 2, stacked=True), merge_case("fp16", 3, given_out=True),
               merge_case("bf16", 3, mixed=True)]
     cases += [bad_decode_case(splits, check_kernel) for check_kernel in (False, True) for splits in (1, 3)]
