@@ -182,12 +182,16 @@ struct DecodeConfig {
     // above 128, where fully unrolled address arithmetic would crowd the 255-register budget.
     static constexpr int kLoadIters = kBlockN * kChunksPerRow / kNThreads;
     static constexpr int kLoadUnroll = kHeadDim > 128 && kLoadIters % 4 == 0 ? 4 : kLoadIters;
-    // Rows of a chunk count that is no power of two (MLA's 576 columns: 72 chunks) are copied a row to
-    // 8 threads (copy_rows_by_eights): the chunk-major walk divided each copy's index by 72 and read
-    // its row's address again, about 28 instructions a 16-byte copy, which left MLA's 4-warp CTAs
-    // latency bound (H200, (32, 4k, 16 heads): 53% of the instructions, 43% of the stall samples).
-    static constexpr bool kRowsByEights = !kSimt && !kFp8 && (kChunksPerRow & (kChunksPerRow - 1)) != 0 &&
-                                          kChunksPerRow % 8 == 0 && kBlockN % (kNThreads / 8) == 0;
+    // Rows of a chunk count that is no power of two (MLA's 576 columns: 72 chunks; D = 192: 24) are
+    // copied a row to 8 threads (copy_rows_by_eights): the chunk-major walk divided each copy's index
+    // by 72 and read its row's address again, about 28 instructions a 16-byte copy, which left MLA's
+    // 4-warp CTAs latency bound (H200, (32, 4k, 16 heads): 53% of the instructions, 43% of the stall
+    // samples). Pages of rows of 16 or more chunks too (a row's address read once for 2 or more
+    // copies: H200, D = 128 pages of 16, 0.8-1.7% less time); a contiguous cache of a power of two
+    // keeps its walk down the columns (load_kv_tile), which measured the same.
+    static constexpr bool kRowsByEights =
+        !kSimt && !kFp8 && kChunksPerRow % 8 == 0 && kBlockN % (kNThreads / 8) == 0 &&
+        ((kChunksPerRow & (kChunksPerRow - 1)) != 0 || (kPaged && kChunksPerRow >= 16));
     // End-of-loop combine buffer (reuses the K/V stages): per warp its O rows, then m, l, weights, lse.
     static constexpr int kCombStride = kVCols + 8;                 // floats; float2 stores conflict-free
     static constexpr int kCombFloats = kNWarps * kBlockM * kCombStride + 3 * kNWarps * kBlockM + kBlockM;
