@@ -11,7 +11,9 @@ Each kernel below passes an int from thread 128 (the "consumer") to the 32 lanes
 
 A hazard reported for ``sync_sync`` (bar.sync on both sides of both barriers) means racecheck does
 not follow such barriers; ``arrive_sync`` is the v1 pattern (bar.arrive one way), ``mbarrier`` the
-pattern racecheck accepted.
+pattern racecheck accepted. Under ``--tool synccheck`` (H200, 2026-11-30) ``sync_sync`` is reported as
+"Barrier error detected. Divergent thread(s) in block", as bwd_sm90's 80-row hand-over is: synccheck
+does not take such barriers either.
 """
 import cupy
 
