@@ -449,13 +449,14 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         # memory busy (DecodePlan.saturating_ctas: on an H100 64 CTAs of eight warps at
         # D = 128, on an H200 all 132), since each split adds a partial to write and merge. Paged
         # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits
-        # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys, whose
-        # page-table start-up no longer hides.
+        # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys (MLA's 910 hold
+        # the same bytes), whose page-table start-up no longer hides.
         num_splits = kernels.decode.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks * halves, block_n=plan_k.block_n,
             ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
             saturating_ctas=None if paged else plan_k.saturating_ctas(memory_rate),
-            min_tiles_per_split=max(4, 2048 // plan_k.block_n) if paged else 4,
+            min_tiles_per_split=max(4, (kernels.decode.DECODE_MLA_PAGED_MIN_SPLIT_KEYS if mla else
+                                        kernels.decode.DECODE_PAGED_MIN_SPLIT_KEYS) // plan_k.block_n) if paged else 4,
             max_splits=kernels.decode.DECODE_MLA_MAX_SPLITS if mla else kernels.decode.DECODE_MAX_SPLITS)
     num_splits = int(num_splits) if rows else 1
     if row_blocks * num_splits * halves >= 2**31:

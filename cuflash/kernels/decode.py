@@ -36,8 +36,14 @@ DECODE_KEYS_AS_M_BY_DEFAULT = True
 DECODE_MAX_SPLITS = 128
 #: MLA's splits at most: each split's partials (its rows x 512 float32 values) are combined by the last
 #: split of its value half, whose reads grow with the count. H200, (1, 32k, 16 heads), graph-replayed:
-#: 16 / 32 / 63-64 splits 115-122 / 114-121 / 165-186 us, contiguous and pages of 64.
-DECODE_MLA_MAX_SPLITS = 32
+#: 16 / 32 / 63-64 splits 115-122 / 114-121 / 165-186 us, contiguous and pages of 64; 31 (what the
+#: rule takes under a cap of 32: 17 tiles in the longest split, not 16) 130 us against 16's 120.
+DECODE_MLA_MAX_SPLITS = 16
+#: Keys a split of a paged cache holds at least: 2048 for K and V rows of D = 128 in 16 bits (1 MiB),
+#: whose page-table start-up then hides; MLA's latent rows of 576 (1152 bytes a key) reach those bytes
+#: in 910 keys.
+DECODE_PAGED_MIN_SPLIT_KEYS = 2048
+DECODE_MLA_PAGED_MIN_SPLIT_KEYS = DECODE_PAGED_MIN_SPLIT_KEYS * 512 // (DECODE_MLA_HEAD_DIM * 2)
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
 _DECODE_SMEM_RESERVE = 1024 + 128
