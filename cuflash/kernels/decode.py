@@ -43,7 +43,7 @@ DECODE_MLA_MAX_SPLITS = 16
 #: whose page-table start-up then hides; MLA's latent rows of 576 (1152 bytes a key) reach those bytes
 #: in 910 keys.
 DECODE_PAGED_MIN_SPLIT_KEYS = 2048
-DECODE_MLA_PAGED_MIN_SPLIT_KEYS = DECODE_PAGED_MIN_SPLIT_KEYS * 512 // (DECODE_MLA_HEAD_DIM * 2)
+DECODE_MLA_PAGED_MIN_SPLIT_KEYS = DECODE_PAGED_MIN_SPLIT_KEYS * (2 * 128 * 2) // (DECODE_MLA_HEAD_DIM * 2)
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
 _DECODE_SMEM_RESERVE = 1024 + 128

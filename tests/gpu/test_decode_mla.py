@@ -102,7 +102,7 @@ def test_mla_decode_matches_the_reference(dtype, page_size, heads_q, seqlen_q, n
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
-def test_one_long_sequence_takes_at_most_the_mla_split_count(page_size):
+def test_one_long_sequence_takes_the_mla_split_count(page_size):
     # One sequence of 16k latent rows, 16 heads: the split rule alone would cut it 63 ways (a wave of
     # value-half CTAs); MLA stops at DECODE_MLA_MAX_SPLITS (the last split combines every partial). The
     # rows are read by copy_rows_by_eights (cuda_src/decode.cu), pages of 64 a whole tile each.
