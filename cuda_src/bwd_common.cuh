@@ -67,6 +67,17 @@ __device__ __forceinline__ int dq_done_index(int b, int h, int heads, int heads_
 // their blocks x = 0, then all their blocks x = 1, ...), their light blocks last. Only those few:
 // CTAs of ~130 different heads at once each read their own head's rows, which L2 then cannot hold
 // (the whole grid block-major ran 0.6x as fast; docs/decisions.md#bwd-causal-tail-pairs).
+__device__ __forceinline__ int4 bwd_grid_place(int tail_pairs);
+
+// The same for the `linear`-th CTA of a grid of (nx, ny, nz) that is not launched as such (bwd_sm90's
+// persistent CTAs take the linear indices from a counter).
+__device__ __forceinline__ int4 bwd_grid_place_of(int linear, int nx, int ny, int nz, int tail_pairs) {
+    const int head_major = ny * nz - tail_pairs;
+    if (linear < nx * head_major) return make_int4(linear % nx, (linear / nx) % ny, linear / (nx * ny), 0);
+    const int r = linear - nx * head_major, pair = head_major + r % tail_pairs;
+    return make_int4(r / tail_pairs, pair % ny, pair / ny, 0);
+}
+
 __device__ __forceinline__ int4 bwd_grid_place(int tail_pairs) {
     const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x, ny = gridDim.y;
     const int head_major = ny * gridDim.z - tail_pairs;   // pairs taken slot by slot

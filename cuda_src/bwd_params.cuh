@@ -33,6 +33,8 @@ struct BwdParams {
     float* dsink_part;       // return_dsinks: per (b, h, 16-row block of bwd_preprocess) the block's sum of
                              // -exp(sinks[h] - lse_i) D_i, (B, Hq, seqlen_q_pad / 16); else nullptr
     float* dsinks;           // return_dsinks: float32 (Hq,), dsink_part summed by bwd_dsinks.cu; else nullptr
+    int* work_counter;       // bwd_sm90 with persistent CTAs: the next key block's linear index (its grid's
+                             // order, bwd_grid_place_of), zeroed by bwd_preprocess; else nullptr
     long long do_batch_stride, do_row_stride, do_head_stride;
     long long dqa_batch_stride, dqa_row_stride, dqa_head_stride;
     long long dq_batch_stride, dq_row_stride, dq_head_stride;

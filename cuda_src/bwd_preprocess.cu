@@ -76,6 +76,9 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
         if (zero)
             for (int c = lane8; c < width / 4; c += 8) dqa[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    // bwd_sm90's persistent CTAs' counter of key blocks taken.
+    if (bp.work_counter != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+        *bp.work_counter = 0;
     // bwd_sm90's count of landed dQ reductions per (sequence, slot of heads_per_cta query heads).
     if (bp.dq_done != nullptr && blockIdx.x == 0 && threadIdx.x == 0 && s.h % bp.heads_per_cta == 0)
         bp.dq_done[dq_done_index(s.b, s.h, p.heads_q, bp.heads_per_cta)] = 0;

@@ -54,7 +54,8 @@
 // an A/B against the consumers' own reductions), CUFLASH_BWD_DQ_HANDOVER (default 1: kDqHandOver with
 // 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 1: kDqAsync for ordered dQ
 // too; 0 likewise), CUFLASH_BWD_RELAG (default 2: kDeferDq's lag made again every 2 steps; 0: at the
-// first step only, for an A/B).
+// first step only, for an A/B), CUFLASH_BWD_PERSISTENT (1: CTAs that take key blocks from a counter,
+// kPersistent).
 // Score modifiers and dropout take smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits
 // the columns as D = 256 does, D = 64 takes 64 query rows per step.
 #include "common.cuh"
@@ -102,6 +103,9 @@
 #endif
 #ifndef CUFLASH_BWD_RELAG
 #define CUFLASH_BWD_RELAG 2
+#endif
+#ifndef CUFLASH_BWD_PERSISTENT
+#define CUFLASH_BWD_PERSISTENT 0
 #endif
 
 namespace cuflash {
@@ -187,7 +191,7 @@ struct BwdSm90Config {
     // consumers need 240, and the producer's walk at D = 128 (not unrolled) fits in 24.
     static constexpr int kProducerRegs = kBlockM == 80 ? 24 : 40;
     static constexpr int kConsumerRegs = kBlockM == 80 ? 240 : 232;
-    static constexpr int kProducerUnroll = kHeadDim == 64 ? 2 : 1;
+    static constexpr int kProducerUnroll = kHeadDim == 64 && !CUFLASH_BWD_PERSISTENT ? 2 : 1;
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= kNThreads * ((65536 / kNThreads) & ~7),
                   "the register split exceeds what the launch allocates");
     // A consumer's S^T is 64 keys x kQueryCols (kMTiles 8-column n-tiles); its dK and dV are 64 keys x
@@ -269,6 +273,14 @@ struct BwdSm90Config {
     // The host takes 80 rows only for calls without a causal mask or window (bwd_sm90_tiles): their
     // scores are masked at the keys' end alone, which leaves the registers that 80 rows need.
     static constexpr bool kWindowed = !kDqTransposed;
+    // Persistent CTAs (CUFLASH_BWD_PERSISTENT, the host's choice: kernels/bwd_sm90.py): one CTA an SM
+    // takes key blocks from a counter (BwdParams::work_counter) until none is left. Its producer loads
+    // the next block's K and V while the consumers store the last one's dK and dV, where a CTA of its
+    // own waits for them after its launch: of its ~7.6k cycles outside the walk at D = 64 (1k causal,
+    // walks of 4.5 steps of ~5.8k cycles; H200), ~1.2k of prologue and ~2.8k of those loads
+    // (docs/decisions.md#bwd-sm90-persistent-ctas-at-head-dim-64). At D = 64 split by keys, with dQ
+    // added by the consumers themselves: the hand-over protocols with the fewest turns to carry over.
+    static constexpr bool kPersistent = CUFLASH_BWD_PERSISTENT != 0;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;
     static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
@@ -312,6 +324,12 @@ struct BwdSm90Config {
                    : 128 * (kHeadDim + kHeadDimV);
     static_assert(kConsumers * kStagingBytes <= kStages * (kQBytes + kDoBytes),
                   "dK and dV of both consumers fit the stage ring's Q and dO buffers (store_dk_dv_chunks)");
+    // Persistent, the ring may hold the next key block's tiles by then: dK and dV go out through the
+    // dS^T tile of the walk's last step instead (the next block's first step writes the other one).
+    static_assert(!kPersistent || kConsumers * kStagingBytes <= kDsBytes, "dK and dV fit a dS^T tile");
+    static_assert(!kPersistent || (kHeadDim == 64 && kHeadDimV == 64 && kBlockM == 128 && kDq && !kOrdered &&
+                                   !kDqByWriters && !kFeatured && !kBlockMask && !kScoreTile),
+                  "persistent CTAs: D = 64, 128-row steps, dQ added by the consumers, no modifier");
     // A stage's score tile (kScoreTile): 128-byte column blocks (64 bias keys or 128 mask keys) x kBlockM
     // query rows, 128B-swizzled; or, for a bias or mask the same for every query (kTileOneRow, a key
     // padding mask or bias), one row, each block at the start of a 1024-byte swizzle atom.
@@ -356,15 +374,20 @@ template <class C>
 struct BwdSm90Shared {
     alignas(16) float lse2[C::kStages][C::kBlockM];
     alignas(16) float dsum[C::kStages][C::kBlockM];
-    unsigned long long barriers[1 + 2 * C::kStages];
+    unsigned long long barriers[2 + 2 * C::kStages];
     unsigned long long dq_barriers[C::kDqMbarriers ? 2 * C::kConsumers * 2 : 1];
     unsigned long long ds_barriers[C::kDeferDq ? 4 : 1];
     int tile_of_stage[C::kStages];
+    // Persistent: each stage's key block (x of its place), and in the stage that ends a walk the
+    // parity of the block's turn, read where needed: held through the walk, they spilled.
+    int block_of_stage[C::kStages];
     int dq_tile_of[C::kConsumers][2], dq_empty_parity[C::kConsumers];
 
     __device__ __forceinline__ unsigned kv_full() { return smem_addr(&barriers[0]); }
     __device__ __forceinline__ unsigned full(int stage) { return smem_addr(&barriers[1 + stage]); }
     __device__ __forceinline__ unsigned empty(int stage) { return smem_addr(&barriers[1 + C::kStages + stage]); }
+    // Persistent: both consumers have issued their last product over K and V (every consumer thread arrives).
+    __device__ __forceinline__ unsigned kv_empty() { return smem_addr(&barriers[1 + 2 * C::kStages]); }
     __device__ __forceinline__ unsigned dq_full(int consumer, int buf) {
         return smem_addr(&dq_barriers[consumer * 2 + buf]);
     }
@@ -390,8 +413,10 @@ struct BwdSm90Tiles {
 // its sequence (z), the causal grid's last pairs read key-block-major (bwd_grid_place,
 // bwd_common.cuh). Ordered dQ dispatches the highest key block first (dq_order.cuh). Made once
 // (cta_place) and kept in shared memory (bwd_cta_place), read again where it is needed: kept in
-// registers through the walk, such values spilled.
-__shared__ int4 bwd_cta_place;
+// registers through the walk, such values spilled. Persistent CTAs keep two, by the parity of the
+// key block's turn in the CTA (`turn`): the producer writes the next one while the consumers still
+// read the last; x = -1 ends the CTA.
+__shared__ int4 bwd_cta_place[2];
 
 template <class C>
 __device__ __forceinline__ int4 cta_place(const BwdParams& bp) {
@@ -406,9 +431,15 @@ __device__ __forceinline__ int read_cta_place(const int& field) {
 }
 // The CTA's block of kBlockN keys, its slot and its sequence (BwdSm90Config::kRereadBatch says where
 // the consumers read the sequence again rather than hold it).
-__device__ __forceinline__ int cta_key_block() { return read_cta_place(bwd_cta_place.x); }
-__device__ __forceinline__ int cta_slot() { return read_cta_place(bwd_cta_place.y); }
-__device__ __forceinline__ int cta_batch() { return read_cta_place(bwd_cta_place.z); }
+__device__ __forceinline__ int cta_key_block(int turn = 0) { return read_cta_place(bwd_cta_place[turn & 1].x); }
+__device__ __forceinline__ int cta_slot(int turn = 0) { return read_cta_place(bwd_cta_place[turn & 1].y); }
+__device__ __forceinline__ int cta_batch(int turn = 0) { return read_cta_place(bwd_cta_place[turn & 1].z); }
+// The grid's slots (its y: kv heads x splits), which persistent CTAs are not launched as.
+template <class C>
+__device__ __forceinline__ int grid_slots(const BwdParams& bp) {
+    if constexpr (C::kPersistent) return bp.fwd.heads_k * (bp.fwd.heads_q / bp.fwd.heads_k / bp.heads_per_cta);
+    return gridDim.y;
+}
 
 // Where in dq_accum (floats) the tile of query head h whose first row is m_lo lies, in sequence b
 // (whose first row is q_row0 under varlen).
@@ -716,9 +747,9 @@ __device__ __forceinline__ void take_gradients(const BwdParams& bp, const SeqInf
 
 // The CTA's sequence and kv head, looked up again at the end of the walk rather than kept in
 // registers through it (two values of the prologue held there spilled), and so is the group's shape.
-__device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int b) {
+__device__ __forceinline__ SeqInfo end_of_walk_seq_info(const BwdParams& bp, int b, int turn = 0) {
     const FwdParams& p = bp.fwd;
-    const int group_e = p.heads_q / p.heads_k, kv_head = cta_slot() / (group_e / bp.heads_per_cta);
+    const int group_e = p.heads_q / p.heads_k, kv_head = cta_slot(turn) / (group_e / bp.heads_per_cta);
     return make_seq_info(p, b, kv_head * group_e);
 }
 
@@ -744,15 +775,15 @@ __device__ __forceinline__ void zero_key_rows(KeyRowsAcc<kDk>& acc_dk, KeyRowsAc
 // CTA's block), columns col0 + 8 di + 2 t (+1) of dK and col0_v + ... of dV, once at the end of the walk.
 template <class C, int kDk, int kDv>
 __device__ __forceinline__ void store_dk_dv(const BwdParams& bp, int b, int key_row0, int col0, int col0_v,
-                                            const KeyRowsAcc<kDk>& acc_dk, const KeyRowsAcc<kDv>& acc_dv) {
+                                            const KeyRowsAcc<kDk>& acc_dk, const KeyRowsAcc<kDv>& acc_dv, int turn = 0) {
     const FwdParams& p = bp.fwd;
     const int t = threadIdx.x % 4;
-    const SeqInfo se = end_of_walk_seq_info(bp, b);
+    const SeqInfo se = end_of_walk_seq_info(bp, b, turn);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int r = cta_key_block() * C::kBlockN + key_row0 + 8 * half;
+        const int r = cta_key_block(turn) * C::kBlockN + key_row0 + 8 * half;
         if (r >= se.seqlen_k) continue;
-        const DkDvRow<elem_t> dkdv(bp, se, cta_slot(), r);
+        const DkDvRow<elem_t> dkdv(bp, se, cta_slot(turn), r);
 #pragma unroll
         for (int di = 0; di < kDk / 8; ++di) {
             const int col = col0 + di * 8 + 2 * t;
@@ -799,7 +830,7 @@ __device__ __forceinline__ void copy_staged_key_rows(unsigned staging, elem_t* d
 template <class C, int kDk, int kDv>
 __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, int key0, int col0, int col0_v,
                                                    unsigned ring, const KeyRowsAcc<kDk>& acc_dk,
-                                                   const KeyRowsAcc<kDv>& acc_dv) {
+                                                   const KeyRowsAcc<kDv>& acc_dv, int turn = 0) {
     const FwdParams& p = bp.fwd;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     const int consumer = threadIdx.x / 128 - 1;
@@ -809,7 +840,7 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
                         ((reinterpret_cast<unsigned long long>(bp.dk) | reinterpret_cast<unsigned long long>(bp.dv)) &
                          15) == 0;
     if (!chunks) {
-        store_dk_dv<C, kDk, kDv>(bp, b, key0 + warp * 16 + lane / 4, col0, col0_v, acc_dk, acc_dv);
+        store_dk_dv<C, kDk, kDv>(bp, b, key0 + warp * 16 + lane / 4, col0, col0_v, acc_dk, acc_dv, turn);
         return;
     }
     constexpr int kDkBytes = 64 * kDk * 2;
@@ -836,8 +867,8 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
         }
     named_barrier_sync(2 + consumer, 128);
 
-    const SeqInfo se = end_of_walk_seq_info(bp, b);
-    const int r0 = cta_key_block() * C::kBlockN + key0;   // the consumer's first key in the sequence
+    const SeqInfo se = end_of_walk_seq_info(bp, b, turn);
+    const int r0 = cta_key_block(turn) * C::kBlockN + key0;   // the consumer's first key in the sequence
     elem_t* dk = static_cast<elem_t*>(bp.dk) + b * bp.dk_batch_stride + se.h_kv * bp.dk_head_stride +
                  se.k_row0 * bp.dk_row_stride;
     elem_t* dv = static_cast<elem_t*>(bp.dv) + b * bp.dv_batch_stride + se.h_kv * bp.dv_head_stride +
@@ -848,9 +879,9 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
 }
 
 // The first of the query heads whose tiles a CTA walks (heads_per_cta of its kv head's group).
-__device__ __forceinline__ int first_query_head(const BwdParams& bp) {
+__device__ __forceinline__ int first_query_head(const BwdParams& bp, int turn = 0) {
     const int group = bp.fwd.heads_q / bp.fwd.heads_k, splits = group / bp.heads_per_cta;
-    const int slot = cta_slot();
+    const int slot = cta_slot(turn);
     return (slot / splits) * group + (slot % splits) * bp.heads_per_cta;
 }
 
@@ -964,32 +995,19 @@ __device__ __forceinline__ unsigned query_tiles_from(const FwdParams& p, const S
     return __ballot_sync(0xffffffffu, (state & kBlocksAny) != 0);
 }
 
-// Warpgroup 0: warp 0 streams the query tiles into the stage ring; with ordered dQ and kDqAsync warp
-// 1 (and 2, with two share buffers) are the dQ writers, with kDqHandOver warps 1 and 2 (one per
-// consumer). Returns when its part is done.
-// tile_map: the bias's or the mask's (C::kScoreTile; another map otherwise, unread).
+// One key block's K and V, then its query tiles into the stage ring (from `stage`, `phase`, which
+// it leaves past the tile that ends the walk); warp 0 of the producer's warpgroup, lane 0 issuing.
+// `turn`: the block's turn in a persistent CTA (bwd_cta_place), 0 otherwise. tile_map: the bias's or
+// the mask's (C::kScoreTile; another map otherwise, unread).
 template <class C>
-__device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
-                                        const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp, SeqInfo s,
-                                        int b, bool varlen, int n_lo, int c_begin, int c_end, BwdSm90Shared<C>& sh,
-                                        const BwdSm90Tiles& tiles) {
+__device__ __forceinline__ void produce_key_block(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                                  const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp,
+                                                  SeqInfo s, int b, bool varlen, int n_lo, int c_begin, int c_end,
+                                                  BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles, int& stage,
+                                                  int& phase, int turn) {
     const FwdParams& p = bp.fwd;
     const int batch_coord = varlen ? 0 : b;
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    setmaxnreg_dec<C::kProducerRegs>();
-    if constexpr (C::kDqHandOver) {
-        if (warp >= 1 && warp <= C::kConsumers) {
-            write_dq_shares_handed_over<C>(bp, tiles, s, b, varlen, c_begin, c_end, warp - 1);
-            return;
-        }
-    } else if constexpr (C::kDqByWriters) {
-        if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
-            const int buf = C::kDqWriters == 2 ? 2 - warp : 0;   // warp 1 writes buffer 1's shares
-            write_dq_shares<C>(bp, sh, tiles, s, b, varlen, n_lo, buf);
-            return;
-        }
-    }
-    if (warp != 0) return;
+    const int lane = threadIdx.x % 32;
     // Producer: warp 0 walks the tiles (all lanes, a tile each, with a block mask); lane 0 issues.
     if (lane == 0) {
         mbar_arrive_expect_tx(sh.kv_full(), C::kKBytes + C::kVBytes);
@@ -1000,8 +1018,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
             tma_load_4d(tiles.v + blk * C::kBlockN * 128, &v_map, blk * 64, s.k_row0 + n_lo, s.h_kv, batch_coord,
                         sh.kv_full());
     }
-    const int h0 = first_query_head(bp);
-    int stage = 0, phase = 0;
+    const int h0 = first_query_head(bp, turn);
     // Query tile c into the stage ring (lane 0), with the head's lse2 and D (padded to a multiple of
     // every block size: whole rows, no bounds); whole: its blocks hide nothing, so the consumers skip
     // the block mask and the MaskMod.
@@ -1011,6 +1028,7 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
             mbar_wait(sh.empty(stage), phase ^ 1);   // a fresh barrier passes parity 1 at once
             // (whole, query head, query tile) in one int: heads < 2^14, tiles < 2^16 (-1 ends the walk).
             sh.tile_of_stage[stage] = (whole << 30) | (s.h << 16) | c;
+            if constexpr (C::kPersistent) sh.block_of_stage[stage] = n_lo / C::kBlockN;
             mbar_arrive_expect_tx(sh.full(stage), C::kQBytes + C::kDoBytes + 2 * C::kBlockM * 4 + C::kTileLoadBytes);
             for (int blk = 0; blk < C::kHeadDim / 64; ++blk)
                 tma_load_4d(tiles.q + stage * C::kQBytes + blk * C::kBlockM * 128, &q_map, blk * 64,
@@ -1069,7 +1087,80 @@ __device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map
     if (lane == 0) {
         mbar_wait(sh.empty(stage), phase ^ 1);
         sh.tile_of_stage[stage] = -1;
-        mbar_arrive(sh.full(stage));   // releases the write above to the consumers
+        if constexpr (C::kPersistent) sh.block_of_stage[stage] = turn & 1;
+        mbar_arrive(sh.full(stage));   // releases the writes above to the consumers
+    }
+    if (++stage == C::kStages) { stage = 0; phase ^= 1; }   // (the consumers release the end's stage too)
+}
+
+// Warpgroup 0: warp 0 streams the query tiles into the stage ring (produce_key_block); with ordered
+// dQ and kDqAsync warp 1 (and 2, with two share buffers) are the dQ writers, with kDqHandOver warps 1
+// and 2 (one per consumer). Returns when its part is done.
+template <class C>
+__device__ __forceinline__ void produce(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                        const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp, SeqInfo s,
+                                        int b, bool varlen, int n_lo, int c_begin, int c_end, BwdSm90Shared<C>& sh,
+                                        const BwdSm90Tiles& tiles) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    setmaxnreg_dec<C::kProducerRegs>();
+    if constexpr (C::kDqHandOver) {
+        if (warp >= 1 && warp <= C::kConsumers) {
+            write_dq_shares_handed_over<C>(bp, tiles, s, b, varlen, c_begin, c_end, warp - 1);
+            return;
+        }
+    } else if constexpr (C::kDqByWriters) {
+        if (warp >= 1 && warp <= C::kDqWriters && lane == 0) {
+            const int buf = C::kDqWriters == 2 ? 2 - warp : 0;   // warp 1 writes buffer 1's shares
+            write_dq_shares<C>(bp, sh, tiles, s, b, varlen, n_lo, buf);
+            return;
+        }
+    }
+    if (warp != 0) return;
+    int stage = 0, phase = 0;
+    produce_key_block<C>(q_map, k_map, v_map, do_map, tile_map, bp, s, b, varlen, n_lo, c_begin, c_end, sh, tiles,
+                         stage, phase, 0);
+}
+
+// The producer of persistent CTAs (C::kPersistent): warp 0 takes key blocks from bp.work_counter in
+// the launch grid's order (bwd_grid_place_of) until none is left. Once both consumers have issued
+// their last product over the last block's K and V (kv_empty), the next block's place goes into the
+// slot of its turn (its last reader, the block before the last, is done with it by then) and its K
+// and V load, while the consumers store the last block's dK and dV; the stage ring runs on from block
+// to block. Non-varlen calls only.
+template <class C>
+__device__ __forceinline__ void produce_persistent(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
+                                                   const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp,
+                                                   BwdSm90Shared<C>& sh, const BwdSm90Tiles& tiles) {
+    const FwdParams& p = bp.fwd;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (warp != 0) return;
+    int stage = 0, phase = 0;
+#pragma unroll 1
+    for (int turn = 0;; ++turn) {
+        // The grid's shape, made again at each turn from opaque copies of its parameters: hoisted out
+        // of the loop and held through the walk, it spilled in the producer's 40 registers.
+        int heads_q = p.heads_q, heads_k = p.heads_k, seqlen_k = p.seqlen_k, batch = p.batch;
+        asm volatile("" : "+r"(heads_q), "+r"(heads_k), "+r"(seqlen_k), "+r"(batch));
+        const int group = heads_q / heads_k, splits = group / bp.heads_per_cta;
+        const int nx = ceil_div(seqlen_k, C::kBlockN), ny = heads_k * splits, blocks = nx * ny * batch;
+        int linear = 0;
+        if (lane == 0) linear = atomicAdd(bp.work_counter, 1);
+        linear = __shfl_sync(0xffffffffu, linear, 0);
+        const int4 place = linear < blocks ? bwd_grid_place_of(linear, nx, ny, batch, bp.tail_pairs)
+                                           : make_int4(-1, 0, 0, 0);   // the end
+        if (lane == 0) {
+            mbar_wait(sh.kv_empty(), (turn & 1) ^ 1);   // (a fresh barrier passes parity 1 at once)
+            bwd_cta_place[turn & 1] = place;
+            if (place.x < 0) mbar_arrive(sh.kv_full());   // the consumers read the end and leave
+        }
+        if (place.x < 0) return;
+        const SeqInfo s = make_seq_info(p, place.z, (place.y / splits) * group);
+        const int n_lo = place.x * C::kBlockN;
+        int q_first, q_last;
+        visible_queries(p, s, n_lo, min(n_lo + C::kBlockN, s.seqlen_k), &q_first, &q_last);
+        produce_key_block<C>(q_map, k_map, v_map, do_map, tile_map, bp, s, place.z, false, n_lo, q_first / C::kBlockM,
+                             ceil_div(q_last, C::kBlockM), sh, tiles, stage, phase, turn);
     }
 }
 
@@ -1108,11 +1199,11 @@ __device__ __forceinline__ bool next_query_tile(BwdSm90Shared<C>& sh, const BwdS
 // conversion of a (sequence, slot)'s query heads starts as soon as every consumer of the slot's CTAs
 // has counted, while the kernel's last CTAs still run (bwd_convert.cu).
 template <class C>
-__device__ __forceinline__ void count_dq_landed(const BwdParams& bp) {
+__device__ __forceinline__ void count_dq_landed(const BwdParams& bp, int turn = 0) {
     if constexpr (C::kDq && !C::kDqByWriters) {
         if (threadIdx.x % 128 == 0 && bp.dq_done != nullptr) {
             bulk_wait();
-            release_count(bp.dq_done + cta_batch() * gridDim.y + cta_slot(), 1);   // dq_done_index's word
+            release_count(bp.dq_done + cta_batch(turn) * grid_slots<C>(bp) + cta_slot(turn), 1);   // dq_done_index's word
         }
     }
 }
@@ -1265,8 +1356,9 @@ __device__ __forceinline__ void send_previous_dq_share(const BwdParams& bp, BwdS
 
 // Consumers up to D = 128: each owns 64 of the CTA's 128 keys.
 template <class C>
-__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
-                                                   const BwdSm90Tiles& tiles) {
+__device__ __forceinline__ void walk_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
+                                                const BwdSm90Tiles& tiles, int& stage, int& phase, int& ds_buf,
+                                                int& turn) {
     const FwdParams& p = bp.fwd;
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
@@ -1277,11 +1369,11 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     KeyRowsAcc<C::kHeadDimV> acc_dv;
     zero_key_rows<C::kHeadDim, C::kHeadDimV>(acc_dk, acc_dv);
 
-    mbar_wait(sh.kv_full(), 0);
+    if constexpr (!C::kPersistent) mbar_wait(sh.kv_full(), 0);   // (persistent: the caller has)
     zero_keys_past_sequence<C>(s, tiles, varlen);
 
     // step: the walk's step; prev_tile ((query head << 16) | query tile): kDeferDq's previous tile.
-    int stage = 0, phase = 0, ds_buf = 0, step = 0, prev_tile = 0;
+    int step = 0, prev_tile = 0;
     for (;;) {
         int m_lo;
         bool blocks_whole;
@@ -1308,7 +1400,7 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
 
         // Element (mi, e) of this thread is key n_lo + key_row0 + 8 (e / 2), query m_lo + 8 mi + 2 t
         // + e % 2. Dropout's keep bits are drawn while S^T is computed.
-        const int n_lo = cta_key_block() * C::kBlockN;
+        const int n_lo = (C::kPersistent ? read_cta_place(sh.block_of_stage[stage]) : cta_key_block()) * C::kBlockN;
         const int keys[2] = {n_lo + key_row0, n_lo + key_row0 + 8};
         unsigned keep[C::kKeepWords];
         if constexpr (C::kDropout) dropout_keep_bits_cols<C::kMTiles>(p, s, m_lo + 2 * t, keys[0], lane, keep);
@@ -1490,6 +1582,16 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
         if (step > 0) send_previous_dq_share<C>(bp, sh, tiles, acc_dq, consumer, prev_tile, b, s, step);
     }
 
+    if constexpr (C::kPersistent) {
+        // The stage that ended the walk goes back too, once it has told the turn's parity; every
+        // product over K and V is in (each step waits for its own), so the producer may load the next
+        // block's once both consumers say so.
+        turn = read_cta_place(sh.block_of_stage[stage]);
+        mbar_arrive(sh.empty(stage));
+        if (++stage == C::kStages) { stage = 0; phase ^= 1; }
+        mbar_arrive(sh.kv_empty());
+    }
+
     // The end of the walk: each writer's next share (step shares have gone, either way). (With one
     // writer as a loop of one turn, ptxas scheduled the whole 80-row kernel differently.) kDqHandOver:
     // the writer's last read, then the meeting that ends its walk (write_dq_shares_handed_over).
@@ -1511,11 +1613,37 @@ __device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo 
     // Before the CTA leaves, its dQ reductions must have read their shared memory; their adds land
     // by the end of the kernel.
     if (C::kDq && !C::kOrdered && threadIdx.x % 128 == 0) bulk_wait_read();
-    // The stage ring's Q and dO buffers are free once both consumers have left the walk.
+    // The stage ring's Q and dO buffers are free once both consumers have left the walk (persistent:
+    // the last step's dS^T tile, which both consumers' dQ products have read by then).
     named_barrier_sync(1, 128 * C::kConsumers);
-    store_dk_dv_chunks<C, C::kHeadDim, C::kHeadDimV>(bp, C::kRereadBatch ? cta_batch() : b, consumer * 64, 0, 0,
-                                                     tiles.q, acc_dk, acc_dv);
-    count_dq_landed<C>(bp);
+    store_dk_dv_chunks<C, C::kHeadDim, C::kHeadDimV>(bp, C::kRereadBatch ? cta_batch(turn) : b, consumer * 64, 0, 0,
+                                                     C::kPersistent ? tiles.ds + (ds_buf ^ 1) * C::kDsBytes : tiles.q,
+                                                     acc_dk, acc_dv, turn);
+    count_dq_landed<C>(bp, turn);
+}
+
+// The consumers split by keys: one walk, or, in persistent CTAs, one a key block until the producer
+// tells the end (bwd_cta_place's x = -1); the stage ring and the dS^T tiles run on from walk to walk.
+template <class C>
+__device__ __forceinline__ void consume_key_halves(const BwdParams& bp, SeqInfo s, int b, BwdSm90Shared<C>& sh,
+                                                   const BwdSm90Tiles& tiles) {
+    int stage = 0, phase = 0, ds_buf = 0;
+    if constexpr (C::kPersistent) {
+        const FwdParams& p = bp.fwd;
+        // turn: the parity of the block's turn, which the walk reads again from its last stage.
+#pragma unroll 1
+        for (int turn = 0;; turn ^= 1) {
+            mbar_wait(sh.kv_full(), turn);
+            if (cta_key_block(turn) < 0) return;
+            const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
+            const int bt = cta_batch(turn);
+            walk_key_halves<C>(bp, make_seq_info(p, bt, (cta_slot(turn) / splits) * group), bt, sh, tiles, stage,
+                               phase, ds_buf, turn);
+        }
+    } else {
+        int turn = 0;
+        walk_key_halves<C>(bp, s, b, sh, tiles, stage, phase, ds_buf, turn);
+    }
 }
 
 // Split by columns: a consumer's Pdrop^T (from prob) and dS^T (ds) into their [64 keys][64 queries]
@@ -1849,6 +1977,27 @@ __device__ __forceinline__ void consume_dim_pipelined(const BwdParams& bp, SeqIn
     count_dq_landed<C>(bp);
 }
 
+// The CTA's mbarriers (thread 0).
+template <class C>
+__device__ __forceinline__ void init_barriers(BwdSm90Shared<C>& sh) {
+    mbar_init(sh.kv_full(), 1);
+    mbar_init(sh.kv_empty(), 128 * C::kConsumers);   // persistent: every consumer thread
+    for (int stage = 0; stage < C::kStages; ++stage) {
+        mbar_init(sh.full(stage), 1);
+        mbar_init(sh.empty(stage), 128 * C::kConsumers);   // every consumer thread frees a stage
+    }
+    if constexpr (C::kDqMbarriers) {
+        for (int i = 0; i < 2 * C::kConsumers; ++i) {
+            mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // each warp arrives
+            mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
+        }
+        for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;
+    }
+    if constexpr (C::kDeferDq)
+        for (int i = 0; i < 4; ++i) mbar_init(smem_addr(&sh.ds_barriers[i]), 4 * C::kConsumers);
+    fence_barrier_init();
+}
+
 template <class C>
 __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_map, const TmaMap& v_map,
                                          const TmaMap& do_map, const TmaMap& tile_map, const BwdParams& bp) {
@@ -1867,6 +2016,17 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // bwd_convert, when launched behind this kernel, may start once every CTA here has: it waits
     // for its heads' counts (count_dq_landed) on SMs this grid no longer needs.
     let_dependents_start();
+    if constexpr (C::kPersistent) {   // one CTA an SM, key blocks from a counter (produce_persistent)
+        if (threadIdx.x == 0) init_barriers<C>(sh);
+        __syncthreads();
+        if (threadIdx.x < 128) {
+            produce_persistent<C>(q_map, k_map, v_map, do_map, tile_map, bp, sh, tiles);
+            return;
+        }
+        setmaxnreg_inc<C::kConsumerRegs>();
+        consume_key_halves<C>(bp, SeqInfo{}, 0, sh, tiles);
+        return;
+    }
     // Which keys, which heads: slot = kv head * splits + split; the CTA sums the query heads
     // h0 .. h0 + heads_per_cta - 1 of that kv head's group (all of it unless the host split it).
     // The consumers learn each tile's head from the producer.
@@ -1887,22 +2047,8 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (threadIdx.x == 0) {
-        bwd_cta_place = place;
-        mbar_init(sh.kv_full(), 1);
-        for (int stage = 0; stage < C::kStages; ++stage) {
-            mbar_init(sh.full(stage), 1);
-            mbar_init(sh.empty(stage), 128 * C::kConsumers);   // every consumer thread frees a stage
-        }
-        if constexpr (C::kDqMbarriers) {
-            for (int i = 0; i < 2 * C::kConsumers; ++i) {
-                mbar_init(smem_addr(&sh.dq_barriers[i]), C::kDqAsync ? 4 : 1);   // each warp arrives
-                mbar_init(smem_addr(&sh.dq_barriers[2 * C::kConsumers + i]), 1);
-            }
-            for (int i = 0; i < C::kConsumers; ++i) sh.dq_empty_parity[i] = 0;
-        }
-        if constexpr (C::kDeferDq)
-            for (int i = 0; i < 4; ++i) mbar_init(smem_addr(&sh.ds_barriers[i]), 4 * C::kConsumers);
-        fence_barrier_init();
+        bwd_cta_place[0] = place;
+        init_barriers<C>(sh);
     }
     __syncthreads();
 

@@ -164,11 +164,23 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     score_tile = (family == "bwd_sm90" and dbias_shape is None
                   and kernels.bwd_sm90.takes_score_tiles(d_pad, score_mods, dropout, sm90_mode, own_v)
                   and kernels.fwd_sm90.score_tile_layout(score_mods, tile_array, dtype_name))
+    group = heads_q // heads_k
+    if family == "bwd_sm90" and not score_tile and kernels.bwd_sm90.bwd_sm90_persistent(
+            d_pad, score_mods=score_mods, dropout=dropout, deterministic=sm90_mode, varlen=varlen, head_dim_v=own_v):
+        blocks = math.ceil(max_k / kernels.bwd_sm90.bwd_sm90_tiles(kernels.bwd_sm90.compiled_head_dims(d_pad)[0])[0])
+        persistent = kernels.bwd_sm90.bwd_sm90_persistent(
+            d_pad, score_mods=score_mods, dropout=dropout, deterministic=sm90_mode, varlen=varlen, head_dim_v=own_v,
+            seqlen_q=max_q, seqlen_k=max_k, window=(fwd_fields["window_left"], fwd_fields["window_right"]),
+            heads_per_cta=kernels.bwd_common.backward_heads_per_cta(batch, heads_k, group, blocks,
+                                                                    _num_sms(device_id)))
+    else:
+        persistent = False
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
                                       all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v,
                                       score_tile=score_tile,
-                                      tile_one_row=score_tile and kernels.fwd_sm90.tile_one_row(tile_array))
+                                      tile_one_row=score_tile and kernels.fwd_sm90.tile_one_row(tile_array),
+                                      persistent=persistent)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout, user_source=user_source, head_dim_v=own_v) if dq_pass else None)
@@ -177,7 +189,6 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
             raise ValueError(f"the backward for head_dim {d} needs {p.smem_bytes // 1024} KiB of shared memory "
                              f"per block; this GPU offers {_max_smem(device_id) // 1024} KiB")
 
-    group = heads_q // heads_k
     key_blocks = math.ceil(max_k / plan0.block_m)
     heads_per_cta = kernels.bwd_common.backward_heads_per_cta(batch, heads_k, group, key_blocks, _num_sms(device_id))
     splits = group // heads_per_cta
@@ -207,15 +218,20 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
             tiles = math.prod(shape) // (dq_tile * plan0.head_dim)
             temps.append(_step.Buffer((tiles * 2,), np.int32, zero=True))
             names.append("dq_semaphore")
-        elif kernels.bwd_sm90.bwd_convert_behind(shrinking=shrinking):
+        elif kernels.bwd_sm90.bwd_convert_behind(shrinking=shrinking) and not persistent:
             # Landed consumers per (sequence, slot), zeroed by the preprocess: the conversion runs
-            # behind bwd_sm90 as its programmatic dependent.
+            # behind bwd_sm90 as its programmatic dependent. (Not behind persistent CTAs, which would
+            # wait for their counts between key blocks.)
             temps.append(_step.Buffer((batch * heads_k * splits,), np.int32))
             names.append("dq_done")
     elif not deterministic:
         # Zeroed by the preprocess kernel row by row; varlen rows outside every sequence need a memset.
         temps.append(_step.Buffer(dq_t.shape[:-1] + (d_pad,), np.float32, zero=varlen))
         names.append("dq_accum")
+    if persistent:
+        # The persistent CTAs' counter of key blocks taken, zeroed by the preprocess.
+        temps.append(_step.Buffer((1,), np.int32))
+        names.append("work_counter")
     if splits > 1:
         # float32 partial sums per head chunk: (rows, Hk * splits, d_pad); bwd_convert adds them.
         rows_k = dk_t.shape[:-2]
@@ -291,6 +307,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     elif not deterministic:
         slots["dq_accum"] = temp["dq_accum"]
         bwd.update(_layout_fields("dqa", shaped["dq_accum"], varlen))
+    if persistent:
+        slots["work_counter"] = temp["work_counter"]
     if dsinks is not None:
         slots.update({"fwd.sinks": dsinks[0], "dsinks": dsinks[1], "dsink_part": temp["dsink_part"]})
     if dbias_shape is not None:
@@ -308,6 +326,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         plan.steps.append(step(kernels.bwd_common.bwd_dsinks_variant(), (heads_q, 1, 1),
                                kernels.bwd_common.BWD_DSINKS_THREADS, 0))
     grid0 = (key_blocks, heads_k * splits, batch)
+    if persistent:   # one CTA an SM (the kernel's launch bounds), key blocks in grid0's order from the counter
+        grid0 = (min(math.prod(grid0), _num_sms(device_id)), 1, 1)
     if family == "bwd_sm90":
         # Q and dO arrive in boxes of a step's query rows, K and V in boxes of the CTA's keys.
         block_m = defines0["CUFLASH_BLOCK_M"]
@@ -348,7 +368,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             partial_stride=pr["head"]))
     plan.info.update(family=family, splits=splits, dsinks=dsinks is not None, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
-                     convert_behind="dq_done" in temp,
+                     convert_behind="dq_done" in temp, persistent=persistent,
                      all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
                      tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1, score_tile=score_tile,
                      mask_bits="mask_bits_offset" in score_fields)

@@ -25,7 +25,8 @@ def default_backward_family(dtype_name: str, arch: str | None = None) -> str:
 def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool, score_mods,
                   dropout: bool, deterministic: bool | None = None, windowed: bool = True,
                   seqlen_q: int = 0, all_keys_seen: bool = False, user_source: str = "",
-                  head_dim_v: int | None = None, score_tile: bool = False, tile_one_row: bool = False) -> LaunchPlan:
+                  head_dim_v: int | None = None, score_tile: bool = False, tile_one_row: bool = False,
+                  persistent: bool = False) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -57,6 +58,8 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
     score_tile, tile_one_row : bool, default False
         bwd_sm90 only: the bias or mask alone read as TMA tiles (:func:`bwd_sm90.takes_score_tiles`);
         ``tile_one_row``: that bias or mask the same for every query (:func:`fwd_sm90.tile_one_row`).
+    persistent : bool, default False
+        bwd_sm90 only: CTAs that take key blocks from a counter (:func:`bwd_sm90.bwd_sm90_persistent`).
 
     Returns
     -------
@@ -72,7 +75,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         plan = bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                              deterministic=deterministic, windowed=windowed, seqlen_q=seqlen_q,
                              all_keys_seen=all_keys_seen, head_dim_v=head_dim_v, score_tile=score_tile,
-                             tile_one_row=tile_one_row)
+                             tile_one_row=tile_one_row, persistent=persistent)
+    elif persistent:
+        raise ValueError(f"{family} has no persistent CTAs (bwd_sm90's)")
     elif score_tile:
         raise ValueError(f"{family} reads no score tiles (bwd_sm90's)")
     elif family == "bwd_sm80":

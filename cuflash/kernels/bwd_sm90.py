@@ -256,12 +256,63 @@ def bwd_convert_behind(*, shrinking: bool) -> bool:
     return BWD_CONVERT_BEHIND and not shrinking
 
 
+#: Compiled head dims whose CTAs stay and take key blocks from a counter (CUFLASH_BWD_PERSISTENT):
+#: the next block's K, V and first query tiles load while the consumers finish the last one, which a
+#: CTA of its own waited for (docs/decisions.md#bwd-sm90-persistent-ctas-at-head-dim-64) ...
+BWD_SM90_PERSISTENT_HEAD_DIMS = (64,)
+#: ... under a causal mask or window, for walks of at most this many query tiles on average (a CTA's
+#: query heads included). Such variants guard every tile's dS (their consumers have no registers left
+#: for the tile-by-tile guard), which long walks pay for more than the hidden loads save them. H200,
+#: bf16, per call from torch, persistent over CTAs of their own: causal 1k / 2k / 4k (4.5 / 8.5 / 16.5
+#: steps) 1.062 / 1.041 / 1.029, window 1024 at 8k (8.4) 1.037, GQA 32/8 causal 1k (18) 0.990; without a
+#: mask (losing the variant without the guard) full 1k / 2k 1.016 / 0.958: not there.
+BWD_SM90_PERSISTENT_MAX_STEPS = 17
+
+
+def bwd_sm90_persistent(head_dim: int, *, score_mods, dropout: bool, deterministic, varlen: bool,
+                        head_dim_v: int | None = None, seqlen_q: int = 0, seqlen_k: int = 0,
+                        window: tuple[int, int] | None = None, heads_per_cta: int = 1) -> bool:
+    """Whether bwd_sm90 runs a call in persistent CTAs: at BWD_SM90_PERSISTENT_HEAD_DIMS (Q's and V's),
+    without score modifiers or dropout, dQ added in no fixed order (``deterministic`` False), not
+    varlen (whose short sequences end CTAs early). With a ``window`` (left, right; (-1, 0) causal,
+    (-1, -1) none), only where a CTA walks at most BWD_SM90_PERSISTENT_MAX_STEPS query tiles on
+    average (:func:`mean_walk_steps` of the lengths, times its ``heads_per_cta`` query heads);
+    without one (None), whether the variant exists."""
+    kdim, kdim_v = compiled_head_dims(head_dim, head_dim_v)
+    if not (kdim in BWD_SM90_PERSISTENT_HEAD_DIMS and kdim_v == kdim and not score_mods and not dropout
+            and deterministic is False and not varlen):
+        return False
+    if window is None:
+        return True
+    steps = mean_walk_steps(seqlen_q, seqlen_k, window, *bwd_sm90_tiles(kdim)) * heads_per_cta
+    return tuple(window) != (-1, -1) and steps <= BWD_SM90_PERSISTENT_MAX_STEPS
+
+
+def mean_walk_steps(seqlen_q: int, seqlen_k: int, window: tuple[int, int], block_n: int, block_m: int) -> float:
+    """Query tiles of ``block_m`` rows that bwd_sm90's key blocks of ``block_n`` keys walk on average:
+    the rows each block's keys are visible to under the window (left, right; -1 unbounded), as the
+    kernel finds them (visible_queries, cuda_src/mask.cuh)."""
+    blocks = -(-seqlen_k // block_n) if seqlen_q > 0 and seqlen_k > 0 else 0
+    if blocks == 0:
+        return 0.0
+    left, right = window
+    diag, steps = seqlen_k - seqlen_q, 0
+    for n_lo in range(0, seqlen_k, block_n):
+        n_hi = min(n_lo + block_n, seqlen_k)
+        lo = 0 if right < 0 else max(0, n_lo - diag - right)
+        hi = seqlen_q if left < 0 else min(seqlen_q, n_hi - diag + left)
+        if hi > lo:
+            steps += -(-hi // block_m) - lo // block_m
+    return steps / blocks
+
+
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, deterministic, windowed: bool = True,
          seqlen_q: int = 0, all_keys_seen: bool = False, head_dim_v: int | None = None,
-         score_tile: bool = False, tile_one_row: bool = False) -> LaunchPlan:
+         score_tile: bool = False, tile_one_row: bool = False, persistent: bool = False) -> LaunchPlan:
     """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`;
     ``score_tile``: the bias or mask read as tiles, where :func:`takes_score_tiles` allows; ``tile_one_row``:
-    that bias or mask the same for every query, tiles of one row: fwd_sm90.tile_one_row)."""
+    that bias or mask the same for every query, tiles of one row: fwd_sm90.tile_one_row; ``persistent``:
+    CTAs that take key blocks from a counter, where :func:`bwd_sm90_persistent` allows)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
     if deterministic not in (False, True, "pass"):
@@ -308,6 +359,14 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
     elif windowed and not featured and mods in (0, score_mod_bits(("softcap",))) and bwd_sm90_tile_guard(kdim):
         # (the softcap alone too: its P^T comes as without a modifier; the others' tiles keep the guard)
         defines["CUFLASH_TILE_GUARD"] = 1
+    if persistent:
+        if not bwd_sm90_persistent(head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                                   varlen=False, head_dim_v=head_dim_v) or score_tile or block_m != 128:
+            raise ValueError(f"bwd_sm90 runs persistent CTAs at head dims {BWD_SM90_PERSISTENT_HEAD_DIMS} without "
+                             "score modifiers, dropout or a fixed dQ order")
+        defines["CUFLASH_BWD_PERSISTENT"] = 1
+        defines.pop("CUFLASH_ALL_KEYS_SEEN", None)   # every tile guarded (BWD_SM90_PERSISTENT_MAX_STEPS)
+        defines.pop("CUFLASH_TILE_GUARD", None)
     return LaunchPlan(Variant("bwd_sm90", tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
 
 
@@ -315,10 +374,14 @@ def feature_plans(dtype_name: str, head_dim: int, mods, dropout: bool, determini
                   head_dim_v: int | None = None) -> list[LaunchPlan]:
     """bwd_sm90's launch plans for one feature set: with a window, and without one (short and long
     queries; with and without every key seen)."""
+    persistent = bwd_sm90_persistent(head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                                     varlen=False, head_dim_v=head_dim_v)
     plans = [plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                  head_dim_v=head_dim_v)]
+                  head_dim_v=head_dim_v, persistent=p) for p in {False, persistent}]
     for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED):
         for all_keys_seen in (False, True):
-            plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                              windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen, head_dim_v=head_dim_v))
+            for p in {False, persistent}:
+                plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                                  windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen,
+                                  head_dim_v=head_dim_v, persistent=p))
     return plans

@@ -8,8 +8,8 @@ import numpy as np
 
 from .backward import backward_plan, default_backward_family, precompile_backward_variants
 from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_variant
-from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, BWD_SM90_PAIRS, BWD_SM90_SCORE_TILE_HEAD_DIM, bwd_sm90_obstacle,
-                       bwd_sm90_orders_dq, bwd_sm90_smem_bytes, feature_plans, takes_score_tiles)
+from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, BWD_SM90_PAIRS, BWD_SM90_PERSISTENT_HEAD_DIMS, BWD_SM90_SCORE_TILE_HEAD_DIM,
+                       bwd_sm90_obstacle, bwd_sm90_orders_dq, bwd_sm90_smem_bytes, feature_plans, takes_score_tiles)
 from .check_indices import check_indices_variant
 from .common import round_up
 from .decode import (DECODE_KV_DTYPES, DECODE_MLA_HEAD_DIM, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path,
@@ -234,6 +234,11 @@ def ci_variants() -> list[tuple[Variant, str]]:
     lag = [_with_define(v, "CUFLASH_BWD_RELAG", 0) for v, arch in pairs
            if arch == "sm_90a" and _defers_dq(v) and dict(v.defines)["CUFLASH_STAGES"] == 2]
     pairs += [(v, "sm_90a") for v in dict.fromkeys(lag)]
+    # And bwd_sm90's persistent CTAs (CUFLASH_BWD_PERSISTENT), which only D = 64 takes.
+    persistent = [backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=(), dropout=False,
+                                deterministic=False, persistent=True).variant
+                  for dtype_name in ("bfloat16", "float16") for d in BWD_SM90_PERSISTENT_HEAD_DIMS]
+    pairs += [(v, "sm_90a") for v in dict.fromkeys(persistent)]
     return pairs
 
 

@@ -91,7 +91,7 @@ def test_heads_per_cta(batch, heads_k, group, key_blocks, sms):
 
 
 def test_param_structs_pack():
-    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 12 * 8 + 18 * 8 + 6 * 4
+    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 13 * 8 + 18 * 8 + 6 * 4
     raw = _params.BWD.pack({"fwd.q": 1, "fwd.scale": 0.5, "fwd.heads_q": 8, "dout": 2, "seqlen_q_pad": 256,
                             "heads_per_cta": 4, "tail_pairs": 5, "dq_tail_pairs": 6})
     p = np.frombuffer(raw, dtype=_params.BWD_PARAMS)[0]
@@ -158,3 +158,28 @@ def test_bar_kernels_compile_without_spills(family, dtype, head_dim):
         assert not isinstance(result, Exception), result
         assert result.spills == 0, f"{variant.label()}: {result.spill_stores}/{result.spill_loads} bytes spilled"
         print(f"{variant.family} {arch} regs={result.registers} {variant.label()}")
+
+
+@pytest.mark.parametrize("seqlen, window, steps", [
+    (1024, (-1, 0), 4.5), (4096, (-1, 0), 16.5), (1024, (-1, -1), 8.0), (8192, (1024, 0), 8.4375), (0, (-1, 0), 0.0)])
+def test_mean_walk_steps(seqlen, window, steps):
+    assert kernels.bwd_sm90.mean_walk_steps(seqlen, seqlen, window, 128, 128) == pytest.approx(steps)
+
+
+def test_persistent_ctas_rule():
+    rule = kernels.bwd_sm90.bwd_sm90_persistent
+    plain = dict(score_mods=(), dropout=False, deterministic=False, varlen=False)
+    assert rule(64, **plain)                                                  # the variant exists
+    assert rule(64, **plain, seqlen_q=1024, seqlen_k=1024, window=(-1, 0))    # short causal walks
+    assert rule(64, **plain, seqlen_q=8192, seqlen_k=8192, window=(1024, 0))
+    assert not rule(64, **plain, seqlen_q=8192, seqlen_k=8192, window=(-1, 0))   # long ones
+    assert not rule(64, **plain, seqlen_q=1024, seqlen_k=1024, window=(-1, 0), heads_per_cta=4)
+    assert not rule(64, **plain, seqlen_q=1024, seqlen_k=1024, window=(-1, -1))  # no mask: the unguarded tiles
+    for other in (dict(score_mods=("softcap",)), dict(dropout=True), dict(deterministic=True), dict(varlen=True)):
+        assert not rule(64, **{**plain, **other}, seqlen_q=1024, seqlen_k=1024, window=(-1, 0)), other
+    assert not rule(128, **plain, seqlen_q=1024, seqlen_k=1024, window=(-1, 0))
+    variant = kernels.bwd_sm90.plan("bfloat16", 64, score_mods=(), dropout=False, deterministic=False, persistent=True)
+    defines = dict(variant.variant.defines)
+    assert defines["CUFLASH_BWD_PERSISTENT"] == 1 and "CUFLASH_TILE_GUARD" not in defines
+    with pytest.raises(ValueError, match="persistent"):
+        kernels.bwd_sm90.plan("bfloat16", 128, score_mods=(), dropout=False, deterministic=False, persistent=True)

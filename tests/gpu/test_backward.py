@@ -1080,6 +1080,9 @@ def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monke
     # reference with it and without, several tiles per row and ragged ends. So does the softcap alone
     # from D = 128, on the plain tiles (BwdSm90Config::kSoftcapAlone: P^T from the capped scores, dS's
     # factor from P^T and lse); other score modifiers keep the guard everywhere.
+    # (Short D = 64 walks otherwise take the persistent CTAs, which guard every tile:
+    # test_sm90_persistent_ctas.)
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_PERSISTENT_MAX_STEPS", -1)
     shape = _shape(2, 300, 700, 8, 2, head_dim)
     cases = [({"causal": True}, 231), ({"window": (150, 40)}, 233)]
     if head_dim == 128:
@@ -1096,6 +1099,30 @@ def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monke
         info = planned_info("bwd_sm90", dout, q, k, v, out, lse, deterministic=deterministic, alibi_slopes=slopes,
                             **run_opts)
         assert info["tile_guard"] is False
+    _memo.clear_memo()
+
+
+@_sm90_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sm90_persistent_ctas(dtype, monkeypatch):
+    # D = 64 under a causal mask or window, walks short enough: CTAs that stay and take key blocks
+    # from a counter (BwdSm90Config::kPersistent), against the reference: ragged ends, GQA (a CTA's
+    # several query heads), and a grid of more key blocks than SMs (each CTA takes several in turn,
+    # its stage ring, dS^T tiles and place slots running on from block to block). Every such call
+    # takes them at any length here (the rule's walk limit raised); a call without a mask does not.
+    monkeypatch.setattr(kernels.bwd_sm90, "BWD_SM90_PERSISTENT_MAX_STEPS", 1e9)
+    _memo.clear_memo()
+    cases = [(_shape(2, 300, 700, 8, 2, 64), {"causal": True}, 241),
+             (_shape(2, 300, 700, 8, 2, 64), {"window": (150, 40)}, 243),
+             (_shape(1, 640, 640, 4, 4, 48), {"causal": True}, 245),
+             (_shape(4, 1024, 1024, 16, 16, 64), {"causal": True}, 247),
+             (_shape(3, 1536, 1536, 8, 4, 64), {"window": (256, 0)}, 249)]
+    for shape, opts, seed in cases:
+        _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", dtype, shape, opts, seed)
+        info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **run_opts)
+        assert info["persistent"] is True and info["tile_guard"] is False and info["convert_behind"] is False, opts
+    info = planned_info("bwd_sm90", dout, q, k, v, out, lse)
+    assert info["persistent"] is False
     _memo.clear_memo()
 
 
