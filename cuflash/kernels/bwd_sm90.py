@@ -257,8 +257,8 @@ def bwd_convert_behind(*, shrinking: bool) -> bool:
 
 
 #: Compiled head dims whose CTAs stay and take key blocks from a counter (CUFLASH_BWD_PERSISTENT):
-#: the next block's K, V and first query tiles load while the consumers finish the last one, which a
-#: CTA of its own waited for (docs/decisions.md#bwd-sm90-persistent-ctas-at-head-dim-64) ...
+#: the next block's K and V load while the consumers store the last one's dK and dV, where a CTA of
+#: its own waits for them after its launch (docs/decisions.md#bwd-sm90-persistent-ctas-at-head-dim-64) ...
 BWD_SM90_PERSISTENT_HEAD_DIMS = (64,)
 #: ... under a causal mask or window, for walks of at most this many query tiles on average (a CTA's
 #: query heads included). Such variants guard every tile's dS (their consumers have no registers left
@@ -372,16 +372,17 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
 
 def feature_plans(dtype_name: str, head_dim: int, mods, dropout: bool, deterministic,
                   head_dim_v: int | None = None) -> list[LaunchPlan]:
-    """bwd_sm90's launch plans for one feature set: with a window, and without one (short and long
-    queries; with and without every key seen)."""
-    persistent = bwd_sm90_persistent(head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                                     varlen=False, head_dim_v=head_dim_v)
+    """bwd_sm90's launch plans for one feature set: with a window (and in persistent CTAs, where
+    :func:`bwd_sm90_persistent` allows), and without one (short and long queries; with and without every
+    key seen)."""
     plans = [plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                  head_dim_v=head_dim_v, persistent=p) for p in {False, persistent}]
+                  head_dim_v=head_dim_v)]
+    if bwd_sm90_persistent(head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic, varlen=False,
+                           head_dim_v=head_dim_v):
+        plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                          head_dim_v=head_dim_v, persistent=True))
     for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED):
         for all_keys_seen in (False, True):
-            for p in {False, persistent}:
-                plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                                  windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen,
-                                  head_dim_v=head_dim_v, persistent=p))
+            plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                              windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen, head_dim_v=head_dim_v))
     return plans
