@@ -67,24 +67,20 @@ __device__ __forceinline__ int dq_done_index(int b, int h, int heads, int heads_
 // their blocks x = 0, then all their blocks x = 1, ...), their light blocks last. Only those few:
 // CTAs of ~130 different heads at once each read their own head's rows, which L2 then cannot hold
 // (the whole grid block-major ran 0.6x as fast; docs/decisions.md#bwd-causal-tail-pairs).
-__device__ __forceinline__ int4 bwd_grid_place(int tail_pairs);
-
-// The same for the `linear`-th CTA of a grid of (nx, ny, nz) that is not launched as such (bwd_sm90's
-// persistent CTAs take the linear indices from a counter).
 __device__ __forceinline__ int4 bwd_grid_place_of(int linear, int nx, int ny, int nz, int tail_pairs) {
-    const int head_major = ny * nz - tail_pairs;
+    const int head_major = ny * nz - tail_pairs;   // pairs taken slot by slot
     if (linear < nx * head_major) return make_int4(linear % nx, (linear / nx) % ny, linear / (nx * ny), 0);
     const int r = linear - nx * head_major, pair = head_major + r % tail_pairs;
     return make_int4(r / tail_pairs, pair % ny, pair / ny, 0);
 }
 
+// The launched CTA's place (bwd_grid_place_of also serves bwd_sm90's persistent CTAs, which take the
+// linear indices of a grid they are not launched as from a counter).
 __device__ __forceinline__ int4 bwd_grid_place(int tail_pairs) {
-    const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z, nx = gridDim.x, ny = gridDim.y;
-    const int head_major = ny * gridDim.z - tail_pairs;   // pairs taken slot by slot
-    const int linear = x + nx * (y + ny * z);
-    if (linear < nx * head_major) return make_int4(x, y, z, 0);
-    const int r = linear - nx * head_major, pair = head_major + r % tail_pairs;
-    return make_int4(r / tail_pairs, pair % ny, pair / ny, 0);
+    const int nx = gridDim.x, ny = gridDim.y;
+    const int linear = blockIdx.x + nx * (blockIdx.y + ny * blockIdx.z);
+    if (linear < nx * (ny * gridDim.z - tail_pairs)) return make_int4(blockIdx.x, blockIdx.y, blockIdx.z, 0);
+    return bwd_grid_place_of(linear, nx, ny, gridDim.z, tail_pairs);
 }
 
 // dbias[b, h, i, j] = ds for element (i, j) of the sequence/head in s, when the call asked for dbias
