@@ -1119,6 +1119,8 @@ def test_sm90_persistent_ctas(dtype, monkeypatch):
              (_shape(3, 1536, 1536, 8, 4, 64), {"window": (256, 0)}, 249)]
     for shape, opts, seed in cases:
         _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", dtype, shape, opts, seed)
+        if shape["D"] != 64:   # 48 runs padded to 64: a call with copies, which cuflash.plan does not plan
+            continue
         info = planned_info("bwd_sm90", dout, q, k, v, out, lse, **run_opts)
         assert info["persistent"] is True and info["tile_guard"] is False and info["convert_behind"] is False, opts
     info = planned_info("bwd_sm90", dout, q, k, v, out, lse)
