@@ -165,16 +165,14 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                   and kernels.bwd_sm90.takes_score_tiles(d_pad, score_mods, dropout, sm90_mode, own_v)
                   and kernels.fwd_sm90.score_tile_layout(score_mods, tile_array, dtype_name))
     group = heads_q // heads_k
-    if family == "bwd_sm90" and not score_tile and kernels.bwd_sm90.bwd_sm90_persistent(
-            d_pad, score_mods=score_mods, dropout=dropout, deterministic=sm90_mode, varlen=varlen, head_dim_v=own_v):
+    persistent = False
+    if family == "bwd_sm90" and not score_tile:
         blocks = math.ceil(max_k / kernels.bwd_sm90.bwd_sm90_tiles(kernels.bwd_sm90.compiled_head_dims(d_pad)[0])[0])
         persistent = kernels.bwd_sm90.bwd_sm90_persistent(
             d_pad, score_mods=score_mods, dropout=dropout, deterministic=sm90_mode, varlen=varlen, head_dim_v=own_v,
             seqlen_q=max_q, seqlen_k=max_k, window=(fwd_fields["window_left"], fwd_fields["window_right"]),
             heads_per_cta=kernels.bwd_common.backward_heads_per_cta(batch, heads_k, group, blocks,
                                                                     _num_sms(device_id)))
-    else:
-        persistent = False
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
                                       all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v,
