@@ -8,17 +8,22 @@
 //   -exp(sinks[h] - lse_i) D_i                (dL/dsinks[h]'s terms: the sink's probability times -D_i)
 // which bwd_dsinks.cu adds up per head in a fixed order.
 // It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics) and bwd_sm90's
-// dq_done counters, which saves the call a memset (~1-2 us of host time). Rows outside every varlen
+// dq_done and dq_semaphore counters, which saves the call a memset (~1-2 us of host time). Rows outside every varlen
 // sequence are not rows of any CTA here: cuflash/backward.py zeroes varlen accumulators with a
 // memset as well.
 //
-// Grid: (seqlen_q_pad / 16, Hq, B), 128 threads. Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32).
+// Grid: (seqlen_q_pad / 16, Hq, B), 128 threads. Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
+// CUFLASH_DQ_FIRST_STORES (1: dq_accum is left as it is, its tiles' first writers store them).
 #include "common.cuh"
 #include "params.cuh"
 #include "bwd_params.cuh"
 #include "fault.cuh"
 #include "mask.cuh"
 #include "bwd_common.cuh"
+
+#ifndef CUFLASH_DQ_FIRST_STORES
+#define CUFLASH_DQ_FIRST_STORES 0   // 1: bwd_sm90's first writer of each dQ tile stores it (no zeroing here)
+#endif
 
 namespace cuflash {
 
@@ -73,8 +78,18 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
         const int width = tile ? static_cast<int>(bp.dqa_row_stride) : p.head_dim;
         float4* dqa = reinterpret_cast<float4*>(bp.dq_accum + s.b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride +
                                                 row * bp.dqa_row_stride);
-        if (zero)
+        // (Not where bwd_sm90's first writer of each tile stores it: CUFLASH_DQ_FIRST_STORES.)
+        if (zero && !CUFLASH_DQ_FIRST_STORES)
             for (int c = lane8; c < width / 4; c += 8) dqa[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        // bwd_sm90's counters of a tile's writers (ordered dQ's turns, or the first store's counts):
+        // two a tile.
+        if (tile && zero && bp.dq_semaphore != nullptr && i % tile == 0 && lane8 == 0) {
+            const long long counter =
+                (s.b * bp.dqa_batch_stride + s.h * bp.dqa_head_stride + row * bp.dqa_row_stride) /
+                (tile * bp.dqa_row_stride) * 2;
+            bp.dq_semaphore[counter] = 0;
+            bp.dq_semaphore[counter + 1] = 0;
+        }
     }
     // bwd_sm90's persistent CTAs' counter of key blocks taken.
     if (bp.work_counter != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)

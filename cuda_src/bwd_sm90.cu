@@ -55,7 +55,8 @@
 // 80-row steps; 0 likewise), CUFLASH_BWD_ORDERED_DQ_ASYNC (default 1: kDqAsync for ordered dQ
 // too; 0 likewise), CUFLASH_BWD_RELAG (default 2: kDeferDq's lag made again every 2 steps; 0: at the
 // first step only, for an A/B), CUFLASH_BWD_PERSISTENT (1: CTAs that take key blocks from a counter,
-// kPersistent).
+// kPersistent), CUFLASH_BWD_DQ_FIRST_STORES (1: the first dQ writer to reach a tile stores its shares
+// where the others add theirs, so that bwd_preprocess need not zero dq_accum: kDqFirstStores).
 // Score modifiers and dropout take smaller accumulators (BwdSm90Config::kFeatured): D = 128 splits
 // the columns as D = 256 does, D = 64 takes 64 query rows per step.
 #include "common.cuh"
@@ -106,6 +107,9 @@
 #endif
 #ifndef CUFLASH_BWD_PERSISTENT
 #define CUFLASH_BWD_PERSISTENT 0
+#endif
+#ifndef CUFLASH_BWD_DQ_FIRST_STORES
+#define CUFLASH_BWD_DQ_FIRST_STORES 0
 #endif
 
 namespace cuflash {
@@ -267,6 +271,12 @@ struct BwdSm90Config {
     static constexpr bool kDqHandOver =
         kDqTransposed && kDq && !kOrdered && kAllKeysSeen && CUFLASH_BWD_DQ_HANDOVER != 0;
     static constexpr bool kDqByWriters = kOrdered || kDqAsync || kDqHandOver;
+    // The first writer to reach a dQ tile (a count of the tile's writers, bp.dq_semaphore, found at 0)
+    // stores its shares by bulk copy, and the others add theirs once it has landed (a second count),
+    // so that dq_accum needs no zeroing (bwd_preprocess's CUFLASH_DQ_FIRST_STORES). The host's rule
+    // makes sure that every tile has a writer (self-attention, not varlen).
+    static constexpr bool kDqFirstStores = CUFLASH_BWD_DQ_FIRST_STORES != 0;
+    static_assert(!kDqFirstStores || (kDqAsync && !kOrdered), "the first store needs the dQ writers, any order");
     // Shares that pass to the writers through mbarriers (dq_full, dq_empty; kDqHandOver's meet at
     // named barriers instead).
     static constexpr bool kDqMbarriers = kOrdered || kDqAsync;
@@ -940,18 +950,34 @@ __device__ __forceinline__ void write_dq_shares(const BwdParams& bp, BwdSm90Shar
         // One counter per tile (kBlockM rows of kHeadDim floats) and share.
         const int counter = static_cast<int>(offset / (C::kBlockM * C::kHeadDim)) * C::kConsumers;
         const int rank = C::kOrdered ? dq_rank<C::kBlockM, C::kBlockN>(p, s, n_lo / C::kBlockN, c) : 0;
+        // kDqFirstStores: the tile's count of writers (and, one on, of first stores landed).
+        bool first = false;
+        if constexpr (C::kDqFirstStores) {
+            first = atomicAdd(bp.dq_semaphore + counter, 1) == 0;
+            if (!first) {
+                acquire_wait_count(bp.dq_semaphore + counter + 1, 1);
+                fence_proxy_async_global();   // the first store acquired before the reductions
+            }
+        }
         for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
             if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), full_parity);
             // kDqAsync: the consumers' plain stores, acquired through dq_full, made visible to the
             // bulk copy here rather than by a fence in every consumer thread.
             if constexpr (C::kDqAsync) fence_proxy_async();
             if constexpr (C::kOrdered) dq_wait_turn(bp.dq_semaphore + counter + consumer, rank);
-            bulk_reduce_add(bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4),
-                            tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes, C::kDqShareBytes);
+            float* dst = bp.dq_accum + offset + consumer * (C::kDqShareBytes / 4);
+            const unsigned share = tiles.dq + (consumer * C::kDqBuffers + buf) * C::kDqShareBytes;
+            if (first) bulk_store(dst, share, C::kDqShareBytes);
+            else bulk_reduce_add(dst, share, C::kDqShareBytes);
             bulk_commit();
         }
         bulk_wait_read();
         for (int consumer = 0; consumer < C::kConsumers; ++consumer) mbar_arrive(sh.dq_empty(consumer, buf));
+        if (first) {   // landed: the tile's other writers may add
+            bulk_wait();
+            fence_proxy_async_global();   // the async proxy's stores ordered before the release
+            release_count(bp.dq_semaphore + counter + 1, 1);
+        }
         if constexpr (C::kOrdered) {
             bulk_wait();
             for (int consumer = 0; consumer < C::kConsumers; ++consumer)

@@ -118,4 +118,24 @@ __device__ __forceinline__ void release_count(int* counter, int n) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(counter), "r"(n) : "memory");
 }
 
+// `bytes` contiguous bytes (a multiple of 16, both addresses 16-byte aligned) from shared memory at src
+// into global memory, tracked by this thread's bulk groups like bulk_reduce_add.
+__device__ __forceinline__ void bulk_store(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
+
+// Spins until *counter >= target (acquire: what was released with the counts is then visible). The
+// counts come from other CTAs' threads that wait on nothing of this one's.
+__device__ __forceinline__ void acquire_wait_count(const int* counter, int target) {
+    for (;;) {
+        int seen;
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+        if (seen >= target) return;
+    }
+}
+
+// Orders global memory acquired by this thread before the async proxy's accesses that follow.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
 }  // namespace cuflash

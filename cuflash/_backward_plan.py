@@ -173,12 +173,15 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
             seqlen_q=max_q, seqlen_k=max_k, window=(fwd_fields["window_left"], fwd_fields["window_right"]),
             heads_per_cta=kernels.bwd_common.backward_heads_per_cta(batch, heads_k, group, blocks,
                                                                     _num_sms(device_id)))
+    dq_first_stores = family == "bwd_sm90" and kernels.bwd_sm90.bwd_sm90_first_stores_dq(
+        score_mods=score_mods, dropout=dropout, deterministic=sm90_mode, varlen=varlen, seqlen_q=max_q,
+        seqlen_k=max_k, window=(fwd_fields["window_left"], fwd_fields["window_right"]))
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
                                       dropout=dropout, deterministic=sm90_mode, windowed=windowed, seqlen_q=max_q,
                                       all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v,
                                       score_tile=score_tile,
                                       tile_one_row=score_tile and kernels.fwd_sm90.tile_one_row(tile_array),
-                                      persistent=persistent)
+                                      persistent=persistent, dq_first_stores=dq_first_stores)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout, user_source=user_source, head_dim_v=own_v) if dq_pass else None)
@@ -192,6 +195,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     splits = group // heads_per_cta
     defines0 = dict(plan0.variant.defines)
     dq_tile = defines0["CUFLASH_BLOCK_M"] if family == "bwd_sm90" and not dq_pass else 0
+    # Each dQ tile's first writer stores it where the call allows and the variant has writers: then
+    # dq_accum is not zeroed.
+    dq_first_stores = defines0.get("CUFLASH_BWD_DQ_FIRST_STORES", 0) == 1
     # Causal (the window bounded on the right only): each pass's later blocks walk less.
     shrinking = fwd_fields["window_right"] >= 0 and fwd_fields["window_left"] < 0
     # lse2 and D rows per head: whole tiles of every block size that reads them (bwd_sm90's 80-row
@@ -208,13 +214,14 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         total_q = dq_t.shape[0]
         shape = ((heads_q, -(-(total_q + batch * dq_tile) // dq_tile) * dq_tile, plan0.head_dim) if varlen
                  else (batch, heads_q, rows_pad, plan0.head_dim))
-        # Zeroed by the preprocess kernel, every tile of every sequence.
+        # Zeroed by the preprocess kernel, every tile of every sequence (or stored by its first writer).
         temps.append(_step.Buffer(shape, np.float32))
         names.append("dq_accum")
-        if ordered:
-            # A counter per tile of kBlockM rows and per consumer's share (cuda_src/dq_order.cuh).
+        if ordered or dq_first_stores:
+            # Two counters per tile of kBlockM rows (cuda_src/dq_order.cuh: one per consumer's share; the
+            # first store's: writers, and first stores landed), zeroed by the preprocess.
             tiles = math.prod(shape) // (dq_tile * plan0.head_dim)
-            temps.append(_step.Buffer((tiles * 2,), np.int32, zero=True))
+            temps.append(_step.Buffer((tiles * 2,), np.int32))
             names.append("dq_semaphore")
         elif kernels.bwd_sm90.bwd_convert_behind(shrinking=shrinking) and not persistent:
             # Landed consumers per (sequence, slot), zeroed by the preprocess: the conversion runs
@@ -298,7 +305,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         strides = _checks.element_strides(shaped["dq_accum"])
         bwd.update(dqa_batch_stride=0 if varlen else strides[0], dqa_head_stride=strides[-3],
                    dqa_row_stride=strides[-2], dqa_tile_rows=dq_tile)
-        if ordered:
+        if ordered or dq_first_stores:
             slots["dq_semaphore"] = temp["dq_semaphore"]
         if "dq_done" in temp:
             slots["dq_done"] = temp["dq_done"]
@@ -319,7 +326,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         func = _launch.prepare_kernel(get_kernel(variant), smem, device_id)
         return _step.Step(func, grid, threads, smem, (("struct", params),))
 
-    plan.steps.append(step(kernels.bwd_common.bwd_preprocess_variant(dtype_name), (rows_pad // 16, heads_q, batch), 128, 0))
+    plan.steps.append(step(kernels.bwd_common.bwd_preprocess_variant(dtype_name, dq_first_stores),
+                           (rows_pad // 16, heads_q, batch), 128, 0))
     if dsinks is not None:   # (here, not at the end: bwd_sm90's dQ conversion may run as its dependent)
         plan.steps.append(step(kernels.bwd_common.bwd_dsinks_variant(), (heads_q, 1, 1),
                                kernels.bwd_common.BWD_DSINKS_THREADS, 0))
@@ -366,7 +374,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                             partial_stride=pr["head"]))
     plan.info.update(family=family, splits=splits, dsinks=dsinks is not None, dq="ordered" if ordered else "pass" if dq_pass else "atomic",
                      query_tile=dq_tile or None, tail_pairs=tail_pairs, dq_tail_pairs=dq_tail_pairs,
-                     convert_behind="dq_done" in temp, persistent=persistent,
+                     convert_behind="dq_done" in temp, dq_first_stores=dq_first_stores, persistent=persistent,
                      all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
                      tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1, score_tile=score_tile,
                      mask_bits="mask_bits_offset" in score_fields)

@@ -26,7 +26,7 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
                   dropout: bool, deterministic: bool | None = None, windowed: bool = True,
                   seqlen_q: int = 0, all_keys_seen: bool = False, user_source: str = "",
                   head_dim_v: int | None = None, score_tile: bool = False, tile_one_row: bool = False,
-                  persistent: bool = False) -> LaunchPlan:
+                  persistent: bool = False, dq_first_stores: bool = False) -> LaunchPlan:
     """The variant of one backward pass.
 
     Parameters
@@ -60,6 +60,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         ``tile_one_row``: that bias or mask the same for every query (:func:`fwd_sm90.tile_one_row`).
     persistent : bool, default False
         bwd_sm90 only: CTAs that take key blocks from a counter (:func:`bwd_sm90.bwd_sm90_persistent`).
+    dq_first_stores : bool, default False
+        bwd_sm90 only: the call lets each dQ tile's first writer store it
+        (:func:`bwd_sm90.bwd_sm90_first_stores_dq`); the variant does where its dQ goes through writers.
 
     Returns
     -------
@@ -75,9 +78,9 @@ def backward_plan(family: str, dtype_name: str, head_dim: int, *, dq_pass: bool,
         plan = bwd_sm90.plan(dtype_name, head_dim, score_mods=score_mods, dropout=dropout,
                              deterministic=deterministic, windowed=windowed, seqlen_q=seqlen_q,
                              all_keys_seen=all_keys_seen, head_dim_v=head_dim_v, score_tile=score_tile,
-                             tile_one_row=tile_one_row, persistent=persistent)
-    elif persistent:
-        raise ValueError(f"{family} has no persistent CTAs (bwd_sm90's)")
+                             tile_one_row=tile_one_row, persistent=persistent, dq_first_stores=dq_first_stores)
+    elif persistent or dq_first_stores:
+        raise ValueError(f"{family} has neither persistent CTAs nor dQ writers (bwd_sm90's)")
     elif score_tile:
         raise ValueError(f"{family} reads no score tiles (bwd_sm90's)")
     elif family == "bwd_sm80":
@@ -109,7 +112,8 @@ def precompile_backward_variants(dtypes=None, head_dims=None, arch=None) -> list
     for dtype_name in dtypes:
         dtype_name = np.dtype(dtype_name).name if dtype_name != "bfloat16" else dtype_name
         family = default_backward_family(dtype_name)
-        for variant in (bwd_preprocess_variant(dtype_name), bwd_convert_variant(dtype_name), bwd_dsinks_variant()):
+        for variant in (bwd_preprocess_variant(dtype_name), bwd_preprocess_variant(dtype_name, dq_first_stores=True),
+                        bwd_convert_variant(dtype_name), bwd_dsinks_variant()):
             if variant not in out:
                 out.append(variant)
         for d in head_dims:

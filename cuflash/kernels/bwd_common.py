@@ -67,9 +67,14 @@ def tiled_plan(family: str, dtype_name: str, head_dim: int, tiles: BwdTiles, sme
                       head_dim, head_dim_v if head_dim_v not in (None, head_dim) else 0)
 
 
-def bwd_preprocess_variant(dtype_name: str) -> Variant:
-    """D = rowsum(dO * O) and lse2 (cuda_src/bwd_preprocess.cu); grid (rows_pad / 16, Hq, B) x 128."""
-    return Variant("bwd_preprocess", {"CUFLASH_DTYPE": DTYPE_CODES[dtype_name], **size_defines()})
+def bwd_preprocess_variant(dtype_name: str, dq_first_stores: bool = False) -> Variant:
+    """D = rowsum(dO * O) and lse2 (cuda_src/bwd_preprocess.cu); grid (rows_pad / 16, Hq, B) x 128.
+    ``dq_first_stores``: dq_accum not zeroed, bwd_sm90's first writer of each tile stores it
+    (:func:`cuflash.kernels.bwd_sm90.bwd_sm90_first_stores_dq`)."""
+    defines = {"CUFLASH_DTYPE": DTYPE_CODES[dtype_name], **size_defines()}
+    if dq_first_stores:   # (only such variants carry it)
+        defines["CUFLASH_DQ_FIRST_STORES"] = 1
+    return Variant("bwd_preprocess", defines)
 
 
 def bwd_dsinks_variant() -> Variant:

@@ -256,6 +256,31 @@ def bwd_convert_behind(*, shrinking: bool) -> bool:
     return BWD_CONVERT_BEHIND and not shrinking
 
 
+#: bwd_sm90's first dQ writer of each tile stores it (CUFLASH_BWD_DQ_FIRST_STORES, bwd_sm90_first_stores_dq);
+#: False for an A/B against dq_accum zeroed by bwd_preprocess.
+BWD_SM90_DQ_FIRST_STORES = True
+#: ... up to this many keys: beyond, the zeroing saved is a small share of the call and the gain was
+#: lost in the noise (per call x zeroed, two runs, D 128 causal: 1k 1.028-1.031, 2k 1.025-1.028, GQA 32/8
+#: 2k 1.036-1.037; 4k 1.007-1.030, 16k 0.969-1.027, window 1024 8k 1.001-1.002, and with softcap 0.977-0.983).
+BWD_SM90_DQ_FIRST_STORES_MAX_SEQLEN = 2048
+
+
+def bwd_sm90_first_stores_dq(*, score_mods, dropout: bool, deterministic, varlen: bool, seqlen_q: int,
+                             seqlen_k: int, window: tuple[int, int]) -> bool:
+    """Whether a call lets bwd_sm90's first dQ writer of each tile store its shares where the others add
+    theirs, so that bwd_preprocess need not zero dq_accum (cuda_src/bwd_sm90.cu, kDqFirstStores). Every
+    tile of dQ must then have a writer: every query row sees a key (self-attention: as many queries as
+    keys, not varlen, a window's edges never below the diagonal's) and no block mask hides a whole
+    tile. :func:`plan` takes it where the writers are warps of their own (D = 128, 64-row steps, dQ in
+    no fixed order, the plain tiles)."""
+    mods = score_mod_bits(score_mods) if not isinstance(score_mods, int) else score_mods
+    # (Under a causal mask or window, whose key blocks reach a tile at different steps: without one, a
+    # head's blocks reach each tile together and all but the first wait for its store, full 512 0.984x.)
+    return (BWD_SM90_DQ_FIRST_STORES and not dropout and deterministic is False and not varlen
+            and seqlen_q == seqlen_k <= BWD_SM90_DQ_FIRST_STORES_MAX_SEQLEN
+            and not mods & score_mod_bits(("block_mask",)) and min(window) >= -1 and window[1] >= 0)
+
+
 #: Compiled head dims whose CTAs stay and take key blocks from a counter (CUFLASH_BWD_PERSISTENT):
 #: the next block's K and V load while the consumers store the last one's dK and dV, where a CTA of
 #: its own waits for them after its launch (docs/decisions.md#bwd-sm90-persistent-ctas-at-head-dim-64) ...
@@ -308,11 +333,14 @@ def mean_walk_steps(seqlen_q: int, seqlen_k: int, window: tuple[int, int], block
 
 def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, deterministic, windowed: bool = True,
          seqlen_q: int = 0, all_keys_seen: bool = False, head_dim_v: int | None = None,
-         score_tile: bool = False, tile_one_row: bool = False, persistent: bool = False) -> LaunchPlan:
+         score_tile: bool = False, tile_one_row: bool = False, persistent: bool = False,
+         dq_first_stores: bool = False) -> LaunchPlan:
     """bwd_sm90's variant for a call (the arguments as in :func:`cuflash.kernels.backward.backward_plan`;
     ``score_tile``: the bias or mask read as tiles, where :func:`takes_score_tiles` allows; ``tile_one_row``:
     that bias or mask the same for every query, tiles of one row: fwd_sm90.tile_one_row; ``persistent``:
-    CTAs that take key blocks from a counter, where :func:`bwd_sm90_persistent` allows)."""
+    CTAs that take key blocks from a counter, where :func:`bwd_sm90_persistent` allows; ``dq_first_stores``:
+    the call lets each dQ tile's first writer store it (:func:`bwd_sm90_first_stores_dq`), which the
+    variant then does if its dQ goes through writers of their own)."""
     if dtype_name not in ("float16", "bfloat16"):
         raise ValueError(f"bwd_sm90 runs float16/bfloat16, not {dtype_name}")
     if deterministic not in (False, True, "pass"):
@@ -367,6 +395,9 @@ def plan(dtype_name: str, head_dim: int, *, score_mods, dropout: bool, determini
         defines["CUFLASH_BWD_PERSISTENT"] = 1
         defines.pop("CUFLASH_ALL_KEYS_SEEN", None)   # every tile guarded (BWD_SM90_PERSISTENT_MAX_STEPS)
         defines.pop("CUFLASH_TILE_GUARD", None)
+    if (dq_first_stores and kdim == kdim_v == 128 and block_m == 64 and not featured and deterministic is False
+            and not persistent and not dropout and not mods & score_mod_bits(("block_mask",))):
+        defines["CUFLASH_BWD_DQ_FIRST_STORES"] = 1   # (the writers' variants of a call that allows it)
     return LaunchPlan(Variant("bwd_sm90", tuple(sorted(defines.items()))), block_n, BWD_SM90_THREADS, smem, kdim)
 
 
@@ -374,15 +405,18 @@ def feature_plans(dtype_name: str, head_dim: int, mods, dropout: bool, determini
                   head_dim_v: int | None = None) -> list[LaunchPlan]:
     """bwd_sm90's launch plans for one feature set: with a window (and in persistent CTAs, where
     :func:`bwd_sm90_persistent` allows), and without one (short and long queries; with and without every
-    key seen)."""
-    plans = [plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                  head_dim_v=head_dim_v)]
-    if bwd_sm90_persistent(head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic, varlen=False,
-                           head_dim_v=head_dim_v):
-        plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                          head_dim_v=head_dim_v, persistent=True))
-    for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED):
-        for all_keys_seen in (False, True):
-            plans.append(plan(dtype_name, head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
-                              windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen, head_dim_v=head_dim_v))
+    key seen); each also with its dQ tiles' first writers storing them, where it has writers."""
+    common = dict(score_mods=mods, dropout=dropout, deterministic=deterministic, head_dim_v=head_dim_v)
+    calls = [{}] + [dict(windowed=False, seqlen_q=seqlen_q, all_keys_seen=all_keys_seen)
+                    for seqlen_q in (0, BWD_SM90_WIDE_MIN_ROWS, BWD_SM90_WIDE_MIN_ROWS_GUARDED)
+                    for all_keys_seen in (False, True)]
+    plans = []
+    for call in calls:
+        for first_stores in (False, True):
+            launch = plan(dtype_name, head_dim, **common, **call, dq_first_stores=first_stores)
+            if all(launch.variant != other.variant for other in plans):
+                plans.append(launch)
+        if not call and bwd_sm90_persistent(head_dim, score_mods=mods, dropout=dropout, deterministic=deterministic,
+                                            varlen=False, head_dim_v=head_dim_v):
+            plans.append(plan(dtype_name, head_dim, **common, persistent=True))
     return plans

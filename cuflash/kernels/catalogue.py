@@ -309,6 +309,7 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                                                 consumers=3).variant)
         family = default_backward_family(dtype_name)
         out.setdefault(bwd_preprocess_variant(dtype_name))
+        out.setdefault(bwd_preprocess_variant(dtype_name, dq_first_stores=True))
         out.setdefault(bwd_convert_variant(dtype_name))
         out.setdefault(bwd_dsinks_variant())
         for d in dims(SM80_HEAD_DIMS if family == "bwd_sm80" else SIMT_HEAD_DIMS):
@@ -328,14 +329,15 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                                 for plan in feature_plans(dtype_name, d, mods, dropout, det):
                                     out.setdefault(plan.variant)
             # a bias or a mask alone read as tiles (takes_score_tiles; with or without a window, one variant),
-            # of the query tile's rows or one row for all (tile_one_row)
+            # of the query tile's rows or one row for all (tile_one_row), dQ tiles zeroed or first stored
             for mods in (("bias",), ("mask",)):
                 d = BWD_SM90_SCORE_TILE_HEAD_DIM
                 if takes_score_tiles(d, mods, False, False) and d in dims(BWD_SM90_HEAD_DIMS):
                     for one_row in (False, True):
-                        out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
-                                                     dropout=False, deterministic=False, score_tile=True,
-                                                     tile_one_row=one_row).variant)
+                        for first_stores in (False, True):
+                            out.setdefault(backward_plan("bwd_sm90", dtype_name, d, dq_pass=False, score_mods=mods,
+                                                         dropout=False, deterministic=False, score_tile=True,
+                                                         tile_one_row=one_row, dq_first_stores=first_stores).variant)
         for d in dims(DECODE_MMA_HEAD_DIMS if _decode_path(dtype_name) == "mma" else DECODE_SIMT_HEAD_DIMS):
             for paged in (False, True):
                 for mods in score_mod_sets(DECODE_SCORE_MODS):

@@ -166,6 +166,33 @@ def test_mean_walk_steps(seqlen, window, steps):
     assert kernels.bwd_sm90.mean_walk_steps(seqlen, seqlen, window, 128, 128) == pytest.approx(steps)
 
 
+def test_dq_first_stores_rule():
+    rule = kernels.bwd_sm90.bwd_sm90_first_stores_dq
+    plain = dict(score_mods=(), dropout=False, deterministic=False, varlen=False)
+    assert rule(**plain, seqlen_q=1024, seqlen_k=1024, window=(-1, 0))
+    assert rule(**plain, seqlen_q=777, seqlen_k=777, window=(300, 0))
+    assert not rule(**plain, seqlen_q=777, seqlen_k=777, window=(-1, -1))   # blocks reach each tile together
+    assert rule(**{**plain, "score_mods": ("softcap",)}, seqlen_q=2048, seqlen_k=2048, window=(1024, 0))
+    assert not rule(**plain, seqlen_q=4096, seqlen_k=4096, window=(-1, 0))   # long walks: zeroed
+    assert not rule(**plain, seqlen_q=512, seqlen_k=1024, window=(-1, 0))   # rows that see no key
+    for other in (dict(score_mods=("block_mask",)), dict(dropout=True), dict(deterministic=True),
+                  dict(deterministic="pass"), dict(varlen=True)):
+        assert not rule(**{**plain, **other}, seqlen_q=1024, seqlen_k=1024, window=(-1, 0)), other
+    # The variant stores first only where its dQ goes through writers: D = 128 on the plain 64-row tiles.
+    def defines(head_dim, **kw):
+        launch = kernels.bwd_sm90.plan("bfloat16", head_dim, score_mods=kw.pop("score_mods", ()), dropout=False,
+                                       deterministic=False, dq_first_stores=True, **kw)
+        return dict(launch.variant.defines)
+    assert defines(128)["CUFLASH_BWD_DQ_FIRST_STORES"] == 1
+    assert defines(128, score_mods=("softcap",))["CUFLASH_BWD_DQ_FIRST_STORES"] == 1
+    assert "CUFLASH_BWD_DQ_FIRST_STORES" not in defines(64)
+    assert "CUFLASH_BWD_DQ_FIRST_STORES" not in defines(256)
+    assert "CUFLASH_BWD_DQ_FIRST_STORES" not in defines(128, windowed=False, seqlen_q=1 << 14)   # 80-row steps
+    assert "CUFLASH_BWD_DQ_FIRST_STORES" not in defines(128, score_mods=("softcap", "alibi"))   # featured
+    preprocess = dict(kernels.bwd_common.bwd_preprocess_variant("bfloat16", dq_first_stores=True).defines)
+    assert preprocess["CUFLASH_DQ_FIRST_STORES"] == 1
+
+
 def test_persistent_ctas_rule():
     rule = kernels.bwd_sm90.bwd_sm90_persistent
     plain = dict(score_mods=(), dropout=False, deterministic=False, varlen=False)

@@ -1104,6 +1104,37 @@ def test_sm90_variant_with_the_guard_tile_by_tile(head_dim, deterministic, monke
 
 @_sm90_only
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sm90_dq_tiles_stored_by_their_first_writer(dtype):
+    # D = 128 self-attention on the plain 64-row tiles: the first dQ writer of each tile stores its
+    # shares and the others add theirs (BwdSm90Config::kDqFirstStores), dq_accum left unzeroed. The
+    # memory pool is handed NaN first, so that a tile with no first store would poison dQ: ragged ends,
+    # a head dim below the compiled one, GQA (a CTA's several query heads), windows whose tiles have
+    # few writers, the modifiers of the plain tiles, a grid of more CTAs than SMs (shapes kept small
+    # for the float64 reference). Not square, or without a mask or window: dq_accum zeroed.
+    cases = [(_shape(2, 300, 300, 8, 2, 128), {"causal": True}, 261),
+             (_shape(2, 300, 300, 8, 2, 128), {"window": (150, 40)}, 263),
+             (_shape(1, 640, 640, 4, 4, 96), {"causal": True}, 265),
+             (_shape(2, 448, 448, 4, 4, 128), {"window": (-1, 64)}, 267),
+             (_shape(2, 1152, 1152, 8, 8, 128), {"causal": True}, 269),   # 144 CTAs: more than SMs
+             (_shape(1, 1536, 1536, 4, 2, 128), {"window": (256, 0)}, 271),
+             (_shape(2, 520, 520, 4, 4, 128), {"causal": True, "softcap": 20.0}, 273),
+             (_shape(1, 700, 700, 6, 2, 128), {"window": (0, 300)}, 275)]
+    for shape, opts, seed in cases:
+        junk = cupy.full(1 << 24, NAN, dtype=cupy.float32)   # 64 MiB of NaN back to the pool
+        del junk
+        _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", dtype, shape, opts, seed)
+        if shape["D"] != 128:   # 96 runs padded to 128: a call with copies, which cuflash.plan does not plan
+            continue
+        # At B = 1 the reference's lse comes Fortran-ordered: a copy, which cuflash.plan does not plan either.
+        info = planned_info("bwd_sm90", dout, q, k, v, out, cupy.ascontiguousarray(lse), **run_opts)
+        assert info["dq_first_stores"] is True, opts
+    for shape, opts in ((_shape(2, 200, 330, 4, 4, 128), {"causal": True}), (_shape(2, 448, 448, 4, 4, 128), {})):
+        _, _, (dout, q, k, v, out, lse, run_opts, _) = solve("bwd_sm90", dtype, shape, opts, 277)
+        assert planned_info("bwd_sm90", dout, q, k, v, out, lse, **run_opts)["dq_first_stores"] is False, opts
+
+
+@_sm90_only
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_sm90_persistent_ctas(dtype, monkeypatch):
     # D = 64 under a causal mask or window, walks short enough: CTAs that stay and take key blocks
     # from a counter (BwdSm90Config::kPersistent), against the reference: ragged ends, GQA (a CTA's
