@@ -44,6 +44,16 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// threadIdx.x / 128 (the warpgroup). kUniform: passed through a shuffle from lane 0, so that the
+// compiler knows every lane of a warp holds it and what is computed from it (shared-memory addresses,
+// wgmma descriptors) stays in uniform registers instead of being moved there (R2UR) before each wgmma;
+// every lane of the warp must then call it. (bwd_sm90 at D = 128 ran 53 R2UR a consumer warp a step
+// without it.) BwdSm90Config::kUniformWarpgroup says where it is used.
+template <bool kUniform>
+__device__ __forceinline__ int warpgroup_index() {
+    return kUniform ? __shfl_sync(0xffffffff, threadIdx.x / 128, 0) : static_cast<int>(threadIdx.x / 128);
+}
+
 // Element type codes, one numbering for every kernel: CUFLASH_DTYPE, merge's CUFLASH_IN_DTYPE and
 // CUFLASH_OUT_DTYPE, and the run-time bias_dtype (cuflash/features.py DTYPE_CODES; a CPU test holds
 // the two tables together).

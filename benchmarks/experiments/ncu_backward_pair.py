@@ -1,10 +1,10 @@
-"""One backward call of cuflash or of torch SDPA's cuDNN backend between profilerStart/Stop, for
+"""One backward call of cuflash, torch SDPA's cuDNN backend or FlashAttention-4 between profilerStart/Stop, for
 Nsight Compute (``--profile-from-start off``): bf16, 16384 tokens, hidden 2048, Sq = Sk.
 
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
         --csv python benchmarks/experiments/ncu_backward_pair.py cuflash 128 16384 causal
 
-Arguments: ``cuflash`` or ``cudnn``, the head dim, the sequence length, and ``causal`` or ``full``.
+Arguments: ``cuflash``, ``cudnn`` or ``fa4`` (``flash_attn.cute``), the head dim, the sequence length, and ``causal`` or ``full``.
 Each is called three times first (compiles, plans, cuDNN's autotuning), then once profiled.
 """
 import sys
@@ -28,6 +28,15 @@ def main(which: str, head_dim: int, seqlen: int, causal: bool) -> None:
 
         def call():
             return cuflash.attention_backward(dc, qc, kc, vc, out, lse, causal=causal)
+    elif which == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+
+        def call():
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True)
     else:
         leaves = [x.transpose(1, 2).detach().requires_grad_(True) for x in (q, k, v)]
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
