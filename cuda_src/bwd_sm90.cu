@@ -958,10 +958,7 @@ __device__ __forceinline__ void write_dq_shares(const BwdParams& bp, BwdSm90Shar
         bool first = false;
         if constexpr (C::kDqFirstStores) {
             first = atomicAdd(bp.dq_semaphore + counter, 1) == 0;
-            if (!first) {
-                acquire_wait_count(bp.dq_semaphore + counter + 1, 1);
-                fence_proxy_async_global();   // the first store acquired before the reductions
-            }
+            if (!first) dq_wait_turn(bp.dq_semaphore + counter + 1, 1);   // the first store has landed
         }
         for (int consumer = 0; consumer < C::kConsumers; ++consumer) {
             if (consumer > 0) mbar_wait(sh.dq_full(consumer, buf), full_parity);

@@ -125,16 +125,6 @@ __device__ __forceinline__ void bulk_store(float* dst, unsigned src, unsigned by
                  : "memory");
 }
 
-// Spins until *counter >= target (acquire: what was released with the counts is then visible). The
-// counts come from other CTAs' threads that wait on nothing of this one's.
-__device__ __forceinline__ void acquire_wait_count(const int* counter, int target) {
-    for (;;) {
-        int seen;
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-        if (seen >= target) return;
-    }
-}
-
 // Orders global memory acquired by this thread before the async proxy's accesses that follow.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 

@@ -173,7 +173,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
             seqlen_q=max_q, seqlen_k=max_k, window=(fwd_fields["window_left"], fwd_fields["window_right"]),
             heads_per_cta=kernels.bwd_common.backward_heads_per_cta(batch, heads_k, group, blocks,
                                                                     _num_sms(device_id)))
-    dq_first_stores = family == "bwd_sm90" and kernels.bwd_sm90.bwd_sm90_first_stores_dq(
+    allows_first_stores = family == "bwd_sm90" and kernels.bwd_sm90.bwd_sm90_first_stores_dq(
         score_mods=score_mods, dropout=dropout, deterministic=sm90_mode, varlen=varlen, seqlen_q=max_q,
         seqlen_k=max_k, window=(fwd_fields["window_left"], fwd_fields["window_right"]))
     plan0 = kernels.backward.backward_plan(family, dtype_name, d_pad, dq_pass=False, score_mods=score_mods,
@@ -181,7 +181,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                                       all_keys_seen=all_seen, user_source=user_source, head_dim_v=own_v,
                                       score_tile=score_tile,
                                       tile_one_row=score_tile and kernels.fwd_sm90.tile_one_row(tile_array),
-                                      persistent=persistent, dq_first_stores=dq_first_stores)
+                                      persistent=persistent, dq_first_stores=allows_first_stores)
     dq_family = "bwd_sm80" if family == "bwd_sm90" else family
     plan1 = (kernels.backward.backward_plan(dq_family, dtype_name, d_pad, dq_pass=True, score_mods=score_mods,
                                        dropout=dropout, user_source=user_source, head_dim_v=own_v) if dq_pass else None)
