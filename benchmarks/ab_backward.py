@@ -21,7 +21,10 @@ cubin to ``--out``, where ``run`` finds them (it compiles what is missing). Ever
 thus come from one build and one load path. Give a control (``ctl=<a copy of cuda_src>``) beside
 the candidates, and trust no difference under ~2% (``docs/decisions.md#measuring-a-change``): the same
 source built on the device and here measured up to 2.5% apart, and byte-identical kernels up to 1.4%
-apart by their place in a fixed order of turns (the turns are now in a random order).
+apart by their place in a fixed order of turns (the turns are now in a random order). ``build`` uses
+this machine's NVRTC; what users of the GPU machine run comes from its own (13.0 there, 13.5 here; D = 256
+causal 4-7% apart, ``docs/decisions.md#compile-nvrtc-versions``): to decide for them, skip ``build``
+and let ``run`` compile every contender there (about 2 s a variant).
 
 ``run`` (H100/H200, torch) first checks every contender's gradients against the first contender's
 (bitwise under deterministic=True), then prints per round each contender's speed as a ratio to
@@ -135,12 +138,20 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
     """The bwd_sm90 variant the contender plans for a call of ``shape`` (as cuflash/backward.py asks)."""
     head_dim, seqlen, causal, det = parse_shape(shape)
     mods = ("softcap",) if shape_softcap(shape) else ()
+    window = (-1, 0) if causal else (-1, -1)
     with Installed(contender):
-        mode = kernels.bwd_sm90.bwd_sm90_dq_mode(head_dim, bool(mods), det)
-        seen = kernels.bwd_sm90.bwd_all_keys_seen(windowed=causal, varlen=False, featured=bool(mods))
+        sm90 = kernels.bwd_sm90
+        mode = sm90.bwd_sm90_dq_mode(head_dim, bool(mods), det)
+        seen = sm90.bwd_all_keys_seen(windowed=causal, varlen=False, featured=bool(mods))
+        # As cuflash/_backward_plan.py asks, for one query head a CTA (a full GPU at these sizes).
+        persistent = sm90.bwd_sm90_persistent(head_dim, score_mods=mods, dropout=False, deterministic=mode,
+                                              varlen=False, seqlen_q=seqlen, seqlen_k=seqlen, window=window)
+        first = sm90.bwd_sm90_first_stores_dq(score_mods=mods, dropout=False, deterministic=mode, varlen=False,
+                                              seqlen_q=seqlen, seqlen_k=seqlen, window=window)
         return kernels.backward.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=False,
                                          deterministic=mode, windowed=causal, seqlen_q=seqlen,
-                                         all_keys_seen=seen).variant
+                                         all_keys_seen=seen, persistent=persistent,
+                                         dq_first_stores=first).variant
 
 
 def cubin_path(out: str, contender: Contender, variant: Variant) -> Path:

@@ -1181,6 +1181,7 @@ __device__ __forceinline__ void produce_persistent(const TmaMap& q_map, const Tm
             bwd_cta_place[turn & 1] = place;
             if (place.x < 0) mbar_arrive(sh.kv_full());   // the consumers read the end and leave
         }
+        __syncwarp();   // the whole warp reads the place back (first_query_head) after lane 0's write
         if (place.x < 0) return;
         const SeqInfo s = make_seq_info(p, place.z, (place.y / splits) * group);
         const int n_lo = place.x * C::kBlockN;

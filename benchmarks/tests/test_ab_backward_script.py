@@ -65,11 +65,22 @@ def test_settings_reach_the_plan_and_leave_with_it(ab):
     assert dict(base.defines)["CUFLASH_BLOCK_M"] == 64
 
 
+def test_shape_variant_is_the_planners(ab):
+    # What cuflash/_backward_plan.py takes for these calls: persistent CTAs at D = 64 under a causal
+    # mask, dQ tiles stored by their first writer at D = 128 causal up to 2k keys.
+    variant = lambda shape: dict(ab.shape_variant(ab.parse_contender("base"), "bfloat16", shape).defines)
+    assert variant("64/1024c").get("CUFLASH_BWD_PERSISTENT") == 1
+    assert "CUFLASH_BWD_PERSISTENT" not in variant("64/1024")
+    assert variant("128/1024c").get("CUFLASH_BWD_DQ_FIRST_STORES") == 1
+    assert "CUFLASH_BWD_DQ_FIRST_STORES" not in variant("128/4096c")
+    assert "CUFLASH_BWD_DQ_FIRST_STORES" not in variant("128/1024")
+
+
 def test_build_compiles_each_contender(ab, tmp_path, capsys):
     src = tmp_path / "src"
     shutil.copytree(_compile._find_cuda_src(), src)
     out = tmp_path / "out"
-    assert ab.main(["build", "base", "tg;CUFLASH_TILE_GUARD=1", f"tree={src}", "--shapes", "64/2048c",
+    assert ab.main(["build", "base", "tg;CUFLASH_TILE_GUARD=1", f"tree={src}", "--shapes", "128/4096c",
                     "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == ["base", "tg", "tree"]
@@ -77,11 +88,11 @@ def test_build_compiles_each_contender(ab, tmp_path, capsys):
     # every contender's cubin, the installed tree's too: all of a run's kernels from one compiler
     for spec in ("base", "tg;CUFLASH_TILE_GUARD=1", f"tree={src}"):
         c = ab.parse_contender(spec)
-        cubin = ab.cubin_path(str(out), c, ab.shape_variant(c, "bfloat16", "64/2048c"))
+        cubin = ab.cubin_path(str(out), c, ab.shape_variant(c, "bfloat16", "128/4096c"))
         assert cubin.read_bytes().startswith(b"\x7fELF"), spec
     # an edit of the tree after build names other cubins (run compiles them instead of using stale ones)
     tree = ab.parse_contender(f"tree={src}")
-    before = ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "64/2048c"))
+    before = ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "128/4096c"))
     with open(src / "bwd_sm90.cu", "a") as f:
         f.write("\n// edited\n")
-    assert ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "64/2048c")) != before
+    assert ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "128/4096c")) != before
