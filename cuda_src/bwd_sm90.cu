@@ -124,6 +124,15 @@ __host__ __device__ constexpr int split_dk_col0(int d, int c) { return d == 192 
 __host__ __device__ constexpr int split_dv_cols(int d, int dv, int c) { return d == 192 ? (c == 0 ? 0 : dv) : dv / 2; }
 __host__ __device__ constexpr int split_dv_col0(int d, int dv, int c) { return d == 192 ? 0 : c * (dv / 2); }
 
+// At D = 256 the uniform warpgroup index helps what NVRTC 13.0 makes of the consumers (backward 4-10%
+// faster) and hurts what 13.5 makes (3-5% slower; H200, docs/decisions.md#bwd-sm90-uniform-warpgroup-index):
+// taken by the compiler's version, measured at those two.
+#if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1305
+constexpr bool kUniformWarpgroupAt256 = true;
+#else
+constexpr bool kUniformWarpgroupAt256 = false;
+#endif
+
 template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kStages_, int kDqMode_, int kMods_, bool kDropout_>
 struct BwdSm90Config {
     // kHeadDim: Q's, K's, dQ's and dK's columns; kHeadDimV: V's, dO's and dV's (the contraction of
@@ -292,9 +301,11 @@ struct BwdSm90Config {
     // added by the consumers themselves: the hand-over protocols with the fewest turns to carry over.
     static constexpr bool kPersistent = CUFLASH_BWD_PERSISTENT != 0;
     // The consumers' warpgroup index known to be warp-uniform (warpgroup_index), so that their wgmma
-    // descriptors stay in uniform registers: D = 128 causal backward 3-6% faster; at D = 256 it lost
-    // 3-5% and at D = 64 ptxas spilled 4-12 B (docs/decisions.md#bwd-sm90-uniform-warpgroup-index).
-    static constexpr bool kUniformWarpgroup = kHeadDim == 128 && kHeadDimV == 128;
+    // descriptors stay in uniform registers: D = 128 causal backward 3-6% faster; at D = 256 it depends on
+    // the compiler (kUniformWarpgroupAt256); at D = 64 ptxas spilled 4-12 B
+    // (docs/decisions.md#bwd-sm90-uniform-warpgroup-index).
+    static constexpr bool kUniformWarpgroup = (kHeadDim == 128 && kHeadDimV == 128) ||
+                                              (kHeadDim == 256 && kHeadDimV == 256 && kUniformWarpgroupAt256);
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;
     static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
