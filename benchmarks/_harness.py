@@ -190,6 +190,20 @@ def write_results(rows, table, columns, csv_path=None, md_path=None):
             f.write(table + "\n")
 
 
+def note_other_compiler(built: dict) -> None:
+    """One line for each A/B tree whose cubins another NVRTC built (``built``: {tree: "13.5" or None when
+    unknown}) than the one this process compiles with: one source's kernels ran 4-7% apart under 13.0 and
+    13.5 (docs/decisions.md#compile-nvrtc-versions), so an A/B decides for this machine's users only when
+    its trees were built here."""
+    from cuflash._build import nvrtc
+
+    here = ".".join(str(x) for x in nvrtc.version())
+    for tree, version in built.items():
+        if version != here:
+            log(f"tree {tree}: cubins built by NVRTC {version or '(unknown)'}, this machine compiles with {here}: "
+                "run build here to time what its users run")
+
+
 def open_fa4(torch, wanted=True):
     """FlashAttention-4's entry points, or None: without torch, with ``--no-fa4``, or where
     ``flash_attn.cute`` does not import (one line says so; the fa4 cells stay empty). The import and

@@ -22,9 +22,10 @@ thus come from one build and one load path. Give a control (``ctl=<a copy of cud
 the candidates, and trust no difference under ~2% (``docs/decisions.md#measuring-a-change``): the same
 source built on the device and here measured up to 2.5% apart, and byte-identical kernels up to 1.4%
 apart by their place in a fixed order of turns (the turns are now in a random order). ``build`` uses
-this machine's NVRTC; what users of the GPU machine run comes from its own (13.0 there, 13.5 here; D = 256
-causal 4-7% apart, ``docs/decisions.md#compile-nvrtc-versions``): to decide for them, skip ``build``
-and let ``run`` compile every contender there (about 2 s a variant).
+this machine's NVRTC, and a cubin's name holds that version: where ``run``'s machine compiles with another
+(13.0 on the GPU machine, 13.5 on the CPU one; one source's D = 256 kernels 4-7% apart,
+``docs/decisions.md#compile-nvrtc-versions``), ``run`` compiles every contender there (about 2 s a
+variant), which is what users of that machine run.
 
 ``run`` (H100/H200, torch) first checks every contender's gradients against the first contender's
 (bitwise under deterministic=True), then prints per round each contender's speed as a ratio to
@@ -155,8 +156,9 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
 
 
 def cubin_path(out: str, contender: Contender, variant: Variant) -> Path:
-    """Named by the variant and the contender's sources: a tree edited after ``build`` is compiled again."""
-    key = repr((sorted(variant.defines), _compile.source_hash(contender.src)))
+    """Named by the variant, the contender's sources and the NVRTC version: a tree edited after ``build``,
+    or built by another NVRTC than this machine's, is compiled again."""
+    key = repr((sorted(variant.defines), _compile.source_hash(contender.src), _compile._nvrtc_version()))
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return Path(out) / contender.name / f"{variant.family}-{digest}.cubin"
 

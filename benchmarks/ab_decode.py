@@ -9,7 +9,8 @@ scratch folder, change the copy (or the checkout, keeping the old one), then::
 
 ``build`` compiles, from each tree, the decode variants the problems run (bf16 queries, GQA 32/8,
 D = 128, one new token: 16-bit and fp8 caches, contiguous and in pages of 16) into
-``--out/NAME.pkl``. ``run`` times the installed tree (``installed``) against each built one: every
+``--out/NAME.pkl`` (build on the GPU machine: the installed tree is compiled there, and its NVRTC differs
+from the CPU machine's; ``run`` says so). ``run`` times the installed tree (``installed``) against each built one: every
 contender (tree, cache dtype, layout) is captured once in a graph of ``--calls`` calls through
 ``cuflash.decode`` with that tree's kernel in place, the graphs are replayed in a new random order
 each round, and the median per call is printed beside the ratio to the installed tree, the bytes
@@ -32,7 +33,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _harness import log
+from _harness import log, note_other_compiler
 from bench_model_features import HEAD_DIM, fp8_decode_problem, maxdiff, paged
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,6 +72,7 @@ def build(args):
     for name in {name for name, _, _ in results}:
         cubins = {variant: cubin for n, variant, cubin in results if n == name}
         (Path(args.out) / f"{name}.pkl").write_bytes(pickle.dumps(cubins))
+        (Path(args.out) / f"{name}.nvrtc").write_text(".".join(str(x) for x in _compile._nvrtc_version()))
     return 0
 
 
@@ -83,6 +85,8 @@ class Trees:
 
         self.cupy, self.memo, self.current = cupy, memo, "installed"
         self.cubins = {name: pickle.loads((Path(out) / f"{name}.pkl").read_bytes()) for name in names}
+        recorded = {name: Path(out) / f"{name}.nvrtc" for name in names}
+        note_other_compiler({name: path.read_text() if path.exists() else None for name, path in recorded.items()})
         self.memos = {name: {} for name in ["installed", *names]}
         self.loaded, self.tmp = {}, Path(tempfile.mkdtemp())
         self.module = sys.modules["cuflash.decode"]

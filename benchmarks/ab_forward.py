@@ -10,7 +10,8 @@ scratch folder, change the copy, then::
 
 ``build`` compiles, from each tree, the fwd_sm90 variant without score modifiers or dropout (what
 the benchmark grid runs) for each head dim and dtype asked, into ``--out/NAME/<dtype>_<D>.cubin``,
-and prints registers, spills and ptxas's performance notes. ``run`` (on an H100/H200) loads those
+and prints registers, spills and ptxas's performance notes (build on the GPU machine to time what its
+users run: its NVRTC differs from the CPU machine's, and ``run`` says so). ``run`` (on an H100/H200) loads those
 cubins and times, for each shape, every tree's kernel through ``cuflash.attention`` (the installed
 launch path, with the tree's cubin in place of its own) and cuDNN, in turns over rotating inputs,
 then prints TFLOP/s, the ratio to cuDNN and each tree's geometric mean of that ratio. ``--check``
@@ -32,7 +33,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _harness import Timer, log, open_gpu
+from _harness import Timer, log, note_other_compiler, open_gpu
 from bench_forward import DTYPE_NAMES, attention_flops, make_inputs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,6 +80,7 @@ def build(args):
     for name, _, overrides in trees:  # run reads them back: the tree's launch plan must match its cubins
         (Path(args.out) / name).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / name / "overrides.txt").write_text(repr(overrides))
+        (Path(args.out) / name / "nvrtc.txt").write_text(".".join(str(x) for x in _compile._nvrtc_version()))
 
     def compile_one(job):
         name, src, overrides, dtype_name, head_dim = job
@@ -116,6 +118,8 @@ def run(args):
     timer = Timer(cupy, args.repeats, warmup=2, target_ms=20.0)
     ratios = {name: [] for name in args.trees}
     log(f"{gpu.device_name} ({gpu.versions}), {dtype_name}; TFLOP/s and ratio to cuDNN")
+    recorded = {name: Path(args.out) / name / "nvrtc.txt" for name in args.trees}
+    note_other_compiler({name: path.read_text() if path.exists() else None for name, path in recorded.items()})
     log(f"{'shape':>10} " + " ".join(f"{name:>16}" for name in args.trees) + f" {'cuDNN':>7}")
     with gpu.stream:
         for shape in args.shapes.split(","):

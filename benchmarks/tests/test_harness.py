@@ -112,3 +112,15 @@ def test_largest_difference(harness):
     assert harness.largest_difference(outputs, ["cuflash", "peer"]) == 0.25
     assert harness.largest_difference(outputs, ["cuflash"]) == 0.0
     assert harness.largest_difference(outputs, ["peer", "other"], base="peer") == 0.5
+
+
+def test_other_compiler_is_named(harness, capsys):
+    from cuflash._build import nvrtc
+
+    here = ".".join(str(x) for x in nvrtc.version())
+    harness.note_other_compiler({"same": here, "other": "12.0", "old": None})
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    assert "tree other: cubins built by NVRTC 12.0" in err and f"compiles with {here}" in err
+    assert "tree old: cubins built by NVRTC (unknown)" in err
+    assert "tree same" not in err
