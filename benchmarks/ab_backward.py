@@ -149,10 +149,10 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
                                               varlen=False, seqlen_q=seqlen, seqlen_k=seqlen, window=window)
         first = sm90.bwd_sm90_first_stores_dq(score_mods=mods, dropout=False, deterministic=mode, varlen=False,
                                               seqlen_q=seqlen, seqlen_k=seqlen, window=window)
-        return kernels.backward.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods, dropout=False,
-                                         deterministic=mode, windowed=causal, seqlen_q=seqlen,
-                                         all_keys_seen=seen, persistent=persistent,
-                                         dq_first_stores=first).variant
+        return kernels.backward.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods,
+                                              dropout=False, deterministic=mode, windowed=causal, seqlen_q=seqlen,
+                                              all_keys_seen=seen, persistent=persistent,
+                                              dq_first_stores=first).variant
 
 
 def cubin_path(out: str, contender: Contender, variant: Variant) -> Path:

@@ -138,7 +138,8 @@ def main(argv=None):
     rows += summary_rows(rows)
     header = (f"**{gpu.device_name}** ({gpu.versions}{', ' + fa4.label if fa4 else ''}); bf16, {args.tokens} tokens, "
               f"hidden {args.hidden}, per call from torch tensors (forward under no_grad; forward + backward "
-              f"through autograd), median of {args.repeats} turns; ratio = peer's time / cuflash's (> 1: cuflash faster)")
+              f"through autograd), median of {args.repeats} turns; ratio = peer's time / cuflash's "
+              "(> 1: cuflash faster)")
     ratio = lambda x: x if isinstance(x, str) else f"{x:.2f}"   # noqa: E731
     formats = {c: ratio for c in COLUMNS if " x " in c and c != "B x H"}
     formats.update({"maxdiff": lambda x: f"{x:.1e}", "cudnn fwd+bwd TFLOP/s": lambda x: f"{x:.0f}"})
