@@ -6,7 +6,11 @@ with ``--ptxas-options=-v``, reports registers, shared memory and spills in the 
 
 The binding is ``cupy_backends.cuda.libs.nvrtc`` when CuPy is installed, else ctypes on the
 libnvrtc shared library (pip ``nvidia-cuda-nvrtc``, or a CUDA toolkit). Both release the GIL
-while compiling, so several programs can be compiled at once from threads.
+while compiling, so several programs can be compiled at once from threads. ``CUFLASH_NVRTC``, the
+path of a libnvrtc shared library, chooses that one instead (through ctypes): NVRTC versions make
+kernels of different speed from the same source (docs/decisions.md#compile-nvrtc-versions), and the
+cubin cache is keyed by the version, so cubins precompiled under the library another machine uses are
+found there.
 """
 
 from __future__ import annotations
@@ -125,8 +129,26 @@ def _find_libnvrtc() -> str | None:
     return ctypes.util.find_library("nvrtc")
 
 
+def _chosen_backend(path: str) -> _CtypesBackend:
+    """The libnvrtc that CUFLASH_NVRTC names. Its builtins library (libnvrtc-builtins.so.*, which
+    libnvrtc opens by name at its first compile) is loaded first from the same folder, so that a
+    library outside the loader's search path works."""
+    if not os.path.isfile(path):
+        raise RuntimeError(f"cuflash: CUFLASH_NVRTC names {path!r}, which is not a file; give the path of a "
+                           "libnvrtc shared library (e.g. .../nvidia/cu13/lib/libnvrtc.so.13)")
+    try:
+        for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+        return _CtypesBackend(path)
+    except (OSError, AttributeError) as err:
+        raise RuntimeError(f"cuflash: CUFLASH_NVRTC={path!r} is not a loadable libnvrtc: {err}") from None
+
+
 @functools.lru_cache(maxsize=None)
 def _backend():
+    chosen = os.environ.get("CUFLASH_NVRTC")
+    if chosen:
+        return _chosen_backend(chosen)
     try:
         return _CupyBackend()
     except Exception:  # CuPy missing, or its libnvrtc failed to load: try ctypes

@@ -236,6 +236,43 @@ def test_ctypes_backend_gives_the_same_cubin(tiny_src):
     assert cubin == _nvrtc.compile_to_cubin(source, "tiny.cu", options)[0]
 
 
+@pytest.fixture
+def chosen_nvrtc(monkeypatch):
+    """Sets CUFLASH_NVRTC for one test: the libnvrtc in use is chosen once per process, so the choice is
+    forgotten before and after."""
+    def choose(path):
+        monkeypatch.setenv("CUFLASH_NVRTC", str(path))
+        _nvrtc._backend.cache_clear()
+        _compile._nvrtc_version.cache_clear()
+    yield choose
+    monkeypatch.delenv("CUFLASH_NVRTC", raising=False)
+    _nvrtc._backend.cache_clear()
+    _compile._nvrtc_version.cache_clear()
+
+
+def test_cuflash_nvrtc_chooses_the_library(tiny_src, chosen_nvrtc):
+    path = _nvrtc._find_libnvrtc()
+    if path is None:
+        pytest.skip("no libnvrtc file to name")
+    options = _compile.nvrtc_options(TINY, "sm_80")
+    source = (tiny_src / "tiny.cu").read_text()
+    want = _nvrtc.compile_to_cubin(source, "tiny.cu", options)[0]
+    chosen_nvrtc(path)
+    assert _nvrtc.library() == path
+    assert _nvrtc.compile_to_cubin(source, "tiny.cu", options)[0] == want
+
+
+def test_cuflash_nvrtc_that_is_no_library_is_named(tmp_path, chosen_nvrtc):
+    chosen_nvrtc(tmp_path / "missing.so")
+    with pytest.raises(RuntimeError, match=r"CUFLASH_NVRTC names .*missing\.so.*not a file"):
+        _nvrtc.version()
+    not_a_library = tmp_path / "libnvrtc.so.13"
+    not_a_library.write_text("not an ELF file")
+    chosen_nvrtc(not_a_library)
+    with pytest.raises(RuntimeError, match=r"CUFLASH_NVRTC=.*is not a loadable libnvrtc"):
+        _nvrtc.version()
+
+
 def test_nvrtc_error_is_a_runtime_error_with_the_log(tiny_src):
     with pytest.raises(RuntimeError, match=r'(?s)broken\.cu.*"undefined_thing" is undefined'):
         _compile.compile_cubin(Variant("broken"), "sm_80")
