@@ -8,9 +8,9 @@
 //   -exp(sinks[h] - lse_i) D_i                (dL/dsinks[h]'s terms: the sink's probability times -D_i)
 // which bwd_dsinks.cu adds up per head in a fixed order.
 // It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics) and bwd_sm90's
-// dq_done and dq_semaphore counters, which saves the call a memset (~1-2 us of host time). Rows outside every varlen
-// sequence are not rows of any CTA here: cuflash/backward.py zeroes varlen accumulators with a
-// memset as well.
+// dq_done and dq_semaphore counters, which saves the call a memset (~1-2 us of host time). Rows outside
+// every varlen sequence are not rows of any CTA here: cuflash/backward.py zeroes varlen accumulators
+// with a memset as well.
 //
 // Grid: (seqlen_q_pad / 16, Hq, B), 128 threads. Compile-time: CUFLASH_DTYPE (0 fp16, 1 bf16, 2 fp32),
 // CUFLASH_DQ_FIRST_STORES (1: dq_accum is left as it is, its tiles' first writers store them).

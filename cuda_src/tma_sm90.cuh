@@ -125,7 +125,8 @@ __device__ __forceinline__ void bulk_store(float* dst, unsigned src, unsigned by
                  : "memory");
 }
 
-// Orders global memory acquired by this thread before the async proxy's accesses that follow.
+// A proxy fence over global memory: this thread's async-proxy accesses (bulk copies it has waited for)
+// and its generic ones are ordered across it, so that a release after it covers a bulk store before it.
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
 }  // namespace cuflash

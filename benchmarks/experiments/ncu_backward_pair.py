@@ -1,10 +1,12 @@
-"""One backward call of cuflash, torch SDPA's cuDNN backend or FlashAttention-4 between profilerStart/Stop, for
-Nsight Compute (``--profile-from-start off``): bf16, 16384 tokens, hidden 2048, Sq = Sk.
+"""One backward call of cuflash, torch SDPA's cuDNN backend or FlashAttention-4 between
+profilerStart/Stop, for Nsight Compute (``--profile-from-start off``): bf16, 16384 tokens, hidden 2048,
+Sq = Sk.
 
     ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
         --csv python benchmarks/experiments/ncu_backward_pair.py cuflash 128 16384 causal
 
-Arguments: ``cuflash``, ``cudnn`` or ``fa4`` (``flash_attn.cute``), the head dim, the sequence length, and ``causal`` or ``full``.
+Arguments: ``cuflash``, ``cudnn`` or ``fa4`` (``flash_attn.cute``), the head dim, the sequence length,
+and ``causal`` or ``full``.
 Each is called three times first (compiles, plans, cuDNN's autotuning), then once profiled.
 """
 import sys
