@@ -124,13 +124,14 @@ __host__ __device__ constexpr int split_dk_col0(int d, int c) { return d == 192 
 __host__ __device__ constexpr int split_dv_cols(int d, int dv, int c) { return d == 192 ? (c == 0 ? 0 : dv) : dv / 2; }
 __host__ __device__ constexpr int split_dv_col0(int d, int dv, int c) { return d == 192 ? 0 : c * (dv / 2); }
 
-// At D = 256 the uniform warpgroup index helps what NVRTC 13.0 makes of the consumers (backward 4-10%
-// faster) and hurts what 13.5 makes (3-5% slower; H200, docs/decisions.md#bwd-sm90-uniform-warpgroup-index):
-// taken by the compiler's version, measured at those two.
+// At D = 256 and 64 the uniform warpgroup index helps what NVRTC 13.0 makes of the consumers (backward
+// 4-10% faster at D = 256, up to 8% at D = 64) and not what 13.5 makes (D = 256 3-5% slower, D = 64
+// spilled; H200, docs/decisions.md#bwd-sm90-uniform-warpgroup-index): taken by the compiler's version,
+// measured at those two.
 #if __CUDACC_VER_MAJOR__ * 100 + __CUDACC_VER_MINOR__ < 1305
-constexpr bool kUniformWarpgroupAt256 = true;
+constexpr bool kUniformWarpgroupByNvrtc = true;
 #else
-constexpr bool kUniformWarpgroupAt256 = false;
+constexpr bool kUniformWarpgroupByNvrtc = false;
 #endif
 
 template <int kHeadDim_, int kHeadDimV_, int kBlockM_, int kStages_, int kDqMode_, int kMods_, bool kDropout_>
@@ -301,11 +302,12 @@ struct BwdSm90Config {
     // added by the consumers themselves: the hand-over protocols with the fewest turns to carry over.
     static constexpr bool kPersistent = CUFLASH_BWD_PERSISTENT != 0;
     // The consumers' warpgroup index known to be warp-uniform (warpgroup_index), so that their wgmma
-    // descriptors stay in uniform registers: D = 128 causal backward 3-6% faster; at D = 256 it depends on
-    // the compiler (kUniformWarpgroupAt256); at D = 64 ptxas spilled 4-12 B
+    // descriptors stay in uniform registers: D = 128 causal backward 3-6% faster; at D = 256 and 64 it
+    // depends on the compiler (kUniformWarpgroupByNvrtc); the D = 64 variant without dQ spills 4 B with it
     // (docs/decisions.md#bwd-sm90-uniform-warpgroup-index).
     static constexpr bool kUniformWarpgroup = (kHeadDim == 128 && kHeadDimV == 128) ||
-                                              (kHeadDim == 256 && kHeadDimV == 256 && kUniformWarpgroupAt256);
+                                              (kHeadDim == 256 && kHeadDimV == 256 && kUniformWarpgroupByNvrtc) ||
+                                              (kHeadDim == 64 && kHeadDimV == 64 && kDq && kUniformWarpgroupByNvrtc);
     static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;
     static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
     // dS^T: double buffered when split by keys; split by columns, one tile each of P^T and dS^T (the
