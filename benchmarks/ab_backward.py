@@ -13,7 +13,8 @@ A contender is ``NAME[=SRC_DIR][;SETTING...]``. A setting is ``CUFLASH_<DEFINE>=
 variant; ``=-`` removes the define) or ``<CONSTANT>=LITERAL`` (a ``cuflash.kernels`` constant, in
 force while the contender plans). A shape is ``D/S`` (batch = tokens / S, heads = hidden / D, Sq = Sk)
 with ``c`` for a causal mask, ``d`` for deterministic=True and ``s`` for a softcap of 30 (a featured
-variant; cuDNN, which has none, then runs without it).
+variant; cuDNN, which has none, then runs without it); ``D:DV/S`` gives V a head dim of its own
+(``192:128/8192c``).
 
 ``build`` (no GPU) compiles each contender's bwd_sm90 variant of each shape, from its SRC_DIR (the
 installed ``cuda_src/`` without one), prints registers, spills and ptxas's warnings, and writes every
@@ -86,10 +87,17 @@ def _flags(shape: str) -> str:
 
 
 def parse_shape(shape: str) -> tuple[int, int, bool, bool]:
-    """``D/S[c][d][s]`` -> (head_dim, seqlen, causal, deterministic); the softcap: shape_softcap."""
+    """``D[:DV]/S[c][d][s]`` -> (head_dim, seqlen, causal, deterministic); the softcap: shape_softcap,
+    V's head dim: shape_head_dim_v."""
     flags = _flags(shape)
-    head_dim, seqlen = (int(x) for x in shape[:len(shape) - len(flags)].split("/"))
-    return head_dim, seqlen, "c" in flags, "d" in flags
+    dims, seqlen = shape[:len(shape) - len(flags)].split("/")
+    return int(dims.split(":")[0]), int(seqlen), "c" in flags, "d" in flags
+
+
+def shape_head_dim_v(shape: str) -> int:
+    """V's head dim of a shape: after ``:`` in ``D:DV/S``, else D."""
+    dims = shape.split("/")[0].split(":")
+    return int(dims[-1])
 
 
 SOFTCAP = 30.0
@@ -138,6 +146,7 @@ class Installed:
 def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
     """The bwd_sm90 variant the contender plans for a call of ``shape`` (as cuflash/backward.py asks)."""
     head_dim, seqlen, causal, det = parse_shape(shape)
+    head_dim_v = shape_head_dim_v(shape) if shape_head_dim_v(shape) != head_dim else None   # as the call path
     mods = ("softcap",) if shape_softcap(shape) else ()
     window = (-1, 0) if causal else (-1, -1)
     with Installed(contender):
@@ -146,13 +155,14 @@ def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
         seen = sm90.bwd_all_keys_seen(windowed=causal, varlen=False, featured=bool(mods))
         # As cuflash/_backward_plan.py asks, for one query head a CTA (a full GPU at these sizes).
         persistent = sm90.bwd_sm90_persistent(head_dim, score_mods=mods, dropout=False, deterministic=mode,
-                                              varlen=False, seqlen_q=seqlen, seqlen_k=seqlen, window=window)
+                                              varlen=False, head_dim_v=head_dim_v, seqlen_q=seqlen,
+                                              seqlen_k=seqlen, window=window)
         first = sm90.bwd_sm90_first_stores_dq(score_mods=mods, dropout=False, deterministic=mode, varlen=False,
                                               seqlen_q=seqlen, seqlen_k=seqlen, window=window)
         return kernels.backward.backward_plan("bwd_sm90", dtype_name, head_dim, dq_pass=False, score_mods=mods,
                                               dropout=False, deterministic=mode, windowed=causal, seqlen_q=seqlen,
                                               all_keys_seen=seen, persistent=persistent,
-                                              dq_first_stores=first).variant
+                                              dq_first_stores=first, head_dim_v=head_dim_v).variant
 
 
 def cubin_path(out: str, contender: Contender, variant: Variant) -> Path:
@@ -220,10 +230,10 @@ def run(args) -> int:
     with gpu.stream:
         for shape in args.shapes.split(","):
             head_dim, seqlen, causal, det = parse_shape(shape)
-            softcap = shape_softcap(shape)
-            batch, heads = args.tokens // seqlen, args.hidden // head_dim
-            sets = [tuple(torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch_dtype)
-                          for _ in range(4)) for _ in range(N_INPUT_SETS)]
+            head_dim_v, softcap = shape_head_dim_v(shape), shape_softcap(shape)
+            batch, heads = args.tokens // seqlen, max(1, args.hidden // head_dim)
+            sets = [tuple(torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch_dtype)
+                          for d in (head_dim, head_dim, head_dim_v, head_dim_v)) for _ in range(N_INPUT_SETS)]
             inputs = [tuple(cupy.from_dlpack(x) for x in s) for s in sets]
             saved = [cuflash.attention_forward(q, k, v, causal=causal, softcap=softcap)[:2] for q, k, v, _ in inputs]
             grads = tuple(cupy.empty_like(x) for x in inputs[0][:3])
@@ -274,7 +284,7 @@ def run(args) -> int:
                 out, leaves, dout = graphs[j]
                 return torch.autograd.grad(out, leaves, dout, retain_graph=True)
             calls["cudnn"] = cudnn
-            flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+            flops = 2.5 * 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
             rounds = []
             for _ in range(args.rounds):
                 ms = timer.median_ms_each(calls)

@@ -19,7 +19,10 @@ the peer / time of cuflash: > 1 = cuflash faster). ``maxdiff``: the largest forw
 of a peer from cuflash's.
 
 Bars (issue 51): cuflash >= 1.0x FA4 and >= 1.0x cuDNN in every cell, >= 1.05x FA4 in the geometric
-mean of the grid; the last rows give the geometric means.
+mean of the grid; the geometric-mean rows follow the grid. Then, with ``--extras`` (the default), the
+issue's two other training problems at D = 128, causal, against >= 1.0x FA4: packed documents
+(lengths drawn in 512..4096 adding up to 32k tokens, H 16; ``ct.attention_varlen`` against FA4's
+``flash_attn_varlen_func``, SDPA has no varlen entry) and one sequence of 256k tokens (H 8).
 
 Run on a GPU machine: ``PYTHONPATH=$PWD python benchmarks/bench_training.py [--md F] [--csv F]``.
 """
@@ -29,13 +32,15 @@ from __future__ import annotations
 import argparse
 import math
 
+import numpy as np
 from _harness import fa4_out, fmt, log, markdown_table, open_torch_peers, peer_arguments, runnable, write_results
+from bench_modifiers import document_lengths
 
 PASSES = ("fwd", "fwd+bwd")
 PEERS = ("cudnn", "flash", "fa4")
 COLUMNS = (["D", "mask", "S", "B x H"]
            + [f"{p} x {peer}" for p in PASSES for peer in PEERS]
-           + ["cudnn fwd+bwd TFLOP/s", "maxdiff"])
+           + ["cuflash fwd+bwd TFLOP/s", "cudnn fwd+bwd TFLOP/s", "maxdiff"])
 
 
 def grid(head_dims, seqlens, tokens, hidden):
@@ -70,7 +75,35 @@ def problem(gpu, ct, fa4, d, causal, s, b, h):
                 "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
     if fa4 is not None:
         forwards["fa4"] = lambda: fa4_out(fa4.flash_attn_func(q, k, v, causal=causal))
+    return passes(torch, forwards, (q, k, v), dout), forwards
 
+
+EXTRA_HEAD_DIM = 128
+PACKED_TOKENS, PACKED_HEADS = 32768, 16
+LONG_TOKENS, LONG_HEADS = 262144, 8
+
+
+def packed_problem(gpu, ct, fa4, lengths):
+    """Causal attention over documents of ``lengths`` packed in one (total, H, D) batch, as
+    :func:`problem` returns it, and the visible (query, key) pairs a head."""
+    torch = gpu.torch
+    total, d = int(lengths.sum()), EXTRA_HEAD_DIM
+    q, k, v = (torch.randn(total, PACKED_HEADS, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(total, PACKED_HEADS, d, device="cuda", dtype=torch.bfloat16)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).cuda()
+    longest = int(lengths.max())
+    forwards = {"cuflash": lambda: ct.attention_varlen(q, k, v, cu, cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                                       causal=True)}
+    if fa4 is not None:
+        forwards["fa4"] = lambda: fa4_out(fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                                     max_seqlen_q=longest, max_seqlen_k=longest,
+                                                                     causal=True))
+    return passes(torch, forwards, (q, k, v), dout), forwards, int(sum(n * (n + 1) // 2 for n in lengths))
+
+
+def passes(torch, forwards, leaves, dout):
+    """{pass: {contender: fn(i)}}: each forward under no_grad, and through autograd to ``leaves``."""
     def inference(fn):
         def call(i):
             with torch.no_grad():
@@ -78,11 +111,10 @@ def problem(gpu, ct, fa4, d, causal, s, b, h):
         return call
 
     def step(fn):
-        return lambda i: torch.autograd.grad(fn(), (q, k, v), dout)
+        return lambda i: torch.autograd.grad(fn(), leaves, dout)
 
-    calls = {"fwd": {name: inference(fn) for name, fn in forwards.items()},
-             "fwd+bwd": {name: step(fn) for name, fn in forwards.items()}}
-    return calls, forwards
+    return {"fwd": {name: inference(fn) for name, fn in forwards.items()},
+            "fwd+bwd": {name: step(fn) for name, fn in forwards.items()}}
 
 
 def geometric_mean(values):
@@ -108,6 +140,8 @@ def main(argv=None):
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--no-extras", dest="extras", action="store_false",
+                   help="leave out the packed documents and the 256k sequence")
     args = p.parse_args(argv)
     import cupy
 
@@ -117,32 +151,50 @@ def main(argv=None):
     gpu, ct, fa4, timer = opened
     problems = grid([int(x) for x in args.head_dims.split(",")], [int(x) for x in args.seqlens.split(",")],
                     args.tokens, args.hidden)
-    rows = []
+    rows, extras = [], []
+
+    def measure(row, name, calls, forwards, fwd_bwd_flops):
+        for pass_name in PASSES:
+            ms = timer.median_ms_each(runnable(calls[pass_name], f"{name} {pass_name}"))
+            for peer in PEERS:
+                if peer in ms and "cuflash" in ms:
+                    row[f"{pass_name} x {peer}"] = ms[peer] / ms["cuflash"]
+            if pass_name == "fwd+bwd":
+                row["cuflash fwd+bwd TFLOP/s"] = fwd_bwd_flops / ms["cuflash"] / 1e9
+                if "cudnn" in ms:
+                    row["cudnn fwd+bwd TFLOP/s"] = fwd_bwd_flops / ms["cudnn"] / 1e9
+        want = forwards["cuflash"]().detach().float()
+        row["maxdiff"] = max((float((fn().detach().float() - want).abs().max())
+                              for peer, fn in forwards.items() if peer != "cuflash"), default=None)
+        log(", ".join(f"{k} {fmt(v, 3)}" for k, v in row.items()))
+        return row
+
     with gpu.stream:
         for d, causal, s, b, h in problems:
-            name = f"D {d} {'causal' if causal else 'full'} S {s}"
             calls, forwards = problem(gpu, ct, fa4, d, causal, s, b, h)
             row = {"D": d, "mask": "causal" if causal else "-", "S": s, "B x H": f"{b} x {h}"}
-            for pass_name in PASSES:
-                ms = timer.median_ms_each(runnable(calls[pass_name], f"{name} {pass_name}"))
-                for peer in PEERS:
-                    if peer in ms and "cuflash" in ms:
-                        row[f"{pass_name} x {peer}"] = ms[peer] / ms["cuflash"]
-                if pass_name == "fwd+bwd" and "cudnn" in ms:
-                    row["cudnn fwd+bwd TFLOP/s"] = flops(d, causal, s, b, h, True) / ms["cudnn"] / 1e9
-            want = forwards["cuflash"]().detach().float()
-            row["maxdiff"] = max((float((fn().detach().float() - want).abs().max())
-                                  for peer, fn in forwards.items() if peer != "cuflash"), default=None)
-            rows.append(row)
-            log(", ".join(f"{k} {fmt(v, 3)}" for k, v in row.items()))
-    rows += summary_rows(rows)
+            rows.append(measure(row, f"D {d} {'causal' if causal else 'full'} S {s}", calls, forwards,
+                                flops(d, causal, s, b, h, True)))
+        if args.extras:
+            lengths = document_lengths(np.random.default_rng(0), PACKED_TOKENS)
+            calls, forwards, pairs = packed_problem(gpu, ct, fa4, lengths)
+            row = {"D": EXTRA_HEAD_DIM, "mask": "causal", "S": f"packed {PACKED_TOKENS} ({lengths.size} documents)",
+                   "B x H": f"1 x {PACKED_HEADS}"}
+            extras.append(measure(row, "packed documents", calls, forwards,
+                                  3.5 * 4 * PACKED_HEADS * pairs * EXTRA_HEAD_DIM))
+            calls, forwards = problem(gpu, ct, fa4, EXTRA_HEAD_DIM, True, LONG_TOKENS, 1, LONG_HEADS)
+            row = {"D": EXTRA_HEAD_DIM, "mask": "causal", "S": LONG_TOKENS, "B x H": f"1 x {LONG_HEADS}"}
+            extras.append(measure(row, f"S {LONG_TOKENS}", calls, forwards,
+                                  flops(EXTRA_HEAD_DIM, True, LONG_TOKENS, 1, LONG_HEADS, True)))
+    rows += summary_rows(rows) + extras
     header = (f"**{gpu.device_name}** ({gpu.versions}{', ' + fa4.label if fa4 else ''}); bf16, {args.tokens} tokens, "
               f"hidden {args.hidden}, per call from torch tensors (forward under no_grad; forward + backward "
               f"through autograd), median of {args.repeats} turns; ratio = peer's time / cuflash's "
               "(> 1: cuflash faster)")
     ratio = lambda x: x if isinstance(x, str) else f"{x:.2f}"   # noqa: E731
     formats = {c: ratio for c in COLUMNS if " x " in c and c != "B x H"}
-    formats.update({"maxdiff": lambda x: f"{x:.1e}", "cudnn fwd+bwd TFLOP/s": lambda x: f"{x:.0f}"})
+    formats.update({"maxdiff": lambda x: f"{x:.1e}", "cudnn fwd+bwd TFLOP/s": lambda x: f"{x:.0f}",
+                    "cuflash fwd+bwd TFLOP/s": lambda x: f"{x:.0f}"})
     table = markdown_table(rows, header, COLUMNS, formats=formats)
     write_results(rows, table, COLUMNS, csv_path=args.csv, md_path=args.md)
     print(table)

@@ -96,3 +96,10 @@ def test_build_compiles_each_contender(ab, tmp_path, capsys):
     with open(src / "bwd_sm90.cu", "a") as f:
         f.write("\n// edited\n")
     assert ab.cubin_path(str(out), tree, ab.shape_variant(tree, "bfloat16", "128/4096c")) != before
+
+
+def test_a_value_head_dim_of_its_own(ab):
+    assert ab.parse_shape("192:128/8192c") == (192, 8192, True, False)
+    assert (ab.shape_head_dim_v("192:128/8192c"), ab.shape_head_dim_v("128/512")) == (128, 128)
+    defines = dict(ab.shape_variant(ab.parse_contender("base"), "bfloat16", "192:128/8192c").defines)
+    assert (defines["CUFLASH_HEAD_DIM"], defines["CUFLASH_HEAD_DIM_V"]) == (192, 128)
