@@ -944,6 +944,26 @@ def test_varlen_empty_total(family, dtype):
     assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
 
 
+@pytest.mark.parametrize("batch", [40, 128, 129, 300])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_varlen_skewed_batches(batch, causal):
+    # fwd_sm90 numbers a varlen batch's work items as for a padded batch of the longest sequence, so
+    # most items of a skewed batch hold no rows: up to 300 sequences, one long among short ones, and
+    # empty ones, every row checked (docs/decisions.md#fwd-sm90-persistent-work-items).
+    rng = np.random.default_rng(batch * 2 + causal)
+    lengths_q = rng.integers(0, 40, batch)
+    lengths_q[rng.integers(batch)] = 700
+    lengths_q[rng.choice(batch, 3, replace=False)] = 0
+    lengths_k = lengths_q + rng.integers(0, 20, batch) * (not causal)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lengths_q, lengths_k))
+    q, k, v = _varlen_inputs(cu_q, cu_k, 2, 1, 64, "bfloat16", batch)
+    out, lse = _run_varlen("fwd_sm90", q, k, v, cu_q, cu_k, {"causal": causal})
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+    base = tt.baseline_attention_varlen(q, k, v, cu_q, cu_k, causal=causal)
+    tt.assert_attention_close(out, ref_out, base, dtype="bfloat16", name="out")
+    tt.assert_attention_close(lse, ref_lse, dtype="float32", name="lse")
+
+
 @pytest.mark.parametrize("family, dtype", KERNELS)
 def test_repeated_plain_call_replays_its_launch(family, dtype, monkeypatch):
     # A call remembers its plan by the operands' layouts and the options; a repeat on new arrays of
