@@ -160,9 +160,9 @@ def main(argv=None):
                 if peer in ms and "cuflash" in ms:
                     row[f"{pass_name} x {peer}"] = ms[peer] / ms["cuflash"]
             if pass_name == "fwd+bwd":
-                row["cuflash fwd+bwd TFLOP/s"] = fwd_bwd_flops / ms["cuflash"] / 1e9
-                if "cudnn" in ms:
-                    row["cudnn fwd+bwd TFLOP/s"] = fwd_bwd_flops / ms["cudnn"] / 1e9
+                for name in ("cuflash", "cudnn"):
+                    if name in ms:
+                        row[f"{name} fwd+bwd TFLOP/s"] = fwd_bwd_flops / ms[name] / 1e9
         want = forwards["cuflash"]().detach().float()
         row["maxdiff"] = max((float((fn().detach().float() - want).abs().max())
                               for peer, fn in forwards.items() if peer != "cuflash"), default=None)
