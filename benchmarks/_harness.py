@@ -190,14 +190,19 @@ def write_results(rows, table, columns, csv_path=None, md_path=None):
             f.write(table + "\n")
 
 
+def nvrtc_label() -> str:
+    """The NVRTC version this process compiles with, as "13.5" (what A/B trees record at build)."""
+    from cuflash._build import nvrtc
+
+    return ".".join(str(x) for x in nvrtc.version())
+
+
 def note_other_compiler(built: dict) -> None:
     """One line for each A/B tree whose cubins another NVRTC built (``built``: {tree: "13.5" or None when
     unknown}) than the one this process compiles with: one source's kernels ran 4-7% apart under 13.0 and
     13.5 (docs/decisions.md#compile-nvrtc-versions), so an A/B decides for this machine's users only when
     its trees were built here."""
-    from cuflash._build import nvrtc
-
-    here = ".".join(str(x) for x in nvrtc.version())
+    here = nvrtc_label()
     for tree, version in built.items():
         if version != here:
             log(f"tree {tree}: cubins built by NVRTC {version or '(unknown)'}, this machine compiles with {here}: "

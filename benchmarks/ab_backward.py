@@ -146,7 +146,8 @@ class Installed:
 def shape_variant(contender: Contender, dtype_name: str, shape: str) -> Variant:
     """The bwd_sm90 variant the contender plans for a call of ``shape`` (as cuflash/backward.py asks)."""
     head_dim, seqlen, causal, det = parse_shape(shape)
-    head_dim_v = shape_head_dim_v(shape) if shape_head_dim_v(shape) != head_dim else None   # as the call path
+    head_dim_v = shape_head_dim_v(shape)
+    head_dim_v = head_dim_v if head_dim_v != head_dim else None   # as the call path: None when square
     mods = ("softcap",) if shape_softcap(shape) else ()
     window = (-1, 0) if causal else (-1, -1)
     with Installed(contender):

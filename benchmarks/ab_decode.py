@@ -33,7 +33,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _harness import log, note_other_compiler
+from _harness import log, note_other_compiler, nvrtc_label
 from bench_model_features import HEAD_DIM, fp8_decode_problem, maxdiff, paged
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def build(args):
     for name in {name for name, _, _ in results}:
         cubins = {variant: cubin for n, variant, cubin in results if n == name}
         (Path(args.out) / f"{name}.pkl").write_bytes(pickle.dumps(cubins))
-        (Path(args.out) / f"{name}.nvrtc").write_text(".".join(str(x) for x in _compile._nvrtc_version()))
+        (Path(args.out) / f"{name}.nvrtc").write_text(nvrtc_label())
     return 0
 
 

@@ -33,7 +33,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _harness import Timer, log, note_other_compiler, open_gpu
+from _harness import Timer, log, note_other_compiler, nvrtc_label, open_gpu
 from bench_forward import DTYPE_NAMES, attention_flops, make_inputs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def build(args):
     for name, _, overrides in trees:  # run reads them back: the tree's launch plan must match its cubins
         (Path(args.out) / name).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / name / "overrides.txt").write_text(repr(overrides))
-        (Path(args.out) / name / "nvrtc.txt").write_text(".".join(str(x) for x in _compile._nvrtc_version()))
+        (Path(args.out) / name / "nvrtc.txt").write_text(nvrtc_label())
 
     def compile_one(job):
         name, src, overrides, dtype_name, head_dim = job
