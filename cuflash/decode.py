@@ -445,15 +445,17 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         keys = min(keys, capacity)
         if left >= 0 and right >= 0:
             keys = min(keys, left + right + seqlen_q)
-        # Contiguous caches: one split per SM at most, and no more splits than it takes to keep the
-        # memory busy (DecodePlan.saturating_ctas: on an H100 64 CTAs of eight warps at
-        # D = 128, on an H200 all 132), since each split adds a partial to write and merge. Paged
-        # caches wait on page lookups and need every SM ((8, 8k) page 16, eight warps: 2 splits
-        # 1.14x flash, 1 split 1.03x), but not at the price of splits under 2048 keys (MLA's 910 hold
-        # the same bytes), whose page-table start-up no longer hides.
+        # Contiguous caches: at most two CTAs an SM of 16- or 32-bit caches, one of fp8 caches
+        # (kernels.decode.DECODE_CONTIGUOUS_CTAS_PER_SM), and no more splits than it takes to keep
+        # the memory busy (DecodePlan.saturating_ctas: on an H100 64 CTAs of eight warps at D = 128,
+        # on an H200 all 132), since each split adds a partial to write and merge. Paged caches wait
+        # on page lookups and need every resident CTA ((8, 8k) page 16, eight warps: 2 splits 1.14x
+        # flash, 1 split 1.03x), but not at the price of splits under 2048 keys (MLA's 910 hold the
+        # same bytes), whose page-table start-up no longer hides.
+        contiguous_per_sm = 1 if kv_dtype is not None else kernels.decode.DECODE_CONTIGUOUS_CTAS_PER_SM
         num_splits = kernels.decode.decode_num_splits(
             batch, heads_k, keys, sms, row_blocks=row_blocks * halves, block_n=plan_k.block_n,
-            ctas_per_sm=plan_k.ctas_per_sm if paged else 1,
+            ctas_per_sm=plan_k.ctas_per_sm if paged else min(plan_k.ctas_per_sm, contiguous_per_sm),
             saturating_ctas=None if paged else plan_k.saturating_ctas(memory_rate),
             min_tiles_per_split=max(4, (kernels.decode.DECODE_MLA_PAGED_MIN_SPLIT_KEYS if mla else
                                         kernels.decode.DECODE_PAGED_MIN_SPLIT_KEYS) // plan_k.block_n) if paged else 4,

@@ -43,6 +43,9 @@ DECODE_MLA_MAX_SPLITS = 16
 #: whose page-table start-up then hides; MLA's latent rows of 576 (1152 bytes a key) reach those bytes
 #: in 910 keys.
 DECODE_PAGED_MIN_SPLIT_KEYS = 2048
+#: Resident CTAs an SM that the split count of a contiguous 16- or 32-bit cache counts, at most (fp8
+#: caches count one): docs/decisions.md#decode-split-count. Paged caches count every resident CTA.
+DECODE_CONTIGUOUS_CTAS_PER_SM = 2
 DECODE_MLA_PAGED_MIN_SPLIT_KEYS = DECODE_PAGED_MIN_SPLIT_KEYS * (2 * 128 * 2) // (DECODE_MLA_HEAD_DIM * 2)
 #: What a CTA needs besides its dynamic shared memory: the static row tables and the 1 KiB the
 #: driver reserves per block.
