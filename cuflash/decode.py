@@ -431,20 +431,22 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # 16-row one would compute half or more on padding; ragged new tokens keep the 16-row one.
     keys_as_m = (kernels.decode.DECODE_KEYS_AS_M_BY_DEFAULT and dtype_name != "float32" and not mla and not varlen
                  and rows <= kernels.decode.DECODE_KEYS_AS_M_ROWS)
+    # Keys a CTA's rows may see: the longest sequence when the lengths are known here, else the
+    # capacity (never read back), within a window.
+    keys = min(int(lens.max() if lens is not None else capacity) + seqlen_new, capacity)
+    if opts.window[0] >= 0 and opts.window[1] >= 0:
+        keys = min(keys, opts.window[0] + opts.window[1] + seqlen_q)
+    block_m = kernels.decode.DECODE_KEYS_AS_M_ROWS if keys_as_m else kernels.decode.DECODE_BLOCK_M[
+        "simt" if dtype_name == "float32" else "mma"]
+    short = kernels.decode.decode_takes_short_tiles(keys, batch * heads_k * max(1, -(-rows // block_m)), sms)
     # The kernel's columns: q.k's and v's, the larger (the other's loads zero-fill past their own).
     plan_k = kernels.decode.decode_plan(dtype_name, max(d_pad, dv_pad), paged=paged, score_mods=score_mods,
                                         smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,
-                                        kv_dtype=kv_dtype, mla=mla, keys_as_m=keys_as_m)
+                                        kv_dtype=kv_dtype, mla=mla, keys_as_m=keys_as_m, short=short)
     row_blocks = max(1, -(-rows // plan_k.block_m))
     # MLA: the CTAs of a (row block, split) come in value halves (DECODE_MLA_VALUE_COLUMNS columns each).
     halves = -(-d_out // kernels.decode.DECODE_MLA_VALUE_COLUMNS) if mla else 1
     if num_splits == 0:
-        left, right = opts.window
-        # The longest sequence when the lengths are known here, else the capacity: never read back.
-        keys = int(lens.max() if lens is not None else capacity) + seqlen_new
-        keys = min(keys, capacity)
-        if left >= 0 and right >= 0:
-            keys = min(keys, left + right + seqlen_q)
         # Contiguous caches: at most two CTAs an SM of 16- or 32-bit caches, one of fp8 caches
         # (kernels.decode.DECODE_CONTIGUOUS_CTAS_PER_SM), and no more splits than it takes to keep
         # the memory busy (DecodePlan.saturating_ctas: on an H100 64 CTAs of eight warps at D = 128,

@@ -268,7 +268,8 @@ def _one_score_mod(variant: Variant) -> bool:
 def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
     """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
     set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
-    contiguous and paged decode (16-bit and fp8 caches, both tiles), fwd_sm90 over a KV cache, and the
+    contiguous and paged decode (16-bit and fp8 caches, both tiles, the short-sequence tiles), fwd_sm90 over
+    a KV cache, and the
     merge, preprocess, convert, index-check, append and rng-state kernels. What the GPU tests may compile
     (``benchmarks/gpu_check.sh`` builds them all first); for the default shared-memory budget of decode.
 
@@ -344,10 +345,13 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                     out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods).variant)
                     if dtype_name == "float32":
                         continue
-                    # fp8 (e4m3) caches, and the keys-as-M tiles of calls of a few packed rows
+                    # fp8 (e4m3) caches, and the keys-as-M tiles of calls of a few packed rows, each also
+                    # with the short-sequence tiles (the same variant where a head dim has none)
                     for kv_dtype, keys_as_m in (("float8_e4m3fn", False), (None, True), ("float8_e4m3fn", True)):
-                        out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype,
-                                                   keys_as_m=keys_as_m).variant)
+                        for short in (False, True):
+                            out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype,
+                                                       keys_as_m=keys_as_m, short=short).variant)
+                    out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods, short=True).variant)
         if dtype_name != "float32" and (head_dims is None or DECODE_MLA_HEAD_DIM in head_dims):
             for variant in mla_decode_variants((dtype_name,), score_mod_sets(DECODE_SCORE_MODS)):
                 out.setdefault(variant)

@@ -79,6 +79,18 @@ _DECODE_TILE_CHOICES = {
     ("simt", 256): (DecodeTiles(4, 4, 3), DecodeTiles(4, 4, 2), DecodeTiles(2, 4, 2)),
 }
 
+#: Calls whose sequences are short (keys a CTA may see at most DECODE_SHORT_KEYS) and whose CTAs fill
+#: a wave of the small tile (DECODE_SHORT_MIN_CTAS_PER_SM an SM) take CTAs of four warps and two
+#: stages, three an SM, so that one CTA's start and end overlap the others' copies: a CTA over 128-1024
+#: keys spends much of its time starting and finishing. H200, bf16, GQA 32/8, one new token, graph-
+#: replayed, eight warps and three stages against four and two (us): ragged 128..1024, 256 sequences,
+#: pages of 16 199.2 / 156.8, contiguous 161.4 / 150.0; ragged 256..2048, 128 sequences, 159.4 / 154.7
+#: and 156.3 / 158.9; ragged 512..4096 and uniform 8k-32k, eight warps ahead (147.2 / 155.4 at 512..4096
+#: contiguous, 43.4 / 50.0 at (1, 32k) paged).
+_DECODE_SHORT_TILE_CHOICES = {("mma", 128): (DecodeTiles(4, 16, 2),)}
+DECODE_SHORT_KEYS = 1024
+DECODE_SHORT_MIN_CTAS_PER_SM = 3
+
 
 #: fp8 (e4m3) caches with fp16/bf16 queries (the mma path): the stages hold bytes, so a stage is half
 #: a 16-bit one, and the CTA keeps more of them in flight: at D = 128 four stages of 128 keys against
@@ -187,7 +199,8 @@ def decode_mod_bits(score_mods) -> int:
 def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
                 smem_per_block: int = DEFAULT_SMEM_PER_BLOCK,
                 smem_per_sm: int = DEFAULT_SMEM_PER_SM, user_source: str = "",
-                kv_dtype: str | None = None, mla: bool = False, keys_as_m: bool = False) -> DecodePlan:
+                kv_dtype: str | None = None, mla: bool = False, keys_as_m: bool = False,
+                short: bool = False) -> DecodePlan:
     """The decode variant and launch shape for a problem.
 
     Parameters
@@ -215,6 +228,10 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     keys_as_m : bool
         The keys as the mma's M and DECODE_KEYS_AS_M_ROWS packed rows per CTA as its N
         (``CUFLASH_KEYS_AS_M``): float16/bfloat16 q, not MLA.
+    short : bool
+        Short sequences over many CTAs (:func:`decode_takes_short_tiles`): the tiles of
+        ``_DECODE_SHORT_TILE_CHOICES`` where the head dim has some (keys as M, 16-bit caches, no user
+        modifier; the 16-row tile at three CTAs an SM spilled 52-64 B for sm_80).
 
     Raises
     ------
@@ -236,6 +253,8 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         choices = _DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]
         if kv_dtype and keys_as_m and paged and not user_source:
             choices = _DECODE_FP8_KEYS_M_PAGED_TILE_CHOICES.get(kdim, choices)
+        if short and keys_as_m and not kv_dtype and not user_source:
+            choices = _DECODE_SHORT_TILE_CHOICES.get((path, kdim), choices)
     for tiles in choices:
         smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype, mla, keys_as_m)
         reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
@@ -366,6 +385,13 @@ DECODE_SELF_CHECK_PER_THREAD = 8
 
 
 
+def decode_takes_short_tiles(keys: int, ctas: int, num_sms: int) -> bool:
+    """Whether a decode call takes the short-sequence tiles (``decode_plan(short=True)``): at most
+    DECODE_SHORT_KEYS keys a CTA may see, and ``ctas`` (sequences x kv heads x row blocks) filling a
+    wave of DECODE_SHORT_MIN_CTAS_PER_SM CTAs an SM."""
+    return 0 < keys <= DECODE_SHORT_KEYS and ctas >= DECODE_SHORT_MIN_CTAS_PER_SM * num_sms
+
+
 def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> bool:
     """Whether a decode launch checks its index arrays on the GPU itself instead of a check_indices
     launch ahead of it: always for a contiguous cache (B lengths); for a paged one when every CTA
@@ -380,7 +406,8 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
 
     Every dtype x head dim x (contiguous, paged) x (plain, score modifiers), for each of ``kv_dtypes``
     (None: caches of q's dtype; ``"float8_e4m3fn"``: fp8 caches, for float16/bfloat16 only) and, for
-    float16/bfloat16, both tiles (16 packed rows; the keys as the mma's M, for calls of a few rows), for
+    float16/bfloat16, both tiles (16 packed rows; the keys as the mma's M, for calls of a few rows) and
+    the short-sequence tiles where a head dim has them (:func:`decode_takes_short_tiles`), for
     the shared memory of an H100/H200 by default (another budget may pick other stage counts, compiled
     on first use), plus the merges ``merge_states`` uses: float32 (parts of mixed dtypes) into each dtype, and each
     dtype into itself.
@@ -406,9 +433,10 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
                 for mods in (False, True):
                     for kv_dtype in (k for k in kv_dtypes if k is None or dtype_name != "float32"):
                         for keys_as_m in (False, True) if dtype_name != "float32" else (False,):
-                            out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
-                                                   smem_per_block=smem_per_block, kv_dtype=kv_dtype,
-                                                   keys_as_m=keys_as_m).variant)
+                            for short in (False, True):   # the short-sequence tiles, where they differ
+                                out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
+                                                       smem_per_block=smem_per_block, kv_dtype=kv_dtype,
+                                                       keys_as_m=keys_as_m, short=short).variant)
         out.append(merge_plan("float32", dtype_name).variant)
         out.append(merge_plan(dtype_name, dtype_name).variant)
     return list(dict.fromkeys(out))

@@ -292,12 +292,35 @@ def test_decode_precompile_variants_cover_the_dispatcher():
                 for mods in (False, True):
                     assert kernels.decode.decode_plan(dtype, d, paged=paged, score_mods=mods).variant in variants
                     if dtype != "float32":
-                        assert kernels.decode.decode_plan(dtype, d, paged=paged, score_mods=mods,
-                                                          keys_as_m=True).variant in variants
+                        for short in (False, True):
+                            assert kernels.decode.decode_plan(dtype, d, paged=paged, score_mods=mods, keys_as_m=True,
+                                                              short=short).variant in variants
         assert kernels.merge.merge_plan("float32", dtype).variant in variants
         assert kernels.merge.merge_plan(dtype, dtype).variant in variants
     only = kernels.decode.decode_precompile_variants(dtypes=["bfloat16"], head_dims=[128])
-    assert len([v for v in only if v.family == "decode"]) == 8   # (contiguous, paged) x (plain, mods) x 2 tiles
+    # (contiguous, paged) x (plain, mods) x 2 tiles, and the keys-as-M ones again with the short-sequence tiles
+    assert len([v for v in only if v.family == "decode"]) == 12
+
+
+def test_short_tiles_rule():
+    """The short-sequence tiles: at most DECODE_SHORT_KEYS keys and a wave of three CTAs an SM; a
+    tile of their own at D = 128 in 16 bits (three CTAs an SM), the usual ones elsewhere."""
+    takes = kernels.decode.decode_takes_short_tiles
+    limit, per_sm = kernels.decode.DECODE_SHORT_KEYS, kernels.decode.DECODE_SHORT_MIN_CTAS_PER_SM
+    assert takes(limit, per_sm * 132, 132) and takes(1, per_sm * 132, 132)
+    assert not takes(limit + 1, per_sm * 132, 132) and not takes(limit, per_sm * 132 - 1, 132)
+    assert not takes(0, per_sm * 132, 132)
+    short = kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=False, keys_as_m=True, short=True)
+    usual = kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=False, keys_as_m=True)
+    assert short.ctas_per_sm == 3 and usual.ctas_per_sm == 1 and short.variant != usual.variant
+    assert (kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=False, short=True).variant
+            == kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=False).variant)   # 16 rows
+    for args in (("bfloat16", 64), ("float32", 128)):
+        assert (kernels.decode.decode_plan(*args, paged=False, score_mods=False, short=True).variant
+                == kernels.decode.decode_plan(*args, paged=False, score_mods=False).variant)
+    fp8 = dict(paged=False, score_mods=False, kv_dtype="float8_e4m3fn")
+    assert (kernels.decode.decode_plan("bfloat16", 128, short=True, **fp8).variant
+            == kernels.decode.decode_plan("bfloat16", 128, **fp8).variant)
 
 
 # ----------------------------------------------------------------------------- score modifiers

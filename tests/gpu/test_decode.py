@@ -616,6 +616,37 @@ def test_calls_of_few_rows_take_keys_as_m(monkeypatch, heads, seqlen_q, expected
     assert asked == [expected]
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("append", [False, True])
+def test_short_sequences_take_the_short_tiles(monkeypatch, page_size, append):
+    """Many short sequences (at most DECODE_SHORT_KEYS keys, a wave of three CTAs an SM) take the
+    short-sequence tiles (four warps, two stages at D = 128), and the same case with the rule off the
+    default ones: both match the reference (run_case's checks)."""
+    from cuflash._runtime import memo
+    from cuflash.kernels import decode as kdecode
+
+    asked = []
+    plan = kdecode.decode_plan
+
+    def recording(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        asked.append((kwargs.get("short", False), dict(result.variant.defines)["CUFLASH_WARPS"]))
+        return result
+
+    monkeypatch.setattr(kdecode, "decode_plan", recording)
+    rng = np.random.default_rng()
+    case = build_case(dtype="bfloat16", B=64, Hq=32, Hk=8, D=128, Sq=1, lens=rng.integers(1, 1000, size=64),
+                      page_size=page_size, append=append, seed=int(rng.integers(1 << 30)))
+    expected = expected_for(case, dtype="bfloat16")
+    memo.clear_memo()
+    run_case(case, dtype="bfloat16", expected=expected)
+    monkeypatch.setattr(kdecode, "DECODE_SHORT_KEYS", 0)
+    memo.clear_memo()
+    run_case(case, dtype="bfloat16", expected=expected)
+    memo.clear_memo()
+    assert asked == [(True, 4), (False, 8)]
+
+
 @pytest.mark.parametrize("table, lens, s_new, page_size, num_pages, pattern", [
     ([[0, 5]], [20], 1, 16, 5, r"block_table\[0, 1\] = 5"),
     ([[0, -1]], [16], 1, 16, 5, r"block_table\[0, 1\] = -1"),
