@@ -1212,13 +1212,13 @@ constexpr int kSelfCheckEntriesPerThread = 8;   // cuflash/_heuristics.py DECODE
 // The check's findings stay in shared memory, so that a CTA can take the verdict before its loop and
 // read it again before its writes without holding it in a register through the loop.
 __shared__ int first_bad_len, first_bad_page;
-constexpr int kNone = 0x7fffffff;
+constexpr int kNoBadIndex = 0x7fffffff;
 
-__device__ __forceinline__ bool indices_verdict() { return first_bad_len != kNone || first_bad_page != kNone; }
+__device__ __forceinline__ bool indices_verdict() { return first_bad_len != kNoBadIndex || first_bad_page != kNoBadIndex; }
 
 template <class C>
 __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
-    if (threadIdx.x == 0) first_bad_len = first_bad_page = kNone;
+    if (threadIdx.x == 0) first_bad_len = first_bad_page = kNoBadIndex;
     __syncthreads();
     for (int b = threadIdx.x; b < p.batch; b += C::kNThreads) {
         const int len = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen_cache;
@@ -1253,11 +1253,11 @@ __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
     }
     __syncthreads();
     const int bad_len = first_bad_len, bad_page = first_bad_page;
-    const bool faulted = bad_len != kNone || bad_page != kNone;
+    const bool faulted = bad_len != kNoBadIndex || bad_page != kNoBadIndex;
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
         if (faulted) {
             volatile int* report = p.report;
-            if (bad_len != kNone) {
+            if (bad_len != kNoBadIndex) {
                 report[1] = bad_len;
                 report[2] = p.cache_seqlens[bad_len];
             } else {
@@ -1265,7 +1265,7 @@ __device__ __forceinline__ bool indices_faulted(const DecodeParams& p) {
                 report[2] = p.block_table[(bad_page / p.max_pages) * p.block_table_batch_stride + bad_page % p.max_pages];
             }
             __threadfence_system();
-            report[0] = bad_len != kNone ? 1 : 2;   // kFaultCacheSeqlens / kFaultBlockTable of check_indices.cu, last
+            report[0] = bad_len != kNoBadIndex ? 1 : 2;   // kFaultCacheSeqlens / kFaultBlockTable of check_indices.cu, last
         }
     }
     return faulted;
@@ -1633,6 +1633,7 @@ __device__ __forceinline__ void decode_attention(const DecodeParams& p) {
     // The appended rows (no CTA reads the cache at their slots: keys at or past cache_len come from
     // k_new / v_new), then the rows: the output itself (one split) or this split's float32 partial.
     wait_for_prior_kernel();
+    // A contiguous cache's own check ran before the loop; a paged one's runs here.
     if (!p.self_check ? call_faulted(p.error) : C::kPaged ? indices_faulted<C>(p) : indices_verdict()) return;
     if (appends) append_new_rows<C>(p, sq);
     const long long part_row0 = (static_cast<long long>(split) * p.batch + b) * p.seqlen_q;   // (split, b, i=0)
