@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench_decode_serving import kv_bytes, row_problem  # noqa: E402
+from bench_decode_serving import captured, kv_bytes, row_problem  # noqa: E402
 
 import cuflash  # noqa: E402
 import cuflash.interop.torch as ct  # noqa: E402
@@ -32,24 +32,11 @@ CALLS, ROUNDS, HEADS_K = 20, 9, 8
 BATCHES = ((1, 32768, 32768), (8, 8192, 8192), (64, 512, 4096), (128, 256, 2048), (256, 128, 1024))
 
 
-def graph_of(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return graph
-
-
-def us_per_call(graph):
+def us_per_call(replay):
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    graph.replay()
-    graph.replay()
+    replay(0)
+    replay(1)
     end.record()
     end.synchronize()
     return begin.elapsed_time(end) * 1e3 / (2 * CALLS)
@@ -74,8 +61,13 @@ def main():
                     kdecode._DECODE_TILE_CHOICES[key] = (shape,)
                     memo.clear_memo()
                     out = torch.empty_like(p["q"])
-                    graphs[name] = graph_of(lambda out=out: ct.decode(
-                        p["q"], p["kc"], p["vc"], cache_seqlens=p["lens"], block_table=p["table"], out=out))
+
+                    def calls(out=out):   # CALLS calls in one graph: the kernels back to back
+                        for _ in range(CALLS):
+                            ct.decode(p["q"], p["kc"], p["vc"], cache_seqlens=p["lens"], block_table=p["table"],
+                                      out=out)
+
+                    graphs[name] = captured(torch, calls)[0]
                     splits[name] = cuflash.plan(cuflash.decode, p["q"], p["kc"], p["vc"], cache_seqlens=p["lens"],
                                                 block_table=p["table"]).plan.info["num_splits"]
             finally:
