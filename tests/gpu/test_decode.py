@@ -616,6 +616,7 @@ def test_calls_of_few_rows_take_keys_as_m(monkeypatch, heads, seqlen_q, expected
     assert asked == [expected]
 
 
+@gpu
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("append", [False, True])
 def test_short_sequences_take_the_short_tiles(monkeypatch, page_size, append):
