@@ -436,8 +436,7 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     keys = min(int(lens.max() if lens is not None else capacity) + seqlen_new, capacity)
     if opts.window[0] >= 0 and opts.window[1] >= 0:
         keys = min(keys, opts.window[0] + opts.window[1] + seqlen_q)
-    block_m = kernels.decode.DECODE_KEYS_AS_M_ROWS if keys_as_m else kernels.decode.DECODE_BLOCK_M[
-        "simt" if dtype_name == "float32" else "mma"]
+    block_m = kernels.decode.decode_block_m(dtype_name, keys_as_m)
     short = kernels.decode.decode_takes_short_tiles(keys, batch * heads_k * max(1, -(-rows // block_m)), sms)
     # The kernel's columns: q.k's and v's, the larger (the other's loads zero-fill past their own).
     plan_k = kernels.decode.decode_plan(dtype_name, max(d_pad, dv_pad), paged=paged, score_mods=score_mods,

@@ -345,13 +345,12 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
                     out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods).variant)
                     if dtype_name == "float32":
                         continue
-                    # fp8 (e4m3) caches, and the keys-as-M tiles of calls of a few packed rows, each also
-                    # with the short-sequence tiles (the same variant where a head dim has none)
-                    for kv_dtype, keys_as_m in (("float8_e4m3fn", False), (None, True), ("float8_e4m3fn", True)):
-                        for short in (False, True):
-                            out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype,
-                                                       keys_as_m=keys_as_m, short=short).variant)
-                    out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods, short=True).variant)
+                    # fp8 (e4m3) caches, the keys-as-M tiles of calls of a few packed rows, and theirs for many
+                    # short sequences (the same variant where a head dim has none)
+                    for kv_dtype, keys_as_m, short in (("float8_e4m3fn", False, False), (None, True, False),
+                                                       ("float8_e4m3fn", True, False), (None, True, True)):
+                        out.setdefault(decode_plan(dtype_name, d, paged=paged, score_mods=mods, kv_dtype=kv_dtype,
+                                                   keys_as_m=keys_as_m, short=short).variant)
         if dtype_name != "float32" and (head_dims is None or DECODE_MLA_HEAD_DIM in head_dims):
             for variant in mla_decode_variants((dtype_name,), score_mod_sets(DECODE_SCORE_MODS)):
                 out.setdefault(variant)

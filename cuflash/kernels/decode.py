@@ -156,6 +156,12 @@ def _check_kv_dtype(kv_dtype, path: str) -> None:
         raise ValueError("an fp8 cache (kv_dtype) needs float16 or bfloat16 queries, not float32")
 
 
+def decode_block_m(dtype_name: str, keys_as_m: bool = False) -> int:
+    """Packed query rows a decode CTA holds (its row block): DECODE_KEYS_AS_M_ROWS with the keys as the
+    mma's M, else DECODE_BLOCK_M of the dtype's path."""
+    return DECODE_KEYS_AS_M_ROWS if keys_as_m else DECODE_BLOCK_M[_decode_path(dtype_name)]
+
+
 def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dtype: str | None = None,
                       mla: bool = False, keys_as_m: bool = False) -> int:
     """Dynamic shared memory of a decode CTA: Q rows, the K/V stages (MLA: K alone; at least the
@@ -167,7 +173,7 @@ def decode_smem_bytes(dtype_name: str, head_dim: int, tiles: DecodeTiles, kv_dty
     _check_kv_dtype(kv_dtype, path)
     itemsize = 2 if path == "mma" else 4
     cache_itemsize = 1 if kv_dtype else itemsize
-    block_m = DECODE_KEYS_AS_M_ROWS if keys_as_m else DECODE_BLOCK_M[path]
+    block_m = decode_block_m(dtype_name, keys_as_m)
     block_n = tiles.warps * tiles.keys_per_warp
     p_floats = tiles.warps * block_m * tiles.keys_per_warp if path == "simt" else 0
     tiles_per_stage = 1 if mla else 2
@@ -288,7 +294,7 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
     block_n = tiles.warps * tiles.keys_per_warp
     in_flight = ((tiles.stages - 1) * (1 if mla else 2) * block_n * kdim *
                  (1 if kv_dtype else 2 if path == "mma" else 4))
-    block_m = DECODE_KEYS_AS_M_ROWS if keys_as_m else DECODE_BLOCK_M[path]
+    block_m = decode_block_m(dtype_name, keys_as_m)
     plan = DecodePlan(Variant("decode", tuple(sorted(defines.items()))), block_m,
                       block_n, 32 * tiles.warps, smem, kdim, ctas_per_sm, in_flight)
     return with_user_source(plan, user_source)
@@ -433,7 +439,7 @@ def decode_precompile_variants(dtypes=None, head_dims=None,
                 for mods in (False, True):
                     for kv_dtype in (k for k in kv_dtypes if k is None or dtype_name != "float32"):
                         for keys_as_m in (False, True) if dtype_name != "float32" else (False,):
-                            for short in (False, True):   # the short-sequence tiles, where they differ
+                            for short in (False, True) if keys_as_m else (False,):   # short: keys as M only
                                 out.append(decode_plan(dtype_name, d, paged=paged, score_mods=mods,
                                                        smem_per_block=smem_per_block, kv_dtype=kv_dtype,
                                                        keys_as_m=keys_as_m, short=short).variant)
