@@ -80,14 +80,16 @@ _DECODE_TILE_CHOICES = {
 }
 
 #: Calls whose sequences are short (keys a CTA may see at most DECODE_SHORT_KEYS) and whose CTAs fill
-#: a wave of the small tile (DECODE_SHORT_MIN_CTAS_PER_SM an SM) take CTAs of four warps and two
-#: stages, three an SM, so that one CTA's start and end overlap the others' copies: a CTA over 128-1024
-#: keys spends much of its time starting and finishing. H200, bf16, GQA 32/8, one new token, graph-
-#: replayed, eight warps and three stages against four and two (us): ragged 128..1024, 256 sequences,
-#: pages of 16 199.2 / 156.8, contiguous 161.4 / 150.0; ragged 256..2048, 128 sequences, 159.4 / 154.7
-#: and 156.3 / 158.9; ragged 512..4096 and uniform 8k-32k, eight warps ahead (147.2 / 155.4 at 512..4096
-#: contiguous, 43.4 / 50.0 at (1, 32k) paged).
-_DECODE_SHORT_TILE_CHOICES = {("mma", 128): (DecodeTiles(4, 16, 2),)}
+#: a wave of the small tile (DECODE_SHORT_MIN_CTAS_PER_SM an SM) take CTAs of three an SM (two stages;
+#: four warps at D = 128, two at D = 256), so that one CTA's start and end overlap the others' copies: a
+#: CTA over 128-1024 keys spends much of its time starting and finishing. H200, bf16, GQA 32/8, one new
+#: token, graph-replayed, D = 128, eight warps and three stages against four and two (us): ragged
+#: 128..1024, 256 sequences, pages of 16 199.2 / 156.8, contiguous 161.4 / 150.0; ragged 256..2048,
+#: 128 sequences, 159.4 / 154.7 and 156.3 / 158.9; ragged 512..4096 and uniform 8k-32k, eight warps
+#: ahead (147.2 / 155.4 at 512..4096 contiguous, 43.4 / 50.0 at (1, 32k) paged). D = 256, four warps
+#: and three stages against two and two, 256 sequences of 128..1024 keys: pages of 16 343.4 / 300.5 and
+#: 346.6 / 301.5 (two runs), contiguous 292.1 / 294.4 and 291.5 / 293.7.
+_DECODE_SHORT_TILE_CHOICES = {("mma", 128): (DecodeTiles(4, 16, 2),), ("mma", 256): (DecodeTiles(2, 16, 2),)}
 DECODE_SHORT_KEYS = 1024
 DECODE_SHORT_MIN_CTAS_PER_SM = 3
 

@@ -617,12 +617,13 @@ def test_calls_of_few_rows_take_keys_as_m(monkeypatch, heads, seqlen_q, expected
 
 
 @gpu
+@pytest.mark.parametrize("head_dim, warps", [(128, (4, 8)), (256, (2, 4))])
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("append", [False, True])
-def test_short_sequences_take_the_short_tiles(monkeypatch, page_size, append):
+def test_short_sequences_take_the_short_tiles(monkeypatch, head_dim, warps, page_size, append):
     """Many short sequences (at most DECODE_SHORT_KEYS keys, a wave of three CTAs an SM) take the
-    short-sequence tiles (four warps, two stages at D = 128), and the same case with the rule off the
-    default ones: both match the reference (run_case's checks)."""
+    short-sequence tiles (two stages; four warps at D = 128, two at D = 256), and the same case with
+    the rule off the default ones (eight and four warps): both match the reference (run_case's checks)."""
     from cuflash._runtime import memo
     from cuflash.kernels import decode as kdecode
 
@@ -636,7 +637,7 @@ def test_short_sequences_take_the_short_tiles(monkeypatch, page_size, append):
 
     monkeypatch.setattr(kdecode, "decode_plan", recording)
     rng = np.random.default_rng()
-    case = build_case(dtype="bfloat16", B=64, Hq=32, Hk=8, D=128, Sq=1, lens=rng.integers(1, 1000, size=64),
+    case = build_case(dtype="bfloat16", B=64, Hq=32, Hk=8, D=head_dim, Sq=1, lens=rng.integers(1, 1000, size=64),
                       page_size=page_size, append=append, seed=int(rng.integers(1 << 30)))
     expected = expected_for(case, dtype="bfloat16")
     memo.clear_memo()
@@ -645,7 +646,7 @@ def test_short_sequences_take_the_short_tiles(monkeypatch, page_size, append):
     memo.clear_memo()
     run_case(case, dtype="bfloat16", expected=expected)
     memo.clear_memo()
-    assert asked == [(True, 4), (False, 8)]
+    assert asked == [(True, warps[0]), (False, warps[1])]
 
 
 @pytest.mark.parametrize("table, lens, s_new, page_size, num_pages, pattern", [
