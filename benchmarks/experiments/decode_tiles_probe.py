@@ -54,7 +54,7 @@ def main():
     for layout in ("contiguous", 16):
         for batch, lo, hi in BATCHES:
             p = row_problem(torch, rng, args.head_dim, layout, batch, lo, hi)
-            graphs, splits = {}, {}
+            graphs, splits, outs = {}, {}, {}
             kdecode.DECODE_SHORT_KEYS = 0   # every batch on the tile under test
             try:
                 for name, shape in tiles.items():
@@ -66,8 +66,11 @@ def main():
                         for _ in range(CALLS):
                             ct.decode(p["q"], p["kc"], p["vc"], cache_seqlens=p["lens"], block_table=p["table"],
                                       out=out)
+                        return out
 
-                    graphs[name] = captured(torch, calls)[0]
+                    # The graph writes `out` at every replay: it lives as long as the graph (each
+                    # torch.cuda.graph capture empties torch's cache, unmapping freed blocks).
+                    graphs[name], outs[name] = captured(torch, calls)
                     splits[name] = cuflash.plan(cuflash.decode, p["q"], p["kc"], p["vc"], cache_seqlens=p["lens"],
                                                 block_table=p["table"]).plan.info["num_splits"]
             finally:
