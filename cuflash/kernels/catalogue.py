@@ -268,10 +268,10 @@ def _one_score_mod(variant: Variant) -> bool:
 def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
     """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
     set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
-    contiguous and paged decode (16-bit and fp8 caches, both tiles, the short-sequence tiles), fwd_sm90 over
-    a KV cache, and the
-    merge, preprocess, convert, index-check, append and rng-state kernels. What the GPU tests may compile
-    (``benchmarks/gpu_check.sh`` builds them all first); for the default shared-memory budget of decode.
+    contiguous and paged decode (16-bit and fp8 caches, both tiles, the short-sequence tiles), fwd_sm90
+    over a KV cache, and the merge, preprocess, convert, index-check, append and rng-state kernels.
+    What the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for the default
+    shared-memory budget of decode.
 
     Parameters
     ----------
