@@ -50,10 +50,12 @@ TOLERANCE = 1e-2
 
 
 def variants():
-    """The decode variants the problems run: one new token of a GQA group of 4 takes the keys as M."""
-    return [_decode_kernels.decode_plan("bfloat16", HEAD_DIM, paged=layout != "contiguous", score_mods=(),
-                                        kv_dtype=kv_dtype, keys_as_m=True).variant
-            for kv_dtype in KV_DTYPES.values() for layout in LAYOUTS]
+    """The decode variants the problems run: one new token of a GQA group of 4 takes the keys as M, and
+    (32, 4k)'s one wave of CTAs the short-sequence tiles (decode_takes_short_tiles)."""
+    found = [_decode_kernels.decode_plan("bfloat16", HEAD_DIM, paged=layout != "contiguous", score_mods=(),
+                                         kv_dtype=kv_dtype, keys_as_m=True, short=short).variant
+             for kv_dtype in KV_DTYPES.values() for layout in LAYOUTS for short in (False, True)]
+    return list(dict.fromkeys(found))
 
 
 def build(args):

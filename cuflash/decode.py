@@ -437,7 +437,8 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     if opts.window[0] >= 0 and opts.window[1] >= 0:
         keys = min(keys, opts.window[0] + opts.window[1] + seqlen_q)
     block_m = kernels.decode.decode_block_m(dtype_name, keys_as_m)
-    short = kernels.decode.decode_takes_short_tiles(keys, batch * heads_k * max(1, -(-rows // block_m)), sms)
+    short = kernels.decode.decode_takes_short_tiles(keys, batch * heads_k * max(1, -(-rows // block_m)), sms,
+                                                      max(d_pad, dv_pad))
     # The kernel's columns: q.k's and v's, the larger (the other's loads zero-fill past their own).
     plan_k = kernels.decode.decode_plan(dtype_name, max(d_pad, dv_pad), paged=paged, score_mods=score_mods,
                                         smem_per_block=smem_block, smem_per_sm=smem_sm, user_source=user_source,

@@ -89,7 +89,8 @@ _DECODE_TILE_CHOICES = {
 #: ahead (147.2 / 155.4 at 512..4096 contiguous, 43.4 / 50.0 at (1, 32k) paged). D = 256, four warps
 #: and three stages against two and two, 256 sequences of 128..1024 keys: pages of 16 343.4 / 300.5 and
 #: 346.6 / 301.5 (two runs), contiguous 292.1 / 294.4 and 291.5 / 293.7.
-_DECODE_SHORT_TILE_CHOICES = {("mma", 128): (DecodeTiles(4, 16, 2),), ("mma", 256): (DecodeTiles(2, 16, 2),)}
+_DECODE_SHORT_TILE_CHOICES = {("mma", 128): (DecodeTiles(4, 16, 2),), ("mma", 256): (DecodeTiles(2, 16, 2),),
+                              ("mma", 64, "paged"): (DecodeTiles(4, 16, 2),)}
 DECODE_SHORT_KEYS = 1024
 DECODE_SHORT_MIN_CTAS_PER_SM = 3
 
@@ -114,6 +115,16 @@ _DECODE_FP8_TILE_CHOICES = {
 #: modifiers the 128 registers spill (40-88 bytes), so those keep the one-CTA tiles.
 _DECODE_FP8_KEYS_M_PAGED_TILE_CHOICES = {
     128: (DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2), DecodeTiles(2, 16, 2)),
+}
+#: 16-bit caches in pages, with the keys as the mma's M, at D = 64: eight warps of 16 keys (a page
+#: lookup a key row, 128 of them a tile in flight) where the contiguous cache keeps four warps and four
+#: stages. H200, bf16, GQA 32/8, one new token, pages of 16, 20 calls a graph, four warps and four stages
+#: against eight and three (us): (1, 32k) 38.5 / 28.8, (8, 8k) 45.6 / 42.1, 64 sequences of 512..4096
+#: 97.8 / 89.2, 128 of 256..2048 90.5 / 87.2; contiguous caches within 5% either way. Many short
+#: sequences on pages take four warps and two stages instead (256 of 128..1024: 94.0 against 83.4; the
+#: contiguous cache's 80.0 against 83.1 keeps its tiles).
+_DECODE_KEYS_M_PAGED_TILE_CHOICES = {
+    ("mma", 64): (DecodeTiles(8, 16, 3), DecodeTiles(4, 16, 4), DecodeTiles(4, 16, 3), DecodeTiles(4, 16, 2)),
 }
 #: MLA: a stage is the K tile alone (the values are its first columns). Four warps of 16 keys and two
 #: stages take 162 KiB (three stages would not fit 227); not measured yet.
@@ -261,8 +272,11 @@ def decode_plan(dtype_name: str, head_dim: int, *, paged: bool, score_mods,
         choices = _DECODE_FP8_TILE_CHOICES[kdim] if kv_dtype else _DECODE_TILE_CHOICES[(path, kdim)]
         if kv_dtype and keys_as_m and paged and not user_source:
             choices = _DECODE_FP8_KEYS_M_PAGED_TILE_CHOICES.get(kdim, choices)
+        if keys_as_m and paged and not kv_dtype and not user_source:
+            choices = _DECODE_KEYS_M_PAGED_TILE_CHOICES.get((path, kdim), choices)
         if short and keys_as_m and not kv_dtype and not user_source:
-            choices = _DECODE_SHORT_TILE_CHOICES.get((path, kdim), choices)
+            choices = (_DECODE_SHORT_TILE_CHOICES.get((path, kdim, "paged")) if paged else None) or \
+                _DECODE_SHORT_TILE_CHOICES.get((path, kdim), choices)
     for tiles in choices:
         smem = decode_smem_bytes(dtype_name, kdim, tiles, kv_dtype, mla, keys_as_m)
         reserve = _DECODE_SMEM_RESERVE + (_DECODE_PAGED_ROW_BYTES * tiles.warps * tiles.keys_per_warp if paged else 0)
@@ -393,11 +407,26 @@ DECODE_SELF_CHECK_PER_THREAD = 8
 
 
 
-def decode_takes_short_tiles(keys: int, ctas: int, num_sms: int) -> bool:
+#: Head dims whose longer sequences take the short-sequence tiles when those fit their CTAs in one wave
+#: (decode_takes_short_tiles). H200, bf16, GQA 32/8, one new token, (32, 4k), graph-replayed, us,
+#: usual tiles / short ones: D = 128 contiguous 127.6 / 124.6, pages of 16 131.9 / 130.5; D = 64 pages
+#: of 16 76.3 / 74.5; D = 256 contiguous 245.7 / 243.0 but pages of 16 250.8 / 255.3 and of 64
+#: 249.2 / 253.6, so not D = 256.
+DECODE_ONE_WAVE_HEAD_DIMS = (64, 128)
+
+
+def decode_takes_short_tiles(keys: int, ctas: int, num_sms: int, head_dim: int) -> bool:
     """Whether a decode call takes the short-sequence tiles (``decode_plan(short=True)``): at most
     DECODE_SHORT_KEYS keys a CTA may see, and ``ctas`` (sequences x kv heads x row blocks) filling a
-    wave of DECODE_SHORT_MIN_CTAS_PER_SM CTAs an SM."""
-    return 0 < keys <= DECODE_SHORT_KEYS and ctas >= DECODE_SHORT_MIN_CTAS_PER_SM * num_sms
+    wave of DECODE_SHORT_MIN_CTAS_PER_SM CTAs an SM; or, at DECODE_ONE_WAVE_HEAD_DIMS, longer
+    sequences whose CTAs would take two or three waves of the usual tiles (one an SM) and fit one
+    wave of the small ones. H200, bf16, GQA 32/8, D = 128, one new token, (32, 4k), graph-replayed
+    against SDPA cuDNN in turns: eight warps of three stages 0.966x, four warps of two stages 0.987x."""
+    if keys <= 0:
+        return False
+    if keys <= DECODE_SHORT_KEYS:
+        return ctas >= DECODE_SHORT_MIN_CTAS_PER_SM * num_sms
+    return head_dim in DECODE_ONE_WAVE_HEAD_DIMS and num_sms < ctas <= DECODE_SHORT_MIN_CTAS_PER_SM * num_sms
 
 
 def decode_self_check(paged: bool, batch: int, max_pages: int, threads: int) -> bool:

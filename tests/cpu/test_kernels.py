@@ -305,10 +305,16 @@ def test_decode_precompile_variants_cover_the_dispatcher():
 def test_short_tiles_rule():
     """The short-sequence tiles: at most DECODE_SHORT_KEYS keys and a wave of three CTAs an SM; a
     tile of their own at D = 128 in 16 bits (three CTAs an SM), the usual ones elsewhere."""
-    takes = kernels.decode.decode_takes_short_tiles
+    def takes(keys, ctas, sms, head_dim=128):
+        return kernels.decode.decode_takes_short_tiles(keys, ctas, sms, head_dim)
     limit, per_sm = kernels.decode.DECODE_SHORT_KEYS, kernels.decode.DECODE_SHORT_MIN_CTAS_PER_SM
-    assert takes(limit, per_sm * 132, 132) and takes(1, per_sm * 132, 132)
-    assert not takes(limit + 1, per_sm * 132, 132) and not takes(limit, per_sm * 132 - 1, 132)
+    assert takes(limit, per_sm * 132, 132) and takes(1, per_sm * 132, 132) and takes(limit, per_sm * 132, 132, 256)
+    assert not takes(limit, per_sm * 132 - 1, 132)
+    # longer sequences: only CTAs of two or three waves of the usual tiles, one wave of the short ones,
+    # at D = 64 and 128
+    assert takes(limit + 1, 133, 132) and takes(limit + 1, per_sm * 132, 132) and takes(limit + 1, 133, 132, 64)
+    assert not takes(limit + 1, 132, 132) and not takes(limit + 1, per_sm * 132 + 1, 132)
+    assert not takes(limit + 1, 133, 132, 256)
     assert not takes(0, per_sm * 132, 132)
     short = kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=False, keys_as_m=True, short=True)
     usual = kernels.decode.decode_plan("bfloat16", 128, paged=True, score_mods=False, keys_as_m=True)
@@ -321,6 +327,20 @@ def test_short_tiles_rule():
     fp8 = dict(paged=False, score_mods=False, kv_dtype="float8_e4m3fn")
     assert (kernels.decode.decode_plan("bfloat16", 128, short=True, **fp8).variant
             == kernels.decode.decode_plan("bfloat16", 128, **fp8).variant)
+
+
+def test_paged_head_dim_64_tiles():
+    """16-bit pages at D = 64 with the keys as M: eight warps of three stages, and for many short
+    sequences four warps of two stages; the contiguous cache keeps four warps (short or not)."""
+    def tiles(paged, short):
+        d = dict(kernels.decode.decode_plan("bfloat16", 64, paged=paged, score_mods=False, keys_as_m=True,
+                                            short=short).variant.defines)
+        return kernels.decode.DecodeTiles(d["CUFLASH_WARPS"], d["CUFLASH_KEYS_PER_WARP"], d["CUFLASH_STAGES"])
+    assert tiles(True, False) == kernels.decode.DecodeTiles(8, 16, 3)
+    assert tiles(True, True) == kernels.decode.DecodeTiles(4, 16, 2)
+    assert tiles(False, False) == tiles(False, True) == kernels.decode.DecodeTiles(4, 16, 4)
+    rows16 = dict(kernels.decode.decode_plan("bfloat16", 64, paged=True, score_mods=False).variant.defines)
+    assert rows16["CUFLASH_WARPS"] == 4   # 16 packed rows: the usual tiles
 
 
 # ----------------------------------------------------------------------------- score modifiers

@@ -617,13 +617,14 @@ def test_calls_of_few_rows_take_keys_as_m(monkeypatch, heads, seqlen_q, expected
 
 
 @gpu
-@pytest.mark.parametrize("head_dim, warps", [(128, (4, 8)), (256, (2, 4))])
+@pytest.mark.parametrize("head_dim, warps", [(64, {None: (4, 4), 16: (4, 8)}), (128, {None: (4, 8), 16: (4, 8)}),
+                                              (256, {None: (2, 4), 16: (2, 4)})])
 @pytest.mark.parametrize("page_size", [None, 16])
 @pytest.mark.parametrize("append", [False, True])
 def test_short_sequences_take_the_short_tiles(monkeypatch, head_dim, warps, page_size, append):
     """Many short sequences (at most DECODE_SHORT_KEYS keys, a wave of three CTAs an SM) take the
-    short-sequence tiles (two stages; four warps at D = 128, two at D = 256), and the same case with
-    the rule off the default ones (eight and four warps): both match the reference (run_case's checks)."""
+    short-sequence tiles (two stages; four warps at D = 128 and on pages at D = 64, two at D = 256),
+    and the same case with the rule off the default ones: both match the reference (run_case's checks)."""
     from cuflash._runtime import memo
     from cuflash.kernels import decode as kdecode
 
@@ -646,7 +647,41 @@ def test_short_sequences_take_the_short_tiles(monkeypatch, head_dim, warps, page
     memo.clear_memo()
     run_case(case, dtype="bfloat16", expected=expected)
     memo.clear_memo()
-    assert asked == [(True, warps[0]), (False, warps[1])]
+    assert asked == [(True, warps[page_size][0]), (False, warps[page_size][1])]
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_two_waves_of_long_sequences_take_one_of_short_tiles(monkeypatch, page_size):
+    """Sequences longer than DECODE_SHORT_KEYS whose CTAs would take two waves of the usual tiles (one an
+    SM) take the short-sequence tiles, one wave of them; both tiles match the reference."""
+    import cupy
+    from cuflash._runtime import memo
+    from cuflash.kernels import decode as kdecode
+
+    asked = []
+    plan = kdecode.decode_plan
+
+    def recording(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        asked.append((kwargs.get("short", False), dict(result.variant.defines)["CUFLASH_WARPS"]))
+        return result
+
+    monkeypatch.setattr(kdecode, "decode_plan", recording)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    batch = sms // 8 + 1   # batch x 8 kv heads: just over one CTA an SM
+    rng = np.random.default_rng()
+    case = build_case(dtype="bfloat16", B=batch, Hq=32, Hk=8, D=128, Sq=1,
+                      lens=rng.integers(kdecode.DECODE_SHORT_KEYS + 1, 2000, size=batch), page_size=page_size,
+                      append=False, seed=int(rng.integers(1 << 30)))
+    expected = expected_for(case, dtype="bfloat16")
+    memo.clear_memo()
+    run_case(case, dtype="bfloat16", expected=expected)
+    monkeypatch.setattr(kdecode, "DECODE_SHORT_MIN_CTAS_PER_SM", 1)   # the rule off: no CTA count fits
+    memo.clear_memo()
+    run_case(case, dtype="bfloat16", expected=expected)
+    memo.clear_memo()
+    assert asked == [(True, 4), (False, 8)]
 
 
 @pytest.mark.parametrize("table, lens, s_new, page_size, num_pages, pattern", [
