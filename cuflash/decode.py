@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import _checks, _prefill_plan, kernels
+from . import _checks, _mla_plan, _prefill_plan, kernels
 from ._scores import modifier_parts, user_operands
 from .modifiers.builtin import axis_len, lowered, states_builtin
 from ._runtime import capture as _capture, faults as _faults, launch as _launch, memo as _memo, plan as _plan, step as _step
@@ -427,6 +427,23 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         ptrs = _remember(plan, operands, key, [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev,
                                                out, lse_given, sinks_dev, None, None, cu_dev, *user_arrays])
         return plan, ptrs, None
+    # MLA on Hopper: the wgmma kernel (cuflash/_mla_plan.py).
+    if mla and _mla_plan.runs_on_mla_sm90(
+            dtype_name=dtype_name, score_mods=score_mods, sinks=sinks_dev, window=opts.window, seqlen_q=seqlen_q,
+            varlen=varlen, num_splits=num_splits, paged=paged, page_size=page_size, head_dim=d_pad, out_dim=d_out,
+            cache_in_place=cache_in_place, arrays=(q_k, kc, kn, out)):
+        lse_output = return_lse or lse_given is not None
+        keys = min(int(lens.max() if lens is not None else capacity) + seqlen_new, capacity)
+        plan = _mla_plan.mla_plan(
+            dict(q=_Q, k_cache=_K_CACHE, cache_seqlens=_LENS, block_table=_TABLE, k_new=_K_NEW, out=_OUT, lse=_LSE),
+            n_operands=len(operands), dtype_name=dtype_name, q=q_k, cache=kc, k_new=kn, out=out_layout,
+            out_shape=out_shape, lse_shape=lse_shape, batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, paged=paged,
+            page_size=page_size, table_stride=check_fields["block_table_batch_stride"], capacity=capacity, keys=keys,
+            seqlen_new=seqlen_new, lens_given=cache_seqlens is not None, scale=opts.scale, num_splits=num_splits,
+            return_lse=return_lse, lse_output=lse_output, check=check_fields if check_on_gpu else None)
+        ptrs = _remember(plan, operands, key, [q_k, kc, None, seqlens_dev, table_dev, kn, None, mask_view, alibi_dev,
+                                               out, lse_given, sinks_dev, None, None, cu_dev, *user_arrays])
+        return plan, ptrs, None
     # A few packed rows (one new token, a GQA group of up to 8) fit the keys-as-M tile, where the
     # 16-row one would compute half or more on padding; ragged new tokens keep the 16-row one.
     keys_as_m = (kernels.decode.DECODE_KEYS_AS_M_BY_DEFAULT and dtype_name != "float32" and not mla and not varlen
@@ -773,7 +790,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     if score_mod is not None or mask_mod is not None:
         operands, mod_key = _with_modifiers(operands, score_mod, mask_mod)
     options = (num_splits, causal, window, softcap, scale, return_lse, mod_key, kv_dtype, k_value, v_value, v_head_dim,
-               _prefill_plan.forced())
+               _prefill_plan.forced(), _mla_plan.forced())
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:

@@ -13,6 +13,7 @@ config), and its shared memory, which the kernel ``static_assert``\\ s against i
 ``bwd_common``      the backward's shared tiles and grid order, preprocess and convert
 ``backward``        the backward's variant by family, its default family, precompile list
 ``decode``          split-KV decode (tiles, split count)
+``mla_sm90``        MLA decode on wgmma (Hopper), 64 packed query rows a CTA
 ``merge``           the merge of partial states
 ``check_indices``   the index check ahead of decode / varlen kernels
 ``append_kv``       new keys and values into a cache, ahead of fwd_sm90 reading it there
@@ -27,14 +28,14 @@ launches.
 """
 
 from . import (append_kv, backward, bwd_common, bwd_simt, bwd_sm80, bwd_sm90, catalogue, check_indices, common, decode,  # noqa: F401
-               forward, fwd_simt, fwd_sm80, fwd_sm90, mask_blocks, merge, rng_state)
+               forward, fwd_simt, fwd_sm80, fwd_sm90, mask_blocks, merge, mla_sm90, rng_state)
 
 
 def home(name: str):
     """The module of this package that defines ``name`` (a tuned constant, for the A/B scripts that
     override one: benchmarks/ab_forward.py, ab_backward.py), or None."""
     for module in (fwd_sm90, fwd_sm80, fwd_simt, forward, bwd_sm90, bwd_sm80, bwd_simt, bwd_common, backward, decode,
-                   merge, check_indices, append_kv, rng_state, mask_blocks, common):
+                   merge, mla_sm90, check_indices, append_kv, rng_state, mask_blocks, common):
         if name in vars(module):
             return module
     return None

@@ -20,6 +20,7 @@ from .fwd_sm80 import SM80_HEAD_DIMS
 from .append_kv import append_kv_variant
 from .fwd_sm90 import SCORE_TILE_HEAD_DIMS, SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS, kv_cache_variants
 from .merge import merge_plan
+from .mla_sm90 import MLA_SM90_DTYPES, mla_sm90_variant
 from .rng_state import rng_state_variant
 from .._build.variant import Variant
 from ..features import DECODE_SCORE_MODS, score_mod_bits, score_mod_sets
@@ -28,7 +29,7 @@ from ..features import DECODE_SCORE_MODS, score_mod_bits, score_mod_sets
 def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -> list[Variant]:
     """Every kernel family's variants worth compiling ahead of time (``python -m cuflash
     precompile``, :func:`cuflash.precompile`): forward, decode and merge, backward, the index check,
-    append_kv and fwd_sm90 over a KV cache."""
+    append_kv, fwd_sm90 over a KV cache and MLA decode on wgmma (mla_sm90)."""
     out = forward_precompile_variants(dtypes, head_dims, families, arch)
     for more in (decode_precompile_variants(dtypes, head_dims), precompile_backward_variants(dtypes, head_dims, arch)):
         out += [v for v in more if v not in out and (families is None or v.family in families)]
@@ -42,6 +43,9 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
                                              tuple(sorted({round_up(d, SM90_HEAD_DIMS) for d in head_dims}))
                                              if head_dims else SM90_HEAD_DIMS)
                 if "CUFLASH_HEAD_DIM_V" not in dict(v.defines) and v not in out]
+    if (families is None or "mla_sm90" in families) and (arch is None or arch.startswith("sm_90")):
+        out += [mla_sm90_variant(d) for d in (dtypes or MLA_SM90_DTYPES) if d in MLA_SM90_DTYPES
+                and (not head_dims or DECODE_MLA_HEAD_DIM in head_dims)]
     if families is None or "rng_state" in families:
         out.append(rng_state_variant())
     return out
@@ -196,8 +200,8 @@ def ci_variants() -> list[tuple[Variant, str]]:
     score modifier alone (forward, backward, decode at D=128, no dropout), the user modifiers of
     :func:`user_variants` (D = 64 and 128; with and without the block mask derived from the MaskMod)
     and :func:`user_decode_variants`, the block-mask evaluations of :func:`ci_mask_blocks_variants`,
-    :func:`mla_decode_variants`, :func:`keys_as_m_decode_variants`, append_kv and fwd_sm90 over a KV
-    cache (bf16, sm_90a: :func:`kv_cache_variants`)."""
+    :func:`mla_decode_variants`, :func:`keys_as_m_decode_variants`, append_kv, fwd_sm90 over a KV
+    cache (bf16, sm_90a: :func:`kv_cache_variants`) and mla_sm90 (bf16, sm_90a)."""
     pairs = []
     for arch in ("sm_80", "sm_90a"):
         variants = forward_precompile_variants(arch=arch)
@@ -219,6 +223,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants.append(append_kv_variant())
         if arch.startswith("sm_90"):
             variants += [v for v in kv_cache_variants(("bfloat16",)) if v not in variants]
+            variants.append(mla_sm90_variant("bfloat16"))
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -268,8 +273,9 @@ def _one_score_mod(variant: Variant) -> bool:
 def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> list[Variant]:
     """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
     set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
-    contiguous and paged decode (16-bit and fp8 caches, both tiles, the short-sequence tiles), fwd_sm90
-    over a KV cache, and the merge, preprocess, convert, index-check, append and rng-state kernels.
+    contiguous and paged decode (16-bit and fp8 caches, both tiles, the short-sequence tiles), MLA on
+    wgmma, fwd_sm90 over a KV cache, and the merge, preprocess, convert, index-check, append and
+    rng-state kernels.
     What the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for the default
     shared-memory budget of decode.
 
@@ -354,6 +360,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
         if dtype_name != "float32" and (head_dims is None or DECODE_MLA_HEAD_DIM in head_dims):
             for variant in mla_decode_variants((dtype_name,), score_mod_sets(DECODE_SCORE_MODS)):
                 out.setdefault(variant)
+            if arch is None or arch.startswith("sm_90"):   # MLA on wgmma (cuflash/_mla_plan.py)
+                out.setdefault(mla_sm90_variant(dtype_name))
         out.setdefault(merge_plan("float32", dtype_name).variant)
         out.setdefault(merge_plan(dtype_name, dtype_name).variant)
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states

@@ -31,12 +31,15 @@ D_LATENT, D_V = 576, 512
 TOL = {"float16": 4e-3, "bfloat16": 2e-2}
 
 
-def _case(rng, *, dtype, page_size, heads_q, seqlen_q, append, B=3, capacity=300):
-    """Host arrays: q, the latent cache (NaN past each sequence), lengths with a 0, a page table."""
+def _case(rng, *, dtype, page_size, heads_q, seqlen_q, append, B=3, capacity=300, lens=None):
+    """Host arrays: q, the latent cache (NaN past each sequence), lengths (``lens``, or random with a 0),
+    a page table."""
     dt = tt._dtype(dtype)
     s_new = seqlen_q if append else 0
-    lens = rng.integers(0, capacity - s_new + 1, B)
-    lens[rng.integers(B)] = 0
+    if lens is None:
+        lens = rng.integers(0, capacity - s_new + 1, B)
+        lens[rng.integers(B)] = 0
+    lens = np.asarray(lens)
 
     def normal(*shape):
         return rng.standard_normal(shape, dtype=np.float32).astype(dt)
@@ -80,16 +83,31 @@ def _run(case, *, num_splits, options):
     return out.get(), lse.get(), cache.get()
 
 
+def _family(family):
+    """The kernel family forced for MLA decode (cuflash._mla_plan); mla_sm90 needs a Hopper GPU."""
+    from cuflash import _mla_plan
+    from cuflash._build.compile import device_arch
+
+    if family == "mla_sm90" and device_arch() != "sm_90a":
+        pytest.skip("mla_sm90 runs on sm_90a")
+    return _mla_plan.force_kernel(family)
+
+
+@pytest.mark.parametrize("family", ["decode", "mla_sm90"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("page_size", [None, 64, 16, 3])
-@pytest.mark.parametrize("heads_q, seqlen_q", [(16, 1), (128, 1), (16, 2)])
+@pytest.mark.parametrize("page_size", [None, 64, 128, 16, 3])
+@pytest.mark.parametrize("heads_q, seqlen_q", [(16, 1), (128, 1), (16, 2), (40, 3)])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
-def test_mla_decode_matches_the_reference(dtype, page_size, heads_q, seqlen_q, num_splits):
+def test_mla_decode_matches_the_reference(family, dtype, page_size, heads_q, seqlen_q, num_splits):
+    if family == "mla_sm90" and page_size is not None and page_size % 64:
+        pytest.skip("mla_sm90 reads pages of whole 64-key tiles")
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     case = _case(rng, dtype=dtype, page_size=page_size, heads_q=heads_q, seqlen_q=seqlen_q, append=bool(seed % 2))
-    options = _options(rng, heads_q, with_extras=seed % 3 == 0)
-    out, lse, cache_after = _run(case, num_splits=num_splits, options=options)
+    # (sinks and a ScoreMod run on the decode kernel only)
+    options = _options(rng, heads_q, with_extras=family == "decode" and seed % 3 == 0)
+    with _family(family):
+        out, lse, cache_after = _run(case, num_splits=num_splits, options=options)
     want, want_lse, cache_want, _ = reference.decode(
         case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"], block_table=case["table"],
         k_new=case["k_new"], return_cache=True, **options)
@@ -110,21 +128,61 @@ def test_one_long_sequence_takes_the_mla_split_count(page_size):
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     case = _case(rng, dtype="bfloat16", page_size=page_size, heads_q=16, seqlen_q=1, append=False, B=1,
-                 capacity=16384)
-    case["lens"][:] = 16384 - int(rng.integers(0, 64))
+                 capacity=16384, lens=[16384 - int(rng.integers(0, 64))])
     kw = dict(v_head_dim=D_V, cache_seqlens=cupy.asarray(case["lens"]),
               block_table=None if case["table"] is None else cupy.asarray(case["table"]))
     q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
-    splits = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info["num_splits"]
-    # (pages: splits of DECODE_MLA_PAGED_MIN_SPLIT_KEYS or more, 18 here before the cap)
-    assert splits == kernels.decode.DECODE_MLA_MAX_SPLITS, splits
-    out, lse, _ = _run(case, num_splits=0, options={})
+    with _family("decode"):
+        splits = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info["num_splits"]
+        # (pages: splits of DECODE_MLA_PAGED_MIN_SPLIT_KEYS or more, 18 here before the cap)
+        assert splits == kernels.decode.DECODE_MLA_MAX_SPLITS, splits
+        out, lse, _ = _run(case, num_splits=0, options={})
     want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
                                       block_table=case["table"])
     msg = f"seed {seed}, {splits} splits"
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=0,
                                atol=TOL["bfloat16"] * max(1.0, float(np.abs(want).max())), err_msg=msg)
     np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse).max())), err_msg=msg)
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_one_long_sequence_on_mla_sm90_splits_over_the_sms(page_size):
+    """One sequence of 16k latent rows on mla_sm90: a split a CTA, as many as fill the SMs once
+    (mla_num_splits), combined by the last split; against the reference."""
+    from cuflash import _mla_plan
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    case = _case(rng, dtype="bfloat16", page_size=page_size, heads_q=16, seqlen_q=1, append=False, B=1,
+                 capacity=16384, lens=[16384 - int(rng.integers(0, 64))])
+    kw = dict(v_head_dim=D_V, cache_seqlens=cupy.asarray(case["lens"]),
+              block_table=None if case["table"] is None else cupy.asarray(case["table"]))
+    q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
+    with _family("mla_sm90"):
+        info = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info
+        assert info["family"] == "mla_sm90"
+        sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        assert info["num_splits"] == _mla_plan.mla_num_splits(1, 1, 16384, sms) > 1, info
+        out, lse, _ = _run(case, num_splits=0, options={})
+    want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
+                                      block_table=case["table"])
+    msg = f"seed {seed}"
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0,
+                               atol=TOL["bfloat16"] * max(1.0, float(np.abs(want).max())), err_msg=msg)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse).max())), err_msg=msg)
+
+
+def test_mla_sm90_refuses_what_it_cannot_run():
+    """Forced onto mla_sm90, a call it cannot run (pages of 16, sinks) is a ValueError naming why."""
+    from cuflash._build.compile import device_arch
+    if device_arch() != "sm_90a":
+        pytest.skip("mla_sm90 runs on sm_90a")
+    rng = np.random.default_rng()
+    case = _case(rng, dtype="bfloat16", page_size=16, heads_q=16, seqlen_q=1, append=False)
+    with _family("mla_sm90"), pytest.raises(ValueError, match="pages of 16"):
+        _run(case, num_splits=0, options={})
+    case = _case(rng, dtype="bfloat16", page_size=None, heads_q=16, seqlen_q=1, append=False)
+    with _family("mla_sm90"), pytest.raises(ValueError, match="sinks"):
+        _run(case, num_splits=0, options=dict(sinks=np.zeros(16, np.float32)))
 
 
 @pytest.mark.parametrize("bad, exc, pattern", [
