@@ -36,22 +36,31 @@
 
 namespace cuflash {
 
+#ifndef CUFLASH_MLA_ROWS
+#define CUFLASH_MLA_ROWS 64   // packed query rows a CTA: 64 (wgmma's M) or 16 (the keys as M)
+#endif
+
 struct MlaSm90 {
     static constexpr int kDim = 576, kDimV = 512;
-    static constexpr int kRows = 64;                     // packed query rows a CTA (wgmma's M)
-    static constexpr int kKeys = 64;                     // keys a tile: 32 a consumer
-    static constexpr int kConsumerKeys = kKeys / 2;
+    static constexpr int kRows = CUFLASH_MLA_ROWS;       // packed query rows a CTA
+    static constexpr bool kKeysAsM = kRows == 16;        // S^T = K Q^T and O^T = V^T P^T (mla_consume_keys_m)
+    static constexpr int kKeys = 64;                     // keys a tile
+    static constexpr int kConsumerKeys = kKeys / 2;      // 64 rows: S over half the keys a consumer
     static constexpr int kConsumerCols = kDimV / 2;      // value columns a consumer
     static constexpr int kStages = 2;
     static constexpr int kColBlocks = kDim / 64;         // 128-byte swizzle rows of 64 columns
-    static constexpr int kBlockBytes = kKeys * 128;      // one column block of a tile (and of Q: kRows = kKeys)
+    static constexpr int kBlockBytes = kKeys * 128;      // one column block of a tile
     static constexpr int kTileBytes = kColBlocks * kBlockBytes;
-    static constexpr int kPBytes = kRows * 128;          // P: 64 rows x 64 keys, one column block
-    static constexpr int kSmemBytes = kTileBytes * (1 + kStages) + kPBytes + 1024;   // Q, stages, P; alignment
+    static constexpr int kQBlockBytes = kRows * 128;     // one column block of Q
+    static constexpr int kQBytes = kColBlocks * kQBlockBytes;
+    // P: one 64 x 64 tile the consumers share, or with the keys as M one 16 x 64 tile each
+    static constexpr int kPBytes = kKeysAsM ? 2 * kRows * 128 : kRows * 128;
+    // Keys as M: each consumer's column maxima (two tiles' worth) and row sums, four warps x 16 queries
+    static constexpr int kExchangeBytes = kKeysAsM ? (2 * 2 * 4 * 16 + 2 * 4 * 16) * 4 : 0;
+    static constexpr int kSmemBytes = kQBytes + kStages * kTileBytes + kPBytes + kExchangeBytes + 1024;   // + alignment
     static constexpr int kThreads = 384;
     static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-    static constexpr int kMaxSplits = 64;
-    static_assert(kRows == kKeys, "Q and the tiles share the column-block pitch");
+    static_assert(kRows == 64 || kRows == 16, "64 packed rows, or 16 with the keys as M");
 };
 
 #ifdef CUFLASH_SMEM_BYTES
@@ -60,8 +69,8 @@ static_assert(CUFLASH_SMEM_BYTES == MlaSm90::kSmemBytes, "shared memory size dif
 
 struct MlaShared {
     unsigned long long full[MlaSm90::kStages], empty[MlaSm90::kStages], q_full;
-    float row_max[2][MlaSm90::kRows];   // each consumer's tile maxima (exchanged every tile)
-    float row_sum[2][MlaSm90::kRows];   // each consumer's l at the end
+    float row_max[2][MlaSm90::kRows];   // 64 rows: each consumer's tile maxima (exchanged every tile)
+    float row_sum[2][MlaSm90::kRows];   // 64 rows: each consumer's l at the end
     int is_last;
 };
 
@@ -99,17 +108,19 @@ __device__ __forceinline__ void mla_produce(const TmaMap& kv_map, const DecodePa
                                             MlaShared& sh, unsigned q_tile, unsigned stages) {
     using C = MlaSm90;
     const int t = threadIdx.x;
-    // Q: 64 rows x 72 chunks of 16 bytes; thread t copies chunks t % 2 + 2k of row t / 2, in the
-    // 128-byte swizzle (chunk c of a row goes to column block c / 8, chunk (c % 8) ^ (row % 8)).
+    // Q: kRows rows x 72 chunks of 16 bytes; kThreadsPerRow threads a row, thread t copying chunks
+    // t % kThreadsPerRow + kThreadsPerRow k of its row, in the 128-byte swizzle (chunk c of a row goes
+    // to column block c / 8, chunk (c % 8) ^ (row % 8)).
     {
-        const int r = t / 2, pr = w.row_block * C::kRows + r;
+        constexpr int kThreadsPerRow = 128 / C::kRows;
+        const int r = t / kThreadsPerRow, pr = w.row_block * C::kRows + r;
         const bool valid = pr < w.rows_total;
         const int i = valid ? pr / p.heads_q : 0, h = valid ? pr % p.heads_q : 0;
         const elem_t* src = static_cast<const elem_t*>(p.q) + w.b * p.q_batch_stride + i * p.q_row_stride +
                             h * p.q_head_stride;
 #pragma unroll 4
-        for (int c = t % 2; c < C::kColBlocks * 8; c += 2) {
-            const unsigned dst = q_tile + (c / 8) * C::kBlockBytes + r * 128 + (((c % 8) ^ (r % 8)) * 16);
+        for (int c = t % kThreadsPerRow; c < C::kColBlocks * 8; c += kThreadsPerRow) {
+            const unsigned dst = q_tile + (c / 8) * C::kQBlockBytes + r * 128 + (((c % 8) ^ (r % 8)) * 16);
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src + c * 8),
                          "r"(valid ? 16 : 0)
                          : "memory");
@@ -370,12 +381,184 @@ __device__ __forceinline__ void mla_consume(const DecodeParams& p, const MlaWork
     if (partial) mla_combine_if_last(p, w, sh, combine_smem);
 }
 
+// Warpgroups 1 and 2 (consumer c) with the keys as wgmma's M, for at most 16 packed rows (16 query
+// heads of one new token): with 64 rows, 48 of them padding, a tile cost four times the tensor work it
+// needed. Both consumers compute S^T = K Q^T (64 keys x 16 queries, m64n16) in full, so each has the
+// tile's softmax without the other; consumer c then adds O^T (its 256 value columns x 16 queries) +=
+// V^T P^T, four m64n16 products over column blocks 4 c .. 4 c + 3 of the tile (V^T: the tile's rows
+// are keys, read transposed), from P in a 16 x 64 tile of its own. A query's maximum and sum run over
+// the keys, which lie across the lanes (lane / 4) and the four warps: shuffles, then shared memory.
+__device__ __forceinline__ void mla_consume_keys_m(const DecodeParams& p, const MlaWork& w, MlaShared& sh,
+                                                   unsigned q_tile, unsigned stages, unsigned p_tiles,
+                                                   float* exchange, float* combine_smem) {
+    using C = MlaSm90;
+    const int c = warpgroup_index<true>() - 1;
+    const int wg_thread = threadIdx.x % 128, warp = wg_thread / 32, lane = threadIdx.x % 32;
+    const int k0 = 16 * warp + lane / 4, tq = lane % 4;   // keys k0, k0 + 8 of a tile; queries 8 j + 2 tq + e
+    const unsigned p_tile = p_tiles + c * C::kRows * 128;
+    float* col_max = exchange + c * (2 * 4 * 16);          // [tile parity][warp][query]
+    float* col_sum = exchange + 2 * (2 * 4 * 16) + c * (4 * 16);   // [warp][query]
+    int limits[4];   // query 8 j + 2 tq + e, at [2 j + e]
+#pragma unroll
+    for (int q = 0; q < 4; ++q) limits[q] = mla_key_limit(p, w, 8 * (q / 2) + 2 * tq + q % 2);
+    const int block_limit = mla_key_limit(p, w, 0);
+    const float scale_log2 = p.score.scale_log2;
+
+    float acc_o[4][8];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc_o[mt][e] = 0.f;
+    float m[4], l[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) { m[q] = -CUFLASH_INF; l[q] = 0.f; }
+
+    mbar_wait(smem_addr(&sh.q_full), 0);
+    for (int n = 0; n < w.tiles; ++n) {
+        const int stage = n % C::kStages, phase = (n / C::kStages) & 1;
+        const unsigned tile = stages + stage * C::kTileBytes;
+        const int j0 = (w.tile_begin + n) * C::kKeys;
+        mbar_wait(smem_addr(&sh.full[stage]), phase);
+        if (j0 + C::kKeys > w.seqlen_k) zero_tile_rows<C::kKeys, C::kColBlocks, 2>(tile, w.seqlen_k - j0);
+
+        // S^T = K Q^T: A the tile (K-major, 64 rows a column block), B Q (K-major, 16 rows a column block).
+        float acc_s[8];
+        wgmma_fence();
+        {
+            const unsigned long long a = smem_desc(tile, 16, 1024), b = smem_desc(q_tile, 16, 1024);
+            wgmma_ss_n16_first(acc_s, a, b);
+#pragma unroll
+            for (int kk = 1; kk < C::kDim / 16; ++kk)
+                wgmma_ss_n16<0>(acc_s, a + (kmajor_step<C::kKeys>(kk) >> 4), b + (kmajor_step<C::kRows>(kk) >> 4));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(acc_s);
+
+        // Element 4 j + e: key k0 + 8 (e / 2), query 8 j + 2 tq + e % 2, at [2 j + e % 2] below.
+        if (j0 + C::kKeys > block_limit) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                if (j0 + k0 + 8 * ((e % 4) / 2) >= limits[2 * (e / 4) + e % 2]) acc_s[e] = -CUFLASH_INF;
+        }
+        // Each query's maximum over the tile: this thread's two keys, the warp's 16 (lanes apart by
+        // 4, 8, 16), then the four warps through shared memory (two buffers by the tile's parity, so
+        // the next tile's writes wait for nobody's reads).
+        float* maxima = col_max + (n % 2) * (4 * 16);
+        float tile_max[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int e = 4 * (q / 2) + q % 2;
+            float x = fmaxf(acc_s[e], acc_s[e + 2]);
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+            if (lane < 4) maxima[warp * 16 + 8 * (q / 2) + 2 * tq + q % 2] = x;
+        }
+        named_barrier_sync(3 + c, 128);
+        float correction[4], m_scaled[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int col = 8 * (q / 2) + 2 * tq + q % 2;
+            tile_max[q] = fmaxf(fmaxf(maxima[col], maxima[16 + col]), fmaxf(maxima[32 + col], maxima[48 + col]));
+            float m_new = fmaxf(m[q], tile_max[q]);
+            if ((m_new - m[q]) * scale_log2 <= OnlineSoftmax<1>::kRescaleSlack) m_new = m[q];
+            m_scaled[q] = m_new == -CUFLASH_INF ? 0.f : m_new * scale_log2;
+            correction[q] = m_new == m[q] ? 1.f : fast_exp2(m[q] * scale_log2 - m_scaled[q]);
+            m[q] = m_new;
+        }
+        // P^T, and P into this consumer's tile (query row q, key column k: byte 2 (k % 8) of chunk
+        // (k / 8) ^ (q % 8)).
+#pragma unroll
+        for (int q = 0; q < 4; ++q) l[q] *= correction[q];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int q = 2 * (e / 4) + e % 2, col = 8 * (e / 4) + 2 * tq + e % 2, key = k0 + 8 * ((e % 4) / 2);
+            const float x = fast_exp2(fmaf(acc_s[e], scale_log2, -m_scaled[q]));
+            l[q] += x;
+            const unsigned addr = p_tile + col * 128 + (((key / 8) ^ (col % 8)) * 16) + (key % 8) * 2;
+            asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(static_cast<unsigned short>(pack2<elem_t>(x, 0.f)))
+                         : "memory");
+        }
+        if (correction[0] != 1.f || correction[1] != 1.f || correction[2] != 1.f || correction[3] != 1.f) {
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc_o[mt][e] *= correction[2 * (e / 4) + e % 2];
+        }
+        fence_proxy_async();   // P's stores, for the wgmma that reads them
+        named_barrier_sync(3 + c, 128);
+
+        // O^T += V^T P^T: A = value columns 64 mt .. of column block 4 c + mt (the tile's rows are the
+        // keys: MN-major, transposed by the descriptor), B = P (K-major, 16 rows).
+        wgmma_fence();
+        {
+            const unsigned long long b = smem_desc(p_tile, 16, 1024);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                const unsigned long long a = smem_desc(tile + (4 * c + mt) * C::kBlockBytes, C::kKeys * 128, 1024);
+#pragma unroll
+                for (int kk = 0; kk < C::kKeys / 16; ++kk)
+                    wgmma_ss_n16<1>(acc_o[mt], a + (mnmajor_step(kk) >> 4), b + (kmajor_step<C::kRows>(kk) >> 4));
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) fence_registers(acc_o[mt]);
+        mbar_arrive(smem_addr(&sh.empty[stage]));
+    }
+
+    // Each query's sum over all keys: lanes, then warps (both consumers hold the same sums).
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        float x = l[q];
+        x += __shfl_xor_sync(0xffffffffu, x, 4);
+        x += __shfl_xor_sync(0xffffffffu, x, 8);
+        x += __shfl_xor_sync(0xffffffffu, x, 16);
+        if (lane < 4) col_sum[warp * 16 + 8 * (q / 2) + 2 * tq + q % 2] = x;
+    }
+    named_barrier_sync(3 + c, 128);
+    const bool partial = p.num_splits > 1;
+    const long long part_row0 = static_cast<long long>(w.split) * p.batch + w.b;   // (split, b) of o_part
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int col = 8 * (q / 2) + 2 * tq + q % 2, pr = w.row_block * C::kRows + col;
+        if (pr >= w.rows_total) continue;
+        const int i = pr / p.heads_q, h = pr % p.heads_q;
+        // No visible key: out = 0, lse = -inf. A NaN score makes total NaN, which must reach out and lse.
+        const float total = col_sum[col] + col_sum[16 + col] + col_sum[32 + col] + col_sum[48 + col];
+        const bool empty = total == 0.f;
+        const float inv = empty ? 0.f : 1.f / total;
+        if (c == 0 && warp == 0 && lane < 4) {
+            const float lse = empty ? -CUFLASH_INF : (m[q] * scale_log2 + __log2f(total)) * kLn2;
+            if (partial) p.lse_part[(part_row0 * p.heads_q + h) * p.seqlen_q + i] = lse;
+            else p.lse[w.b * p.lse_batch_stride + h * p.lse_head_stride + i] = lse;
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int vcol = c * C::kConsumerCols + 64 * mt + k0 + 8 * half;
+                const float x = acc_o[mt][4 * (q / 2) + 2 * half + q % 2] * inv;
+                if (partial) {
+                    p.o_part[((part_row0 * p.seqlen_q + i) * p.heads_q + h) * p.out_dim + vcol] = x;
+                } else {
+                    elem_t* o = static_cast<elem_t*>(p.o) + w.b * p.o_batch_stride + i * p.o_row_stride +
+                                h * p.o_head_stride + vcol;
+                    *o = from_float<elem_t>(x);
+                }
+            }
+    }
+    if (partial) mla_combine_if_last(p, w, sh, combine_smem);
+}
+
 __device__ __forceinline__ void mla_sm90(const TmaMap& kv_map, const DecodeParams& p) {
     using C = MlaSm90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     __shared__ MlaShared sh;
     const unsigned base = (smem_addr(smem_raw) + 1023) & ~1023u;
-    const unsigned q_tile = base, stages = base + C::kTileBytes, p_tile = stages + C::kStages * C::kTileBytes;
+    const unsigned q_tile = base, stages = base + C::kQBytes, p_tile = stages + C::kStages * C::kTileBytes;
     const MlaWork w = mla_work(p);
     if (w.row_block * C::kRows >= w.rows_total) return;
     if (threadIdx.x == 0) {
@@ -393,8 +576,13 @@ __device__ __forceinline__ void mla_sm90(const TmaMap& kv_map, const DecodeParam
     }
     setmaxnreg_inc<C::kConsumerRegs>();
     // The combine's weights reuse the stages (free once both consumers are past the loop).
-    mla_consume(p, w, sh, q_tile, stages, p_tile,
-                reinterpret_cast<float*>(smem_raw + (stages - smem_addr(smem_raw))));
+    float* combine_smem = reinterpret_cast<float*>(smem_raw + (stages - smem_addr(smem_raw)));
+    if constexpr (C::kKeysAsM) {
+        float* exchange = reinterpret_cast<float*>(smem_raw + (p_tile + C::kPBytes - smem_addr(smem_raw)));
+        mla_consume_keys_m(p, w, sh, q_tile, stages, p_tile, exchange, combine_smem);
+    } else {
+        mla_consume(p, w, sh, q_tile, stages, p_tile, combine_smem);
+    }
 }
 
 }  // namespace cuflash

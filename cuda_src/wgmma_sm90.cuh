@@ -233,6 +233,30 @@ __device__ __forceinline__ void wgmma_ss_n64_tt_first(float (&d)[32], unsigned l
 #define CUFLASH_WGMMA_AB "bf16.bf16"
 #endif
 
+// D (64 x 16) = A B, A (64 x 16, shared, K-major) * B (16 x 16, shared, K-major), the first k-step
+// (as wgmma_ss_n64_first): MLA decode's S^T = K Q^T over 16 query rows (mla_sm90.cu).
+__device__ __forceinline__ void wgmma_ss_n16_first(float (&d)[8], unsigned long long a_desc,
+                                                   unsigned long long b_desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32." CUFLASH_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+        : "l"(a_desc), "l"(b_desc));
+}
+
+// D (64 x 16) += A (64 x 16, shared; kTransA = 1: MN-major, transposed by the descriptor) * B (16 x 16,
+// shared, K-major): the later k-steps of S^T = K Q^T (kTransA = 0) and O^T += V^T P^T (kTransA = 1).
+template <int kTransA>
+__device__ __forceinline__ void wgmma_ss_n16(float (&d)[8], unsigned long long a_desc, unsigned long long b_desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32." CUFLASH_WGMMA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %10, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(a_desc), "l"(b_desc), "n"(kTransA));
+}
+
 // D (64 x 32) += A (64 x 16, shared) * B (32 x 16, shared, K-major); scale_d = 0 overwrites D.
 __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], unsigned long long a_desc, unsigned long long b_desc,
                                              int scale_d) {

@@ -114,7 +114,8 @@ def mla_plan(slots, *, n_operands, dtype_name, q, cache, k_new, out, out_shape, 
     """
     device_id = _launch.device_id()
     rows = seqlen_q * heads_q
-    row_blocks = -(-rows // kernels.mla_sm90.MLA_SM90_ROWS)
+    cta_rows = kernels.mla_sm90.mla_sm90_rows(rows)
+    row_blocks = -(-rows // cta_rows)
     if num_splits == 0:
         num_splits = mla_num_splits(batch, row_blocks, keys, _launch.sm_count(device_id))
     lse_buffer = _step.Buffer(lse_shape, np.float32)
@@ -171,11 +172,11 @@ def mla_plan(slots, *, n_operands, dtype_name, q, cache, k_new, out, out_shape, 
         part = len(temps) - 2
         kernel_slots.update(o_part=plan.temp_index(part), lse_part=plan.temp_index(part + 1),
                             split_counters=plan.index("split_counters"))
-    variant = kernels.mla_sm90.mla_sm90_variant(dtype_name)
-    func = _launch.prepare_kernel(get_kernel(variant), kernels.mla_sm90.MLA_SM90_SMEM_BYTES, device_id)
+    variant = kernels.mla_sm90.mla_sm90_variant(dtype_name, cta_rows)
+    smem = kernels.mla_sm90.mla_sm90_smem_bytes(cta_rows)
+    func = _launch.prepare_kernel(get_kernel(variant), smem, device_id)
     kv_map = ("map", slots["k_cache"], _tma.TensorMapSpec(cache, kernels.mla_sm90.MLA_SM90_KEYS, dtype_name))
     plan.steps.append(_step.Step(func, (row_blocks * num_splits, 1, batch), kernels.mla_sm90.MLA_SM90_THREADS,
-                                 kernels.mla_sm90.MLA_SM90_SMEM_BYTES,
-                                 (kv_map, ("struct", Template(DECODE, fields, kernel_slots)))))
-    plan.info.update(family="mla_sm90", num_splits=num_splits)
+                                 smem, (kv_map, ("struct", Template(DECODE, fields, kernel_slots)))))
+    plan.info.update(family="mla_sm90", num_splits=num_splits, cta_rows=cta_rows)
     return plan

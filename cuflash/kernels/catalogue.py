@@ -20,7 +20,7 @@ from .fwd_sm80 import SM80_HEAD_DIMS
 from .append_kv import append_kv_variant
 from .fwd_sm90 import SCORE_TILE_HEAD_DIMS, SM90_HEAD_DIMS, SM90_WIDE_HEAD_DIMS, kv_cache_variants
 from .merge import merge_plan
-from .mla_sm90 import MLA_SM90_DTYPES, mla_sm90_variant
+from .mla_sm90 import MLA_SM90_DTYPES, MLA_SM90_ROWS, mla_sm90_variant
 from .rng_state import rng_state_variant
 from .._build.variant import Variant
 from ..features import DECODE_SCORE_MODS, score_mod_bits, score_mod_sets
@@ -44,8 +44,8 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
                                              if head_dims else SM90_HEAD_DIMS)
                 if "CUFLASH_HEAD_DIM_V" not in dict(v.defines) and v not in out]
     if (families is None or "mla_sm90" in families) and (arch is None or arch.startswith("sm_90")):
-        out += [mla_sm90_variant(d) for d in (dtypes or MLA_SM90_DTYPES) if d in MLA_SM90_DTYPES
-                and (not head_dims or DECODE_MLA_HEAD_DIM in head_dims)]
+        out += [mla_sm90_variant(d, rows) for d in (dtypes or MLA_SM90_DTYPES) for rows in MLA_SM90_ROWS
+                if d in MLA_SM90_DTYPES and (not head_dims or DECODE_MLA_HEAD_DIM in head_dims)]
     if families is None or "rng_state" in families:
         out.append(rng_state_variant())
     return out
@@ -223,7 +223,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         variants.append(append_kv_variant())
         if arch.startswith("sm_90"):
             variants += [v for v in kv_cache_variants(("bfloat16",)) if v not in variants]
-            variants.append(mla_sm90_variant("bfloat16"))
+            variants += [mla_sm90_variant("bfloat16", rows) for rows in MLA_SM90_ROWS]
         pairs += [(v, arch) for v in variants]
     # What BWD_SM90_DEFER_STAGES = 3 would compile (bwd_sm90 D = 128, 64 rows, dQ in any order), so
     # that the alternative stays compilable and free of spills.
@@ -361,7 +361,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
             for variant in mla_decode_variants((dtype_name,), score_mod_sets(DECODE_SCORE_MODS)):
                 out.setdefault(variant)
             if arch is None or arch.startswith("sm_90"):   # MLA on wgmma (cuflash/_mla_plan.py)
-                out.setdefault(mla_sm90_variant(dtype_name))
+                for rows in MLA_SM90_ROWS:
+                    out.setdefault(mla_sm90_variant(dtype_name, rows))
         out.setdefault(merge_plan("float32", dtype_name).variant)
         out.setdefault(merge_plan(dtype_name, dtype_name).variant)
     out.setdefault(merge_plan("float64", "float64").variant)   # merge_states of float64 states

@@ -147,8 +147,8 @@ def test_one_long_sequence_takes_the_mla_split_count(page_size):
 
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_one_long_sequence_on_mla_sm90_splits_over_the_sms(page_size):
-    """One sequence of 16k latent rows on mla_sm90: a split a CTA, as many as fill the SMs once
-    (mla_num_splits), combined by the last split; against the reference."""
+    """One sequence of 16k latent rows on mla_sm90 (16 heads: 16 rows a CTA, the keys as M): a split a
+    CTA, as many as fill the SMs once (mla_num_splits), combined by the last split; against the reference."""
     from cuflash import _mla_plan
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
@@ -159,7 +159,7 @@ def test_one_long_sequence_on_mla_sm90_splits_over_the_sms(page_size):
     q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
     with _family("mla_sm90"):
         info = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info
-        assert info["family"] == "mla_sm90"
+        assert info["family"] == "mla_sm90" and info["cta_rows"] == 16   # 16 heads: the keys as M
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         assert info["num_splits"] == _mla_plan.mla_num_splits(1, 1, 16384, sms) > 1, info
         out, lse, _ = _run(case, num_splits=0, options={})
