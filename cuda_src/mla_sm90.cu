@@ -15,6 +15,9 @@
 //     column blocks). Each consumer thus computes half of S and half of O, and both read the tile
 //     from the same stage.
 //
+// With at most 16 packed rows (16 query heads of one new token) a CTA takes 16 rows and the keys go on
+// wgmma's M instead (mla_consume_keys_m): 64 rows would be three quarters padding.
+//
 // The row sums l are per consumer (its keys); the two are added at the end. A split writes its
 // float32 partial (o_part, lse_part, decode.cu's layout) and the last split of a (sequence, row
 // block) to finish combines them into out and lse, as decode.cu does; one split writes them directly.
@@ -22,7 +25,8 @@
 // append_kv.cu ahead of this launch) are masked, and the last tile's rows past it are zeroed before
 // use (0 * a NaN of an unused cache row would be NaN). Query i sees keys j <= i + seqlen_k - seqlen_q.
 //
-// Grid: (row_blocks * num_splits, 1, batch), 384 threads. Compile-time: CUFLASH_DTYPE (fp16/bf16).
+// Grid: (row_blocks * num_splits, 1, batch), 384 threads. Compile-time: CUFLASH_DTYPE (fp16/bf16),
+// CUFLASH_MLA_ROWS (64 or 16).
 // Runs only where cuflash/_mla_plan.py says: one kv head, head dims 576 / 512, no score modifier, no
 // sinks, no window.
 #include "common.cuh"

@@ -2,10 +2,11 @@
 latent cache whose rows (576 columns: 512 values, 64 rope) are the keys and whose first 512 columns are
 the values, against the float64 reference (cuflash.reference.decode with the same arguments).
 
-Cases: contiguous and paged caches (pages of 64, the MLA engines' size, 16 and 3), one kv head and 16
-or 128 query heads (one or eight blocks of 16 packed rows, each in two value halves), one or two new
-tokens appended (their latent rows, k_new alone), lengths with 0 among them, one split, three and the
-heuristic, with sinks and a ScoreMod sometimes; fresh data every run (the seed in the failure
+Cases, on each kernel family forced (the decode kernel; mla_sm90, Hopper's wgmma kernel, on pages of
+multiples of 64): contiguous and paged caches (pages of 64, the MLA engines' size, 128, 16 and 3), one
+kv head and 16 to 128 query heads of 1 to 3 new tokens (mla_sm90: 16 rows a CTA with the keys as M, or
+64), new tokens appended (their latent rows, k_new alone), lengths with 0 among them, one split, three
+and the heuristic, with sinks and a ScoreMod sometimes (decode kernel); fresh data every run (the seed in the failure
 message), NaN-poisoned ``out=`` / ``lse=`` buffers and cache slots past each sequence. Arguments that
 do not agree with MLA are refused before any launch, the cache untouched.
 
