@@ -151,6 +151,19 @@ __device__ __forceinline__ void mla_produce(const TmaMap& kv_map, const DecodePa
     }
 }
 
+// Tile n of the CTA's split, once landed (both consumers): its shared-memory address. On the sequence's
+// last tile the rows past its end are zeroed (they are V rows too), and every consumer thread sees the
+// stores before either reads the stage.
+__device__ __forceinline__ unsigned mla_wait_tile(MlaShared& sh, const MlaWork& w, unsigned stages, int n) {
+    using C = MlaSm90;
+    const int stage = n % C::kStages;
+    const unsigned tile = stages + stage * C::kTileBytes;
+    const int j0 = (w.tile_begin + n) * C::kKeys;
+    mbar_wait(smem_addr(&sh.full[stage]), (n / C::kStages) & 1);
+    if (j0 + C::kKeys > w.seqlen_k) zero_tile_rows<C::kKeys, C::kColBlocks, 2>(tile, w.seqlen_k - j0);
+    return tile;
+}
+
 // Row `row`'s limit: keys j < limit are visible (rows past the call's: the sequence's keys).
 __device__ __forceinline__ int mla_key_limit(const DecodeParams& p, const MlaWork& w, int row) {
     const int pr = w.row_block * MlaSm90::kRows + row;
@@ -252,14 +265,8 @@ __device__ __forceinline__ void mla_consume(const DecodeParams& p, const MlaWork
 
     mbar_wait(smem_addr(&sh.q_full), 0);
     for (int n = 0; n < w.tiles; ++n) {
-        const int stage = n % C::kStages, phase = (n / C::kStages) & 1;
-        const unsigned tile = stages + stage * C::kTileBytes;
+        const unsigned tile = mla_wait_tile(sh, w, stages, n);
         const int j0 = (w.tile_begin + n) * C::kKeys;
-        mbar_wait(smem_addr(&sh.full[stage]), phase);
-        // The sequence's last tile: its rows past the end are zeroed (they are V rows too), and
-        // every consumer thread sees the stores before either product reads the stage.
-        if (j0 + C::kKeys > w.seqlen_k)
-            zero_tile_rows<C::kKeys, C::kColBlocks, 2>(tile, w.seqlen_k - j0);
 
         float acc_s[16];
         wgmma_fence();
@@ -340,7 +347,7 @@ __device__ __forceinline__ void mla_consume(const DecodeParams& p, const MlaWork
         wgmma_wait<0>();
         fence_registers(acc_o[0]);
         fence_registers(acc_o[1]);
-        mbar_arrive(smem_addr(&sh.empty[stage]));
+        mbar_arrive(smem_addr(&sh.empty[n % C::kStages]));
     }
 
     // l over both consumers' keys; then out (or this split's partial) and lse.
@@ -419,11 +426,8 @@ __device__ __forceinline__ void mla_consume_keys_m(const DecodeParams& p, const 
 
     mbar_wait(smem_addr(&sh.q_full), 0);
     for (int n = 0; n < w.tiles; ++n) {
-        const int stage = n % C::kStages, phase = (n / C::kStages) & 1;
-        const unsigned tile = stages + stage * C::kTileBytes;
+        const unsigned tile = mla_wait_tile(sh, w, stages, n);
         const int j0 = (w.tile_begin + n) * C::kKeys;
-        mbar_wait(smem_addr(&sh.full[stage]), phase);
-        if (j0 + C::kKeys > w.seqlen_k) zero_tile_rows<C::kKeys, C::kColBlocks, 2>(tile, w.seqlen_k - j0);
 
         // S^T = K Q^T: A the tile (K-major, 64 rows a column block), B Q (K-major, 16 rows a column block).
         float acc_s[8];
@@ -510,7 +514,7 @@ __device__ __forceinline__ void mla_consume_keys_m(const DecodeParams& p, const 
         wgmma_wait<0>();
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) fence_registers(acc_o[mt]);
-        mbar_arrive(smem_addr(&sh.empty[stage]));
+        mbar_arrive(smem_addr(&sh.empty[n % C::kStages]));
     }
 
     // Each query's sum over all keys: lanes, then warps (both consumers hold the same sums).

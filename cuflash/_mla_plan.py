@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _checks, kernels
 from ._build.compile import device_arch, get_kernel
+from ._prefill_plan import _strides
 from ._runtime import faults as _faults, launch as _launch, plan as _plan, step as _step, tma as _tma
 from ._runtime.params import APPEND, DECODE, Template
 
@@ -92,13 +93,6 @@ def mla_num_splits(batch: int, row_blocks: int, keys: int, sms: int) -> int:
     tiles = -(-keys // kernels.mla_sm90.MLA_SM90_KEYS)
     wave = sms // max(1, batch * row_blocks)
     return max(1, min(wave, tiles // MLA_MIN_SPLIT_TILES, MLA_MAX_SPLITS))
-
-
-def _strides(x, name, unit=None):
-    """{name_batch_stride, _row_stride, _head_stride} of a (B, S, H, D) array (a paged cache's batch is its
-    page), in elements, or in bytes with ``unit="bytes"`` (cuda_src/append_kv.cu)."""
-    strides = x.strides[:3] if unit == "bytes" else _checks.element_strides(x)[:3]
-    return dict(zip((f"{name}_batch_stride", f"{name}_row_stride", f"{name}_head_stride"), strides))
 
 
 def mla_plan(slots, *, n_operands, dtype_name, q, cache, k_new, out, out_shape, lse_shape, batch, seqlen_q, heads_q,

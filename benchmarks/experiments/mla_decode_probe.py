@@ -11,7 +11,6 @@ Q K^T and P V and their share of the GEMM's, and the largest difference from the
 After every call and capture the lengths array is checked unchanged.
 """
 import os
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import cuflash  # noqa: E402
 from cuflash import _mla_plan  # noqa: E402
+from ab_decode import replay_times  # noqa: E402
 from bench_model_features import paged_pages  # noqa: E402
 
 BF16 = cupy.dtype(ml_dtypes.bfloat16)
@@ -46,21 +46,8 @@ def graph_of(fn):
 
 
 def replay(graphs, rounds=7):
-    """Median us per call of each graph: every round replays each once to settle and once timed."""
-    times = {k: [] for k in graphs}
-    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(rounds):
-        order = list(graphs)
-        random.shuffle(order)
-        for k in order:
-            g, s = graphs[k][:2]
-            g.launch(s)
-            e0.record(s)
-            g.launch(s)
-            e1.record(s)
-            e1.synchronize()
-            times[k].append(cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / CALLS)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median us per call of each graph (ab_decode's turns)."""
+    return replay_times(cupy, graphs, CALLS, rounds)
 
 
 def copy_rate() -> float:

@@ -616,6 +616,21 @@ def test_calls_of_few_rows_take_keys_as_m(monkeypatch, heads, seqlen_q, expected
     assert asked == [expected]
 
 
+def _record_short_tiles(monkeypatch):
+    """A list that receives (short, warps) for each decode_plan call the planner makes from now on."""
+    from cuflash.kernels import decode as kdecode
+
+    asked, plan = [], kdecode.decode_plan
+
+    def recording(*args, **kwargs):
+        result = plan(*args, **kwargs)
+        asked.append((kwargs.get("short", False), dict(result.variant.defines)["CUFLASH_WARPS"]))
+        return result
+
+    monkeypatch.setattr(kdecode, "decode_plan", recording)
+    return asked
+
+
 @gpu
 @pytest.mark.parametrize("head_dim, warps", [(64, {None: (4, 4), 16: (4, 8)}), (128, {None: (4, 8), 16: (4, 8)}),
                                               (256, {None: (2, 4), 16: (2, 4)})])
@@ -628,15 +643,7 @@ def test_short_sequences_take_the_short_tiles(monkeypatch, head_dim, warps, page
     from cuflash._runtime import memo
     from cuflash.kernels import decode as kdecode
 
-    asked = []
-    plan = kdecode.decode_plan
-
-    def recording(*args, **kwargs):
-        result = plan(*args, **kwargs)
-        asked.append((kwargs.get("short", False), dict(result.variant.defines)["CUFLASH_WARPS"]))
-        return result
-
-    monkeypatch.setattr(kdecode, "decode_plan", recording)
+    asked = _record_short_tiles(monkeypatch)
     rng = np.random.default_rng()
     case = build_case(dtype="bfloat16", B=64, Hq=32, Hk=8, D=head_dim, Sq=1, lens=rng.integers(1, 1000, size=64),
                       page_size=page_size, append=append, seed=int(rng.integers(1 << 30)))
@@ -659,15 +666,7 @@ def test_two_waves_of_long_sequences_take_one_of_short_tiles(monkeypatch, page_s
     from cuflash._runtime import memo
     from cuflash.kernels import decode as kdecode
 
-    asked = []
-    plan = kdecode.decode_plan
-
-    def recording(*args, **kwargs):
-        result = plan(*args, **kwargs)
-        asked.append((kwargs.get("short", False), dict(result.variant.defines)["CUFLASH_WARPS"]))
-        return result
-
-    monkeypatch.setattr(kdecode, "decode_plan", recording)
+    asked = _record_short_tiles(monkeypatch)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     batch = sms // 8 + 1   # batch x 8 kv heads: just over one CTA an SM
     rng = np.random.default_rng()

@@ -120,19 +120,25 @@ def test_mla_decode_matches_the_reference(family, dtype, page_size, heads_q, seq
         want_lse)]).max(initial=1.0))), err_msg=msg)
 
 
-@pytest.mark.parametrize("page_size", [None, 64])
-def test_one_long_sequence_takes_the_mla_split_count(page_size):
-    # One sequence of 16k latent rows, 16 heads: the split rule alone would cut it 63 ways (a wave of
-    # value-half CTAs); MLA stops at DECODE_MLA_MAX_SPLITS (the last split combines every partial). The
-    # rows are read by copy_rows_by_eights (cuda_src/decode.cu), pages of 64 a whole tile each.
-    from cuflash import kernels
+def _long_sequence(page_size):
+    """One sequence of ~16k latent rows, 16 heads, one new token: (seed, host case, q and cache on the GPU,
+    the decode keywords)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     rng = np.random.default_rng(seed)
     case = _case(rng, dtype="bfloat16", page_size=page_size, heads_q=16, seqlen_q=1, append=False, B=1,
                  capacity=16384, lens=[16384 - int(rng.integers(0, 64))])
     kw = dict(v_head_dim=D_V, cache_seqlens=cupy.asarray(case["lens"]),
               block_table=None if case["table"] is None else cupy.asarray(case["table"]))
-    q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
+    return seed, case, cupy.asarray(case["q"]), cupy.asarray(case["cache"]), kw
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_one_long_sequence_takes_the_mla_split_count(page_size):
+    # One sequence of 16k latent rows, 16 heads: the split rule alone would cut it 63 ways (a wave of
+    # value-half CTAs); MLA stops at DECODE_MLA_MAX_SPLITS (the last split combines every partial). The
+    # rows are read by copy_rows_by_eights (cuda_src/decode.cu), pages of 64 a whole tile each.
+    from cuflash import kernels
+    seed, case, q, cache, kw = _long_sequence(page_size)
     with _family("decode"):
         splits = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info["num_splits"]
         # (pages: splits of DECODE_MLA_PAGED_MIN_SPLIT_KEYS or more, 18 here before the cap)
@@ -151,13 +157,7 @@ def test_one_long_sequence_on_mla_sm90_splits_over_the_sms(page_size):
     """One sequence of 16k latent rows on mla_sm90 (16 heads: 16 rows a CTA, the keys as M): a split a
     CTA, as many as fill the SMs once (mla_num_splits), combined by the last split; against the reference."""
     from cuflash import _mla_plan
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    rng = np.random.default_rng(seed)
-    case = _case(rng, dtype="bfloat16", page_size=page_size, heads_q=16, seqlen_q=1, append=False, B=1,
-                 capacity=16384, lens=[16384 - int(rng.integers(0, 64))])
-    kw = dict(v_head_dim=D_V, cache_seqlens=cupy.asarray(case["lens"]),
-              block_table=None if case["table"] is None else cupy.asarray(case["table"]))
-    q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
+    seed, case, q, cache, kw = _long_sequence(page_size)
     with _family("mla_sm90"):
         info = cuflash.plan(cuflash.decode, q, cache, None, **kw).plan.info
         assert info["family"] == "mla_sm90" and info["cta_rows"] == 16   # 16 heads: the keys as M
