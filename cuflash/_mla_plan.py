@@ -1,7 +1,8 @@
 """MLA decode on Hopper's wgmma kernel (cuda_src/mla_sm90.cu).
 
 The decode kernel runs MLA (one latent kv head of 576 columns, the values its first 512) with 16
-packed query rows a CTA on mma.sync. mla_sm90 takes 64 packed rows a CTA on wgmma, the latent tiles by
+packed query rows a CTA on mma.sync. mla_sm90 takes 64 packed rows a CTA on wgmma, or 16 with the keys
+as wgmma's M for calls of at most 16 rows (:func:`kernels.mla_sm90.mla_sm90_rows`), the latent tiles by
 TMA, split-KV with the last split combining. New latent rows are written into the cache first by
 ``cuda_src/append_kv.cu``, so the kernel attends exactly what the call stored.
 
