@@ -247,6 +247,28 @@ def test_keys_as_m_decode_plan():
                                        **extra)
 
 
+def test_mla_sm90_rows_splits_and_variants():
+    """mla_sm90: 16 rows a CTA (the keys as M) for calls of at most 16 packed rows, 64 beyond; splits
+    fill one wave of CTAs (one an SM), at least MLA_MIN_SPLIT_TILES tiles each and at most
+    MLA_MAX_SPLITS; both row counts fit the H100/H200's 227 KiB with the kernel's static memory."""
+    from cuflash import _mla_plan
+    rows = kernels.mla_sm90.mla_sm90_rows
+    assert rows(16) == rows(1) == 16 and rows(17) == rows(128) == 64
+    splits = _mla_plan.mla_num_splits
+    assert splits(64, 1, 4096, 132) == 2 and splits(64, 2, 4096, 132) == 1    # one wave, not two
+    assert splits(8, 2, 8192, 132) == 8 and splits(1, 1, 32768, 132) == _mla_plan.MLA_MAX_SPLITS
+    assert splits(1, 1, 64 * (_mla_plan.MLA_MIN_SPLIT_TILES * 3 + 1), 132) == 3
+    assert splits(1, 1, 64, 132) == splits(200, 2, 1 << 20, 132) == 1
+    for r in kernels.mla_sm90.MLA_SM90_ROWS:
+        assert kernels.mla_sm90.mla_sm90_smem_bytes(r) + 2048 <= 227 * 1024
+        defines = dict(kernels.mla_sm90.mla_sm90_variant("bfloat16", r).defines)
+        assert defines["CUFLASH_MLA_ROWS"] == r and defines["CUFLASH_SMEM_BYTES"] == kernels.mla_sm90.mla_sm90_smem_bytes(r)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        kernels.mla_sm90.mla_sm90_variant("float32")
+    with pytest.raises(ValueError, match="64 or 16 rows"):
+        kernels.mla_sm90.mla_sm90_variant("bfloat16", 32)
+
+
 def test_mla_decode_plan():
     """MLA's variants: one K tile per stage (the values are its first columns), head dim 576, float16 or
     bfloat16 caches of q's dtype only, a define of their own; they fit the H100/H200 budget."""
