@@ -147,9 +147,7 @@ def mla_plan(slots, *, n_operands, dtype_name, q, cache, k_new, out, out_shape, 
                                      (("struct", Template(APPEND, fields, append_slots)),)))
 
     lse_strides = _checks.element_strides(_checks.Shaped(lse_shape, np.float32))
-    fields = {"score.scale": scale, "score.scale_log2": scale * math.log2(math.e), "score.heads_q": heads_q,
-              "score.heads_k": 1, "score.head_dim": cache.shape[-1], "score.batch": batch,
-              "score.seqlen_q": seqlen_q}
+    fields = {"score.scale": scale, "score.scale_log2": scale * math.log2(math.e)}   # all the kernel reads of score
     fields.update(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_k=1, group=heads_q, head_dim=cache.shape[-1],
                   out_dim=512, seqlen_cache=capacity, seqlen_new=seqlen_new if lens_given else 0,
                   page_size=page_size, num_splits=num_splits, row_blocks=row_blocks,

@@ -427,13 +427,17 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
         ptrs = _remember(plan, operands, key, [q_k, kc, vc, seqlens_dev, table_dev, kn, vn, mask_view, alibi_dev,
                                                out, lse_given, sinks_dev, None, None, cu_dev, *user_arrays])
         return plan, ptrs, None
+    # Keys a CTA's rows may see: the longest sequence when the lengths are known here, else the
+    # capacity (never read back), within a window.
+    keys = min(int(lens.max() if lens is not None else capacity) + seqlen_new, capacity)
+    if opts.window[0] >= 0 and opts.window[1] >= 0:
+        keys = min(keys, opts.window[0] + opts.window[1] + seqlen_q)
     # MLA on Hopper: the wgmma kernel (cuflash/_mla_plan.py).
     if mla and _mla_plan.runs_on_mla_sm90(
             dtype_name=dtype_name, score_mods=score_mods, sinks=sinks_dev, window=opts.window, seqlen_q=seqlen_q,
             varlen=varlen, num_splits=num_splits, paged=paged, page_size=page_size, head_dim=d_pad, out_dim=d_out,
             cache_in_place=cache_in_place, arrays=(q_k, kc, kn, out)):
         lse_output = return_lse or lse_given is not None
-        keys = min(int(lens.max() if lens is not None else capacity) + seqlen_new, capacity)
         plan = _mla_plan.mla_plan(
             dict(q=_Q, k_cache=_K_CACHE, cache_seqlens=_LENS, block_table=_TABLE, k_new=_K_NEW, out=_OUT, lse=_LSE),
             n_operands=len(operands), dtype_name=dtype_name, q=q_k, cache=kc, k_new=kn, out=out_layout,
@@ -448,11 +452,6 @@ def _plan_decode(operands, key, *, num_splits, causal, window, softcap, scale, r
     # 16-row one would compute half or more on padding; ragged new tokens keep the 16-row one.
     keys_as_m = (kernels.decode.DECODE_KEYS_AS_M_BY_DEFAULT and dtype_name != "float32" and not mla and not varlen
                  and rows <= kernels.decode.DECODE_KEYS_AS_M_ROWS)
-    # Keys a CTA's rows may see: the longest sequence when the lengths are known here, else the
-    # capacity (never read back), within a window.
-    keys = min(int(lens.max() if lens is not None else capacity) + seqlen_new, capacity)
-    if opts.window[0] >= 0 and opts.window[1] >= 0:
-        keys = min(keys, opts.window[0] + opts.window[1] + seqlen_q)
     block_m = kernels.decode.decode_block_m(dtype_name, keys_as_m)
     short = kernels.decode.decode_takes_short_tiles(keys, batch * heads_k * max(1, -(-rows // block_m)), sms,
                                                       max(d_pad, dv_pad))
