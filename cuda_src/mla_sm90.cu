@@ -21,6 +21,9 @@
 // The row sums l are per consumer (its keys); the two are added at the end. A split writes its
 // float32 partial (o_part, lse_part, decode.cu's layout) and the last split of a (sequence, row
 // block) to finish combines them into out and lse, as decode.cu does; one split writes them directly.
+// Bad indices: the index check (check_indices.cu) runs ahead; without an append in between the
+// kernel is launched as its programmatic dependent, reads within the cache whatever the lengths say,
+// and writes nothing on a fault (mla_verdict_clean).
 // Keys past a sequence's end (cache_seqlens[b] + seqlen_new keys; appends are written by
 // append_kv.cu ahead of this launch) are masked, and the last tile's rows past it are zeroed before
 // use (0 * a NaN of an unused cache row would be NaN). Query i sees keys j <= i + seqlen_k - seqlen_q.
@@ -93,8 +96,10 @@ __device__ __forceinline__ MlaWork mla_work(const DecodeParams& p) {
     w.row_block = blockIdx.x % p.row_blocks;
     w.split = blockIdx.x / p.row_blocks;
     w.rows_total = p.seqlen_q * p.heads_q;
-    const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[w.b] : p.seqlen_cache;
-    w.seqlen_k = cache_len + p.seqlen_new;
+    // Bounded by the cache: behind the index check the kernel reads the lengths before the check's
+    // verdict (mla_verdict_clean), and a bad one must read nothing outside the cache or its block table.
+    const long long cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[w.b] : p.seqlen_cache;
+    w.seqlen_k = static_cast<int>(min(max(cache_len, 0LL) + p.seqlen_new, static_cast<long long>(p.seqlen_cache)));
     w.diag = w.seqlen_k - p.seqlen_q;
     // The keys the block's rows may see end at the last row's diagonal (all of them for one new token).
     const int last_i = min(w.rows_total, (w.row_block + 1) * MlaSm90::kRows) - 1;
@@ -168,6 +173,15 @@ __device__ __forceinline__ unsigned mla_wait_tile(MlaShared& sh, const MlaWork& 
 __device__ __forceinline__ int mla_key_limit(const DecodeParams& p, const MlaWork& w, int row) {
     const int pr = w.row_block * MlaSm90::kRows + row;
     return pr < w.rows_total ? min(w.seqlen_k, pr / p.heads_q + w.diag + 1) : w.seqlen_k;
+}
+
+// Whether the call may write (the consumers ask after their loop, before their first global write):
+// launched as a programmatic dependent of the index check (mla_plan), the kernel runs its loop beside
+// the check and waits for its verdict here (fault.cuh); otherwise the wait returns at once. Every
+// thread reads the same word, so a CTA's consumers return together.
+__device__ __forceinline__ bool mla_verdict_clean(const DecodeParams& p) {
+    wait_for_prior_kernel();
+    return !call_faulted(p.error);
 }
 
 // The last split of a (sequence, row block) adds every split's partial into out and lse (decode.cu's
@@ -350,6 +364,7 @@ __device__ __forceinline__ void mla_consume(const DecodeParams& p, const MlaWork
         mbar_arrive(smem_addr(&sh.empty[n % C::kStages]));
     }
 
+    if (!mla_verdict_clean(p)) return;
     // l over both consumers' keys; then out (or this split's partial) and lse.
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -517,6 +532,7 @@ __device__ __forceinline__ void mla_consume_keys_m(const DecodeParams& p, const 
         mbar_arrive(smem_addr(&sh.empty[n % C::kStages]));
     }
 
+    if (!mla_verdict_clean(p)) return;
     // Each query's sum over all keys: lanes, then warps (both consumers hold the same sums).
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
@@ -598,7 +614,6 @@ __device__ __forceinline__ void mla_sm90(const TmaMap& kv_map, const DecodeParam
 extern "C" __global__ void __launch_bounds__(cuflash::MlaSm90::kThreads, 1)
     cuflash_mla_sm90(const __grid_constant__ cuflash::TmaMap kv_map, const cuflash::DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cuflash::call_faulted(p.error)) return;
-    cuflash::mla_sm90(kv_map, p);
+    cuflash::mla_sm90(kv_map, p);   // the index check's verdict is read before the first write (mla_verdict_clean)
 #endif
 }

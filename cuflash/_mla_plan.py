@@ -169,7 +169,10 @@ def mla_plan(slots, *, n_operands, dtype_name, q, cache, k_new, out, out_shape, 
     smem = kernels.mla_sm90.mla_sm90_smem_bytes(cta_rows)
     func = _launch.prepare_kernel(get_kernel(variant), smem, device_id)
     kv_map = ("map", slots["k_cache"], _tma.TensorMapSpec(cache, kernels.mla_sm90.MLA_SM90_KEYS, dtype_name))
+    # Right behind the index check (no append between), the kernel starts before the check ends and
+    # waits for its verdict only before it writes (cuda_src/fault.cuh).
     plan.steps.append(_step.Step(func, (row_blocks * num_splits, 1, batch), kernels.mla_sm90.MLA_SM90_THREADS,
-                                 smem, (kv_map, ("struct", Template(DECODE, fields, kernel_slots)))))
+                                 smem, (kv_map, ("struct", Template(DECODE, fields, kernel_slots))),
+                                 dependent=check is not None and not seqlen_new))
     plan.info.update(family="mla_sm90", num_splits=num_splits, cta_rows=cta_rows)
     return plan

@@ -120,6 +120,63 @@ def test_mla_decode_matches_the_reference(family, dtype, page_size, heads_q, seq
         want_lse)]).max(initial=1.0))), err_msg=msg)
 
 
+BAD_INDICES = {"len_past_capacity": r"cache_seqlens\[0\]", "len_negative": r"cache_seqlens\[0\]",
+               "page_negative": r"block_table\[1, 0\]", "page_past_pool": r"block_table\[0, 1\]"}
+
+
+@pytest.mark.parametrize("mode", ["check", "check_errors"])
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("heads_q", [16, 128])
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("page_size", [None, 64])
+@pytest.mark.parametrize("bad", list(BAD_INDICES))
+def test_mla_sm90_with_bad_indices_writes_nothing(bad, page_size, num_splits, heads_q, append, mode):
+    """Lengths or pages on the GPU that do not fit: the index check runs ahead of mla_sm90, which starts
+    beside it (its programmatic dependent, without an append) and reads the lengths before the verdict.
+    It must read within the cache and write nothing: out, lse and the cache keep their bits, and the
+    fault names the entry (raised by the call with ``check=True``, where the check runs alone first, or
+    by ``cuflash.check_errors()`` after a call that returned); the same call with good indices then
+    matches the reference."""
+    if page_size is None and bad.startswith("page"):
+        pytest.skip("a contiguous cache has no pages")
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    case = _case(rng, dtype="bfloat16", page_size=page_size, heads_q=heads_q, seqlen_q=1, append=append, B=2,
+                 capacity=256, lens=[200, 70])
+    lens, table = case["lens"].copy(), None if case["table"] is None else case["table"].copy()
+    if bad == "len_past_capacity":
+        lens[0] = 256 + 1
+    elif bad == "len_negative":
+        lens[0] = -2
+    elif bad == "page_negative":
+        table[1, 0] = -5
+    else:
+        table[0, 1] = case["cache"].shape[0]
+    q, cache = cupy.asarray(case["q"]), cupy.asarray(case["cache"])
+    out = cupy.full((2, 1, heads_q, D_V), NAN, dtype=q.dtype)
+    lse = cupy.full((2, heads_q, 1), NAN, dtype=cupy.float32)
+    before = [x.view(cupy.uint16 if x.itemsize == 2 else cupy.uint32).copy() for x in (cache, out, lse)]
+    def call():
+        return cuflash.decode(q, cache, None, v_head_dim=D_V, cache_seqlens=cupy.asarray(lens),
+                              block_table=None if table is None else cupy.asarray(table),
+                              k_new=None if case["k_new"] is None else cupy.asarray(case["k_new"]),
+                              num_splits=num_splits, out=out, lse=lse, return_lse=True, check=mode == "check")
+
+    with _family("mla_sm90"), pytest.raises(ValueError, match=BAD_INDICES[bad]):
+        call()
+        cuflash.check_errors()
+    cupy.cuda.Device().synchronize()
+    for x, was, name in zip((cache, out, lse), before, ("the cache", "out", "lse")):
+        assert bool(cupy.array_equal(x.view(was.dtype), was)), f"{name} was written (seed {seed})"
+    with _family("mla_sm90"):
+        got, got_lse, _ = _run(case, num_splits=num_splits, options={})
+    want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
+                                      block_table=case["table"], k_new=case["k_new"])[:2]
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=0, atol=TOL["bfloat16"] * scale,
+                               err_msg=f"seed {seed}")
+
+
 def _long_sequence(page_size):
     """One sequence of ~16k latent rows, 16 heads, one new token: (seed, host case, q and cache on the GPU,
     the decode keywords)."""
