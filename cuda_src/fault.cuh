@@ -16,8 +16,8 @@ __device__ __forceinline__ bool call_faulted(const int* error) { return error !=
 // programmatic dependents (sm_90): they start while the kernel ahead is still running, read and
 // compute with their own bounds checks, and wait for it (and see its writes) here, before their
 // first global write or their first read of what it wrote. Such launches are decode's and
-// mla_sm90's behind their index check, which then costs the stream nothing. Launched without the attribute, or below
-// sm_90, the wait returns at once.
+// mla_sm90's behind their index check, which then costs the stream nothing. Launched without the
+// attribute, or below sm_90, the wait returns at once.
 //
 // A kernel ahead lets its dependents start before it ends only by saying so (otherwise they start
 // at its end, which saves just the launch): the index check does at its first instruction, since

@@ -614,6 +614,6 @@ __device__ __forceinline__ void mla_sm90(const TmaMap& kv_map, const DecodeParam
 extern "C" __global__ void __launch_bounds__(cuflash::MlaSm90::kThreads, 1)
     cuflash_mla_sm90(const __grid_constant__ cuflash::TmaMap kv_map, const cuflash::DecodeParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cuflash::mla_sm90(kv_map, p);   // the index check's verdict is read before the first write (mla_verdict_clean)
+    cuflash::mla_sm90(kv_map, p);   // the index check's verdict: read before the first write (mla_verdict_clean)
 #endif
 }

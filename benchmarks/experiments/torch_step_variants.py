@@ -17,7 +17,8 @@ Contenders besides ``ct.attention`` and the SDPA backends:
 - ``no stream context in backward``: plain without ``torch_call`` in the backward (a diagnostic,
   not a valid route: cuflash's allocations would then not come from torch under a capture).
 
-Problem: bench_host.py's (B1 S128 H8 D64 bf16 causal). Run on a GPU machine:
+Each Function's body is written out in full, as the real one's is: a shared helper would add a call
+to what is timed. Problem: bench_host.py's (B1 S128 H8 D64 bf16 causal). Run on a GPU machine:
 ``PYTHONPATH=$PWD python benchmarks/experiments/torch_step_variants.py [--single-threaded] [--gc-off]``.
 What it showed is in docs/decisions.md#torch-the-autograd-steps-host-time.
 """
@@ -84,26 +85,6 @@ def make_functions(torch):
         return (empty_like(q, memory_format=contiguous), empty_like(k, memory_format=contiguous),
                 empty_like(v, memory_format=contiguous))
 
-    class Lean(torch.autograd.Function):
-        """The real Function with one allocation for the three gradients and one ctx attribute."""
-
-        @staticmethod
-        def forward(ctx, q, k, v):
-            out = empty_like(q, memory_format=contiguous)
-            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-            with torch_call(q.device):
-                attention_forward(q, k, v, causal=True, out=out, lse=lse)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, dout):
-            q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv = grads_like(q, k, v)
-            with torch_call(q.device):
-                attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
-            return dq, dk, dv
-
     class Plain(torch.autograd.Function):
         """The real Function without bias, sinks or dropout: three allocations in the backward."""
 
@@ -120,6 +101,17 @@ def make_functions(torch):
         def backward(ctx, dout):
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv = (empty_like(x, memory_format=contiguous) for x in (q, k, v))
+            with torch_call(q.device):
+                attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+            return dq, dk, dv
+
+    class Lean(Plain):
+        """Plain with one allocation for the three gradients."""
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = grads_like(q, k, v)
             with torch_call(q.device):
                 attention_backward(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
             return dq, dk, dv
@@ -145,8 +137,7 @@ def make_functions(torch):
             out = empty_like(q, memory_format=contiguous)
             lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
             with torch_call(q.device):
-                _, _, rng_state = attention_forward(q, k, v, bias=None, sinks=None, out=out, lse=lse,
-                                                    generator=None, **options)
+                attention_forward(q, k, v, bias=None, sinks=None, out=out, lse=lse, generator=None, **options)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
 
