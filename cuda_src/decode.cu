@@ -1351,38 +1351,16 @@ __device__ __forceinline__ void combine_if_last_split(const DecodeParams& p, int
                                       (static_cast<long long>(b) * p.heads_q + row_head[r]) * p.seqlen_q + i);
     }
     __syncthreads();
-    // Per row: m = max_s lse_s, the weights w_s = e^(lse_s - m) / sum_s e^(lse_s - m) in place, lse;
-    // a warp a row, its lanes over the splits (a thread a row walking them one by one: the (1, 32k)
-    // bf16 decode took 40.4 us against 38.7 with this, 16 splits, H200).
-    // The head's sink is one more term of the sum, with no value (the splits' partials have none, so it
-    // enters exactly once, here), and joins the max: a sink far above the scores cannot overflow.
+    // Per row, a warp (split_weights_of_row; a thread a row walking the splits one by one: the (1, 32k)
+    // bf16 decode took 40.4 us against 38.7 with a warp, 16 splits, H200). The head's sink enters the
+    // sum once, here: the splits' partials have none.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int r = warp; r < C::kBlockM; r += C::kNWarps) {
         const int i = row_query[r];
         const float sink = p.score.sinks != nullptr ? p.score.sinks[row_head[r]] : -CUFLASH_INF;
-        float m = -CUFLASH_INF;   // fmaxf skips NaN; a NaN lse still makes the sum NaN
-        for (int split = lane; split < p.num_splits; split += 32) m = fmaxf(m, weights[split * C::kBlockM + r]);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-        const float top = fmaxf(m, sink);   // m without a sink; a NaN sink reaches the sum below
-        const float m_safe = top == -CUFLASH_INF ? 0.f : top;
-        float keys_sum = 0.f;
-        for (int split = lane; split < p.num_splits; split += 32) {
-            const float x = weights[split * C::kBlockM + r];
-            if (x != -CUFLASH_INF) keys_sum += expf(x - m_safe);
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) keys_sum += __shfl_xor_sync(0xffffffffu, keys_sum, offset);
-        const bool empty = m == -CUFLASH_INF && keys_sum == 0.f;   // no key: out = 0, lse = -inf (the sink)
-        const float sum = sink != -CUFLASH_INF ? keys_sum + expf(sink - m_safe) : keys_sum;
-        const float inv_sum = empty ? 0.f : 1.f / sum;
-        for (int split = lane; split < p.num_splits; split += 32) {
-            const float x = weights[split * C::kBlockM + r];
-            weights[split * C::kBlockM + r] = x == -CUFLASH_INF ? 0.f : expf(x - m_safe) * inv_sum;
-        }
+        const float lse = split_weights_of_row(weights + r, C::kBlockM, p.num_splits, sink);
         if (lane == 0 && i >= 0 && c0 == 0)   // MLA: the first value half writes it
-            p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + q_start + i] =
-                empty ? sink : m_safe + logf(sum);
+            p.lse[b * p.lse_batch_stride + row_head[r] * p.lse_head_stride + q_start + i] = lse;
     }
     __syncthreads();
     // out = sum_s w_s o_s. A split that saw no key for a row wrote 0 there (and has w_s = 0).

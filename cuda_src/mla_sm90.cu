@@ -212,30 +212,11 @@ __device__ __forceinline__ void mla_combine_if_last(const DecodeParams& p, const
     }
     named_barrier_sync(1, 256);
     const int warp = ct / 32, lane = ct % 32;
-    for (int r = warp; r < C::kRows; r += 8) {
+    for (int r = warp; r < C::kRows; r += 8) {   // a warp a row (online_softmax.cuh)
         const int pr = w.row_block * C::kRows + r;
-        float m = -CUFLASH_INF;
-        for (int split = lane; split < p.num_splits; split += 32) m = fmaxf(m, weights[split * C::kRows + r]);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-        const float m_safe = m == -CUFLASH_INF ? 0.f : m;
-        float sum = 0.f;
-        for (int split = lane; split < p.num_splits; split += 32) {
-            const float x = weights[split * C::kRows + r];
-            if (x != -CUFLASH_INF) sum += expf(x - m_safe);
-        }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        const bool empty = m == -CUFLASH_INF && sum == 0.f;
-        const float inv_sum = empty ? 0.f : 1.f / sum;
-        __syncwarp();
-        for (int split = lane; split < p.num_splits; split += 32) {
-            const float x = weights[split * C::kRows + r];
-            weights[split * C::kRows + r] = x == -CUFLASH_INF ? 0.f : expf(x - m_safe) * inv_sum;
-        }
+        const float lse = split_weights_of_row(weights + r, C::kRows, p.num_splits);
         if (lane == 0 && pr < w.rows_total)
-            p.lse[w.b * p.lse_batch_stride + (pr % p.heads_q) * p.lse_head_stride + pr / p.heads_q] =
-                empty ? -CUFLASH_INF : m_safe + logf(sum);
+            p.lse[w.b * p.lse_batch_stride + (pr % p.heads_q) * p.lse_head_stride + pr / p.heads_q] = lse;
     }
     named_barrier_sync(1, 256);
     // out = sum_s w_s o_s, four columns a thread.

@@ -170,4 +170,36 @@ struct OnlineSoftmax {
     }
 };
 
+// Split-KV's combine for one row, by one warp (its lanes over the splits; decode.cu and mla_sm90.cu):
+// weights[s * stride] holds split s's lse and becomes its weight w_s = e^(lse_s - t) / sum in place,
+// sum = sum_s e^(lse_s - t) + e^(sink - t), t the larger of the splits' maximum and the sink (-inf for
+// none): the sink is one more term of the sum with no value, and a sink far above the scores cannot
+// overflow. Returns the row's lse; a row no split saw a key of gets weights 0 (out = 0) and lse = sink.
+// fmaxf skips a NaN lse, which still makes the sum NaN.
+__device__ __forceinline__ float split_weights_of_row(float* weights, int stride, int num_splits,
+                                                      float sink = -CUFLASH_INF) {
+    const int lane = threadIdx.x % 32;
+    float m = -CUFLASH_INF;
+    for (int split = lane; split < num_splits; split += 32) m = fmaxf(m, weights[split * stride]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    const float top = fmaxf(m, sink);   // a NaN sink reaches the sum below
+    const float m_safe = top == -CUFLASH_INF ? 0.f : top;
+    float keys_sum = 0.f;
+    for (int split = lane; split < num_splits; split += 32) {
+        const float x = weights[split * stride];
+        if (x != -CUFLASH_INF) keys_sum += expf(x - m_safe);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) keys_sum += __shfl_xor_sync(0xffffffffu, keys_sum, offset);
+    const bool empty = m == -CUFLASH_INF && keys_sum == 0.f;
+    const float sum = sink != -CUFLASH_INF ? keys_sum + expf(sink - m_safe) : keys_sum;
+    const float inv_sum = empty ? 0.f : 1.f / sum;
+    for (int split = lane; split < num_splits; split += 32) {   // each lane rewrites only what it read
+        const float x = weights[split * stride];
+        weights[split * stride] = x == -CUFLASH_INF ? 0.f : expf(x - m_safe) * inv_sum;
+    }
+    return empty ? sink : m_safe + logf(sum);
+}
+
 }  // namespace cuflash
