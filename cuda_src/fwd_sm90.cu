@@ -421,15 +421,17 @@ struct WorkItem {
     static __device__ __forceinline__ WorkItem of(const FwdParams& p, int item, int num_m_blocks) {
         WorkItem w;
         const int pairs = p.heads_q * p.batch, head_major = (pairs - p.tail_heads) * num_m_blocks;
-        int m_block, hb;
+        int rank, hb;   // the m-block's place in its pair's order: last m-block first, or work_order's
         if (item < head_major) {
-            m_block = num_m_blocks - 1 - item % num_m_blocks;
+            rank = item % num_m_blocks;
             hb = item / num_m_blocks;
         } else {
             const int r = item - head_major;
-            m_block = num_m_blocks - 1 - r / p.tail_heads;
+            rank = r / p.tail_heads;
             hb = pairs - p.tail_heads + r % p.tail_heads;
         }
+        const int m_block = p.work_order == nullptr ? num_m_blocks - 1 - rank
+            : p.work_order[(hb / p.heads_q) * p.work_order_batch_stride + (hb % p.heads_q) * p.work_order_head_stride + rank];
         w.s = seq_info<C>(p, hb / p.heads_q, hb % p.heads_q);
         w.m_lo = m_block * C::kBlockM;
         w.m_hi = min(w.m_lo + C::kBlockM, w.s.seqlen_q);

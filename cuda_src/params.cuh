@@ -33,6 +33,11 @@ struct FwdParams {
     // block_table[b * block_table_batch_stride + j / page_size] (nullptr: k's batch b holds them).
     const int* block_table;
     const int* seqused_k;
+    // The order in which fwd_sm90 takes a (sequence, head)'s m-blocks, or bwd_sm90's CTAs a (sequence,
+    // head)'s key blocks: work_order[b * work_order_batch_stride + h * work_order_head_stride + r] is the
+    // block taken r-th, longest walk first, from the block mask (cuda_src/work_order.cu); nullptr: the
+    // causal order (last m-block first, first key block first). The result does not depend on it.
+    const int* work_order;
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
     long long v_batch_stride, v_row_stride, v_head_stride;
@@ -84,6 +89,7 @@ struct FwdParams {
     // page size of a paged cache, and the rows of one TMA box (gcd(page_size, keys per tile), which a
     // page holds whole; a contiguous cache: the tile's keys).
     int seqlen_k_new, page_size, kv_box_rows;
+    int work_order_batch_stride, work_order_head_stride;   // elements; 0 where the block mask broadcasts
 };
 
 #ifdef CUFLASH_PARAMS_SIZE

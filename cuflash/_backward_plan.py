@@ -13,6 +13,7 @@ from . import _checks, _scores, kernels
 from ._runtime import faults as _faults, launch as _launch, plan as _plan, step as _step, tma as _tma
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import BWD, CONVERT, Template
+from ._runtime.work_order import WorkOrder
 from .random import dropout_threshold
 
 #: The family :func:`cuflash.backward.force_kernel` forces, None: chosen per call.
@@ -243,6 +244,15 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         for name, pad in (("dk_part", d_pad), ("dv_part", dv_pad)):
             temps.append(_step.Buffer(rows_k + (heads_k * splits, pad), np.float32))
             names.append(name)
+    order = None
+    if (family == "bwd_sm90" and not persistent and not ordered and "block_mask" in score_fields
+            and kernels.work_order.takes_work_order(key_blocks, heads_k * splits * batch, _num_sms(device_id))):
+        # The key blocks' order, from the block mask, ahead of the kernel (its CTAs start in grid order).
+        order = WorkOrder(score_fields, batch=batch, heads=heads_q, tiles=key_blocks, by_keys=True,
+                          tile=plan0.block_m, step=defines0["CUFLASH_BLOCK_M"], seqlen_q=max_q, seqlen_k=max_k,
+                          window=(fwd_fields["window_left"], fwd_fields["window_right"]))
+        temps += order.buffers()
+        names += ["work_order", "work_walks"]
     if dsinks is not None:
         # Per (sequence, query head, 16-row CTA of bwd_preprocess): that CTA's terms of dL/dsinks. Every
         # entry is written (no zeroing); before dbias, which _finisher takes as the last temporary.
@@ -320,6 +330,9 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         sb, sh, sr, _ = _checks.element_strides(shaped["dbias"])
         slots["dbias"] = temp["dbias"]
         bwd.update(dbias_batch_stride=sb, dbias_head_stride=sh, dbias_row_stride=sr)
+    if order is not None:
+        slots["fwd.work_order"] = temp["work_order"]
+        fwd.update(order.kernel_fields())
     params = Template(BWD, {**{"fwd." + k: val for k, val in fwd.items()}, **bwd}, slots)
 
     def step(variant, grid, threads, smem):
@@ -331,6 +344,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     if dsinks is not None:   # (here, not at the end: bwd_sm90's dQ conversion may run as its dependent)
         plan.steps.append(step(kernels.bwd_common.bwd_dsinks_variant(), (heads_q, 1, 1),
                                kernels.bwd_common.BWD_DSINKS_THREADS, 0))
+    if order is not None:
+        plan.steps += order.steps(slots["fwd.block_mask"], temp["work_order"], temp["work_walks"], device_id)
     grid0 = (key_blocks, heads_k * splits, batch)
     if persistent:   # one CTA an SM (the kernel's launch bounds), key blocks in grid0's order from the counter
         grid0 = (min(math.prod(grid0), _num_sms(device_id)), 1, 1)
@@ -377,5 +392,5 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                      convert_behind="dq_done" in temp, dq_first_stores=dq_first_stores, persistent=persistent,
                      all_keys_seen=defines0.get("CUFLASH_ALL_KEYS_SEEN", 0) == 1,
                      tile_guard=defines0.get("CUFLASH_TILE_GUARD", 0) == 1, score_tile=score_tile,
-                     mask_bits="mask_bits_offset" in score_fields)
+                     mask_bits="mask_bits_offset" in score_fields, work_order=order is not None)
     return plan

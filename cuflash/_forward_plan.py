@@ -13,6 +13,7 @@ from . import _checks, _scores, kernels
 from ._runtime import faults as _faults, launch as _launch, plan as _plan, step as _step, tma as _tma
 from ._build.compile import device_arch, get_kernel
 from ._runtime.params import FWD, Template
+from ._runtime.work_order import WorkOrder
 from .random import dropout_threshold
 
 #: The family :func:`cuflash.force_kernel` forces, None: chosen per call.
@@ -101,6 +102,14 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
         _checks.check_size(math.ceil(grid_rows / plan_k.block_m) * hq * b, _checks.INT32_MAX,
                            "the query blocks of max_seqlen_q rows x heads x sequences",
                            "int32 in fwd_sm90: pass max_seqlen_q, the longest query sequence")
+    device_id = _launch.device_id()
+    order = None
+    if family == "fwd_sm90" and "block_mask" in score_fields and seq_fields:
+        tiles = math.ceil(grid_rows / plan_k.block_m)
+        if kernels.work_order.takes_work_order(tiles, hq * b, _num_sms(device_id)):
+            order = WorkOrder(score_fields, batch=b, heads=hq, tiles=tiles, by_keys=False, tile=plan_k.block_m,
+                              step=dict(plan_k.variant.defines)["CUFLASH_BLOCK_N"], window=opts.window,
+                              seqlen_q=seq_fields["seqlen_q"], seqlen_k=seq_fields["seqlen_k"])
     lse_shape = (hq, q.shape[0]) if entry == "attention_varlen" else (b, hq, q.shape[1])
     lse_buffer = _step.Buffer(lse_shape, np.float32)
     outputs = {3: _step.Buffer(o.shape, o.dtype)}
@@ -109,6 +118,8 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
         outputs[4] = lse_buffer
     else:
         temps = (lse_buffer,)
+    if order is not None:
+        temps += order.buffers()
     aligned = (0, 1, 2, 3) + ((score_fields[tile_name][1],) if score_tile else ())   # TMA reads these
     plan = _plan.Plan(entry, len(operands), outputs=outputs, temps=temps, aligned=aligned,
                           dropout=(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)) if dropout else None,
@@ -130,10 +141,13 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
                       **(dropout_origin or {}))
         slots.update(dropout_state=plan.index("dropout_state"), dropout_seed=plan.index("seed"),
                      dropout_offset=plan.index("offset"))
-    device_id = _launch.device_id()
     if check is not None:
         plan.steps.append(_faults.check_step(plan, check, device_id))
         slots["error"] = plan.index("error")
+    if order is not None:   # the tiles' order, from the block mask, ahead of the kernel that takes them
+        slots["work_order"] = plan.temp_index(len(temps) - 2)
+        fields.update(order.kernel_fields())
+        plan.steps += order.steps(slots["block_mask"], slots["work_order"], plan.temp_index(len(temps) - 1), device_id)
     if family == "fwd_sm90":
         fields["tail_heads"] = kernels.fwd_sm90.fwd_tail_heads(math.ceil(grid_rows / plan_k.block_m), hq * b,
                                                           _num_sms(device_id), shrinking=right >= 0 and left < 0)
@@ -158,5 +172,5 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
     plan.info.update(family=family, mask_bits="mask_bits_offset" in score_fields)
     if family == "fwd_sm90":
         plan.info.update(consumers=consumers, tail_heads=fields["tail_heads"], on_plain_loop=plain_loop,
-                         score_tile=score_tile)
+                         score_tile=score_tile, work_order=order is not None)
     return plan

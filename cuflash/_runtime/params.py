@@ -17,7 +17,8 @@ import struct
 import numpy as np
 
 __all__ = ["USER_ARGS", "FWD_PARAMS", "BWD_PARAMS", "CONVERT_PARAMS", "DECODE_PARAMS", "MERGE_PARAMS", "CHECK_PARAMS",
-           "APPEND_PARAMS", "Layout", "Template", "FWD", "BWD", "CONVERT", "DECODE", "MERGE", "CHECK", "APPEND"]
+           "APPEND_PARAMS", "WORK_ORDER_PARAMS", "Layout", "Template", "FWD", "BWD", "CONVERT", "DECODE", "MERGE", "CHECK",
+           "APPEND", "WORK_ORDER"]
 
 
 def _fields(kind, names):
@@ -37,7 +38,7 @@ USER_ARGS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/params.cuh
 FWD_PARAMS = np.dtype(
     _fields(np.uint64, ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "mask", "bias",
-                        "block_mask", "sinks", "error", "block_table", "seqused_k"))
+                        "block_mask", "sinks", "error", "block_table", "seqused_k", "work_order"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -55,7 +56,8 @@ FWD_PARAMS = np.dtype(
                          "window_left", "window_right", "block_q", "block_k", "bias_dtype"))
     + _fields(np.uint32, ("dropout_offset", "dropout_threshold"))
     + _fields(np.float32, ("scale", "scale_log2", "softcap", "dropout_rescale"))
-    + _fields(np.int32, ("dropout_row0", "dropout_col0", "tail_heads", "seqlen_k_new", "page_size", "kv_box_rows")),
+    + _fields(np.int32, ("dropout_row0", "dropout_col0", "tail_heads", "seqlen_k_new", "page_size", "kv_box_rows",
+                         "work_order_batch_stride", "work_order_head_stride")),
     align=True,
 )
 
@@ -143,6 +145,16 @@ APPEND_PARAMS = np.dtype(
     align=True,
 )
 
+# ----------------------------------------------------------------------------- cuda_src/work_order.cu
+WORK_ORDER_PARAMS = np.dtype(
+    _fields(np.uint64, ("block_mask", "order", "walks"))
+    + _fields(np.int64, ("block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride",
+                         "block_mask_col_stride"))
+    + _fields(np.int32, ("heads_m", "tiles", "by_keys", "tile", "step", "block_q", "block_k", "seqlen_q", "seqlen_k",
+                         "window_left", "window_right")),
+    align=True,
+)
+
 _CODES = {"u8": "Q", "i8": "q", "u4": "I", "i4": "i", "f4": "f"}
 _C_TYPES = {"Q": "uint64", "q": "int64", "I": "uint32", "i": "int32", "f": "float32"}
 
@@ -218,6 +230,7 @@ DECODE = Layout(DECODE_PARAMS, {"score.dropout_rescale": 1.0})
 MERGE = Layout(MERGE_PARAMS)
 CHECK = Layout(CHECK_PARAMS)
 APPEND = Layout(APPEND_PARAMS)
+WORK_ORDER = Layout(WORK_ORDER_PARAMS)
 
 
 class Template:

@@ -19,6 +19,7 @@ config), and its shared memory, which the kernel ``static_assert``\\ s against i
 ``append_kv``       new keys and values into a cache, ahead of fwd_sm90 reading it there
 ``rng_state``       a captured dropout call's (seed, offset) drawn on the GPU
 ``mask_blocks``     the block mask a MaskMod implies (which tiles it hides entirely)
+``work_order``      the order of a block-masked call's tiles, longest walk first
 ``catalogue``       the variants to precompile, every reachable variant, what CI compiles
 ==================  ===================================================================
 
@@ -28,14 +29,14 @@ launches.
 """
 
 from . import (append_kv, backward, bwd_common, bwd_simt, bwd_sm80, bwd_sm90, catalogue, check_indices, common, decode,  # noqa: F401
-               forward, fwd_simt, fwd_sm80, fwd_sm90, mask_blocks, merge, mla_sm90, rng_state)
+               forward, fwd_simt, fwd_sm80, fwd_sm90, mask_blocks, merge, mla_sm90, rng_state, work_order)
 
 
 def home(name: str):
     """The module of this package that defines ``name`` (a tuned constant, for the A/B scripts that
     override one: benchmarks/ab_forward.py, ab_backward.py), or None."""
     for module in (fwd_sm90, fwd_sm80, fwd_simt, forward, bwd_sm90, bwd_sm80, bwd_simt, bwd_common, backward, decode,
-                   merge, mla_sm90, check_indices, append_kv, rng_state, mask_blocks, common):
+                   merge, mla_sm90, check_indices, append_kv, rng_state, mask_blocks, work_order, common):
         if name in vars(module):
             return module
     return None

@@ -11,6 +11,7 @@ from .bwd_common import bwd_convert_variant, bwd_dsinks_variant, bwd_preprocess_
 from .bwd_sm90 import (BWD_SM90_HEAD_DIMS, BWD_SM90_PAIRS, BWD_SM90_PERSISTENT_HEAD_DIMS, BWD_SM90_SCORE_TILE_HEAD_DIM,
                        bwd_sm90_obstacle, bwd_sm90_orders_dq, bwd_sm90_smem_bytes, feature_plans, takes_score_tiles)
 from .check_indices import check_indices_variant
+from .work_order import work_order_variant
 from .common import round_up
 from .decode import (DECODE_KV_DTYPES, DECODE_MLA_HEAD_DIM, DECODE_MMA_HEAD_DIMS, DECODE_SIMT_HEAD_DIMS, _decode_path,
                      decode_plan, decode_precompile_variants)
@@ -37,6 +38,8 @@ def precompile_variants(dtypes=None, head_dims=None, families=None, arch=None) -
         out.append(check_indices_variant())
     if families is None or "append_kv" in families:
         out.append(append_kv_variant())
+    if families is None or "work_order" in families:
+        out += [work_order_variant(0), work_order_variant(1)]
     if (families is None or "fwd_sm90" in families) and (arch is None or arch.startswith("sm_90")):
         # decode's chunked prefill on fwd_sm90 (square head dims; the pair compiles on first use)
         out += [v for v in kv_cache_variants(tuple(d for d in (dtypes or ("float16", "bfloat16")) if d != "float32"),
@@ -208,7 +211,7 @@ def ci_variants() -> list[tuple[Variant, str]]:
         for more in (decode_precompile_variants(("bfloat16", "float32"), (128,)),
                      precompile_backward_variants(("bfloat16", "float32"), (128,), arch)):
             variants += [v for v in more if v not in variants]
-        variants += [check_indices_variant(), rng_state_variant()]
+        variants += [check_indices_variant(), rng_state_variant(), work_order_variant(0), work_order_variant(1)]
         singles = [v for v in reachable_variants(arch, ("bfloat16", "float32"), (128,))
                    if _one_score_mod(v) and not dict(v.defines).get("CUFLASH_DROPOUT")]
         variants += [v for v in singles if v not in variants]
@@ -274,8 +277,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
     """Every variant a call can reach: per family, dtype and compiled head dim, each score-modifier
     set the planners give (:func:`score_mod_sets`) with and without dropout, both backward passes,
     contiguous and paged decode (16-bit and fp8 caches, both tiles, the short-sequence tiles), MLA on
-    wgmma, fwd_sm90 over a KV cache, and the merge, preprocess, convert, index-check, append and
-    rng-state kernels.
+    wgmma, fwd_sm90 over a KV cache, and the merge, preprocess, convert, index-check, append,
+    rng-state and work-order kernels.
     What the GPU tests may compile (``benchmarks/gpu_check.sh`` builds them all first); for the default
     shared-memory budget of decode.
 
@@ -369,6 +372,8 @@ def reachable_variants(arch: str | None = None, dtypes=None, head_dims=None) -> 
     out.setdefault(check_indices_variant())
     out.setdefault(rng_state_variant())
     out.setdefault(append_kv_variant())
+    out.setdefault(work_order_variant(0))
+    out.setdefault(work_order_variant(1))
     if arch is None or arch.startswith("sm_90"):   # decode's many new tokens on fwd_sm90
         for variant in kv_cache_variants(tuple(d for d in dtypes if d != "float32"), dims(SM90_HEAD_DIMS)):
             if head_dims is None or "CUFLASH_HEAD_DIM_V" not in dict(variant.defines):   # (as the pairs below)

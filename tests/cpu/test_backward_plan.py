@@ -108,10 +108,11 @@ def test_dropout_origin_fields():
     assert offsets["dropout_row0"] == offsets["dropout_rescale"] + 4
     assert offsets["dropout_col0"] == offsets["dropout_row0"] + 4
     assert offsets["tail_heads"] == offsets["dropout_col0"] + 4
-    # then fwd_sm90's KV-cache fields, the last
+    # then fwd_sm90's KV-cache fields, then the work order's strides, the last
     assert (offsets["kv_box_rows"] == offsets["page_size"] + 4 == offsets["seqlen_k_new"] + 8
             == offsets["tail_heads"] + 12)
-    assert _params.FWD.size == -(-(offsets["kv_box_rows"] + 4) // 8) * 8   # padded to its 8-byte alignment
+    assert offsets["work_order_head_stride"] == offsets["work_order_batch_stride"] + 4 == offsets["kv_box_rows"] + 8
+    assert _params.FWD.size == -(-(offsets["work_order_head_stride"] + 4) // 8) * 8   # padded to its 8-byte alignment
     assert _params.FWD.size % 8 == 0
     p = _params.FWD.unpack(_params.FWD.pack({"dropout_row0": 12, "dropout_col0": 8}))
     assert (p["dropout_row0"], p["dropout_col0"]) == (12, 8)
