@@ -97,9 +97,11 @@ def step_tflops(pairs: int, batch: int, ms: float) -> float:
     return 14 * batch * HEADS * HEAD_DIM * pairs / (ms * 1e-3) / 1e12
 
 
-def problems(quick: bool):
+def problems(quick: bool, only: str | None = None):
     grid = [("window+softcap", 2, 8192), ("document", 1, 16384), ("prefix-lm", 2, 8192), ("relative-bias", 2, 8192),
             ("alibi", 2, 8192)]
+    if only:
+        return [row for row in grid if row[0] in only.split(",")]
     return grid[:1] if quick else grid
 
 
@@ -209,6 +211,8 @@ def open_flex(torch):
 def main(argv=None):
     p = peer_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", help="problems to run, comma-separated (window+softcap, document, prefix-lm, "
+                                  "relative-bias, alibi)")
     args = p.parse_args(argv)
     import cupy
 
@@ -222,7 +226,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     with gpu.stream:
-        for problem, batch, seqlen in problems(args.quick):
+        for problem, batch, seqlen in problems(args.quick, args.only):
             steps, forwards, pairs = contenders(gpu, ct, cuflash, fa4, flex, problem, batch, seqlen, rng)
             usable = runnable(steps, problem)
             ms = timer.median_ms_each(usable)
