@@ -146,9 +146,9 @@ def test_ordered_calls_replay_from_a_graph():
     """A document-masked forward and backward (the work order's launches among their steps) captured on a
     fresh stream after a warm-up on another, replayed on new data: the bits of the uncaptured calls (dQ,
     added by atomics in any order, to rounding)."""
-    import contextlib
-
     import ml_dtypes
+
+    from tests.gpu.test_capture import _capture, _replay
 
     rng = np.random.default_rng()
     b, s, h, d = 2, 4096, 16, 128
@@ -168,28 +168,13 @@ def test_ordered_calls_replay_from_a_graph():
     assert cuflash.plan(cuflash.attention_forward, q, k, v, causal=True, mask_mod=mod).plan.info["work_order"]
     out, lse, _ = cuflash.attention_forward(q, k, v, causal=True, mask_mod=mod)
     assert cuflash.plan(cuflash.attention_backward, dout, q, k, v, out, lse, **options).plan.info["work_order"]
-    cupy.cuda.Device().synchronize()
-    elsewhere, stream = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    with elsewhere:
-        step()
-    elsewhere.synchronize()
-    with stream:
-        stream.begin_capture()
-        try:
-            captured = step()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                stream.end_capture()
-            raise
-        graph = stream.end_capture()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph, captured = _capture(stream, step)
     for _ in range(2):
         fill()
         for x in captured:
             x[...] = np.nan
-        cupy.cuda.Device().synchronize()
-        cupy.get_default_memory_pool().free_all_blocks()
-        graph.launch(stream)
-        stream.synchronize()
+        _replay(graph, stream)
         direct = step()
         for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), captured, direct):
             if name == "dq":   # tiles of dQ added by atomics in any order: to rounding
