@@ -450,7 +450,7 @@ __device__ __forceinline__ int4 cta_place(const BwdParams& bp) {
     if constexpr (C::kOrdered) return make_int4(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z, 0);
     int4 place = bwd_grid_place(bp.tail_pairs);
     const FwdParams& p = bp.fwd;
-    if (p.work_order != nullptr) {   // the x-th longest walk of its (sequence, first query head)
+    if (C::kBlockMask && p.work_order != nullptr) {   // the x-th longest walk of its (sequence, first query head)
         const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
         const int h0 = (place.y / splits) * group + (place.y % splits) * bp.heads_per_cta;
         place.x = p.work_order[place.z * p.work_order_batch_stride + h0 * p.work_order_head_stride + place.x];

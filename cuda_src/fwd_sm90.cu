@@ -430,8 +430,13 @@ struct WorkItem {
             rank = r / p.tail_heads;
             hb = pairs - p.tail_heads + r % p.tail_heads;
         }
-        const int m_block = p.work_order == nullptr ? num_m_blocks - 1 - rank
-            : p.work_order[(hb / p.heads_q) * p.work_order_batch_stride + (hb % p.heads_q) * p.work_order_head_stride + rank];
+        int m_block = num_m_blocks - 1 - rank;
+        // Only block-masked calls have an order (its reads in the 24 registers of the other variants'
+        // producer spilled 4-8 B at D = 64 and with a value head dim of its own).
+        if constexpr (C::kBlockMask)
+            if (p.work_order != nullptr)
+                m_block = p.work_order[(hb / p.heads_q) * p.work_order_batch_stride +
+                                       (hb % p.heads_q) * p.work_order_head_stride + rank];
         w.s = seq_info<C>(p, hb / p.heads_q, hb % p.heads_q);
         w.m_lo = m_block * C::kBlockM;
         w.m_hi = min(w.m_lo + C::kBlockM, w.s.seqlen_q);

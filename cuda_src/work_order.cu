@@ -9,19 +9,20 @@
 // Why: a persistent kernel takes its work in a fixed order, and the last CTAs to finish set the call's
 // time. Under a causal mask alone that order is longest first already; under a document mask the walks
 // rise and fall with each document, and a long walk taken last leaves the other SMs idle
-// (docs/decisions.md#work-order-from-the-block-mask). Which CTA computes a tile changes nothing in what
-// it computes.
+// (docs/decisions.md#modifiers-work-order-from-the-block-mask). Which CTA computes a tile changes
+// nothing in what it computes.
 //
 // Two launches (CUFLASH_WORK_ORDER_PHASE): 0 counts the walks, a CTA of kWalkThreads a tile (grid:
 // tiles x slices, b major), into walks[slice * tiles + t]; 1 ranks them, a CTA of kRankThreads a slice
-// (tiles <= kWorkOrderMaxTiles: the host orders no more). One CTA doing both took 33-39 us at 16k tokens,
-// its threads' loads of the mask one after the other; this way a few. Compile-time: the phase
-// (CUFLASH_WORK_ORDER_PARAMS_SIZE checks the layout).
+// (tiles <= kWorkOrderMaxTiles: the host orders no more). One CTA a slice doing both took 33-39 us at
+// 16k tokens, its threads' loads of the mask one after the other; the two launches take ~19 us together.
+// Compile-time: the phase (CUFLASH_WORK_ORDER_PARAMS_SIZE checks the layout).
 #include "common.cuh"
 
 namespace cuflash {
 
-constexpr int kWalkThreads = 128, kRankThreads = 1024, kWorkOrderMaxTiles = 4096;
+// An enum, not constexpr ints (those become globals of the module).
+enum WorkOrderShape : int { kWalkThreads = 128, kRankThreads = 1024, kWorkOrderMaxTiles = 4096 };
 
 // cuflash/_runtime/params.py mirrors it (WORK_ORDER_PARAMS).
 struct WorkOrderParams {
@@ -33,31 +34,19 @@ struct WorkOrderParams {
     int window_left, window_right;     // -1: unbounded; causal is window_right = 0
 };
 
-// floor(x / b) for 0 <= x < 2^24 and b > 0 from a float reciprocal, corrected by one either way (a
-// step's check takes four divisions).
-__device__ __forceinline__ int floor_div(int x, int b, float inv_b) {
-    if (x >= (1 << 24)) return x / b;
-    int q = __float2int_rz(__int2float_rz(x) * inv_b);
-    q += (q + 1) * b <= x;
-    q -= q * b > x;
-    return q;
-}
-
-// Whether a True block of the slice touches query rows [i0, i1) x keys [j0, j1) (both non-empty). No
-// early exit: the loads of a thread's next pairs go out beside these.
-__device__ __forceinline__ bool any_block(const WorkOrderParams& p, const unsigned char* mask, float inv_q,
-                                          float inv_k, int i0, int i1, int j0, int j1) {
-    const int r0 = floor_div(i0, p.block_q, inv_q), r1 = floor_div(i1 - 1, p.block_q, inv_q);
-    const int c0 = floor_div(j0, p.block_k, inv_k), c1 = floor_div(j1 - 1, p.block_k, inv_k);
+// Whether a True block of the slice touches query rows [i0, i1) x keys [j0, j1) (both non-empty): a step
+// of a tile spans a block or two each way.
+__device__ __forceinline__ bool any_block(const WorkOrderParams& p, const unsigned char* mask, int i0, int i1,
+                                          int j0, int j1) {
     unsigned any = 0;
-    for (int r = r0; r <= r1; ++r)
-        for (int c = c0; c <= c1; ++c) any |= mask[r * p.block_mask_row_stride + c * p.block_mask_col_stride];
+    for (int r = i0 / p.block_q; r <= (i1 - 1) / p.block_q; ++r)
+        for (int c = j0 / p.block_k; c <= (j1 - 1) / p.block_k; ++c)
+            any |= mask[r * p.block_mask_row_stride + c * p.block_mask_col_stride];
     return any != 0;
 }
 
 // Whether step s of tile t lies inside the window and a True block touches it: one unit of t's walk.
-__device__ __forceinline__ bool step_visible(const WorkOrderParams& p, const unsigned char* mask, float inv_q,
-                                             float inv_k, int t, int s) {
+__device__ __forceinline__ bool step_visible(const WorkOrderParams& p, const unsigned char* mask, int t, int s) {
     const int diag = p.seqlen_k - p.seqlen_q, left = p.window_left, right = p.window_right;
     const int lo = t * p.tile, hi = min(lo + p.tile, p.by_keys ? p.seqlen_k : p.seqlen_q);
     int first, last;   // the other axis' rows or keys that the window leaves the tile, [first, last)
@@ -70,7 +59,7 @@ __device__ __forceinline__ bool step_visible(const WorkOrderParams& p, const uns
     }
     const int o0 = max(s * p.step, first), o1 = min((s + 1) * p.step, last);
     if (o0 >= o1) return false;
-    return p.by_keys ? any_block(p, mask, inv_q, inv_k, o0, o1, lo, hi) : any_block(p, mask, inv_q, inv_k, lo, hi, o0, o1);
+    return p.by_keys ? any_block(p, mask, o0, o1, lo, hi) : any_block(p, mask, lo, hi, o0, o1);
 }
 
 }  // namespace cuflash
@@ -89,10 +78,9 @@ extern "C" __global__ void __launch_bounds__(cuflash::kWalkThreads) cuflash_work
     const int t = blockIdx.x, slice = blockIdx.y;
     const unsigned char* mask = p.block_mask + (slice / p.heads_m) * p.block_mask_batch_stride +
                                 (slice % p.heads_m) * p.block_mask_head_stride;
-    const float inv_q = 1.f / p.block_q, inv_k = 1.f / p.block_k;
     const int steps = ceil_div(p.by_keys ? p.seqlen_q : p.seqlen_k, p.step);
     int walk = 0;
-    for (int s = threadIdx.x; s < steps; s += blockDim.x) walk += step_visible(p, mask, inv_q, inv_k, t, s);
+    for (int s = threadIdx.x; s < steps; s += blockDim.x) walk += step_visible(p, mask, t, s);
     __shared__ int warp_walks[kWalkThreads / 32];
     for (int offset = 16; offset > 0; offset /= 2) walk += __shfl_xor_sync(0xffffffffu, walk, offset);
     if (threadIdx.x % 32 == 0) warp_walks[threadIdx.x / 32] = walk;
