@@ -2091,7 +2091,17 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     const int n_hi = min(n_lo + C::kBlockN, s.seqlen_k);
     int q_first, q_last;
     visible_queries(p, s, n_lo, n_hi, &q_first, &q_last);
-    const int c_begin = q_first / C::kBlockM, c_end = ceil_div(q_last, C::kBlockM);
+    int c_begin = q_first / C::kBlockM, c_end = ceil_div(q_last, C::kBlockM);
+    // With a work order, the query steps some True block touches (work_bounds): the walk stops at the
+    // end of a document rather than testing every tile to the sequence's end. Bounds are per head of
+    // the mask, so a CTA of several heads takes them only where the mask is the same for every head.
+    if constexpr (C::kBlockMask)
+        if (p.work_order != nullptr && (bp.heads_per_cta == 1 || p.work_order_head_stride == 0)) {
+            const int h0 = (place.y / splits) * group + (place.y % splits) * bp.heads_per_cta;
+            const int2 bounds = p.work_bounds[b * p.work_order_batch_stride + h0 * p.work_order_head_stride + place.x];
+            c_begin = max(c_begin, bounds.x);
+            c_end = max(c_begin, min(c_end, bounds.y));
+        }
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (threadIdx.x == 0) {

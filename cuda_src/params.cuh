@@ -38,6 +38,10 @@ struct FwdParams {
     // block taken r-th, longest walk first, from the block mask (cuda_src/work_order.cu); nullptr: the
     // causal order (last m-block first, first key block first). The result does not depend on it.
     const int* work_order;
+    // ... and each such tile's bounds, at the same index: (first, end) of the steps (key tiles, query
+    // steps) that some True block touches, the window aside. A kernel walks no step outside them, whose
+    // blocks are all False (under a document mask: none past its document's end).
+    const int2* work_bounds;
     long long q_batch_stride, q_row_stride, q_head_stride;
     long long k_batch_stride, k_row_stride, k_head_stride;
     long long v_batch_stride, v_row_stride, v_head_stride;

@@ -13,10 +13,12 @@
 // nothing in what it computes.
 //
 // Two launches (CUFLASH_WORK_ORDER_PHASE): 0 counts the walks, a CTA of kWalkThreads a tile (grid:
-// tiles x slices, b major), into walks[slice * tiles + t]; 1 ranks them, a CTA of kRankThreads a slice
-// (tiles <= kWorkOrderMaxTiles: the host orders no more). One CTA a slice doing both took 33-39 us at
-// 16k tokens, its threads' loads of the mask one after the other; the two launches take ~19 us together.
-// Compile-time: the phase (CUFLASH_WORK_ORDER_PARAMS_SIZE checks the layout).
+// tiles x slices, b major), into walks[slice * tiles + t], and the tile's bounds there: (first, end) of
+// the steps that a True block touches, the window aside (FwdParams::work_bounds); 1 ranks the walks, a
+// CTA of kRankThreads a slice (tiles <= kWorkOrderMaxTiles: the host orders no more). One CTA a slice
+// doing both took 33-39 us at 16k tokens, its threads' loads of the mask one after the other; the two
+// launches take ~19 us together. Compile-time: the phase (CUFLASH_WORK_ORDER_PARAMS_SIZE checks the
+// layout).
 #include "common.cuh"
 
 namespace cuflash {
@@ -28,7 +30,8 @@ enum WorkOrderShape : int { kWalkThreads = 128, kRankThreads = 1024, kWorkOrderM
 struct WorkOrderParams {
     const unsigned char* block_mask;   // bool (batch_m, heads_m, rows, cols) blocks of block_q x block_k
     int* order;                        // (batch_m * heads_m, tiles)
-    int* walks;                        // (batch_m * heads_m, tiles): phase 0's result
+    int* walks;                        // (batch_m * heads_m, tiles): phase 0's walks
+    int2* bounds;                      // (batch_m * heads_m, tiles): phase 0's (first, end) steps with True blocks
     long long block_mask_batch_stride, block_mask_head_stride, block_mask_row_stride, block_mask_col_stride;
     int heads_m, tiles, by_keys, tile, step, block_q, block_k, seqlen_q, seqlen_k;
     int window_left, window_right;     // -1: unbounded; causal is window_right = 0
@@ -45,8 +48,16 @@ __device__ __forceinline__ bool any_block(const WorkOrderParams& p, const unsign
     return any != 0;
 }
 
-// Whether step s of tile t lies inside the window and a True block touches it: one unit of t's walk.
-__device__ __forceinline__ bool step_visible(const WorkOrderParams& p, const unsigned char* mask, int t, int s) {
+// Whether a True block touches step s of tile t (its rows x keys, clipped to the sequences), the window
+// aside: the kernels' test of a tile (block_mask_tile_state, query_tiles_from).
+__device__ __forceinline__ bool step_blocks(const WorkOrderParams& p, const unsigned char* mask, int t, int s) {
+    const int lo = t * p.tile, hi = min(lo + p.tile, p.by_keys ? p.seqlen_k : p.seqlen_q);
+    const int o0 = s * p.step, o1 = min(o0 + p.step, p.by_keys ? p.seqlen_q : p.seqlen_k);
+    return p.by_keys ? any_block(p, mask, o0, o1, lo, hi) : any_block(p, mask, lo, hi, o0, o1);
+}
+
+// Whether step s of tile t lies inside the window.
+__device__ __forceinline__ bool step_in_window(const WorkOrderParams& p, int t, int s) {
     const int diag = p.seqlen_k - p.seqlen_q, left = p.window_left, right = p.window_right;
     const int lo = t * p.tile, hi = min(lo + p.tile, p.by_keys ? p.seqlen_k : p.seqlen_q);
     int first, last;   // the other axis' rows or keys that the window leaves the tile, [first, last)
@@ -57,9 +68,7 @@ __device__ __forceinline__ bool step_visible(const WorkOrderParams& p, const uns
         first = right < 0 ? 0 : max(0, lo - diag - right);
         last = left < 0 ? p.seqlen_q : min(p.seqlen_q, hi - diag + left);
     }
-    const int o0 = max(s * p.step, first), o1 = min((s + 1) * p.step, last);
-    if (o0 >= o1) return false;
-    return p.by_keys ? any_block(p, mask, o0, o1, lo, hi) : any_block(p, mask, lo, hi, o0, o1);
+    return max(s * p.step, first) < min((s + 1) * p.step, last);
 }
 
 }  // namespace cuflash
@@ -79,15 +88,29 @@ extern "C" __global__ void __launch_bounds__(cuflash::kWalkThreads) cuflash_work
     const unsigned char* mask = p.block_mask + (slice / p.heads_m) * p.block_mask_batch_stride +
                                 (slice % p.heads_m) * p.block_mask_head_stride;
     const int steps = ceil_div(p.by_keys ? p.seqlen_q : p.seqlen_k, p.step);
-    int walk = 0;
-    for (int s = threadIdx.x; s < steps; s += blockDim.x) walk += step_visible(p, mask, t, s);
-    __shared__ int warp_walks[kWalkThreads / 32];
-    for (int offset = 16; offset > 0; offset /= 2) walk += __shfl_xor_sync(0xffffffffu, walk, offset);
-    if (threadIdx.x % 32 == 0) warp_walks[threadIdx.x / 32] = walk;
+    int walk = 0, first = steps, end = 0;
+    for (int s = threadIdx.x; s < steps; s += blockDim.x) {
+        if (!step_blocks(p, mask, t, s)) continue;
+        first = min(first, s);
+        end = s + 1;
+        walk += step_in_window(p, t, s);
+    }
+    __shared__ int3 warp_parts[kWalkThreads / 32];
+    for (int offset = 16; offset > 0; offset /= 2) {
+        walk += __shfl_xor_sync(0xffffffffu, walk, offset);
+        first = min(first, __shfl_xor_sync(0xffffffffu, first, offset));
+        end = max(end, __shfl_xor_sync(0xffffffffu, end, offset));
+    }
+    if (threadIdx.x % 32 == 0) warp_parts[threadIdx.x / 32] = make_int3(walk, first, end);
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int w = 1; w < kWalkThreads / 32; ++w) walk += warp_walks[w];
+        for (int w = 1; w < kWalkThreads / 32; ++w) {
+            walk += warp_parts[w].x;
+            first = min(first, warp_parts[w].y);
+            end = max(end, warp_parts[w].z);
+        }
         p.walks[slice * p.tiles + t] = walk;
+        p.bounds[slice * p.tiles + t] = make_int2(min(first, end), end);   // no step: (0, 0)
     }
 }
 #else

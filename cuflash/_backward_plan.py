@@ -252,7 +252,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                           tile=plan0.block_m, step=defines0["CUFLASH_BLOCK_M"], seqlen_q=max_q, seqlen_k=max_k,
                           window=(fwd_fields["window_left"], fwd_fields["window_right"]))
         temps += order.buffers()
-        names += ["work_order", "work_walks"]
+        names += ["work_order", "work_walks", "work_bounds"]
     if dsinks is not None:
         # Per (sequence, query head, 16-row CTA of bwd_preprocess): that CTA's terms of dL/dsinks. Every
         # entry is written (no zeroing); before dbias, which _finisher takes as the last temporary.
@@ -331,7 +331,7 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         slots["dbias"] = temp["dbias"]
         bwd.update(dbias_batch_stride=sb, dbias_head_stride=sh, dbias_row_stride=sr)
     if order is not None:
-        slots["fwd.work_order"] = temp["work_order"]
+        slots["fwd.work_order"], slots["fwd.work_bounds"] = temp["work_order"], temp["work_bounds"]
         fwd.update(order.kernel_fields())
     params = Template(BWD, {**{"fwd." + k: val for k, val in fwd.items()}, **bwd}, slots)
 
@@ -345,7 +345,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
         plan.steps.append(step(kernels.bwd_common.bwd_dsinks_variant(), (heads_q, 1, 1),
                                kernels.bwd_common.BWD_DSINKS_THREADS, 0))
     if order is not None:
-        plan.steps += order.steps(slots["fwd.block_mask"], temp["work_order"], temp["work_walks"], device_id)
+        plan.steps += order.steps(slots["fwd.block_mask"], temp["work_order"], temp["work_walks"], temp["work_bounds"],
+                                  device_id)
     grid0 = (key_blocks, heads_k * splits, batch)
     if persistent:   # one CTA an SM (the kernel's launch bounds), key blocks in grid0's order from the counter
         grid0 = (min(math.prod(grid0), _num_sms(device_id)), 1, 1)

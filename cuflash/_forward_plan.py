@@ -145,9 +145,9 @@ def forward_plan(entry, operands, q, k, v, o, *, dtype_name, head_dim, head_dim_
         plan.steps.append(_faults.check_step(plan, check, device_id))
         slots["error"] = plan.index("error")
     if order is not None:   # the tiles' order, from the block mask, ahead of the kernel that takes them
-        slots["work_order"] = plan.temp_index(len(temps) - 2)
+        slots["work_order"], walks, slots["work_bounds"] = (plan.temp_index(len(temps) - i) for i in (3, 2, 1))
         fields.update(order.kernel_fields())
-        plan.steps += order.steps(slots["block_mask"], slots["work_order"], plan.temp_index(len(temps) - 1), device_id)
+        plan.steps += order.steps(slots["block_mask"], slots["work_order"], walks, slots["work_bounds"], device_id)
     if family == "fwd_sm90":
         fields["tail_heads"] = kernels.fwd_sm90.fwd_tail_heads(math.ceil(grid_rows / plan_k.block_m), hq * b,
                                                           _num_sms(device_id), shrinking=right >= 0 and left < 0)

@@ -38,7 +38,8 @@ USER_ARGS = np.dtype(
 # ----------------------------------------------------------------------------- cuda_src/params.cuh
 FWD_PARAMS = np.dtype(
     _fields(np.uint64, ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "mask", "bias",
-                        "block_mask", "sinks", "error", "block_table", "seqused_k", "work_order"))
+                        "block_mask", "sinks", "error", "block_table", "seqused_k", "work_order",
+                        "work_bounds"))
     + _fields(np.int64, (
         "q_batch_stride", "q_row_stride", "q_head_stride",
         "k_batch_stride", "k_row_stride", "k_head_stride",
@@ -147,7 +148,7 @@ APPEND_PARAMS = np.dtype(
 
 # ----------------------------------------------------------------------------- cuda_src/work_order.cu
 WORK_ORDER_PARAMS = np.dtype(
-    _fields(np.uint64, ("block_mask", "order", "walks"))
+    _fields(np.uint64, ("block_mask", "order", "walks", "bounds"))
     + _fields(np.int64, ("block_mask_batch_stride", "block_mask_head_stride", "block_mask_row_stride",
                          "block_mask_col_stride"))
     + _fields(np.int32, ("heads_m", "tiles", "by_keys", "tile", "step", "block_q", "block_k", "seqlen_q", "seqlen_k",

@@ -31,16 +31,17 @@ class WorkOrder:
                            by_keys=int(by_keys), tile=tile, step=step, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                            window_left=window[0], window_right=window[1])
 
-    def buffers(self) -> tuple[Buffer, Buffer]:
-        """The plan's temporaries: the order and the walks it comes from (int32, slices x tiles each)."""
+    def buffers(self) -> tuple[Buffer, Buffer, Buffer]:
+        """The plan's temporaries: the order, the walks it comes from (int32, slices x tiles each) and the
+        tiles' bounds (int32 pairs, slices x tiles x 2)."""
         shape = (self.batch_m * self.heads_m, self.tiles)
-        return Buffer(shape, np.int32), Buffer(shape, np.int32)
+        return Buffer(shape, np.int32), Buffer(shape, np.int32), Buffer(shape + (2,), np.int32)
 
-    def steps(self, mask_slot: int, order_slot: int, walks_slot: int, device_id: int) -> list[Step]:
-        """The two launches that write the order from the block mask in value ``mask_slot`` into
-        ``order_slot`` (the walks into ``walks_slot`` on the way)."""
-        template = _params.Template(_params.WORK_ORDER, self.fields,
-                                    {"block_mask": mask_slot, "order": order_slot, "walks": walks_slot})
+    def steps(self, mask_slot: int, order_slot: int, walks_slot: int, bounds_slot: int, device_id: int) -> list[Step]:
+        """The two launches that write, from the block mask in value ``mask_slot``, the order into
+        ``order_slot`` and the tiles' bounds into ``bounds_slot`` (the walks into ``walks_slot``)."""
+        template = _params.Template(_params.WORK_ORDER, self.fields, {"block_mask": mask_slot, "order": order_slot,
+                                                                      "walks": walks_slot, "bounds": bounds_slot})
         slices = self.batch_m * self.heads_m
         steps = []
         for phase, grid in ((0, (self.tiles, slices, 1)), (1, (slices, 1, 1))):
@@ -50,6 +51,6 @@ class WorkOrder:
         return steps
 
     def kernel_fields(self) -> dict:
-        """FwdParams' strides of the order (its pointer is a slot)."""
+        """FwdParams' strides of the order and the bounds (their pointers are slots)."""
         return {"work_order_batch_stride": self.heads_m * self.tiles if self.batch_m > 1 else 0,
                 "work_order_head_stride": self.tiles if self.heads_m > 1 else 0}

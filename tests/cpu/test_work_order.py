@@ -32,7 +32,8 @@ def test_slices_follow_the_masks_broadcast(strides, slices, kernel_strides):
     order = WorkOrder(_mask_fields(*strides), batch=3, heads=5, tiles=32, by_keys=False, tile=128, step=128,
                       seqlen_q=4096, seqlen_k=4096, window=(-1, 0))
     assert (order.batch_m, order.heads_m) == slices
-    assert [b.shape for b in order.buffers()] == [(slices[0] * slices[1], 32)] * 2
+    n = slices[0] * slices[1]
+    assert [b.shape for b in order.buffers()] == [(n, 32), (n, 32), (n, 32, 2)]
     assert (order.kernel_fields()["work_order_batch_stride"], order.kernel_fields()["work_order_head_stride"]) \
         == kernel_strides
     assert order.fields["heads_m"] == slices[1] and order.fields["by_keys"] == 0

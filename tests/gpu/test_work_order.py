@@ -1,7 +1,8 @@
 """The work order of block-masked calls (cuda_src/work_order.cu, cuflash/_runtime/work_order.py) on the GPU.
 
-(a) the order the kernel writes equals NumPy's (walks counted from the block mask inside the window,
-    longest first, ties in the kernels' own order) for random masks, shapes, blocks, tiles and windows;
+(a) the order and bounds the kernels write equal NumPy's (walks counted from the block mask inside the
+    window, longest first, ties in the kernels' own order; each tile's first and last step a True block
+    touches) for random masks, shapes, blocks, tiles and windows;
 (b) fwd_sm90 and bwd_sm90 taking their tiles in that order give the bits of the same calls in the causal
     order (out, lse, dK, dV; dQ, added in any order by atomics, to rounding), for a document MaskMod
     and an explicit block mask, and the plans say which order they took;
@@ -30,14 +31,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu_available(), reason="n
 
 
 def _numpy_order(mask, *, by_keys, tile, step, block, seqlen_q, seqlen_k, window):
-    """(slices, tiles) order from a (Bm, Hm, rows, cols) bool mask, as cuda_src/work_order.cu defines it."""
+    """(order, bounds) from a (Bm, Hm, rows, cols) bool mask, as cuda_src/work_order.cu defines them: per
+    slice, the tiles by walk (the steps inside the window that a True block touches), longest first, ties in
+    the kernels' own order; per tile, (first, end) of the steps a True block touches, the window aside."""
     bq, bk = block
     left, right = window
     diag = seqlen_k - seqlen_q
     length, other = (seqlen_k, seqlen_q) if by_keys else (seqlen_q, seqlen_k)
-    tiles = -(-length // tile)
+    tiles, steps = -(-length // tile), -(-other // step)
     slices = mask.reshape(-1, *mask.shape[2:])
-    out = np.empty((len(slices), tiles), np.int32)
+    order = np.empty((len(slices), tiles), np.int32)
+    bounds = np.empty((len(slices), tiles, 2), np.int32)
     for s, m in enumerate(slices):
         walks = []
         for t in range(tiles):
@@ -48,15 +52,19 @@ def _numpy_order(mask, *, by_keys, tile, step, block, seqlen_q, seqlen_k, window
             else:
                 first = 0 if right < 0 else max(0, lo - diag - right)
                 last = seqlen_q if left < 0 else min(seqlen_q, hi - diag + left)
+            touched = []
             walk = 0
-            for o in range(first // step, -(-last // step) if first < last else 0):
-                o0, o1 = max(o * step, first), min(o * step + step, last)
+            for o in range(steps):
+                o0, o1 = o * step, min(o * step + step, other)
                 (i0, i1), (j0, j1) = ((o0, o1), (lo, hi)) if by_keys else ((lo, hi), (o0, o1))
-                walk += bool(m[i0 // bq:(i1 - 1) // bq + 1, j0 // bk:(j1 - 1) // bk + 1].any())
+                if m[i0 // bq:(i1 - 1) // bq + 1, j0 // bk:(j1 - 1) // bk + 1].any():
+                    touched.append(o)
+                    walk += max(o0, first) < min(o1, last)
             walks.append(walk)
+            bounds[s, t] = (touched[0], touched[-1] + 1) if touched else (0, 0)
         # Longest first; ties in the kernels' own order: fwd the higher m-block first, bwd the lower key block.
-        out[s] = sorted(range(tiles), key=lambda t: (-walks[t], t if by_keys else -t))
-    return out, other
+        order[s] = sorted(range(tiles), key=lambda t: (-walks[t], t if by_keys else -t))
+    return order, bounds
 
 
 def _gpu_order(mask, **kw):
@@ -69,12 +77,14 @@ def _gpu_order(mask, **kw):
                       seqlen_k=kw["seqlen_k"], window=kw["window"])
     slices = order.batch_m * order.heads_m
     out, walks = (cupy.full((slices, order.tiles), -1, np.int32) for _ in range(2))
-    data = WORK_ORDER.pack(dict(order.fields, block_mask=mask.data.ptr, order=out.data.ptr, walks=walks.data.ptr))
+    bounds = cupy.full((slices, order.tiles, 2), -1, np.int32)
+    data = WORK_ORDER.pack(dict(order.fields, block_mask=mask.data.ptr, order=out.data.ptr, walks=walks.data.ptr,
+                                bounds=bounds.data.ptr))
     params = np.frombuffer(bytes(data), WORK_ORDER_PARAMS)[0]
     for phase, grid in ((0, (order.tiles, slices)), (1, (slices,))):
         get_kernel(kernels.work_order.work_order_variant(phase))(grid, (kernels.work_order.WORK_ORDER_THREADS[phase],),
                                                                  (params,))
-    return out.get()
+    return out.get(), bounds.get()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -89,9 +99,10 @@ def test_order_equals_numpy(seed, by_keys, batch_m, heads_m, seqlen_q, seqlen_k,
     mask = rng.random((batch_m, heads_m, rows, cols)) < density
     tile, step = tiles if not by_keys else tiles[::-1]
     kw = dict(by_keys=by_keys, tile=tile, step=step, block=block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, window=window)
-    want, _ = _numpy_order(mask, **kw)
-    got = _gpu_order(cupy.asarray(mask), **kw)
-    np.testing.assert_array_equal(got, want)
+    want_order, want_bounds = _numpy_order(mask, **kw)
+    got_order, got_bounds = _gpu_order(cupy.asarray(mask), **kw)
+    np.testing.assert_array_equal(got_order, want_order)
+    np.testing.assert_array_equal(got_bounds, want_bounds)
 
 
 def _document_mask_mod(rng, seqlen):
