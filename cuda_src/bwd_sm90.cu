@@ -445,16 +445,24 @@ struct BwdSm90Tiles {
 // read the last; x = -1 ends the CTA.
 __shared__ int4 bwd_cta_place[2];
 
+// The first of the query heads whose tiles the CTA of slot `slot` walks (heads_per_cta of its kv head's
+// group).
+__device__ __forceinline__ int slot_first_query_head(const BwdParams& bp, int slot) {
+    const int group = bp.fwd.heads_q / bp.fwd.heads_k, splits = group / bp.heads_per_cta;
+    return (slot / splits) * group + (slot % splits) * bp.heads_per_cta;
+}
+
+// Where a block-masked call's work order (FwdParams::work_order, work_bounds) holds the CTA's key block.
+__device__ __forceinline__ int work_index(const FwdParams& p, int b, int h0, int key_block) {
+    return b * p.work_order_batch_stride + h0 * p.work_order_head_stride + key_block;
+}
+
 template <class C>
 __device__ __forceinline__ int4 cta_place(const BwdParams& bp) {
     if constexpr (C::kOrdered) return make_int4(gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z, 0);
     int4 place = bwd_grid_place(bp.tail_pairs);
-    const FwdParams& p = bp.fwd;
-    if (C::kBlockMask && p.work_order != nullptr) {   // the x-th longest walk of its (sequence, first query head)
-        const int group = p.heads_q / p.heads_k, splits = group / bp.heads_per_cta;
-        const int h0 = (place.y / splits) * group + (place.y % splits) * bp.heads_per_cta;
-        place.x = p.work_order[place.z * p.work_order_batch_stride + h0 * p.work_order_head_stride + place.x];
-    }
+    if (C::kBlockMask && bp.fwd.work_order != nullptr)   // the x-th longest walk of its (sequence, first query head)
+        place.x = bp.fwd.work_order[work_index(bp.fwd, place.z, slot_first_query_head(bp, place.y), place.x)];
     return place;
 }
 
@@ -912,7 +920,9 @@ __device__ __forceinline__ void store_dk_dv_chunks(const BwdParams& bp, int b, i
         copy_staged_key_rows<kDv>(staging + kDkBytes, dv, bp.dv_row_stride, r0, se.seqlen_k, col0_v, p.head_dim_v);
 }
 
-// The first of the query heads whose tiles a CTA walks (heads_per_cta of its kv head's group).
+// The first of the query heads whose tiles a CTA walks (heads_per_cta of its kv head's group), from the
+// slot kept in shared memory (slot_first_query_head's, written out: through it, ptxas laid out the
+// 80-row and ordered-dQ variants anew and spilled 4-12 B there).
 __device__ __forceinline__ int first_query_head(const BwdParams& bp, int turn = 0) {
     const int group = bp.fwd.heads_q / bp.fwd.heads_k, splits = group / bp.heads_per_cta;
     const int slot = cta_slot(turn);
@@ -2097,8 +2107,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
     // the mask, so a CTA of several heads takes them only where the mask is the same for every head.
     if constexpr (C::kBlockMask)
         if (p.work_order != nullptr && (bp.heads_per_cta == 1 || p.work_order_head_stride == 0)) {
-            const int h0 = (place.y / splits) * group + (place.y % splits) * bp.heads_per_cta;
-            const int2 bounds = p.work_bounds[b * p.work_order_batch_stride + h0 * p.work_order_head_stride + place.x];
+            const int2 bounds = p.work_bounds[work_index(p, b, slot_first_query_head(bp, place.y), place.x)];
             c_begin = max(c_begin, bounds.x);
             c_end = max(c_begin, min(c_end, bounds.y));
         }

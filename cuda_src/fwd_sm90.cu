@@ -433,21 +433,21 @@ struct WorkItem {
         int m_block = num_m_blocks - 1 - rank;
         // Only block-masked calls have an order (its reads in the 24 registers of the other variants'
         // producer spilled 4-8 B at D = 64 and with a value head dim of its own).
-        int2 bounds = make_int2(0, 0x7fffffff);   // the key tiles some True block touches (work_bounds)
-        if constexpr (C::kBlockMask)
-            if (p.work_order != nullptr) {
-                const int slice = (hb / p.heads_q) * p.work_order_batch_stride +
-                                  (hb % p.heads_q) * p.work_order_head_stride;
-                m_block = p.work_order[slice + rank];
-                bounds = p.work_bounds[slice + m_block];
-            }
+        const int* order = C::kBlockMask ? p.work_order : nullptr;
+        const int slice = (hb / p.heads_q) * p.work_order_batch_stride + (hb % p.heads_q) * p.work_order_head_stride;
+        if (order != nullptr) m_block = order[slice + rank];
         w.s = seq_info<C>(p, hb / p.heads_q, hb % p.heads_q);
         w.m_lo = m_block * C::kBlockM;
         w.m_hi = min(w.m_lo + C::kBlockM, w.s.seqlen_q);
         int key_first, key_last;
         visible_keys(p, w.s, w.m_lo, w.m_hi, &key_first, &key_last);
-        w.n_first = max(key_first / C::kBlockN, bounds.x);
-        w.n_end = max(w.n_first, min(ceil_div(key_last, C::kBlockN), bounds.y));
+        w.n_first = key_first / C::kBlockN;
+        w.n_end = ceil_div(key_last, C::kBlockN);
+        if (order != nullptr) {   // only the key tiles some True block touches (work_bounds)
+            const int2 bounds = p.work_bounds[slice + m_block];
+            w.n_first = max(w.n_first, bounds.x);
+            w.n_end = max(w.n_first, min(w.n_end, bounds.y));
+        }
         w.batch_coord = p.cu_seqlens_q != nullptr ? 0 : w.s.b;
         return w;
     }
