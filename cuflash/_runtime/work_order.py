@@ -1,6 +1,6 @@
-"""The work-order step of a block-masked fwd_sm90 or bwd_sm90 plan (cuda_src/work_order.cu): a buffer
-of the order, the launch that writes it ahead of the attention kernel, and the FwdParams fields that
-point the kernel at it."""
+"""The work-order steps of a block-masked fwd_sm90 or bwd_sm90 plan (cuda_src/work_order.cu): the buffers
+of the order and of the tiles' bounds, the two launches that write them ahead of the attention kernel,
+and the FwdParams fields that point the kernel at them."""
 
 from __future__ import annotations
 

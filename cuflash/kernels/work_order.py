@@ -1,6 +1,7 @@
 """work_order (cuda_src/work_order.cu): the order in which fwd_sm90 takes a block-masked call's
-m-blocks and bwd_sm90 its key blocks, the longest walk first, worked out on the GPU from the block
-mask ahead of the kernel (FwdParams::work_order)."""
+m-blocks and bwd_sm90 its key blocks, the longest walk first, and each one's bounds (the steps some
+True block touches), worked out on the GPU from the block mask ahead of the kernel
+(FwdParams::work_order, work_bounds)."""
 
 from __future__ import annotations
 
