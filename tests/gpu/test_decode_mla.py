@@ -189,6 +189,15 @@ def _long_sequence(page_size):
     return seed, case, cupy.asarray(case["q"]), cupy.asarray(case["cache"]), kw
 
 
+def _assert_long_sequence_matches(case, out, lse, msg):
+    """out and lse of a _long_sequence case against the float64 reference (bf16's tolerance for out)."""
+    want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
+                                      block_table=case["table"])
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0,
+                               atol=TOL["bfloat16"] * max(1.0, float(np.abs(want).max())), err_msg=msg)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse).max())), err_msg=msg)
+
+
 @pytest.mark.parametrize("page_size", [None, 64])
 def test_one_long_sequence_takes_the_mla_split_count(page_size):
     # One sequence of 16k latent rows, 16 heads: the split rule alone would cut it 63 ways (a wave of
@@ -201,12 +210,7 @@ def test_one_long_sequence_takes_the_mla_split_count(page_size):
         # (pages: splits of DECODE_MLA_PAGED_MIN_SPLIT_KEYS or more, 18 here before the cap)
         assert splits == kernels.decode.DECODE_MLA_MAX_SPLITS, splits
         out, lse, _ = _run(case, num_splits=0, options={})
-    want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
-                                      block_table=case["table"])
-    msg = f"seed {seed}, {splits} splits"
-    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0,
-                               atol=TOL["bfloat16"] * max(1.0, float(np.abs(want).max())), err_msg=msg)
-    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse).max())), err_msg=msg)
+    _assert_long_sequence_matches(case, out, lse, f"seed {seed}, {splits} splits")
 
 
 @pytest.mark.parametrize("page_size", [None, 64])
@@ -221,12 +225,7 @@ def test_one_long_sequence_on_mla_sm90_splits_over_the_sms(page_size):
         sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         assert info["num_splits"] == _mla_plan.mla_num_splits(1, 1, 16384, sms) > 1, info
         out, lse, _ = _run(case, num_splits=0, options={})
-    want, want_lse = reference.decode(case["q"], case["cache"], None, v_head_dim=D_V, cache_seqlens=case["lens"],
-                                      block_table=case["table"])
-    msg = f"seed {seed}"
-    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0,
-                               atol=TOL["bfloat16"] * max(1.0, float(np.abs(want).max())), err_msg=msg)
-    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-3 * max(1.0, float(np.abs(want_lse).max())), err_msg=msg)
+    _assert_long_sequence_matches(case, out, lse, f"seed {seed}")
 
 
 def test_mla_sm90_refuses_what_it_cannot_run():
