@@ -84,6 +84,7 @@
 #ifndef CUFLASH_SCORE_TILE
 #define CUFLASH_SCORE_TILE 0
 #endif
+
 #ifndef CUFLASH_TILE_ONE_ROW
 #define CUFLASH_TILE_ONE_ROW 0
 #endif
@@ -157,8 +158,9 @@ struct BwdSm90Config {
     // mask's loads (kernels/bwd_sm90.py, IN_PLACE_MODS).
     // A bias of q's dtype or a boolean mask alone (kScoreTile, CUFLASH_SCORE_TILE: the host checked its
     // layout) is read as tiles too, as in fwd_sm90: the producer loads a step's (query rows x the CTA's
-    // keys) block of it by TMA into the stage beside Q and dO, and the consumers read it transposed
-    // (add_bias_tile_t, hide_by_mask_tile_t); then it modifies S^T in place like ALiBi. At D = 128 only
+    // keys) block of it by TMA into the stage beside Q and dO, and the consumers read it transposed:
+    // the bias as S^T's starting accumulator (start_scores_with_bias_t), the mask after S^T
+    // (hide_by_mask_tile_t); then it modifies S^T in place like ALiBi. At D = 128 only
     // (square), without dropout or ordered dQ, and not for dbias (its stores spill 92 bytes here): its
     // stages take one of dQ's two share buffers.
     static constexpr bool kScoreTile = CUFLASH_SCORE_TILE != 0;
@@ -556,15 +558,16 @@ __device__ __forceinline__ void cap_scores(const FwdParams& p, float (&acc_s)[C:
         for (int e = 0; e < 4; ++e) acc_s[mi][e] = unscale * softcap_tanh(acc_s[mi][e] * p.scale, rate);
 }
 
-// The bias tile (C::kBiasTile) on a consumer's raw scores S^T: qk += bias / scale (so that scale qk
-// becomes scale qk + bias), element (mi, e) being key key0 + g + 8 (e / 2) of the CTA's block (key0: the
-// warp's first, a multiple of 16) and query 8 mi + 2 t + e % 2 of the step. The tile's rows are queries:
+// The bias tile (C::kBiasTile) as a consumer's S^T accumulator before S^T = K Q^T adds to it: bias /
+// scale (so that scale S^T is scale qk + bias; fwd_sm90's start_scores_with_bias), element (mi, e) being
+// key key0 + g + 8 (e / 2) of the CTA's block (key0: the warp's first, a multiple of 16) and query
+// 8 mi + 2 t + e % 2 of the step. The tile's rows are queries:
 // an 8 x 8 piece of queries x keys, transposed by ldmatrix, hands each thread the pair of queries of one
 // key it holds. Matrix j of the four: n-tile mi + j / 2, keys + 8 (j % 2); lane l addresses row l % 8 of
 // matrix l / 8 (16 bytes of keys, one swizzled chunk).
 template <class C>
-__device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0, int lane,
-                                                float inv_scale) {
+__device__ __forceinline__ void start_scores_with_bias_t(float (&acc_s)[C::kMTiles][4], unsigned tile, int key0,
+                                                         int lane, float inv_scale) {
     if constexpr (C::kTileOneRow) {   // the thread's two keys' values, for all its queries
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -576,8 +579,8 @@ __device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], u
             const float bias = to_float(elem_t{bits}) * inv_scale;
 #pragma unroll
             for (int mi = 0; mi < C::kMTiles; ++mi) {
-                acc_s[mi][2 * half] += bias;
-                acc_s[mi][2 * half + 1] += bias;
+                acc_s[mi][2 * half] = bias;
+                acc_s[mi][2 * half + 1] = bias;
             }
         }
         return;
@@ -591,13 +594,13 @@ __device__ __forceinline__ void add_bias_tile_t(float (&acc_s)[C::kMTiles][4], u
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float* e = &acc_s[mi + j / 2][2 * (j % 2)];
-            e[0] = fmaf(to_float(elem_t{static_cast<unsigned short>(bias[j] & 0xffffu)}), inv_scale, e[0]);
-            e[1] = fmaf(to_float(elem_t{static_cast<unsigned short>(bias[j] >> 16)}), inv_scale, e[1]);
+            e[0] = to_float(elem_t{static_cast<unsigned short>(bias[j] & 0xffffu)}) * inv_scale;
+            e[1] = to_float(elem_t{static_cast<unsigned short>(bias[j] >> 16)}) * inv_scale;
         }
     }
 }
 
-// The mask tile (C::kMaskTile): -inf where the mask is False, for the elements of add_bias_tile_t (scores
+// The mask tile (C::kMaskTile): -inf where the mask is False, for the elements of start_scores_with_bias_t (scores
 // in log2 units, after modify_scores). A query's 128 key bytes are eight chunks of 16, key k in chunk
 // k / 16 (XOR the query row), at byte k % 16; one byte an element. The thread's keys key0 + g and + 8
 // share a chunk, and its queries 8 mi + 2 t + e the row's XOR (2 t + e): one base address per e, the
@@ -699,7 +702,6 @@ __device__ __forceinline__ bool take_probabilities(const FwdParams& p, const Seq
         auto raw = [&](int r, int x) -> float& { return acc_s[x / 2][2 * r + x % 2]; };
         if constexpr (C::kScoreTile) {   // the window and the ends by modify_scores, the tile's part here
             const int key0 = (keys[0] - n_lo) & ~15, lane = threadIdx.x % 32;
-            if constexpr (C::kBiasTile) add_bias_tile_t<C>(acc_s, score_tile, key0, lane, 1.f / p.scale);
             modify_scores<0, 2, 2 * C::kMTiles, true, false>(p, s, keys, queries, raw, raw, blocks_whole);
             if constexpr (C::kMaskTile) hide_by_mask_tile_t<C>(acc_s, score_tile, key0, lane / 4, lane % 4);
         } else if constexpr (C::kModifiedInPlace) {
@@ -1451,8 +1453,12 @@ __device__ __forceinline__ void walk_key_halves(const BwdParams& bp, SeqInfo s, 
                                                                          do_tile);
             wgmma_commit();
         };
+        if constexpr (C::kBiasTile)   // this warp's keys of the step's bias tile (landed with Q and dO)
+            start_scores_with_bias_t<C>(acc_s, tiles.score + stage * C::kTileBytes, consumer * 64 + warp * 16, lane,
+                                        1.f / p.scale);
         wgmma_fence();
-        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM>(s_flat, tiles.k + consumer * 64 * 128, q_tile);
+        gemm_abt_ss<C::kBlockM, C::kHeadDim, C::kBlockN, C::kBlockM, C::kBiasTile>(
+            s_flat, tiles.k + consumer * 64 * 128, q_tile);
         wgmma_commit();
         if constexpr (!C::kSerialScores) issue_dp();
 
@@ -2124,6 +2130,7 @@ __device__ __forceinline__ void bwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         return;
     }
     setmaxnreg_inc<C::kConsumerRegs>();
+    static_assert(!C::kBiasTile || (!C::kAsymmetricSplit && !C::kSplitDims), "the bias starts S^T in walk_key_halves");
     if constexpr (C::kAsymmetricSplit) {
         if (threadIdx.x < 256) consume_dim_pipelined<C, 0>(bp, s, b, sh, tiles);
         else consume_dim_pipelined<C, 1>(bp, s, b, sh, tiles);

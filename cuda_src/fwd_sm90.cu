@@ -64,11 +64,12 @@ struct FwdSm90Config {
     // A bias (kBiasTile) or a boolean mask (kMaskTile) alone, of q's dtype for the bias, read as a tile
     // of the CTA's rows x the tile's keys that the producer loads by TMA beside K (kScoreTile): column
     // blocks of 128 bytes (64 bias elements or 128 mask bytes) x kBlockM rows, 16-byte chunks
-    // XOR-swizzled by row as in every tile here. The loop without modifiers then adds the bias with one
-    // FFMA an element (add_bias_tile) or hides what the mask hides (hide_by_mask_tile): 0.69-0.76x of
-    // the call without options (forward, D = 128, 8k causal), where modify_scores on the rotated loop,
-    // each thread loading its 16-bit values from global memory, runs at 0.15x and 0.33x
-    // (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
+    // XOR-swizzled by row as in every tile here. The loop without modifiers then starts S's accumulator
+    // at bias / scale (start_scores_with_bias, before S is issued: the bias's reads and conversions
+    // stay out of the way between S and its softmax) or hides what the mask hides after S
+    // (hide_by_mask_tile): 0.77x and 0.74x of the call without options (forward, D = 128, 8k causal),
+    // where modify_scores on the rotated loop, each thread loading its 16-bit values from global
+    // memory, runs at 0.15x and 0.33x (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
     static constexpr bool kBiasTile = kOnPlainLoop_ && kMods_ == kModBias;
     static constexpr bool kMaskTile = kOnPlainLoop_ && kMods_ == kModMask;
     static constexpr bool kScoreTile = kBiasTile || kMaskTile;
@@ -76,9 +77,7 @@ struct FwdSm90Config {
                   "the plain loop takes ALiBi, the softcap, a bias or a mask alone");
     static_assert(!kScoreTile || (kBlockN_ == 128 && kKvCache_ == 0 && kStages_ % 2 == 0),
                   "score tiles of 128 keys, not over a KV cache, an even number of stages");
-    // Scores that leave score_step in log2 units (the softmax then scales by 1); a bias tile's leave it
-    // as scale qk + bias, which the softmax scales by log2(e) in the FFMA it has anyway (taking them to
-    // log2 units in add_bias_tile cost an FMUL an element more).
+    // Scores that leave score_step in log2 units (the softmax then scales by 1).
     static constexpr bool kScoresInLog2 = kAlibiColumns || kSoftcapOnPlainLoop;
     // Key tiles from the last (the diagonal's) down: its biases are its rows' largest, so the rows'
     // maxima rarely move after it and the speculative softmax keeps the later tiles. Upwards, every
@@ -208,13 +207,16 @@ __device__ __forceinline__ void cap_scores_log2(float (&s)[1][kNTiles][4], float
         for (int e = 0; e < 4; ++e) s[0][ni][e] = fmaf(-2.f * cap_log2, softcap_tanh_rest(s[0][ni][e], rate), cap_log2);
 }
 
-// The bias tile (FwdSm90Config::kBiasTile) on raw scores: s = s scale + bias, for this thread's elements:
-// rows warp_row + g and + 8 of the tile, columns 8 ni + 2 t and + 1 of n-tile ni. ldmatrix hands out 8 x 8 pieces of 16-bit elements in exactly that layout: matrix j of the four
-// holds n-tile ni + j / 2, rows g (j even) or g + 8, and lane l gives the address of matrix l / 8's row
-// l % 8 (16 contiguous bytes: one swizzled chunk; with kTileOneRow every lane's row is row 0).
+// The bias tile (FwdSm90Config::kBiasTile) as S's starting accumulator: s = bias / scale, so that the S
+// GEMM (accumulating from its first k-step) leaves qk + bias / scale and the softmax's FFMA by
+// scale log2(e) makes (scale qk + bias) log2(e). This thread's elements: rows warp_row + g and + 8 of
+// the tile, columns 8 ni + 2 t and + 1 of n-tile ni. ldmatrix hands out 8 x 8 pieces of 16-bit elements
+// in exactly that layout: matrix j of the four holds n-tile ni + j / 2, rows g (j even) or g + 8, and
+// lane l gives the address of matrix l / 8's row l % 8 (16 contiguous bytes: one swizzled chunk; with
+// kTileOneRow every lane's row is row 0).
 template <class C>
-__device__ __forceinline__ void add_bias_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int lane,
-                                              float scale) {
+__device__ __forceinline__ void start_scores_with_bias(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row,
+                                                       int lane, float inv_scale) {
     // warp_row is a multiple of 8: row % 8 == lane % 8
     const int row = C::kTileOneRow ? 0 : warp_row + (lane / 8 % 2) * 8 + lane % 8;
 #pragma unroll
@@ -227,14 +229,14 @@ __device__ __forceinline__ void add_bias_tile(float (&s)[1][C::kNTiles][4], unsi
             float* e = &s[0][ni + j / 2][2 * (j % 2)];
             const float lo = to_float(elem_t{static_cast<unsigned short>(bias[j] & 0xffffu)});
             const float hi = to_float(elem_t{static_cast<unsigned short>(bias[j] >> 16)});
-            e[0] = fmaf(e[0], scale, lo);
-            e[1] = fmaf(e[1], scale, hi);
+            e[0] = lo * inv_scale;
+            e[1] = hi * inv_scale;
         }
     }
 }
 
 // The mask tile (FwdSm90Config::kMaskTile): -inf where the mask is False, for the elements of
-// add_bias_tile. The two bytes of a thread's column pair, one 16-bit load: a row's 128 bytes are eight
+// start_scores_with_bias (after S: a masked key's NaN or infinite score must not reach its row). The two bytes of a thread's column pair, one 16-bit load: a row's 128 bytes are eight
 // chunks of 16 columns, n-tile ni in chunk ni / 2 (XOR the row), at byte 8 (ni % 2) + 2 t (kTileOneRow: row 0).
 template <class C>
 __device__ __forceinline__ void hide_by_mask_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int g,
@@ -768,7 +770,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 const unsigned q_off = (kk / 4) * C::kBlockM * 128 + (kk % 4) * 32;
                 const unsigned k_off = (kk / 4) * C::kKBlockPitch + (kk % 4) * 32;
                 wgmma_ss<C::kBlockN>(*reinterpret_cast<float(*)[C::kBlockN / 2]>(&acc_s[0][0][0]),
-                                     q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0);
+                                     q_desc + (q_off >> 4), k_desc + (k_off >> 4), kk > 0 || C::kBiasTile);
             }
             wgmma_commit();
         };
@@ -786,9 +788,18 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
                 }
             wgmma_commit();
         };
-        // mask_scores scales modified scores, add_alibi_columns and cap_scores_log2 theirs, add_bias_tile
-        // to natural units.
-        const float scale_log2 = C::kScoreMods || C::kScoresInLog2 ? 1.f : C::kBiasTile ? kLog2e : p.scale_log2;
+        // mask_scores scales modified scores, add_alibi_columns and cap_scores_log2 theirs.
+        const float scale_log2 = C::kScoreMods || C::kScoresInLog2 ? 1.f : p.scale_log2;
+        // kBiasTile: key tile n's bias (its buffer's phase: the stage's parity) as S's accumulator,
+        // before S is issued.
+        const float inv_scale = C::kBiasTile ? 1.f / p.scale : 0.f;
+        auto start_with_bias = [&](int stage) {
+            if constexpr (C::kBiasTile) {
+                mbar_wait(tile_full, stage % 2);
+                start_scores_with_bias<C>(acc_s, tile_smem, consumer * 64 + warp * 16, lane, inv_scale);
+                mbar_arrive(tile_empty);
+            }
+        };
         float alibi_log2 = 0.f;   // kAlibiColumns: the head's slope x log2(e), its bias relative to key alibi_ref
         const int alibi_ref = m_lo + s.diag;
         if constexpr (C::kAlibiColumns) alibi_log2 = p.alibi_slopes[s.b * p.alibi_batch_stride + s.h] * kLog2e;
@@ -808,11 +819,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if constexpr (C::kRotated && C::kHeadDimV == 256) asm volatile("" : "+r"(mod_row0));
             if constexpr (C::kSoftcapOnPlainLoop)   // before the masks: tanh(-inf) is not -inf
                 cap_scores_log2(acc_s, p.scale * softcap_rate(p), p.softcap * kLog2e);
-            if constexpr (C::kScoreTile) {   // before the masks too: -inf + a bias of +inf is no -inf
+            if constexpr (C::kMaskTile) {   // before the masks too
                 mbar_wait(tile_full, stage % 2);   // (the tile's stage)
-                const int warp_row = consumer * 64 + warp * 16;
-                if constexpr (C::kBiasTile) add_bias_tile<C>(acc_s, tile_smem, warp_row, lane, p.scale);
-                else hide_by_mask_tile<C>(acc_s, tile_smem, warp_row, g, t);
+                hide_by_mask_tile<C>(acc_s, tile_smem, consumer * 64 + warp * 16, g, t);
                 mbar_arrive(tile_empty);
             }
             mask_scores<C::kScoreMods ? C::kMods : 0>(acc_s, p, s, m_lo, m_hi, n * C::kBlockN, mod_row0, g, t);
@@ -907,6 +916,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             }
         } else if (num_tiles > 0) {
             int n = wait_tile(stage, phase);
+            start_with_bias(stage);
             wgmma_fence();
             issue_s(stage);
             wgmma_wait<0>();
@@ -924,6 +934,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             for (int i = 1; i < num_tiles; ++i) {
                 const int n_prev = n;
                 n = wait_tile(stage, phase);
+                start_with_bias(stage);
                 wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
                 issue_s(stage);
                 mbar_wait(v_full(prev_stage), prev_phase);

@@ -55,11 +55,13 @@ __device__ __forceinline__ void wgmma_rs(float* acc, const unsigned (&a)[4], uns
 }
 
 // acc (64 x N) = A B^T: A = 64 rows of a K-major tile of kARows rows starting at a_tile, B = the N
-// rows of a K-major tile of kBRows rows at b_tile; kK contraction columns. acc is only written.
-template <int N, int kK, int kARows, int kBRows>
+// rows of a K-major tile of kBRows rows at b_tile; kK contraction columns. acc is only written, or
+// with kAccumulate added to (acc += A B^T).
+template <int N, int kK, int kARows, int kBRows, bool kAccumulate = false>
 __device__ __forceinline__ void gemm_abt_ss(float (&acc)[N / 2], unsigned a_tile, unsigned b_tile) {
     const unsigned long long a = smem_desc(a_tile, 16, 1024), b = smem_desc(b_tile, 16, 1024);
-    wgmma_ss_first<N>(acc, a, b);
+    if constexpr (kAccumulate) wgmma_ss<N>(acc, a, b, 1);
+    else wgmma_ss_first<N>(acc, a, b);
 #pragma unroll
     for (int kk = 1; kk < kK / 16; ++kk)
         wgmma_ss<N>(acc, a + (kmajor_step<kARows>(kk) >> 4), b + (kmajor_step<kBRows>(kk) >> 4), 1);

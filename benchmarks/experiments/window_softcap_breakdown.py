@@ -3,8 +3,8 @@ FlashAttention-4 with the same options (issue 52's first bar).
 
 B 2, S 8k, H 16, D 128, bf16, causal; each of: no option, ``window=(1024, 0)``, ``softcap=30``, both;
 and, without FA4 (it has none of them), ALiBi slopes, an additive (S, S) bf16 bias and a bool (S, S)
-mask (95% True), each alone (issue 52's bar: each >= 0.9x of the call without options), and a (B, 1, 1, S)
-key padding mask (95% True).
+mask (95% True), each alone (issue 52's bar: each >= 0.9x of the call without options), a (B, 1, 1, S)
+key padding mask (95% True) and a (B, 1, 1, S) bf16 key bias.
 Contenders called as their users call them from torch tensors: ``ct.attention`` (under
 ``torch.no_grad`` for the forward row), FA4's ``flash_attn_func``, and for the bias and the mask
 SDPA's cuDNN and efficient backends, whose ``attn_mask`` then carries the causal mask too (SDPA takes
@@ -35,7 +35,7 @@ B, S, H, D = 2, 8192, 16, 128
 WINDOW, CAP = 1024, 30.0
 OPTIONS = {"plain": {}, "window": dict(window=WINDOW), "softcap": dict(softcap=CAP),
            "window+softcap": dict(window=WINDOW, softcap=CAP), "alibi": dict(alibi=True), "bias": dict(bias=True),
-           "mask": dict(mask=True), "key mask": dict(key_mask=True)}
+           "mask": dict(mask=True), "key mask": dict(key_mask=True), "key bias": dict(key_bias=True)}
 
 
 def visible_pairs(window, mask=None):
@@ -56,9 +56,12 @@ def calls(gpu, ct, fa4, q, k, v, options, arrays):
     extra = {name: arrays[name] for name in ("alibi_slopes", "bias", "mask") if options.get(name.split("_")[0])}
     if options.get("key_mask"):
         extra["mask"] = arrays["key_mask"]
+    if options.get("key_bias"):
+        extra["bias"] = arrays["key_bias"]
     out = {"cuflash": lambda: ct.attention(q, k, v, causal=True, window=(window, 0) if window else None,
                                            softcap=softcap, **extra)}
-    sdpa_mask = next((arrays["sdpa_" + name] for name in ("bias", "mask", "key_mask") if options.get(name)), None)
+    sdpa_mask = next((arrays["sdpa_" + name] for name in ("bias", "mask", "key_mask", "key_bias") if options.get(name)),
+                     None)
     if sdpa_mask is not None:
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))   # SDPA's (B, H, S, D) views of (B, S, H, D)
         for who, backend in (("sdpa cudnn", gpu.SDPBackend.CUDNN_ATTENTION),
@@ -102,8 +105,10 @@ def main(argv=None):
                   mask=torch.rand(S, S, device="cuda") < 0.95)
     causal = torch.ones(S, S, device="cuda", dtype=torch.bool).tril()
     arrays["key_mask"] = torch.rand(B, 1, 1, S, device="cuda") < 0.95
+    arrays["key_bias"] = torch.randn(B, 1, 1, S, device="cuda", dtype=torch.bfloat16)
     arrays.update(sdpa_bias=arrays["bias"].masked_fill(~causal, float("-inf")), sdpa_mask=arrays["mask"] & causal,
-                  sdpa_key_mask=arrays["key_mask"] & causal)
+                  sdpa_key_mask=arrays["key_mask"] & causal,
+                  sdpa_key_bias=arrays["key_bias"].expand(B, 1, S, S).masked_fill(~causal, float("-inf")))
     if args.ncu:
         fn = calls(gpu, ct, None, q, k, v, OPTIONS["window+softcap"], arrays)["cuflash"]
         for _ in range(3):
