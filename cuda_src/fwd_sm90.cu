@@ -64,14 +64,17 @@ struct FwdSm90Config {
     // A bias (kBiasTile) or a boolean mask (kMaskTile) alone, of q's dtype for the bias, read as a tile
     // of the CTA's rows x the tile's keys that the producer loads by TMA beside K (kScoreTile): column
     // blocks of 128 bytes (64 bias elements or 128 mask bytes) x kBlockM rows, 16-byte chunks
-    // XOR-swizzled by row as in every tile here. The loop without modifiers then starts S's accumulator
-    // at bias / scale (start_scores_with_bias, before S is issued: the bias's reads and conversions
-    // stay out of the way between S and its softmax) or hides what the mask hides after S
-    // (hide_by_mask_tile): 0.77x and 0.74x of the call without options (forward, D = 128, 8k causal),
-    // where modify_scores on the rotated loop, each thread loading its 16-bit values from global
-    // memory, runs at 0.15x and 0.33x (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
+    // XOR-swizzled by row as in every tile here. Both are read before S is issued, so that their
+    // loads and conversions stay out of the way between S and its softmax: the bias as S's starting
+    // accumulator, bias / scale (start_scores_with_bias), a mask of the CTA's rows as bits
+    // (mask_tile_bits, kMaskBits) that hide elements after S (hide_by_bits; one of a row, kTileOneRow,
+    // gains nothing so and hides after S from its bytes, hide_by_mask_tile). The loop without modifiers
+    // then runs at 0.77x (bias) and 0.83x (mask) of the call without options (forward, D = 128, 8k
+    // causal), where modify_scores on the rotated loop, each thread loading its 16-bit values from
+    // global memory, runs at 0.15x and 0.33x (docs/decisions.md#fwd-sm90-a-bias-or-mask-as-tiles).
     static constexpr bool kBiasTile = kOnPlainLoop_ && kMods_ == kModBias;
     static constexpr bool kMaskTile = kOnPlainLoop_ && kMods_ == kModMask;
+    static constexpr bool kMaskBits = kMaskTile && !kTileOneRow_;
     static constexpr bool kScoreTile = kBiasTile || kMaskTile;
     static_assert(!kOnPlainLoop_ || kAlibiColumns || kSoftcapOnPlainLoop || kScoreTile,
                   "the plain loop takes ALiBi, the softcap, a bias or a mask alone");
@@ -253,6 +256,37 @@ __device__ __forceinline__ void hide_by_mask_tile(float (&s)[1][C::kNTiles][4], 
             if ((bytes >> 8) == 0) s[0][ni][2 * half + 1] = -CUFLASH_INF;
         }
     }
+}
+
+// The mask tile's answers for this thread's elements (those of hide_by_mask_tile) as bits, read before
+// S is issued (FwdSm90Config::kMaskBits): hidden[half] bit 2 ni + j is element (row g + 8 half, column
+// 8 ni + 2 t + j) hidden.
+template <class C>
+__device__ __forceinline__ void mask_tile_bits(unsigned (&hidden)[2], unsigned tile, int warp_row, int g, int t) {
+    const int swizzle = C::kTileOneRow ? 0 : g;   // (warp_row + g) % 8 == g
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const unsigned row = tile + (C::kTileOneRow ? 0 : (warp_row + g + 8 * half) * 128) + 2 * t;
+        unsigned bits = 0;
+#pragma unroll
+        for (int ni = 0; ni < C::kNTiles; ++ni) {
+            unsigned short bytes;
+            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bytes) : "r"(row + (((ni / 2) ^ swizzle) * 16) + 8 * (ni % 2)));
+            bits |= static_cast<unsigned>((bytes & 0xffu) == 0) << (2 * ni);
+            bits |= static_cast<unsigned>((bytes >> 8) == 0) << (2 * ni + 1);
+        }
+        hidden[half] = bits;
+    }
+}
+
+// After S: -inf where mask_tile_bits found the mask False.
+template <class C>
+__device__ __forceinline__ void hide_by_bits(float (&s)[1][C::kNTiles][4], const unsigned (&hidden)[2]) {
+#pragma unroll
+    for (int ni = 0; ni < C::kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (hidden[e / 2] & (1u << (2 * ni + e % 2))) s[0][ni][e] = -CUFLASH_INF;
 }
 
 // O / l (times 1/(1-p) under dropout) of one consumer's 64 rows, through shared memory, at most 128
@@ -790,13 +824,17 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
         };
         // mask_scores scales modified scores, add_alibi_columns and cap_scores_log2 theirs.
         const float scale_log2 = C::kScoreMods || C::kScoresInLog2 ? 1.f : p.scale_log2;
-        // kBiasTile: key tile n's bias (its buffer's phase: the stage's parity) as S's accumulator,
-        // before S is issued.
+        // Key tile n's score tile (its buffer's phase: the stage's parity), read before S is issued: the
+        // bias as S's starting accumulator, or the mask's answers as bits (kMaskBits).
         const float inv_scale = C::kBiasTile ? 1.f / p.scale : 0.f;
-        auto start_with_bias = [&](int stage) {
-            if constexpr (C::kBiasTile) {
+        unsigned hidden[2];
+        auto read_score_tile = [&](int stage) {
+            if constexpr (C::kBiasTile || C::kMaskBits) {
                 mbar_wait(tile_full, stage % 2);
-                start_scores_with_bias<C>(acc_s, tile_smem, consumer * 64 + warp * 16, lane, inv_scale);
+                if constexpr (C::kBiasTile)
+                    start_scores_with_bias<C>(acc_s, tile_smem, consumer * 64 + warp * 16, lane, inv_scale);
+                else
+                    mask_tile_bits<C>(hidden, tile_smem, consumer * 64 + warp * 16, g, t);
                 mbar_arrive(tile_empty);
             }
         };
@@ -819,7 +857,8 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if constexpr (C::kRotated && C::kHeadDimV == 256) asm volatile("" : "+r"(mod_row0));
             if constexpr (C::kSoftcapOnPlainLoop)   // before the masks: tanh(-inf) is not -inf
                 cap_scores_log2(acc_s, p.scale * softcap_rate(p), p.softcap * kLog2e);
-            if constexpr (C::kMaskTile) {   // before the masks too
+            if constexpr (C::kMaskBits) hide_by_bits<C>(acc_s, hidden);
+            else if constexpr (C::kMaskTile) {   // before the masks too
                 mbar_wait(tile_full, stage % 2);   // (the tile's stage)
                 hide_by_mask_tile<C>(acc_s, tile_smem, consumer * 64 + warp * 16, g, t);
                 mbar_arrive(tile_empty);
@@ -916,7 +955,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             }
         } else if (num_tiles > 0) {
             int n = wait_tile(stage, phase);
-            start_with_bias(stage);
+            read_score_tile(stage);
             wgmma_fence();
             issue_s(stage);
             wgmma_wait<0>();
@@ -934,7 +973,7 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             for (int i = 1; i < num_tiles; ++i) {
                 const int n_prev = n;
                 n = wait_tile(stage, phase);
-                start_with_bias(stage);
+                read_score_tile(stage);
                 wgmma_fence();   // orders this thread's writes of P and O before the GEMMs read them
                 issue_s(stage);
                 mbar_wait(v_full(prev_stage), prev_phase);
