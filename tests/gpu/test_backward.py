@@ -505,6 +505,27 @@ def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand):
     check_gradients(dout, q, k, v, out, opts, grads, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bias_tile_infinities_where_hidden(dtype):
+    """bwd_sm90's bias tile starts S^T's accumulator: NaN and +inf where the causal mask hides a key must
+    leave the gradients finite and right, -inf where it is seen must hide it."""
+    seed = _seed_of("bwd_bias_tile_hidden_infinities" + dtype)
+    sq, sk = 300, 456
+    bias = tt.score_tile_operand("bias", (sq, sk), dtype, seed, cupy)
+    i, j = cupy.arange(sq)[:, None], cupy.arange(sk)[None, :]
+    hidden = j > i + sk - sq
+    special = cupy.where(j % 2 == 0, math.nan, math.inf)
+    bias = cupy.where(hidden & (j % 3 != 2), special, bias.astype(cupy.float32)).astype(bias.dtype)
+    opts = dict(_device_options({"causal": True}, dtype), bias=bias)
+    q, k, v = tt.random_qkv(_shape(2, sq, sk, 4, 2, 128), dtype, seed, xp=cupy)
+    dout = _random_like(q, seed + 1)
+    out, lse = _forward_reference(q, k, v, opts, None)
+    assert planned_info("bwd_sm90", dout, q, k, v, out, lse, **opts)["score_tile"]
+    grads = run_backward("bwd_sm90", dout, q, k, v, out, lse, opts)
+    assert not any(bool(cupy.isnan(g.astype(cupy.float32)).any()) for g in grads[:3])
+    check_gradients(dout, q, k, v, out, opts, grads, dtype=dtype)
+
+
 @pytest.mark.parametrize("family, dtype", KERNELS)
 @pytest.mark.parametrize("bias_shape", [(2, 3, 40, 50), (1, 3, 40, 50), (40, 50), (50,), (2, 1, 40, 1),
                                         (1, 3, 1, 1)])
