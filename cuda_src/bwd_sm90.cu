@@ -84,7 +84,6 @@
 #ifndef CUFLASH_SCORE_TILE
 #define CUFLASH_SCORE_TILE 0
 #endif
-
 #ifndef CUFLASH_TILE_ONE_ROW
 #define CUFLASH_TILE_ONE_ROW 0
 #endif
@@ -600,9 +599,9 @@ __device__ __forceinline__ void start_scores_with_bias_t(float (&acc_s)[C::kMTil
     }
 }
 
-// The mask tile (C::kMaskTile): -inf where the mask is False, for the elements of start_scores_with_bias_t (scores
-// in log2 units, after modify_scores). A query's 128 key bytes are eight chunks of 16, key k in chunk
-// k / 16 (XOR the query row), at byte k % 16; one byte an element. The thread's keys key0 + g and + 8
+// The mask tile (C::kMaskTile): -inf where the mask is False, for the elements of
+// start_scores_with_bias_t (scores in log2 units, after modify_scores). A query's 128 key bytes are
+// eight chunks of 16, key k in chunk k / 16 (XOR the query row), at byte k % 16; one byte an element. The thread's keys key0 + g and + 8
 // share a chunk, and its queries 8 mi + 2 t + e the row's XOR (2 t + e): one base address per e, the
 // rest immediate offsets (with each address made whole, the consumers spill 24 bytes).
 template <class C>

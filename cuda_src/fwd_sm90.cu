@@ -239,8 +239,9 @@ __device__ __forceinline__ void start_scores_with_bias(float (&s)[1][C::kNTiles]
 }
 
 // The mask tile (FwdSm90Config::kMaskTile): -inf where the mask is False, for the elements of
-// start_scores_with_bias (after S: a masked key's NaN or infinite score must not reach its row). The two bytes of a thread's column pair, one 16-bit load: a row's 128 bytes are eight
-// chunks of 16 columns, n-tile ni in chunk ni / 2 (XOR the row), at byte 8 (ni % 2) + 2 t (kTileOneRow: row 0).
+// start_scores_with_bias, after S (a hidden key's NaN or infinite score must not reach its row). The two
+// bytes of a thread's column pair, one 16-bit load: a row's 128 bytes are eight chunks of 16 columns,
+// n-tile ni in chunk ni / 2 (XOR the row), at byte 8 (ni % 2) + 2 t (kTileOneRow: row 0).
 template <class C>
 __device__ __forceinline__ void hide_by_mask_tile(float (&s)[1][C::kNTiles][4], unsigned tile, int warp_row, int g,
                                                   int t) {
@@ -263,15 +264,15 @@ __device__ __forceinline__ void hide_by_mask_tile(float (&s)[1][C::kNTiles][4], 
 // 8 ni + 2 t + j) hidden.
 template <class C>
 __device__ __forceinline__ void mask_tile_bits(unsigned (&hidden)[2], unsigned tile, int warp_row, int g, int t) {
-    const int swizzle = C::kTileOneRow ? 0 : g;   // (warp_row + g) % 8 == g
+    static_assert(!C::kTileOneRow, "a tile of one row hides from its bytes (hide_by_mask_tile)");
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const unsigned row = tile + (C::kTileOneRow ? 0 : (warp_row + g + 8 * half) * 128) + 2 * t;
+        const unsigned row = tile + (warp_row + g + 8 * half) * 128 + 2 * t;   // (warp_row + g) % 8 == g
         unsigned bits = 0;
 #pragma unroll
         for (int ni = 0; ni < C::kNTiles; ++ni) {
             unsigned short bytes;
-            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bytes) : "r"(row + (((ni / 2) ^ swizzle) * 16) + 8 * (ni % 2)));
+            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(bytes) : "r"(row + (((ni / 2) ^ g) * 16) + 8 * (ni % 2)));
             bits |= static_cast<unsigned>((bytes & 0xffu) == 0) << (2 * ni);
             bits |= static_cast<unsigned>((bytes >> 8) == 0) << (2 * ni + 1);
         }
@@ -857,8 +858,9 @@ __device__ __forceinline__ void fwd_sm90(const TmaMap& q_map, const TmaMap& k_ma
             if constexpr (C::kRotated && C::kHeadDimV == 256) asm volatile("" : "+r"(mod_row0));
             if constexpr (C::kSoftcapOnPlainLoop)   // before the masks: tanh(-inf) is not -inf
                 cap_scores_log2(acc_s, p.scale * softcap_rate(p), p.softcap * kLog2e);
-            if constexpr (C::kMaskBits) hide_by_bits<C>(acc_s, hidden);
-            else if constexpr (C::kMaskTile) {   // before the masks too
+            if constexpr (C::kMaskBits) {
+                hide_by_bits<C>(acc_s, hidden);
+            } else if constexpr (C::kMaskTile) {
                 mbar_wait(tile_full, stage % 2);   // (the tile's stage)
                 hide_by_mask_tile<C>(acc_s, tile_smem, consumer * 64 + warp * 16, g, t);
                 mbar_arrive(tile_empty);
