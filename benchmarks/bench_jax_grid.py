@@ -97,8 +97,9 @@ def _contenders(kind, shape, causal):
             return q
 
         jitted = jax.jit(lambda q, kc, vc, lens: chained(lambda x: cj.decode(x, kc, vc, cache_seqlens=lens), q))
-        # What JAX's dispatch of a jitted call with these operands costs: one tiny fused kernel.
-        floor = jax.jit(lambda q, kc, vc, lens: q * 2)
+        # What JAX's dispatch of a jitted call with these operands costs: one tiny fused kernel (the
+        # unused operands kept, as jit would otherwise drop them from the call).
+        floor = jax.jit(lambda q, kc, vc, lens: q * 2, keep_unused=True)
         return {"jax cuflash": lambda: jitted(q, kc, vc, lens),
                 "jax dispatch floor": lambda: floor(q, kc, vc, lens),
                 "cupy cuflash": lambda: chained(lambda x: cuflash.decode(x, ckc, cvc, cache_seqlens=clens), cq)}
