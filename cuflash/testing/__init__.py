@@ -25,8 +25,8 @@ Hypothesis is imported only when a strategy is built, so the rest works without 
 from ._arrays import _dtype  # noqa: F401  (tests name dtypes as cuflash's do)
 from .accuracy import DEFAULT_ATOL, FLOAT32_RTOL, assert_attention_close  # noqa: F401
 from .baseline import _round_to, baseline_attention, baseline_attention_backward, baseline_attention_varlen  # noqa: F401
-from .data import (DECODE_ARRAYS, decode_case, decode_kwargs, decode_on, normal_data, random_qkv,  # noqa: F401
-                   score_tile_operand)
+from .data import (DECODE_ARRAYS, bias_with_hidden_infinities, decode_case, decode_kwargs, decode_on,  # noqa: F401
+                   normal_data, random_qkv, score_tile_operand)
 from .strategies import (ALL_OPTIONS, COMMON_HEAD_DIMS, TILE_EDGE_SEQLENS, VARLEN_OPTIONS, as_device_options,
                          attention_options, attention_shapes, gqa_heads, head_dims, problems, seqlens,  # noqa: F401
                          varlen_seqlens)

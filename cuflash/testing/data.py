@@ -68,6 +68,17 @@ def score_tile_operand(kind, shape, dtype, seed, xp=np, *, rows_stride=None, emp
     return xp.asarray(x)[..., :shape[-1]]
 
 
+def bias_with_hidden_infinities(sq, sk, dtype, seed, xp=np):
+    """A (sq, sk) bias as :func:`score_tile_operand` makes it (~5% -inf), with NaN and +inf at two in
+    three of the keys a causal (bottom-right) mask hides from each query: values that must not reach
+    a row."""
+    bias = np.asarray(score_tile_operand("bias", (sq, sk), dtype, seed)).astype(np.float32)
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    hidden = (j > i + sk - sq) & (j % 3 != 2)
+    bias = np.where(hidden, np.where(j % 2 == 0, np.nan, np.inf), bias)
+    return xp.asarray(bias.astype(_dtype(dtype)))
+
+
 def normal_data(rng, shape, dtype):
     """Standard normal host values of ``dtype`` from ``rng``, with no zeros (test data is never zero:
     an unwritten output must not pass as a result).

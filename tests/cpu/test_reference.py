@@ -459,3 +459,22 @@ def test_baseline_takes_sinks_and_modifiers_as_the_reference_does():
     ref, _ = reference.attention_forward(q, k, v, causal=True, score_mod=cap, mask_mod=near)
     base = testing.baseline_attention(q, k, v, causal=True, score_mod=cap, mask_mod=near)
     testing.assert_attention_close(base, ref, base, dtype="float16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bias_with_hidden_infinities(dtype):
+    """NaN and +inf only at keys a causal mask hides (two in three of them), the seen keys as
+    score_tile_operand makes them; the reference's output stays finite over them."""
+    sq, sk = 37, 53
+    bias = testing.bias_with_hidden_infinities(sq, sk, dtype, 11).astype(np.float32)
+    plain = testing.score_tile_operand("bias", (sq, sk), dtype, 11).astype(np.float32)
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    hidden = j > i + sk - sq
+    assert np.array_equal(bias[~hidden], plain[~hidden])
+    special = ~np.isfinite(bias) & ~np.isneginf(bias)   # NaN or +inf
+    assert np.array_equal(special, hidden & (j % 3 != 2))
+    assert np.isnan(bias[special & (j % 2 == 0)]).all() and np.isposinf(bias[special & (j % 2 == 1)]).all()
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, n, 1, 8)) for n in (sq, sk, sk))
+    out, lse = reference.attention_forward(q, k, v, causal=True, bias=bias)[:2]
+    assert np.isfinite(out).all()

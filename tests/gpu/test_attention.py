@@ -395,15 +395,6 @@ def test_bias_and_mask_as_tiles(dtype, kind, shape, options, operand, tiled):
     check_close(q, k, v, opts, out, lse, rng_state, dtype=dtype)
 
 
-def _bias_with_hidden_infinities(sq, sk, dtype, seed):
-    """A bias tile operand (~5% -inf) with NaN and +inf at keys the causal mask hides."""
-    bias = tt.score_tile_operand("bias", (sq, sk), dtype, seed, cupy)
-    i, j = cupy.arange(sq)[:, None], cupy.arange(sk)[None, :]
-    hidden = j > i + sk - sq
-    special = cupy.where(j % 2 == 0, NAN, math.inf)
-    return cupy.where(hidden & (j % 3 != 2), special, bias.astype(cupy.float32)).astype(bias.dtype)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bias_tile_infinities_where_hidden(dtype, head_dim):
@@ -411,7 +402,7 @@ def test_bias_tile_infinities_where_hidden(dtype, head_dim):
     masks: NaN and +inf where a key is hidden must not reach its row, -inf where it is seen hides it."""
     shape = _shape(2, 300, 456, 4, 2, head_dim)
     seed = _seed_of("bias_tile_hidden_infinities" + dtype + str(head_dim))
-    opts = dict(_device_options({"causal": True}, dtype), bias=_bias_with_hidden_infinities(300, 456, dtype, seed))
+    opts = dict(_device_options({"causal": True}, dtype), bias=tt.bias_with_hidden_infinities(300, 456, dtype, seed, cupy))
     q, k, v = _qkv(shape, dtype, seed)
     assert cuflash.plan(cuflash.attention_forward, q, k, v, **opts).plan.info["score_tile"]
     out, lse, rng_state = run_forward("fwd_sm90", q, k, v, opts)

@@ -511,12 +511,7 @@ def test_bias_tile_infinities_where_hidden(dtype):
     leave the gradients finite and right, -inf where it is seen must hide it."""
     seed = _seed_of("bwd_bias_tile_hidden_infinities" + dtype)
     sq, sk = 300, 456
-    bias = tt.score_tile_operand("bias", (sq, sk), dtype, seed, cupy)
-    i, j = cupy.arange(sq)[:, None], cupy.arange(sk)[None, :]
-    hidden = j > i + sk - sq
-    special = cupy.where(j % 2 == 0, math.nan, math.inf)
-    bias = cupy.where(hidden & (j % 3 != 2), special, bias.astype(cupy.float32)).astype(bias.dtype)
-    opts = dict(_device_options({"causal": True}, dtype), bias=bias)
+    opts = dict(_device_options({"causal": True}, dtype), bias=tt.bias_with_hidden_infinities(sq, sk, dtype, seed, cupy))
     q, k, v = tt.random_qkv(_shape(2, sq, sk, 4, 2, 128), dtype, seed, xp=cupy)
     dout = _random_like(q, seed + 1)
     out, lse = _forward_reference(q, k, v, opts, None)
