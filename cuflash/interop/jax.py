@@ -50,7 +50,7 @@ from ..attention import _forward_with_rng_words, _varlen_with_rng_words
 from ..backward import attention_backward, attention_varlen_backward
 from ..decode import decode as _decode, varlen_over_cache as _decode_varlen_over_cache
 from ..merge import merge_states as _merge_states
-from . import _jax_buffers
+from . import _jax_buffers, _jax_vmap
 from ._jax_buffers import Views, poison
 from ._jax_checks import (check_array, check_attention, check_decode, check_dropout_rng, check_kv_format,
                           check_kv_scales, check_merge, check_varlen, check_varlen_over_cache)
@@ -185,8 +185,43 @@ def _forward_call(spec: _AttentionSpec):
                                     score_mod=score_mod, mask_mod=mask_mod, **options,
                                     **dict(zip(names, arrays)))
 
-    return buffer_callback(callback, (_sds(spec.out_shape(), dtype), _sds((b, hq, sq), np.float32)),
+    call = buffer_callback(callback, (_sds(spec.out_shape(), dtype), _sds((b, hq, sq), np.float32)),
                            command_buffer_compatible=spec.command_buffers)
+    return _jax_vmap.batchable(call, functools.partial(_forward_fold, spec))
+
+
+def _attention_fold(spec: _AttentionSpec, n: int, batched, args, lead: int):
+    """(the spec of the folded call, its arguments) under ``jax.vmap``, or None where the call does not
+    fold (:mod:`._jax_vmap`). ``lead``: the arguments that start with the batch axis (q, k, v in the
+    forward; dout, q, k, v, out, lse in the backward), the score arrays after them."""
+    if spec.dropout_p or spec.mods is not None:
+        return None
+    arrays, arrays_mapped = args[lead:], batched[lead:]
+    if "sinks" in spec.arrays and arrays_mapped[spec.arrays.index("sinks")]:
+        return None
+    b = spec.q[0]
+    folded = [_jax_vmap.fold_batch(x, mapped, n) for x, mapped in zip(args[:lead], batched[:lead])]
+    for name, x, mapped in zip(spec.arrays, arrays, arrays_mapped):
+        folded.append(x if name == "sinks" else
+                      _jax_vmap.fold_broadcast(x, mapped, n, b, 2 if name == "alibi_slopes" else 4))
+    spec = spec._replace(q=(n * b, *spec.q[1:]), k=(n * b, *spec.k[1:]),
+                         v=None if spec.v is None else (n * b, *spec.v[1:]),
+                         array_layouts=tuple(_layout(x) for x in folded[lead:]))
+    return spec, folded
+
+
+def _forward_fold(spec, n, batched, args):
+    folded = _attention_fold(spec, n, batched, args, 3)
+    if folded is None:
+        return None
+    return tuple(_jax_vmap.unfold(x, n) for x in _forward_call(folded[0])(*folded[1]))
+
+
+def _backward_fold(spec, n, batched, args):
+    folded = _attention_fold(spec, n, batched, args, 6)
+    if folded is None:
+        return None
+    return tuple(_jax_vmap.unfold(x, n) for x in _backward_call(folded[0], False)(*folded[1]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -227,8 +262,10 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
             if want_dsinks:   # last of both
                 _copy_bits(grads[-1], found[-1])
 
-    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+    call = buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
                            command_buffer_compatible=command_buffers)
+    # dbias and dsinks sum over axes that a folded call would share between instances.
+    return _jax_vmap.batchable(call, None if want_dbias or want_dsinks else functools.partial(_backward_fold, spec))
 
 
 def _copy_bits(target, source) -> None:
@@ -466,8 +503,9 @@ def _varlen_forward_call(spec: _VarlenSpec):
             _varlen_with_rng_words(q, k, v, cu_q, cu_k, _ptr(args[n_in]) if dropout else None, out=out, lse=lse,
                                    check=False, **_varlen_arrays(spec, rest), **options)
 
-    return buffer_callback(callback, (_sds(spec.out_shape(), dtype), _sds((hq, total_q), np.float32)),
-                           command_buffer_compatible=spec.command_buffers)
+    return _jax_vmap.batchable(buffer_callback(callback, (_sds(spec.out_shape(), dtype),
+                                                          _sds((hq, total_q), np.float32)),
+                                               command_buffer_compatible=spec.command_buffers))
 
 
 @functools.lru_cache(maxsize=256)
@@ -501,8 +539,8 @@ def _varlen_backward_call(spec: _VarlenSpec):
             if spec.sinks:
                 _copy_bits(grads[3], found[3])
 
-    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
-                           command_buffer_compatible=command_buffers)
+    return _jax_vmap.batchable(buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                                               command_buffer_compatible=command_buffers))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -657,8 +695,8 @@ def _varlen_cache_call(q_layout, cache_layout, cu_layout, seqlens_layout, names,
                                       return_lse=True, check=False, score_mod=score_mod, mask_mod=mask_mod,
                                       **options, **dict(zip(names, arrays[:n_arrays])))
 
-    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
-                           command_buffer_compatible=command_buffers)
+    return _jax_vmap.batchable(buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+                                               command_buffer_compatible=command_buffers))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -755,8 +793,51 @@ def _decode_call(q_layout, cache_layout, seqlens_layout, names, layouts, num_spl
                 found[1][...] = made[1]
 
     aliases = ({1: n_new} if mla else {1: n_new, 2: n_new + 1}) if append else None
-    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+    call = buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
                            input_output_aliases=aliases, command_buffer_compatible=command_buffers)
+    key = (q_layout, cache_layout, seqlens_layout, names, layouts, num_splits, causal, window, softcap, scale,
+           return_lse, command_buffers, mods, kv_dtype, scale_values, v_head_dim, v_layout)
+    return _jax_vmap.batchable(call, functools.partial(_decode_fold, key))
+
+
+# Arrays of decode read per head: mapped, they cannot join one folded call.
+_PER_HEAD_DECODE_ARRAYS = frozenset({"alibi_slopes", "sinks", "k_scale", "v_scale"})
+
+
+def _decode_fold(key, n, batched, args):
+    """The results of one folded decode under ``jax.vmap``, or None where the call does not fold
+    (:mod:`._jax_vmap`): q, the lengths and the new rows join the batch; a contiguous cache joins it
+    when every instance has its own, a paged one joins its pages when mapped or appended to (each
+    instance's table then offset to its pages)."""
+    names, mods, v_head_dim, v_layout = key[3], key[12], key[15], key[16]
+    if mods is not None or "mask" in names:
+        return None
+    caches = 1 if v_head_dim is not None else 2
+    cache_args, caches_mapped = list(args[1:1 + caches]), batched[1:1 + caches]
+    arrays, arrays_mapped = list(args[2 + caches:]), batched[2 + caches:]
+    if any(mapped for name, mapped in zip(names, arrays_mapped) if name in _PER_HEAD_DECODE_ARRAYS):
+        return None
+    if "block_table" in names:
+        i = names.index("block_table")
+        table = _jax_vmap.leading(arrays[i], arrays_mapped[i], n)
+        if any(caches_mapped) or "k_new" in names:
+            pages = key[1][0][0]
+            cache_args = [_jax_vmap.fold_batch(c, mapped, n) for c, mapped in zip(cache_args, caches_mapped)]
+            table = table + (jnp.arange(n, dtype=table.dtype) * pages)[:, None, None]
+        arrays[i] = _jax_vmap.fold(table)
+    elif all(caches_mapped):
+        cache_args = [_jax_vmap.fold(c) for c in cache_args]
+    else:
+        return None   # a contiguous cache shared by the instances: one call each, not n copies of it
+    for i, (name, mapped) in enumerate(zip(names, arrays_mapped)):
+        if name in ("k_new", "v_new"):
+            arrays[i] = _jax_vmap.fold_batch(arrays[i], mapped, n)
+    q = _jax_vmap.fold_batch(args[0], batched[0], n)
+    lens = _jax_vmap.fold_batch(args[1 + caches], batched[1 + caches], n)
+    folded_key = (_layout(q), _layout(cache_args[0]), _layout(lens), names, tuple(_layout(x) for x in arrays),
+                  *key[5:16], None if v_layout is None else _layout(cache_args[1]))
+    results = _decode_call(*folded_key)(q, *cache_args, lens, *arrays)
+    return tuple(_jax_vmap.unfold(x, n) for x in results)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None, v_new=None, num_splits=0,
@@ -897,8 +978,17 @@ def _merge_call(outs_layout, lses_layout, command_buffers):
                 poison((out, lse))
             _merge_states(outs, lses, out=out, lse=lse)
 
-    return buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
+    call = buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
                            command_buffer_compatible=command_buffers)
+    return _jax_vmap.batchable(call, functools.partial(_merge_fold, command_buffers))
+
+
+def _merge_fold(command_buffers, n, batched, args):
+    """One merge under ``jax.vmap``: the mapped axis joins B, behind the parts' axis."""
+    outs, lses = (jnp.moveaxis(_jax_vmap.leading(x, mapped, n), 0, 1) for x, mapped in zip(args, batched))
+    outs, lses = (x.reshape(x.shape[0], n * x.shape[2], *x.shape[3:]) for x in (outs, lses))
+    out, lse = _merge_call(_layout(outs), _layout(lses), command_buffers)(outs, lses)
+    return _jax_vmap.unfold(out, n), _jax_vmap.unfold(lse, n)
 
 
 def merge_states(outs, lses):
