@@ -35,6 +35,8 @@ struct BwdParams {
     float* dsinks;           // return_dsinks: float32 (Hq,), dsink_part summed by bwd_dsinks.cu; else nullptr
     int* work_counter;       // bwd_sm90 with persistent CTAs: the next key block's linear index (its grid's
                              // order, bwd_grid_place_of), zeroed by bwd_preprocess; else nullptr
+    const float* dlse;       // dL/dlse in lse's layout (FwdParams::lse strides) when the loss reads lse, else
+                             // nullptr: bwd_preprocess takes it out of D (dS = P (dP - D + dlse))
     long long do_batch_stride, do_row_stride, do_head_stride;
     long long dqa_batch_stride, dqa_row_stride, dqa_head_stride;
     long long dq_batch_stride, dq_row_stride, dq_head_stride;

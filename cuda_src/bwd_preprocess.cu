@@ -1,11 +1,14 @@
 // Backward preprocessing, one thread octet per query row:
 //   dsum[b, h, i] = D_i = rowsum(dO_i * O_i)   (float32; the dS = P (dP - D) term of every backward pass)
+//                   - dlse_i                   (when the loss reads lse: d lse_i / d s_ij = P_ij, so its
+//                                               gradient joins dS as P (dP - D + dlse))
 //   lse2[b, h, i] = lse_i * log2(e)            (the passes exponentiate in base 2)
 // in a layout padded to seqlen_q_pad rows per (sequence, head), so that the passes read whole tiles
 // without bounds checks. A row that sees no key (lse = -inf) and every pad row get lse2 = +inf,
 // which makes their P exactly 0 (2^(s - inf)) instead of NaN; pad rows get D = 0.
 // With return_dsinks (BwdParams::dsink_part) each CTA also writes the sum over its rows of
-//   -exp(sinks[h] - lse_i) D_i                (dL/dsinks[h]'s terms: the sink's probability times -D_i)
+//   -exp(sinks[h] - lse_i) D_i                (dL/dsinks[h]'s terms: the sink's probability times -D_i,
+//                                              D_i less dlse_i as above)
 // which bwd_dsinks.cu adds up per head in a fixed order.
 // It also zeroes the row's dq_accum (when the dK/dV pass accumulates dQ with atomics) and bwd_sm90's
 // dq_done and dq_semaphore counters, which saves the call a memset (~1-2 us of host time). Rows outside
@@ -99,8 +102,11 @@ __device__ __forceinline__ void bwd_preprocess(const BwdParams& bp) {
         bp.dq_done[dq_done_index(s.b, s.h, p.heads_q, bp.heads_per_cta)] = 0;
 #pragma unroll
     for (int offset = 1; offset < 8; offset *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    const float lse = i < s.seqlen_q ? p.lse[s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i]
-                                     : -CUFLASH_INF;
+    const long long lse_at = s.b * p.lse_batch_stride + s.h * p.lse_head_stride + s.q_row0 + i;
+    const float lse = i < s.seqlen_q ? p.lse[lse_at] : -CUFLASH_INF;
+    // A row that sees nothing (lse = -inf) has P = 0 everywhere: its dlse (whatever a loss made of an
+    // infinite lse) reaches no gradient.
+    if (bp.dlse != nullptr && lse != -CUFLASH_INF) acc -= bp.dlse[lse_at];
     if (lane8 == 0) {
         const long long idx = bwd_row_index(bp, s.b, s.h, i);
         bp.dsum[idx] = acc;

@@ -132,7 +132,7 @@ def _convert_step(plan, dtype_name, device_id, *, src, dst, rows, heads, head_di
 
 def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_q, max_k, heads_q, heads_k, d,
                    d_pad, dv=None, dv_pad=None, layouts, lse_head_stride, fwd_fields, score_fields, dropout_p, deterministic, dbias_shape,
-                   check=None, user_mods=(), user_source="", dsinks=None, score_arrays=None):
+                   check=None, user_mods=(), user_source="", dsinks=None, score_arrays=None, dlse_at=None):
     """The plan of one backward call: [index check], preprocess, dK/dV pass (+ atomic dQ), then the
     dQ conversion or the dQ pass, and the sums of dK/dV partials. ``layouts`` maps q, k, v, out, dout,
     dq, dk, dv to arrays (or :class:`_checks.Shaped`) whose strides the kernels use; operands are
@@ -144,7 +144,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
     dsinks is then an output of the plan, its fourth result. ``dv``, ``dv_pad``: v's head dim (out, dout
     and dv have it) and its padding to 8; None: ``d``'s. ``score_arrays``: the kernel-ready bias and mask
     by name (:func:`cuflash._scores.score_operands`), whose layouts decide whether bwd_sm90 reads them as
-    tiles (not with dbias: its stores run on the featured tiles)."""
+    tiles (not with dbias: its stores run on the featured tiles). ``dlse_at``: the operand index of dL/dlse
+    (in lse's layout) when the loss reads lse, which bwd_preprocess takes out of D; else None."""
     dv, dv_pad = (d, d_pad) if dv is None else (dv, dv_pad)
     own_v = dv_pad if dv_pad != d_pad else None   # v's compiled head dim, where it differs
     score_mods = tuple(key for key in ("alibi_slopes", "mask", "bias", "block_mask") if key in score_fields) + (
@@ -279,6 +280,8 @@ def _backward_plan(entry, n_operands, *, family, dtype_name, varlen, batch, max_
                lse_batch_stride=0 if varlen else heads_q * max_q, lse_head_stride=lse_head_stride)
     slots = {"fwd.q": 1, "fwd.k": 2, "fwd.v": 3, "fwd.o": 4, "fwd.lse": 5, "dout": 0, "dq": 6,
              "lse2": temp["lse2"], "dsum": temp["dsum"]}
+    if dlse_at is not None:
+        slots["dlse"] = dlse_at
     for name, value in score_fields.items():
         if isinstance(value, tuple):
             slots["fwd." + name] = value[1]

@@ -82,13 +82,24 @@ def _check_like(x, name: str, ref, ref_name: str = "q", head_dim_v: int | None =
     return x
 
 
-def _check_lse(lse, shape):
-    lse = _checks.as_cuda_array(lse, "lse")
+def _check_lse(lse, shape, name="lse"):
+    lse = _checks.as_cuda_array(lse, name)
     if lse.dtype != np.float32:
-        raise TypeError(f"lse must be float32 (as attention_forward returns it), got {lse.dtype}")
+        raise TypeError(f"{name} must be float32 (as attention_forward returns lse), got {lse.dtype}")
     if tuple(lse.shape) != tuple(shape):
-        raise ValueError(f"lse must have shape {tuple(shape)}, got {tuple(lse.shape)}")
+        raise ValueError(f"{name} must have shape {tuple(shape)} (lse's), got {tuple(lse.shape)}")
     return lse
+
+
+def _kernel_dlse(operands, has_dlse, shape):
+    """(the checked dlse, its C-contiguous form for the kernels), or (None, None) without one: the
+    last operand when the call has one."""
+    if not has_dlse:
+        return None, None
+    import cupy
+
+    dlse = _check_lse(operands[-1], shape, "dlse")
+    return dlse, dlse if dlse.flags.c_contiguous else cupy.ascontiguousarray(dlse)
 
 
 def _check_flag(value, name: str) -> bool:
@@ -162,7 +173,8 @@ def _reduce_dbias(dbias_full, bias):
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, mask=None, bias=None, block_mask=None,
                        block_size=(128, 128), dropout_p=0.0, score_mod=None, mask_mod=None, sinks=None,
-                       deterministic=False, return_dbias=False, return_dsinks=False, dq=None, dk=None, dv=None):
+                       deterministic=False, return_dbias=False, return_dsinks=False, dq=None, dk=None, dv=None,
+                       dlse=None):
     """Gradients of :func:`attention` with respect to q, k and v (and bias).
 
     Pass the forward's inputs and options, and ``out``, ``lse`` (and, with dropout, ``rng_state``) as
@@ -215,6 +227,10 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     dv : CUDA array (B, Sk, Hk, D_v), the dtype of q, optional
         C-contiguous buffers to write the gradients into (returned as given); they may not overlap
         each other or any input.
+    dlse : CUDA float32 array (B, Hq, Sq), optional
+        Gradient of the loss with respect to ``lse``, when the loss reads it (merged partial results,
+        a penalty on large lse): d lse_i / d s_ij = P_ij, so ``D_i`` becomes ``rowsum(dO_i * O_i) -
+        dlse_i`` (also in ``dsinks``). A row that saw no key (lse ``-inf``) takes nothing from it.
 
     Returns
     -------
@@ -230,11 +246,11 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     Raises
     ------
     TypeError
-        As :func:`attention_forward`; ``dout``/``out`` of another dtype than q, ``lse`` not float32,
+        As :func:`attention_forward`; ``dout``/``out`` of another dtype than q, ``lse``/``dlse`` not float32,
         an ``rng_state`` that does not hold integers, ``deterministic``/``return_dbias``/``return_dsinks``
         not bool, ``sinks`` not float32.
     ValueError
-        As :func:`attention_forward`; ``dout``/``out``/``lse`` of the wrong shape, ``dropout_p > 0``
+        As :func:`attention_forward`; ``dout``/``out``/``lse``/``dlse`` of the wrong shape, ``dropout_p > 0``
         without ``rng_state``, ``return_dbias`` without ``bias`` or with both ``score_mod`` and
         ``softcap``, ``return_dsinks`` without ``sinks``, ``sinks`` not of shape (Hq,), a ``score_mod``
         whose derivative is not 1 without its ``grad``, ``dq``/``dk``/``dv`` of the wrong
@@ -246,7 +262,7 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
 
     Notes
     -----
-    Per row i and key j (s the final score, P = exp(s - lse), D_i = rowsum(dO_i * O_i)):
+    Per row i and key j (s the final score, P = exp(s - lse), D_i = rowsum(dO_i * O_i) - dlse_i):
     dV_j = sum_i Pdrop_ij dO_i, dP_ij = dO_i . V_j (times keep / (1 - p) under dropout),
     dS_ij = P_ij (dP_ij - D_i), then the chain rule through the softcap (1 - (s_cap / c)^2) and
     the scale: dQ_i = scale sum_j dS_ij K_j, dK_j = scale sum_i dS_ij Q_i; dbias_ij = dS_ij.
@@ -284,8 +300,10 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
     if mod_key is not None:
         operands = operands + user_arrays
+    if dlse is not None:   # the last operand
+        operands = operands + (dlse,)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), (0, 0), mod_key, return_dsinks)
+               _forced_family.get(), (0, 0), mod_key, return_dsinks, dlse is not None)
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
@@ -293,7 +311,8 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
                                             return_dbias=return_dbias, modifiers=(score_mod, mask_mod),
-                                            return_dsinks=return_dsinks, mask_bits=mask_bits)
+                                            return_dsinks=return_dsinks, mask_bits=mask_bits,
+                                            has_dlse=dlse is not None)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -369,11 +388,11 @@ def _finisher(users, results, targets, dims, reduce_dbias=None):
 
 def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, block_size, dropout_p,
                    deterministic, return_dbias, dropout_origin=(0, 0), modifiers=(None, None), return_dsinks=False,
-                   mask_bits=None):
+                   mask_bits=None, has_dlse=False):
     """The full path of :func:`attention_backward`: (plan, pointers, finish), or (None, None, result)
     for a call that launches nothing. Operands: dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask,
-    bias, block_mask, sinks, dsinks (None: the plan's output), then the ScoreMod/MaskMod arrays.
-    ``mask_bits``: as in :func:`cuflash.attention._plan_attention`."""
+    bias, block_mask, sinks, dsinks (None: the plan's output), then the ScoreMod/MaskMod arrays, then
+    dlse when ``has_dlse``. ``mask_bits``: as in :func:`cuflash.attention._plan_attention`."""
     import cupy
 
     dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks = operands[:14]
@@ -388,6 +407,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     dout = _check_like(dout, "dout", q, head_dim_v=dv_dim)
     out = _check_like(out, "out", q, head_dim_v=dv_dim)
     lse = _check_lse(lse, (b, hq, sq))
+    dlse, dlse_k = _kernel_dlse(operands, has_dlse, (b, hq, sq))
     scale, window, softcap, dropout_p, _, deterministic = _check_common(
         head_dim=d, causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p,
         rng_state=rng_state, deterministic=deterministic, seqlens=(sq, sk))
@@ -414,7 +434,7 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
     results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad, dv_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-                            *zip(SCORE_OPERANDS, score_arrays), ("sinks", sinks),
+                            ("dlse", dlse), *zip(SCORE_OPERANDS, score_arrays), ("sinks", sinks),
                             *((("score_mod/mask_mod argument", x) for x in user_arrays))))
 
     if b == 0 or hq == 0 or sq == 0 or sk == 0:
@@ -444,9 +464,11 @@ def _plan_backward(operands, key, *, rng_state, causal, scale, window, softcap, 
                           score_fields={**score_fields, **user_fields}, dropout_p=dropout_p,
                           deterministic=deterministic, dbias_shape=(b, hq, sq, sk) if return_dbias else None,
                           user_mods=user_mods, user_source=user_source, dsinks=(13, 14) if return_dsinks else None,
-                          score_arrays=dict(zip(SCORE_OPERANDS, score_arrays)))
+                          score_arrays=dict(zip(SCORE_OPERANDS, score_arrays)),
+                          dlse_at=len(operands) - 1 if has_dlse else None)
     qk, kk, vk, ok, dok = kernel
-    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays, sinks, None, *user_arrays)
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, *score_arrays, sinks, None, *user_arrays,
+                       *((dlse_k,) if has_dlse else ()))
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands) and not return_dbias
     if return_dbias:
@@ -465,7 +487,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k=None, rng_state=None, causal=False, scale=None, window=None,
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, score_mod=None, mask_mod=None,
                               sinks=None, deterministic=False, return_dsinks=False, dq=None, dk=None, dv=None,
-                              mask=None, bias=None, block_mask=None, check=None):
+                              mask=None, bias=None, block_mask=None, check=None, dlse=None):
     """Gradients of :func:`attention_varlen` with respect to q, k and v.
 
     Pass the forward's inputs, options, ``out`` and ``lse`` (``return_lse=True``); as
@@ -510,6 +532,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         Not supported in varlen (a ValueError).
     check : bool, optional
         As in :func:`attention_varlen`: raise bad offsets now (True) or at a later call (False).
+    dlse : CUDA float32 array (Hq, total_q), optional
+        Gradient of the loss with respect to ``lse``, as in :func:`attention_backward`.
 
     Returns
     -------
@@ -553,8 +577,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if score_mod is not None or mask_mod is not None:
         mod_key, user_arrays = modifier_parts(score_mod, mask_mod)
         operands = operands + user_arrays
+    if dlse is not None:   # the last operand
+        operands = operands + (dlse,)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
-               _forced_family.get(), mod_key, return_dsinks)
+               _forced_family.get(), mod_key, return_dsinks, dlse is not None)
     plan, ptrs, where = _memo.lookup("attention_varlen_backward", operands, options)
     finish = None
     if plan is None:
@@ -562,7 +588,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                                    max_seqlen_k=max_seqlen_k, rng_state=rng_state, causal=causal,
                                                    scale=scale, window=window, softcap=softcap,
                                                    dropout_p=dropout_p, deterministic=deterministic,
-                                                   modifiers=(score_mod, mask_mod), return_dsinks=return_dsinks)
+                                                   modifiers=(score_mod, mask_mod), return_dsinks=return_dsinks,
+                                                   has_dlse=dlse is not None)
         if plan is None:
             return finish
     rng = None if plan.dropout is None else _dropout_state(dropout_p, rng_state)
@@ -571,10 +598,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_state, causal, scale, window, softcap,
-                          dropout_p, deterministic, modifiers=(None, None), return_dsinks=False):
+                          dropout_p, deterministic, modifiers=(None, None), return_dsinks=False, has_dlse=False):
     """The full path of :func:`attention_varlen_backward` (see :func:`_plan_backward`). Operands: dout, q, k,
     v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks, dsinks, then the
-    ScoreMod/MaskMod arrays."""
+    ScoreMod/MaskMod arrays, then dlse when ``has_dlse``."""
     import cupy
 
     dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, cu_seqlens_q, cu_seqlens_k, sinks = operands[:13]
@@ -586,6 +613,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     dout = _check_like(dout, "dout", q, head_dim_v=dv_dim)
     out = _check_like(out, "out", q, head_dim_v=dv_dim)
     lse = _check_lse(lse, (hq, total_q))
+    dlse, dlse_k = _kernel_dlse(operands, has_dlse, (hq, total_q))
     cu_q, cu_k, batch, max_q, max_k = _checks.check_varlen(cu_seqlens_q, cu_seqlens_k, total_q, total_k,
                                                            max_seqlen_q, max_seqlen_k)
     _checks.check_problem_size(q, k, batch=batch, seqlen_q=max_q, seqlen_k=max_k, varlen=True)
@@ -603,7 +631,7 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
     results, targets, layouts = _gradient_targets(dq, dk, dv, shapes, q.dtype, d, d_pad, dv_pad)
     _checks.check_disjoint(zip(("dq", "dk", "dv"), results),
                            (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-                            ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0]),
+                            ("dlse", dlse), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("alibi_slopes", score_arrays[0]),
                             ("sinks", sinks), *((("score_mod/mask_mod argument", x) for x in user_arrays))))
 
     if hq == 0 or batch == 0 or max_q == 0 or max_k == 0 or total_q == 0:
@@ -631,9 +659,11 @@ def _plan_varlen_backward(operands, key, *, max_seqlen_q, max_seqlen_k, rng_stat
                                                     dq=layouts[0], dk=layouts[1], dv=layouts[2]),
                           lse_head_stride=lse_k.shape[-1], fwd_fields=fwd_fields, score_fields=score_fields,
                           dropout_p=dropout_p, deterministic=deterministic, dbias_shape=None, check=check,
-                          user_mods=user_mods, user_source=user_source, dsinks=(12, 13) if return_dsinks else None)
+                          user_mods=user_mods, user_source=user_source, dsinks=(12, 13) if return_dsinks else None,
+                          dlse_at=len(operands) - 1 if has_dlse else None)
     qk, kk, vk, ok, dok = kernel
-    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k, sinks, None, *user_arrays)
+    kernel_operands = (dok, qk, kk, vk, ok, lse_k, *targets, score_arrays[0], cu_q, cu_k, sinks, None, *user_arrays,
+                       *((dlse_k,) if has_dlse else ()))
     ptrs = _memo.pointers(kernel_operands)
     in_place = _memo.in_place(operands, kernel_operands)
     if not in_place:

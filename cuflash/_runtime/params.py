@@ -66,7 +66,7 @@ FWD_PARAMS = np.dtype(
 BWD_PARAMS = np.dtype(
     [("fwd", FWD_PARAMS)]
     + _fields(np.uint64, ("dout", "dq_accum", "dq", "dk", "dv", "lse2", "dsum", "dbias", "dq_semaphore", "dq_done",
-                        "dsink_part", "dsinks", "work_counter"))
+                        "dsink_part", "dsinks", "work_counter", "dlse"))
     + _fields(np.int64, (
         "do_batch_stride", "do_row_stride", "do_head_stride",
         "dqa_batch_stride", "dqa_row_stride", "dqa_head_stride",

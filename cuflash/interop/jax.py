@@ -217,24 +217,28 @@ def _forward_fold(spec, n, batched, args):
     return tuple(_jax_vmap.unfold(x, n) for x in _forward_call(folded[0])(*folded[1]))
 
 
-def _backward_fold(spec, n, batched, args):
-    folded = _attention_fold(spec, n, batched, args, 6)
+def _backward_fold(spec, with_dlse, n, batched, args):
+    arrays_end = len(args) - with_dlse   # dlse, (B, Hq, Sq), last
+    folded = _attention_fold(spec, n, batched[:arrays_end], args[:arrays_end], 6)
     if folded is None:
         return None
-    return tuple(_jax_vmap.unfold(x, n) for x in _backward_call(folded[0], False)(*folded[1]))
+    dlse = (_jax_vmap.fold_batch(args[-1], batched[-1], n),) if with_dlse else ()
+    results = _backward_call(folded[0], False, False, with_dlse)(*folded[1], *dlse)
+    return tuple(_jax_vmap.unfold(x, n) for x in results)
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = False):
+def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = False, with_dlse: bool = False):
     """The buffer_callback of the backward: (dout, q, k, v, out, lse, *score arrays, *modifier arrays,
-    [words]) -> (dq, dk, dv[, dbias][, dsinks])."""
+    [words], [dlse]) -> (dq, dk, dv[, dbias][, dsinks]); ``with_dlse``: the loss reads lse, whose
+    cotangent (B, Hq, Sq) comes last."""
     b, sq, hq, _ = spec.q
     dtype, dropout, mods = spec.dtype, spec.dropout_p > 0, spec.mods
     n_arrays = len(spec.arrays)
     o = spec.out_shape()
     inputs = Views(((o, dtype), (spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), (o, dtype),
                     ((b, hq, sq), np.float32), *spec.array_layouts, *spec.mod_layouts(),
-                    *((_RNG_LAYOUT,) if dropout else ())))
+                    *((_RNG_LAYOUT,) if dropout else ()), *((((b, hq, sq), np.float32),) if with_dlse else ())))
     bias_layout = spec.array_layouts[spec.arrays.index("bias")] if want_dbias else None
     result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype),
                       *((bias_layout,) if want_dbias else ()),
@@ -248,6 +252,7 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
     def callback(ctx, results, *args):
         with on_xla_stream(ctx, args[0]) as where:
             dout, q, k, v, out, lse, *arrays = inputs(args, where.device)
+            dlse = arrays.pop() if with_dlse else None
             rng_state = arrays.pop() if dropout else None
             grads = outputs(results, where.device)
             if _jax_buffers.POISON:
@@ -255,7 +260,7 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
             score_mod, mask_mod = mods.rebuild(arrays[n_arrays:]) if mods is not None else (None, None)
             found = attention_backward(dout, q, k, v, out, lse, rng_state=rng_state, deterministic=spec.deterministic,
                                        return_dbias=want_dbias, return_dsinks=want_dsinks, dq=grads[0], dk=grads[1],
-                                       dv=grads[2], score_mod=score_mod, mask_mod=mask_mod, **options,
+                                       dv=grads[2], score_mod=score_mod, mask_mod=mask_mod, dlse=dlse, **options,
                                        **dict(zip(names, arrays[:n_arrays])))
             if want_dbias:
                 _copy_bits(grads[3], found[3])
@@ -265,7 +270,8 @@ def _backward_call(spec: _AttentionSpec, want_dbias: bool, want_dsinks: bool = F
     call = buffer_callback(callback, tuple(_sds(*layout) for layout in result_layouts),
                            command_buffer_compatible=command_buffers)
     # dbias and dsinks sum over axes that a folded call would share between instances.
-    return _jax_vmap.batchable(call, None if want_dbias or want_dsinks else functools.partial(_backward_fold, spec))
+    return _jax_vmap.batchable(call, None if want_dbias or want_dsinks else
+                               functools.partial(_backward_fold, spec, with_dlse))
 
 
 def _copy_bits(target, source) -> None:
@@ -306,15 +312,17 @@ def _attention_fwd(spec, q, k, v, arrays, mod_arrays, words):
 def _attention_bwd(spec, residuals, cotangents):
     q, k, v, arrays, mod_arrays, words, out, lse, wanted = residuals
     want_dbias, want_dsinks, backward = bool(wanted[0]), bool(wanted[1]), bool(wanted[2])
-    dout = cotangents[0]   # lse leaves attention() under stop_gradient: its cotangent is unused
+    dout, dlse = cotangents   # dlse: a symbolic zero unless the loss reads the returned lse
     none = tuple(None for _ in arrays)
     # No gradient for a modifier's arrays: their cotangents are symbolic zeros (docs/jax.md).
     no_mod_grads = tuple(None for _ in mod_arrays)
-    if isinstance(dout, SymbolicZero) or not backward:
+    with_dlse = not isinstance(dlse, SymbolicZero)
+    if (isinstance(dout, SymbolicZero) and not with_dlse) or not backward:
         return None, None, None, none, no_mod_grads, tuple(None for _ in words)
+    dout = jnp.zeros(out.shape, spec.dtype) if isinstance(dout, SymbolicZero) else dout.astype(spec.dtype)
     words_u64 = words   # the same four words; the backward's callback views them as uint64 (2,)
-    grads = _backward_call(spec, want_dbias, want_dsinks)(dout.astype(spec.dtype), q, k, v, out, lse, *arrays,
-                                                          *mod_arrays, *words_u64)
+    grads = _backward_call(spec, want_dbias, want_dsinks, with_dlse)(
+        dout, q, k, v, out, lse, *arrays, *mod_arrays, *words_u64, *((dlse.astype(jnp.float32),) if with_dlse else ()))
     extra = {"bias": grads[3] if want_dbias else None, "sinks": grads[-1] if want_dsinks else None}
     array_grads = tuple(extra.get(name) for name in spec.arrays)
     return grads[0], grads[1], grads[2], array_grads, no_mod_grads, tuple(None for _ in words)
@@ -370,8 +378,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     deterministic : bool, default False
         Bitwise reproducible gradients (see :func:`cuflash.attention_backward`).
     return_lse : bool, default False
-        Also return the log-sum-exp of every row, under ``jax.lax.stop_gradient`` (no gradient
-        flows through it).
+        Also return the log-sum-exp of every row. Differentiable: a loss that reads it (partial
+        results combined with :func:`merge_states`, a penalty on large lse) gets its gradient
+        through q, k (and bias, sinks), :func:`cuflash.attention_backward`'s ``dlse``.
     score_mod : cuflash.ScoreMod, optional
         A user-written score modifier, applied as in :func:`cuflash.attention`. Its array arguments
         are JAX arrays (traced values too; NumPy arrays become constants), operands of the call; its
@@ -435,7 +444,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
                           _command_buffers(q.shape[-1]) and _command_buffers(v.shape[-1]), mods, _own_v(k, v))
     words = (state_words(dropout_rng),) if dropout_p else ()
     out, lse = _attention(spec, q, k, v, tuple(given.values()), mod_arrays, words)
-    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- varlen
@@ -509,9 +518,9 @@ def _varlen_forward_call(spec: _VarlenSpec):
 
 
 @functools.lru_cache(maxsize=256)
-def _varlen_backward_call(spec: _VarlenSpec):
-    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [sinks], *modifier arrays, [words]) -> (dq, dk, dv[,
-    dsinks]).
+def _varlen_backward_call(spec: _VarlenSpec, with_dlse: bool = False):
+    """(dout, q, k, v, out, lse, cu_q, cu_k, [alibi], [sinks], *modifier arrays, [words], [dlse]) -> (dq, dk,
+    dv[, dsinks]); ``with_dlse``: the loss reads lse, whose cotangent (Hq, total_q) comes last.
 
     With sinks the backward always returns dsinks (the varlen vjp does not see which inputs are
     differentiated): one more small launch."""
@@ -519,7 +528,8 @@ def _varlen_backward_call(spec: _VarlenSpec):
     dtype, dropout = spec.dtype, spec.dropout_p > 0
     o = spec.out_shape()
     inputs = Views(((o, dtype), (spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype), (o, dtype),
-                    ((hq, total_q), np.float32), *_varlen_inputs(spec), *((_RNG_LAYOUT,) if dropout else ())))
+                    ((hq, total_q), np.float32), *_varlen_inputs(spec), *((_RNG_LAYOUT,) if dropout else ()),
+                    *((((hq, total_q), np.float32),) if with_dlse else ())))
     result_layouts = ((spec.q, dtype), (spec.k, dtype), (spec.v_shape(), dtype),
                       *((((hq,), np.float32),) if spec.sinks else ()))
     outputs = Views(result_layouts)
@@ -529,13 +539,14 @@ def _varlen_backward_call(spec: _VarlenSpec):
     def callback(ctx, results, *args):
         with on_xla_stream(ctx, args[0]) as where:
             dout, q, k, v, out, lse, cu_q, cu_k, *rest = inputs(args, where.device)
+            dlse = rest.pop() if with_dlse else None
             grads = outputs(results, where.device)
             if _jax_buffers.POISON:
                 poison(grads)
             found = attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
                                               rng_state=rest[-1] if dropout else None, return_dsinks=spec.sinks,
                                               deterministic=spec.deterministic, dq=grads[0], dk=grads[1], dv=grads[2],
-                                              check=False, **_varlen_arrays(spec, rest), **options)
+                                              check=False, dlse=dlse, **_varlen_arrays(spec, rest), **options)
             if spec.sinks:
                 _copy_bits(grads[3], found[3])
 
@@ -549,14 +560,24 @@ def _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays):
 
 
 def _varlen_fwd(spec, q, k, v, cu_q, cu_k, arrays):
+    # symbolic_zeros: every leaf comes as CustomVJPPrimal (value, perturbed), and an output the loss does
+    # not read (lse, mostly) has a symbolic zero cotangent.
     check_differentiable(spec.mods, "attention_varlen")
+    q, k, v, cu_q, cu_k = (x.value for x in (q, k, v, cu_q, cu_k))
+    arrays = tuple(x.value for x in arrays)
     out, lse = _varlen_forward_call(spec)(q, k, v, cu_q, cu_k, *arrays)
     return (out, lse), (q, k, v, cu_q, cu_k, arrays, out, lse)
 
 
 def _varlen_bwd(spec, residuals, cotangents):
     q, k, v, cu_q, cu_k, arrays, out, lse = residuals
-    grads = _varlen_backward_call(spec)(cotangents[0].astype(spec.dtype), q, k, v, out, lse, cu_q, cu_k, *arrays)
+    dout, dlse = cotangents
+    with_dlse = not isinstance(dlse, SymbolicZero)
+    if isinstance(dout, SymbolicZero) and not with_dlse:
+        return None, None, None, None, None, tuple(None for _ in arrays)
+    dout = jnp.zeros(out.shape, spec.dtype) if isinstance(dout, SymbolicZero) else dout.astype(spec.dtype)
+    grads = _varlen_backward_call(spec, with_dlse)(dout, q, k, v, out, lse, cu_q, cu_k, *arrays,
+                                                   *((dlse.astype(jnp.float32),) if with_dlse else ()))
     # arrays: [alibi], [sinks], *modifier arrays, [words]; only sinks get a gradient (a modifier's
     # arrays none: zeros, docs/jax.md)
     array_grads = [None] * len(arrays)
@@ -565,7 +586,7 @@ def _varlen_bwd(spec, residuals, cotangents):
     return grads[0], grads[1], grads[2], None, None, tuple(array_grads)
 
 
-_attention_varlen.defvjp(_varlen_fwd, _varlen_bwd)
+_attention_varlen.defvjp(_varlen_fwd, _varlen_bwd, symbolic_zeros=True)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k=None, causal=False,
@@ -598,7 +619,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
         As in :func:`attention` (per sequence, bottom-right aligned; alibi_slopes (Hq,) or (B, Hq);
         sinks float32 (Hq,), differentiable: with sinks the backward always computes dsinks).
     return_lse : bool, default False
-        Also return the lse, float32 (Hq, total_q), under ``jax.lax.stop_gradient``.
+        Also return the lse, float32 (Hq, total_q); differentiable, as in :func:`attention`.
     score_mod, mask_mod : cuflash.ScoreMod, cuflash.MaskMod, optional
         As in :func:`attention`; ``b`` is the sequence's index and ``q_idx``, ``kv_idx`` positions within
         the sequence.
@@ -658,7 +679,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_s
     arrays = ((alibi,) if alibi is not None else ()) + ((sinks,) if sinks is not None else ()) + mod_arrays + \
         ((state_words(dropout_rng),) if dropout_p else ())
     out, lse = _attention_varlen(spec, q, k, v, cu_q, cu_k, arrays)
-    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+    return (out, lse) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- chunked prefill
@@ -991,11 +1012,40 @@ def _merge_fold(command_buffers, n, batched, args):
     return _jax_vmap.unfold(out, n), _jax_vmap.unfold(lse, n)
 
 
+@jax.custom_vjp
+def _merge(outs, lses):
+    return tuple(_merge_call(_layout(outs), _layout(lses), _command_buffers(outs.shape[-1]))(outs, lses))
+
+
+def _merge_fwd(outs, lses):
+    out, lse = _merge(outs, lses)
+    return (out, lse), (outs, lses, lse)
+
+
+def _merge_bwd(residuals, cotangents):
+    """With w_i = exp(lse_i - lse): d out / d out_i = w_i, d out / d lse_i = w_i (out_i - out) and
+    d lse / d lse_i = w_i; in float32, out recomputed from the parts (not the rounded result)."""
+    outs, lses, lse = residuals
+    dout, dlse = (x.astype(jnp.float32) for x in cotangents)
+    seen = jnp.isfinite(lse)   # a row no part saw (lse -inf) has no weight anywhere
+    w = jnp.where(seen[None], jnp.exp(lses - jnp.where(seen, lse, 0.0)[None]), 0.0)   # (n, B, H, S)
+    w_rows = jnp.swapaxes(w, -1, -2)[..., None]                                       # (n, B, S, H, 1)
+    parts = outs.astype(jnp.float32)
+    out = jnp.sum(w_rows * parts, axis=0)
+    douts = (w_rows * dout[None]).astype(outs.dtype)
+    toward = jnp.swapaxes(jnp.sum(dout[None] * (parts - out[None]), axis=-1), -1, -2)  # (n, B, H, S)
+    return douts, w * (toward + dlse[None])
+
+
+_merge.defvjp(_merge_fwd, _merge_bwd)
+
+
 def merge_states(outs, lses):
     """Combine attention results over disjoint key sets into the result over their union.
 
-    :func:`cuflash.merge_states` as a JAX function (no gradient): ``lse = log(sum_i exp(lse_i))``,
-    ``out = sum_i exp(lse_i - lse) * out_i``.
+    :func:`cuflash.merge_states` as a JAX function, differentiable with respect to ``outs`` and ``lses``
+    (with :func:`attention`'s differentiable lse, a merge of partial results trains as one call):
+    ``lse = log(sum_i exp(lse_i))``, ``out = sum_i exp(lse_i - lse) * out_i``.
 
     Parameters
     ----------
@@ -1046,5 +1096,5 @@ def merge_states(outs, lses):
     else:
         lses = check_array(lses, "lses")
     check_merge(outs, lses)
-    out, lse = _merge_call(_layout(outs), _layout(lses), _command_buffers(outs.shape[-1]))(outs, lses)
+    out, lse = _merge(outs, lses)
     return (out if result_dtype is None else out.astype(result_dtype)), lse

@@ -9,7 +9,9 @@ references share one score pipeline). Per batch ``b``, query head ``h``, row ``i
     Pdrop_ij = P_ij * keep_ij / (1 - p)               (P without dropout)
     dV_j     = sum_i Pdrop_ij dO_i
     dP_ij    = dO_i . V_j * keep_ij / (1 - p)
-    D_i      = sum_j P_ij dP_ij                       (= dO_i . O_i; dO_i . out_i for a given out)
+    D_i      = sum_j P_ij dP_ij - dlse_i              (= dO_i . O_i - dlse_i; dO_i . out_i - dlse_i for a
+                                                      given out; dlse = dL/dlse when the loss reads lse,
+                                                      as d lse_i / d s_ij = P_ij)
     dS_ij    = P_ij (dP_ij - D_i)                     (dL/ds)
     dY_ij    = dS_ij * g(y_ij)                        (a score_mod with derivative g at its input y),
                                                       else dS_ij; dL/dbias_ij
@@ -34,9 +36,10 @@ __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
 def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias, scale, softcap, out=None,
-           score_mod=None, sinks=None, **score_options):
+           score_mod=None, sinks=None, dlse=None, **score_options):
     """Gradients on float64 (B, S, H, D) arrays, (dq, dk, dv, ds, dsinks); ``batch_ids`` label the
-    batches for dropout; D_i from ``out`` (B, Sq, Hq, Dv) when given; dsinks (Hq,) or None."""
+    batches for dropout; D_i from ``out`` (B, Sq, Hq, Dv) when given, less ``dlse`` (B, Hq, Sq) when
+    given; dsinks (Hq,) or None."""
     B, Sq, Hq, D = q.shape
     Sk, Hk, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq = np.zeros(q.shape)
@@ -67,6 +70,8 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
             dsum = np.sum(np.where(seen, p * dp, 0.0), axis=-1, keepdims=True)
         else:
             dsum = np.einsum("bihd,bihd->bhi", dout, out)[..., None]
+        if dlse is not None:   # a row that sees nothing (lse -inf) has P = 0: nothing to take
+            dsum = dsum - np.where(np.isneginf(lse), 0.0, dlse)[..., None]
         ds = np.where(seen, p * (dp - dsum), 0.0)
         if sinks is not None:
             sink = np.asarray(sinks, dtype=np.float64).reshape(1, Hq, 1)
@@ -99,6 +104,15 @@ def _stored_output(out, shape):
     return out
 
 
+def _checked_dlse(dlse, shape):
+    if dlse is None:
+        return None
+    dlse = _ref._to_float64(dlse, "dlse")
+    if dlse.shape != shape:
+        raise ValueError(f"dlse must have lse's shape {shape}, got {dlse.shape}")
+    return dlse
+
+
 def _reduce_to(full, shape):
     """``full`` (B, Hq, Sq, Sk) summed over the axes along which ``shape`` broadcasts to it."""
     padded = (1,) * (4 - len(shape)) + tuple(shape)
@@ -110,7 +124,7 @@ def _reduce_to(full, shape):
 def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128),
                        dropout_p=0.0, rng_state=None, return_dbias=False, out=None, score_mod=None,
-                       mask_mod=None, sinks=None, return_dsinks=False):
+                       mask_mod=None, sinks=None, return_dsinks=False, dlse=None):
     """Float64 gradients of :func:`cuflash.reference.attention_forward`.
 
     Parameters
@@ -136,6 +150,8 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
         A stored forward output. When given, ``D_i = dO_i . out_i`` as a FlashAttention kernel
         computes it, so that the rounding of the stored output is part of the result (tests take
         the difference to the exact gradients as the part of a kernel's error it cannot avoid).
+    dlse : float array, shape (B, Hq, Sq), optional
+        Gradient of the loss with respect to the forward's lse, when the loss reads it.
 
     Returns
     -------
@@ -164,11 +180,12 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     if return_dsinks and sinks is None:
         raise ValueError("return_dsinks=True needs sinks")
     sinks = _ref._check_sinks(sinks, q.shape[2])
+    dlse = _checked_dlse(dlse, (q.shape[0], q.shape[2], q.shape[1]))
     dq, dk, dv, ds, dsinks = _grads(dout, q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p, rng_state=rng_state,
                             return_dbias=return_dbias, bias=bias, scale=scale, softcap=softcap, causal=causal,
                             window=window, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask,
                             block_size=block_size, out=out, score_mod=score_mod, mask_mod=mask_mod,
-                            sinks=sinks)
+                            sinks=sinks, dlse=dlse)
     grads = (dq, dk, dv)
     if return_dbias:
         grads += (_reduce_to(ds, _ref._host(bias).shape),)
@@ -180,7 +197,7 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                               max_seqlen_k=None, causal=False, scale=None, window=None, softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, rng_state=None, out=None, sinks=None,
-                              return_dsinks=False, score_mod=None, mask_mod=None):
+                              return_dsinks=False, score_mod=None, mask_mod=None, dlse=None):
     """Float64 gradients of :func:`cuflash.reference.attention_varlen`.
 
     Parameters
@@ -201,6 +218,8 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
     score_mod, mask_mod
         As in :func:`cuflash.reference.attention_varlen` (positions within each sequence, ``b`` its
         index); a score_mod whose derivative is not 1 needs its ``grad``.
+    dlse : float array, shape (Hq, total_q), optional
+        As in :func:`attention_backward`, in the varlen lse's layout.
 
     Returns
     -------
@@ -227,6 +246,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
     if return_dsinks and sinks is None:
         raise ValueError("return_dsinks=True needs sinks")
     sinks = _ref._check_sinks(sinks, q.shape[1])
+    dlse = _checked_dlse(dlse, (q.shape[1], q.shape[0]))
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(q.shape[1])
     for b in range(cu_q.shape[0] - 1):
@@ -236,6 +256,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
                    rng_state=rng_state, return_dbias=False, bias=None, scale=scale, softcap=softcap,
                    causal=causal, window=window, alibi_slopes=seq_slopes,
                    out=None if out is None else out[None, rows], sinks=sinks,
+                   dlse=None if dlse is None else dlse[None, :, rows],
                    score_mod=_ref.at_sequence(score_mod, b), mask_mod=_ref.at_sequence(mask_mod, b))
         dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
         if g[4] is not None:

@@ -188,6 +188,48 @@ def test_varlen_against_finite_differences():
     np.testing.assert_allclose(dv, _finite_difference(lambda x: loss(vv=x), v), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(sinks=np.array([0.3, -1.0], np.float32)),
+                                     dict(softcap=1.5, dropout_p=0.3, rng_state=(5, 6))],
+                         ids=["causal-with-empty-rows", "sinks", "softcap-dropout"])
+def test_a_loss_that_reads_lse(options):
+    """L = sum(out * dout) + sum(lse * dlse): dlse joins D (dS = P (dP - D + dlse)), dsinks included."""
+    q, k, v, dout = _data(1, 5, 3, 2, 1, 3, seed=21)   # causal: rows 0 and 1 see no key (lse -inf)
+    dlse = np.random.default_rng(22).standard_normal((1, 2, 5))
+    sinks = options.get("sinks")
+    opts = {key: value for key, value in options.items() if key != "sinks"}
+
+    def loss(qq=q, kk=k, vv=v, ss=sinks):
+        out, lse = reference.attention_forward(qq, kk, vv, sinks=ss, **opts)
+        return float(np.sum(out * dout) + np.sum(np.where(np.isneginf(lse), 0.0, lse) * dlse))
+
+    grads = attention_backward(dout, q, k, v, dlse=dlse, sinks=sinks, return_dsinks=sinks is not None, **opts)
+    checks = [("dq", grads[0], _finite_difference(lambda x: loss(qq=x), q)),
+              ("dk", grads[1], _finite_difference(lambda x: loss(kk=x), k)),
+              ("dv", grads[2], _finite_difference(lambda x: loss(vv=x), v))]
+    if sinks is not None:
+        checks.append(("dsinks", grads[3], _finite_difference(lambda x: loss(ss=x), sinks.astype(np.float64))))
+    for name, analytic, numeric in checks:
+        np.testing.assert_allclose(analytic, numeric, rtol=RTOL, atol=ATOL, err_msg=name)
+    without = attention_backward(dout, q, k, v, sinks=sinks, **opts)
+    assert np.abs(grads[0] - without[0]).max() > 1e-3, "dlse changed nothing"
+
+
+def test_varlen_with_a_loss_that_reads_lse():
+    rng = np.random.default_rng(23)
+    cu_q, cu_k = np.array([0, 2, 5], np.int32), np.array([0, 3, 5], np.int32)
+    q, k, v = rng.standard_normal((5, 2, 2)), rng.standard_normal((5, 1, 2)), rng.standard_normal((5, 1, 2))
+    dout, dlse = rng.standard_normal((5, 2, 2)), rng.standard_normal((2, 5))
+
+    def loss(qq=q, kk=k, vv=v):
+        out, lse = reference.attention_varlen(qq, kk, vv, cu_q, cu_k, causal=True)
+        return float(np.sum(out * dout) + np.sum(np.where(np.isneginf(lse), 0.0, lse) * dlse))
+
+    dq, dk, dv = attention_varlen_backward(dout, q, k, v, cu_q, cu_k, causal=True, dlse=dlse)
+    np.testing.assert_allclose(dq, _finite_difference(lambda x: loss(qq=x), q), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(dk, _finite_difference(lambda x: loss(kk=x), k), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(dv, _finite_difference(lambda x: loss(vv=x), v), rtol=RTOL, atol=ATOL)
+
+
 def test_stored_output_moves_only_d():
     # D from the exact output is the exact D; D from a perturbed output shifts dS by -P * dD, which
     # moves dq and dk and leaves dv alone.

@@ -369,6 +369,63 @@ def test_merge_states_equals_one_call_over_all_keys():
     assert np.abs(_host(out).astype(np.float64) - ref_out).max() < 4e-3
 
 
+def test_a_loss_that_reads_lse_gets_its_gradient():
+    """out and lse both read by the loss: dq, dk, dv against the reference's with dlse (dense and varlen)."""
+    shape = dict(B=2, Sq=90, Sk=70, Hq=4, Hk=2, D=64)    # causal, Sq > Sk: 20 rows see no key
+    q, k, v = _qkv(shape, "float32", seed=30)
+    rng = np.random.default_rng(31)
+    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32))
+    dlse = jnp.asarray(rng.standard_normal((2, 4, 90)).astype(np.float32))
+
+    def loss(q, k, v):
+        out, lse = cj.attention(q, k, v, causal=True, return_lse=True)
+        return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    ref = reference.attention_backward(*(_host(x) for x in (dout, q, k, v)), causal=True, dlse=_host(dlse))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        _assert_grad_close(g, r, None, None, "float32", name, max(np.abs(x).max() for x in ref))
+
+    cu = jnp.asarray(np.array([0, 37, 120, 200], np.int32))
+    qv, kv, vv = (x[0] for x in _qkv(dict(B=1, Sq=200, Sk=200, Hq=4, Hk=2, D=64), "float32", seed=32))
+    dout_v = jnp.asarray(rng.standard_normal(qv.shape).astype(np.float32))
+    dlse_v = jnp.asarray(rng.standard_normal((4, 200)).astype(np.float32))
+
+    def varlen_loss(q, k, v):
+        out, lse = cj.attention_varlen(q, k, v, cu, cu, max_seqlen_q=83, max_seqlen_k=83, causal=True,
+                                       return_lse=True)
+        return jnp.sum(out * dout_v) + jnp.sum(lse * dlse_v)
+
+    grads = jax.jit(jax.grad(varlen_loss, argnums=(0, 1, 2)))(qv, kv, vv)
+    ref = reference.attention_varlen_backward(*(_host(x) for x in (dout_v, qv, kv, vv)), _host(cu), _host(cu),
+                                              causal=True, dlse=_host(dlse_v))
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        _assert_grad_close(g, r, None, None, "float32", name, max(np.abs(x).max() for x in ref))
+
+
+def test_merged_partial_results_train_as_one_call():
+    """Attention over two halves of the keys merged with merge_states (ring attention's step): its
+    gradients are those of one call over all the keys (through the lse's gradient and merge's)."""
+    q, k, v = _qkv(dict(B=2, Sq=64, Sk=100, Hq=4, Hk=2, D=64), "float32", seed=33)
+    dout = jnp.asarray(np.random.default_rng(34).standard_normal(q.shape).astype(np.float32))
+
+    def merged(q, k, v):
+        o1, l1 = cj.attention(q, k[:, :40], v[:, :40], return_lse=True)
+        o2, l2 = cj.attention(q, k[:, 40:], v[:, 40:], return_lse=True)
+        out, _ = cj.merge_states([o1, o2], [l1, l2])
+        return jnp.sum(out * dout)
+
+    def whole(q, k, v):
+        return jnp.sum(cj.attention(q, k, v) * dout)
+
+    got = jax.jit(jax.grad(merged, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(whole, argnums=(0, 1, 2)))(q, k, v)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        g, w = _host(g).astype(np.float64), _host(w).astype(np.float64)
+        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert rel < 1e-4, f"{name}: relative difference {rel:.2e} from the single call"
+
+
 def test_trace_time_errors_launch_nothing():
     q = jnp.zeros((1, 8, 4, 64), jnp.float16)
     with pytest.raises(ValueError, match="heads of q"):
