@@ -302,8 +302,9 @@ def _(q, k, v, alibi_slopes=None, mask=None, bias=None, block_mask=None, rng_sta
 
 def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale,
                             window_left, window_right, softcap, block_q, block_k, dropout_p, deterministic,
-                            return_dbias, sinks=None, return_dsinks=False, mods=None):
-    """The body of ``cuflash::attention_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
+                            return_dbias, sinks=None, return_dsinks=False, mods=None, dlse=None):
+    """The body of ``cuflash::attention_backward`` (``mods`` as in :func:`_run_attention_forward`; ``dlse``:
+    the gradient of a loss that reads lse, :func:`cuflash.attention_backward`'s)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
     dq = _dense_like(q)
@@ -315,6 +316,8 @@ def _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, ma
                    sinks=_plain(sinks))
     if mods:
         options.update(mods)
+    if dlse is not None:
+        options["dlse"] = dlse
     _checks.check_return_dsinks(return_dsinks, sinks)
     dbias, dsinks = kernels.attention_backward(dout, q, k, v, out, lse, dq, dk, dv, state, options, return_dbias,
                                                return_dsinks)
@@ -334,19 +337,19 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            block_k: int = 128, dropout_p: float = 0.0, deterministic: bool = False,
                            return_dbias: bool = False, sinks: Optional[Tensor] = None,
                            return_dsinks: bool = False, score_mod: Optional[str] = None,
-                           mask_mod: Optional[str] = None, mod_arrays: Optional[list[Tensor]] = None
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                           mask_mod: Optional[str] = None, mod_arrays: Optional[list[Tensor]] = None,
+                           dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _run_attention_backward(dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal,
                                    scale, window_left, window_right, softcap, block_q, block_k, dropout_p,
                                    deterministic, return_dbias, sinks, return_dsinks,
-                                   _rebuilt(score_mod, mask_mod, mod_arrays))
+                                   _rebuilt(score_mod, mask_mod, mod_arrays), dlse)
 
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bias=None, block_mask=None,
       causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, block_q=128, block_k=128,
       dropout_p=0.0, deterministic=False, return_dbias=False, sinks=None, return_dsinks=False, score_mod=None,
-      mask_mod=None, mod_arrays=None):
+      mask_mod=None, mod_arrays=None, dlse=None):
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
     _checks.check_return_dsinks(return_dsinks, sinks)
@@ -358,7 +361,8 @@ def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bia
 
 class _AttentionForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_forward``: ``cuflash::attention_backward`` gives dq, dk,
-    dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks; lse and rng_state are constants.
+    dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks, through out and lse (lse's gradient
+    is the backward's ``dlse``: zeros when the loss does not read lse); rng_state is a constant.
     ``mods``: the op's modifier arguments (score_mod, mask_mod, mod_arrays), handed to the backward op."""
 
     @staticmethod
@@ -366,19 +370,19 @@ class _AttentionForward(torch.autograd.Function):
         alibi_slopes, mask, block_mask, rng_state = constants
         out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
                                                                rng_state, *options, sinks, *mods)
-        ctx.mark_non_differentiable(lse, state)
+        ctx.mark_non_differentiable(state)
         ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks, *(mods[2] or ()))
         ctx.options, ctx.specs = options, mods[:2]
         return out, lse, state
 
     @staticmethod
-    def backward(ctx, dout, _dlse, _dstate):
+    def backward(ctx, dout, dlse, _dstate):
         q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks, *arrays = ctx.saved_tensors
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
         dq, dk, dv, dbias, dsinks = _backward_op(
             _attention_backward_op, dout, q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, *ctx.options,
-            want_dbias, sinks, want_dsinks, *ctx.specs, arrays or None)
+            want_dbias, sinks, want_dsinks, *ctx.specs, arrays or None, dlse)
         return dq, dk, dv, (dbias if want_dbias else None), (dsinks if want_dsinks else None), None, None, None
 
 
@@ -459,17 +463,19 @@ def _attention_varlen_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                   softcap: float = 0.0, dropout_p: float = 0.0, deterministic: bool = False,
                                   sinks: Optional[Tensor] = None, return_dsinks: bool = False,
                                   score_mod: Optional[str] = None, mask_mod: Optional[str] = None,
-                                  mod_arrays: Optional[list[Tensor]] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                  mod_arrays: Optional[list[Tensor]] = None,
+                                  dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes,
                                 max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right, softcap,
                                 dropout_p, deterministic, sinks, return_dsinks,
-                                _rebuilt(score_mod, mask_mod, mod_arrays))
+                                _rebuilt(score_mod, mask_mod, mod_arrays), dlse)
 
 
 def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q,
                          max_seqlen_k, causal, scale, window_left, window_right, softcap, dropout_p,
-                         deterministic, sinks=None, return_dsinks=False, mods=None):
-    """The body of ``cuflash::attention_varlen_backward`` (``mods`` as in :func:`_run_attention_forward`)."""
+                         deterministic, sinks=None, return_dsinks=False, mods=None, dlse=None):
+    """The body of ``cuflash::attention_varlen_backward`` (``mods`` as in :func:`_run_attention_forward`,
+    ``dlse`` as in :func:`_run_attention_backward`)."""
     kernels = _kernels_for(q)
     state = _backward_state(dropout_p, rng_state)
     dq = _dense_like(q)
@@ -480,6 +486,8 @@ def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rn
                    dropout_p=dropout_p, deterministic=deterministic, sinks=_plain(sinks))
     if mods:
         options.update(mods)
+    if dlse is not None:
+        options["dlse"] = dlse
     _checks.check_return_dsinks(return_dsinks, sinks)
     dsinks = kernels.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, state,
                                                options, return_dsinks)
@@ -491,7 +499,8 @@ def _run_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rn
 @_attention_varlen_backward_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi_slopes=None, max_seqlen_q=None,
       max_seqlen_k=None, causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0, dropout_p=0.0,
-      deterministic=False, sinks=None, return_dsinks=False, score_mod=None, mask_mod=None, mod_arrays=None):
+      deterministic=False, sinks=None, return_dsinks=False, score_mod=None, mask_mod=None, mod_arrays=None,
+      dlse=None):
     _checks.check_return_dsinks(return_dsinks, sinks)
     _check_sinks_shape(sinks, q.shape[1])
     dsinks = sinks.new_empty(sinks.shape) if return_dsinks else q.new_empty((0,), dtype=torch.float32)
@@ -500,26 +509,27 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state=None, alibi
 
 class _AttentionVarlenForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_varlen_forward`` (``cuflash::attention_varlen_backward``):
-    dq, dk, dv and, when ``sinks`` requires it, dsinks; ``mods`` as for :class:`_AttentionForward`."""
+    dq, dk, dv and, when ``sinks`` requires it, dsinks, through out and lse; ``mods`` as for
+    :class:`_AttentionForward`."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, constants, options, mods):
         cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = constants
         out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                       alibi_slopes, rng_state, *options, sinks, *mods)
-        ctx.mark_non_differentiable(lse, state)
+        ctx.mark_non_differentiable(state)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks,
                               *(mods[2] or ()))
         ctx.options, ctx.specs = options, mods[:2]
         return out, lse, state
 
     @staticmethod
-    def backward(ctx, dout, _dlse, _dstate):
+    def backward(ctx, dout, dlse, _dstate):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks, *arrays = ctx.saved_tensors
         want_dsinks = sinks is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dsinks = _backward_op(
             _attention_varlen_backward_op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes,
-            *ctx.options, sinks, want_dsinks, *ctx.specs, arrays or None)
+            *ctx.options, sinks, want_dsinks, *ctx.specs, arrays or None, dlse)
         return dq, dk, dv, (dsinks if want_dsinks else None), None, None, None
 
 
@@ -696,6 +706,42 @@ def _(outs, lses):
     _check_rank(outs, 5, "outs", "(parts, batch, seqlen, heads, head_dim)")
     _, b, s, h, _ = outs.shape
     return outs.new_empty(outs.shape[1:]), outs.new_empty((b, h, s), dtype=torch.float32)
+
+
+def _merge_states_grads(outs, lses, lse, dout, dlse):
+    """d outs and d lses of merge_states, in float32 with out recomputed from the parts: with
+    w_i = exp(lse_i - lse), d out / d out_i = w_i, d out / d lse_i = w_i (out_i - out), d lse / d lse_i = w_i."""
+    seen = torch.isfinite(lse)   # a row no part saw (lse -inf) has no weight anywhere
+    w = torch.where(seen, torch.exp(lses - torch.where(seen, lse, torch.zeros_like(lse))), torch.zeros_like(lses))
+    w_rows = w.transpose(-1, -2).unsqueeze(-1)                          # (n, B, S, H, 1)
+    parts, dout = outs.float(), dout.float()
+    out = (w_rows * parts).sum(0)
+    toward = (dout * (parts - out)).sum(-1).transpose(-1, -2)           # (n, B, H, S)
+    return (w_rows * dout).to(outs.dtype), w * (toward + dlse.float())
+
+
+class _MergeStates(torch.autograd.Function):
+    """The autograd of ``cuflash::merge_states``: gradients for outs and lses (torch operations)."""
+
+    @staticmethod
+    def forward(ctx, outs, lses):
+        out, lse = _merge_states_op.below_autograd(outs, lses)
+        ctx.save_for_backward(outs, lses, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _merge_states_grads(*ctx.saved_tensors, dout, dlse)
+
+
+_merge_states_apply = direct_apply(_MergeStates)
+
+
+@_merge_states_op.register_autograd
+def _(outs, lses):
+    if _records_grad(outs, lses):
+        return _merge_states_apply(outs, lses)
+    return _merge_states_op.below_autograd(outs, lses)
 
 
 # ----------------------------------------------------------------------------- score_mod / mask_mod
@@ -908,9 +954,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False, scale=None, window=None, softcap=0.0,
                        alibi_slopes=None, mask=None, bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0,
                        deterministic=False, return_dbias=False, score_mod=None, mask_mod=None, sinks=None,
-                       return_dsinks=False):
+                       return_dsinks=False, dlse=None):
     """``torch.ops.cuflash.attention_backward``: dq, dk, dv (and dbias, dsinks) from the forward's out, lse,
-    rng_state.
+    rng_state (and ``dlse``, the gradient of a loss that reads lse, as in :func:`cuflash.attention_backward`).
 
     Takes the forward's options (see :func:`cuflash.attention_backward`), ``score_mod``/``mask_mod``
     included (as in :func:`attention_forward`). Returns (dq, dk, dv), then
@@ -921,10 +967,11 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     block_q, block_k = _pair(block_size, "block_size", (128, 128))
     args = (dout, q, k, v, out, lse, rng_state, alibi_slopes, mask, bias, block_mask, causal, scale, left, right,
             softcap, block_q, block_k, dropout_p, deterministic, return_dbias, sinks, return_dsinks)
-    if score_mod is None and mask_mod is None:
-        dq, dk, dv, dbias, dsinks = _attention_backward_op(*args)
+    mods = _mod_operands(score_mod, mask_mod, backward=True) if score_mod is not None or mask_mod is not None else ()
+    if dlse is None:
+        dq, dk, dv, dbias, dsinks = _attention_backward_op(*args, *mods)
     else:
-        dq, dk, dv, dbias, dsinks = _attention_backward_op(*args, *_mod_operands(score_mod, mask_mod, backward=True))
+        dq, dk, dv, dbias, dsinks = _attention_backward_op(*args, *(mods or (None, None, None)), dlse)
     return (dq, dk, dv) + ((dbias,) if return_dbias else ()) + ((dsinks,) if return_dsinks else ())
 
 
@@ -977,16 +1024,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, rng_state=None,
                               max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None,
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, score_mod=None,
-                              mask_mod=None, sinks=None, return_dsinks=False):
+                              mask_mod=None, sinks=None, return_dsinks=False, dlse=None):
     """``torch.ops.cuflash.attention_varlen_backward``: (dq, dk, dv) of :func:`attention_varlen`, and
-    dsinks (float32 (Hq,)) last with ``return_dsinks``."""
+    dsinks (float32 (Hq,)) last with ``return_dsinks``; ``dlse`` as in :func:`attention_backward`."""
     left, right = _pair(window, "window", (-1, -1))
     args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, rng_state, alibi_slopes, max_seqlen_q, max_seqlen_k,
             causal, scale, left, right, softcap, dropout_p, deterministic, sinks, return_dsinks)
-    if score_mod is None and mask_mod is None:
-        grads = tuple(_attention_varlen_backward_op(*args))
+    mods = _mod_operands(score_mod, mask_mod, backward=True) if score_mod is not None or mask_mod is not None else ()
+    if dlse is None:
+        grads = tuple(_attention_varlen_backward_op(*args, *mods))
     else:
-        grads = tuple(_attention_varlen_backward_op(*args, *_mod_operands(score_mod, mask_mod, backward=True)))
+        grads = tuple(_attention_varlen_backward_op(*args, *(mods or (None, None, None)), dlse))
     return grads if return_dsinks else grads[:3]
 
 

@@ -422,8 +422,16 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     return (out, lse) if return_lse else out
 
 
+def _merge_needs_grad(outs, lses) -> bool:
+    parts = (list(outs) if isinstance(outs, (list, tuple)) else [outs]) + (
+        list(lses) if isinstance(lses, (list, tuple)) else [lses])
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in parts)
+
+
 def merge_states(outs, lses):
-    """:func:`cuflash.merge_states` for torch tensors: eager, compiled or captured.
+    """:func:`cuflash.merge_states` for torch tensors: eager, compiled or captured; differentiable with
+    respect to ``outs`` and ``lses`` (with the differentiable lse of ``ct.ops.attention(...,
+    return_lse=True)``, merged partial results train as one call).
 
     Parameters
     ----------
@@ -450,7 +458,7 @@ def merge_states(outs, lses):
     >>> o2, lse2 = ct.ops.attention(q, k2, v2, return_lse=True)
     >>> out, lse = ct.merge_states([o1, o2], [lse1, lse2])      # attention over k1 and k2
     """
-    if _compiling():
+    if _compiling() or _merge_needs_grad(outs, lses):   # the op's autograd gives d outs and d lses
         return ops.merge_states(outs, lses)
     first = outs[0]
     _check_cuda(("outs", first))
