@@ -91,7 +91,7 @@ def test_heads_per_cta(batch, heads_k, group, key_blocks, sms):
 
 
 def test_param_structs_pack():
-    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 13 * 8 + 18 * 8 + 6 * 4
+    assert _params.BWD_PARAMS.itemsize == _params.FWD_PARAMS.itemsize + 14 * 8 + 18 * 8 + 6 * 4
     raw = _params.BWD.pack({"fwd.q": 1, "fwd.scale": 0.5, "fwd.heads_q": 8, "dout": 2, "seqlen_q_pad": 256,
                             "heads_per_cta": 4, "tail_pairs": 5, "dq_tail_pairs": 6})
     p = np.frombuffer(raw, dtype=_params.BWD_PARAMS)[0]
