@@ -362,7 +362,8 @@ def _(dout, q, k, v, out, lse, rng_state=None, alibi_slopes=None, mask=None, bia
 class _AttentionForward(torch.autograd.Function):
     """The autograd of ``cuflash::attention_forward``: ``cuflash::attention_backward`` gives dq, dk,
     dv and, when ``bias`` / ``sinks`` require them, dbias / dsinks, through out and lse (lse's gradient
-    is the backward's ``dlse``: zeros when the loss does not read lse); rng_state is a constant.
+    is the backward's ``dlse``; None, not a tensor of zeros, when the loss does not read lse: the
+    gradients are not materialised); rng_state is a constant.
     ``mods``: the op's modifier arguments (score_mod, mask_mod, mod_arrays), handed to the backward op."""
 
     @staticmethod
@@ -371,6 +372,7 @@ class _AttentionForward(torch.autograd.Function):
         out, lse, state = _attention_forward_op.below_autograd(q, k, v, alibi_slopes, mask, bias, block_mask,
                                                                rng_state, *options, sinks, *mods)
         ctx.mark_non_differentiable(state)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks, *(mods[2] or ()))
         ctx.options, ctx.specs = options, mods[:2]
         return out, lse, state
@@ -378,6 +380,8 @@ class _AttentionForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, _dstate):
         q, k, v, out, lse, state, alibi_slopes, mask, bias, block_mask, sinks, *arrays = ctx.saved_tensors
+        if dout is None:   # the loss reads lse alone
+            dout = torch.zeros_like(out)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
         dq, dk, dv, dbias, dsinks = _backward_op(
@@ -518,6 +522,7 @@ class _AttentionVarlenForward(torch.autograd.Function):
         out, lse, state = _attention_varlen_forward_op.below_autograd(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                       alibi_slopes, rng_state, *options, sinks, *mods)
         ctx.mark_non_differentiable(state)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks,
                               *(mods[2] or ()))
         ctx.options, ctx.specs = options, mods[:2]
@@ -526,6 +531,8 @@ class _AttentionVarlenForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse, _dstate):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes, sinks, *arrays = ctx.saved_tensors
+        if dout is None:   # the loss reads lse alone
+            dout = torch.zeros_like(out)
         want_dsinks = sinks is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dsinks = _backward_op(
             _attention_varlen_backward_op, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, state, alibi_slopes,
