@@ -95,22 +95,14 @@ def _grads(dout, q, k, v, batch_ids, *, dropout_p, rng_state, return_dbias, bias
     return dq, dk, dv, ds, dsinks
 
 
-def _stored_output(out, shape):
-    if out is None:
+def _optional_like(x, name, shape, like):
+    """An optional operand (a stored ``out``, ``dlse``) in float64, of ``like``'s ``shape``."""
+    if x is None:
         return None
-    out = _ref._to_float64(out, "out")
-    if out.shape != shape:
-        raise ValueError(f"out must have the shape of dout, {shape}, got {out.shape}")
-    return out
-
-
-def _checked_dlse(dlse, shape):
-    if dlse is None:
-        return None
-    dlse = _ref._to_float64(dlse, "dlse")
-    if dlse.shape != shape:
-        raise ValueError(f"dlse must have lse's shape {shape}, got {dlse.shape}")
-    return dlse
+    x = _ref._to_float64(x, name)
+    if x.shape != shape:
+        raise ValueError(f"{name} must have the shape of {like}, {shape}, got {x.shape}")
+    return x
 
 
 def _reduce_to(full, shape):
@@ -174,13 +166,13 @@ def attention_backward(dout, q, k, v, *, causal=False, scale=None, window=None, 
     if dout.shape != q.shape[:3] + (v.shape[3],):
         raise ValueError(f"dout must have shape {q.shape[:3] + (v.shape[3],)}, got {dout.shape}")
     dropout_p = _ref._check_dropout(dropout_p, rng_state)
-    out = _stored_output(out, dout.shape)
+    out = _optional_like(out, "out", dout.shape, "dout")
     if return_dbias and bias is None:
         raise ValueError("return_dbias=True needs a bias")
     if return_dsinks and sinks is None:
         raise ValueError("return_dsinks=True needs sinks")
     sinks = _ref._check_sinks(sinks, q.shape[2])
-    dlse = _checked_dlse(dlse, (q.shape[0], q.shape[2], q.shape[1]))
+    dlse = _optional_like(dlse, "dlse", (q.shape[0], q.shape[2], q.shape[1]), "lse")
     dq, dk, dv, ds, dsinks = _grads(dout, q, k, v, np.arange(q.shape[0]), dropout_p=dropout_p, rng_state=rng_state,
                             return_dbias=return_dbias, bias=bias, scale=scale, softcap=softcap, causal=causal,
                             window=window, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask,
@@ -236,7 +228,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
                          f"{k.shape}, {v.shape}")
     _ref._check_qkv(q[None], k[None], v[None])
     dropout_p = _ref._check_dropout(dropout_p, rng_state)
-    out = _stored_output(out, dout.shape)
+    out = _optional_like(out, "out", dout.shape, "dout")
     cu_q = _ref._check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0])
     cu_k = _ref._check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
     if cu_q.shape != cu_k.shape:
@@ -246,7 +238,7 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_
     if return_dsinks and sinks is None:
         raise ValueError("return_dsinks=True needs sinks")
     sinks = _ref._check_sinks(sinks, q.shape[1])
-    dlse = _checked_dlse(dlse, (q.shape[1], q.shape[0]))
+    dlse = _optional_like(dlse, "dlse", (q.shape[1], q.shape[0]), "lse")
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(q.shape[1])
     for b in range(cu_q.shape[0] - 1):

@@ -61,6 +61,16 @@ def _assert_close_to_instances(mapped, own, name):
     assert err <= allowed, f"{name}: max difference {err:.3e} from the instances' own calls > {allowed:.3e}"
 
 
+def _map_against_instances(fn, args, axes):
+    """(out, lse) of ``jax.vmap(fn)`` under jit, checked against the instances' own calls: out within
+    two units of rounding, lse within float32's."""
+    out, lse = jax.jit(jax.vmap(fn, in_axes=axes))(*args)
+    own_out, own_lse = _instances(fn, args, axes)
+    _assert_close_to_instances(out, own_out, "out")
+    np.testing.assert_allclose(_host(lse), _host(own_lse), rtol=1e-5, atol=1e-5)
+    return out, lse
+
+
 def _assert_same_bits(mapped, own, name):
     mapped, own = _host(mapped), _host(own)
     assert mapped.shape == own.shape, f"{name}: shape {mapped.shape} != {own.shape}"
@@ -85,11 +95,7 @@ def test_forward_folds_and_each_instance_is_its_own_call(mapped_kv):
         return cj.attention(q, k, v, bias=bias, return_lse=True, **options)
 
     axes = (0, 0, 0, 0) if mapped_kv else (0, None, None, 0)
-    args = tuple(jnp.asarray(x) for x in (q, k, v, bias))
-    out, lse = jax.jit(jax.vmap(fn, in_axes=axes))(*args)
-    own_out, own_lse = _instances(fn, args, axes)
-    _assert_close_to_instances(out, own_out, "out")
-    np.testing.assert_allclose(_host(lse), _host(own_lse), rtol=1e-5, atol=1e-5)
+    out, _ = _map_against_instances(fn, tuple(jnp.asarray(x) for x in (q, k, v, bias)), axes)
     for i in range(N):
         ki, vi = (k[i], v[i]) if mapped_kv else (k, v)
         ref_out, _ = reference.attention_forward(q[i], ki, vi, bias=bias[i], causal=True, mask=keep)
@@ -208,10 +214,7 @@ def test_decode_folds_and_each_instance_is_its_own_call(paged, mapped_cache):
 
     axes = (0, 0 if mapped_cache else None, 0 if mapped_cache else None, 0, *((0,) if paged else ()))
     args = (jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(lens), *extra)
-    out, lse = jax.jit(jax.vmap(fn, in_axes=axes))(*args)
-    own_out, own_lse = _instances(fn, args, axes)
-    _assert_close_to_instances(out, own_out, "out")
-    np.testing.assert_allclose(_host(lse), _host(own_lse), rtol=1e-5, atol=1e-5)
+    out, _ = _map_against_instances(fn, args, axes)
     for i in range(N):
         kc, vc = (k_cache[i], v_cache[i]) if mapped_cache else (k_cache, v_cache)
         ref_out, _ = reference.decode(q[i], kc, vc, cache_seqlens=lens[i],
