@@ -80,11 +80,11 @@ def _check_cuda(*tensors):
 
 
 class _Attention(torch.autograd.Function):
-    """out = attention(q, k, v, bias, sinks=sinks, generator=generator, **options); gradients for q, k, v,
-    bias and sinks."""
+    """out (and lse) = attention(q, k, v, bias, sinks=sinks, generator=generator, **options); gradients for
+    q, k, v, bias and sinks, through out and, with ``return_lse``, lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, sinks, options, generator, deterministic):
+    def forward(ctx, q, k, v, bias, sinks, options, generator, deterministic, return_lse=False):
         # torch allocates the outputs and cuflash writes them: no DLPack exchange per call, and
         # memory that a torch.cuda.graph capture keeps in its pool.
         out = _new_out(q, v)
@@ -94,22 +94,27 @@ class _Attention(torch.autograd.Function):
                                                     generator=generator, **options)
         ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
         ctx.rng_state, ctx.options, ctx.deterministic = rng_state, options, deterministic
-        return out
+        if not return_lse:
+            return out
+        ctx.set_materialize_grads(False)   # lse's gradient None when the loss does not read it: no dlse
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse=None):
         q, k, v, out, lse, bias, sinks = ctx.saved_tensors
+        if dout is None:   # the loss reads lse alone
+            dout = torch.zeros_like(out)
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
         dq, dk, dv = _dense_like(q), _dense_like(k), _dense_like(v)
         with _torch_call(q.device):
             grads = list(_cf_attention_backward(dout, q, k, v, out, lse, bias=bias, sinks=sinks,
                                                 rng_state=ctx.rng_state, return_dbias=want_dbias,
-                                                return_dsinks=want_dsinks, dq=dq, dk=dk, dv=dv,
+                                                return_dsinks=want_dsinks, dq=dq, dk=dk, dv=dv, dlse=dlse,
                                                 deterministic=ctx.deterministic, **ctx.options)[3:])
             dbias = _as_torch(grads.pop(0)) if want_dbias else None
             dsinks = _as_torch(grads.pop(0)) if want_dsinks else None
-        return dq, dk, dv, dbias, dsinks, None, None, None
+        return dq, dk, dv, dbias, dsinks, None, None, None, None
 
 
 class _AttentionVarlen(torch.autograd.Function):
@@ -157,7 +162,7 @@ _attention_varlen_apply = _direct_apply(_AttentionVarlen)
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None, mask=None,
               bias=None, block_mask=None, block_size=(128, 128), dropout_p=0.0, generator=None,
-              deterministic=False, score_mod=None, mask_mod=None, sinks=None):
+              deterministic=False, score_mod=None, mask_mod=None, sinks=None, return_lse=False):
     """Differentiable :func:`cuflash.attention` for torch tensors: eager, compiled or captured.
 
     Runs cuflash's forward on torch's current stream of the inputs' device and saves q, k, v, out,
@@ -194,12 +199,18 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         Attention sinks (gpt-oss), as in :func:`cuflash.attention`: each row's softmax denominator
         gains ``exp(sinks[h])``, with no value. Receives a gradient when it requires one (the backward
         asks :func:`cuflash.attention_backward` for ``return_dsinks``); eager, compiled and captured.
+    return_lse : bool, default False
+        Also return the log-sum-exp of every row, float32 (B, Hq, Sq). Differentiable: a loss that
+        reads it (merged partial results, :func:`merge_states`; a penalty on large lse) reaches q, k
+        (and bias, sinks) through :func:`cuflash.attention_backward`'s ``dlse``.
 
     Returns
     -------
-    torch.Tensor (B, Sq, Hq, D_v)
+    out : torch.Tensor (B, Sq, Hq, D_v)
         C-contiguous, on the inputs' device, in their dtype; its backward gives dq, dk, dv (and dbias,
         dsinks).
+    lse : float32 torch.Tensor (B, Hq, Sq)
+        Only with ``return_lse``.
 
     Raises
     ------
@@ -228,7 +239,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         return ops.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                              alibi_slopes=alibi_slopes, mask=mask, bias=bias, block_mask=block_mask,
                              block_size=block_size, dropout_p=dropout_p, generator=generator,
-                             deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks)
+                             deterministic=deterministic, score_mod=score_mod, mask_mod=mask_mod, sinks=sinks,
+                             return_lse=return_lse)
     _check_cuda(("q", q), ("k", k), ("v", v))
     if sinks is not None:
         _check_cuda(("sinks", sinks))
@@ -239,9 +251,16 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         ops._check_dbias_beside(score_mod, bias, softcap)
         options.update(mods)
     if _needs_grad(q, k, v, bias, sinks):
+        if return_lse:
+            return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic, True)
         return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
     out = _new_out(q, v)
+    if return_lse:
+        lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        with _torch_call(q.device):
+            _cf_attention_forward(q, k, v, bias=bias, sinks=sinks, out=out, lse=lse, generator=generator, **options)
+        return out, lse
     with _torch_call(q.device):
         _cf_attention(q, k, v, bias=bias, sinks=sinks, out=out, generator=generator, **options)
     return out
@@ -429,9 +448,10 @@ def _merge_needs_grad(outs, lses) -> bool:
 
 
 def merge_states(outs, lses):
-    """:func:`cuflash.merge_states` for torch tensors: eager, compiled or captured; differentiable with
-    respect to ``outs`` and ``lses`` (with the differentiable lse of ``ct.ops.attention(...,
-    return_lse=True)``, merged partial results train as one call).
+    """:func:`cuflash.merge_states` for torch tensors: eager, compiled or captured.
+
+    Differentiable with respect to ``outs`` and ``lses``: with the differentiable lse of
+    ``attention(..., return_lse=True)``, merged partial results train as one call.
 
     Parameters
     ----------

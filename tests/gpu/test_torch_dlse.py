@@ -1,7 +1,7 @@
-"""cuflash.interop.torch with a loss that reads lse: ``ct.ops.attention(..., return_lse=True)`` and
-``ct.ops.attention_varlen`` give lse a gradient (the backward's dlse), and ``ct.merge_states`` is
-differentiable, so attention over two halves of the keys merged trains as one call, eagerly and
-under ``torch.compile(fullgraph=True)``. float32 inputs: within 1e-4 relative (Frobenius) of the
+"""cuflash.interop.torch with a loss that reads lse: ``ct.attention(..., return_lse=True)``,
+``ct.ops.attention`` and ``ct.ops.attention_varlen`` give lse a gradient (the backward's dlse), and
+``ct.merge_states`` is differentiable, so attention over two halves of the keys merged trains as one
+call, eagerly and under ``torch.compile(fullgraph=True)``. float32 inputs: within 1e-4 relative (Frobenius) of the
 float64 reference or of the single call. Needs torch with CUDA (skipped otherwise).
 """
 
@@ -29,10 +29,14 @@ def _relative(got, want):
     return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
-def test_a_loss_that_reads_lse_gets_its_gradient():
+@pytest.mark.parametrize("attend", [ct.attention, ct.ops.attention], ids=["ct.attention", "ct.ops.attention"])
+def test_a_loss_that_reads_lse_gets_its_gradient(attend):
     q, k, v = (_randn(2, n, h, 64, seed=s, requires_grad=True) for n, h, s in ((90, 4, 1), (70, 2, 2), (70, 2, 3)))
     dout, dlse = _randn(2, 90, 4, 64, seed=4), _randn(2, 4, 90, seed=5)
-    out, lse = ct.ops.attention(q, k, v, causal=True, return_lse=True)   # 20 rows see no key (lse -inf)
+    out, lse = attend(q, k, v, causal=True, return_lse=True)   # 20 rows see no key (lse -inf)
+    with torch.no_grad():   # the same out and lse without autograd
+        out_ng, lse_ng = attend(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, out_ng) and torch.equal(lse, lse_ng)
     (out * dout).sum().add(torch.where(torch.isfinite(lse), lse, 0.0).mul(dlse).sum()).backward()
     ref = reference.attention_backward(*(x.detach().cpu().numpy() for x in (dout, q, k, v)), causal=True,
                                        dlse=dlse.cpu().numpy())
@@ -53,7 +57,7 @@ def test_a_loss_that_reads_lse_gets_its_gradient():
 
 
 def _merged(q, k, v, dout):
-    o1, l1 = ct.ops.attention(q, k[:, :40], v[:, :40], return_lse=True)
+    o1, l1 = ct.attention(q, k[:, :40], v[:, :40], return_lse=True)
     o2, l2 = ct.ops.attention(q, k[:, 40:], v[:, 40:], return_lse=True)
     out, _ = ct.merge_states([o1, o2], [l1, l2])
     return (out * dout).sum()
