@@ -300,10 +300,10 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, sinks, None)
     if mod_key is not None:
         operands = operands + user_arrays
-    if dlse is not None:   # the last operand
+    if dlse is not None:   # the last operand (the memo tells the calls apart by their operands)
         operands = operands + (dlse,)
     options = (causal, scale, window, softcap, block_size, dropout_p, deterministic, return_dbias,
-               _forced_family.get(), (0, 0), mod_key, return_dsinks, dlse is not None)
+               _forced_family.get(), (0, 0), mod_key, return_dsinks)
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
@@ -580,7 +580,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     if dlse is not None:   # the last operand
         operands = operands + (dlse,)
     options = (max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, dropout_p, deterministic,
-               _forced_family.get(), mod_key, return_dsinks, dlse is not None)
+               _forced_family.get(), mod_key, return_dsinks)
     plan, ptrs, where = _memo.lookup("attention_varlen_backward", operands, options)
     finish = None
     if plan is None:

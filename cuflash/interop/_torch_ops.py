@@ -943,6 +943,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     -------
     torch.Tensor (B, Sq, Hq, D), or (out, lse) when ``return_lse``.
     """
+    return_lse = _checks.check_flag(return_lse, "return_lse")
     if rng_state is None and not return_lse and _runs_eagerly(q, (q, k, v, alibi_slopes, mask, bias, block_mask,
                                                                    sinks)):
         return _eager_module().attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -1007,6 +1008,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
     -------
     out : torch.Tensor (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when ``return_lse``.
     """
+    return_lse = _checks.check_flag(return_lse, "return_lse")
     if rng_state is None and not return_lse and _runs_eagerly(q, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                                                    sinks, cache_seqlens, block_table)):
         return _eager_module().attention_varlen(

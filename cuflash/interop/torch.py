@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_flag as _check_flag
 from ..attention import attention as _cf_attention, attention_forward as _cf_attention_forward
 from ..attention import attention_varlen as _cf_attention_varlen
 from ..backward import attention_backward as _cf_attention_backward
@@ -244,6 +245,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     _check_cuda(("q", q), ("k", k), ("v", v))
     if sinks is not None:
         _check_cuda(("sinks", sinks))
+    return_lse = _check_flag(return_lse, "return_lse")
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if score_mod is not None or mask_mod is not None:
@@ -251,9 +253,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         ops._check_dbias_beside(score_mod, bias, softcap)
         options.update(mods)
     if _needs_grad(q, k, v, bias, sinks):
-        if return_lse:
-            return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic, True)
-        return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic)
+        return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic, return_lse)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
     out = _new_out(q, v)
     if return_lse:

@@ -37,6 +37,8 @@ def test_a_loss_that_reads_lse_gets_its_gradient(attend):
     with torch.no_grad():   # the same out and lse without autograd
         out_ng, lse_ng = attend(q, k, v, causal=True, return_lse=True)
     assert torch.equal(out, out_ng) and torch.equal(lse, lse_ng)
+    with pytest.raises(TypeError, match="return_lse"):
+        attend(q, k, v, return_lse="yes")
     (out * dout).sum().add(torch.where(torch.isfinite(lse), lse, 0.0).mul(dlse).sum()).backward()
     ref = reference.attention_backward(*(x.detach().cpu().numpy() for x in (dout, q, k, v)), causal=True,
                                        dlse=dlse.cpu().numpy())
