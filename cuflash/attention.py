@@ -224,12 +224,14 @@ def _forward_with_rng_words(q, k, v, rng_words, *, causal=False, scale=None, win
 
 
 def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
-             rng_output=False, dropout_origin=(0, 0), rng_words=None, modifiers=(None, None)):
+             rng_output=False, dropout_origin=(0, 0), rng_words=None, modifiers=(None, None), replay_only=False):
     """attention_forward, and attention (whose lse, unless returned, is a temporary of the call, and
     whose dropout state is not returned). Positional: keywords cost a repeat call ~0.2 us.
     ``rng_words``: see :func:`_forward_with_rng_words` (None: drawn from the generator).
     ``operands``: q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks.
-    ``modifiers``: (score_mod, mask_mod); their arrays follow the operands."""
+    ``modifiers``: (score_mod, mask_mod); their arrays follow the operands.
+    ``replay_only``: return None, having done nothing, unless the call replays a remembered plan
+    (:func:`cuflash.interop._torch_stream.replay`)."""
     mod_key = mask_bits = None
     if states_builtin(*modifiers):   # what they state of a built-in option runs built in
         score_mod, mask_mod, window, softcap, alibi = lowered(*modifiers, causal, window, softcap, operands[5],
@@ -252,6 +254,8 @@ def _forward(operands, causal, scale, window, softcap, block_size, dropout_p, ge
     plan, ptrs, where = _memo.lookup("attention", operands, options)
     finish = None
     if plan is None:
+        if replay_only:
+            return None
         plan, ptrs, finish = _plan_attention(operands, ptrs, causal=causal, scale=scale, window=window,
                                              softcap=softcap, block_size=block_size, dropout_p=dropout_p,
                                              generator=generator, lse_output=lse_output,

@@ -285,6 +285,18 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     >>> dk.shape, dbias.shape
     ((2, 512, 2, 64), (1, 8, 512, 512))
     """
+    return _backward(dout, q, k, v, out, lse, rng_state, causal, scale, window, softcap, alibi_slopes, mask, bias,
+                     block_mask, block_size, dropout_p, score_mod, mask_mod, sinks, deterministic, return_dbias,
+                     return_dsinks, dq, dk, dv, dlse)
+
+
+def _backward(dout, q, k, v, out, lse, rng_state, causal, scale, window, softcap, alibi_slopes, mask, bias,
+              block_mask, block_size, dropout_p, score_mod, mask_mod, sinks, deterministic, return_dbias,
+              return_dsinks, dq, dk, dv, dlse, replay_only=False):
+    """The body of :func:`attention_backward`, its arguments positional (keywords cost a repeat call
+    ~0.2 us). ``replay_only``: return None, having done nothing, unless the call replays a remembered
+    plan (:func:`cuflash.interop._torch_stream.replay`; calls without modifiers only, whose lowering and
+    block masks come before the lookup)."""
     mod_key = mask_bits = None
     if states_builtin(score_mod, mask_mod):   # as the forward: what they state runs built in
         score_mod, mask_mod, window, softcap, alibi_slopes = lowered(
@@ -307,6 +319,8 @@ def attention_backward(dout, q, k, v, out, lse, *, rng_state=None, causal=False,
     plan, ptrs, where = _memo.lookup("attention_backward", operands, options)
     finish = None
     if plan is None:
+        if replay_only:
+            return None
         plan, ptrs, finish = _plan_backward(operands, ptrs, rng_state=rng_state, causal=causal, scale=scale,
                                             window=window, softcap=softcap, block_size=block_size,
                                             dropout_p=dropout_p, deterministic=deterministic,
@@ -326,8 +340,8 @@ def _backward_at(dout, q, k, v, out, lse, *, dropout_origin=(0, 0), rng_state=No
                  dv=None):
     """:func:`attention_backward` of a forward made by :func:`cuflash.attention._forward_at` with the same
     ``dropout_origin`` (ring attention's chunk pairs): it regenerates that block of the larger call's
-    dropout mask. Private; the body of :func:`attention_backward` with the origin in the plan's key
-    (the public function keeps its body inline: no extra frame on its repeat path)."""
+    dropout mask. Private; the body of :func:`_backward` (without modifiers or dlse) with the origin in
+    the plan's key."""
     if isinstance(dropout_origin, list):
         dropout_origin = tuple(dropout_origin)   # a key of the plan memo: hashable
     operands = (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, mask, bias, block_mask, None, None)

@@ -14,6 +14,8 @@ Two contexts:
   two pools stop competing for the GPU's memory. Used by :mod:`cuflash.interop.torch` and the
   custom ops (:mod:`cuflash.interop._torch_ops`).
 
+:func:`replay` is the repeat call's short way: no context, only torch's allocator.
+
 The state cuflash keeps per stream (:class:`cuflash._runtime.launch.StreamState`) is made by the
 core at the first call on a stream, also inside a capture (:mod:`cuflash._runtime.now`): a warm-up
 call on any stream, or none, is all ``torch.cuda.graph`` needs.
@@ -32,7 +34,7 @@ cupy = import_cupy()   # a missing CuPy says which extra to install
 
 from ._cupy_stream import cupy_stream
 
-__all__ = ["as_torch", "on_torch_stream", "torch_call"]
+__all__ = ["as_torch", "on_torch_stream", "replay", "torch_call"]
 
 _streams: dict = {}   # (device, torch's raw stream) -> the CuPy stream over it
 
@@ -100,6 +102,30 @@ class torch_call:
         if self._device is not None:
             self._device.__exit__(*exc)
         return False
+
+
+def replay(body, *args):
+    """``body(*args)``, a cuflash call's body given ``replay_only`` (``cuflash.attention._forward``,
+    ``cuflash.backward._backward``), with torch's caching allocator: the call's launches when it repeats
+    a remembered plan, else None, having done nothing (make it inside :class:`torch_call` then).
+
+    A plan is replayed only when torch's current stream on the tensors' device is CuPy's current stream
+    and the current device is the one it was made on (the plan memo's lookup), which is what
+    :class:`torch_call` would have set; what a replay may allocate (temporaries past the stream's arena,
+    a capture's own state) still comes from torch. Making a torch_call (reading both frameworks'
+    devices and streams) took ~3% of an autograd step's host time on an H200
+    (docs/decisions.md#torch-the-autograd-steps-host-time)."""
+    previous = _get_allocator()
+    _set_allocator(_on_current_device)
+    try:
+        return body(*args)
+    finally:
+        _set_allocator(previous)
+
+
+def _on_current_device(nbytes: int):
+    """:func:`_allocator` of the current device (a replay's: the tensors')."""
+    return _allocator(_cupy_device())(nbytes)
 
 
 # What cupy.cuda.using_allocator does around its block (CuPy 13-14).

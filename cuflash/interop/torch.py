@@ -41,10 +41,8 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_flag as _check_flag
-from ..attention import attention as _cf_attention, attention_forward as _cf_attention_forward
-from ..attention import attention_varlen as _cf_attention_varlen
-from ..backward import attention_backward as _cf_attention_backward
-from ..backward import attention_varlen_backward as _cf_attention_varlen_backward
+from ..attention import _forward as _cf_forward, attention_varlen as _cf_attention_varlen
+from ..backward import _backward as _cf_backward, attention_varlen_backward as _cf_attention_varlen_backward
 from ..decode import decode as _cf_decode
 from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, default_generator
@@ -52,7 +50,7 @@ from . import _torch_ops as ops
 from ._torch_autograd import direct_apply as _direct_apply
 from ._torch_ops import _dense_like
 from ._torch_ring import ring_attention   # context parallelism (cuflash.distributed) as autograd
-from ._torch_stream import as_torch as _as_torch, torch_call as _torch_call
+from ._torch_stream import as_torch as _as_torch, replay as _replay, torch_call as _torch_call
 
 __all__ = ["attention", "attention_varlen", "decode", "merge_states", "ops", "ring_attention"]
 
@@ -80,9 +78,42 @@ def _check_cuda(*tensors):
             raise ValueError(f"{name} must be a CUDA tensor, got one on {t.device}")
 
 
+def _forward_into(q, k, v, out, lse, bias, sinks, options, generator, lse_output, rng_output):
+    """cuflash's attention forward of ``options`` (see :func:`attention`) into out (and lse) on torch's
+    stream: (out, lse, rng_state) as :func:`cuflash.attention_forward` returns them. A call without
+    modifiers that repeats a remembered plan takes :func:`~._torch_stream.replay`, the rest
+    :class:`~._torch_stream.torch_call`."""
+    causal, scale, window, softcap, block_size, dropout_p, alibi_slopes, mask, block_mask, score_mod, mask_mod = options
+    operands = (q, k, v, out, lse, alibi_slopes, mask, bias, block_mask, sinks)
+    if score_mod is None and mask_mod is None:
+        made = _replay(_cf_forward, operands, causal, scale, window, softcap, block_size, dropout_p, generator,
+                       lse_output, rng_output, (0, 0), None, (None, None), True)
+        if made is not None:
+            return made
+    with _torch_call(q.device):
+        return _cf_forward(operands, causal, scale, window, softcap, block_size, dropout_p, generator, lse_output,
+                           rng_output, (0, 0), None, (score_mod, mask_mod))
+
+
+def _backward_into(dout, q, k, v, out, lse, bias, sinks, options, rng_state, deterministic, return_dbias,
+                   return_dsinks, dq, dk, dv, dlse):
+    """cuflash's attention backward of ``options`` into dq, dk, dv on torch's stream, as
+    :func:`cuflash.attention_backward` returns it (the same two routes as :func:`_forward_into`)."""
+    causal, scale, window, softcap, block_size, dropout_p, alibi_slopes, mask, block_mask, score_mod, mask_mod = options
+    args = (dout, q, k, v, out, lse, rng_state, causal, scale, window, softcap, alibi_slopes, mask, bias, block_mask,
+            block_size, dropout_p, score_mod, mask_mod, sinks, deterministic, return_dbias, return_dsinks, dq, dk,
+            dv, dlse)
+    if score_mod is None and mask_mod is None:
+        grads = _replay(_cf_backward, *args, True)
+        if grads is not None:
+            return grads
+    with _torch_call(q.device):
+        return _cf_backward(*args)
+
+
 class _Attention(torch.autograd.Function):
-    """out (and lse) = attention(q, k, v, bias, sinks=sinks, generator=generator, **options); gradients for
-    q, k, v, bias and sinks, through out and, with ``return_lse``, lse."""
+    """out (and lse) = attention(q, k, v, bias, sinks) with ``options`` as :func:`attention` lays them out;
+    gradients for q, k, v, bias and sinks, through out and, with ``return_lse``, lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, sinks, options, generator, deterministic, return_lse=False):
@@ -90,9 +121,7 @@ class _Attention(torch.autograd.Function):
         # memory that a torch.cuda.graph capture keeps in its pool.
         out = _new_out(q, v)
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if q.dim() == 4 else None
-        with _torch_call(q.device):
-            _, _, rng_state = _cf_attention_forward(q, k, v, bias=bias, sinks=sinks, out=out, lse=lse,
-                                                    generator=generator, **options)
+        rng_state = _forward_into(q, k, v, out, lse, bias, sinks, options, generator, True, True)[2]
         ctx.save_for_backward(q, k, v, out, lse, bias, sinks)
         ctx.rng_state, ctx.options, ctx.deterministic = rng_state, options, deterministic
         if not return_lse:
@@ -108,13 +137,13 @@ class _Attention(torch.autograd.Function):
         want_dbias = bias is not None and ctx.needs_input_grad[3]
         want_dsinks = sinks is not None and ctx.needs_input_grad[4]
         dq, dk, dv = _dense_like(q), _dense_like(k), _dense_like(v)
-        with _torch_call(q.device):
-            grads = list(_cf_attention_backward(dout, q, k, v, out, lse, bias=bias, sinks=sinks,
-                                                rng_state=ctx.rng_state, return_dbias=want_dbias,
-                                                return_dsinks=want_dsinks, dq=dq, dk=dk, dv=dv, dlse=dlse,
-                                                deterministic=ctx.deterministic, **ctx.options)[3:])
-            dbias = _as_torch(grads.pop(0)) if want_dbias else None
-            dsinks = _as_torch(grads.pop(0)) if want_dsinks else None
+        grads = _backward_into(dout, q, k, v, out, lse, bias, sinks, ctx.options, ctx.rng_state, ctx.deterministic,
+                               want_dbias, want_dsinks, dq, dk, dv, dlse)
+        if not (want_dbias or want_dsinks):
+            return dq, dk, dv, None, None, None, None, None, None
+        extra = list(grads[3:])
+        dbias = _as_torch(extra.pop(0)) if want_dbias else None
+        dsinks = _as_torch(extra.pop(0)) if want_dsinks else None
         return dq, dk, dv, dbias, dsinks, None, None, None, None
 
 
@@ -246,23 +275,22 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     if sinks is not None:
         _check_cuda(("sinks", sinks))
     return_lse = _check_flag(return_lse, "return_lse")
-    options = dict(causal=causal, scale=scale, window=window, softcap=softcap, block_size=block_size,
-                   dropout_p=dropout_p, alibi_slopes=alibi_slopes, mask=mask, block_mask=block_mask)
     if score_mod is not None or mask_mod is not None:
         mods = ops._modifiers(score_mod, mask_mod, backward=_needs_grad(q, k, v, bias, sinks))
         ops._check_dbias_beside(score_mod, bias, softcap)
-        options.update(mods)
+        score_mod, mask_mod = mods.get("score_mod"), mods.get("mask_mod")
+    # The options as cuflash's call bodies take them, in the order _forward_into unpacks.
+    options = (causal, scale, window, softcap, block_size, dropout_p, alibi_slopes, mask, block_mask, score_mod,
+               mask_mod)
     if _needs_grad(q, k, v, bias, sinks):
         return _attention_apply(q, k, v, bias, sinks, options, generator, deterministic, return_lse)
     # Nothing to differentiate (inference, torch.no_grad): no autograd node, no lse kept.
     out = _new_out(q, v)
     if return_lse:
         lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
-        with _torch_call(q.device):
-            _cf_attention_forward(q, k, v, bias=bias, sinks=sinks, out=out, lse=lse, generator=generator, **options)
+        _forward_into(q, k, v, out, lse, bias, sinks, options, generator, True, True)
         return out, lse
-    with _torch_call(q.device):
-        _cf_attention(q, k, v, bias=bias, sinks=sinks, out=out, generator=generator, **options)
+    _forward_into(q, k, v, out, None, bias, sinks, options, generator, False, False)
     return out
 
 

@@ -138,6 +138,32 @@ def test_deterministic_and_streams():
         assert torch.equal(a, b)
 
 
+def test_repeat_steps_replay_with_torch_memory_and_no_torch_call(monkeypatch):
+    """A repeat autograd step without modifiers replays its remembered plans (_torch_stream.replay):
+    no torch_call is made, what the replay allocates (this backward's 4 MiB dq accumulator, past the
+    stream's 2 MiB arena) comes from torch, and the gradients equal the planning step's bit for bit.
+    On a torch stream that is not CuPy's current one the step goes through torch_call again."""
+    import cuflash.interop._torch_stream as ts
+
+    q, k, v, dout = _inputs(1, 1024, 1024, 8, 8, 128, torch.bfloat16, 12)
+    fn = lambda a, b, c: ct.attention(a, b, c, causal=True, deterministic=True)  # noqa: E731
+    _, planned = _grads(fn, (q, k, v), dout)
+    contexts, allocations = [], []
+    torch_call, allocator = ct._torch_call, ts._allocator
+    monkeypatch.setattr(ct, "_torch_call", lambda device: contexts.append(device) or torch_call(device))
+    monkeypatch.setattr(ts, "_allocator", lambda index: lambda n: allocations.append(n) or allocator(index)(n))
+    _, replayed = _grads(fn, (q, k, v), dout)
+    assert contexts == [] and allocations, (contexts, allocations)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        _, elsewhere = _grads(fn, (q, k, v), dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert len(contexts) == 2   # the forward and the backward
+    for a, b, c in zip(planned, replayed, elsewhere):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_non_contiguous_inputs_and_broadcast_grad():
     q, k, v, _ = _inputs(2, 100, 120, 4, 2, 64, torch.float32, 5)
     # BHSD storage passed as BSHD views; loss = out.sum() hands backward a zero-stride gradient.
