@@ -777,6 +777,17 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     (2, 1, 32, 128)
     >>> lens += 1                                             # the caller keeps the lengths
     """
+    return _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window, softcap,
+                   alibi_slopes, scale, mask, score_mod, mask_mod, sinks, kv_dtype, k_scale, v_scale, v_head_dim,
+                   return_lse, out, lse, check)
+
+
+def _decode(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window, softcap,
+            alibi_slopes, scale, mask, score_mod, mask_mod, sinks, kv_dtype, k_scale, v_scale, v_head_dim, return_lse,
+            out, lse, check, replay_only=False):
+    """The body of :func:`decode`, its arguments positional. ``replay_only``: return None, having done
+    nothing, unless the call replays a remembered plan (:func:`cuflash.interop._torch_stream.replay`;
+    calls without scales or modifiers only, whose conversions come before the lookup)."""
     # Without scales or modifiers (most calls) their helpers are not called (0.6 us a call on a CPU).
     k_scale_op = v_scale_op = k_value = v_value = mod_key = None
     if k_scale is not None or v_scale is not None:
@@ -793,6 +804,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
     plan, ptrs, where = _memo.lookup("decode", operands, options)
     finish = None
     if plan is None:
+        if replay_only:
+            return None
         plan, ptrs, finish = _plan_decode(operands, ptrs, num_splits=num_splits, causal=causal, window=window,
                                           softcap=softcap, scale=scale, return_lse=return_lse,
                                           modifiers=(score_mod, mask_mod), kv_dtype=kv_dtype,

@@ -43,7 +43,7 @@ import torch
 from .._checks import check_flag as _check_flag
 from ..attention import _forward as _cf_forward, attention_varlen as _cf_attention_varlen
 from ..backward import _backward as _cf_backward, attention_varlen_backward as _cf_attention_varlen_backward
-from ..decode import decode as _cf_decode
+from ..decode import _decode as _cf_decode_body, decode as _cf_decode
 from ..merge import merge_states as _cf_merge_states
 from ..random import Generator, default_generator
 from . import _torch_ops as ops
@@ -453,13 +453,20 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, block_table=None, k_new=N
             else _dense_like(q)
     lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse and q.dim() == 4 \
         else None
-    if v_head_dim is not None:
-        cache_options["v_head_dim"] = v_head_dim
-    with _torch_call(q.device):
-        _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
-                   v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, sinks=sinks, **mods,
-                   **cache_options)
+    # Caches in q's dtype and no modifiers (most calls): a repeat call replays its plan with no torch_call
+    # (_torch_stream.replay; the same route as attention's).
+    replayed = not (mods or cache_options) and _replay(
+        _cf_decode_body, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, num_splits, causal, window,
+        softcap, alibi_slopes, scale, mask, None, None, sinks, None, None, None, v_head_dim, False, out, lse, None,
+        True) is not None
+    if not replayed:
+        if v_head_dim is not None:
+            cache_options["v_head_dim"] = v_head_dim
+        with _torch_call(q.device):
+            _cf_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                       v_new=v_new, num_splits=num_splits, causal=causal, window=window, softcap=softcap,
+                       alibi_slopes=alibi_slopes, scale=scale, mask=mask, out=out, lse=lse, sinks=sinks, **mods,
+                       **cache_options)
     # Tensors written in place get their version counters moved, as torch's in-place ops do (autograd
     # then refuses a saved tensor that was written since): the caches when rows were appended, out.
     if k_new is not None:

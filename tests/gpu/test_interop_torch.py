@@ -155,11 +155,37 @@ def test_repeat_steps_replay_with_torch_memory_and_no_torch_call(monkeypatch):
     _, replayed = _grads(fn, (q, k, v), dout)
     assert contexts == [] and allocations, (contexts, allocations)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         _, elsewhere = _grads(fn, (q, k, v), dout)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     assert len(contexts) == 2   # the forward and the backward
+    for a, b, c in zip(planned, replayed, elsewhere):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_repeat_decode_calls_replay_with_no_torch_call(monkeypatch):
+    """ct.decode's repeat call replays its plan without a torch_call, and writes what the planning call
+    wrote; on a torch stream that is not CuPy's current one it goes through torch_call again."""
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q = torch.randn(4, 1, 16, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(4, 600, 4, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([600, 1, 333, 450], dtype=torch.int32, device="cuda")
+    call = lambda: ct.decode(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)  # noqa: E731
+    planned = call()
+    contexts = []
+    torch_call = ct._torch_call
+    monkeypatch.setattr(ct, "_torch_call", lambda device: contexts.append(device) or torch_call(device))
+    replayed = call()
+    assert contexts == []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        elsewhere = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert len(contexts) == 1
     for a, b, c in zip(planned, replayed, elsewhere):
         assert torch.equal(a, b) and torch.equal(a, c)
 
