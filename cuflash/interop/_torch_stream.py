@@ -106,14 +106,15 @@ class torch_call:
 
 def replay(body, *args):
     """``body(*args)``, a cuflash call's body given ``replay_only`` (``cuflash.attention._forward``,
-    ``cuflash.backward._backward``), with torch's caching allocator: the call's launches when it repeats
-    a remembered plan, else None, having done nothing (make it inside :class:`torch_call` then).
+    ``cuflash.backward._backward``, ``cuflash.decode._decode``), with torch's caching allocator: the
+    call's results when it repeats a remembered plan, else None, having done nothing (make it inside
+    :class:`torch_call` then).
 
     A plan is replayed only when torch's current stream on the tensors' device is CuPy's current stream
     and the current device is the one it was made on (the plan memo's lookup), which is what
     :class:`torch_call` would have set; what a replay may allocate (temporaries past the stream's arena,
-    a capture's own state) still comes from torch. Making a torch_call (reading both frameworks'
-    devices and streams) took ~3% of an autograd step's host time on an H200
+    a capture's own state) still comes from torch. Making the torch_call (reading both frameworks'
+    devices and streams) was 6-12% of ``ct.attention``'s autograd step's host time on an H200
     (docs/decisions.md#torch-the-autograd-steps-host-time)."""
     previous = _get_allocator()
     _set_allocator(_on_current_device)
