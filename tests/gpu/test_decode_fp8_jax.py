@@ -29,17 +29,10 @@ import jax.numpy as jnp  # noqa: E402
 import cupy  # noqa: E402
 
 import cuflash.interop.jax as cj  # noqa: E402
-from cuflash.interop import _jax_buffers  # noqa: E402
+from tests.gpu._jax_outputs import poisoned_outputs  # noqa: E402,F401
 from tests.gpu.test_decode_fp8 import DTYPES, FP8, TOL, _case, _expected, _run  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    _jax_buffers.POISON = True
-    yield
-    _jax_buffers.POISON = False
 
 
 def _fp8(x):

@@ -22,18 +22,11 @@ import jax.numpy as jnp  # noqa: E402
 import cuflash.interop.jax as cj  # noqa: E402
 import cuflash.testing as tt  # noqa: E402
 from cuflash import reference  # noqa: E402
-from cuflash.interop import _jax_buffers  # noqa: E402
+from tests.gpu._jax_outputs import poisoned_outputs  # noqa: E402,F401
 
 pytestmark = pytest.mark.gpu
 
 N = 3   # instances of the mapped axis
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    _jax_buffers.POISON = True
-    yield
-    _jax_buffers.POISON = False
 
 
 def _host(x):

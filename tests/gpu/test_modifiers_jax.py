@@ -32,20 +32,13 @@ import cupy  # noqa: E402
 import cuflash  # noqa: E402
 import cuflash.interop.jax as cj  # noqa: E402
 from cuflash import reference  # noqa: E402
-from cuflash.interop import _jax_buffers  # noqa: E402
+from tests.gpu._jax_outputs import poisoned_outputs  # noqa: E402,F401
 
 pytestmark = pytest.mark.gpu
 
 RELATIVE = "score + table[h * n + q_idx - kv_idx + n - 1]"
 DOCUMENT = "doc[b * n + q_idx] == doc[b * n + kv_idx]"
 CAP = ("c * tanh(score / c)", "1.0 - tanh(score / c) * tanh(score / c)")
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    _jax_buffers.POISON = True
-    yield
-    _jax_buffers.POISON = False
 
 
 def _rel(got, want):
